@@ -1,0 +1,1 @@
+"""DiLoCoX common package."""

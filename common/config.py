@@ -1,0 +1,175 @@
+"""Typed configuration of a run.
+
+Every knob of a run is a field of one of these dataclasses; the CLI flags are generated from the same
+names so that a flag, a TOML key and a field never drift apart. Defaults are the embedded local
+simulation (`dilocox sim` with no arguments): a small byte-level GPT on the bundled corpus that trains
+to a useful loss on two CPU cores in a few minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the nanoGPT-style model. Byte-level, so the vocabulary is fixed at 256."""
+
+    vocab_size: int = 256
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """The inner (local) optimiser: AdamW for `steps` (H) steps per round."""
+
+    steps: int = 50
+    batch_size: int = 16
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    warmup_steps: int = 20
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The outer optimiser run by the shards: SGD with Nesterov momentum (DiLoCo defaults)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"outer lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+
+
+@dataclass(frozen=True)
+class WireConfig:
+    """How tensors travel: chunk size (well under gRPC's 4 MiB default) and zstd level."""
+
+    chunk_bytes: int = 2 * 1024 * 1024
+    zstd_level: int = 1
+    max_message_bytes: int = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a cluster needs to take part in a run."""
+
+    run_id: str = "dilocox-sim"
+    rounds: int = 10
+    seed: int = 1234
+    eval_batches: int = 8
+    model: GPTConfig = field(default_factory=GPTConfig)
+    inner: InnerConfig = field(default_factory=InnerConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
+
+
+def as_dict(config: object) -> dict:
+    """A plain, JSON-serialisable dict of a (nested) config dataclass."""
+    return dataclasses.asdict(config)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- flags and files
+# Flag names: top-level and model fields as themselves (`--rounds`, `--n-layer`), the other groups
+# prefixed by their group (`--inner-steps`, `--inner-lr`, `--outer-lr`, `--wire-chunk-bytes`).
+_GROUPS = {"model": "", "inner": "inner-", "outer": "outer-", "wire": "wire-"}
+
+
+def _flag_fields(cls: type = RunConfig):
+    """Yield (flag, dest, group or None, field) for every leaf field of RunConfig."""
+    for f in dataclasses.fields(cls):
+        if f.name in _GROUPS:
+            sub = f.default_factory  # type: ignore[misc]
+            for g in dataclasses.fields(sub):
+                flag = "--" + _GROUPS[f.name] + g.name.replace("_", "-")
+                yield flag, f"{f.name}__{g.name}", f.name, g
+        else:
+            yield "--" + f.name.replace("_", "-"), f.name, None, f
+
+
+def add_config_arguments(parser, defaults: RunConfig | None = None) -> None:
+    """Add one flag per config field; unset flags stay None so a config file's values win over defaults."""
+    defaults = defaults or RunConfig()
+    group = parser.add_argument_group("run configuration (also settable in a --config TOML/JSON file)")
+    group.add_argument("--config", help="TOML or JSON file with [model], [inner], [outer], [wire] tables")
+    for flag, dest, grp, f in _flag_fields():
+        default = getattr(getattr(defaults, grp), f.name) if grp else getattr(defaults, f.name)
+        kind = type(default)
+        group.add_argument(flag, dest=dest, type=kind, default=None, help=f"(default {default})")
+
+
+def from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:
+    """Overlay a nested dict (as read from TOML/JSON) on `base`; unknown keys are an error."""
+    base = base or RunConfig()
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown config keys: {sorted(unknown)}; known: {sorted(known)}")
+    top = {}
+    for key, value in data.items():
+        if key in _GROUPS:
+            current = getattr(base, key)
+            sub_known = {f.name for f in dataclasses.fields(current)}
+            bad = set(value) - sub_known
+            if bad:
+                raise ValueError(f"unknown keys in [{key}]: {sorted(bad)}; known: {sorted(sub_known)}")
+            top[key] = dataclasses.replace(current, **value)
+        else:
+            top[key] = value
+    return dataclasses.replace(base, **top)
+
+
+def load_config_file(path: str) -> dict:
+    import json
+    import pathlib
+    import tomllib
+
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    text = p.read_text()
+    return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+
+
+def config_from_args(args, base: RunConfig | None = None) -> RunConfig:
+    """Defaults ← config file ← explicit flags."""
+    config = base or RunConfig()
+    if getattr(args, "config", None):
+        config = from_dict(load_config_file(args.config), config)
+    overrides: dict = {}
+    for _flag, dest, grp, f in _flag_fields():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if grp:
+            overrides.setdefault(grp, {})[f.name] = value
+        else:
+            overrides[f.name] = value
+    return from_dict(overrides, config)
+
+
+def config_flags(config: RunConfig) -> list[str]:
+    """The command-line flags that reproduce `config` (used to hand a config to child processes)."""
+    argv = []
+    for flag, _dest, grp, f in _flag_fields():
+        value = getattr(getattr(config, grp), f.name) if grp else getattr(config, f.name)
+        argv += [flag, str(value)]
+    return argv

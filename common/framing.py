@@ -1,0 +1,187 @@
+"""Tensor slices on the wire: encode → split into chunks → one zstd frame per chunk, and back.
+
+Why per-chunk zstd frames rather than one compressed stream: every gRPC message then stands alone (a
+retried or reordered chunk decodes by itself), no message comes near gRPC's 4 MiB default limit, and
+a receiver never holds more than one slice's payload. Each frame carries zstd's content checksum and
+content size, so truncation and bit flips are caught before anything is applied.
+
+The payload codec (how a tensor becomes bytes) is pluggable through `common.codecs`; this module only
+moves bytes. Frames are protobuf `TensorChunk` messages (plain data, no gRPC).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+import zstandard
+
+from dilocox.common import codecs
+from dilocox.common.errors import CorruptFrame, InvalidFrame
+from dilocox.proto import dilocox_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
+# Hard ceiling a receiver accepts for one chunk's decompressed size, whatever the header claims:
+# bounds the memory one message can make a shard allocate.
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, order=True)
+class SliceKey:
+    """Identifies a contiguous row range of one parameter."""
+
+    name: str
+    row_start: int
+    row_stop: int
+
+    def __str__(self) -> str:
+        return f"{self.name}[{self.row_start}:{self.row_stop}]"
+
+
+def key_of(chunk: pb.TensorChunk) -> SliceKey:
+    return SliceKey(chunk.name, chunk.row_start, chunk.row_stop)
+
+
+def encode_slice(
+    key: SliceKey,
+    tensor: torch.Tensor,
+    codec: str = "fp32",
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    zstd_level: int = 1,
+    version: int = 0,
+) -> Iterator[pb.TensorChunk]:
+    """Encode one slice and yield its chunks, each a standalone zstd frame of ≤ `chunk_bytes` raw bytes."""
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    payload, dtype = codecs.encode(codec, tensor)
+    view = memoryview(payload)
+    total = len(view)
+    compressor = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True, write_content_size=True)
+    shape = list(tensor.shape)
+    offset = 0
+    while True:  # at least one chunk, even for an empty payload
+        piece = view[offset : offset + chunk_bytes]
+        yield pb.TensorChunk(
+            name=key.name,
+            row_start=key.row_start,
+            row_stop=key.row_stop,
+            codec=codec,
+            dtype=dtype,
+            shape=shape,
+            payload_bytes=total,
+            offset=offset,
+            raw_bytes=len(piece),
+            zstd_frame=compressor.compress(piece),
+            version=version,
+        )
+        offset += len(piece)
+        if offset >= total:
+            break
+
+
+def decompress_chunk(chunk: pb.TensorChunk) -> bytes:
+    """The raw bytes of one chunk; raises CorruptFrame for anything but an intact frame of the declared size."""
+    if not 0 <= chunk.raw_bytes <= MAX_CHUNK_BYTES:
+        raise InvalidFrame(f"chunk of {key_of(chunk)} declares {chunk.raw_bytes} raw bytes (limit {MAX_CHUNK_BYTES})")
+    frame = chunk.zstd_frame
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise CorruptFrame(f"chunk of {key_of(chunk)} at offset {chunk.offset}: not a zstd frame ({exc})") from None
+    if declared != chunk.raw_bytes:
+        raise CorruptFrame(
+            f"chunk of {key_of(chunk)} at offset {chunk.offset}: frame holds {declared} bytes, header says {chunk.raw_bytes}"
+        )
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_CHUNK_BYTES)
+    except zstandard.ZstdError as exc:
+        raise CorruptFrame(f"chunk of {key_of(chunk)} at offset {chunk.offset}: corrupt zstd frame ({exc})") from None
+    if len(raw) != chunk.raw_bytes:
+        raise CorruptFrame(f"chunk of {key_of(chunk)}: decompressed {len(raw)} bytes, expected {chunk.raw_bytes}")
+    return raw
+
+
+class SliceAssembler:
+    """Collects the chunks of one slice, checks they tile its payload exactly, then decodes it."""
+
+    def __init__(self, first: pb.TensorChunk, max_payload_bytes: int) -> None:
+        self.key = key_of(first)
+        self.codec = first.codec
+        self.dtype = first.dtype
+        self.shape = tuple(first.shape)
+        self.payload_bytes = first.payload_bytes
+        self.version = first.version
+        codecs.check_known(self.codec)
+        if not 0 <= self.payload_bytes <= max_payload_bytes:
+            raise InvalidFrame(
+                f"{self.key}: payload of {self.payload_bytes} bytes is outside [0, {max_payload_bytes}] for codec {self.codec}"
+            )
+        self._buffer = bytearray(self.payload_bytes)
+        self._covered: list[tuple[int, int]] = []
+        self._filled = 0
+
+    def add(self, chunk: pb.TensorChunk) -> bool:
+        """Place one chunk; True once the payload is complete. Overlaps and out-of-range chunks are refused."""
+        if (chunk.codec, chunk.dtype, tuple(chunk.shape), chunk.payload_bytes) != (
+            self.codec,
+            self.dtype,
+            self.shape,
+            self.payload_bytes,
+        ):
+            raise InvalidFrame(f"{self.key}: chunks disagree on codec/dtype/shape/payload size")
+        start, stop = chunk.offset, chunk.offset + chunk.raw_bytes
+        if start < 0 or stop > self.payload_bytes:
+            raise InvalidFrame(f"{self.key}: chunk [{start}, {stop}) lies outside the {self.payload_bytes}-byte payload")
+        for a, b in self._covered:
+            if start < b and a < stop:
+                raise InvalidFrame(f"{self.key}: chunk [{start}, {stop}) overlaps bytes [{a}, {b}) already received")
+        if stop == start and self.payload_bytes != 0:
+            raise InvalidFrame(f"{self.key}: empty chunk at offset {start}")
+        raw = decompress_chunk(chunk)
+        self._buffer[start:stop] = raw
+        self._covered.append((start, stop))
+        self._filled += stop - start
+        return self.complete
+
+    @property
+    def complete(self) -> bool:
+        return self._filled == self.payload_bytes and bool(self._covered)
+
+    def decode(self) -> torch.Tensor:
+        if not self.complete:
+            raise InvalidFrame(f"{self.key}: stream ended with {self._filled} of {self.payload_bytes} payload bytes")
+        return codecs.decode(self.codec, self._buffer, self.dtype, self.shape)
+
+
+def assemble(
+    chunks: Iterable[pb.TensorChunk], max_payload_bytes: Callable[[SliceKey, pb.TensorChunk], int]
+) -> Iterator[tuple[SliceKey, torch.Tensor, int]]:
+    """Yield (key, tensor, version) for each slice as soon as its last chunk arrives.
+
+    `max_payload_bytes(key, first_chunk)` vets each new slice before any buffer is allocated (the server
+    raises UnknownSlice / ShapeMismatch there). A slice that starts twice, or a stream that ends with a
+    slice incomplete, is an InvalidFrame.
+    """
+    open_slices: dict[SliceKey, SliceAssembler] = {}
+    done: set[SliceKey] = set()
+    for chunk in chunks:
+        key = key_of(chunk)
+        if key in done:
+            raise InvalidFrame(f"{key}: chunk after the slice was already complete in this stream")
+        assembler = open_slices.get(key)
+        if assembler is None:
+            limit = max_payload_bytes(key, chunk)
+            assembler = open_slices[key] = SliceAssembler(chunk, limit)
+        if assembler.add(chunk):
+            del open_slices[key]
+            done.add(key)
+            yield key, assembler.decode(), assembler.version
+    if open_slices:
+        names = ", ".join(str(k) for k in sorted(open_slices))
+        raise InvalidFrame(f"stream ended with incomplete slices: {names}")
+
+
+def stream_bytes(chunks: Iterable[pb.TensorChunk]) -> int:
+    """Serialized size of a chunk sequence: what crosses the wire."""
+    return sum(c.ByteSize() for c in chunks)

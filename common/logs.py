@@ -1,0 +1,35 @@
+"""structlog set-up: key=value lines for people, JSON lines for machines (the sim parses them)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+import structlog
+
+
+def configure_logging(fmt: str = "kv", level: str = "info", stream: TextIO | None = None) -> None:
+    """Route every `structlog.get_logger()` call of this process to `stream` (stderr by default).
+
+    fmt: "kv" → `event=round_closed round=12 …`; "json" → one JSON object per line.
+    """
+    if fmt not in ("kv", "json"):
+        raise ValueError(f"log format must be 'kv' or 'json', got {fmt!r}")
+    renderer = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json"
+        else structlog.processors.KeyValueRenderer(key_order=["timestamp", "level", "event"], drop_missing=True)
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+

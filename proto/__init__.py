@@ -1,0 +1,1 @@
+"""DiLoCoX proto package."""

@@ -1,0 +1,1 @@
+"""DiLoCoX server package."""

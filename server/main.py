@@ -1,0 +1,64 @@
+"""`dilocox server`: run one aggregation shard until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import signal
+import threading
+
+import structlog
+
+from dilocox.common.config import OuterConfig, WireConfig
+from dilocox.common.logs import configure_logging
+from dilocox.server.servicer import start_server
+from dilocox.server.shard import Shard
+
+log = structlog.get_logger()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-shards", type=int, default=1, help="total shards of the aggregation service (default 1)")
+    parser.add_argument("--shard-index", type=int, default=0, help="which shard this process is, 0-based (default 0)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=50051, help="port to listen on; 0 picks a free one (default 50051)")
+    parser.add_argument("--port-file", type=pathlib.Path, help="write the bound port here once serving")
+    parser.add_argument("--run-id", default="dilocox-sim", help="run this shard serves; other runs are refused")
+    parser.add_argument("--outer-lr", type=float, default=OuterConfig.lr, help="outer Nesterov learning rate η (default 0.7)")
+    parser.add_argument("--outer-momentum", type=float, default=OuterConfig.momentum, help="outer momentum μ (default 0.9)")
+    parser.add_argument(
+        "--min-clusters", type=int, default=1, help="contributions a round needs before it may close (default 1)"
+    )
+    parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)
+    try:
+        shard = Shard(
+            args.shard_index,
+            args.num_shards,
+            args.run_id,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            min_clusters=args.min_clusters,
+        )
+    except ValueError as error:
+        raise SystemExit(f"dilocox server: {error}") from None
+    server, port = start_server(shard, args.host, args.port, WireConfig())
+    if args.port_file:
+        tmp = args.port_file.with_suffix(".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(args.port_file)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("shard_stopping", shard=args.shard_index, signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop.wait()
+    server.stop(grace=2.0).wait()
+    log.info("shard_stopped", shard=args.shard_index, **{k: v for k, v in shard.status().items() if k in ("version", "bytes_in", "bytes_out")})
+    return 0

@@ -1,0 +1,47 @@
+"""The outer optimiser of DiLoCo: SGD with Nesterov momentum over pseudo-gradients.
+
+Written out rather than wrapping `torch.optim.SGD` because a shard owns *slices* of parameters that
+arrive and are published independently, and because the published weights must be new tensors (a
+pull stream in flight keeps reading the previous version untouched). The arithmetic is exactly
+PyTorch's `SGD(lr=η, momentum=μ, nesterov=True, dampening=0, weight_decay=0)`:
+
+    v ← μ·v + g            (v starts at g on the first step, as μ·0 + g)
+    θ ← θ − η·(g + μ·v)
+
+and the tests check it against torch.optim.SGD.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+
+class OuterNesterov:
+    def __init__(self, lr: float, momentum: float) -> None:
+        if lr <= 0:
+            raise ValueError(f"outer lr must be positive, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"outer momentum must be in [0, 1), got {momentum}")
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers: dict[Hashable, torch.Tensor] = {}
+
+    def step(self, key: Hashable, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """Return the updated parameter as a new tensor; the momentum buffer of `key` is updated in place."""
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = self.buffers[key] = grad.detach().clone()
+        else:
+            buf.mul_(self.momentum).add_(grad)
+        update = grad.add(buf, alpha=self.momentum)
+        return param.sub(update, alpha=self.lr)
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "buffers": dict(self.buffers)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lr = float(state["lr"])
+        self.momentum = float(state["momentum"])
+        self.buffers = {k: v.clone() for k, v in state["buffers"].items()}

@@ -1,0 +1,128 @@
+"""gRPC adapter over `Shard`: parse messages, call the core, map `DilocoxError.status` onto the call.
+
+Nothing here decides anything about rounds or weights; a refused request is refused by the core, and
+this layer only turns the exception into a precise status code and message.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Iterator
+
+import grpc
+import structlog
+
+from dilocox.common.config import WireConfig
+from dilocox.common.errors import DilocoxError, InvalidFrame
+from dilocox.common.framing import assemble, encode_slice
+from dilocox.proto import dilocox_pb2 as pb
+from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+from dilocox.server.shard import Shard
+
+log = structlog.get_logger()
+
+
+def _abort(context: grpc.ServicerContext, error: DilocoxError) -> None:
+    log.warning("request_refused", status=error.status, reason=str(error))
+    context.abort(grpc.StatusCode[error.status], str(error))
+
+
+class AggregatorServicer(pb_grpc.AggregatorServicer):
+    def __init__(self, shard: Shard, wire: WireConfig | None = None) -> None:
+        self.shard = shard
+        self.wire = wire or WireConfig()
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        try:
+            params = [(p.name, tuple(p.shape)) for p in request.params]
+            result = self.shard.join(request.run_id, request.cluster, request.model_digest, params, request.run_config_json)
+        except DilocoxError as error:
+            _abort(context, error)
+        return pb.JoinReply(
+            cluster=result.cluster,
+            shard_index=self.shard.shard_index,
+            num_shards=self.shard.num_shards,
+            version=result.version,
+            needs_init=result.needs_init,
+            assignment=[
+                pb.SliceSpec(name=s.name, shape=list(s.shape), row_start=s.row_start, row_stop=s.row_stop, shard=s.shard)
+                for s in result.assignment
+            ],
+            run_config_json=result.run_config_json,
+            outer_lr=self.shard.optimizer.lr,
+            outer_momentum=self.shard.optimizer.momentum,
+        )
+
+    def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
+        received = 0
+        try:
+            first = next(request_iterator, None)
+            if first is None or first.WhichOneof("body") != "header":
+                raise InvalidFrame("a push stream must start with a PushHeader")
+            header = first.header
+            received += first.ByteSize()
+            self.shard.check_push(header.run_id, header.cluster, header.round, header.weight)
+
+            def chunks() -> Iterator[pb.TensorChunk]:
+                nonlocal received
+                for message in request_iterator:
+                    if message.WhichOneof("body") != "chunk":
+                        raise InvalidFrame("only TensorChunks may follow the PushHeader")
+                    received += message.ByteSize()
+                    yield message.chunk
+
+            def vet(key, chunk: pb.TensorChunk) -> int:
+                return self.shard.vet_slice(key, chunk.codec, tuple(chunk.shape))
+
+            decoded = [(key, tensor) for key, tensor, _ in assemble(chunks(), vet)]
+            result = self.shard.commit_push(header.cluster, header.round, header.weight, decoded, bytes_in=received)
+        except DilocoxError as error:
+            _abort(context, error)
+        return pb.PushReply(
+            round=result.round,
+            slices_accepted=result.accepted,
+            slices_duplicate=result.duplicate,
+            round_closed=result.round_closed,
+            bytes_received=received,
+        )
+
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+        try:
+            wait = max(0.0, min(request.wait_seconds, 3600.0))
+            snapshot = self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, wait)
+        except DilocoxError as error:
+            _abort(context, error)
+        names = set(request.names)
+        sent = 0
+        for key, tensor in snapshot.tensors.items():
+            if names and key.name not in names:
+                continue
+            for chunk in encode_slice(
+                key, tensor, chunk_bytes=self.wire.chunk_bytes, zstd_level=self.wire.zstd_level, version=snapshot.version
+            ):
+                sent += chunk.ByteSize()
+                yield chunk
+        self.shard.add_bytes_out(sent)
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        return pb.StatusReply(**self.shard.status())
+
+
+def start_server(
+    shard: Shard, host: str = "127.0.0.1", port: int = 0, wire: WireConfig | None = None, max_workers: int = 32
+) -> tuple[grpc.Server, int]:
+    """Start serving `shard`; returns the server and the bound port (useful with port=0)."""
+    wire = wire or WireConfig()
+    options = [
+        ("grpc.max_receive_message_length", wire.max_message_bytes),
+        ("grpc.max_send_message_length", wire.max_message_bytes),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc"), options=options)
+    pb_grpc.add_AggregatorServicer_to_server(AggregatorServicer(shard, wire), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"could not bind {host}:{port}")
+    server.start()
+    log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id)
+    return server, bound
+

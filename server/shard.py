@@ -1,0 +1,290 @@
+"""One aggregation shard's state and rules, as a plain thread-safe Python class.
+
+The gRPC servicer is a thin adapter over `Shard`; everything a test wants to check about rounds,
+membership and the outer update can be driven here directly, without sockets.
+
+Lifecycle of the weights: the first cluster to join is the *initialiser* and pushes its freshly
+initialised parameters as round 0 (so shards need no model code and serve any architecture); that
+makes version 0. Round t ≥ 1 collects the clusters' pseudo-gradients; when every active cluster has
+delivered every slice this shard owns (and at least `min_clusters` have), the shard averages them by
+tokens, applies the outer Nesterov step and publishes version t. Published weights are immutable
+tensors, so a pull streaming version t is never torn by the close of round t+1.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import structlog
+import torch
+
+from dilocox.common import codecs
+from dilocox.common.assignment import ParamSlice, assign_slices, model_digest, slices_of_shard
+from dilocox.common.errors import (
+    InvalidFrame,
+    ModelMismatch,
+    NotJoined,
+    NotReady,
+    RoundNotOpen,
+    ShapeMismatch,
+    UnknownSlice,
+    WrongRun,
+)
+from dilocox.common.framing import SliceKey
+from dilocox.server.outer_optimizer import OuterNesterov
+from dilocox.server.round_state import RoundAccumulator
+
+log = structlog.get_logger("dilocox.shard")
+
+
+@dataclass
+class JoinResult:
+    cluster: str
+    version: int
+    needs_init: bool
+    assignment: list[ParamSlice]
+    run_config_json: str
+
+
+@dataclass
+class PushResult:
+    round: int
+    accepted: int
+    duplicate: int
+    round_closed: bool
+
+
+@dataclass
+class Snapshot:
+    """Published global weights of one version: immutable tensors per owned slice."""
+
+    version: int
+    tensors: dict[SliceKey, torch.Tensor] = field(default_factory=dict)
+
+
+class Shard:
+    def __init__(
+        self,
+        shard_index: int,
+        num_shards: int,
+        run_id: str,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        min_clusters: int = 1,
+    ) -> None:
+        if not 0 <= shard_index < num_shards:
+            raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
+        if min_clusters < 1:
+            raise ValueError(f"min_clusters must be ≥ 1, got {min_clusters}")
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.run_id = run_id
+        self.min_clusters = min_clusters
+        self.optimizer = OuterNesterov(outer_lr, outer_momentum)
+        self._cond = threading.Condition()
+        # Fixed by the first join:
+        self.digest: str | None = None
+        self.assignment: list[ParamSlice] = []
+        self.owned: dict[SliceKey, ParamSlice] = {}
+        self.run_config_json = ""
+        # Membership and rounds:
+        self.members: dict[str, float] = {}  # cluster -> time of (re)join
+        self.initialiser: str | None = None
+        self._init_staging: dict[SliceKey, torch.Tensor] = {}
+        self.snapshot: Snapshot | None = None
+        self.accumulator: RoundAccumulator | None = None
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    # ------------------------------------------------------------------ membership
+    def join(
+        self, run_id: str, cluster: str, digest: str, params: Sequence[tuple[str, Sequence[int]]], run_config_json: str = ""
+    ) -> JoinResult:
+        self._check_run(run_id)
+        if not cluster:
+            raise InvalidFrame("cluster name must not be empty")
+        if model_digest(params) != digest:
+            raise ModelMismatch("model digest does not match the parameter list sent with it")
+        with self._cond:
+            if self.digest is None:
+                self.digest = digest
+                self.assignment = assign_slices(params, self.num_shards)
+                self.owned = {s.key: s for s in slices_of_shard(self.assignment, self.shard_index)}
+                self.run_config_json = run_config_json or json.dumps({})
+            elif digest != self.digest:
+                raise ModelMismatch(
+                    f"model digest {digest[:12]}… does not match this run's {self.digest[:12]}…: "
+                    "the cluster's model has different parameter names or shapes"
+                )
+            rejoin = cluster in self.members
+            self.members[cluster] = time.time()
+            if self.snapshot is None and self.initialiser is None:
+                self.initialiser = cluster
+            needs_init = self.snapshot is None and self.initialiser == cluster
+            version = self.snapshot.version if self.snapshot else -1
+            log.info("cluster_joined", shard=self.shard_index, cluster=cluster, rejoin=rejoin, version=version, initialiser=needs_init)
+            self._cond.notify_all()
+            return JoinResult(cluster, version, needs_init, list(self.assignment), self.run_config_json)
+
+    # ------------------------------------------------------------------ pushes
+    @property
+    def version(self) -> int:
+        return self.snapshot.version if self.snapshot else -1
+
+    @property
+    def open_round(self) -> int:
+        return self.version + 1
+
+    def check_push(self, run_id: str, cluster: str, round_: int, weight: float) -> None:
+        """Refuse a push before any chunk is read: wrong run, unknown cluster, round not open."""
+        self._check_run(run_id)
+        with self._cond:
+            if cluster not in self.members:
+                raise NotJoined(f"cluster {cluster!r} has not joined shard {self.shard_index}")
+            self._check_round(cluster, round_)
+            if round_ > 0 and self.accumulator is not None:
+                self.accumulator.check_weight(cluster, weight)
+
+    def owned_slice(self, key: SliceKey, shape: tuple[int, ...]) -> ParamSlice:
+        """The owned slice `key`; refuses a slice this shard does not own or one with the wrong shape."""
+        owned = self.owned.get(key)
+        if owned is None:
+            raise UnknownSlice(f"shard {self.shard_index} does not own {key}; check the parameter assignment")
+        if tuple(shape) != owned.slice_shape:
+            raise ShapeMismatch(f"{key}: expected shape {list(owned.slice_shape)}, got {list(shape)}")
+        return owned
+
+    def vet_slice(self, key: SliceKey, codec: str, shape: tuple[int, ...]) -> int:
+        """Check a slice announced by a stream's first chunk; return the payload byte limit for its codec."""
+        return codecs.max_payload_bytes(codec, self.owned_slice(key, shape).slice_shape)
+
+    def commit_push(
+        self, cluster: str, round_: int, weight: float, slices: Iterable[tuple[SliceKey, torch.Tensor]], bytes_in: int = 0
+    ) -> PushResult:
+        """Apply a fully decoded and vetted push atomically: all of it, or (on an error) nothing."""
+        slices = list(slices)
+        for key, tensor in slices:
+            self.owned_slice(key, tuple(tensor.shape))
+        if len({k for k, _ in slices}) != len(slices):
+            raise InvalidFrame("the same slice appears twice in one push")
+        with self._cond:
+            self._check_round(cluster, round_)
+            self.bytes_in += bytes_in
+            if round_ == 0:
+                return self._commit_init(cluster, slices)
+            acc = self._open_accumulator()
+            acc.check_weight(cluster, weight)
+            fresh = [(k, t) for k, t in slices if not acc.is_duplicate(cluster, k)]
+            for key, tensor in fresh:
+                acc.add(cluster, weight, key, tensor)
+            acc.bytes_in += bytes_in
+            closed = self._maybe_close_round()
+            return PushResult(round_, len(fresh), len(slices) - len(fresh), closed)
+
+    def _commit_init(self, cluster: str, slices: list[tuple[SliceKey, torch.Tensor]]) -> PushResult:
+        if self.initialiser != cluster:
+            raise RoundNotOpen(f"round 0 (initial weights) belongs to {self.initialiser!r}, not {cluster!r}")
+        fresh = [(k, t) for k, t in slices if k not in self._init_staging]
+        for key, tensor in fresh:
+            self._init_staging[key] = tensor.to(torch.float32).clone()
+        closed = False
+        if set(self._init_staging) >= set(self.owned):
+            self.snapshot = Snapshot(0, dict(self._init_staging))
+            self._init_staging = {}
+            closed = True
+            log.info("initialised", shard=self.shard_index, by=cluster, elements=self.num_elements)
+            self._cond.notify_all()
+        return PushResult(0, len(fresh), len(slices) - len(fresh), closed)
+
+    def _open_accumulator(self) -> RoundAccumulator:
+        if self.accumulator is None or self.accumulator.round != self.open_round:
+            self.accumulator = RoundAccumulator(self.open_round)
+        return self.accumulator
+
+    def _maybe_close_round(self) -> bool:
+        acc = self.accumulator
+        if acc is None or self.snapshot is None:
+            return False
+        complete = acc.complete_clusters(set(self.owned))
+        if len(complete) < self.min_clusters or not set(self.members) <= complete:
+            return False
+        started = time.perf_counter()
+        new = {}
+        for key, param in self.snapshot.tensors.items():
+            grad = acc.mean(key)
+            new[key] = param if grad is None else self.optimizer.step(key, param, grad)
+        self.snapshot = Snapshot(acc.round, new)
+        log.info(
+            "round_closed",
+            shard=self.shard_index,
+            round=acc.round,
+            clusters=len(complete),
+            tokens=sum(acc.cluster_weights.values()),
+            bytes_in=acc.bytes_in,
+            apply_s=round(time.perf_counter() - started, 4),
+        )
+        self.accumulator = None
+        self._cond.notify_all()
+        return True
+
+    # ------------------------------------------------------------------ pulls
+    def wait_for_version(self, run_id: str, cluster: str, min_version: int, timeout: float) -> Snapshot:
+        """Block until the shard publishes at least `min_version` (or refuse after `timeout` seconds)."""
+        self._check_run(run_id)
+        with self._cond:
+            if cluster not in self.members:
+                raise NotJoined(f"cluster {cluster!r} has not joined shard {self.shard_index}")
+            ready = self._cond.wait_for(lambda: self.snapshot is not None and self.snapshot.version >= min_version, timeout)
+            if not ready:
+                raise NotReady(
+                    f"shard {self.shard_index} holds version {self.version}, not {min_version}, after waiting {timeout:.1f}s"
+                )
+            assert self.snapshot is not None
+            return self.snapshot
+
+    # ------------------------------------------------------------------ status
+    @property
+    def num_elements(self) -> int:
+        return sum(s.numel for s in self.owned.values())
+
+    def status(self) -> dict:
+        with self._cond:
+            acc = self.accumulator if self.accumulator and self.accumulator.round == self.open_round else None
+            return {
+                "run_id": self.run_id,
+                "shard_index": self.shard_index,
+                "num_shards": self.num_shards,
+                "version": self.version,
+                "open_round": self.open_round,
+                "clusters": sorted(self.members),
+                "contributed": sorted(acc.complete_clusters(set(self.owned))) if acc else [],
+                "num_elements": self.num_elements,
+                "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out,
+                "initialised": self.snapshot is not None,
+                "min_clusters": self.min_clusters,
+            }
+
+    def add_bytes_out(self, n: int) -> None:
+        with self._cond:
+            self.bytes_out += n
+
+    # ------------------------------------------------------------------ checks
+    def _check_run(self, run_id: str) -> None:
+        if run_id != self.run_id:
+            raise WrongRun(f"this shard serves run {self.run_id!r}, not {run_id!r}")
+
+    def _check_round(self, cluster: str, round_: int) -> None:
+        if round_ == 0:
+            if self.snapshot is not None:
+                raise RoundNotOpen(f"round 0 (initial weights) is closed; the open round is {self.open_round}")
+            return
+        if self.snapshot is None:
+            raise RoundNotOpen(f"shard {self.shard_index} is waiting for its initial weights (round 0), got a push for round {round_}")
+        if round_ != self.open_round:
+            when = "closed" if round_ < self.open_round else "not open yet"
+            raise RoundNotOpen(f"round {round_} is {when}; the open round is {self.open_round}")

@@ -1,0 +1,254 @@
+"""A cluster's (or one rank's) connection to every shard of the aggregation service.
+
+Pushes and pulls go to all shards at once, one stream per shard on its own thread (gRPC releases the
+GIL), so a round's traffic is as parallel as the shard count. Bytes are counted at the gRPC message
+layer: `ByteSize()` of every message sent and received, which is what crosses the wire before HTTP/2
+framing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import grpc
+import structlog
+import torch
+
+from dilocox.common.assignment import ParamSlice, model_digest
+from dilocox.common.config import WireConfig
+from dilocox.common.framing import SliceKey, assemble, encode_slice
+from dilocox.proto import dilocox_pb2 as pb
+from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+
+log = structlog.get_logger()
+
+
+class AggregatorError(RuntimeError):
+    """A shard refused or failed a call; carries the gRPC status code."""
+
+    def __init__(self, address: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{address}: {code.name}: {details}")
+        self.address = address
+        self.code = code
+        self.details = details
+
+
+@dataclass
+class JoinInfo:
+    num_shards: int
+    assignment: list[ParamSlice]
+    versions: list[int]
+    needs_init: list[int]
+    run_config_json: str
+    outer_lr: float
+    outer_momentum: float
+
+
+@dataclass
+class Traffic:
+    bytes_up: int = 0
+    bytes_down: int = 0
+    per_shard_up: dict[int, int] = field(default_factory=dict)
+
+
+class AggregatorClient:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        run_id: str,
+        cluster: str,
+        wire: WireConfig | None = None,
+        connect_timeout: float = 60.0,
+        rpc_timeout: float = 600.0,
+    ) -> None:
+        if not addresses:
+            raise ValueError("at least one shard address is needed")
+        self.addresses = list(addresses)
+        self.run_id = run_id
+        self.cluster = cluster
+        self.wire = wire or WireConfig()
+        self.connect_timeout = connect_timeout
+        self.rpc_timeout = rpc_timeout
+        options = [
+            ("grpc.max_receive_message_length", self.wire.max_message_bytes),
+            ("grpc.max_send_message_length", self.wire.max_message_bytes),
+        ]
+        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        self._stubs_by_address = [pb_grpc.AggregatorStub(c) for c in self._channels]
+        self._stubs: dict[int, tuple[str, pb_grpc.AggregatorStub]] = {}  # shard index -> (address, stub)
+        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="agg-client")
+        self.traffic = Traffic()
+        self.assignment: list[ParamSlice] = []
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> "AggregatorClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ join
+    def join(self, params: Sequence[tuple[str, Sequence[int]]], run_config_json: str = "") -> JoinInfo:
+        """Join every shard (waiting up to `connect_timeout` for them to come up)."""
+        request = pb.JoinRequest(
+            run_id=self.run_id,
+            cluster=self.cluster,
+            model_digest=model_digest(params),
+            params=[pb.ParamSpec(name=n, shape=list(s)) for n, s in params],
+            run_config_json=run_config_json,
+        )
+
+        def join_one(i: int) -> pb.JoinReply:
+            return self._call(
+                self.addresses[i],
+                lambda: self._stubs_by_address[i].Join(request, timeout=self.connect_timeout, wait_for_ready=True),
+            )
+
+        replies = list(self._pool.map(join_one, range(len(self.addresses))))
+        num_shards = {r.num_shards for r in replies}
+        indices = sorted(r.shard_index for r in replies)
+        if len(num_shards) != 1 or indices != list(range(len(self.addresses))) or num_shards != {len(self.addresses)}:
+            raise ValueError(
+                f"the addresses {self.addresses} are not one complete shard set: "
+                f"shard indices {indices}, shard counts {sorted(num_shards)}"
+            )
+        for reply, address, stub in zip(replies, self.addresses, self._stubs_by_address):
+            self._stubs[reply.shard_index] = (address, stub)
+        first = replies[0]
+        self.assignment = [
+            ParamSlice(s.name, tuple(s.shape), s.row_start, s.row_stop, s.shard) for s in first.assignment
+        ]
+        by_index = sorted(replies, key=lambda r: r.shard_index)
+        return JoinInfo(
+            num_shards=first.num_shards,
+            assignment=self.assignment,
+            versions=[r.version for r in by_index],
+            needs_init=[r.shard_index for r in by_index if r.needs_init],
+            run_config_json=first.run_config_json,
+            outer_lr=first.outer_lr,
+            outer_momentum=first.outer_momentum,
+        )
+
+    # ------------------------------------------------------------------ push
+    def push(
+        self,
+        round_: int,
+        weight: float,
+        tensors: Mapping[SliceKey, torch.Tensor],
+        shards: Iterable[int] | None = None,
+    ) -> int:
+        """Send slices (keyed by SliceKey) to their owning shards in parallel; returns bytes sent."""
+        owner = {s.key: s.shard for s in self.assignment}
+        by_shard: dict[int, list[SliceKey]] = {}
+        for key in tensors:
+            by_shard.setdefault(owner[key], []).append(key)
+        targets = sorted(set(shards) if shards is not None else by_shard)
+
+        def push_one(shard: int) -> int:
+            address, stub = self._stubs[shard]
+            sent = 0
+
+            def messages() -> Iterator[pb.PushMessage]:
+                nonlocal sent
+                header = pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))
+                sent += header.ByteSize()
+                yield header
+                for key in by_shard.get(shard, []):
+                    for chunk in encode_slice(key, tensors[key], chunk_bytes=self.wire.chunk_bytes, zstd_level=self.wire.zstd_level):
+                        message = pb.PushMessage(chunk=chunk)
+                        sent += message.ByteSize()
+                        yield message
+
+            self._call(address, lambda: stub.Push(messages(), timeout=self.rpc_timeout))
+            return sent
+
+        sent_per_shard = list(self._pool.map(push_one, targets))
+        for shard, sent in zip(targets, sent_per_shard):
+            self.traffic.per_shard_up[shard] = self.traffic.per_shard_up.get(shard, 0) + sent
+        total = sum(sent_per_shard)
+        self.traffic.bytes_up += total
+        return total
+
+    # ------------------------------------------------------------------ pull
+    def pull(
+        self, min_version: int, names: Sequence[str] = (), wait_seconds: float = 600.0
+    ) -> tuple[int, dict[SliceKey, torch.Tensor], int]:
+        """Fetch the global weights (≥ min_version) from every shard; returns (version, slices, bytes)."""
+        wanted = set(names)
+        shards = sorted({s.shard for s in self.assignment if not wanted or s.name in wanted})
+        request = pb.PullRequest(
+            run_id=self.run_id, cluster=self.cluster, min_version=min_version, wait_seconds=wait_seconds, names=list(names)
+        )
+
+        def pull_one(shard: int) -> tuple[list[tuple[SliceKey, torch.Tensor, int]], int]:
+            address, stub = self._stubs[shard]
+            received = 0
+
+            def chunks() -> Iterator[pb.TensorChunk]:
+                nonlocal received
+                for chunk in stub.Pull(request, timeout=wait_seconds + self.rpc_timeout):
+                    received += chunk.ByteSize()
+                    yield chunk
+
+            expected = {s.key: s for s in self.assignment if s.shard == shard}
+
+            def vet(key: SliceKey, chunk: pb.TensorChunk) -> int:
+                if key not in expected:
+                    raise ValueError(f"shard {shard} sent {key}, which it does not own")
+                return 4 * math.prod(expected[key].slice_shape) + 1024
+
+            slices = self._call(address, lambda: list(assemble(chunks(), vet)))
+            return slices, received
+
+        results = list(self._pool.map(pull_one, shards))
+        out: dict[SliceKey, torch.Tensor] = {}
+        versions = set()
+        total = 0
+        for slices, received in results:
+            total += received
+            for key, tensor, version in slices:
+                out[key] = tensor
+                versions.add(version)
+        self.traffic.bytes_down += total
+        if len(versions) > 1:
+            log.warning("pull_versions_differ", versions=sorted(versions))
+        version = min(versions) if versions else min_version
+        return version, out, total
+
+    # ------------------------------------------------------------------ status
+    def status_each(self, timeout: float = 10.0) -> list[pb.StatusReply | AggregatorError]:
+        """Status of every address, in order; a shard that fails answers with its AggregatorError."""
+        replies: list[pb.StatusReply | AggregatorError] = []
+        for address, stub in zip(self.addresses, self._stubs_by_address):
+            try:
+                replies.append(self._call(address, lambda: stub.Status(pb.StatusRequest(), timeout=timeout)))
+            except AggregatorError as error:
+                replies.append(error)
+        return replies
+
+    @staticmethod
+    def _call(address: str, fn):
+        try:
+            return fn()
+        except grpc.RpcError as error:
+            raise AggregatorError(address, error.code(), error.details() or "") from None
+
+
+def wait_for_shards(addresses: Sequence[str], timeout: float = 60.0) -> None:
+    """Block until every address answers Status (used by the sim and tests)."""
+    deadline = time.monotonic() + timeout
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                grpc.channel_ready_future(channel).result(timeout=remaining)
+            except grpc.FutureTimeoutError:
+                raise TimeoutError(f"shard at {address} did not come up within {timeout:.0f}s") from None

@@ -1,0 +1,80 @@
+"""The local half of DiLoCo: a model, its inner AdamW, and this cluster's stream of batches.
+
+Knows nothing about shards or rounds; the round loop (`worker.cluster`) drives it `H` steps at a
+time and reads/writes its parameters at round boundaries. The inner optimiser's state persists across
+rounds (DiLoCo never resets it), and its learning rate follows one warm-up + cosine schedule over the
+whole run's inner steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from dilocox.common.config import RunConfig
+from dilocox.worker.data import BatchSampler, check_size, evaluate, split_corpus
+from dilocox.worker.model import GPT
+
+EVAL_FRACTION = 0.1
+
+
+class InnerTrainer:
+    def __init__(self, config: RunConfig, corpus: bytes, cluster_index: int = 0, num_clusters: int = 1) -> None:
+        self.config = config
+        check_size(len(corpus), config.model.block_size, eval_fraction=EVAL_FRACTION, num_shards=num_clusters)
+        train, self.eval_data = split_corpus(corpus, EVAL_FRACTION)
+        # Every cluster builds the same initial model (same seed); only the data differs between them.
+        torch.manual_seed(config.seed)
+        self.model = GPT(config.model)
+        self.sampler = BatchSampler(
+            train, config.model.block_size, config.inner.batch_size, config.seed, cluster_index, num_clusters
+        )
+        inner = config.inner
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay
+        )
+        self.total_steps = max(1, config.rounds * inner.steps)
+        self.step = 0
+        self.tokens_seen = 0
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(self.model.named_parameters())
+
+    def param_specs(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
+
+    def lr_at(self, step: int) -> float:
+        inner = self.config.inner
+        if step < inner.warmup_steps:
+            return inner.lr * (step + 1) / inner.warmup_steps
+        progress = min(1.0, (step - inner.warmup_steps) / max(1, self.total_steps - inner.warmup_steps))
+        return inner.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def train_steps(self, n: int) -> tuple[float, int, float]:
+        """Run `n` inner AdamW steps; returns (mean train loss, tokens trained, seconds)."""
+        started = time.perf_counter()
+        self.model.train()
+        total_loss = 0.0
+        tokens = 0
+        for _ in range(n):
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_at(self.step)
+            x, y = self.sampler.next_batch()
+            _, loss = self.model(x, y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.config.inner.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
+            self.optimizer.step()
+            total_loss += float(loss)
+            tokens += x.numel()
+            self.step += 1
+        self.tokens_seen += tokens
+        return total_loss / max(1, n), tokens, time.perf_counter() - started
+
+    def evaluate(self) -> float:
+        return evaluate(
+            self.model, self.eval_data, self.config.model.block_size, self.config.inner.batch_size, self.config.eval_batches
+        )

@@ -1,0 +1,61 @@
+"""`dilocox worker`: one cluster training against the aggregation shards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+import structlog
+import torch
+
+from dilocox.common.config import add_config_arguments, as_dict, config_from_args
+from dilocox.common.logs import configure_logging
+from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.cluster import DilocoCluster
+from dilocox.worker.data import CorpusError, load_corpus
+from dilocox.worker.inner_trainer import InnerTrainer
+
+log = structlog.get_logger()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--servers", required=True, help="comma-separated host:port of every shard of the aggregation service"
+    )
+    parser.add_argument("--cluster", help="this cluster's name, unique in the run (default cluster-<index>)")
+    parser.add_argument("--cluster-index", type=int, default=0, help="which data shard this cluster trains on (default 0)")
+    parser.add_argument("--num-clusters", type=int, default=1, help="how many data shards the corpus is cut into (default 1)")
+    parser.add_argument("--data", help="text file or folder to train on (default: the bundled tinyshakespeare)")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)
+    try:
+        config = config_from_args(args)
+    except (ValueError, TypeError) as error:
+        raise SystemExit(f"dilocox worker: bad configuration: {error}") from None
+    if not 0 <= args.cluster_index < args.num_clusters:
+        raise SystemExit(f"dilocox worker: --cluster-index {args.cluster_index} outside [0, {args.num_clusters})")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cluster = args.cluster or f"cluster-{args.cluster_index}"
+    try:
+        corpus = load_corpus(args.data)
+        trainer = InnerTrainer(config, corpus, args.cluster_index, args.num_clusters)
+    except CorpusError as error:
+        raise SystemExit(f"dilocox worker: {error}") from None
+    addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
+    log.info("worker_starting", cluster=cluster, servers=addresses, params=trainer.model.num_params(), corpus_bytes=len(corpus))
+    with AggregatorClient(addresses, config.run_id, cluster, config.wire) as client:
+        try:
+            DilocoCluster(trainer, client, config.rounds, json.dumps(as_dict(config))).run()
+        except AggregatorError as error:
+            log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
+            return 2
+    return 0

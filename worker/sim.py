@@ -1,0 +1,215 @@
+"""`dilocox sim`: the whole system on one machine — shard processes and cluster processes on localhost.
+
+Every shard and every cluster is a real OS process talking real gRPC over loopback, exactly as in a
+deployment; only the addresses are local. The sim reads the clusters' JSON log lines, prints one
+line per round across clusters, and a summary at the end. Child logs are kept in --log-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+
+import structlog
+
+from dilocox.common.config import RunConfig, add_config_arguments, config_flags, config_from_args
+from dilocox.common.logs import configure_logging
+
+log = structlog.get_logger()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards", type=int, default=2, help="aggregation shard processes (default 2)")
+    parser.add_argument("--clusters", type=int, default=2, help="cluster processes, each on its own data shard (default 2)")
+    parser.add_argument("--data", help="text file or folder to train on (default: the bundled tinyshakespeare)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per cluster process (default 1)")
+    parser.add_argument("--log-dir", type=pathlib.Path, help="keep every process's log here (default: a temp dir)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")
+    parser.add_argument("--summary-json", type=pathlib.Path, help="also write the final summary here as JSON")
+    parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_config_arguments(parser)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dilocox.common.cli", *args]
+
+
+class _ClusterLogReader(threading.Thread):
+    """Tees a cluster's stderr into its log file and hands its JSON events to `on_event`."""
+
+    def __init__(self, name: str, proc: subprocess.Popen, log_path: pathlib.Path, on_event) -> None:
+        super().__init__(daemon=True, name=f"log-{name}")
+        self.cluster = name
+        self.proc = proc
+        self.log_path = log_path
+        self.on_event = on_event
+
+    def run(self) -> None:
+        assert self.proc.stderr is not None
+        with self.log_path.open("w") as out:
+            for line in self.proc.stderr:
+                out.write(line)
+                out.flush()
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(event, dict):
+                    self.on_event(self.cluster, event)
+
+
+class Simulation:
+    def __init__(self, args: argparse.Namespace, config: RunConfig, log_dir: pathlib.Path) -> None:
+        self.args = args
+        self.config = config
+        self.log_dir = log_dir
+        self.shards: list[subprocess.Popen] = []
+        self.workers: dict[str, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+        self._rounds: dict[int, dict[str, dict]] = defaultdict(dict)
+        self._initial: dict[str, float] = {}
+        self._final: dict[str, dict] = {}
+        self.round_lines: list[dict] = []
+
+    # ------------------------------------------------------------------ processes
+    def start_shards(self) -> list[str]:
+        port_files = []
+        for i in range(self.args.shards):
+            port_file = self.log_dir / f"shard-{i}.port"
+            port_files.append(port_file)
+            cmd = _cli(
+                "server", "--num-shards", str(self.args.shards), "--shard-index", str(i), "--port", "0",
+                "--port-file", str(port_file), "--run-id", self.config.run_id,
+                "--outer-lr", str(self.config.outer.lr), "--outer-momentum", str(self.config.outer.momentum),
+                "--min-clusters", str(self.args.clusters), "--log-format", "json",
+            )  # fmt: skip
+            with (self.log_dir / f"shard-{i}.log").open("w") as out:
+                self.shards.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 60
+        addresses = []
+        for i, port_file in enumerate(port_files):
+            while not port_file.exists():
+                if self.shards[i].poll() is not None:
+                    raise RuntimeError(f"shard {i} exited with {self.shards[i].returncode}; see {self.log_dir}/shard-{i}.log")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"shard {i} did not start within 60s; see {self.log_dir}/shard-{i}.log")
+                time.sleep(0.05)
+            addresses.append(f"127.0.0.1:{port_file.read_text().strip()}")
+        log.info("sim_shards_up", shards=len(addresses), addresses=addresses)
+        return addresses
+
+    def start_clusters(self, addresses: list[str]) -> None:
+        for j in range(self.args.clusters):
+            name = f"cluster-{j}"
+            cmd = _cli(
+                "worker", "--servers", ",".join(addresses), "--cluster", name, "--cluster-index", str(j),
+                "--num-clusters", str(self.args.clusters), "--threads", str(self.args.threads), "--log-format", "json",
+                *(["--data", self.args.data] if self.args.data else []), *config_flags(self.config),
+            )  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
+            self.workers[name] = proc
+            _ClusterLogReader(name, proc, self.log_dir / f"{name}.log", self._on_event).start()
+        log.info("sim_clusters_started", clusters=len(self.workers))
+
+    def stop_all(self) -> None:
+        for proc in [*self.workers.values(), *self.shards]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in [*self.workers.values(), *self.shards]:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    # ------------------------------------------------------------------ events
+    def _on_event(self, cluster: str, event: dict) -> None:
+        kind = event.get("event")
+        with self._lock:
+            if kind == "cluster_started":
+                self._initial[cluster] = event["eval_loss"]
+            elif kind == "cluster_done":
+                self._final[cluster] = event
+            elif kind == "round_done":
+                per_round = self._rounds[event["round"]]
+                per_round[cluster] = event
+                if len(per_round) == self.args.clusters:
+                    self._print_round(event["round"], per_round)
+
+    def _print_round(self, round_: int, per_cluster: dict[str, dict]) -> None:
+        events = list(per_cluster.values())
+        line = {
+            "round": round_,
+            "train_loss": round(sum(e["train_loss"] for e in events) / len(events), 4),
+            "eval_loss": round(sum(e["eval_loss"] for e in events) / len(events), 4),
+            "tokens": sum(e["tokens"] for e in events),
+            "bytes_up": sum(e["bytes_up"] for e in events),
+            "bytes_down": sum(e["bytes_down"] for e in events),
+            "seconds": max(e["seconds"] for e in events),
+            "comm_s": max(e["comm_s"] for e in events),
+        }
+        self.round_lines.append(line)
+        log.info("sim_round", **line)
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> dict:
+        started = time.monotonic()
+        try:
+            addresses = self.start_shards()
+            self.start_clusters(addresses)
+            deadline = started + self.args.timeout
+            failed = {}
+            for name, proc in self.workers.items():
+                try:
+                    code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise TimeoutError(f"the simulation did not finish within {self.args.timeout:.0f}s") from None
+                if code != 0:
+                    failed[name] = code
+        finally:
+            self.stop_all()
+        wall = time.monotonic() - started
+        finals = [e["final_eval_loss"] for e in self._final.values() if e.get("final_eval_loss") is not None]
+        summary = {
+            "ok": not failed and len(finals) == self.args.clusters,
+            "failed_clusters": failed,
+            "shards": self.args.shards,
+            "clusters": self.args.clusters,
+            "rounds": len(self.round_lines),
+            "initial_eval_loss": round(sum(self._initial.values()) / max(1, len(self._initial)), 4),
+            "final_eval_loss": round(sum(finals) / len(finals), 4) if finals else None,
+            "tokens": sum(line["tokens"] for line in self.round_lines),
+            "bytes_up": sum(e.get("bytes_up", 0) for e in self._final.values()),
+            "bytes_down": sum(e.get("bytes_down", 0) for e in self._final.values()),
+            "wall_s": round(wall, 1),
+            "log_dir": str(self.log_dir),
+        }
+        log.info("sim_summary", **summary)
+        return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format, stream=sys.stdout)
+    try:
+        config = config_from_args(args)
+    except (ValueError, TypeError) as error:
+        raise SystemExit(f"dilocox sim: bad configuration: {error}") from None
+    if args.shards < 1 or args.clusters < 1:
+        raise SystemExit("dilocox sim: --shards and --clusters must be at least 1")
+    log_dir = args.log_dir or pathlib.Path(tempfile.mkdtemp(prefix="dilocox-sim-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log.info("sim_starting", shards=args.shards, clusters=args.clusters, rounds=config.rounds,
+             inner_steps=config.inner.steps, log_dir=str(log_dir), pid=os.getpid())  # fmt: skip
+    summary = Simulation(args, config, log_dir).run()
+    if args.summary_json:
+        args.summary_json.write_text(json.dumps(summary, indent=2))
+    return 0 if summary["ok"] else 1
