@@ -1,0 +1,41 @@
+"""Shared fixtures: real gRPC shard servers on free localhost ports, stopped after each test."""
+
+from __future__ import annotations
+
+import pytest
+
+from dilocox.common.config import WireConfig
+from dilocox.server.servicer import start_server
+from dilocox.server.shard import Shard
+
+
+class ShardSet:
+    """N in-process shards, each a real grpc.Server bound to 127.0.0.1:<free port>."""
+
+    def __init__(self, num_shards: int, run_id: str, min_clusters: int = 1, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 wire: WireConfig | None = None) -> None:  # fmt: skip
+        self.shards = [Shard(i, num_shards, run_id, outer_lr, outer_momentum, min_clusters) for i in range(num_shards)]
+        self.servers = []
+        self.addresses = []
+        for shard in self.shards:
+            server, port = start_server(shard, "127.0.0.1", 0, wire)
+            self.servers.append(server)
+            self.addresses.append(f"127.0.0.1:{port}")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop(grace=None).wait(timeout=10)
+
+
+@pytest.fixture
+def shard_set():
+    made: list[ShardSet] = []
+
+    def make(num_shards: int = 2, run_id: str = "run-test", **kwargs) -> ShardSet:
+        s = ShardSet(num_shards, run_id, **kwargs)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()

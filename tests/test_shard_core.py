@@ -1,0 +1,191 @@
+"""The shard's round logic and outer update, driven directly (no gRPC)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dilocox.common.assignment import model_digest
+from dilocox.common.errors import (
+    InvalidFrame,
+    ModelMismatch,
+    NotJoined,
+    NotReady,
+    RoundNotOpen,
+    ShapeMismatch,
+    UnknownSlice,
+    WrongRun,
+)
+from dilocox.server.outer_optimizer import OuterNesterov
+from dilocox.server.shard import Shard
+
+PARAMS = [("emb", (12, 5)), ("w", (7, 3)), ("b", (7,)), ("scale", ())]
+RUN = "run-test"
+
+
+def make_shard(num_shards: int = 1, index: int = 0, min_clusters: int = 1) -> Shard:
+    return Shard(index, num_shards, RUN, outer_lr=0.7, outer_momentum=0.9, min_clusters=min_clusters)
+
+
+def full_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g) for name, shape in PARAMS}
+
+
+def slices_for(shard: Shard, full: dict[str, torch.Tensor]):
+    return [(key, s.view(full[s.name]).clone()) for key, s in shard.owned.items()]
+
+
+def snapshot_state(shard: Shard):
+    snap = shard.snapshot
+    tensors = {k: v.clone() for k, v in snap.tensors.items()} if snap else None
+    momentum = {k: v.clone() for k, v in shard.optimizer.buffers.items()}
+    acc = shard.accumulator
+    acc_sums = {k: v.clone() for k, v in acc.sums.items()} if acc else None
+    return shard.version, tensors, momentum, acc_sums, dict(shard.members)
+
+
+def assert_same_state(a, b):
+    assert a[0] == b[0]
+    for x, y in ((a[1], b[1]), (a[2], b[2]), (a[3], b[3])):
+        if x is None or y is None:
+            assert x is y
+            continue
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+    assert a[4] == b[4]
+
+
+def init(shard: Shard, clusters: list[str], theta0: dict[str, torch.Tensor]) -> None:
+    for c in clusters:
+        shard.join(RUN, c, model_digest(PARAMS), PARAMS)
+    shard.commit_push(clusters[0], 0, 1.0, slices_for(shard, theta0))
+
+
+def test_outer_nesterov_matches_torch_sgd_over_rounds():
+    torch.manual_seed(0)
+    param = torch.randn(10, 4)
+    ref = torch.nn.Parameter(param.clone())
+    opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    ours = OuterNesterov(0.7, 0.9)
+    current = param.clone()
+    for _ in range(6):
+        grad = torch.randn(10, 4)
+        ref.grad = grad.clone()
+        opt.step()
+        current = ours.step("p", current, grad)
+        torch.testing.assert_close(current, ref.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_shard_update_equals_sgd_nesterov_of_token_weighted_mean(num_shards):
+    """Acceptance 2 (core): 3 clusters, unequal token weights, 5 rounds, every shard of the set."""
+    clusters = ["a", "b", "c"]
+    weights = {"a": 1000.0, "b": 3000.0, "c": 500.0}
+    theta0 = full_tensors(1)
+    shards = [make_shard(num_shards, i, min_clusters=3) for i in range(num_shards)]
+    for shard in shards:
+        init(shard, clusters, theta0)
+
+    ref_params = {n: torch.nn.Parameter(t.clone()) for n, t in theta0.items()}
+    opt = torch.optim.SGD(list(ref_params.values()), lr=0.7, momentum=0.9, nesterov=True)
+    for round_ in range(1, 6):
+        deltas = {c: full_tensors(100 * round_ + i) for i, c in enumerate(clusters)}
+        total = sum(weights.values())
+        for name, p in ref_params.items():
+            p.grad = sum(weights[c] * deltas[c][name] for c in clusters) / total
+        opt.step()
+        for shard in shards:
+            for c in clusters:
+                result = shard.commit_push(c, round_, weights[c], slices_for(shard, deltas[c]))
+            assert result.round_closed and shard.version == round_
+        for shard in shards:
+            for key, tensor in shard.snapshot.tensors.items():
+                expected = shard.owned[key].view(ref_params[key.name].detach())
+                torch.testing.assert_close(tensor, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_round_waits_for_every_member_and_min_clusters():
+    shard = make_shard(min_clusters=2)
+    init(shard, ["a"], full_tensors(0))
+    delta = full_tensors(5)
+    assert not shard.commit_push("a", 1, 10.0, slices_for(shard, delta)).round_closed  # below min_clusters
+    shard.join(RUN, "b", model_digest(PARAMS), PARAMS)
+    assert shard.status()["contributed"] == ["a"]
+    assert shard.commit_push("b", 1, 10.0, slices_for(shard, delta)).round_closed
+    assert shard.version == 1 and shard.open_round == 2
+
+
+def test_partial_pushes_from_several_streams_complete_a_cluster():
+    """A pipeline-parallel cluster sends its slices from several ranks; the round closes once all are in."""
+    shard = make_shard()
+    init(shard, ["a"], full_tensors(0))
+    slices = slices_for(shard, full_tensors(3))
+    assert not shard.commit_push("a", 1, 7.0, slices[:2]).round_closed
+    assert shard.commit_push("a", 1, 7.0, slices[2:]).round_closed
+
+
+def test_retried_push_is_not_double_counted():
+    theta0, delta = full_tensors(0), full_tensors(9)
+    once, twice = make_shard(min_clusters=2), make_shard(min_clusters=2)
+    for shard in (once, twice):
+        init(shard, ["a", "b"], theta0)
+    once.commit_push("a", 1, 5.0, slices_for(once, delta))
+    twice.commit_push("a", 1, 5.0, slices_for(twice, delta))
+    retry = twice.commit_push("a", 1, 5.0, slices_for(twice, delta))
+    assert retry.accepted == 0 and retry.duplicate == len(twice.owned)
+    for shard in (once, twice):
+        shard.commit_push("b", 1, 5.0, slices_for(shard, full_tensors(10)))
+    for key in once.owned:
+        assert torch.equal(once.snapshot.tensors[key], twice.snapshot.tensors[key])
+
+
+def test_refusals_leave_state_unchanged():
+    shard = make_shard(min_clusters=2)
+    init(shard, ["a", "b"], full_tensors(0))
+    shard.commit_push("a", 1, 5.0, slices_for(shard, full_tensors(1)))
+    before = snapshot_state(shard)
+    good = slices_for(shard, full_tensors(2))
+    key0, t0 = good[0]
+
+    cases = [
+        (ModelMismatch, "does not match", lambda: shard.join(RUN, "z", model_digest([("x", (1,))]), [("x", (1,))])),
+        (WrongRun, "not 'other'", lambda: shard.check_push("other", "b", 1, 5.0)),
+        (NotJoined, "has not joined", lambda: shard.check_push(RUN, "stranger", 1, 5.0)),
+        (RoundNotOpen, "round 3 is not open yet", lambda: shard.commit_push("b", 3, 5.0, good)),
+        (RoundNotOpen, r"round 0 \(initial weights\) is closed", lambda: shard.commit_push("b", 0, 5.0, good)),
+        (UnknownSlice, "does not own", lambda: shard.commit_push("b", 1, 5.0, [(key0.__class__("nope", 0, 1), t0)])),
+        (ShapeMismatch, "expected shape", lambda: shard.commit_push("b", 1, 5.0, [(key0, torch.zeros(99))])),
+        (InvalidFrame, "positive finite", lambda: shard.commit_push("b", 1, -1.0, good)),
+        (InvalidFrame, "twice", lambda: shard.commit_push("b", 1, 5.0, good + good[:1])),
+        (InvalidFrame, "already pushed round 1 with weight 5.0", lambda: shard.commit_push("a", 1, 6.0, good)),
+    ]
+    for error_type, message, call in cases:
+        with pytest.raises(error_type, match=message):
+            call()
+        assert_same_state(before, snapshot_state(shard))
+    assert len({e.status for e in (ModelMismatch, RoundNotOpen, UnknownSlice)}) == 3
+
+
+def test_pull_waits_for_the_round_and_times_out_cleanly():
+    shard = make_shard()
+    init(shard, ["a"], full_tensors(0))
+    with pytest.raises(NotReady, match="holds version 0, not 1"):
+        shard.wait_for_version(RUN, "a", 1, timeout=0.05)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(shard.wait_for_version(RUN, "a", 1, timeout=10)))
+    waiter.start()
+    shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(4)))
+    waiter.join(timeout=10)
+    assert got and got[0].version == 1
+
+
+def test_late_push_for_closed_round_is_refused():
+    shard = make_shard()
+    init(shard, ["a"], full_tensors(0))
+    shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(4)))
+    with pytest.raises(RoundNotOpen, match="round 1 is closed; the open round is 2"):
+        shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(4)))
