@@ -73,7 +73,7 @@ class RunConfig:
     """Everything a cluster needs to take part in a run."""
 
     run_id: str = "dilocox-sim"
-    rounds: int = 10
+    rounds: int = 16
     seed: int = 1234
     eval_batches: int = 8
     model: GPTConfig = field(default_factory=GPTConfig)
@@ -113,7 +113,7 @@ def add_config_arguments(parser, defaults: RunConfig | None = None) -> None:
     for flag, dest, grp, f in _flag_fields():
         default = getattr(getattr(defaults, grp), f.name) if grp else getattr(defaults, f.name)
         kind = type(default)
-        group.add_argument(flag, dest=dest, type=kind, default=None, help=f"(default {default})")
+        group.add_argument(flag, dest=dest, type=kind, default=None, metavar=kind.__name__.upper(), help=f"(default {default})")
 
 
 def from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:

@@ -94,7 +94,7 @@ def decompress_chunk(chunk: pb.TensorChunk) -> bytes:
             f"chunk of {key_of(chunk)} at offset {chunk.offset}: frame holds {declared} bytes, header says {chunk.raw_bytes}"
         )
     try:
-        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_CHUNK_BYTES)
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_CHUNK_BYTES, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptFrame(f"chunk of {key_of(chunk)} at offset {chunk.offset}: corrupt zstd frame ({exc})") from None
     if len(raw) != chunk.raw_bytes:
