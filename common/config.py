@@ -74,12 +74,20 @@ class RunConfig:
 
     run_id: str = "dilocox-sim"
     rounds: int = 16
+    # 1: one-step-delay overlap (DiLoCoX); 0: synchronous DiLoCo, the reference.
+    delay: int = 1
     seed: int = 1234
     eval_batches: int = 8
     model: GPTConfig = field(default_factory=GPTConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     wire: WireConfig = field(default_factory=WireConfig)
+
+    def __post_init__(self) -> None:
+        if self.delay not in (0, 1):
+            raise ValueError(f"delay must be 0 or 1, got {self.delay}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be ≥ 1, got {self.rounds}")
 
 
 def as_dict(config: object) -> dict:

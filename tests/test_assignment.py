@@ -194,7 +194,7 @@ def test_deterministic_across_processes_and_hash_seeds():
         "print(json.dumps([[s.name, s.row_start, s.row_stop, s.shard] for s in assign_slices(params, 5)]))\n"
     )
     here = [[s.name, s.row_start, s.row_stop, s.shard] for s in assign_slices(GPT2, 5)]
-    for seed in ("1", "2"):
+    for seed in ("0",):  # hash randomisation off, unlike this process (one subprocess: torch import is slow)
         out = subprocess.run(
             [sys.executable, "-c", code],
             input=json.dumps(GPT2),

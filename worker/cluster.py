@@ -1,15 +1,24 @@
-"""The outer loop of one cluster: synchronous DiLoCo rounds against the sharded aggregation service.
+"""The outer loop of one cluster: DiLoCo rounds against the sharded aggregation service.
 
-Round t (DESIGN.md §3, delay=0): start at θ_{t-1}; run H inner AdamW steps; send
-Δ = θ_{t-1} − θ_local, sliced by the shard assignment, to the owning shards in parallel; wait for θ_t;
-adopt it. The first cluster to reach an uninitialised shard seeds it with its initial weights
-(round 0), so every cluster starts from the same θ_0.
+Both forms of DESIGN.md §3, one loop:
+
+* ``delay=0`` (synchronous DiLoCo, the reference): train H steps from s_t = θ_{t-1}; send
+  Δ_t = s_t − θ_local; wait for θ_t; adopt it; s_{t+1} = θ_t.
+* ``delay=1`` (DiLoCoX one-step delay): train H steps from s_t; Δ_t = s_t − θ_local; collect θ_{t-1}
+  (it travelled while round t computed); θ_local ← θ_{t-1} − Δ_t (the merged model with this round's
+  own progress on top); s_{t+1} = θ_local; hand Δ_t to the background communicator. For the first round
+  nothing is in flight and θ_{t-1} is s_t itself, so the same rule holds. After the last round the
+  cluster collects θ_T and adopts it, so both forms end on the same global model.
+
+The first cluster to reach an uninitialised shard seeds it with its initial weights (round 0), so every
+cluster starts from the same θ_0.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import structlog
 import torch
@@ -17,9 +26,17 @@ import torch
 from dilocox.common.assignment import ParamSlice
 from dilocox.common.framing import SliceKey
 from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.inner_trainer import InnerTrainer
+from dilocox.worker.communicator import Communicator, RoundExchange
 
 log = structlog.get_logger()
+
+
+class LocalTrainer(Protocol):
+    """What the round loop needs from the local trainer (InnerTrainer, or a toy one in tests)."""
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]: ...
+    def train_steps(self, n: int) -> tuple[float, int, float]: ...
+    def evaluate(self) -> float: ...
 
 
 @dataclass
@@ -31,8 +48,10 @@ class RoundReport:
     bytes_up: int
     bytes_down: int
     compute_s: float
-    comm_s: float
-    seconds: float
+    comm_s: float  # push + pull of the exchange folded in at this boundary
+    idle_s: float  # seconds the trainer blocked on the network at this boundary
+    seconds: float  # wall time of the round, boundary included
+    overlap: float  # share of comm_s hidden behind compute: 1 − idle/comm (1.0 when nothing was awaited)
 
 
 def slice_tensors(slices: list[ParamSlice], full: dict[str, torch.Tensor]) -> dict[SliceKey, torch.Tensor]:
@@ -41,46 +60,73 @@ def slice_tensors(slices: list[ParamSlice], full: dict[str, torch.Tensor]) -> di
 
 
 class DilocoCluster:
-    def __init__(self, trainer: InnerTrainer, client: AggregatorClient, rounds: int, run_config_json: str = "") -> None:
+    def __init__(
+        self,
+        trainer: LocalTrainer,
+        client: AggregatorClient,
+        rounds: int,
+        inner_steps: int,
+        delay: int = 1,
+        run_config_json: str = "",
+        evaluate_every_round: bool = True,
+    ) -> None:
+        if delay not in (0, 1):
+            raise ValueError(f"delay must be 0 or 1, got {delay}")
         self.trainer = trainer
         self.client = client
         self.rounds = rounds
+        self.inner_steps = inner_steps
+        self.delay = delay
         self.run_config_json = run_config_json
+        self.evaluate_every_round = evaluate_every_round
         self.params = dict(trainer.named_parameters())
         self.slices: list[ParamSlice] = []
         self.version = -1
         self.reports: list[RoundReport] = []
         self.initial_eval_loss: float | None = None
+        self.final_eval_loss: float | None = None
+        self.communicator = Communicator(client)
 
-    # ------------------------------------------------------------------ boundaries
-    def _current_params(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.params.items()}
+    # ------------------------------------------------------------------ parameters
+    def current(self) -> dict[str, torch.Tensor]:
+        """Detached clones of the local parameters (a snapshot that later steps do not touch)."""
+        return {name: p.detach().clone() for name, p in self.params.items()}
 
-    def _load(self, pulled: dict[SliceKey, torch.Tensor]) -> None:
+    def _assign(self, full: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, tensor in full.items():
+                self.params[name].copy_(tensor)
+
+    def _global_weights(self, pulled: dict[SliceKey, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors of the pulled global weights (every slice must be present)."""
         by_key = {s.key: s for s in self.slices}
         missing = set(by_key) - set(pulled)
         if missing:
             raise RuntimeError(f"pull returned no weights for {len(missing)} slices, e.g. {sorted(missing)[0]}")
-        with torch.no_grad():
-            for key, tensor in pulled.items():
-                s = by_key[key]
-                s.view(self.params[s.name].data).copy_(tensor)
+        full = {name: torch.empty_like(p, device="cpu") for name, p in self.params.items()}
+        for key, tensor in pulled.items():
+            s = by_key[key]
+            s.view(full[s.name]).copy_(tensor)
+        return full
 
+    # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
         """Join, seed uninitialised shards, adopt the current global weights; returns the first round to train."""
-        info = self.client.join(self.trainer.param_specs(), self.run_config_json)
+        specs = [(name, tuple(p.shape)) for name, p in self.params.items()]
+        info = self.client.join(specs, self.run_config_json)
         self.slices = info.assignment
         if info.needs_init:
-            init = slice_tensors([s for s in self.slices if s.shard in info.needs_init], self._current_params())
+            init = slice_tensors([s for s in self.slices if s.shard in info.needs_init], self.current())
             sent = self.client.push(0, 1.0, init, shards=info.needs_init)
             log.info("initialised_shards", shards=info.needs_init, bytes_up=sent)
         self.version, pulled, received = self.client.pull(min_version=0)
-        self._load(pulled)
+        self._assign(self._global_weights(pulled))
         self.initial_eval_loss = self.trainer.evaluate()
         log.info(
             "cluster_started",
             cluster=self.client.cluster,
             version=self.version,
+            delay=self.delay,
             num_shards=info.num_shards,
             slices=len(self.slices),
             eval_loss=round(self.initial_eval_loss, 4),
@@ -88,44 +134,81 @@ class DilocoCluster:
         )
         return self.version + 1
 
-    def run_round(self, round_: int) -> RoundReport:
-        started = time.perf_counter()
-        theta_start = {name: t.clone() for name, t in self._current_params().items()}
-        train_loss, tokens, compute_s = self.trainer.train_steps(self.trainer.config.inner.steps)
+    def run_round(self, round_: int, start: dict[str, torch.Tensor]) -> tuple[RoundReport, dict[str, torch.Tensor]]:
+        """Train one round from `start` (s_t) and fold in the network; returns the report and s_{t+1}."""
+        began = time.perf_counter()
+        train_loss, tokens, compute_s = self.trainer.train_steps(self.inner_steps)
+        local = self.current()
+        delta = {name: start[name] - local[name] for name in local}
 
-        comm_started = time.perf_counter()
-        current = self._current_params()
-        delta = {name: theta_start[name] - current[name] for name in current}
-        bytes_up = self.client.push(round_, float(tokens), slice_tensors(self.slices, delta))
-        self.version, pulled, bytes_down = self.client.pull(min_version=round_)
-        self._load(pulled)
-        comm_s = time.perf_counter() - comm_started
+        exchange: RoundExchange | None = None
+        idle = 0.0
+        if self.delay == 0:
+            self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
+            exchange, idle = self.communicator.collect()
+            merged = self._global_weights(exchange.weights)
+        else:
+            base = start
+            if self.communicator.in_flight is not None:
+                exchange, idle = self.communicator.collect()
+                base = self._global_weights(exchange.weights)
+            merged = {name: base[name] - delta[name] for name in delta}
+            self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
+        if exchange is not None:
+            self.version = exchange.version
+        self._assign(merged)
 
-        eval_loss = self.trainer.evaluate()
+        eval_loss = self.trainer.evaluate() if self.evaluate_every_round or round_ == self.rounds else float("nan")
+        comm_s = exchange.comm_s if exchange else 0.0
         report = RoundReport(
             round=round_,
             train_loss=round(train_loss, 4),
             eval_loss=round(eval_loss, 4),
             tokens=tokens,
-            bytes_up=bytes_up,
-            bytes_down=bytes_down,
+            bytes_up=exchange.bytes_up if exchange else 0,
+            bytes_down=exchange.bytes_down if exchange else 0,
             compute_s=round(compute_s, 3),
             comm_s=round(comm_s, 3),
-            seconds=round(time.perf_counter() - started, 3),
+            idle_s=round(idle, 3),
+            seconds=round(time.perf_counter() - began, 3),
+            overlap=round(1.0 - idle / comm_s, 3) if comm_s > 0 else 1.0,
         )
-        log.info("round_done", cluster=self.client.cluster, **asdict(report))
-        return report
+        log.info("round_done", cluster=self.client.cluster, delay=self.delay, **asdict(report))
+        return report, merged
+
+    def finish(self) -> None:
+        """With delay=1, collect the last round's global weights and adopt them."""
+        if self.communicator.in_flight is None:
+            return
+        exchange, idle = self.communicator.collect()
+        self.version = exchange.version
+        self._assign(self._global_weights(exchange.weights))
+        log.info("final_weights_adopted", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3),
+                 bytes_up=exchange.bytes_up, bytes_down=exchange.bytes_down)  # fmt: skip
 
     def run(self) -> list[RoundReport]:
-        first = self.start()
-        for round_ in range(first, self.rounds + 1):
-            self.reports.append(self.run_round(round_))
+        try:
+            first = self.start()
+            start = self.current()
+            for round_ in range(first, self.rounds + 1):
+                report, start = self.run_round(round_, start)
+                self.reports.append(report)
+            self.finish()
+        finally:
+            outcome = self.communicator.close()
+            if outcome != "idle":
+                log.warning("shutdown_with_round_in_flight", cluster=self.client.cluster, outcome=outcome)
+        self.final_eval_loss = self.trainer.evaluate() if self.reports else self.initial_eval_loss
         log.info(
             "cluster_done",
             cluster=self.client.cluster,
+            delay=self.delay,
             rounds=len(self.reports),
+            version=self.version,
             initial_eval_loss=round(self.initial_eval_loss or float("nan"), 4),
-            final_eval_loss=self.reports[-1].eval_loss if self.reports else None,
+            final_eval_loss=round(self.final_eval_loss, 4) if self.final_eval_loss is not None else None,
+            idle_s=round(sum(r.idle_s for r in self.reports), 3),
+            compute_s=round(sum(r.compute_s for r in self.reports), 3),
             bytes_up=self.client.traffic.bytes_up,
             bytes_down=self.client.traffic.bytes_down,
         )

@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     log.info("worker_starting", cluster=cluster, servers=addresses, params=trainer.model.num_params(), corpus_bytes=len(corpus))
     with AggregatorClient(addresses, config.run_id, cluster, config.wire) as client:
         try:
-            DilocoCluster(trainer, client, config.rounds, json.dumps(as_dict(config))).run()
+            DilocoCluster(
+                trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config))
+            ).run()
         except AggregatorError as error:
             log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
             return 2

@@ -1,0 +1,108 @@
+"""Background communication of one round: push Δ_t, then pull θ_t, off the training thread.
+
+With the one-step delay (DESIGN.md §3) the trainer hands round t's pseudo-gradient here and goes
+straight on to round t+1; it collects θ_t at the *next* boundary. gRPC and zstd release the GIL, so
+a plain thread overlaps the WAN with compute. At most one round is in flight: `submit` refuses a
+second one, so memory and staleness stay bounded to exactly one round.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from dilocox.common.framing import SliceKey
+from dilocox.worker.aggregator_client import AggregatorClient
+
+log = structlog.get_logger()
+
+
+@dataclass
+class RoundExchange:
+    """What one round's communication brought back, and what it cost."""
+
+    round: int
+    version: int
+    weights: dict[SliceKey, torch.Tensor]
+    bytes_up: int
+    bytes_down: int
+    push_s: float
+    pull_s: float
+
+    @property
+    def comm_s(self) -> float:
+        return self.push_s + self.pull_s
+
+
+class Communicator:
+    def __init__(self, client: AggregatorClient, pull_names: tuple[str, ...] = (), pull_wait_s: float = 600.0) -> None:
+        self.client = client
+        self.pull_names = pull_names
+        self.pull_wait_s = pull_wait_s
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="communicator")
+        self._in_flight: tuple[int, Future] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def in_flight(self) -> int | None:
+        """The round whose exchange has not been collected yet, if any."""
+        return self._in_flight[0] if self._in_flight else None
+
+    def submit(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor]) -> None:
+        """Start pushing round `round_` and pulling its result; `slices` must not change afterwards."""
+        with self._lock:
+            if self._in_flight is not None:
+                raise RuntimeError(f"round {self._in_flight[0]} is still in flight; collect it before submitting {round_}")
+            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices))
+
+    def collect(self, timeout: float | None = None) -> tuple[RoundExchange, float]:
+        """Wait for the in-flight round; returns (its exchange, seconds this call blocked)."""
+        with self._lock:
+            if self._in_flight is None:
+                raise RuntimeError("no round in flight")
+            round_, future = self._in_flight
+        started = time.perf_counter()
+        result = future.result(timeout=timeout)  # re-raises the exchange's error, if any
+        waited = time.perf_counter() - started
+        with self._lock:
+            self._in_flight = None
+        return result, waited
+
+    def close(self, timeout: float = 30.0) -> str:
+        """Finish or abandon what is in flight, never hanging longer than `timeout`.
+
+        Returns "idle" (nothing was in flight), "completed" (the pending round's push and pull finished),
+        or "abandoned" (it did not finish in time or failed; the shard never saw a partial push, because
+        a push stream only counts once complete).
+        """
+        outcome = "idle"
+        pending = self._in_flight
+        if pending is not None:
+            round_, future = pending
+            try:
+                future.result(timeout=timeout)
+                outcome = "completed"
+            except FutureTimeout:
+                outcome = "abandoned"
+                log.warning("pending_round_abandoned", round=round_, reason=f"not finished within {timeout:.0f}s")
+            except Exception as error:  # noqa: BLE001 - reported, then shutdown goes on
+                outcome = "abandoned"
+                log.warning("pending_round_abandoned", round=round_, reason=str(error))
+            else:
+                log.info("pending_round_completed", round=round_)
+            self._in_flight = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        return outcome
+
+    def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor]) -> RoundExchange:
+        started = time.perf_counter()
+        bytes_up = self.client.push(round_, weight, slices)
+        pushed = time.perf_counter()
+        version, weights, bytes_down = self.client.pull(round_, names=self.pull_names, wait_seconds=self.pull_wait_s)
+        return RoundExchange(round_, version, weights, bytes_up, bytes_down, pushed - started, time.perf_counter() - pushed)
