@@ -1,8 +1,9 @@
 """Payload codecs: how a tensor slice becomes bytes and back (before zstd framing).
 
 Pure functions keyed by a codec name that travels in every frame, so a shard decodes whatever each
-client chose. Only the lossless `fp32` codec exists yet; quantising and low-rank codecs register here
-under their own names. Every decode refuses NaN/Inf: a non-finite pseudo-gradient would poison the
+client chose. `fp32` is lossless; `fp16`/`bf16` are plain casts; `int8`/`int4` are blockwise absmax
+quantisation (`common.quantize`, self-describing payloads); low-rank codecs register here under their
+own names. Every decode refuses NaN/Inf: a non-finite pseudo-gradient would poison the
 global model of every cluster, so it is treated as malformed input.
 """
 
@@ -14,6 +15,15 @@ from typing import Callable, NamedTuple
 import torch
 
 from dilocox.common.errors import InvalidFrame, UnknownCodec
+from dilocox.common.lowrank import (
+    as_matrix_shape,
+    decode_lowrank,
+    encode_lowrank,
+    lowrank_header_shape,
+    max_lowrank_bytes,
+    power_iteration,
+)
+from dilocox.common.quantize import decode_quantized, encode_quantized, quantized_nbytes
 
 
 class Codec(NamedTuple):
@@ -38,8 +48,87 @@ def _decode_fp32(buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch
     return torch.frombuffer(buffer, dtype=torch.float32).reshape(shape)
 
 
+_HALF_DTYPES = {"fp16": (torch.float16, "float16"), "bf16": (torch.bfloat16, "bfloat16")}
+QUANT_BLOCK = 128  # block size this build's encoders use; decoders accept any block a payload declares
+
+
+def _half_codec(name: str) -> Codec:
+    torch_dtype, dtype_name = _HALF_DTYPES[name]
+    limit = torch.finfo(torch_dtype).max
+
+    def encode(tensor: torch.Tensor) -> tuple[memoryview, str]:
+        # Finite values beyond the format's range saturate (fp16: ±65504) rather than become Inf,
+        # which every decoder would refuse; error feedback carries the remainder.
+        # NaN/Inf pass through unchanged, so the receiver refuses them as it would for fp32.
+        flat = tensor.detach().to(dtype=torch.float32, device="cpu").reshape(-1)
+        flat = torch.where(torch.isfinite(flat), flat.clamp(-limit, limit), flat)
+        half = flat.to(torch_dtype).contiguous()
+        return memoryview(half.view(torch.int16).numpy()).cast("B"), dtype_name
+
+    def decode(buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if dtype != dtype_name:
+            raise InvalidFrame(f"codec {name} carries {dtype_name}, frame says {dtype!r}")
+        numel = math.prod(shape)
+        if len(buffer) != 2 * numel:
+            raise InvalidFrame(f"{name} payload of {len(buffer)} bytes does not hold shape {list(shape)}")
+        if numel == 0:
+            return torch.empty(shape, dtype=torch.float32)
+        return torch.frombuffer(buffer, dtype=torch_dtype).to(torch.float32).reshape(shape)
+
+    return Codec(encode, decode, lambda shape: 2 * math.prod(shape))
+
+
+def _quant_codec(name: str, bits: int) -> Codec:
+    def encode(tensor: torch.Tensor) -> tuple[bytes, str]:
+        return encode_quantized(tensor, bits, block=QUANT_BLOCK), name
+
+    def decode(buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if dtype != name:
+            raise InvalidFrame(f"codec {name} carries {name}, frame says {dtype!r}")
+        values, end = decode_quantized(buffer, 0)
+        numel = math.prod(shape)
+        if values.numel() != numel:
+            raise InvalidFrame(f"{name} payload holds {values.numel()} values, shape {list(shape)} needs {numel}")
+        if end != len(buffer):
+            raise InvalidFrame(f"{name} payload has {len(buffer) - end} trailing bytes")
+        return values.reshape(shape)
+
+    # A client may choose any block size; block 1 (one scale per value) gives the largest payload.
+    return Codec(encode, decode, lambda shape: quantized_nbytes(math.prod(shape), bits, 1))
+
+
+def _encode_lowrank_stateless(tensor: torch.Tensor) -> tuple[bytes, str]:
+    """A one-shot rank-≤4 encoding from a fixed seed; training uses the stateful `TensorCompressor`."""
+    rows, cols = as_matrix_shape(tuple(tensor.shape))
+    matrix = tensor.detach().to(torch.float32).reshape(rows, cols)
+    start = torch.randn(cols, min(4, rows, cols), generator=torch.Generator().manual_seed(0))
+    p, q = power_iteration(matrix, start)
+    return encode_lowrank(p, q, factor_bits=8), "float32"
+
+
+def _decode_lowrank(buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype != "float32":
+        raise InvalidFrame(f"codec lowrank reconstructs float32, frame says {dtype!r}")
+    if len(shape) < 2:
+        raise InvalidFrame(f"codec lowrank needs a shape of ≥ 2 dimensions, got {list(shape)}")
+    if lowrank_header_shape(buffer) != as_matrix_shape(shape):
+        raise InvalidFrame(f"low-rank payload is {lowrank_header_shape(buffer)}, frame shape {list(shape)}")
+    return decode_lowrank(buffer).reshape(shape)
+
+
+def _max_lowrank_bytes(shape: tuple[int, ...]) -> int:
+    if len(shape) < 2:
+        raise InvalidFrame(f"codec lowrank needs a shape of ≥ 2 dimensions, got {list(shape)}")
+    return max_lowrank_bytes(shape)
+
+
 CODECS: dict[str, Codec] = {
     "fp32": Codec(_encode_fp32, _decode_fp32, lambda shape: 4 * math.prod(shape)),
+    "lowrank": Codec(_encode_lowrank_stateless, _decode_lowrank, _max_lowrank_bytes),
+    "fp16": _half_codec("fp16"),
+    "bf16": _half_codec("bf16"),
+    "int8": _quant_codec("int8", 8),
+    "int4": _quant_codec("int4", 4),
 }
 
 

@@ -51,14 +51,32 @@ def encode_slice(
     zstd_level: int = 1,
     version: int = 0,
 ) -> Iterator[pb.TensorChunk]:
-    """Encode one slice and yield its chunks, each a standalone zstd frame of ≤ `chunk_bytes` raw bytes."""
+    """Encode one slice with a stateless codec and yield its chunks (see `frame_payload`)."""
+    payload, dtype = codecs.encode(codec, tensor)
+    yield from frame_payload(key, payload, codec, dtype, tuple(tensor.shape), chunk_bytes, zstd_level, version)
+
+
+def frame_payload(
+    key: SliceKey,
+    payload: bytes | memoryview,
+    codec: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    zstd_level: int = 1,
+    version: int = 0,
+    base_version: int | None = None,
+) -> Iterator[pb.TensorChunk]:
+    """Split an encoded payload into chunks of ≤ `chunk_bytes` raw bytes, each a standalone zstd frame.
+
+    A `base_version` marks the payload as a *change* to add to the weights of that version (the
+    compressed downlink); None means the payload is the value itself.
+    """
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
-    payload, dtype = codecs.encode(codec, tensor)
     view = memoryview(payload)
     total = len(view)
     compressor = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True, write_content_size=True)
-    shape = list(tensor.shape)
     offset = 0
     while True:  # at least one chunk, even for an empty payload
         piece = view[offset : offset + chunk_bytes]
@@ -68,12 +86,14 @@ def encode_slice(
             row_stop=key.row_stop,
             codec=codec,
             dtype=dtype,
-            shape=shape,
+            shape=list(shape),
             payload_bytes=total,
             offset=offset,
             raw_bytes=len(piece),
             zstd_frame=compressor.compress(piece),
             version=version,
+            is_delta=base_version is not None,
+            base_version=base_version or 0,
         )
         offset += len(piece)
         if offset >= total:

@@ -8,7 +8,6 @@ framing.
 
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,9 +17,11 @@ import grpc
 import structlog
 import torch
 
+from dilocox.common import codecs
 from dilocox.common.assignment import ParamSlice, model_digest
+from dilocox.common.compression import TensorCompressor
 from dilocox.common.config import WireConfig
-from dilocox.common.framing import SliceKey, assemble, encode_slice
+from dilocox.common.framing import SliceKey, assemble, encode_slice, frame_payload
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 
@@ -64,6 +65,7 @@ class AggregatorClient:
         wire: WireConfig | None = None,
         connect_timeout: float = 60.0,
         rpc_timeout: float = 600.0,
+        compressor: TensorCompressor | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("at least one shard address is needed")
@@ -83,6 +85,10 @@ class AggregatorClient:
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="agg-client")
         self.traffic = Traffic()
         self.assignment: list[ParamSlice] = []
+        self.compressor = compressor  # uplink pseudo-gradients (rounds ≥ 1); None: lossless fp32
+        # The global weights as this cluster holds them: the shards send changes against these.
+        self.held: dict[SliceKey, torch.Tensor] = {}
+        self.held_versions: dict[int, int] = {}  # shard -> version of its slices in `held`
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -162,7 +168,7 @@ class AggregatorClient:
                 sent += header.ByteSize()
                 yield header
                 for key in by_shard.get(shard, []):
-                    for chunk in encode_slice(key, tensors[key], chunk_bytes=self.wire.chunk_bytes, zstd_level=self.wire.zstd_level):
+                    for chunk in self._encode(round_, key, tensors[key]):
                         message = pb.PushMessage(chunk=chunk)
                         sent += message.ByteSize()
                         yield message
@@ -177,20 +183,39 @@ class AggregatorClient:
         self.traffic.bytes_up += total
         return total
 
+    def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor) -> Iterator[pb.TensorChunk]:
+        wire = self.wire
+        if self.compressor is None or round_ == 0:  # initial weights always travel exactly
+            return encode_slice(key, tensor, chunk_bytes=wire.chunk_bytes, zstd_level=wire.zstd_level)
+        encoded = self.compressor.compress(key, tensor)
+        return frame_payload(key, encoded.payload, encoded.codec, encoded.dtype, tuple(tensor.shape), wire.chunk_bytes, wire.zstd_level)
+
     # ------------------------------------------------------------------ pull
     def pull(
         self, min_version: int, names: Sequence[str] = (), wait_seconds: float = 600.0
     ) -> tuple[int, dict[SliceKey, torch.Tensor], int]:
-        """Fetch the global weights (≥ min_version) from every shard; returns (version, slices, bytes)."""
+        """Fetch the global weights (≥ min_version) from every shard; returns (version, slices, bytes).
+
+        Tells the shards which version it holds, so they can answer with compressed changes instead of
+        full weights; the returned tensors are this client's reconstruction (bit-identical in every
+        cluster), which it keeps as the base for the next pull.
+        """
         wanted = set(names)
         shards = sorted({s.shard for s in self.assignment if not wanted or s.name in wanted})
-        request = pb.PullRequest(
-            run_id=self.run_id, cluster=self.cluster, min_version=min_version, wait_seconds=wait_seconds, names=list(names)
-        )
 
-        def pull_one(shard: int) -> tuple[list[tuple[SliceKey, torch.Tensor, int]], int]:
+        def pull_one(shard: int) -> tuple[list[tuple[SliceKey, torch.Tensor, int, bool]], int]:
             address, stub = self._stubs[shard]
+            have = self.held_versions.get(shard, -1)
+            request = pb.PullRequest(
+                run_id=self.run_id,
+                cluster=self.cluster,
+                min_version=min_version,
+                wait_seconds=wait_seconds,
+                names=list(names),
+                have_version=have,
+            )
             received = 0
+            is_delta: dict[SliceKey, bool] = {}
 
             def chunks() -> Iterator[pb.TensorChunk]:
                 nonlocal received
@@ -201,27 +226,29 @@ class AggregatorClient:
             expected = {s.key: s for s in self.assignment if s.shard == shard}
 
             def vet(key: SliceKey, chunk: pb.TensorChunk) -> int:
-                if key not in expected:
-                    raise ValueError(f"shard {shard} sent {key}, which it does not own")
-                return 4 * math.prod(expected[key].slice_shape) + 1024
+                if key not in expected or tuple(chunk.shape) != expected[key].slice_shape:
+                    raise ValueError(f"shard {shard} sent {key} with shape {list(chunk.shape)}, which it does not own")
+                if chunk.is_delta and (chunk.base_version != have or key not in self.held):
+                    raise ValueError(f"shard {shard} sent a change from version {chunk.base_version}; this client holds {have}")
+                is_delta[key] = chunk.is_delta
+                return codecs.max_payload_bytes(chunk.codec, expected[key].slice_shape)
 
-            slices = self._call(address, lambda: list(assemble(chunks(), vet)))
+            slices = self._call(address, lambda: [(k, t, v, is_delta[k]) for k, t, v in assemble(chunks(), vet)])
             return slices, received
 
         results = list(self._pool.map(pull_one, shards))
-        out: dict[SliceKey, torch.Tensor] = {}
-        versions = set()
         total = 0
-        for slices, received in results:
+        for shard, (slices, received) in zip(shards, results):
             total += received
-            for key, tensor, version in slices:
-                out[key] = tensor
-                versions.add(version)
+            for key, tensor, version, delta in slices:
+                self.held[key] = self.held[key] + tensor if delta else tensor
+                self.held_versions[shard] = version
         self.traffic.bytes_down += total
-        if len(versions) > 1:
-            log.warning("pull_versions_differ", versions=sorted(versions))
-        version = min(versions) if versions else min_version
-        return version, out, total
+        versions = [self.held_versions.get(shard, -1) for shard in shards]
+        if len(set(versions)) > 1:
+            log.info("pull_versions_differ", versions=versions)
+        wanted_keys = [s.key for s in self.assignment if not wanted or s.name in wanted]
+        return min(versions), {k: self.held[k] for k in wanted_keys if k in self.held}, total
 
     # ------------------------------------------------------------------ status
     def status_each(self, timeout: float = 10.0) -> list[pb.StatusReply | AggregatorError]:

@@ -156,6 +156,7 @@ class Simulation:
             "bytes_down": sum(e["bytes_down"] for e in events),
             "seconds": max(e["seconds"] for e in events),
             "comm_s": max(e["comm_s"] for e in events),
+            "idle_s": max(e["idle_s"] for e in events),
         }
         self.round_lines.append(line)
         log.info("sim_round", **line)
@@ -190,6 +191,10 @@ class Simulation:
             "tokens": sum(line["tokens"] for line in self.round_lines),
             "bytes_up": sum(e.get("bytes_up", 0) for e in self._final.values()),
             "bytes_down": sum(e.get("bytes_down", 0) for e in self._final.values()),
+            "idle_fraction": round(
+                sum(line["idle_s"] for line in self.round_lines) / max(1e-9, sum(line["seconds"] for line in self.round_lines)), 4
+            ),
+            "delay": self.config.delay,
             "wall_s": round(wall, 1),
             "log_dir": str(self.log_dir),
         }

@@ -1,0 +1,163 @@
+"""Adaptive pseudo-gradient compression with error feedback (DESIGN.md §3, "Adaptive compression").
+
+`TensorCompressor` holds the per-tensor state that makes compression work across rounds:
+
+* **error feedback** — what compression dropped last round is added back before compressing this one:
+  send C(Δ + e), keep e ← Δ + e − D(C(Δ + e)); nothing is lost for good, only delayed;
+* **warm start** — the previous round's Q seeds this round's single power iteration (PowerSGD);
+* **adaptive rank** — the energy each component captures (from the singular values of the factor
+  pair) picks the smallest rank reaching `target_energy`, clamped to [rank_min, rank_max] and smoothed
+  over a window of rounds; every change is logged with its reason.
+
+2-D tensors (N-d viewed as first dim × rest) with at least `min_lowrank_numel` elements go low-rank;
+everything else is only quantised. The codecs themselves are the pure functions of `common.codecs`,
+`common.quantize` and `common.lowrank`; the shard decodes from the bytes alone.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import structlog
+import torch
+
+from dilocox.common import codecs
+from dilocox.common.lowrank import as_matrix_shape, encode_lowrank, ordered_factors, power_iteration
+
+log = structlog.get_logger()
+
+CODEC_CHOICES = ("fp32", "fp16", "bf16", "int8", "int4", "lowrank")
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How pseudo-gradients (uplink) and weight changes (downlink) are compressed."""
+
+    codec: str = "lowrank"  # fp32 | fp16 | bf16 | int8 | int4 | lowrank
+    factor_bits: int = 4  # quantiser of low-rank factors and of small/1-D tensors in lowrank mode (4, 8, 32)
+    rank_min: int = 1
+    rank_max: int = 8
+    target_energy: float = 0.5  # smallest rank whose components capture this share of ‖Δ‖²
+    rank_window: int = 3  # rounds over which the chosen rank is smoothed (max of the window)
+    adaptive_rank: bool = True  # False: always rank_max
+    min_lowrank_numel: int = 4096  # smaller matrices are only quantised
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODEC_CHOICES:
+            raise ValueError(f"codec must be one of {CODEC_CHOICES}, got {self.codec!r}")
+        if self.factor_bits not in (4, 8, 32):
+            raise ValueError(f"factor_bits must be 4, 8 or 32, got {self.factor_bits}")
+        if not 1 <= self.rank_min <= self.rank_max:
+            raise ValueError(f"need 1 ≤ rank_min ≤ rank_max, got {self.rank_min}, {self.rank_max}")
+        if not 0 < self.target_energy <= 1:
+            raise ValueError(f"target_energy must be in (0, 1], got {self.target_energy}")
+
+    @property
+    def small_tensor_codec(self) -> str:
+        return {4: "int4", 8: "int8", 32: "fp32"}[self.factor_bits]
+
+
+@dataclass
+class Encoded:
+    """One compressed tensor: the bytes to frame, and what the receiver will reconstruct from them."""
+
+    codec: str
+    dtype: str
+    payload: bytes | memoryview
+    decoded: torch.Tensor
+    rank: int | None = None
+
+
+@dataclass
+class _TensorState:
+    error: torch.Tensor | None = None
+    q: torch.Tensor | None = None
+    rank: int = 0
+    recent_ranks: deque = field(default_factory=deque)
+
+
+class TensorCompressor:
+    """Compresses a stream of same-shaped tensors per key, keeping error-feedback and rank state."""
+
+    def __init__(self, config: CompressionConfig, seed: int = 0, name: str = "uplink") -> None:
+        self.config = config
+        self.seed = seed
+        self.name = name
+        self.state: dict[Hashable, _TensorState] = {}
+
+    def uses_lowrank(self, shape: tuple[int, ...]) -> bool:
+        return self.config.codec == "lowrank" and len(shape) >= 2 and math.prod(shape) >= self.config.min_lowrank_numel
+
+    def compress(self, key: Hashable, delta: torch.Tensor) -> Encoded:
+        state = self.state.setdefault(key, _TensorState())
+        target = delta.detach().to(torch.float32)
+        if self.config.error_feedback and state.error is not None:
+            target = target + state.error
+        if self.config.codec != "lowrank":
+            encoded = self._stateless(self.config.codec, target)
+        elif self.uses_lowrank(tuple(target.shape)):
+            encoded = self._lowrank(key, state, target)
+        else:
+            encoded = self._stateless(self.config.small_tensor_codec, target)
+        if self.config.error_feedback:
+            state.error = target - encoded.decoded
+        return encoded
+
+    def residual_norm(self) -> float:
+        """‖e‖ over all tensors: how much error feedback is carrying (should stay bounded)."""
+        return math.sqrt(sum(float(s.error.square().sum()) for s in self.state.values() if s.error is not None))
+
+    # ------------------------------------------------------------------ codecs
+    @staticmethod
+    def _stateless(codec: str, tensor: torch.Tensor) -> Encoded:
+        payload, dtype = codecs.encode(codec, tensor)
+        decoded = codecs.decode(codec, bytearray(payload), dtype, tuple(tensor.shape))
+        return Encoded(codec, dtype, payload, decoded)
+
+    def _lowrank(self, key: Hashable, state: _TensorState, target: torch.Tensor) -> Encoded:
+        cfg = self.config
+        rows, cols = as_matrix_shape(tuple(target.shape))
+        matrix = target.reshape(rows, cols)
+        width = min(cfg.rank_max, rows, cols)
+        if state.q is None or state.q.shape != (cols, width):
+            g = torch.Generator().manual_seed(self.seed + zlib.crc32(str(key).encode()))  # same in every process
+            state.q = torch.randn(cols, width, generator=g)
+        p, q = power_iteration(matrix, state.q)
+        state.q = q / q.norm(dim=0).clamp_min(1e-30)  # warm start for next round (scale-free)
+        p, q, singular = ordered_factors(p, q)
+        rank = self._choose_rank(key, state, singular, float(matrix.square().sum()), width)
+        p, q = p[:, :rank].contiguous(), q[:, :rank].contiguous()
+        payload = encode_lowrank(p, q, cfg.factor_bits)
+        decoded = codecs.decode("lowrank", bytearray(payload), "float32", tuple(target.shape))
+        return Encoded("lowrank", "float32", payload, decoded, rank)
+
+    def _choose_rank(self, key: Hashable, state: _TensorState, singular: torch.Tensor, total_energy: float, width: int) -> int:
+        cfg = self.config
+        if not cfg.adaptive_rank:
+            return width
+        energy = singular.square()
+        captured = torch.cumsum(energy, 0) / max(total_energy, 1e-30)
+        reaching = (captured >= cfg.target_energy).nonzero()
+        wanted = int(reaching[0]) + 1 if len(reaching) else width
+        wanted = max(cfg.rank_min, min(width, wanted))
+        state.recent_ranks.append(wanted)
+        while len(state.recent_ranks) > cfg.rank_window:
+            state.recent_ranks.popleft()
+        rank = max(state.recent_ranks)
+        if rank != state.rank:
+            log.info(
+                "rank_adapted",
+                compressor=self.name,
+                tensor=str(key),
+                rank=rank,
+                previous=state.rank or None,
+                reason=f"rank {wanted} captures ≥{cfg.target_energy:.0%} of the energy "
+                f"({float(captured[wanted - 1]):.1%}); window max of {list(state.recent_ranks)}",
+            )
+            state.rank = rank
+        return rank

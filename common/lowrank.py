@@ -1,0 +1,118 @@
+"""Low-rank payloads: PowerSGD-style factors P (n×r) and Q (m×r) of a matrix, quantised, and back.
+
+Pure functions. The stateful part — the warm-start Q carried from round to round, the rank choice,
+error feedback — lives in `common.compression`; this module only turns given factors into bytes and
+bytes into the dense reconstruction P·Qᵀ. The payload is self-describing (magic, version, shape, rank,
+factor quantiser), so a shard decodes any client's choice from the bytes alone.
+
+Layout (little-endian):  header  |  P payload  |  Q payload
+where each factor payload is raw float32 (factor_bits = 32) or a `common.quantize` payload (8 or 4).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import torch
+
+from dilocox.common.errors import InvalidFrame, UnknownCodec
+from dilocox.common.quantize import decode_quantized, encode_quantized, quantized_nbytes
+
+LOWRANK_VERSION = 1
+_MAGIC = 0xC5
+_HEADER = struct.Struct("<BBBxIII")  # magic, version, factor_bits, pad, rows, cols, rank
+FACTOR_BITS = (32, 8, 4)
+QUANT_BLOCK = 128
+
+
+def power_iteration(matrix: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power iteration from warm start `q` (m×k): P = orth(M Q), Q' = Mᵀ P. Returns (P, Q')."""
+    p = matrix @ q
+    p, _ = torch.linalg.qr(p, mode="reduced")
+    return p, matrix.T @ p
+
+
+def ordered_factors(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotate (P, Q) so that components come in decreasing strength; returns (P', Q', singular values).
+
+    P has orthonormal columns, so P Qᵀ = P V S Uᵀ with Q = U S Vᵀ: the k-th column pair of
+    (P V, U S) is the k-th strongest rank-1 component, and truncating to r columns keeps the best
+    rank-r approximation within this subspace.
+    """
+    u, s, vh = torch.linalg.svd(q, full_matrices=False)
+    return p @ vh.T, u * s, s
+
+
+def _encode_factor(x: torch.Tensor, bits: int) -> bytes:
+    if bits == 32:
+        return x.to(torch.float32).contiguous().numpy().tobytes()
+    return encode_quantized(x, bits, QUANT_BLOCK)
+
+
+def _decode_factor(buffer, offset: int, numel: int, bits: int) -> tuple[torch.Tensor, int]:
+    if bits == 32:
+        end = offset + 4 * numel
+        if end > len(buffer):
+            raise InvalidFrame(f"low-rank payload truncated: factor needs {4 * numel} bytes at offset {offset}")
+        t = torch.frombuffer(bytearray(buffer[offset:end]), dtype=torch.float32) if numel else torch.empty(0)
+        return t, end
+    t, end = decode_quantized(buffer, offset)
+    if t.numel() != numel:
+        raise InvalidFrame(f"low-rank factor holds {t.numel()} values, header implies {numel}")
+    return t, end
+
+
+def encode_lowrank(p: torch.Tensor, q: torch.Tensor, factor_bits: int = 4) -> bytes:
+    """Bytes of the factors P (n×r) and Q (m×r); the receiver reconstructs P Qᵀ (n×m)."""
+    if factor_bits not in FACTOR_BITS:
+        raise ValueError(f"factor_bits must be one of {FACTOR_BITS}, got {factor_bits}")
+    if p.dim() != 2 or q.dim() != 2 or p.shape[1] != q.shape[1]:
+        raise ValueError(f"factors must be n×r and m×r, got {tuple(p.shape)} and {tuple(q.shape)}")
+    rows, rank = p.shape
+    cols = q.shape[0]
+    header = _HEADER.pack(_MAGIC, LOWRANK_VERSION, factor_bits, rows, cols, rank)
+    return header + _encode_factor(p, factor_bits) + _encode_factor(q, factor_bits)
+
+
+def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
+    """The dense n×m reconstruction P Qᵀ of a low-rank payload (one dense tensor, via one matmul)."""
+    if len(buffer) < _HEADER.size:
+        raise InvalidFrame(f"low-rank payload of {len(buffer)} bytes is shorter than its header")
+    magic, version, bits, rows, cols, rank = _HEADER.unpack_from(buffer, 0)
+    if magic != _MAGIC:
+        raise InvalidFrame(f"not a low-rank payload (magic {magic:#x})")
+    if version != LOWRANK_VERSION:
+        raise UnknownCodec(f"low-rank payload version {version}; this build decodes version {LOWRANK_VERSION}")
+    if bits not in FACTOR_BITS:
+        raise InvalidFrame(f"low-rank factor quantiser of {bits} bits is not one of {FACTOR_BITS}")
+    if rank > min(rows, cols):
+        raise InvalidFrame(f"rank {rank} exceeds min(rows, cols) = {min(rows, cols)}")
+    p, offset = _decode_factor(buffer, _HEADER.size, rows * rank, bits)
+    q, offset = _decode_factor(buffer, offset, cols * rank, bits)
+    if offset != len(buffer):
+        raise InvalidFrame(f"low-rank payload has {len(buffer) - offset} trailing bytes")
+    return p.reshape(rows, rank) @ q.reshape(cols, rank).T
+
+
+def lowrank_header_shape(buffer) -> tuple[int, int]:
+    """(rows, cols) a payload declares, to check against the frame's shape before decoding."""
+    if len(buffer) < _HEADER.size:
+        raise InvalidFrame(f"low-rank payload of {len(buffer)} bytes is shorter than its header")
+    _, _, _, rows, cols, _ = _HEADER.unpack_from(buffer, 0)
+    return rows, cols
+
+
+def as_matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """How an N-d slice is viewed as a matrix: first dimension × the rest."""
+    if len(shape) < 2:
+        raise ValueError(f"low-rank needs at least 2 dimensions, got shape {list(shape)}")
+    return shape[0], math.prod(shape[1:])
+
+
+def max_lowrank_bytes(shape: tuple[int, ...]) -> int:
+    """Largest legal payload for a slice of `shape`: full rank, the widest factor encoding."""
+    rows, cols = as_matrix_shape(shape)
+    rank = min(rows, cols)
+    widest = max(4 * (rows + cols) * rank, quantized_nbytes(rows * rank, 8, 1) + quantized_nbytes(cols * rank, 8, 1))
+    return _HEADER.size + widest

@@ -1,0 +1,253 @@
+"""One-step-delay overlap: exact algorithm vs a pure-torch reference, idle time over a slow link, shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dilocox.server.servicer import AggregatorServicer, start_server
+from dilocox.server.shard import Shard
+from dilocox.worker.aggregator_client import AggregatorClient
+from dilocox.worker.cluster import DilocoCluster, slice_tensors
+from dilocox.worker.communicator import Communicator
+
+RUN = "run-delay"
+LR, MOMENTUM = 0.7, 0.9
+
+
+class ToyTrainer:
+    """Linear regression on a fixed per-cluster data set, AdamW inner steps: tiny and deterministic."""
+
+    def __init__(self, seed: int, compute_s: float = 0.0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(32, 6, generator=g)
+        self.y = torch.randn(32, 3, generator=g)
+        torch.manual_seed(0)  # same initial weights in every cluster
+        self.model = torch.nn.Linear(6, 3)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.05)
+        self.compute_s = compute_s
+
+    def named_parameters(self):
+        return list(self.model.named_parameters())
+
+    def train_steps(self, n: int):
+        started = time.perf_counter()
+        total = 0.0
+        for _ in range(n):
+            loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            total += float(loss.detach())
+        if self.compute_s:
+            time.sleep(self.compute_s)  # stands in for a round of real compute
+        return total / n, n * len(self.x), time.perf_counter() - started
+
+    def evaluate(self) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(self.model(self.x), self.y))
+
+
+class RecordingCluster(DilocoCluster):
+    """Keeps the weights it holds after every boundary."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.after_boundary: list[dict[str, torch.Tensor]] = []
+
+    def run_round(self, round_, start):
+        report, merged = super().run_round(round_, start)
+        self.after_boundary.append({k: v.clone() for k, v in merged.items()})
+        return report, merged
+
+
+def reference_delayed(seeds: list[int], rounds: int, h: int) -> tuple[list[list[dict]], dict]:
+    """The delayed algorithm of DESIGN.md §3 written out in torch, with torch.optim.SGD as the outer step."""
+    trainers = [ToyTrainer(s) for s in seeds]
+    global_params = {n: torch.nn.Parameter(p.detach().clone()) for n, p in trainers[0].model.named_parameters()}
+    outer = torch.optim.SGD(list(global_params.values()), lr=LR, momentum=MOMENTUM, nesterov=True)
+    starts = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in trainers]
+    history: list[list[dict]] = [[] for _ in trainers]
+    previous_global = None  # θ_{t-1} as the clusters receive it (one round late)
+    for _ in range(rounds):
+        deltas, tokens = [], []
+        for i, t in enumerate(trainers):
+            _, n_tokens, _ = t.train_steps(h)
+            local = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+            delta = {n: starts[i][n] - local[n] for n in local}
+            base = previous_global if previous_global is not None else starts[i]
+            merged = {n: base[n] - delta[n] for n in delta}
+            with torch.no_grad():
+                for n, p in t.model.named_parameters():
+                    p.copy_(merged[n])
+            starts[i] = merged
+            history[i].append(merged)
+            deltas.append(delta)
+            tokens.append(float(n_tokens))
+        for n, p in global_params.items():
+            p.grad = sum(w * d[n] for w, d in zip(tokens, deltas)) / sum(tokens)
+        outer.step()
+        previous_global = {n: p.detach().clone() for n, p in global_params.items()}
+    return history, previous_global
+
+
+def run_clusters(addresses, seeds, rounds, h, delay, compute_s=0.0):
+    clusters = []
+    for i, seed in enumerate(seeds):
+        client = AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=10, rpc_timeout=30)
+        clusters.append(RecordingCluster(ToyTrainer(seed, compute_s), client, rounds, h, delay=delay))
+    errors = []
+
+    def run(c):
+        try:
+            c.run()
+        except Exception as error:  # noqa: BLE001 - surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in clusters]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for c in clusters:
+        c.client.close()
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a cluster hung"
+    return clusters
+
+
+def test_delayed_weights_equal_pure_torch_reference(shard_set):
+    """Acceptance 1: 2 clusters, 6 rounds, every boundary, to 1e-6."""
+    seeds, rounds, h = [11, 22], 6, 4
+    shards = shard_set(2, RUN, min_clusters=2)
+    clusters = run_clusters(shards.addresses, seeds, rounds, h, delay=1)
+    expected, final_global = reference_delayed(seeds, rounds, h)
+    for cluster, reference in zip(clusters, expected):
+        assert len(cluster.after_boundary) == rounds
+        for got, want in zip(cluster.after_boundary, reference):
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
+        # After the last round the cluster adopts θ_T, the same global model the reference ends on.
+        for name, p in cluster.params.items():
+            torch.testing.assert_close(p.detach(), final_global[name], rtol=1e-6, atol=1e-6)
+    # The merged update really arrives one round late: after the first boundary each cluster still holds
+    # its own weights (synchronous DiLoCo would give both the same θ_1); from the second on, both sit on
+    # the same θ_{t-1} plus their own progress.
+    first_a, first_b = clusters[0].after_boundary[0], clusters[1].after_boundary[0]
+    assert any(not torch.equal(first_a[n], first_b[n]) for n in first_a)
+
+class SlowLinkServicer(AggregatorServicer):
+    """Adds a fixed latency to every push and pull: a slow WAN between cluster and shard."""
+
+    def __init__(self, shard: Shard, delay_s: float) -> None:
+        super().__init__(shard)
+        self.delay_s = delay_s
+
+    def Push(self, request_iterator, context):
+        time.sleep(self.delay_s)
+        return super().Push(request_iterator, context)
+
+    def Pull(self, request, context):
+        time.sleep(self.delay_s)
+        yield from super().Pull(request, context)
+
+
+def slow_shard(delay_s: float, min_clusters: int = 1):
+    import grpc
+    from concurrent import futures
+
+    from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+
+    shard = Shard(0, 1, RUN, LR, MOMENTUM, min_clusters)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_AggregatorServicer_to_server(SlowLinkServicer(shard, delay_s), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return shard, server, f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_idle_time_over_a_slow_link(delay):
+    """Acceptance 2: link latency 2×0.25 s per round, compute 0.8 s per round."""
+    shard, server, address = slow_shard(0.25)
+    try:
+        (cluster,) = run_clusters([address], [5], rounds=5, h=2, delay=delay, compute_s=0.8)
+    finally:
+        server.stop(grace=None)
+    steady = cluster.reports[1:]  # round 1 of delay=1 has nothing in flight yet
+    mean_idle = sum(r.idle_s for r in steady) / len(steady)
+    mean_round = sum(r.seconds for r in steady) / len(steady)
+    if delay == 1:
+        assert mean_idle < 0.10 * mean_round, [(r.idle_s, r.seconds) for r in steady]
+        assert all(r.overlap > 0.8 for r in steady)
+    else:
+        assert mean_idle > 0.8 * 0.5, [(r.idle_s, r.seconds) for r in steady]  # close to the full 0.5 s
+    assert shard.version == 5
+
+
+def test_shutdown_with_a_round_in_flight_completes_or_abandons_cleanly():
+    """Acceptance 4: close() waits for a pending exchange it can finish, and abandons one it cannot."""
+    shard, server, address = slow_shard(0.3)
+    client = AggregatorClient([address], RUN, "c0", connect_timeout=10, rpc_timeout=30)
+    try:
+        trainer = ToyTrainer(1)
+        cluster = DilocoCluster(trainer, client, rounds=3, inner_steps=2, delay=1)
+        cluster.start()
+        params = cluster.current()
+        delta = {n: torch.full_like(t, 0.01) for n, t in params.items()}
+
+        finishing = Communicator(client)
+        finishing.submit(1, 10.0, slice_tensors(cluster.slices, delta))
+        assert finishing.close(timeout=10) == "completed"
+        assert shard.version == 1  # the pending push landed and its round closed
+
+        abandoning = Communicator(client, pull_wait_s=0.5)
+        abandoning.submit(2, 10.0, slice_tensors(cluster.slices, delta))
+        started = time.perf_counter()
+        assert abandoning.close(timeout=0.1) == "abandoned"
+        assert time.perf_counter() - started < 1.0  # never hangs on the network
+        with pytest.raises(RuntimeError, match="no round in flight"):
+            abandoning.collect()
+    finally:
+        client.close()
+        server.stop(grace=None)
+    # Whatever the abandoned push did, the shard never holds a partial round: round 2 either closed whole
+    # (version 2) or was not applied at all (version 1).
+    assert shard.version in (1, 2)
+
+
+def test_worker_sigterm_mid_round_finishes_pending_round(shard_set, tmp_path):
+    """Acceptance 4 with a real worker process: SIGTERM mid-run exits promptly and reports the pending round."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    shards = shard_set(1, "sigterm-run")
+    shard = shards.shards[0]
+    cmd = [
+        sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "sigterm-run",
+        "--rounds", "1000", "--inner-steps", "3", "--n-layer", "1", "--n-embd", "32", "--inner-batch-size", "4",
+        "--eval-batches", "1", "--delay", "1", "--threads", "1", "--log-format", "json",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while shard.version < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert shard.version >= 3, "the worker did not get going"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143
+    events = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    pending = [e for e in events if e["event"] in ("pending_round_completed", "pending_round_abandoned")]
+    assert len(pending) == 1, stderr[-2000:]
+    if pending[0]["event"] == "pending_round_completed":
+        assert shard.version >= pending[0]["round"]  # the round that was in flight reached the shard whole
+    assert shard.accumulator is None or not shard.accumulator.delivered.get("cluster-0")  # no half-applied push
