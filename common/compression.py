@@ -62,6 +62,12 @@ class CompressionConfig:
         return {4: "int4", 8: "int8", 32: "fp32"}[self.factor_bits]
 
 
+# Weight changes sent to the clusters: quantised, not low-rank. A low-rank downlink lets the clusters'
+# weights lag the shard's in the directions it drops, the outer momentum keeps pushing those directions,
+# and training diverged in the ablation (docs/decisions.md, "Downlink").
+DOWNLINK_DEFAULT = CompressionConfig(codec="int4")
+
+
 @dataclass
 class Encoded:
     """One compressed tensor: the bytes to frame, and what the receiver will reconstruct from them."""
@@ -144,20 +150,23 @@ class TensorCompressor:
         captured = torch.cumsum(energy, 0) / max(total_energy, 1e-30)
         reaching = (captured >= cfg.target_energy).nonzero()
         wanted = int(reaching[0]) + 1 if len(reaching) else width
-        wanted = max(cfg.rank_min, min(width, wanted))
+        # rank_min first, then the width: a matrix narrower than rank_min cannot carry rank_min columns
+        wanted = min(width, max(cfg.rank_min, wanted))
         state.recent_ranks.append(wanted)
         while len(state.recent_ranks) > cfg.rank_window:
             state.recent_ranks.popleft()
         rank = max(state.recent_ranks)
         if rank != state.rank:
+            share = float(captured[wanted - 1])
+            verdict = "captures ≥" if share >= cfg.target_energy else "falls short of "
             log.info(
                 "rank_adapted",
                 compressor=self.name,
                 tensor=str(key),
                 rank=rank,
                 previous=state.rank or None,
-                reason=f"rank {wanted} captures ≥{cfg.target_energy:.0%} of the energy "
-                f"({float(captured[wanted - 1]):.1%}); window max of {list(state.recent_ranks)}",
+                reason=f"rank {wanted} {verdict}{cfg.target_energy:.0%} of the energy "
+                f"({share:.1%}); window max of {list(state.recent_ranks)}",
             )
             state.rank = rank
         return rank

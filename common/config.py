@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from dilocox.common.compression import CompressionConfig
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -47,10 +49,14 @@ class InnerConfig:
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """The outer optimiser run by the shards: SGD with Nesterov momentum (DiLoCo defaults)."""
+    """The outer optimiser run by the shards: SGD with Nesterov momentum.
 
-    lr: float = 0.7
-    momentum: float = 0.9
+    DiLoCo's 0.7/0.9 suit synchronous rounds; with the one-step delay and compressed pseudo-gradients
+    a lower momentum measured better for both forms (docs/decisions.md).
+    """
+
+    lr: float = 0.9
+    momentum: float = 0.5
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -70,7 +76,11 @@ class WireConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a cluster needs to take part in a run."""
+    """Everything a cluster needs to take part in a run.
+
+    Defaults are the embedded simulation's; the outer optimiser's are chosen for the one-step delay
+    (see docs/decisions.md, "Outer learning rate and momentum").
+    """
 
     run_id: str = "dilocox-sim"
     rounds: int = 16
@@ -82,6 +92,8 @@ class RunConfig:
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     wire: WireConfig = field(default_factory=WireConfig)
+    # Uplink pseudo-gradients; the sim gives its shards the same settings for the downlink.
+    compress: CompressionConfig = field(default_factory=CompressionConfig)
 
     def __post_init__(self) -> None:
         if self.delay not in (0, 1):
@@ -97,8 +109,8 @@ def as_dict(config: object) -> dict:
 
 # --------------------------------------------------------------------------- flags and files
 # Flag names: top-level and model fields as themselves (`--rounds`, `--n-layer`), the other groups
-# prefixed by their group (`--inner-steps`, `--inner-lr`, `--outer-lr`, `--wire-chunk-bytes`).
-_GROUPS = {"model": "", "inner": "inner-", "outer": "outer-", "wire": "wire-"}
+# prefixed by their group (`--inner-steps`, `--inner-lr`, `--outer-lr`, `--compress-codec`).
+_GROUPS = {"model": "", "inner": "inner-", "outer": "outer-", "wire": "wire-", "compress": "compress-"}
 
 
 def _flag_fields(cls: type = RunConfig):
@@ -120,8 +132,23 @@ def add_config_arguments(parser, defaults: RunConfig | None = None) -> None:
     group.add_argument("--config", help="TOML or JSON file with [model], [inner], [outer], [wire] tables")
     for flag, dest, grp, f in _flag_fields():
         default = getattr(getattr(defaults, grp), f.name) if grp else getattr(defaults, f.name)
-        kind = type(default)
-        group.add_argument(flag, dest=dest, type=kind, default=None, metavar=kind.__name__.upper(), help=f"(default {default})")
+        add_field_argument(group, flag, dest, default)
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+def add_field_argument(group, flag: str, dest: str, default: object) -> None:
+    """One flag for one config field, typed like its default; booleans take true/false."""
+    kind = type(default)
+    parse = parse_bool if kind is bool else kind
+    group.add_argument(flag, dest=dest, type=parse, default=None, metavar=kind.__name__.upper(), help=f"(default {default})")
 
 
 def from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:
@@ -180,4 +207,26 @@ def config_flags(config: RunConfig) -> list[str]:
     for flag, _dest, grp, f in _flag_fields():
         value = getattr(getattr(config, grp), f.name) if grp else getattr(config, f.name)
         argv += [flag, str(value)]
+    return argv
+
+
+def add_dataclass_arguments(parser, cls: type, prefix: str, title: str, defaults: object | None = None) -> None:
+    """Flags `--<prefix>-<field>` for every field of a flat config dataclass (e.g. the shard's downlink)."""
+    group = parser.add_argument_group(title)
+    defaults = defaults if defaults is not None else cls()
+    for f in dataclasses.fields(cls):
+        flag = f"--{prefix}-{f.name.replace('_', '-')}"
+        add_field_argument(group, flag, f"{prefix}__{f.name}", getattr(defaults, f.name))
+
+
+def dataclass_from_args(args, cls: type, prefix: str, base: object | None = None):
+    """`base` (default: cls()) with every `--<prefix>-*` flag that was given applied."""
+    values = {f.name: getattr(args, f"{prefix}__{f.name}") for f in dataclasses.fields(cls)}
+    return dataclasses.replace(base if base is not None else cls(), **{k: v for k, v in values.items() if v is not None})
+
+
+def dataclass_flags(config: object, prefix: str) -> list[str]:
+    argv = []
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        argv += [f"--{prefix}-{f.name.replace('_', '-')}", str(getattr(config, f.name))]
     return argv

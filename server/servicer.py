@@ -14,7 +14,7 @@ import structlog
 
 from dilocox.common.config import WireConfig
 from dilocox.common.errors import DilocoxError, InvalidFrame
-from dilocox.common.framing import assemble, encode_slice
+from dilocox.common.framing import assemble, encode_slice, frame_payload
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.server.shard import Shard
@@ -93,13 +93,19 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         except DilocoxError as error:
             _abort(context, error)
         names = set(request.names)
+        served = snapshot.served
+        send_changes = bool(served.changes) and request.have_version == served.base_version
         sent = 0
-        for key, tensor in snapshot.tensors.items():
+        for key, weights in served.weights.items():
             if names and key.name not in names:
                 continue
-            for chunk in encode_slice(
-                key, tensor, chunk_bytes=self.wire.chunk_bytes, zstd_level=self.wire.zstd_level, version=snapshot.version
-            ):
+            if send_changes:
+                change = served.changes[key]
+                chunks = frame_payload(key, change.payload, change.codec, change.dtype, tuple(weights.shape),
+                                       self.wire.chunk_bytes, self.wire.zstd_level, served.version, served.base_version)  # fmt: skip
+            else:
+                chunks = encode_slice(key, weights, chunk_bytes=self.wire.chunk_bytes, zstd_level=self.wire.zstd_level, version=served.version)
+            for chunk in chunks:
                 sent += chunk.ByteSize()
                 yield chunk
         self.shard.add_bytes_out(sent)

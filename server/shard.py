@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import structlog
@@ -34,7 +34,9 @@ from dilocox.common.errors import (
     UnknownSlice,
     WrongRun,
 )
+from dilocox.common.compression import CompressionConfig
 from dilocox.common.framing import SliceKey
+from dilocox.server.broadcast import Broadcaster, Published
 from dilocox.server.outer_optimizer import OuterNesterov
 from dilocox.server.round_state import RoundAccumulator
 
@@ -60,10 +62,15 @@ class PushResult:
 
 @dataclass
 class Snapshot:
-    """Published global weights of one version: immutable tensors per owned slice."""
+    """One version of the global weights: θ_v (what the outer optimiser steps) and what is served.
+
+    Tensors are never modified once published, so a pull streaming version v is never torn by the close
+    of round v+1.
+    """
 
     version: int
-    tensors: dict[SliceKey, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[SliceKey, torch.Tensor]
+    served: Published
 
 
 class Shard:
@@ -75,6 +82,7 @@ class Shard:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         min_clusters: int = 1,
+        downlink: CompressionConfig | None = None,
     ) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
@@ -85,6 +93,7 @@ class Shard:
         self.run_id = run_id
         self.min_clusters = min_clusters
         self.optimizer = OuterNesterov(outer_lr, outer_momentum)
+        self.broadcaster = Broadcaster(downlink, seed=shard_index)
         self._cond = threading.Condition()
         # Fixed by the first join:
         self.digest: str | None = None
@@ -193,7 +202,7 @@ class Shard:
             self._init_staging[key] = tensor.to(torch.float32).clone()
         closed = False
         if set(self._init_staging) >= set(self.owned):
-            self.snapshot = Snapshot(0, dict(self._init_staging))
+            self.snapshot = self._publish(0, dict(self._init_staging))
             self._init_staging = {}
             closed = True
             log.info("initialised", shard=self.shard_index, by=cluster, elements=self.num_elements)
@@ -217,7 +226,7 @@ class Shard:
         for key, param in self.snapshot.tensors.items():
             grad = acc.mean(key)
             new[key] = param if grad is None else self.optimizer.step(key, param, grad)
-        self.snapshot = Snapshot(acc.round, new)
+        self.snapshot = self._publish(acc.round, new)
         log.info(
             "round_closed",
             shard=self.shard_index,
@@ -230,6 +239,9 @@ class Shard:
         self.accumulator = None
         self._cond.notify_all()
         return True
+
+    def _publish(self, version: int, tensors: dict[SliceKey, torch.Tensor]) -> Snapshot:
+        return Snapshot(version, tensors, self.broadcaster.publish(version, tensors))
 
     # ------------------------------------------------------------------ pulls
     def wait_for_version(self, run_id: str, cluster: str, min_version: int, timeout: float) -> Snapshot:

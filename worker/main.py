@@ -10,6 +10,7 @@ import sys
 import structlog
 import torch
 
+from dilocox.common.compression import TensorCompressor
 from dilocox.common.config import add_config_arguments, as_dict, config_from_args
 from dilocox.common.logs import configure_logging
 from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
@@ -52,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dilocox worker: {error}") from None
     addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
     log.info("worker_starting", cluster=cluster, servers=addresses, params=trainer.model.num_params(), corpus_bytes=len(corpus))
-    with AggregatorClient(addresses, config.run_id, cluster, config.wire) as client:
+    compressor = TensorCompressor(config.compress, seed=config.seed, name="uplink") if config.compress.codec != "fp32" else None
+    with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor) as client:
         try:
             DilocoCluster(
                 trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config))
