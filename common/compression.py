@@ -62,12 +62,6 @@ class CompressionConfig:
         return {4: "int4", 8: "int8", 32: "fp32"}[self.factor_bits]
 
 
-# Weight changes sent to the clusters: quantised, not low-rank. A low-rank downlink lets the clusters'
-# weights lag the shard's in the directions it drops, the outer momentum keeps pushing those directions,
-# and training diverged in the ablation (docs/decisions.md, "Downlink").
-DOWNLINK_DEFAULT = CompressionConfig(codec="int4")
-
-
 @dataclass
 class Encoded:
     """One compressed tensor: the bytes to frame, and what the receiver will reconstruct from them."""

@@ -209,24 +209,3 @@ def config_flags(config: RunConfig) -> list[str]:
         argv += [flag, str(value)]
     return argv
 
-
-def add_dataclass_arguments(parser, cls: type, prefix: str, title: str, defaults: object | None = None) -> None:
-    """Flags `--<prefix>-<field>` for every field of a flat config dataclass (e.g. the shard's downlink)."""
-    group = parser.add_argument_group(title)
-    defaults = defaults if defaults is not None else cls()
-    for f in dataclasses.fields(cls):
-        flag = f"--{prefix}-{f.name.replace('_', '-')}"
-        add_field_argument(group, flag, f"{prefix}__{f.name}", getattr(defaults, f.name))
-
-
-def dataclass_from_args(args, cls: type, prefix: str, base: object | None = None):
-    """`base` (default: cls()) with every `--<prefix>-*` flag that was given applied."""
-    values = {f.name: getattr(args, f"{prefix}__{f.name}") for f in dataclasses.fields(cls)}
-    return dataclasses.replace(base if base is not None else cls(), **{k: v for k, v in values.items() if v is not None})
-
-
-def dataclass_flags(config: object, prefix: str) -> list[str]:
-    argv = []
-    for f in dataclasses.fields(config):  # type: ignore[arg-type]
-        argv += [f"--{prefix}-{f.name.replace('_', '-')}", str(getattr(config, f.name))]
-    return argv

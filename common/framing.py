@@ -11,6 +11,7 @@ moves bytes. Frames are protobuf `TensorChunk` messages (plain data, no gRPC).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -39,6 +40,30 @@ class SliceKey:
         return f"{self.name}[{self.row_start}:{self.row_stop}]"
 
 
+@dataclass(frozen=True)
+class EncodedSlice:
+    """One slice as it travelled: codec, dtype, shape and payload bytes."""
+
+    key: SliceKey
+    codec: str
+    dtype: str
+    shape: tuple[int, ...]
+    payload: bytes
+
+    @classmethod
+    def exact(cls, key: SliceKey, tensor: torch.Tensor) -> "EncodedSlice":
+        """An uncompressed (fp32) slice, for callers that hold plain tensors."""
+        payload, dtype = codecs.encode("fp32", tensor)
+        return cls(key, "fp32", dtype, tuple(tensor.shape), bytes(payload))
+
+    def decode(self) -> torch.Tensor:
+        return codecs.decode(self.codec, bytearray(self.payload), self.dtype, self.shape)
+
+    @property
+    def sha256(self) -> bytes:
+        return hashlib.sha256(self.payload).digest()
+
+
 def key_of(chunk: pb.TensorChunk) -> SliceKey:
     return SliceKey(chunk.name, chunk.row_start, chunk.row_stop)
 
@@ -65,12 +90,11 @@ def frame_payload(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     zstd_level: int = 1,
     version: int = 0,
-    base_version: int | None = None,
+    **fields: object,
 ) -> Iterator[pb.TensorChunk]:
     """Split an encoded payload into chunks of ≤ `chunk_bytes` raw bytes, each a standalone zstd frame.
 
-    A `base_version` marks the payload as a *change* to add to the weights of that version (the
-    compressed downlink); None means the payload is the value itself.
+    `fields` sets further TensorChunk fields on every chunk (a pull's contributor, weight, momentum…).
     """
     if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
@@ -92,8 +116,7 @@ def frame_payload(
             raw_bytes=len(piece),
             zstd_frame=compressor.compress(piece),
             version=version,
-            is_delta=base_version is not None,
-            base_version=base_version or 0,
+            **fields,
         )
         offset += len(piece)
         if offset >= total:
@@ -174,32 +197,61 @@ class SliceAssembler:
         return codecs.decode(self.codec, self._buffer, self.dtype, self.shape)
 
 
+@dataclass
+class Assembled:
+    """One complete unit of a stream: a slice's payload, decoded, with the frame's metadata."""
+
+    key: SliceKey
+    tensor: torch.Tensor | None  # None for an `own` reference (no payload travelled)
+    payload: bytearray
+    meta: pb.TensorChunk  # the first chunk, without its data: codec, dtype, version, contributor, …
+
+
+def unit_of(chunk: pb.TensorChunk) -> tuple:
+    """What makes a unit distinct in a stream: a slice, and on a contributions pull, whose part it is."""
+    return (key_of(chunk), chunk.contributor, chunk.momentum)
+
+
+def assemble_units(
+    chunks: Iterable[pb.TensorChunk], max_payload_bytes: Callable[[SliceKey, pb.TensorChunk], int]
+) -> Iterator[Assembled]:
+    """Yield each unit as soon as its last chunk arrives.
+
+    `max_payload_bytes(key, first_chunk)` vets each new unit before any buffer is allocated (the server
+    raises UnknownSlice / ShapeMismatch there). A unit that starts twice, or a stream that ends with a
+    unit incomplete, is an InvalidFrame.
+    """
+    open_units: dict[tuple, tuple[SliceAssembler, pb.TensorChunk]] = {}
+    done: set[tuple] = set()
+    for chunk in chunks:
+        unit = unit_of(chunk)
+        key = unit[0]
+        if unit in done:
+            raise InvalidFrame(f"{key}: chunk after the slice was already complete in this stream")
+        entry = open_units.get(unit)
+        if entry is None:
+            limit = max_payload_bytes(key, chunk)
+            meta = pb.TensorChunk()
+            meta.CopyFrom(chunk)
+            meta.ClearField("zstd_frame")
+            entry = open_units[unit] = (SliceAssembler(chunk, limit), meta)
+        assembler, meta = entry
+        if assembler.add(chunk):
+            del open_units[unit]
+            done.add(unit)
+            tensor = None if meta.own else assembler.decode()
+            yield Assembled(key, tensor, assembler._buffer, meta)
+    if open_units:
+        names = ", ".join(str(u[0]) for u in sorted(open_units, key=lambda u: (u[0], u[1], u[2])))
+        raise InvalidFrame(f"stream ended with incomplete slices: {names}")
+
+
 def assemble(
     chunks: Iterable[pb.TensorChunk], max_payload_bytes: Callable[[SliceKey, pb.TensorChunk], int]
 ) -> Iterator[tuple[SliceKey, torch.Tensor, int]]:
-    """Yield (key, tensor, version) for each slice as soon as its last chunk arrives.
-
-    `max_payload_bytes(key, first_chunk)` vets each new slice before any buffer is allocated (the server
-    raises UnknownSlice / ShapeMismatch there). A slice that starts twice, or a stream that ends with a
-    slice incomplete, is an InvalidFrame.
-    """
-    open_slices: dict[SliceKey, SliceAssembler] = {}
-    done: set[SliceKey] = set()
-    for chunk in chunks:
-        key = key_of(chunk)
-        if key in done:
-            raise InvalidFrame(f"{key}: chunk after the slice was already complete in this stream")
-        assembler = open_slices.get(key)
-        if assembler is None:
-            limit = max_payload_bytes(key, chunk)
-            assembler = open_slices[key] = SliceAssembler(chunk, limit)
-        if assembler.add(chunk):
-            del open_slices[key]
-            done.add(key)
-            yield key, assembler.decode(), assembler.version
-    if open_slices:
-        names = ", ".join(str(k) for k in sorted(open_slices))
-        raise InvalidFrame(f"stream ended with incomplete slices: {names}")
+    """Yield (key, tensor, version) for each slice of a plain stream (pushes, weight pulls)."""
+    for unit in assemble_units(chunks, max_payload_bytes):
+        yield unit.key, unit.tensor, unit.meta.version
 
 
 def stream_bytes(chunks: Iterable[pb.TensorChunk]) -> int:

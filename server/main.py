@@ -9,8 +9,7 @@ import threading
 
 import structlog
 
-from dilocox.common.compression import DOWNLINK_DEFAULT, CompressionConfig
-from dilocox.common.config import OuterConfig, WireConfig, add_dataclass_arguments, dataclass_from_args
+from dilocox.common.config import OuterConfig, WireConfig
 from dilocox.common.logs import configure_logging
 from dilocox.server.servicer import start_server
 from dilocox.server.shard import Shard
@@ -31,10 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-clusters", type=int, default=1, help="contributions a round needs before it may close (default 1)"
     )
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
-    add_dataclass_arguments(
-        parser, CompressionConfig, "downlink", "downlink compression (weight changes sent to clusters; codec fp32 = full weights)",
-        DOWNLINK_DEFAULT,
-    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             min_clusters=args.min_clusters,
-            downlink=dataclass_from_args(args, CompressionConfig, "downlink", DOWNLINK_DEFAULT),
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None

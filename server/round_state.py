@@ -1,8 +1,9 @@
-"""What a shard collects for the round in progress: token-weighted sums, per slice and per cluster.
+"""What a shard collects for the round in progress: each cluster's encoded contribution per slice.
 
-Plain Python and torch, no gRPC. Contributions are added to running sums as they arrive (memory stays
-one dense tensor per owned slice however many clusters take part), and every (cluster, slice) pair is
-recorded, so a retried push is recognised and never double-counted.
+Plain Python and torch, no gRPC. Contributions are kept *encoded* (compressed payloads are small) and
+decoded only when the round closes, one at a time, in cluster order: the same arithmetic every cluster
+replays from the forwarded payloads (see `common.aggregation`). Every (cluster, slice) pair is recorded,
+so a retried push is recognised and never double-counted.
 """
 
 from __future__ import annotations
@@ -11,18 +12,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dilocox.common.aggregation import weighted_mean
 from dilocox.common.errors import InvalidFrame
-from dilocox.common.framing import SliceKey
+from dilocox.common.framing import EncodedSlice, SliceKey
+
+
+@dataclass(frozen=True)
+class Contribution:
+    cluster: str
+    weight: float
+    slice: EncodedSlice
 
 
 @dataclass
 class RoundAccumulator:
-    """Σ_m w_m·Δ_m and Σ_m w_m per slice for one round."""
+    """Contributions of one round, per slice and per cluster."""
 
     round: int
-    sums: dict[SliceKey, torch.Tensor] = field(default_factory=dict)
-    weight_sums: dict[SliceKey, float] = field(default_factory=dict)
-    delivered: dict[str, set[SliceKey]] = field(default_factory=dict)
+    contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
     cluster_weights: dict[str, float] = field(default_factory=dict)
     bytes_in: int = 0
 
@@ -35,26 +42,21 @@ class RoundAccumulator:
             raise InvalidFrame(f"cluster {cluster!r} already pushed round {self.round} with weight {known}, now {weight}")
 
     def is_duplicate(self, cluster: str, key: SliceKey) -> bool:
-        return key in self.delivered.get(cluster, ())
+        return cluster in self.contributions.get(key, {})
 
-    def add(self, cluster: str, weight: float, key: SliceKey, delta: torch.Tensor) -> None:
-        """Fold one decoded slice in; callers have vetted shape and duplicates already."""
+    def add(self, cluster: str, weight: float, encoded: EncodedSlice) -> None:
+        """Record one vetted slice; callers have checked shape, values and duplicates already."""
         self.cluster_weights[cluster] = weight
-        scaled = delta.to(torch.float32) * weight
-        if key in self.sums:
-            self.sums[key].add_(scaled)
-            self.weight_sums[key] += weight
-        else:
-            self.sums[key] = scaled
-            self.weight_sums[key] = weight
-        self.delivered.setdefault(cluster, set()).add(key)
+        self.contributions.setdefault(encoded.key, {})[cluster] = Contribution(cluster, weight, encoded)
 
     def complete_clusters(self, owned: set[SliceKey]) -> set[str]:
         """Clusters that delivered every slice this shard owns."""
-        return {c for c, keys in self.delivered.items() if keys >= owned}
+        delivered: dict[str, int] = {}
+        for key in owned:
+            for cluster in self.contributions.get(key, {}):
+                delivered[cluster] = delivered.get(cluster, 0) + 1
+        return {c for c, n in delivered.items() if n == len(owned)}
 
     def mean(self, key: SliceKey) -> torch.Tensor | None:
         """The weighted mean pseudo-gradient of a slice, or None if nobody delivered it."""
-        if key not in self.sums:
-            return None
-        return self.sums[key] / self.weight_sums[key]
+        return weighted_mean((c.cluster, c.weight, c.slice.decode) for c in self.contributions.get(key, {}).values())

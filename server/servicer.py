@@ -14,10 +14,11 @@ import structlog
 
 from dilocox.common.config import WireConfig
 from dilocox.common.errors import DilocoxError, InvalidFrame
-from dilocox.common.framing import assemble, encode_slice, frame_payload
+from dilocox.common import codecs
+from dilocox.common.framing import EncodedSlice, assemble_units, encode_slice, frame_payload
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-from dilocox.server.shard import Shard
+from dilocox.server.shard import Shard, Snapshot
 
 log = structlog.get_logger()
 
@@ -74,8 +75,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             def vet(key, chunk: pb.TensorChunk) -> int:
                 return self.shard.vet_slice(key, chunk.codec, tuple(chunk.shape))
 
-            decoded = [(key, tensor) for key, tensor, _ in assemble(chunks(), vet)]
-            result = self.shard.commit_push(header.cluster, header.round, header.weight, decoded, bytes_in=received)
+            pushed = [
+                EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), bytes(u.payload))
+                for u in assemble_units(chunks(), vet)
+            ]
+            result = self.shard.commit_push(header.cluster, header.round, header.weight, pushed, bytes_in=received)
         except DilocoxError as error:
             _abort(context, error)
         return pb.PushReply(
@@ -93,22 +97,51 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         except DilocoxError as error:
             _abort(context, error)
         names = set(request.names)
-        served = snapshot.served
-        send_changes = bool(served.changes) and request.have_version == served.base_version
+        keys = [k for k in snapshot.tensors if not names or k.name in names]
+        if self._forward_contributions(snapshot, keys, request):
+            chunks = self._contribution_chunks(snapshot, keys, request.cluster)
+        else:
+            chunks = self._full_chunks(snapshot, keys)
         sent = 0
-        for key, weights in served.weights.items():
-            if names and key.name not in names:
-                continue
-            if send_changes:
-                change = served.changes[key]
-                chunks = frame_payload(key, change.payload, change.codec, change.dtype, tuple(weights.shape),
-                                       self.wire.chunk_bytes, self.wire.zstd_level, served.version, served.base_version)  # fmt: skip
-            else:
-                chunks = encode_slice(key, weights, chunk_bytes=self.wire.chunk_bytes, zstd_level=self.wire.zstd_level, version=served.version)
-            for chunk in chunks:
-                sent += chunk.ByteSize()
-                yield chunk
+        for chunk in chunks:
+            sent += chunk.ByteSize()
+            yield chunk
         self.shard.add_bytes_out(sent)
+
+    def _forward_contributions(self, snapshot: Snapshot, keys: list, request: pb.PullRequest) -> bool:
+        """Send the round's contributions (the cluster replays the step) when it holds the previous
+        version and they are smaller than the weights plus momentum it would need otherwise."""
+        if snapshot.version == 0 or request.have_version != snapshot.version - 1:
+            return False
+        forwarded = sum(
+            len(c.slice.payload) for k in keys for c in snapshot.contributions.get(k, {}).values() if c.cluster != request.cluster
+        )
+        full = sum(4 * snapshot.tensors[k].numel() * (2 if k in snapshot.momentum else 1) for k in keys)
+        return forwarded <= full
+
+    def _contribution_chunks(self, snapshot: Snapshot, keys: list, requester: str) -> Iterator[pb.TensorChunk]:
+        wire = self.wire
+        for key in keys:
+            for cluster, contribution in sorted(snapshot.contributions.get(key, {}).items()):
+                item = contribution.slice
+                common = dict(version=snapshot.version, is_delta=True, base_version=snapshot.version - 1,
+                              contributor=cluster, weight=contribution.weight)  # fmt: skip
+                if cluster == requester:  # it has these bytes: send only their digest
+                    yield from frame_payload(key, b"", item.codec, item.dtype, item.shape, wire.chunk_bytes, wire.zstd_level,
+                                             own=True, payload_sha256=item.sha256, **common)  # fmt: skip
+                else:
+                    yield from frame_payload(key, item.payload, item.codec, item.dtype, item.shape, wire.chunk_bytes,
+                                             wire.zstd_level, **common)  # fmt: skip
+
+    def _full_chunks(self, snapshot: Snapshot, keys: list) -> Iterator[pb.TensorChunk]:
+        wire = self.wire
+        for key in keys:
+            yield from encode_slice(key, snapshot.tensors[key], chunk_bytes=wire.chunk_bytes, zstd_level=wire.zstd_level,
+                                    version=snapshot.version)  # fmt: skip
+            if key in snapshot.momentum:
+                payload, dtype = codecs.encode("fp32", snapshot.momentum[key])
+                yield from frame_payload(key, payload, "fp32", dtype, tuple(snapshot.momentum[key].shape), wire.chunk_bytes,
+                                         wire.zstd_level, version=snapshot.version, momentum=True)  # fmt: skip
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return pb.StatusReply(**self.shard.status())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import structlog
@@ -34,11 +34,9 @@ from dilocox.common.errors import (
     UnknownSlice,
     WrongRun,
 )
-from dilocox.common.compression import CompressionConfig
-from dilocox.common.framing import SliceKey
-from dilocox.server.broadcast import Broadcaster, Published
-from dilocox.server.outer_optimizer import OuterNesterov
-from dilocox.server.round_state import RoundAccumulator
+from dilocox.common.framing import EncodedSlice, SliceKey
+from dilocox.common.outer_optimizer import OuterNesterov
+from dilocox.server.round_state import Contribution, RoundAccumulator
 
 log = structlog.get_logger("dilocox.shard")
 
@@ -62,15 +60,17 @@ class PushResult:
 
 @dataclass
 class Snapshot:
-    """One version of the global weights: θ_v (what the outer optimiser steps) and what is served.
+    """One published version: θ_v, the outer momentum after it, and the contributions that made it.
 
-    Tensors are never modified once published, so a pull streaming version v is never torn by the close
-    of round v+1.
+    Nothing here is modified once published (momentum is copied), so a pull streaming version v is
+    never torn by the close of round v+1. `contributions` is what a cluster holding version v−1 needs
+    to replay the step itself — the compressed downlink.
     """
 
     version: int
     tensors: dict[SliceKey, torch.Tensor]
-    served: Published
+    momentum: dict[SliceKey, torch.Tensor] = field(default_factory=dict)
+    contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
 
 
 class Shard:
@@ -82,7 +82,6 @@ class Shard:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         min_clusters: int = 1,
-        downlink: CompressionConfig | None = None,
     ) -> None:
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
@@ -93,7 +92,6 @@ class Shard:
         self.run_id = run_id
         self.min_clusters = min_clusters
         self.optimizer = OuterNesterov(outer_lr, outer_momentum)
-        self.broadcaster = Broadcaster(downlink, seed=shard_index)
         self._cond = threading.Condition()
         # Fixed by the first join:
         self.digest: str | None = None
@@ -172,37 +170,46 @@ class Shard:
         return codecs.max_payload_bytes(codec, self.owned_slice(key, shape).slice_shape)
 
     def commit_push(
-        self, cluster: str, round_: int, weight: float, slices: Iterable[tuple[SliceKey, torch.Tensor]], bytes_in: int = 0
+        self,
+        cluster: str,
+        round_: int,
+        weight: float,
+        slices: Iterable[EncodedSlice | tuple[SliceKey, torch.Tensor]],
+        bytes_in: int = 0,
     ) -> PushResult:
-        """Apply a fully decoded and vetted push atomically: all of it, or (on an error) nothing."""
-        slices = list(slices)
-        for key, tensor in slices:
-            self.owned_slice(key, tuple(tensor.shape))
-        if len({k for k, _ in slices}) != len(slices):
+        """Apply a fully decoded and vetted push atomically: all of it, or (on an error) nothing.
+
+        `slices` are the encoded slices as they travelled (or plain (key, tensor) pairs, taken as exact
+        fp32); each must decode to a finite tensor of the owned shape.
+        """
+        encoded = [s if isinstance(s, EncodedSlice) else EncodedSlice.exact(*s) for s in slices]
+        for item in encoded:
+            self.owned_slice(item.key, item.shape)
+        if len({item.key for item in encoded}) != len(encoded):
             raise InvalidFrame("the same slice appears twice in one push")
         with self._cond:
             self._check_round(cluster, round_)
             self.bytes_in += bytes_in
             if round_ == 0:
-                return self._commit_init(cluster, slices)
+                return self._commit_init(cluster, encoded)
             acc = self._open_accumulator()
             acc.check_weight(cluster, weight)
-            fresh = [(k, t) for k, t in slices if not acc.is_duplicate(cluster, k)]
-            for key, tensor in fresh:
-                acc.add(cluster, weight, key, tensor)
+            fresh = [item for item in encoded if not acc.is_duplicate(cluster, item.key)]
+            for item in fresh:
+                acc.add(cluster, weight, item)
             acc.bytes_in += bytes_in
             closed = self._maybe_close_round()
-            return PushResult(round_, len(fresh), len(slices) - len(fresh), closed)
+            return PushResult(round_, len(fresh), len(encoded) - len(fresh), closed)
 
-    def _commit_init(self, cluster: str, slices: list[tuple[SliceKey, torch.Tensor]]) -> PushResult:
+    def _commit_init(self, cluster: str, slices: list[EncodedSlice]) -> PushResult:
         if self.initialiser != cluster:
             raise RoundNotOpen(f"round 0 (initial weights) belongs to {self.initialiser!r}, not {cluster!r}")
-        fresh = [(k, t) for k, t in slices if k not in self._init_staging]
-        for key, tensor in fresh:
-            self._init_staging[key] = tensor.to(torch.float32).clone()
+        fresh = [item for item in slices if item.key not in self._init_staging]
+        for item in fresh:
+            self._init_staging[item.key] = item.decode().to(torch.float32).clone()
         closed = False
         if set(self._init_staging) >= set(self.owned):
-            self.snapshot = self._publish(0, dict(self._init_staging))
+            self.snapshot = Snapshot(0, dict(self._init_staging))
             self._init_staging = {}
             closed = True
             log.info("initialised", shard=self.shard_index, by=cluster, elements=self.num_elements)
@@ -226,7 +233,8 @@ class Shard:
         for key, param in self.snapshot.tensors.items():
             grad = acc.mean(key)
             new[key] = param if grad is None else self.optimizer.step(key, param, grad)
-        self.snapshot = self._publish(acc.round, new)
+        momentum = {key: buf.clone() for key, buf in self.optimizer.buffers.items()}
+        self.snapshot = Snapshot(acc.round, new, momentum, acc.contributions)
         log.info(
             "round_closed",
             shard=self.shard_index,
@@ -239,9 +247,6 @@ class Shard:
         self.accumulator = None
         self._cond.notify_all()
         return True
-
-    def _publish(self, version: int, tensors: dict[SliceKey, torch.Tensor]) -> Snapshot:
-        return Snapshot(version, tensors, self.broadcaster.publish(version, tensors))
 
     # ------------------------------------------------------------------ pulls
     def wait_for_version(self, run_id: str, cluster: str, min_version: int, timeout: float) -> Snapshot:

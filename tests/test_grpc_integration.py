@@ -76,7 +76,7 @@ def _state(shard):
         shard.version,
         {k: v.clone() for k, v in snap.tensors.items()},
         {k: v.clone() for k, v in shard.optimizer.buffers.items()},
-        {k: v.clone() for k, v in acc.sums.items()} if acc else {},
+        {f"{k}/{c}": v.slice.decode().clone() for k, per in acc.contributions.items() for c, v in per.items()} if acc else {},
     )
 
 

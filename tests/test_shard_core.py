@@ -18,7 +18,7 @@ from dilocox.common.errors import (
     UnknownSlice,
     WrongRun,
 )
-from dilocox.server.outer_optimizer import OuterNesterov
+from dilocox.common.outer_optimizer import OuterNesterov
 from dilocox.server.shard import Shard
 
 PARAMS = [("emb", (12, 5)), ("w", (7, 3)), ("b", (7,)), ("scale", ())]
@@ -43,7 +43,7 @@ def snapshot_state(shard: Shard):
     tensors = {k: v.clone() for k, v in snap.tensors.items()} if snap else None
     momentum = {k: v.clone() for k, v in shard.optimizer.buffers.items()}
     acc = shard.accumulator
-    acc_sums = {k: v.clone() for k, v in acc.sums.items()} if acc else None
+    acc_sums = {f"{k}/{c}": v.slice.decode().clone() for k, per in acc.contributions.items() for c, v in per.items()} if acc else None
     return shard.version, tensors, momentum, acc_sums, dict(shard.members)
 
 

@@ -7,16 +7,22 @@ import subprocess
 import sys
 
 
-def test_sim_trains_and_reports_every_round(tmp_path):
+SMALL = ["--rounds", "4", "--inner-steps", "15", "--n-layer", "1", "--n-embd", "64", "--inner-batch-size", "8"]
+
+
+def run_sim(tmp_path, *flags: str):
     summary_path = tmp_path / "summary.json"
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "sim", "--rounds", "4", "--inner-steps", "15",
-        "--n-layer", "1", "--n-embd", "64", "--inner-batch-size", "8", "--log-dir", str(tmp_path / "logs"),
-        "--summary-json", str(summary_path), "--timeout", "240",
+        sys.executable, "-m", "dilocox.common.cli", "sim", *SMALL, "--log-dir", str(tmp_path / "logs"),
+        "--summary-json", str(summary_path), "--timeout", "240", *flags,
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
+    return proc, json.loads(summary_path.read_text())
+
+
+def test_sim_trains_and_reports_every_round(tmp_path):
+    proc, summary = run_sim(tmp_path, "--delay", "0")
     assert summary["ok"] and summary["clusters"] == 2 and summary["shards"] == 2 and summary["rounds"] == 4
     # A byte-level model starts near ln(256) ≈ 5.55 nats; 60 inner steps per cluster bring it well down.
     assert 5.0 < summary["initial_eval_loss"] < 6.0
@@ -29,3 +35,12 @@ def test_sim_trains_and_reports_every_round(tmp_path):
     for text in shard_logs:
         closed = [json.loads(line)["round"] for line in text.splitlines() if '"round_closed"' in line]
         assert closed == [1, 2, 3, 4]
+
+
+def test_sim_delay_one_converges_like_delay_zero(tmp_path):
+    """Issue 4, acceptance 3 (short form): equal tokens, a looser margin than the 5% of the long run."""
+    _, sync = run_sim(tmp_path / "d0", "--delay", "0")
+    _, delayed = run_sim(tmp_path / "d1", "--delay", "1")
+    assert sync["tokens"] == delayed["tokens"]
+    assert delayed["final_eval_loss"] < 1.15 * sync["final_eval_loss"], (sync, delayed)
+    assert delayed["idle_fraction"] <= sync["idle_fraction"]

@@ -21,11 +21,17 @@ from dilocox.common import codecs
 from dilocox.common.assignment import ParamSlice, model_digest
 from dilocox.common.compression import TensorCompressor
 from dilocox.common.config import WireConfig
-from dilocox.common.framing import SliceKey, assemble, encode_slice, frame_payload
+from dilocox.common.aggregation import Contribution, weighted_mean
+from dilocox.common.framing import Assembled, EncodedSlice, SliceKey, assemble_units, encode_slice, frame_payload
+from dilocox.common.outer_optimizer import OuterNesterov
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 
 log = structlog.get_logger()
+
+
+class StaleReplica(RuntimeError):
+    """Our copy cannot replay a forwarded round (e.g. our own contribution is gone): pull in full."""
 
 
 class AggregatorError(RuntimeError):
@@ -86,9 +92,12 @@ class AggregatorClient:
         self.traffic = Traffic()
         self.assignment: list[ParamSlice] = []
         self.compressor = compressor  # uplink pseudo-gradients (rounds ≥ 1); None: lossless fp32
-        # The global weights as this cluster holds them: the shards send changes against these.
+        # The global weights as this cluster holds them, with a replica of the outer optimiser: a shard
+        # that sees we hold version v−1 forwards round v's contributions and we replay its step.
         self.held: dict[SliceKey, torch.Tensor] = {}
         self.held_versions: dict[int, int] = {}  # shard -> version of its slices in `held`
+        self.outer: OuterNesterov | None = None
+        self._own: dict[SliceKey, tuple[EncodedSlice, torch.Tensor]] = {}  # last pushed slice, decoded
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -129,6 +138,7 @@ class AggregatorClient:
         for reply, address, stub in zip(replies, self.addresses, self._stubs_by_address):
             self._stubs[reply.shard_index] = (address, stub)
         first = replies[0]
+        self.outer = OuterNesterov(first.outer_lr, first.outer_momentum)
         self.assignment = [
             ParamSlice(s.name, tuple(s.shape), s.row_start, s.row_stop, s.shard) for s in first.assignment
         ]
@@ -185,10 +195,17 @@ class AggregatorClient:
 
     def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor) -> Iterator[pb.TensorChunk]:
         wire = self.wire
-        if self.compressor is None or round_ == 0:  # initial weights always travel exactly
+        if round_ == 0:  # initial weights always travel exactly
             return encode_slice(key, tensor, chunk_bytes=wire.chunk_bytes, zstd_level=wire.zstd_level)
-        encoded = self.compressor.compress(key, tensor)
-        return frame_payload(key, encoded.payload, encoded.codec, encoded.dtype, tuple(tensor.shape), wire.chunk_bytes, wire.zstd_level)
+        if self.compressor is None:
+            item = EncodedSlice.exact(key, tensor)
+            decoded = item.decode()
+        else:
+            encoded = self.compressor.compress(key, tensor)
+            item = EncodedSlice(key, encoded.codec, encoded.dtype, tuple(tensor.shape), bytes(encoded.payload))
+            decoded = encoded.decoded
+        self._own[key] = (item, decoded)  # to replay the round's step when the shard forwards it
+        return frame_payload(key, item.payload, item.codec, item.dtype, item.shape, wire.chunk_bytes, wire.zstd_level)
 
     # ------------------------------------------------------------------ pull
     def pull(
@@ -196,59 +213,90 @@ class AggregatorClient:
     ) -> tuple[int, dict[SliceKey, torch.Tensor], int]:
         """Fetch the global weights (≥ min_version) from every shard; returns (version, slices, bytes).
 
-        Tells the shards which version it holds, so they can answer with compressed changes instead of
-        full weights; the returned tensors are this client's reconstruction (bit-identical in every
-        cluster), which it keeps as the base for the next pull.
+        Tells each shard which version it holds: a shard answers a cluster one version behind with the
+        round's contributions (the other clusters' compressed pseudo-gradients, a digest for our own),
+        and this client replays the shard's outer step on its copy — bit-identical, in every cluster.
+        Anyone else (a joiner, a laggard) gets the full weights and outer momentum, once.
         """
         wanted = set(names)
         shards = sorted({s.shard for s in self.assignment if not wanted or s.name in wanted})
 
-        def pull_one(shard: int) -> tuple[list[tuple[SliceKey, torch.Tensor, int, bool]], int]:
+        def pull_one(shard: int) -> int:
             address, stub = self._stubs[shard]
-            have = self.held_versions.get(shard, -1)
-            request = pb.PullRequest(
-                run_id=self.run_id,
-                cluster=self.cluster,
-                min_version=min_version,
-                wait_seconds=wait_seconds,
-                names=list(names),
-                have_version=have,
-            )
-            received = 0
-            is_delta: dict[SliceKey, bool] = {}
-
-            def chunks() -> Iterator[pb.TensorChunk]:
-                nonlocal received
-                for chunk in stub.Pull(request, timeout=wait_seconds + self.rpc_timeout):
-                    received += chunk.ByteSize()
-                    yield chunk
-
             expected = {s.key: s for s in self.assignment if s.shard == shard}
+            received = 0
 
-            def vet(key: SliceKey, chunk: pb.TensorChunk) -> int:
-                if key not in expected or tuple(chunk.shape) != expected[key].slice_shape:
-                    raise ValueError(f"shard {shard} sent {key} with shape {list(chunk.shape)}, which it does not own")
-                if chunk.is_delta and (chunk.base_version != have or key not in self.held):
-                    raise ValueError(f"shard {shard} sent a change from version {chunk.base_version}; this client holds {have}")
-                is_delta[key] = chunk.is_delta
-                return codecs.max_payload_bytes(chunk.codec, expected[key].slice_shape)
+            def attempt(have: int) -> None:
+                nonlocal received
+                request = pb.PullRequest(
+                    run_id=self.run_id,
+                    cluster=self.cluster,
+                    min_version=min_version,
+                    wait_seconds=wait_seconds,
+                    names=list(names),
+                    have_version=have,
+                )
 
-            slices = self._call(address, lambda: [(k, t, v, is_delta[k]) for k, t, v in assemble(chunks(), vet)])
-            return slices, received
+                def chunks() -> Iterator[pb.TensorChunk]:
+                    nonlocal received
+                    for chunk in stub.Pull(request, timeout=wait_seconds + self.rpc_timeout):
+                        received += chunk.ByteSize()
+                        yield chunk
 
-        results = list(self._pool.map(pull_one, shards))
-        total = 0
-        for shard, (slices, received) in zip(shards, results):
-            total += received
-            for key, tensor, version, delta in slices:
-                self.held[key] = self.held[key] + tensor if delta else tensor
-                self.held_versions[shard] = version
+                def vet(key: SliceKey, chunk: pb.TensorChunk) -> int:
+                    if key not in expected or tuple(chunk.shape) != expected[key].slice_shape:
+                        raise ValueError(f"shard {shard} sent {key} with shape {list(chunk.shape)}, which it does not own")
+                    if chunk.is_delta and (chunk.base_version != have or key not in self.held):
+                        raise ValueError(f"shard {shard} sent round {chunk.version} for version {chunk.base_version}; we hold {have}")
+                    return codecs.max_payload_bytes(chunk.codec, expected[key].slice_shape)
+
+                units = self._call(address, lambda: list(assemble_units(chunks(), vet)))
+                self._apply(shard, units)
+
+            try:
+                attempt(self.held_versions.get(shard, -1))
+            except StaleReplica as error:
+                log.warning("replica_resync", shard=shard, reason=str(error))
+                attempt(-1)  # the full weights and momentum, once
+            return received
+
+        total = sum(self._pool.map(pull_one, shards))
         self.traffic.bytes_down += total
         versions = [self.held_versions.get(shard, -1) for shard in shards]
         if len(set(versions)) > 1:
             log.info("pull_versions_differ", versions=versions)
         wanted_keys = [s.key for s in self.assignment if not wanted or s.name in wanted]
         return min(versions), {k: self.held[k] for k in wanted_keys if k in self.held}, total
+
+    def _apply(self, shard: int, units: list[Assembled]) -> None:
+        """Fold one shard's pull into `held`: full weights (+ momentum), or a round to replay."""
+        assert self.outer is not None, "join first"
+        contributions: dict[SliceKey, list[Contribution]] = {}
+        version = self.held_versions.get(shard, -1)
+        for unit in units:
+            meta, key = unit.meta, unit.key
+            version = meta.version
+            if meta.is_delta:
+                contributions.setdefault(key, []).append((meta.contributor, meta.weight, self._contribution(unit)))
+            elif meta.momentum:
+                self.outer.buffers[key] = unit.tensor.clone()
+            else:
+                self.held[key] = unit.tensor
+                self.outer.buffers.pop(key, None)  # a full slice comes with its momentum, if it has any
+        for key, items in contributions.items():
+            grad = weighted_mean(items)
+            self.held[key] = self.outer.step(key, self.held[key], grad)
+        self.held_versions[shard] = version
+
+    def _contribution(self, unit: Assembled):
+        if not unit.meta.own:
+            tensor = unit.tensor
+            return lambda: tensor
+        mine = self._own.get(unit.key)
+        if mine is None or mine[0].sha256 != unit.meta.payload_sha256:
+            raise StaleReplica(f"{unit.key}: the shard holds a contribution of ours we no longer have")
+        decoded = mine[1]
+        return lambda: decoded
 
     # ------------------------------------------------------------------ status
     def status_each(self, timeout: float = 10.0) -> list[pb.StatusReply | AggregatorError]:

@@ -21,16 +21,7 @@ from collections import defaultdict
 
 import structlog
 
-from dilocox.common.compression import DOWNLINK_DEFAULT, CompressionConfig
-from dilocox.common.config import (
-    RunConfig,
-    add_config_arguments,
-    add_dataclass_arguments,
-    config_flags,
-    config_from_args,
-    dataclass_flags,
-    dataclass_from_args,
-)
+from dilocox.common.config import RunConfig, add_config_arguments, config_flags, config_from_args
 from dilocox.common.logs import configure_logging
 
 log = structlog.get_logger()
@@ -46,7 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summary-json", type=pathlib.Path, help="also write the final summary here as JSON")
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
     add_config_arguments(parser)
-    add_dataclass_arguments(parser, CompressionConfig, "downlink", "downlink compression of the shards", DOWNLINK_DEFAULT)
 
 
 def _cli(*args: str) -> list[str]:
@@ -81,7 +71,6 @@ class Simulation:
     def __init__(self, args: argparse.Namespace, config: RunConfig, log_dir: pathlib.Path) -> None:
         self.args = args
         self.config = config
-        self.downlink = dataclass_from_args(args, CompressionConfig, "downlink", DOWNLINK_DEFAULT)
         self.log_dir = log_dir
         self.shards: list[subprocess.Popen] = []
         self.workers: dict[str, subprocess.Popen] = {}
@@ -102,7 +91,6 @@ class Simulation:
                 "--port-file", str(port_file), "--run-id", self.config.run_id,
                 "--outer-lr", str(self.config.outer.lr), "--outer-momentum", str(self.config.outer.momentum),
                 "--min-clusters", str(self.args.clusters), "--log-format", "json",
-                *dataclass_flags(self.downlink, "downlink"),
             )  # fmt: skip
             with (self.log_dir / f"shard-{i}.log").open("w") as out:
                 self.shards.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))

@@ -8,7 +8,8 @@ PyTorch's `SGD(lr=η, momentum=μ, nesterov=True, dampening=0, weight_decay=0)`:
     v ← μ·v + g            (v starts at g on the first step, as μ·0 + g)
     θ ← θ − η·(g + μ·v)
 
-and the tests check it against torch.optim.SGD.
+and the tests check it against torch.optim.SGD. Shards run it on the global weights; clusters run the
+same code on their copy when the downlink forwards a round's contributions, so both stay bit-identical.
 """
 
 from __future__ import annotations
