@@ -40,12 +40,14 @@ class CompressionConfig:
     codec: str = "lowrank"  # fp32 | fp16 | bf16 | int8 | int4 | lowrank
     factor_bits: int = 4  # quantiser of low-rank factors and of small/1-D tensors in lowrank mode (4, 8, 32)
     rank_min: int = 1
-    rank_max: int = 8
-    target_energy: float = 0.5  # smallest rank whose components capture this share of ‖Δ‖²
+    rank_max: int = 16
+    target_energy: float = 0.9  # smallest rank whose components capture this share of ‖Δ‖²
     rank_window: int = 3  # rounds over which the chosen rank is smoothed (max of the window)
     adaptive_rank: bool = True  # False: always rank_max
     min_lowrank_numel: int = 4096  # smaller matrices are only quantised
-    error_feedback: bool = True
+    # Off by default: with the outer Nesterov step it measured worse here (docs/benchmarks.md).
+    error_feedback: bool = False
+    error_decay: float = 1.0  # share of last round's residual carried into this one (1 = classic error feedback)
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_CHOICES:
@@ -54,6 +56,8 @@ class CompressionConfig:
             raise ValueError(f"factor_bits must be 4, 8 or 32, got {self.factor_bits}")
         if not 1 <= self.rank_min <= self.rank_max:
             raise ValueError(f"need 1 ≤ rank_min ≤ rank_max, got {self.rank_min}, {self.rank_max}")
+        if not 0 <= self.error_decay <= 1:
+            raise ValueError(f"error_decay must be in [0, 1], got {self.error_decay}")
         if not 0 < self.target_energy <= 1:
             raise ValueError(f"target_energy must be in (0, 1], got {self.target_energy}")
 
@@ -97,7 +101,7 @@ class TensorCompressor:
         state = self.state.setdefault(key, _TensorState())
         target = delta.detach().to(torch.float32)
         if self.config.error_feedback and state.error is not None:
-            target = target + state.error
+            target = target + self.config.error_decay * state.error
         if self.config.codec != "lowrank":
             encoded = self._stateless(self.config.codec, target)
         elif self.uses_lowrank(tuple(target.shape)):

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-clusters", type=int, default=1, help="contributions a round needs before it may close (default 1)"
     )
+    parser.add_argument(
+        "--added-latency-ms", type=float, default=0.0,
+        help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
+    )  # fmt: skip
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
 
 
@@ -45,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None
-    server, port = start_server(shard, args.host, args.port, WireConfig())
+    server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000)
     if args.port_file:
         tmp = args.port_file.with_suffix(".tmp")
         tmp.write_text(str(port))

@@ -148,16 +148,30 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
 
 def start_server(
-    shard: Shard, host: str = "127.0.0.1", port: int = 0, wire: WireConfig | None = None, max_workers: int = 32
+    shard: Shard,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    wire: WireConfig | None = None,
+    max_workers: int = 32,
+    added_latency_s: float = 0.0,
 ) -> tuple[grpc.Server, int]:
-    """Start serving `shard`; returns the server and the bound port (useful with port=0)."""
+    """Start serving `shard`; returns the server and the bound port (useful with port=0).
+
+    `added_latency_s` > 0 delays every push and pull (user-space WAN latency, see server/latency.py).
+    """
     wire = wire or WireConfig()
     options = [
         ("grpc.max_receive_message_length", wire.max_message_bytes),
         ("grpc.max_send_message_length", wire.max_message_bytes),
     ]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc"), options=options)
-    pb_grpc.add_AggregatorServicer_to_server(AggregatorServicer(shard, wire), server)
+    if added_latency_s > 0:
+        from dilocox.server.latency import LatencyServicer
+
+        servicer: AggregatorServicer = LatencyServicer(shard, added_latency_s, wire)
+    else:
+        servicer = AggregatorServicer(shard, wire)
+    pb_grpc.add_AggregatorServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")

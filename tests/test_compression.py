@@ -232,7 +232,7 @@ def test_ordered_factors_sort_components_and_truncate_optimally():
 
 def _ef_run(error_feedback: bool, rounds: int = 30) -> tuple[float, list[float], list[float], float]:
     rows, cols = 128, 64
-    compressor = TensorCompressor(CompressionConfig(rank_max=4, error_feedback=error_feedback), seed=0)
+    compressor = TensorCompressor(CompressionConfig(rank_max=4, target_energy=0.5, error_feedback=error_feedback), seed=0)
     g = _gen(1)
     direction = torch.randn(rows, 2, generator=g) @ torch.randn(cols, 2, generator=g).T
     sum_in, sum_out = torch.zeros(rows, cols), torch.zeros(rows, cols)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dilocox.server.servicer import AggregatorServicer, start_server
+from dilocox.server.servicer import start_server
 from dilocox.server.shard import Shard
 from dilocox.worker.aggregator_client import AggregatorClient
 from dilocox.worker.cluster import DilocoCluster, slice_tensors
@@ -139,33 +139,9 @@ def test_delayed_weights_equal_pure_torch_reference(shard_set):
     first_a, first_b = clusters[0].after_boundary[0], clusters[1].after_boundary[0]
     assert any(not torch.equal(first_a[n], first_b[n]) for n in first_a)
 
-class SlowLinkServicer(AggregatorServicer):
-    """Adds a fixed latency to every push and pull: a slow WAN between cluster and shard."""
-
-    def __init__(self, shard: Shard, delay_s: float) -> None:
-        super().__init__(shard)
-        self.delay_s = delay_s
-
-    def Push(self, request_iterator, context):
-        time.sleep(self.delay_s)
-        return super().Push(request_iterator, context)
-
-    def Pull(self, request, context):
-        time.sleep(self.delay_s)
-        yield from super().Pull(request, context)
-
-
 def slow_shard(delay_s: float, min_clusters: int = 1):
-    import grpc
-    from concurrent import futures
-
-    from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-
     shard = Shard(0, 1, RUN, LR, MOMENTUM, min_clusters)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_AggregatorServicer_to_server(SlowLinkServicer(shard, delay_s), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = start_server(shard, "127.0.0.1", 0, added_latency_s=delay_s)
     return shard, server, f"127.0.0.1:{port}"
 
 

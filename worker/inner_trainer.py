@@ -68,7 +68,7 @@ class InnerTrainer:
             if self.config.inner.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
             self.optimizer.step()
-            total_loss += float(loss)
+            total_loss += float(loss.detach())
             tokens += x.numel()
             self.step += 1
         self.tokens_seen += tokens

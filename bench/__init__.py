@@ -1,0 +1,1 @@
+"""Benchmarks: `dilocox bench <name>`; results as Markdown + JSON under bench/results/<timestamp>/."""

@@ -1,0 +1,31 @@
+"""`dilocox bench <name>`: run one benchmark (or all) and write its report."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "wire": ("dilocox.bench.wire", "bytes per round: DiLoCoX vs dense fp32 vs AllReduce"),
+    "overlap": ("dilocox.bench.overlap", "compute idle time with and without the one-step delay over a slow link"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", help="results folder (default bench/results/<timestamp>)")
+    sub = parser.add_subparsers(dest="benchmark", metavar="benchmark", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dilocox.bench.report import results_dir
+    from dilocox.common.logs import configure_logging
+
+    configure_logging("kv", "warning")
+    out_dir = results_dir(args.out)
+    text = importlib.import_module(BENCHMARKS[args.benchmark][0]).run(args, out_dir)
+    print(text)
+    print(f"written to {out_dir}")
+    return 0

@@ -1,0 +1,81 @@
+"""A whole run in one process: shards on localhost gRPC ports, clusters on threads.
+
+For benchmarks and tests that need real gRPC traffic and the real round loop but not one OS process
+per role (the sim does that). Clusters run concurrently, because a round only closes once all of them
+have pushed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from dilocox.common.compression import TensorCompressor
+from dilocox.common.config import RunConfig
+from dilocox.server.servicer import start_server
+from dilocox.server.shard import Shard
+from dilocox.worker.aggregator_client import AggregatorClient
+from dilocox.worker.cluster import DilocoCluster
+from dilocox.worker.data import load_corpus
+from dilocox.worker.inner_trainer import InnerTrainer
+
+
+@dataclass
+class InProcessResult:
+    clusters: list[DilocoCluster]
+    shards: list[Shard]
+    num_params: int
+
+
+def run_in_process(
+    config: RunConfig,
+    num_clusters: int = 2,
+    num_shards: int = 2,
+    corpus: bytes | None = None,
+    added_latency_s: float = 0.0,
+    evaluate_every_round: bool = False,
+    timeout_s: float = 1800.0,
+) -> InProcessResult:
+    """Train `config.rounds` rounds with `num_clusters` clusters against `num_shards` shards."""
+    corpus = corpus if corpus is not None else load_corpus(None)
+    shards = [
+        Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters)
+        for i in range(num_shards)
+    ]
+    servers, addresses = [], []
+    for shard in shards:
+        server, port = start_server(shard, "127.0.0.1", 0, config.wire, added_latency_s=added_latency_s)
+        servers.append(server)
+        addresses.append(f"127.0.0.1:{port}")
+    clusters = []
+    try:
+        for i in range(num_clusters):
+            trainer = InnerTrainer(config, corpus, i, num_clusters)
+            compressor = TensorCompressor(config.compress, seed=config.seed) if config.compress.codec != "fp32" else None
+            client = AggregatorClient(addresses, config.run_id, f"cluster-{i}", config.wire, compressor=compressor,
+                                      connect_timeout=30, rpc_timeout=max(60.0, timeout_s))  # fmt: skip
+            clusters.append(DilocoCluster(trainer, client, config.rounds, config.inner.steps, config.delay,
+                                          evaluate_every_round=evaluate_every_round))  # fmt: skip
+        errors: list[BaseException] = []
+
+        def run(cluster: DilocoCluster) -> None:
+            try:
+                cluster.run()
+            except BaseException as error:  # noqa: BLE001 - re-raised below
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(c,), name=c.client.cluster) for c in clusters]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=timeout_s)
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"in-process run did not finish within {timeout_s:.0f}s")
+        if errors:
+            raise errors[0]
+        return InProcessResult(clusters, shards, clusters[0].trainer.model.num_params())
+    finally:
+        for c in clusters:
+            c.client.close()
+        for server in servers:
+            server.stop(grace=None)
