@@ -12,10 +12,10 @@ BENCHMARKS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", help="results folder (default bench/results/<timestamp>)")
     sub = parser.add_subparsers(dest="benchmark", metavar="benchmark", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--out", help="results folder (default bench/results/<timestamp>)")
         importlib.import_module(module).add_arguments(p)
 
 

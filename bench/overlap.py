@@ -38,7 +38,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
             "comm_s": round(comm, 3),
             "idle_s": round(idle, 3),
             "idle_fraction": round(idle / seconds, 4),
-            "overlap": round(1 - idle / comm, 3) if comm else 1.0,
+            "overlap": round(min(1.0, max(0.0, 1 - idle / comm)), 3) if comm else 1.0,
             "wall_s": round(time.perf_counter() - started, 1),
         })  # fmt: skip
     notes = (

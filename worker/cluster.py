@@ -171,7 +171,7 @@ class DilocoCluster:
             comm_s=round(comm_s, 3),
             idle_s=round(idle, 3),
             seconds=round(time.perf_counter() - began, 3),
-            overlap=round(1.0 - idle / comm_s, 3) if comm_s > 0 else 1.0,
+            overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
         )
         log.info("round_done", cluster=self.client.cluster, delay=self.delay, **asdict(report))
         return report, merged
