@@ -75,6 +75,28 @@ class WireConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Parallelism inside one cluster: pipeline stages × data-parallel replicas, over NCCL or gloo."""
+
+    pp: int = 1  # pipeline stages
+    dp: int = 1  # data-parallel replicas of each stage
+    microbatches: int = 4  # per inner step, through the pipeline (must divide the batch size)
+    schedule: str = "1f1b"  # gpipe | 1f1b
+
+    def __post_init__(self) -> None:
+        if self.pp < 1 or self.dp < 1:
+            raise ValueError(f"pp and dp must be ≥ 1, got pp={self.pp} dp={self.dp}")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be ≥ 1, got {self.microbatches}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything a cluster needs to take part in a run.
 
@@ -94,12 +116,17 @@ class RunConfig:
     wire: WireConfig = field(default_factory=WireConfig)
     # Uplink pseudo-gradients; the sim gives its shards the same settings for the downlink.
     compress: CompressionConfig = field(default_factory=CompressionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {self.delay}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be ≥ 1, got {self.rounds}")
+        if self.parallel.pp > 1 and self.inner.batch_size % self.parallel.microbatches:
+            raise ValueError(
+                f"batch size {self.inner.batch_size} is not divisible into {self.parallel.microbatches} microbatches"
+            )
 
 
 def as_dict(config: object) -> dict:
@@ -110,7 +137,7 @@ def as_dict(config: object) -> dict:
 # --------------------------------------------------------------------------- flags and files
 # Flag names: top-level and model fields as themselves (`--rounds`, `--n-layer`), the other groups
 # prefixed by their group (`--inner-steps`, `--inner-lr`, `--outer-lr`, `--compress-codec`).
-_GROUPS = {"model": "", "inner": "inner-", "outer": "outer-", "wire": "wire-", "compress": "compress-"}
+_GROUPS = {"model": "", "parallel": "", "inner": "inner-", "outer": "outer-", "wire": "wire-", "compress": "compress-"}
 
 
 def _flag_fields(cls: type = RunConfig):

@@ -29,7 +29,8 @@ def configure_logging(fmt: str = "kv", level: str = "info", stream: TextIO | Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        # One write per line (message + newline together): the ranks of a torchrun job share one pipe.
+        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
 

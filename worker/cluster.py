@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import structlog
 import torch
@@ -69,7 +69,14 @@ class DilocoCluster:
         delay: int = 1,
         run_config_json: str = "",
         evaluate_every_round: bool = True,
+        model_specs: list[tuple[str, tuple[int, ...]]] | None = None,
+        owned_names: list[str] | None = None,
+        peer_sync: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ) -> None:
+        """`model_specs`: the whole model's (name, shape) list, when this rank holds only a stage of it.
+        `owned_names`: the parameters this rank pushes and pulls (its replica's share of the stage).
+        `peer_sync`: fills in the global weights of the stage's other names from the replicas that
+        pulled them (a broadcast over the stage's data-parallel group)."""
         if delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {delay}")
         self.trainer = trainer
@@ -80,12 +87,15 @@ class DilocoCluster:
         self.run_config_json = run_config_json
         self.evaluate_every_round = evaluate_every_round
         self.params = dict(trainer.named_parameters())
+        self.model_specs = model_specs or [(name, tuple(p.shape)) for name, p in self.params.items()]
+        self.owned_names = list(owned_names) if owned_names is not None else list(self.params)
+        self.peer_sync = peer_sync
         self.slices: list[ParamSlice] = []
         self.version = -1
         self.reports: list[RoundReport] = []
         self.initial_eval_loss: float | None = None
         self.final_eval_loss: float | None = None
-        self.communicator = Communicator(client)
+        self.communicator = Communicator(client, pull_names=tuple(self.owned_names))
 
     # ------------------------------------------------------------------ parameters
     def current(self) -> dict[str, torch.Tensor]:
@@ -98,30 +108,35 @@ class DilocoCluster:
                 self.params[name].copy_(tensor)
 
     def _global_weights(self, pulled: dict[SliceKey, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full tensors of the pulled global weights (every slice must be present)."""
+        """Full tensors of the pulled global weights of this rank's parameters (every slice must be
+        present); with `peer_sync`, completed by the stage's replicas."""
         by_key = {s.key: s for s in self.slices}
         missing = set(by_key) - set(pulled)
         if missing:
             raise RuntimeError(f"pull returned no weights for {len(missing)} slices, e.g. {sorted(missing)[0]}")
-        full = {name: torch.empty_like(p, device="cpu") for name, p in self.params.items()}
+        full = {name: torch.empty_like(self.params[name], device="cpu") for name in self.owned_names}
         for key, tensor in pulled.items():
-            s = by_key[key]
-            s.view(full[s.name]).copy_(tensor)
-        return full
+            if key in by_key:
+                s = by_key[key]
+                s.view(full[s.name]).copy_(tensor)
+        return self.peer_sync(full) if self.peer_sync else full
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
         """Join, seed uninitialised shards, adopt the current global weights; returns the first round to train."""
-        specs = [(name, tuple(p.shape)) for name, p in self.params.items()]
-        info = self.client.join(specs, self.run_config_json)
-        self.slices = info.assignment
+        info = self.client.join(self.model_specs, self.run_config_json)
+        owned = set(self.owned_names)
+        self.slices = [s for s in info.assignment if s.name in owned]
         if info.needs_init:
-            init = slice_tensors([s for s in self.slices if s.shard in info.needs_init], self.current())
-            sent = self.client.push(0, 1.0, init, shards=info.needs_init)
-            log.info("initialised_shards", shards=info.needs_init, bytes_up=sent)
-        self.version, pulled, received = self.client.pull(min_version=0)
+            shards = sorted({s.shard for s in self.slices if s.shard in info.needs_init})
+            init = slice_tensors([s for s in self.slices if s.shard in shards], self.current())
+            sent = self.client.push(0, 1.0, init, shards=shards)
+            log.info("initialised_shards", shards=shards, bytes_up=sent)
+        self.version, pulled, received = self.client.pull(min_version=0, names=self.owned_names)
         self._assign(self._global_weights(pulled))
         self.initial_eval_loss = self.trainer.evaluate()
+        log.info("rank_share", cluster=self.client.cluster, names=self.owned_names,
+                 params_held=sum(p.numel() for p in self.params.values()))  # fmt: skip
         log.info(
             "cluster_started",
             cluster=self.client.cluster,

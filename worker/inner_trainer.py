@@ -20,6 +20,21 @@ from dilocox.worker.model import GPT
 EVAL_FRACTION = 0.1
 
 
+def inner_lr(config: RunConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to 10% over the run's inner steps (rounds × H)."""
+    inner = config.inner
+    total_steps = max(1, config.rounds * inner.steps)
+    if step < inner.warmup_steps:
+        return inner.lr * (step + 1) / inner.warmup_steps
+    progress = min(1.0, (step - inner.warmup_steps) / max(1, total_steps - inner.warmup_steps))
+    return inner.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_inner_optimizer(config: RunConfig, params) -> torch.optim.AdamW:
+    inner = config.inner
+    return torch.optim.AdamW(params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
+
+
 class InnerTrainer:
     def __init__(self, config: RunConfig, corpus: bytes, cluster_index: int = 0, num_clusters: int = 1) -> None:
         self.config = config
@@ -31,11 +46,7 @@ class InnerTrainer:
         self.sampler = BatchSampler(
             train, config.model.block_size, config.inner.batch_size, config.seed, cluster_index, num_clusters
         )
-        inner = config.inner
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay
-        )
-        self.total_steps = max(1, config.rounds * inner.steps)
+        self.optimizer = make_inner_optimizer(config, self.model.parameters())
         self.step = 0
         self.tokens_seen = 0
 
@@ -46,11 +57,7 @@ class InnerTrainer:
         return [(name, tuple(p.shape)) for name, p in self.model.named_parameters()]
 
     def lr_at(self, step: int) -> float:
-        inner = self.config.inner
-        if step < inner.warmup_steps:
-            return inner.lr * (step + 1) / inner.warmup_steps
-        progress = min(1.0, (step - inner.warmup_steps) / max(1, self.total_steps - inner.warmup_steps))
-        return inner.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return inner_lr(self.config, step)
 
     def train_steps(self, n: int) -> tuple[float, int, float]:
         """Run `n` inner AdamW steps; returns (mean train loss, tokens trained, seconds)."""

@@ -16,6 +16,8 @@ from dilocox.common.logs import configure_logging
 from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.cluster import DilocoCluster
 from dilocox.worker.data import CorpusError, load_corpus
+from dilocox.worker.distributed_cluster import DistributedContext, relaunch_with_torchrun, stage_sizes, under_torchrun
+from dilocox.worker.pipeline_stage import full_param_specs
 from dilocox.worker.inner_trainer import InnerTrainer
 
 log = structlog.get_logger()
@@ -42,24 +44,41 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dilocox worker: bad configuration: {error}") from None
     if not 0 <= args.cluster_index < args.num_clusters:
         raise SystemExit(f"dilocox worker: --cluster-index {args.cluster_index} outside [0, {args.num_clusters})")
+    parallel = config.parallel.world_size > 1
+    if parallel and not under_torchrun():
+        relaunch_with_torchrun(config.parallel.world_size)  # does not return
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cluster = args.cluster or f"cluster-{args.cluster_index}"
+    context = DistributedContext(config) if parallel else None
     try:
         corpus = load_corpus(args.data)
-        trainer = InnerTrainer(config, corpus, args.cluster_index, args.num_clusters)
+        if context is None:
+            trainer = InnerTrainer(config, corpus, args.cluster_index, args.num_clusters)
+            extra: dict = {}
+        else:
+            trainer = context.trainer(config, corpus, args.cluster_index, args.num_clusters)
+            extra = {
+                "model_specs": full_param_specs(config.model),
+                "owned_names": context.layout.share(stage_sizes(trainer)),
+                "peer_sync": context.peer_sync(trainer),
+            }
     except CorpusError as error:
         raise SystemExit(f"dilocox worker: {error}") from None
     addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
-    log.info("worker_starting", cluster=cluster, servers=addresses, params=trainer.model.num_params(), corpus_bytes=len(corpus))
+    held = sum(p.numel() for _, p in trainer.named_parameters())
+    log.info("worker_starting", cluster=cluster, servers=addresses, params_held=held, corpus_bytes=len(corpus))
     compressor = TensorCompressor(config.compress, seed=config.seed, name="uplink") if config.compress.codec != "fp32" else None
-    with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor) as client:
-        try:
+    try:
+        with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor) as client:
             DilocoCluster(
-                trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config))
+                trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config)), **extra
             ).run()
-        except AggregatorError as error:
-            log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
-            return 2
+    except AggregatorError as error:
+        log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
+        return 2
+    finally:
+        if context is not None:
+            context.close()
     return 0

@@ -77,7 +77,7 @@ class Simulation:
         self._lock = threading.Lock()
         self._rounds: dict[int, dict[str, dict]] = defaultdict(dict)
         self._initial: dict[str, float] = {}
-        self._final: dict[str, dict] = {}
+        self._final: dict[tuple[str, int], dict] = {}
         self.round_lines: list[dict] = []
 
     # ------------------------------------------------------------------ processes
@@ -133,25 +133,29 @@ class Simulation:
 
     # ------------------------------------------------------------------ events
     def _on_event(self, cluster: str, event: dict) -> None:
+        """Events come from every rank of every cluster; losses and tokens are per cluster (all its
+        ranks report the same), bytes are per rank (each pushes its own share) and are summed."""
         kind = event.get("event")
+        source = (cluster, event.get("rank", 0))
         with self._lock:
             if kind == "cluster_started":
                 self._initial[cluster] = event["eval_loss"]
             elif kind == "cluster_done":
-                self._final[cluster] = event
+                self._final[source] = event
             elif kind == "round_done":
                 per_round = self._rounds[event["round"]]
-                per_round[cluster] = event
-                if len(per_round) == self.args.clusters:
+                per_round[source] = event
+                if len(per_round) == self.args.clusters * self.config.parallel.world_size:
                     self._print_round(event["round"], per_round)
 
-    def _print_round(self, round_: int, per_cluster: dict[str, dict]) -> None:
-        events = list(per_cluster.values())
+    def _print_round(self, round_: int, per_rank: dict[tuple[str, int], dict]) -> None:
+        events = list(per_rank.values())
+        leads = [e for (_, rank), e in per_rank.items() if rank == 0]  # one per cluster
         line = {
             "round": round_,
-            "train_loss": round(sum(e["train_loss"] for e in events) / len(events), 4),
-            "eval_loss": round(sum(e["eval_loss"] for e in events) / len(events), 4),
-            "tokens": sum(e["tokens"] for e in events),
+            "train_loss": round(sum(e["train_loss"] for e in leads) / len(leads), 4),
+            "eval_loss": round(sum(e["eval_loss"] for e in leads) / len(leads), 4),
+            "tokens": sum(e["tokens"] for e in leads),
             "bytes_up": sum(e["bytes_up"] for e in events),
             "bytes_down": sum(e["bytes_down"] for e in events),
             "seconds": max(e["seconds"] for e in events),
@@ -179,7 +183,7 @@ class Simulation:
         finally:
             self.stop_all()
         wall = time.monotonic() - started
-        finals = [e["final_eval_loss"] for e in self._final.values() if e.get("final_eval_loss") is not None]
+        finals = [e["final_eval_loss"] for (_, rank), e in self._final.items() if rank == 0 and e.get("final_eval_loss") is not None]
         summary = {
             "ok": not failed and len(finals) == self.args.clusters,
             "failed_clusters": failed,

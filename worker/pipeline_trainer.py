@@ -1,0 +1,160 @@
+"""The local half of DiLoCo for one rank of a pipeline-parallel cluster (PP × DP over NCCL or gloo).
+
+Same contract as `InnerTrainer` (named_parameters / train_steps / evaluate), so the round loop does not
+care how the cluster computes. Each inner step runs the batch through PyTorch's own
+`torch.distributed.pipelining` schedule (GPipe or 1F1B) in micro-batches; replicas of a stage then
+average their gradients over the stage's data-parallel group; the gradient norm is clipped over the
+whole model (squared norms summed across stages), exactly as a single process would; then each rank's
+AdamW steps its own stage. A rank only ever holds its stage's parameters and optimiser state.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from dilocox.common.config import RunConfig
+from dilocox.worker.data import BatchSampler, check_size, eval_windows, split_corpus
+from dilocox.worker.inner_trainer import EVAL_FRACTION, inner_lr, make_inner_optimizer
+from dilocox.worker.parallel_layout import ParallelLayout
+from dilocox.worker.pipeline_stage import build_stage
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+class PipelineTrainer:
+    def __init__(
+        self,
+        config: RunConfig,
+        corpus: bytes,
+        layout: ParallelLayout,
+        pipeline_group: dist.ProcessGroup,
+        replica_group: dist.ProcessGroup,
+        cluster_index: int = 0,
+        num_clusters: int = 1,
+        device: torch.device | None = None,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.pipeline_group = pipeline_group
+        self.replica_group = replica_group
+        self.device = device or torch.device("cpu")
+        dp = layout.dp
+        check_size(len(corpus), config.model.block_size, eval_fraction=EVAL_FRACTION, num_shards=num_clusters * dp)
+        train, self.eval_data = split_corpus(corpus, EVAL_FRACTION)
+        self.module = build_stage(config.model, config.seed, layout.stage, layout.pp).to(self.device)
+        # Every stage of a replica draws the same batches (the first needs x, the last y); replicas of a
+        # cluster each get their own part of the cluster's data.
+        self.sampler = BatchSampler(train, config.model.block_size, config.inner.batch_size, config.seed,
+                                    cluster_index * dp + layout.replica, num_clusters * dp)  # fmt: skip
+        self.stage = PipelineStage(self.module, layout.stage, layout.pp, self.device, group=pipeline_group)
+        schedule_cls = SCHEDULES[config.parallel.schedule]
+        self.schedule = schedule_cls(self.stage, config.parallel.microbatches, loss_fn=_loss_fn)
+        self.optimizer = make_inner_optimizer(config, self.module.parameters())
+        self.step = 0
+        self.tokens_seen = 0
+
+    # ------------------------------------------------------------------ LocalTrainer
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(self.module.named_parameters())
+
+    def train_steps(self, n: int) -> tuple[float, int, float]:
+        """Run `n` pipelined inner steps; returns (mean train loss, tokens the whole cluster trained, seconds)."""
+        started = time.perf_counter()
+        self.module.train()
+        total_loss = 0.0
+        for _ in range(n):
+            for group in self.optimizer.param_groups:
+                group["lr"] = inner_lr(self.config, self.step)
+            x, y = self.sampler.next_batch()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            if self.module.is_first and self.module.is_last:
+                loss = _loss_fn(self.module(x.to(self.device)), y.to(self.device))
+                loss.backward()
+                losses = [loss.detach()]
+            elif self.module.is_first:
+                self.schedule.step(x.to(self.device))
+            elif self.module.is_last:
+                self.schedule.step(target=y.to(self.device), losses=losses)
+            else:
+                self.schedule.step()
+            self._average_replica_grads()
+            self._clip_global_grad_norm()
+            self.optimizer.step()
+            total_loss += self._pipeline_mean_loss(losses)
+            self.step += 1
+        tokens = n * self.sampler.tokens_per_batch * self.layout.dp
+        self.tokens_seen += tokens
+        return total_loss / max(1, n), tokens, time.perf_counter() - started
+
+    def evaluate(self) -> float:
+        """Mean eval loss of the whole model, the same fixed windows as the single-process trainer."""
+        cfg = self.config
+        was_training = self.module.training
+        self.module.eval()
+        starts = eval_windows(len(self.eval_data), cfg.model.block_size, cfg.inner.batch_size * cfg.eval_batches)
+        total = torch.zeros((), dtype=torch.float64)
+        batches = 0
+        ranks = self.layout.pipeline_ranks()
+        me = ranks.index(dist.get_rank())
+        with torch.no_grad():
+            for i in range(0, len(starts), cfg.inner.batch_size):
+                window = starts[i : i + cfg.inner.batch_size]
+                offsets = torch.arange(cfg.model.block_size + 1)
+                block = self.eval_data[window[:, None] + offsets[None, :]].long()
+                x, y = block[:, :-1], block[:, 1:]
+                h = x.to(self.device) if self.module.is_first else self._recv_hidden(ranks[me - 1], x.shape)
+                out = self.module(h)
+                if self.module.is_last:
+                    total += float(_loss_fn(out, y.to(self.device)))
+                else:
+                    dist.send(out.contiguous(), dst=ranks[me + 1], group=self.pipeline_group)
+                batches += 1
+        dist.broadcast(total, src=ranks[-1], group=self.pipeline_group)
+        self.module.train(was_training)
+        return float(total) / max(1, batches)
+
+    # ------------------------------------------------------------------ collectives
+    def _recv_hidden(self, src: int, idx_shape: torch.Size) -> torch.Tensor:
+        hidden = torch.empty(*idx_shape, self.config.model.n_embd, device=self.device)
+        dist.recv(hidden, src=src, group=self.pipeline_group)
+        return hidden
+
+    def _average_replica_grads(self) -> None:
+        if self.layout.dp == 1:
+            return
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.replica_group)
+                p.grad.div_(self.layout.dp)
+
+    def _clip_global_grad_norm(self) -> None:
+        max_norm = self.config.inner.grad_clip
+        if max_norm <= 0:
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        squared = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            squared += g.detach().float().square().sum()
+        if self.layout.pp > 1:
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self.pipeline_group)
+        total_norm = squared.sqrt()
+        scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale)
+
+    def _pipeline_mean_loss(self, losses: list[torch.Tensor]) -> float:
+        """The step's loss, known on the last stage, shared with the whole pipeline (for logs)."""
+        value = torch.tensor(float(torch.stack(losses).mean()) if losses else 0.0)
+        if self.layout.pp > 1:
+            dist.broadcast(value, src=self.layout.pipeline_ranks()[-1], group=self.pipeline_group)
+        return float(value)
