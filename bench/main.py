@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS = {
     "wire": ("dilocox.bench.wire", "bytes per round: DiLoCoX vs dense fp32 vs AllReduce"),
     "overlap": ("dilocox.bench.overlap", "compute idle time with and without the one-step delay over a slow link"),
+    "pipeline": ("dilocox.bench.pipeline", "inner-step tokens/s of a PP=2 cluster vs one process"),
 }
 
 

@@ -44,3 +44,11 @@ def test_sim_delay_one_converges_like_delay_zero(tmp_path):
     assert sync["tokens"] == delayed["tokens"]
     assert delayed["final_eval_loss"] < 1.15 * sync["final_eval_loss"], (sync, delayed)
     assert delayed["idle_fraction"] <= sync["idle_fraction"]
+
+
+def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
+    """Issue 3, acceptance 2 (short form): 2 clusters × (PP=2, DP=1) on gloo vs one process each."""
+    _, single = run_sim(tmp_path / "pp1", "--microbatches", "4")
+    _, piped = run_sim(tmp_path / "pp2", "--pp", "2", "--microbatches", "4")
+    assert piped["ok"] and piped["tokens"] == single["tokens"]
+    assert abs(piped["final_eval_loss"] - single["final_eval_loss"]) < 0.05 * single["final_eval_loss"], (single, piped)

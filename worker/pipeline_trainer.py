@@ -154,7 +154,7 @@ class PipelineTrainer:
 
     def _pipeline_mean_loss(self, losses: list[torch.Tensor]) -> float:
         """The step's loss, known on the last stage, shared with the whole pipeline (for logs)."""
-        value = torch.tensor(float(torch.stack(losses).mean()) if losses else 0.0)
+        value = torch.tensor(float(torch.stack(losses).detach().mean()) if losses else 0.0)
         if self.layout.pp > 1:
             dist.broadcast(value, src=self.layout.pipeline_ranks()[-1], group=self.pipeline_group)
         return float(value)

@@ -1,0 +1,82 @@
+"""`dilocox bench pipeline`: inner-step throughput of a PP=2 cluster vs one process, same machine.
+
+Runs the default model's inner steps (no shards involved: this measures the pipeline, not the WAN),
+PP=1 in this process and PP=2 as two gloo (CPU) or NCCL (GPU) ranks, and reports tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dilocox.bench.report import write_report
+from dilocox.common.config import InnerConfig, ParallelConfig, RunConfig
+from dilocox.worker.data import load_corpus
+from dilocox.worker.inner_trainer import InnerTrainer
+from dilocox.worker.parallel_layout import ParallelLayout, new_groups
+from dilocox.worker.pipeline_trainer import PipelineTrainer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=30, help="timed inner steps (default 30, after 3 warm-up)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+
+
+def _config(args: argparse.Namespace, pp: int, schedule: str = "1f1b") -> RunConfig:
+    return RunConfig(inner=InnerConfig(batch_size=args.batch_size),
+                     parallel=ParallelConfig(pp=pp, microbatches=args.microbatches, schedule=schedule))  # fmt: skip
+
+
+def _rank(rank: int, port: int, args: argparse.Namespace, schedule: str, out: str) -> None:
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", rank) if torch.cuda.device_count() >= 2 else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        layout = ParallelLayout(rank, 2, 1)
+        groups = new_groups(layout)
+        trainer = PipelineTrainer(_config(args, 2, schedule), load_corpus(None), layout, *groups, device=device)
+        trainer.train_steps(3)
+        dist.barrier()
+        _, tokens, seconds = trainer.train_steps(args.steps)
+        if rank == 0:
+            with open(out, "w") as f:
+                f.write(f"{tokens / seconds} {backend}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, out_dir) -> str:
+    torch.set_num_threads(args.threads)
+    single = InnerTrainer(_config(args, 1), load_corpus(None))
+    single.train_steps(3)
+    _, tokens, seconds = single.train_steps(args.steps)
+    rows = [{"pp": 1, "schedule": "-", "backend": "-", "tokens_per_s": round(tokens / seconds), "vs_pp1": 1.0}]
+    for schedule in ("gpipe", "1f1b"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = os.path.join(tempfile.mkdtemp(), "rate")
+        started = time.perf_counter()
+        mp.spawn(_rank, args=(port, args, schedule, out), nprocs=2, join=True)
+        rate, backend = open(out).read().split()
+        rows.append({"pp": 2, "schedule": schedule, "backend": backend, "tokens_per_s": round(float(rate)),
+                     "vs_pp1": round(float(rate) / rows[0]["tokens_per_s"], 3)})  # fmt: skip
+    notes = (
+        f"Default model, batch {args.batch_size}, {args.microbatches} micro-batches, {args.steps} timed inner steps, "
+        f"{args.threads} torch thread(s) per process, {os.cpu_count()} CPU cores, "
+        f"CUDA devices: {torch.cuda.device_count()}. PP=2 runs two ranks on the same machine, so on CPU it shows "
+        "the pipeline's overhead and its use of a second core, not a speed-up from more hardware.\n"
+    )
+    return write_report(out_dir, "pipeline", "Pipeline throughput: PP=2 vs PP=1", rows, list(rows[0]), notes, {"args": vars(args)})
