@@ -32,50 +32,41 @@ class Codec(NamedTuple):
     max_payload_bytes: Callable[[tuple[int, ...]], int]
 
 
-def _encode_fp32(tensor: torch.Tensor) -> tuple[memoryview, str]:
-    flat = tensor.detach().to(dtype=torch.float32, device="cpu").contiguous().reshape(-1)
-    return memoryview(flat.numpy()).cast("B"), "float32"
-
-
-def _decode_fp32(buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    if dtype != "float32":
-        raise InvalidFrame(f"codec fp32 carries float32, frame says {dtype!r}")
-    numel = math.prod(shape)
-    if len(buffer) != 4 * numel:
-        raise InvalidFrame(f"fp32 payload of {len(buffer)} bytes does not hold shape {list(shape)}")
-    if numel == 0:
-        return torch.empty(shape, dtype=torch.float32)
-    return torch.frombuffer(buffer, dtype=torch.float32).reshape(shape)
-
-
-_HALF_DTYPES = {"fp16": (torch.float16, "float16"), "bf16": (torch.bfloat16, "bfloat16")}
+# Raw little-endian floats: (torch dtype, dtype name in the frame, integer view for numpy's buffer).
+_RAW_DTYPES = {
+    "fp32": (torch.float32, "float32", torch.int32),
+    "fp16": (torch.float16, "float16", torch.int16),
+    "bf16": (torch.bfloat16, "bfloat16", torch.int16),
+}
 QUANT_BLOCK = 128  # block size this build's encoders use; decoders accept any block a payload declares
 
 
-def _half_codec(name: str) -> Codec:
-    torch_dtype, dtype_name = _HALF_DTYPES[name]
+def _raw_codec(name: str) -> Codec:
+    torch_dtype, dtype_name, int_view = _RAW_DTYPES[name]
+    itemsize = torch.finfo(torch_dtype).bits // 8
     limit = torch.finfo(torch_dtype).max
 
     def encode(tensor: torch.Tensor) -> tuple[memoryview, str]:
-        # Finite values beyond the format's range saturate (fp16: ±65504) rather than become Inf,
-        # which every decoder would refuse; error feedback carries the remainder.
-        # NaN/Inf pass through unchanged, so the receiver refuses them as it would for fp32.
         flat = tensor.detach().to(dtype=torch.float32, device="cpu").reshape(-1)
-        flat = torch.where(torch.isfinite(flat), flat.clamp(-limit, limit), flat)
-        half = flat.to(torch_dtype).contiguous()
-        return memoryview(half.view(torch.int16).numpy()).cast("B"), dtype_name
+        if torch_dtype is not torch.float32:
+            # Finite values beyond the format's range saturate (fp16: ±65504) rather than become Inf,
+            # which every decoder would refuse. NaN/Inf pass through unchanged, so the receiver
+            # refuses them as it would for fp32.
+            flat = torch.where(torch.isfinite(flat), flat.clamp(-limit, limit), flat)
+        raw = flat.to(torch_dtype).contiguous()
+        return memoryview(raw.view(int_view).numpy()).cast("B"), dtype_name
 
     def decode(buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
         if dtype != dtype_name:
             raise InvalidFrame(f"codec {name} carries {dtype_name}, frame says {dtype!r}")
         numel = math.prod(shape)
-        if len(buffer) != 2 * numel:
+        if len(buffer) != itemsize * numel:
             raise InvalidFrame(f"{name} payload of {len(buffer)} bytes does not hold shape {list(shape)}")
         if numel == 0:
             return torch.empty(shape, dtype=torch.float32)
         return torch.frombuffer(buffer, dtype=torch_dtype).to(torch.float32).reshape(shape)
 
-    return Codec(encode, decode, lambda shape: 2 * math.prod(shape))
+    return Codec(encode, decode, lambda shape: itemsize * math.prod(shape))
 
 
 def _quant_codec(name: str, bits: int) -> Codec:
@@ -123,10 +114,10 @@ def _max_lowrank_bytes(shape: tuple[int, ...]) -> int:
 
 
 CODECS: dict[str, Codec] = {
-    "fp32": Codec(_encode_fp32, _decode_fp32, lambda shape: 4 * math.prod(shape)),
+    "fp32": _raw_codec("fp32"),
     "lowrank": Codec(_encode_lowrank_stateless, _decode_lowrank, _max_lowrank_bytes),
-    "fp16": _half_codec("fp16"),
-    "bf16": _half_codec("bf16"),
+    "fp16": _raw_codec("fp16"),
+    "bf16": _raw_codec("bf16"),
     "int8": _quant_codec("int8", 8),
     "int4": _quant_codec("int4", 4),
 }
