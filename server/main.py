@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-clusters", type=int, default=1, help="contributions a round needs before it may close (default 1)"
     )
     parser.add_argument(
+        "--round-deadline-s", type=float, default=300.0,
+        help="close a round this long after its first contribution with the clusters that completed it "
+        "(≥ --min-clusters); the rest are marked inactive and must rejoin (default 300; 0 = wait forever)",
+    )  # fmt: skip
+    parser.add_argument(
         "--added-latency-ms", type=float, default=0.0,
         help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
     )  # fmt: skip
@@ -46,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             min_clusters=args.min_clusters,
+            round_deadline_s=args.round_deadline_s or None,
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None

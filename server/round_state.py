@@ -8,6 +8,7 @@ so a retried push is recognised and never double-counted.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ class RoundAccumulator:
     contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
     cluster_weights: dict[str, float] = field(default_factory=dict)
     bytes_in: int = 0
+    first_push_at: float | None = None  # monotonic time of the round's first contribution: starts the deadline
 
     def check_weight(self, cluster: str, weight: float) -> None:
         """A cluster's weight (tokens this round) must be positive and the same on all its streams."""
@@ -48,6 +50,8 @@ class RoundAccumulator:
         """Record one vetted slice; callers have checked shape, values and duplicates already."""
         self.cluster_weights[cluster] = weight
         self.contributions.setdefault(encoded.key, {})[cluster] = Contribution(cluster, weight, encoded)
+        if self.first_push_at is None:
+            self.first_push_at = time.monotonic()
 
     def complete_clusters(self, owned: set[SliceKey]) -> set[str]:
         """Clusters that delivered every slice this shard owns."""
@@ -56,6 +60,13 @@ class RoundAccumulator:
             for cluster in self.contributions.get(key, {}):
                 delivered[cluster] = delivered.get(cluster, 0) + 1
         return {c for c, n in delivered.items() if n == len(owned)}
+
+    def keep_only(self, clusters: set[str]) -> None:
+        """Drop the partial contributions of clusters that did not complete the round."""
+        for per_key in self.contributions.values():
+            for cluster in [c for c in per_key if c not in clusters]:
+                del per_key[cluster]
+        self.cluster_weights = {c: w for c, w in self.cluster_weights.items() if c in clusters}
 
     def mean(self, key: SliceKey) -> torch.Tensor | None:
         """The weighted mean pseudo-gradient of a slice, or None if nobody delivered it."""

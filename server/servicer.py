@@ -176,6 +176,14 @@ def start_server(
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()
+    stop_timer = shard.start_deadline_timer()
+    server_stop = server.stop
+
+    def stop(grace):  # the deadline timer ends with the server
+        stop_timer.set()
+        return server_stop(grace)
+
+    server.stop = stop  # type: ignore[method-assign]
     log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id)
     return server, bound
 

@@ -82,7 +82,10 @@ class Shard:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         min_clusters: int = 1,
+        round_deadline_s: float | None = None,
     ) -> None:
+        """`round_deadline_s`: once a round's first contribution is in, close it after this long with the
+        clusters that completed (at least `min_clusters`); the others are marked inactive."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
         if min_clusters < 1:
@@ -91,6 +94,9 @@ class Shard:
         self.num_shards = num_shards
         self.run_id = run_id
         self.min_clusters = min_clusters
+        if round_deadline_s is not None and round_deadline_s <= 0:
+            raise ValueError(f"round deadline must be positive, got {round_deadline_s}")
+        self.round_deadline_s = round_deadline_s
         self.optimizer = OuterNesterov(outer_lr, outer_momentum)
         self._cond = threading.Condition()
         # Fixed by the first join:
@@ -221,13 +227,45 @@ class Shard:
             self.accumulator = RoundAccumulator(self.open_round)
         return self.accumulator
 
-    def _maybe_close_round(self) -> bool:
+    def start_deadline_timer(self) -> threading.Event:
+        """Tick in a daemon thread while the deadline is set; set the returned event to stop it."""
+        stop = threading.Event()
+        if self.round_deadline_s is not None:
+            interval = min(0.2, self.round_deadline_s / 10)
+
+            def loop() -> None:
+                while not stop.wait(interval):
+                    self.tick()
+
+            threading.Thread(target=loop, name=f"shard-{self.shard_index}-deadline", daemon=True).start()
+        return stop
+
+    def tick(self, now: float | None = None) -> bool:
+        """Close the open round if its deadline has passed with enough contributions (called periodically)."""
+        with self._cond:
+            return self._maybe_close_round(now)
+
+    def _maybe_close_round(self, now: float | None = None) -> bool:
         acc = self.accumulator
-        if acc is None or self.snapshot is None:
+        if acc is None or self.snapshot is None or acc.round != self.open_round:
             return False
         complete = acc.complete_clusters(set(self.owned))
-        if len(complete) < self.min_clusters or not set(self.members) <= complete:
+        if len(complete) < self.min_clusters:
             return False
+        if not set(self.members) <= complete:
+            now = time.monotonic() if now is None else now
+            expired = (
+                self.round_deadline_s is not None
+                and acc.first_push_at is not None
+                and now - acc.first_push_at >= self.round_deadline_s
+            )
+            if not expired:
+                return False
+            for cluster in sorted(set(self.members) - complete):
+                del self.members[cluster]
+                log.warning("cluster_inactive", shard=self.shard_index, cluster=cluster, round=acc.round,
+                            reason=f"no complete contribution within the {self.round_deadline_s}s deadline")  # fmt: skip
+            acc.keep_only(complete)
         started = time.perf_counter()
         new = {}
         for key, param in self.snapshot.tensors.items():

@@ -13,12 +13,13 @@ class ShardSet:
     """N in-process shards, each a real grpc.Server bound to 127.0.0.1:<free port>."""
 
     def __init__(self, num_shards: int, run_id: str, min_clusters: int = 1, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 wire: WireConfig | None = None) -> None:  # fmt: skip
-        self.shards = [Shard(i, num_shards, run_id, outer_lr, outer_momentum, min_clusters) for i in range(num_shards)]
+                 wire: WireConfig | None = None, round_deadline_s: float | None = None,
+                 added_latency_s: float = 0.0) -> None:  # fmt: skip
+        self.shards = [Shard(i, num_shards, run_id, outer_lr, outer_momentum, min_clusters, round_deadline_s) for i in range(num_shards)]
         self.servers = []
         self.addresses = []
         for shard in self.shards:
-            server, port = start_server(shard, "127.0.0.1", 0, wire)
+            server, port = start_server(shard, "127.0.0.1", 0, wire, added_latency_s=added_latency_s)
             self.servers.append(server)
             self.addresses.append(f"127.0.0.1:{port}")
 

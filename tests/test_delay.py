@@ -202,7 +202,7 @@ def test_worker_sigterm_mid_round_finishes_pending_round(shard_set, tmp_path):
     import subprocess
     import sys
 
-    shards = shard_set(1, "sigterm-run")
+    shards = shard_set(1, "sigterm-run", added_latency_s=0.3)  # exchanges outlast rounds: one is nearly always in flight
     shard = shards.shards[0]
     cmd = [
         sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "sigterm-run",

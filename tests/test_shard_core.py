@@ -189,3 +189,39 @@ def test_late_push_for_closed_round_is_refused():
     shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(4)))
     with pytest.raises(RoundNotOpen, match="round 1 is closed; the open round is 2"):
         shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(4)))
+
+
+def test_deadline_closes_the_round_with_complete_clusters_and_drops_the_rest():
+    """A cluster that misses the deadline is marked inactive; its partial push is not mixed in."""
+    shard = Shard(0, 1, RUN, outer_lr=0.7, outer_momentum=0.9, min_clusters=2, round_deadline_s=5.0)
+    init(shard, ["a", "b", "c"], full_tensors(0))
+    theta0 = {k: v.clone() for k, v in shard.snapshot.tensors.items()}
+    da, db, dc = full_tensors(1), full_tensors(2), full_tensors(3)
+    shard.commit_push("a", 1, 10.0, slices_for(shard, da))
+    shard.commit_push("b", 1, 30.0, slices_for(shard, db))
+    shard.commit_push("c", 1, 20.0, slices_for(shard, dc)[:1])  # c dies mid-push
+    started = shard.accumulator.first_push_at
+    assert not shard.tick(now=started + 4.9) and shard.version == 0  # before the deadline: keep waiting
+    assert shard.tick(now=started + 5.0) and shard.version == 1
+    assert shard.status()["clusters"] == ["a", "b"]
+
+    reference = OuterNesterov(0.7, 0.9)
+    for key, s in shard.owned.items():
+        grad = (10.0 * s.view(da[s.name]) + 30.0 * s.view(db[s.name])) / 40.0
+        torch.testing.assert_close(shard.snapshot.tensors[key], reference.step(key, theta0[key], grad), rtol=1e-6, atol=1e-7)
+
+    with pytest.raises(NotJoined):  # c's late push is refused, never mixed into round 2
+        shard.check_push(RUN, "c", 1, 20.0)
+    shard.join(RUN, "c", model_digest(PARAMS), PARAMS)  # c comes back and takes part from round 2
+    shard.commit_push("a", 2, 10.0, slices_for(shard, da))
+    shard.commit_push("b", 2, 10.0, slices_for(shard, db))
+    assert shard.version == 1  # round 2 waits for the rejoined c
+    assert shard.commit_push("c", 2, 10.0, slices_for(shard, dc)).round_closed
+
+
+def test_deadline_never_closes_below_min_clusters():
+    shard = Shard(0, 1, RUN, min_clusters=2, round_deadline_s=0.01)
+    init(shard, ["a", "b"], full_tensors(0))
+    shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(1)))
+    assert not shard.tick(now=shard.accumulator.first_push_at + 100)
+    assert shard.version == 0 and shard.status()["clusters"] == ["a", "b"]

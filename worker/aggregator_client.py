@@ -8,6 +8,7 @@ framing.
 
 from __future__ import annotations
 
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class AggregatorClient:
         connect_timeout: float = 60.0,
         rpc_timeout: float = 600.0,
         compressor: TensorCompressor | None = None,
+        retry_s: float = 60.0,
     ) -> None:
         if not addresses:
             raise ValueError("at least one shard address is needed")
@@ -81,6 +83,7 @@ class AggregatorClient:
         self.wire = wire or WireConfig()
         self.connect_timeout = connect_timeout
         self.rpc_timeout = rpc_timeout
+        self.retry_s = retry_s
         options = [
             ("grpc.max_receive_message_length", self.wire.max_message_bytes),
             ("grpc.max_send_message_length", self.wire.max_message_bytes),
@@ -172,18 +175,12 @@ class AggregatorClient:
             address, stub = self._stubs[shard]
             sent = 0
 
-            def messages() -> Iterator[pb.PushMessage]:
-                nonlocal sent
-                header = pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))
-                sent += header.ByteSize()
-                yield header
-                for key in by_shard.get(shard, []):
-                    for chunk in self._encode(round_, key, tensors[key]):
-                        message = pb.PushMessage(chunk=chunk)
-                        sent += message.ByteSize()
-                        yield message
-
-            self._call(address, lambda: stub.Push(messages(), timeout=self.rpc_timeout))
+            # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
+            messages = [pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))]
+            for key in by_shard.get(shard, []):
+                messages += [pb.PushMessage(chunk=chunk) for chunk in self._encode(round_, key, tensors[key])]
+            sent = sum(m.ByteSize() for m in messages)
+            self._call(address, lambda: stub.Push(iter(messages), timeout=self.rpc_timeout))
             return sent
 
         sent_per_shard = list(self._pool.map(push_one, targets))
@@ -309,21 +306,20 @@ class AggregatorClient:
                 replies.append(error)
         return replies
 
-    @staticmethod
-    def _call(address: str, fn):
-        try:
-            return fn()
-        except grpc.RpcError as error:
-            raise AggregatorError(address, error.code(), error.details() or "") from None
-
-
-def wait_for_shards(addresses: Sequence[str], timeout: float = 60.0) -> None:
-    """Block until every address answers Status (used by the sim and tests)."""
-    deadline = time.monotonic() + timeout
-    for address in addresses:
-        with grpc.insecure_channel(address) as channel:
-            remaining = max(0.1, deadline - time.monotonic())
+    def _call(self, address: str, fn):
+        """Run one call; a shard that is UNAVAILABLE (restarting, link down) is retried with exponential
+        backoff and jitter for up to `retry_s` seconds. Every call made through here is idempotent."""
+        deadline = time.monotonic() + self.retry_s
+        attempt = 0
+        while True:
             try:
-                grpc.channel_ready_future(channel).result(timeout=remaining)
-            except grpc.FutureTimeoutError:
-                raise TimeoutError(f"shard at {address} did not come up within {timeout:.0f}s") from None
+                return fn()
+            except grpc.RpcError as error:
+                code = error.code()
+                pause = min(5.0, 0.2 * 2**attempt) * (0.5 + random.random())
+                if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() + pause > deadline:
+                    raise AggregatorError(address, code, error.details() or "") from None
+                log.warning("shard_unavailable_retrying", address=address, attempt=attempt + 1, pause_s=round(pause, 2))
+                time.sleep(pause)
+                attempt += 1
+

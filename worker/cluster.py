@@ -20,12 +20,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Protocol
 
+import grpc
 import structlog
 import torch
 
 from dilocox.common.assignment import ParamSlice
 from dilocox.common.framing import SliceKey
-from dilocox.worker.aggregator_client import AggregatorClient
+from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.communicator import Communicator, RoundExchange
 
 log = structlog.get_logger()
@@ -203,16 +204,29 @@ class DilocoCluster:
 
     def run(self) -> list[RoundReport]:
         try:
-            first = self.start()
+            round_ = self.start()
             start = self.current()
-            for round_ in range(first, self.rounds + 1):
-                report, start = self.run_round(round_, start)
+            while round_ <= self.rounds:
+                try:
+                    report, start = self.run_round(round_, start)
+                except AggregatorError as error:
+                    if error.code != grpc.StatusCode.FAILED_PRECONDITION:
+                        raise
+                    # The shards went on without us (a missed deadline made us inactive, or our round
+                    # closed): rejoin, adopt the current global weights and carry on from there.
+                    log.warning("cluster_rejoining", cluster=self.client.cluster, round=round_, reason=error.details)
+                    self.communicator.close(timeout=0)
+                    self.communicator = Communicator(self.client, pull_names=tuple(self.owned_names))
+                    round_ = self.start()
+                    start = self.current()
+                    continue
                 self.reports.append(report)
+                round_ += 1
             self.finish()
         finally:
+            pending = self.communicator.in_flight
             outcome = self.communicator.close()
-            if outcome != "idle":
-                log.warning("shutdown_with_round_in_flight", cluster=self.client.cluster, outcome=outcome)
+            log.info("communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending)
         self.final_eval_loss = self.trainer.evaluate() if self.reports else self.initial_eval_loss
         log.info(
             "cluster_done",

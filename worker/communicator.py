@@ -68,7 +68,16 @@ class Communicator:
                 raise RuntimeError("no round in flight")
             round_, future = self._in_flight
         started = time.perf_counter()
-        result = future.result(timeout=timeout)  # re-raises the exchange's error, if any
+        try:
+            result = future.result(timeout=timeout)  # re-raises the exchange's error, if any
+        except FutureTimeout:
+            raise  # still in flight: the caller may collect again
+        except Exception:
+            # The exchange itself failed: nothing is in flight any more. (A SystemExit from a signal
+            # handler is no Exception: the round stays in flight for close() to finish or abandon.)
+            with self._lock:
+                self._in_flight = None
+            raise
         waited = time.perf_counter() - started
         with self._lock:
             self._in_flight = None

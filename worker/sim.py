@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per cluster process (default 1)")
     parser.add_argument("--log-dir", type=pathlib.Path, help="keep every process's log here (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")
+    parser.add_argument(
+        "--round-deadline-s", type=float, default=120.0,
+        help="shards close a round this long after its first push with the clusters that made it (default 120)",
+    )  # fmt: skip
     parser.add_argument("--summary-json", type=pathlib.Path, help="also write the final summary here as JSON")
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
     add_config_arguments(parser)
@@ -90,7 +94,8 @@ class Simulation:
                 "server", "--num-shards", str(self.args.shards), "--shard-index", str(i), "--port", "0",
                 "--port-file", str(port_file), "--run-id", self.config.run_id,
                 "--outer-lr", str(self.config.outer.lr), "--outer-momentum", str(self.config.outer.momentum),
-                "--min-clusters", str(self.args.clusters), "--log-format", "json",
+                "--min-clusters", str(self.args.clusters), "--round-deadline-s", str(self.args.round_deadline_s),
+                "--log-format", "json",
             )  # fmt: skip
             with (self.log_dir / f"shard-{i}.log").open("w") as out:
                 self.shards.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
