@@ -11,6 +11,7 @@ import structlog
 
 from dilocox.common.config import OuterConfig, WireConfig
 from dilocox.common.logs import configure_logging
+from dilocox.server import checkpoint
 from dilocox.server.servicer import start_server
 from dilocox.server.shard import Shard
 
@@ -34,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="close a round this long after its first contribution with the clusters that completed it "
         "(≥ --min-clusters); the rest are marked inactive and must rejoin (default 300; 0 = wait forever)",
     )  # fmt: skip
+    parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="write shard-<index>.pt here (atomically)")
+    parser.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every k published versions (default 1)")
+    parser.add_argument("--resume", action="store_true", help="restart from the checkpoint in --checkpoint-dir")
     parser.add_argument(
         "--added-latency-ms", type=float, default=0.0,
         help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
@@ -55,6 +59,23 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None
+    checkpointer = None
+    if args.resume and not args.checkpoint_dir:
+        raise SystemExit("dilocox server: --resume needs --checkpoint-dir")
+    if args.checkpoint_dir:
+        path = checkpoint.checkpoint_path(args.checkpoint_dir, args.shard_index)
+        if args.resume:
+            if not path.is_file():
+                raise SystemExit(f"dilocox server: --resume: no checkpoint at {path}")
+            try:
+                checkpoint.restore(shard, checkpoint.load(path))
+            except (ValueError, KeyError) as error:
+                raise SystemExit(f"dilocox server: cannot resume from {path}: {error}") from None
+        try:
+            checkpointer = checkpoint.Checkpointer(shard, args.checkpoint_dir, args.checkpoint_every)
+        except ValueError as error:
+            raise SystemExit(f"dilocox server: {error}") from None
+        shard.on_publish = checkpointer
     server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000)
     if args.port_file:
         tmp = args.port_file.with_suffix(".tmp")
@@ -70,5 +91,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     stop.wait()
     server.stop(grace=2.0).wait()
+    if checkpointer is not None:
+        checkpointer.save_now()
     log.info("shard_stopped", shard=args.shard_index, **{k: v for k, v in shard.status().items() if k in ("version", "bytes_in", "bytes_out")})
     return 0

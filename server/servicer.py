@@ -113,6 +113,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         version and they are smaller than the weights plus momentum it would need otherwise."""
         if snapshot.version == 0 or request.have_version != snapshot.version - 1:
             return False
+        if not any(snapshot.contributions.get(k) for k in keys):
+            return False  # nothing to replay from (e.g. restored without them): send the weights
         forwarded = sum(
             len(c.slice.payload) for k in keys for c in snapshot.contributions.get(k, {}).values() if c.cluster != request.cluster
         )

@@ -17,7 +17,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import structlog
 import torch
@@ -101,6 +101,7 @@ class Shard:
         self._cond = threading.Condition()
         # Fixed by the first join:
         self.digest: str | None = None
+        self.param_specs: list[tuple[str, tuple[int, ...]]] = []
         self.assignment: list[ParamSlice] = []
         self.owned: dict[SliceKey, ParamSlice] = {}
         self.run_config_json = ""
@@ -112,6 +113,8 @@ class Shard:
         self.accumulator: RoundAccumulator | None = None
         self.bytes_in = 0
         self.bytes_out = 0
+        # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
+        self.on_publish: Callable[[Snapshot], None] | None = None
 
     # ------------------------------------------------------------------ membership
     def join(
@@ -125,6 +128,7 @@ class Shard:
         with self._cond:
             if self.digest is None:
                 self.digest = digest
+                self.param_specs = [(name, tuple(int(d) for d in shape)) for name, shape in params]
                 self.assignment = assign_slices(params, self.num_shards)
                 self.owned = {s.key: s for s in slices_of_shard(self.assignment, self.shard_index)}
                 self.run_config_json = run_config_json or json.dumps({})
@@ -215,7 +219,7 @@ class Shard:
             self._init_staging[item.key] = item.decode().to(torch.float32).clone()
         closed = False
         if set(self._init_staging) >= set(self.owned):
-            self.snapshot = Snapshot(0, dict(self._init_staging))
+            self._publish(Snapshot(0, dict(self._init_staging)))
             self._init_staging = {}
             closed = True
             log.info("initialised", shard=self.shard_index, by=cluster, elements=self.num_elements)
@@ -226,6 +230,11 @@ class Shard:
         if self.accumulator is None or self.accumulator.round != self.open_round:
             self.accumulator = RoundAccumulator(self.open_round)
         return self.accumulator
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        if self.on_publish is not None:
+            self.on_publish(snapshot)
 
     def start_deadline_timer(self) -> threading.Event:
         """Tick in a daemon thread while the deadline is set; set the returned event to stop it."""
@@ -272,7 +281,7 @@ class Shard:
             grad = acc.mean(key)
             new[key] = param if grad is None else self.optimizer.step(key, param, grad)
         momentum = {key: buf.clone() for key, buf in self.optimizer.buffers.items()}
-        self.snapshot = Snapshot(acc.round, new, momentum, acc.contributions)
+        self._publish(Snapshot(acc.round, new, momentum, acc.contributions))
         log.info(
             "round_closed",
             shard=self.shard_index,

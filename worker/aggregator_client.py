@@ -163,8 +163,12 @@ class AggregatorClient:
         weight: float,
         tensors: Mapping[SliceKey, torch.Tensor],
         shards: Iterable[int] | None = None,
+        reencode: bool = True,
     ) -> int:
-        """Send slices (keyed by SliceKey) to their owning shards in parallel; returns bytes sent."""
+        """Send slices (keyed by SliceKey) to their owning shards in parallel; returns bytes sent.
+
+        `reencode=False` resends the bytes of this round's last push (a re-push after a shard restart)
+        instead of compressing again, which would advance the compressor's state a second time."""
         owner = {s.key: s.shard for s in self.assignment}
         by_shard: dict[int, list[SliceKey]] = {}
         for key in tensors:
@@ -178,7 +182,12 @@ class AggregatorClient:
             # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
             messages = [pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))]
             for key in by_shard.get(shard, []):
-                messages += [pb.PushMessage(chunk=chunk) for chunk in self._encode(round_, key, tensors[key])]
+                if not reencode and key in self._own:
+                    item = self._own[key][0]
+                    chunks = frame_payload(key, item.payload, item.codec, item.dtype, item.shape, self.wire.chunk_bytes, self.wire.zstd_level)
+                else:
+                    chunks = self._encode(round_, key, tensors[key])
+                messages += [pb.PushMessage(chunk=chunk) for chunk in chunks]
             sent = sum(m.ByteSize() for m in messages)
             self._call(address, lambda: stub.Push(iter(messages), timeout=self.rpc_timeout))
             return sent

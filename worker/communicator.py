@@ -14,11 +14,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
+import grpc
 import structlog
 import torch
 
 from dilocox.common.framing import SliceKey
-from dilocox.worker.aggregator_client import AggregatorClient
+from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
 
 log = structlog.get_logger()
 
@@ -41,10 +42,15 @@ class RoundExchange:
 
 
 class Communicator:
-    def __init__(self, client: AggregatorClient, pull_names: tuple[str, ...] = (), pull_wait_s: float = 600.0) -> None:
+    def __init__(
+        self, client: AggregatorClient, pull_names: tuple[str, ...] = (), pull_wait_s: float = 3600.0, repush_after_s: float = 30.0
+    ) -> None:
+        """`repush_after_s`: while waiting for the round's result, push again this often (idempotent):
+        a shard restarted from a checkpoint has lost the open round's pushes and needs them again."""
         self.client = client
         self.pull_names = pull_names
         self.pull_wait_s = pull_wait_s
+        self.repush_after_s = repush_after_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="communicator")
         self._in_flight: tuple[int, Future] | None = None
         self._lock = threading.Lock()
@@ -113,5 +119,19 @@ class Communicator:
         started = time.perf_counter()
         bytes_up = self.client.push(round_, weight, slices)
         pushed = time.perf_counter()
-        version, weights, bytes_down = self.client.pull(round_, names=self.pull_names, wait_seconds=self.pull_wait_s)
+        give_up = time.monotonic() + self.pull_wait_s
+        while True:
+            wait = max(0.1, min(self.repush_after_s, give_up - time.monotonic()))
+            try:
+                version, weights, bytes_down = self.client.pull(round_, names=self.pull_names, wait_seconds=wait)
+                break
+            except AggregatorError as error:
+                if error.code != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= give_up:
+                    raise
+            log.info("round_result_late_repushing", round=round_, waited_s=round(time.perf_counter() - pushed, 1))
+            try:
+                self.client.push(round_, weight, slices, reencode=False)
+            except AggregatorError as error:
+                if error.code != grpc.StatusCode.FAILED_PRECONDITION:  # closed meanwhile: the pull will see it
+                    raise
         return RoundExchange(round_, version, weights, bytes_up, bytes_down, pushed - started, time.perf_counter() - pushed)

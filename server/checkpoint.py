@@ -1,0 +1,146 @@
+"""Shard checkpoints: everything a restarted shard needs to serve the same run from the same version.
+
+Saved: the run's identity and model (digest, parameter list → the same assignment), membership, the
+published version with its global weights, the outer momentum, and the contributions that made it (so
+clusters holding the previous version can still replay it). Not saved: the open round's contributions
+— clusters re-push after a restart (pushes are idempotent, and the client re-pushes while it waits).
+
+Writes are atomic: a temporary file in the same folder, fsync, then rename; a crash mid-write leaves the
+previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+
+import structlog
+import torch
+
+from dilocox.common.assignment import assign_slices, slices_of_shard
+from dilocox.common.framing import EncodedSlice, SliceKey
+from dilocox.server.round_state import Contribution
+from dilocox.server.shard import Shard, Snapshot
+
+log = structlog.get_logger()
+FORMAT_VERSION = 1
+
+
+def checkpoint_path(directory: str | os.PathLike, shard_index: int) -> pathlib.Path:
+    return pathlib.Path(directory) / f"shard-{shard_index}.pt"
+
+
+def shard_state(shard: Shard) -> dict:
+    """A plain, picklable description of the shard's durable state (call under the shard's lock)."""
+    snap = shard.snapshot
+
+    def key(k: SliceKey) -> tuple:
+        return (k.name, k.row_start, k.row_stop)
+
+    return {
+        "format": FORMAT_VERSION,
+        "run_id": shard.run_id,
+        "shard_index": shard.shard_index,
+        "num_shards": shard.num_shards,
+        "digest": shard.digest,
+        "param_specs": shard.param_specs,
+        "run_config_json": shard.run_config_json,
+        "members": dict(shard.members),
+        "initialiser": shard.initialiser,
+        "outer": {"lr": shard.optimizer.lr, "momentum": shard.optimizer.momentum},
+        "snapshot": None
+        if snap is None
+        else {
+            "version": snap.version,
+            "tensors": {key(k): t for k, t in snap.tensors.items()},
+            "momentum": {key(k): t for k, t in snap.momentum.items()},
+            "contributions": {
+                key(k): {c: (x.weight, x.slice.codec, x.slice.dtype, x.slice.shape, x.slice.payload) for c, x in per.items()}
+                for k, per in snap.contributions.items()
+            },
+        },
+    }
+
+
+def save(shard: Shard, directory: str | os.PathLike) -> pathlib.Path:
+    """Atomically write the shard's checkpoint; returns its path."""
+    path = checkpoint_path(directory, shard.shard_index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = shard_state(shard)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)
+    version = state["snapshot"]["version"] if state["snapshot"] else -1
+    log.info("checkpoint_saved", shard=shard.shard_index, version=version, path=str(path))
+    return path
+
+
+def load(path: str | os.PathLike) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file, written by save()
+    if state.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this build reads {FORMAT_VERSION}")
+    return state
+
+
+def restore(shard: Shard, state: dict) -> None:
+    """Put a fresh shard back into the checkpointed state; refuses a checkpoint of another shard or run."""
+    for field, want in (("run_id", shard.run_id), ("shard_index", shard.shard_index), ("num_shards", shard.num_shards)):
+        if state[field] != want:
+            raise ValueError(f"checkpoint is for {field}={state[field]!r}, this shard has {want!r}")
+    shard.digest = state["digest"]
+    shard.param_specs = [(n, tuple(s)) for n, s in state["param_specs"]]
+    if shard.param_specs:
+        shard.assignment = assign_slices(shard.param_specs, shard.num_shards)
+        shard.owned = {s.key: s for s in slices_of_shard(shard.assignment, shard.shard_index)}
+    shard.run_config_json = state["run_config_json"]
+    shard.members = dict(state["members"])
+    shard.initialiser = state["initialiser"]
+    shard.optimizer.lr = state["outer"]["lr"]
+    shard.optimizer.momentum = state["outer"]["momentum"]
+    snap = state["snapshot"]
+    if snap is None:
+        return
+    tensors = {SliceKey(*k): t for k, t in snap["tensors"].items()}
+    momentum = {SliceKey(*k): t for k, t in snap["momentum"].items()}
+    contributions = {
+        SliceKey(*k): {
+            c: Contribution(c, w, EncodedSlice(SliceKey(*k), codec, dtype, tuple(shape), payload))
+            for c, (w, codec, dtype, shape, payload) in per.items()
+        }
+        for k, per in snap["contributions"].items()
+    }
+    shard.snapshot = Snapshot(snap["version"], tensors, momentum, contributions)
+    shard.optimizer.buffers = {k: t.clone() for k, t in momentum.items()}
+    log.info("checkpoint_restored", shard=shard.shard_index, version=snap["version"], members=sorted(shard.members))
+
+
+class Checkpointer:
+    """Saves every `every` versions (as `Shard.on_publish`) and on demand (SIGTERM)."""
+
+    def __init__(self, shard: Shard, directory: str | os.PathLike, every: int = 1) -> None:
+        if every < 1:
+            raise ValueError(f"checkpoint interval must be ≥ 1 round, got {every}")
+        self.shard = shard
+        self.directory = directory
+        self.every = every
+
+    def __call__(self, snapshot: Snapshot) -> None:
+        if snapshot.version % self.every == 0:
+            save(self.shard, self.directory)
+
+    def save_now(self) -> None:
+        with self.shard._cond:
+            save(self.shard, self.directory)
