@@ -11,6 +11,7 @@ import structlog
 
 from dilocox.common.config import OuterConfig, WireConfig
 from dilocox.common.logs import configure_logging
+from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.server import checkpoint
 from dilocox.server.servicer import start_server
 from dilocox.server.shard import Shard
@@ -43,10 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
     )  # fmt: skip
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_security_arguments(parser, "server")
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
+    try:
+        tls, token = security_from_args(args, "server")
+    except ValueError as error:
+        raise SystemExit(f"dilocox server: {error}") from None
     try:
         shard = Shard(
             args.shard_index,
@@ -76,7 +82,11 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise SystemExit(f"dilocox server: {error}") from None
         shard.on_publish = checkpointer
-    server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000)
+    try:
+        server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
+                                    tls=tls, token=token)  # fmt: skip
+    except (ValueError, OSError, RuntimeError) as error:
+        raise SystemExit(f"dilocox server: {error}") from None
     if args.port_file:
         tmp = args.port_file.with_suffix(".tmp")
         tmp.write_text(str(port))

@@ -15,6 +15,7 @@ import structlog
 from dilocox.common.config import WireConfig
 from dilocox.common.errors import DilocoxError, InvalidFrame
 from dilocox.common import codecs
+from dilocox.common.security import TlsFiles, TokenInterceptor, server_credentials
 from dilocox.common.framing import EncodedSlice, assemble_units, encode_slice, frame_payload
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
@@ -156,17 +157,23 @@ def start_server(
     wire: WireConfig | None = None,
     max_workers: int = 32,
     added_latency_s: float = 0.0,
+    tls: TlsFiles | None = None,
+    token: str | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start serving `shard`; returns the server and the bound port (useful with port=0).
 
     `added_latency_s` > 0 delays every push and pull (user-space WAN latency, see server/latency.py).
+    `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls without the run's token.
     """
     wire = wire or WireConfig()
     options = [
         ("grpc.max_receive_message_length", wire.max_message_bytes),
         ("grpc.max_send_message_length", wire.max_message_bytes),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc"), options=options)
+    interceptors = [TokenInterceptor(token)] if token else None
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc"), options=options, interceptors=interceptors
+    )
     if added_latency_s > 0:
         from dilocox.server.latency import LatencyServicer
 
@@ -174,7 +181,10 @@ def start_server(
     else:
         servicer = AggregatorServicer(shard, wire)
     pb_grpc.add_AggregatorServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()
@@ -186,6 +196,7 @@ def start_server(
         return server_stop(grace)
 
     server.stop = stop  # type: ignore[method-assign]
-    log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id)
+    log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id,
+             tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"), token=bool(token))  # fmt: skip
     return server, bound
 

@@ -72,7 +72,7 @@ def start_shard(port: int, ckpt_dir, resume: bool) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "dilocox.common.cli", "server", "--port", str(port), "--run-id", RUN,
         "--outer-lr", "0.7", "--outer-momentum", "0.9", "--min-clusters", "2", "--round-deadline-s", "0",
-        "--checkpoint-dir", str(ckpt_dir), "--log-format", "json", *(["--resume"] if resume else []),
+        "--checkpoint-dir", str(ckpt_dir), "--log-format", "json", "--insecure", *(["--resume"] if resume else []),
     ]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

@@ -45,8 +45,8 @@ def cli_runs():
     """Run the subprocess cases concurrently (each pays the torch/grpc import), keyed by name."""
     cases = {
         "help": _cli("--help"),
-        "worker_bad_index": _cli("worker", "--cluster-index", "5", "--num-clusters", "2", "--servers", "127.0.0.1:1"),
-        "server_bad_index": _cli("server", "--shard-index", "3", "--num-shards", "2", "--port", "0"),
+        "worker_bad_index": _cli("worker", "--cluster-index", "5", "--num-clusters", "2", "--servers", "127.0.0.1:1", "--insecure"),
+        "server_bad_index": _cli("server", "--shard-index", "3", "--num-shards", "2", "--port", "0", "--insecure"),
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {

@@ -207,7 +207,7 @@ def test_worker_sigterm_mid_round_finishes_pending_round(shard_set, tmp_path):
     cmd = [
         sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "sigterm-run",
         "--rounds", "1000", "--inner-steps", "3", "--n-layer", "1", "--n-embd", "32", "--inner-batch-size", "4",
-        "--eval-batches", "1", "--delay", "1", "--threads", "1", "--log-format", "json",
+        "--eval-batches", "1", "--delay", "1", "--threads", "1", "--log-format", "json", "--insecure",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

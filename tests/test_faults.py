@@ -20,7 +20,7 @@ def worker(address: str, name: str, index: int) -> subprocess.Popen:
         sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", address, "--run-id", RUN,
         "--cluster", name, "--cluster-index", str(index), "--num-clusters", "3", "--rounds", str(ROUNDS),
         "--inner-steps", "15", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4",
-        "--eval-batches", "1", "--threads", "1", "--log-format", "json",
+        "--eval-batches", "1", "--threads", "1", "--log-format", "json", "--insecure",
     ]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

@@ -120,7 +120,7 @@ def test_pp2_dp2_worker_pushes_disjoint_shares(shard_set, tmp_path):
     cmd = [
         sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", ",".join(shards.addresses), "--run-id", "pp-run",
         "--pp", "2", "--dp", "2", "--rounds", "2", "--inner-steps", "2", "--n-layer", "2", "--n-embd", "32",
-        "--block-size", "32", "--inner-batch-size", "8", "--eval-batches", "1", "--threads", "1", "--log-format", "json",
+        "--block-size", "32", "--inner-batch-size", "8", "--eval-batches", "1", "--threads", "1", "--log-format", "json", "--insecure",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

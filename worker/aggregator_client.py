@@ -25,6 +25,7 @@ from dilocox.common.config import WireConfig
 from dilocox.common.aggregation import Contribution, weighted_mean
 from dilocox.common.framing import Assembled, EncodedSlice, SliceKey, assemble_units, encode_slice, frame_payload
 from dilocox.common.outer_optimizer import OuterNesterov
+from dilocox.common.security import TlsFiles, open_channel
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 
@@ -74,6 +75,8 @@ class AggregatorClient:
         rpc_timeout: float = 600.0,
         compressor: TensorCompressor | None = None,
         retry_s: float = 60.0,
+        tls: TlsFiles | None = None,
+        token: str | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("at least one shard address is needed")
@@ -88,7 +91,7 @@ class AggregatorClient:
             ("grpc.max_receive_message_length", self.wire.max_message_bytes),
             ("grpc.max_send_message_length", self.wire.max_message_bytes),
         ]
-        self._channels = [grpc.insecure_channel(a, options=options) for a in self.addresses]
+        self._channels = [open_channel(a, options, tls, token) for a in self.addresses]
         self._stubs_by_address = [pb_grpc.AggregatorStub(c) for c in self._channels]
         self._stubs: dict[int, tuple[str, pb_grpc.AggregatorStub]] = {}  # shard index -> (address, stub)
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="agg-client")

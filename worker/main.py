@@ -13,6 +13,7 @@ import torch
 from dilocox.common.compression import TensorCompressor
 from dilocox.common.config import add_config_arguments, as_dict, config_from_args
 from dilocox.common.logs import configure_logging
+from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.cluster import DilocoCluster
 from dilocox.worker.data import CorpusError, load_corpus
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="text file or folder to train on (default: the bundled tinyshakespeare)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_security_arguments(parser, "worker")
     add_config_arguments(parser)
 
 
@@ -42,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except (ValueError, TypeError) as error:
         raise SystemExit(f"dilocox worker: bad configuration: {error}") from None
+    try:
+        tls, token = security_from_args(args, "worker")
+    except ValueError as error:
+        raise SystemExit(f"dilocox worker: {error}") from None
     if not 0 <= args.cluster_index < args.num_clusters:
         raise SystemExit(f"dilocox worker: --cluster-index {args.cluster_index} outside [0, {args.num_clusters})")
     parallel = config.parallel.world_size > 1
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("worker_starting", cluster=cluster, servers=addresses, params_held=held, corpus_bytes=len(corpus))
     compressor = TensorCompressor(config.compress, seed=config.seed, name="uplink") if config.compress.codec != "fp32" else None
     try:
-        with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor) as client:
+        with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor, tls=tls, token=token) as client:
             DilocoCluster(
                 trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config)), **extra
             ).run()

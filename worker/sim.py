@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import pathlib
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import structlog
 
 from dilocox.common.config import RunConfig, add_config_arguments, config_flags, config_from_args
 from dilocox.common.logs import configure_logging
+from dilocox.common.security import make_dev_certificates
 
 log = structlog.get_logger()
 
@@ -40,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--summary-json", type=pathlib.Path, help="also write the final summary here as JSON")
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    parser.add_argument(
+        "--tls", action="store_true", help="run with mTLS and a run token (dev certificates made in the log dir)"
+    )
     add_config_arguments(parser)
 
 
@@ -76,6 +81,14 @@ class Simulation:
         self.args = args
         self.config = config
         self.log_dir = log_dir
+        self.server_security, self.worker_security = ["--insecure"], ["--insecure"]
+        if args.tls:
+            certs = make_dev_certificates(log_dir / "certs")
+            token = secrets.token_hex(16)
+            self.server_security = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server-key"]),
+                                    "--tls-ca", str(certs["ca"]), "--token", token]  # fmt: skip
+            self.worker_security = ["--tls-ca", str(certs["ca"]), "--tls-cert", str(certs["client"]),
+                                    "--tls-key", str(certs["client-key"]), "--token", token]  # fmt: skip
         self.shards: list[subprocess.Popen] = []
         self.workers: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
@@ -95,7 +108,7 @@ class Simulation:
                 "--port-file", str(port_file), "--run-id", self.config.run_id,
                 "--outer-lr", str(self.config.outer.lr), "--outer-momentum", str(self.config.outer.momentum),
                 "--min-clusters", str(self.args.clusters), "--round-deadline-s", str(self.args.round_deadline_s),
-                "--log-format", "json",
+                "--log-format", "json", *self.server_security,
             )  # fmt: skip
             with (self.log_dir / f"shard-{i}.log").open("w") as out:
                 self.shards.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
@@ -118,7 +131,7 @@ class Simulation:
             cmd = _cli(
                 "worker", "--servers", ",".join(addresses), "--cluster", name, "--cluster-index", str(j),
                 "--num-clusters", str(self.args.clusters), "--threads", str(self.args.threads), "--log-format", "json",
-                *(["--data", self.args.data] if self.args.data else []), *config_flags(self.config),
+                *(["--data", self.args.data] if self.args.data else []), *config_flags(self.config), *self.worker_security,
             )  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
             self.workers[name] = proc

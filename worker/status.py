@@ -7,18 +7,24 @@ import json
 
 from google.protobuf.json_format import MessageToDict
 
+from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", required=True, help="comma-separated host:port of the shards")
     parser.add_argument("--json", action="store_true", help="one JSON object per shard instead of key=value")
+    add_security_arguments(parser, "worker")
 
 
 def run(args: argparse.Namespace) -> int:
     addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
+    try:
+        tls, token = security_from_args(args, "worker")
+    except ValueError as error:
+        raise SystemExit(f"dilocox status: {error}") from None
     code = 0
-    with AggregatorClient(addresses, run_id="", cluster="status") as client:
+    with AggregatorClient(addresses, run_id="", cluster="status", tls=tls, token=token, retry_s=0) as client:
         for address, reply in zip(addresses, client.status_each()):
             if isinstance(reply, AggregatorError):
                 error = reply

@@ -1,0 +1,199 @@
+"""Transport security: TLS / mTLS through gRPC's own credentials, and a per-run token in call metadata.
+
+The link between sites crosses the internet. A shard serves TLS (and, given a CA, requires client
+certificates: mTLS); every call also carries the run's shared token, which a server interceptor checks
+before any handler runs. Plaintext happens only when asked for explicitly (`--insecure`, localhost/dev).
+`make_dev_certificates` writes a throw-away CA, server and client certificate for trying it out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hmac
+import ipaddress
+import pathlib
+from dataclasses import dataclass
+
+import grpc
+
+TOKEN_HEADER = "authorization"
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files: this side's certificate and key, and the CA that signs the other side."""
+
+    cert: pathlib.Path | None = None
+    key: pathlib.Path | None = None
+    ca: pathlib.Path | None = None
+
+    def read(self) -> tuple[bytes | None, bytes | None, bytes | None]:
+        def load(path: pathlib.Path | None) -> bytes | None:
+            if path is None:
+                return None
+            if not path.is_file():
+                raise ValueError(f"TLS file {path} does not exist")
+            return path.read_bytes()
+
+        return load(self.cert), load(self.key), load(self.ca)
+
+
+def server_credentials(files: TlsFiles) -> grpc.ServerCredentials:
+    """TLS with the server's certificate; with a CA, clients must present a certificate it signed."""
+    cert, key, ca = files.read()
+    if cert is None or key is None:
+        raise ValueError("a TLS server needs --tls-cert and --tls-key")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
+    cert, key, ca = files.read()
+    if (cert is None) != (key is None):
+        raise ValueError("a client certificate needs both --tls-cert and --tls-key")
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose `authorization: Bearer <token>` metadata is not the run's token."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request, context):  # noqa: ANN001 - gRPC handler signature
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream_in = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny_stream_out = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001
+        presented = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(presented.encode(), self._expected):
+            return continuation(handler_call_details)
+        method = handler_call_details.method
+        if method.endswith("/Push"):
+            return self._deny_stream_in
+        if method.endswith("/Pull"):
+            return self._deny_stream_out
+        return self._deny_unary
+
+
+class _TokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamUnaryClientInterceptor
+):
+    def __init__(self, token: str) -> None:
+        self._metadata = (TOKEN_HEADER, f"Bearer {token}")
+
+    def _details(self, details):  # noqa: ANN001
+        metadata = list(details.metadata or []) + [self._metadata]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):  # noqa: ANN001
+        return continuation(self._details(details), request_iterator)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base, metadata) -> None:  # noqa: ANN001
+        self.method = base.method
+        self.timeout = base.timeout
+        self.metadata = metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = base.wait_for_ready
+        self.compression = getattr(base, "compression", None)
+
+
+def open_channel(address: str, options: list, tls: TlsFiles | None, token: str | None) -> grpc.Channel:
+    """A channel to one shard: TLS when `tls` is given, plaintext otherwise; the token on every call."""
+    channel = (
+        grpc.secure_channel(address, channel_credentials(tls), options=options)
+        if tls is not None
+        else grpc.insecure_channel(address, options=options)
+    )
+    return grpc.intercept_channel(channel, _TokenClientInterceptor(token)) if token else channel
+
+
+def make_dev_certificates(out_dir: str | pathlib.Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> dict[str, pathlib.Path]:
+    """Write ca.pem, server.pem/server-key.pem, client.pem/client-key.pem (for development only)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write_key(key, path: pathlib.Path) -> None:  # noqa: ANN001
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        path.chmod(0o600)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_cert = (
+        x509.CertificateBuilder().subject_name(name("dilocox dev CA")).issuer_name(name("dilocox dev CA"))
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    paths = {"ca": out / "ca.pem"}
+    paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    sans = [x509.IPAddress(ipaddress.ip_address(h)) if h.replace(".", "").isdigit() else x509.DNSName(h) for h in hosts]
+    for role, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder().subject_name(name(f"dilocox {role}")).issuer_name(ca_cert.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )  # fmt: skip
+        paths[role] = out / f"{role}.pem"
+        paths[f"{role}-key"] = out / f"{role}-key.pem"
+        paths[role].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        write_key(key, paths[f"{role}-key"])
+    return paths
+
+
+def add_security_arguments(parser, role: str) -> None:  # noqa: ANN001
+    """--tls-cert/--tls-key/--tls-ca, --token, --insecure for a `server` or a `worker`."""
+    group = parser.add_argument_group("security (TLS/mTLS and the run token; `dilocox certs` makes dev certificates)")
+    if role == "server":
+        group.add_argument("--tls-cert", type=pathlib.Path, help="the shard's certificate (PEM)")
+        group.add_argument("--tls-key", type=pathlib.Path, help="the shard's private key (PEM)")
+        group.add_argument("--tls-ca", type=pathlib.Path, help="require client certificates signed by this CA (mTLS)")
+    else:
+        group.add_argument("--tls-ca", type=pathlib.Path, help="CA that signed the shards' certificates (PEM)")
+        group.add_argument("--tls-cert", type=pathlib.Path, help="this cluster's client certificate, for mTLS")
+        group.add_argument("--tls-key", type=pathlib.Path, help="this cluster's client key, for mTLS")
+    group.add_argument("--token", default=None, help="the run's shared token (default: $DILOCOX_TOKEN; none: no check)")
+    group.add_argument("--insecure", action="store_true", help="plaintext, no TLS: only for localhost and development")
+
+
+def security_from_args(args, role: str) -> tuple[TlsFiles | None, str | None]:  # noqa: ANN001
+    """(TLS files or None for plaintext, token or None); refuses to run in plaintext unless --insecure."""
+    import os
+
+    token = args.token if args.token is not None else os.environ.get("DILOCOX_TOKEN") or None
+    wants_tls = any(getattr(args, f) for f in ("tls_cert", "tls_key", "tls_ca"))
+    if args.insecure:
+        if wants_tls:
+            raise ValueError("--insecure and --tls-* exclude each other")
+        return None, token
+    if not wants_tls:
+        hint = "--tls-cert and --tls-key" if role == "server" else "--tls-ca"
+        raise ValueError(f"no transport security configured: give {hint} (see `dilocox certs`), or --insecure for plaintext")
+    if role == "server" and not (args.tls_cert and args.tls_key):
+        raise ValueError("a TLS server needs both --tls-cert and --tls-key")
+    if role == "worker" and not args.tls_ca:
+        raise ValueError("a TLS client needs --tls-ca to check the shards' certificates")
+    return TlsFiles(args.tls_cert, args.tls_key, args.tls_ca), token
