@@ -112,6 +112,18 @@ class TensorCompressor:
             state.error = target - encoded.decoded
         return encoded
 
+    def state_dict(self) -> dict:
+        """Error-feedback residuals, warm-start Q and rank history per key (for a worker checkpoint)."""
+        return {
+            key: {"error": st.error, "q": st.q, "rank": st.rank, "recent_ranks": list(st.recent_ranks)}
+            for key, st in self.state.items()
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = {
+            key: _TensorState(v["error"], v["q"], v["rank"], deque(v["recent_ranks"])) for key, v in state.items()
+        }
+
     def residual_norm(self) -> float:
         """‖e‖ over all tensors: how much error feedback is carrying (should stay bounded)."""
         return math.sqrt(sum(float(s.error.square().sum()) for s in self.state.values() if s.error is not None))

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 import pathlib
-import tempfile
 
 import structlog
 import torch
 
 from dilocox.common.assignment import assign_slices, slices_of_shard
+from dilocox.common.atomic_file import atomic_torch_save
 from dilocox.common.framing import EncodedSlice, SliceKey
 from dilocox.server.round_state import Contribution
 from dilocox.server.shard import Shard, Snapshot
@@ -65,24 +65,8 @@ def shard_state(shard: Shard) -> dict:
 
 def save(shard: Shard, directory: str | os.PathLike) -> pathlib.Path:
     """Atomically write the shard's checkpoint; returns its path."""
-    path = checkpoint_path(directory, shard.shard_index)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = shard_state(shard)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)
+    path = atomic_torch_save(state, checkpoint_path(directory, shard.shard_index))
     version = state["snapshot"]["version"] if state["snapshot"] else -1
     log.info("checkpoint_saved", shard=shard.shard_index, version=version, path=str(path))
     return path

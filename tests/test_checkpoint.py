@@ -164,3 +164,40 @@ def test_communicator_repushes_a_round_the_shard_lost(shard_set):
         assert comm.close() == "idle"
     finally:
         client.close()
+
+
+def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
+    """Issue 7: a cluster stopped with SIGTERM and restarted with --resume carries on where it was:
+    same round count, AdamW step and data position as an uninterrupted run."""
+    shards = shard_set(1, RUN)
+    shard = shards.shards[0]
+    rounds, h = 8, 3
+
+    def worker(*extra: str) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", RUN,
+            "--cluster", "solo", "--rounds", str(rounds), "--inner-steps", str(h), "--n-layer", "1", "--n-embd", "32",
+            "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1", "--insecure",
+            "--checkpoint-dir", str(tmp_path), "--log-format", "json", *extra,
+        ]  # fmt: skip
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    first = worker()
+    try:
+        deadline = time.monotonic() + 120
+        while shard.version < 3 and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 143
+        stopped_at = shard.version
+        assert 3 <= stopped_at < rounds
+        second = worker("--resume")
+        assert second.wait(timeout=180) == 0, second.stderr.read()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert shard.version == rounds
+    state = torch.load(tmp_path / "worker-solo-rank0.pt", weights_only=False)
+    assert state["round"] == rounds
+    assert state["trainer"]["step"] == rounds * h  # no inner step lost or repeated across the restart
+    assert state["trainer"]["sampler"]["batches_drawn"] == rounds * h

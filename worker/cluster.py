@@ -16,6 +16,7 @@ cluster starts from the same θ_0.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Protocol
@@ -28,6 +29,7 @@ from dilocox.common.assignment import ParamSlice
 from dilocox.common.framing import SliceKey
 from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.communicator import Communicator, RoundExchange
+from dilocox.worker.local_checkpoint import WorkerCheckpoint
 
 log = structlog.get_logger()
 
@@ -73,6 +75,7 @@ class DilocoCluster:
         model_specs: list[tuple[str, tuple[int, ...]]] | None = None,
         owned_names: list[str] | None = None,
         peer_sync: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+        checkpoint: WorkerCheckpoint | None = None,
     ) -> None:
         """`model_specs`: the whole model's (name, shape) list, when this rank holds only a stage of it.
         `owned_names`: the parameters this rank pushes and pulls (its replica's share of the stage).
@@ -91,6 +94,8 @@ class DilocoCluster:
         self.model_specs = model_specs or [(name, tuple(p.shape)) for name, p in self.params.items()]
         self.owned_names = list(owned_names) if owned_names is not None else list(self.params)
         self.peer_sync = peer_sync
+        self.checkpoint = checkpoint
+        self._captured: dict[int, tuple[dict, dict | None]] = {}  # round -> local state, until it is on the shards
         self.slices: list[ParamSlice] = []
         self.version = -1
         self.reports: list[RoundReport] = []
@@ -160,15 +165,19 @@ class DilocoCluster:
         exchange: RoundExchange | None = None
         idle = 0.0
         if self.delay == 0:
+            self._capture(round_)
             self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
             exchange, idle = self.communicator.collect()
+            self._commit(round_)
             merged = self._global_weights(exchange.weights)
         else:
             base = start
             if self.communicator.in_flight is not None:
                 exchange, idle = self.communicator.collect()
+                self._commit(exchange.round)
                 base = self._global_weights(exchange.weights)
             merged = {name: base[name] - delta[name] for name in delta}
+            self._capture(round_)
             self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
         if exchange is not None:
             self.version = exchange.version
@@ -192,11 +201,28 @@ class DilocoCluster:
         log.info("round_done", cluster=self.client.cluster, delay=self.delay, **asdict(report))
         return report, merged
 
+    def _capture(self, round_: int) -> None:
+        """Copy the local state that round `round_` ends with, before its pseudo-gradient leaves."""
+        if self.checkpoint is not None:
+            compressor = self.client.compressor
+            self._captured[round_] = (copy.deepcopy(self.trainer.state_dict()),
+                                      copy.deepcopy(compressor.state_dict()) if compressor else None)  # fmt: skip
+
+    def _commit(self, round_: int) -> None:
+        """Round `round_` is on the shards: its captured state becomes the checkpoint. A restart thus
+        resumes exactly at a round the shards have — no inner step lost or repeated."""
+        captured = self._captured.pop(round_, None)
+        for older in [r for r in self._captured if r < round_]:
+            del self._captured[older]
+        if captured is not None and round_ % self.checkpoint.every == 0:
+            self.checkpoint.write(round_, *captured)
+
     def finish(self) -> None:
         """With delay=1, collect the last round's global weights and adopt them."""
         if self.communicator.in_flight is None:
             return
         exchange, idle = self.communicator.collect()
+        self._commit(exchange.round)
         self.version = exchange.version
         self._assign(self._global_weights(exchange.weights))
         log.info("final_weights_adopted", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3),
@@ -227,6 +253,8 @@ class DilocoCluster:
             pending = self.communicator.in_flight
             outcome = self.communicator.close()
             log.info("communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending)
+            if outcome == "completed" and pending is not None:
+                self._commit(pending)  # its exchange made it: that round is durable now
         self.final_eval_loss = self.trainer.evaluate() if self.reports else self.initial_eval_loss
         log.info(
             "cluster_done",

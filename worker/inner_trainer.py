@@ -81,6 +81,18 @@ class InnerTrainer:
         self.tokens_seen += tokens
         return total_loss / max(1, n), tokens, time.perf_counter() - started
 
+    def state_dict(self) -> dict:
+        """Everything local that must survive a restart: weights, AdamW state, data position."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(),
+                "step": self.step, "tokens_seen": self.tokens_seen}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+
     def evaluate(self) -> float:
         return evaluate(
             self.model, self.eval_data, self.config.model.block_size, self.config.inner.batch_size, self.config.eval_batches

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 import json
 import signal
 import sys
@@ -20,6 +21,7 @@ from dilocox.worker.data import CorpusError, load_corpus
 from dilocox.worker.distributed_cluster import DistributedContext, relaunch_with_torchrun, stage_sizes, under_torchrun
 from dilocox.worker.pipeline_stage import full_param_specs
 from dilocox.worker.inner_trainer import InnerTrainer
+from dilocox.worker.local_checkpoint import WorkerCheckpoint
 
 log = structlog.get_logger()
 
@@ -34,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="text file or folder to train on (default: the bundled tinyshakespeare)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save this rank's local state here after rounds")
+    parser.add_argument("--checkpoint-every", type=int, default=1, help="save every k rounds (default 1)")
+    parser.add_argument("--resume", action="store_true", help="restore the local state from --checkpoint-dir first")
     add_security_arguments(parser, "worker")
     add_config_arguments(parser)
 
@@ -76,6 +81,16 @@ def run(args: argparse.Namespace) -> int:
     held = sum(p.numel() for _, p in trainer.named_parameters())
     log.info("worker_starting", cluster=cluster, servers=addresses, params_held=held, corpus_bytes=len(corpus))
     compressor = TensorCompressor(config.compress, seed=config.seed, name="uplink") if config.compress.codec != "fp32" else None
+    if args.resume and not args.checkpoint_dir:
+        raise SystemExit("dilocox worker: --resume needs --checkpoint-dir")
+    if args.checkpoint_dir:
+        rank = context.layout.rank if context is not None else 0
+        try:
+            extra["checkpoint"] = WorkerCheckpoint(args.checkpoint_dir, cluster, rank, args.checkpoint_every)
+            if args.resume:
+                extra["checkpoint"].restore(trainer, compressor)
+        except (ValueError, FileNotFoundError) as error:
+            raise SystemExit(f"dilocox worker: {error}") from None
     try:
         with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor, tls=tls, token=token) as client:
             DilocoCluster(

@@ -1,0 +1,33 @@
+"""Crash-safe file replacement: write a temporary file beside the target, fsync, rename, fsync the folder.
+
+A crash at any point leaves either the previous file or the new one, never a torn mix.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+
+import torch
+
+
+def atomic_torch_save(obj: object, path: str | os.PathLike) -> pathlib.Path:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)
+    return path
