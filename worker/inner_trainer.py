@@ -35,7 +35,34 @@ def make_inner_optimizer(config: RunConfig, params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
 
 
-class InnerTrainer:
+class CheckpointableTrainer:
+    """What a local trainer saves and restores across a restart: weights, AdamW state, data position.
+
+    Shared by the single-process `InnerTrainer` and the per-rank `PipelineTrainer`, which differ only in
+    which module they train (`trained_module`)."""
+
+    optimizer: torch.optim.Optimizer
+    sampler: BatchSampler
+    step: int
+    tokens_seen: int
+
+    @property
+    def trained_module(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {"model": self.trained_module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "sampler": self.sampler.state_dict(), "step": self.step, "tokens_seen": self.tokens_seen}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trained_module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+
+
+class InnerTrainer(CheckpointableTrainer):
     def __init__(self, config: RunConfig, corpus: bytes, cluster_index: int = 0, num_clusters: int = 1) -> None:
         self.config = config
         check_size(len(corpus), config.model.block_size, eval_fraction=EVAL_FRACTION, num_shards=num_clusters)
@@ -49,6 +76,10 @@ class InnerTrainer:
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
         self.step = 0
         self.tokens_seen = 0
+
+    @property
+    def trained_module(self) -> torch.nn.Module:
+        return self.model
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.model.named_parameters())
@@ -80,18 +111,6 @@ class InnerTrainer:
             self.step += 1
         self.tokens_seen += tokens
         return total_loss / max(1, n), tokens, time.perf_counter() - started
-
-    def state_dict(self) -> dict:
-        """Everything local that must survive a restart: weights, AdamW state, data position."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(),
-                "step": self.step, "tokens_seen": self.tokens_seen}  # fmt: skip
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
 
     def evaluate(self) -> float:
         return evaluate(

@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from dilocox.common.config import RunConfig
 from dilocox.worker.data import BatchSampler, check_size, eval_windows, split_corpus
-from dilocox.worker.inner_trainer import EVAL_FRACTION, inner_lr, make_inner_optimizer
+from dilocox.worker.inner_trainer import EVAL_FRACTION, CheckpointableTrainer, inner_lr, make_inner_optimizer
 from dilocox.worker.parallel_layout import ParallelLayout
 from dilocox.worker.pipeline_stage import build_stage
 
@@ -30,7 +30,7 @@ def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-class PipelineTrainer:
+class PipelineTrainer(CheckpointableTrainer):
     def __init__(
         self,
         config: RunConfig,
@@ -63,6 +63,10 @@ class PipelineTrainer:
         self.tokens_seen = 0
 
     # ------------------------------------------------------------------ LocalTrainer
+    @property
+    def trained_module(self) -> torch.nn.Module:
+        return self.module
+
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.module.named_parameters())
 
@@ -95,18 +99,6 @@ class PipelineTrainer:
         tokens = n * self.sampler.tokens_per_batch * self.layout.dp
         self.tokens_seen += tokens
         return total_loss / max(1, n), tokens, time.perf_counter() - started
-
-    def state_dict(self) -> dict:
-        """Everything local that must survive a restart: weights, AdamW state, data position."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(), "sampler": self.sampler.state_dict(),
-                "step": self.step, "tokens_seen": self.tokens_seen}  # fmt: skip
-
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
 
     def evaluate(self) -> float:
         """Mean eval loss of the whole model, the same fixed windows as the single-process trainer."""
