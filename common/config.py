@@ -45,6 +45,11 @@ class InnerConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     warmup_steps: int = 20
+    # Grow H (up to max_steps) when a round's exchange takes longer than its compute; single-process
+    # clusters only (a pipeline's ranks keep H fixed so their schedules stay in step). Off by default:
+    # the exchange time includes waiting for the slowest cluster, and runs compare at equal tokens.
+    adaptive_steps: bool = False
+    max_steps: int = 200
 
 
 @dataclass(frozen=True)

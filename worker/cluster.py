@@ -27,6 +27,7 @@ import torch
 
 from dilocox.common.assignment import ParamSlice
 from dilocox.common.framing import SliceKey
+from dilocox.worker.adaptive_steps import StepsController
 from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.communicator import Communicator, RoundExchange
 from dilocox.worker.local_checkpoint import WorkerCheckpoint
@@ -76,6 +77,7 @@ class DilocoCluster:
         owned_names: list[str] | None = None,
         peer_sync: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
         checkpoint: WorkerCheckpoint | None = None,
+        steps_controller: StepsController | None = None,
     ) -> None:
         """`model_specs`: the whole model's (name, shape) list, when this rank holds only a stage of it.
         `owned_names`: the parameters this rank pushes and pulls (its replica's share of the stage).
@@ -95,6 +97,7 @@ class DilocoCluster:
         self.owned_names = list(owned_names) if owned_names is not None else list(self.params)
         self.peer_sync = peer_sync
         self.checkpoint = checkpoint
+        self.steps_controller = steps_controller
         self._captured: dict[int, tuple[dict, dict | None]] = {}  # round -> local state, until it is on the shards
         self.slices: list[ParamSlice] = []
         self.version = -1
@@ -198,7 +201,9 @@ class DilocoCluster:
             seconds=round(time.perf_counter() - began, 3),
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
         )
-        log.info("round_done", cluster=self.client.cluster, delay=self.delay, **asdict(report))
+        log.info("round_done", cluster=self.client.cluster, delay=self.delay, inner_steps=self.inner_steps, **asdict(report))
+        if self.steps_controller is not None and exchange is not None:
+            self.inner_steps = self.steps_controller.update(round_, compute_s, exchange.comm_s)
         return report, merged
 
     def _capture(self, round_: int) -> None:

@@ -15,6 +15,7 @@ from dilocox.common.compression import TensorCompressor
 from dilocox.common.config import add_config_arguments, as_dict, config_from_args
 from dilocox.common.logs import configure_logging
 from dilocox.common.security import add_security_arguments, security_from_args
+from dilocox.worker.adaptive_steps import StepsController
 from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.cluster import DilocoCluster
 from dilocox.worker.data import CorpusError, load_corpus
@@ -67,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
         corpus = load_corpus(args.data)
         if context is None:
             trainer = InnerTrainer(config, corpus, args.cluster_index, args.num_clusters)
-            extra: dict = {}
+            inner = config.inner
+            extra: dict = {
+                "steps_controller": StepsController(inner.steps, max(inner.steps, inner.max_steps), enabled=inner.adaptive_steps)
+            }
         else:
             trainer = context.trainer(config, corpus, args.cluster_index, args.num_clusters)
             extra = {

@@ -1,0 +1,47 @@
+"""Adaptive H: choose the inner steps per round so that one round's communication hides behind its compute.
+
+With the one-step delay, round t's exchange travels while round t+1 computes; it stays hidden as long
+as comm_s ≤ compute_s. After each boundary the controller compares the exchange it just collected with
+the round's compute: if the link needs longer, H grows in proportion (up to `max_steps`); if the link
+is idle most of the round, H shrinks back toward the configured base. Every change is logged with its
+reason. A pinned H (`--inner-adaptive-steps false`) never changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import structlog
+
+log = structlog.get_logger()
+
+
+class StepsController:
+    def __init__(self, base_steps: int, max_steps: int, target: float = 0.9, enabled: bool = True) -> None:
+        if not 1 <= base_steps <= max_steps:
+            raise ValueError(f"need 1 ≤ steps ≤ max steps, got {base_steps} and {max_steps}")
+        if not 0 < target <= 1:
+            raise ValueError(f"target must be in (0, 1], got {target}")
+        self.base = base_steps
+        self.max = max_steps
+        self.target = target
+        self.enabled = enabled
+        self.steps = base_steps
+
+    def update(self, round_: int, compute_s: float, comm_s: float) -> int:
+        """The H for the next round, from this round's compute time and the exchange's duration."""
+        if not self.enabled or compute_s <= 0 or comm_s <= 0:
+            return self.steps
+        per_step = compute_s / self.steps
+        needed = math.ceil(comm_s / (self.target * per_step))  # steps whose compute covers the exchange
+        if needed > self.steps:
+            new = min(self.max, needed)
+        elif needed < self.steps // 2:
+            new = max(self.base, needed)
+        else:
+            new = self.steps
+        if new != self.steps:
+            log.info("inner_steps_adapted", round=round_, steps=new, previous=self.steps,
+                     reason=f"exchange took {comm_s:.3f}s, a step {per_step:.4f}s: {needed} steps cover it at {self.target:.0%}")  # fmt: skip
+            self.steps = new
+        return self.steps
