@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "status": ("dilocox.worker.status", "print what each shard is doing"),
     "certs": ("dilocox.common.certs", "make a development CA and server/client certificates for TLS/mTLS"),
     "bench": ("dilocox.bench.main", "benchmarks (bytes on the wire, overlap), written to bench/results/"),
+    "compose": ("dilocox.common.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),
+    "link": ("dilocox.common.link_cli", "shape this host's WAN egress (tc) and measure a link's bulk rate"),
 }
 
 
