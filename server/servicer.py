@@ -29,6 +29,44 @@ def _abort(context: grpc.ServicerContext, error: DilocoxError) -> None:
     context.abort(grpc.StatusCode[error.status], str(error))
 
 
+def _fail_cut_streams() -> None:
+    """Make a request stream that gRPC cut off (a message over the receive limit) raise, not end.
+
+    gRPC Python ignores a failed receive's `success` flag and ends the request iterator as if the client
+    had half-closed (see grpc/grpc#33038), so a push cut by an oversize message looked complete and its
+    first slices were committed, even closing the round, while the client got RESOURCE_EXHAUSTED. Marking the call
+    cancelled on a failed receive makes the iterator raise instead, and nothing of the push is applied.
+    Patches a private hook once per process; a no-op if a grpc release renames it.
+    """
+    from grpc import _server
+
+    original = getattr(_server, "_receive_message", None)
+    if original is None or getattr(original, "fails_cut_streams", False) or not hasattr(_server, "_CANCELLED"):
+        return
+
+    def receive_message(state, call, request_deserializer):
+        on_event = original(state, call, request_deserializer)
+
+        def receive(event):
+            if not event.success:
+                with state.condition:
+                    state.client = _server._CANCELLED
+            return on_event(event)
+
+        return receive
+
+    receive_message.fails_cut_streams = True  # type: ignore[attr-defined]
+    _server._receive_message = receive_message
+
+
+def _refuse_pull_fields(chunk: pb.TensorChunk) -> None:
+    """Pull-only fields have no meaning in a push, and `own` would skip decoding the payload: a NaN slice
+    would then be stored unchecked and poison the round when it closes."""
+    used = [f for f in ("own", "is_delta", "momentum", "contributor") if getattr(chunk, f)]
+    if used:
+        raise InvalidFrame(f"{chunk.name}: pushed chunks must not set pull-only fields {used}")
+
+
 class AggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, shard: Shard, wire: WireConfig | None = None) -> None:
         self.shard = shard
@@ -70,6 +108,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 for message in request_iterator:
                     if message.WhichOneof("body") != "chunk":
                         raise InvalidFrame("only TensorChunks may follow the PushHeader")
+                    _refuse_pull_fields(message.chunk)
                     received += message.ByteSize()
                     yield message.chunk
 
@@ -166,6 +205,7 @@ def start_server(
     `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls without the run's token.
     """
     wire = wire or WireConfig()
+    _fail_cut_streams()
     options = [
         ("grpc.max_receive_message_length", wire.max_message_bytes),
         ("grpc.max_send_message_length", wire.max_message_bytes),
