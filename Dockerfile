@@ -10,6 +10,8 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
+# Lets `dilocox compose build` prune exactly its own dangling build stages.
+LABEL org.dilocox.stage=build
 ARG WHEELHOUSE=""
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # Ubuntu-based CUDA images lack venv/pip; Debian minbase (offline base) and python:*-slim have them.
