@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "worker": ("dilocox.worker.main", "run one cluster (trains and syncs with the shards)"),
     "sim": ("dilocox.worker.sim", "local simulation: shards + clusters as processes on localhost"),
     "status": ("dilocox.worker.status", "print what each shard is doing"),
+    "health": ("dilocox.server.health", "exit 0 if a shard answers the standard gRPC health check with SERVING"),
     "certs": ("dilocox.common.certs", "make a development CA and server/client certificates for TLS/mTLS"),
     "bench": ("dilocox.bench.main", "benchmarks (bytes on the wire, overlap), written to bench/results/"),
     "compose": ("dilocox.common.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),

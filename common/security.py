@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import grpc
 
 TOKEN_HEADER = "authorization"
+# Standard health checks (server/health.py) pass without the token: orchestrators' probes hold no secrets.
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._deny_stream_out = grpc.unary_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001
+        if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
+            return continuation(handler_call_details)  # probes carry no secrets; health reveals nothing
         presented = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_HEADER, "")
         if hmac.compare_digest(presented.encode(), self._expected):
             return continuation(handler_call_details)

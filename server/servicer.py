@@ -19,6 +19,7 @@ from dilocox.common.security import TlsFiles, TokenInterceptor, server_credentia
 from dilocox.common.framing import EncodedSlice, assemble_units, encode_slice, frame_payload
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+from dilocox.server.health import add_health_service, mark_serving, mark_shutting_down
 from dilocox.server.shard import Shard, Snapshot
 
 log = structlog.get_logger()
@@ -221,6 +222,7 @@ def start_server(
     else:
         servicer = AggregatorServicer(shard, wire)
     pb_grpc.add_AggregatorServicer_to_server(servicer, server)
+    health_service = add_health_service(server)
     if tls is not None:
         bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
     else:
@@ -229,9 +231,11 @@ def start_server(
         raise OSError(f"could not bind {host}:{port}")
     server.start()
     stop_timer = shard.start_deadline_timer()
+    mark_serving(health_service)  # listening, and any resumed state is already restored
     server_stop = server.stop
 
-    def stop(grace):  # the deadline timer ends with the server
+    def stop(grace):  # health turns NOT_SERVING first, and the deadline timer ends with the server
+        mark_shutting_down(health_service)
         stop_timer.set()
         return server_stop(grace)
 
