@@ -1,0 +1,70 @@
+"""Bulk TCP throughput through a link: a sink that counts what arrives, a sender that streams for a while.
+
+The WAN benchmark runs the sink and the sender in the namespaces the training uses (or through the
+fallback relay), so the rate it reports is the rate the shaped link actually delivered. Only the
+steady part is counted: bytes after the first `warmup_s` at the receiver, so the token bucket's
+initial burst does not inflate the figure.
+
+    python -m dilocox.bench.link_probe sink HOST PORT_FILE WARMUP_S   # prints one JSON line when done
+    python -m dilocox.bench.link_probe send HOST PORT SECONDS
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import socket
+import sys
+import time
+
+BLOCK = 64 * 1024
+
+
+def sink(host: str, port_file: str, warmup_s: float, timeout_s: float = 120.0) -> dict:
+    with socket.create_server((host, 0)) as server:
+        tmp = pathlib.Path(port_file + ".tmp")
+        tmp.write_text(str(server.getsockname()[1]))
+        tmp.replace(port_file)
+        server.settimeout(timeout_s)
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(timeout_s)
+            start = time.monotonic()
+            total, counted, since = 0, 0, None
+            while data := conn.recv(BLOCK):
+                now = time.monotonic()
+                if total == 0:  # tell the prober that data flows: its measurement window starts from here
+                    pathlib.Path(port_file + ".flowing").write_text("1")
+                total += len(data)
+                if now - start >= warmup_s:
+                    if since is None:
+                        since = now
+                    else:
+                        counted += len(data)
+            seconds = time.monotonic() - since if since is not None else 0.0
+    return {"bytes_total": total, "bytes_measured": counted, "seconds": round(seconds, 4),
+            "mbit_per_s": round(counted * 8 / seconds / 1e6, 3) if seconds > 0 else 0.0}  # fmt: skip
+
+
+def send(host: str, port: int, seconds: float) -> None:
+    payload = bytes(BLOCK)
+    with socket.create_connection((host, port), timeout=60) as conn:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            conn.sendall(payload)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sink"] and len(argv) == 4:
+        print(json.dumps(sink(argv[1], argv[2], float(argv[3]))), flush=True)
+    elif argv[:1] == ["send"] and len(argv) == 4:
+        send(argv[1], int(argv[2]), float(argv[3]))
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
