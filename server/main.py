@@ -11,6 +11,7 @@ import structlog
 
 from dilocox.common.config import OuterConfig, WireConfig
 from dilocox.common.logs import configure_logging
+from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.server import checkpoint
 from dilocox.server.servicer import start_server
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
     )  # fmt: skip
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_metrics_arguments(parser, default_host=None)
     add_security_arguments(parser, "server")
 
 
@@ -82,6 +84,15 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise SystemExit(f"dilocox server: {error}") from None
         shard.on_publish = checkpointer
+    metrics_server = None
+    if args.metrics_port:
+        from dilocox.server.metrics import ShardMetrics
+
+        try:
+            metrics_server = serve_metrics(ShardMetrics(shard).attach().registry, args.metrics_port, args.metrics_host or args.host,
+                                           role=f"shard-{args.shard_index}")  # fmt: skip
+        except OSError as error:
+            raise SystemExit(f"dilocox server: cannot serve metrics on port {args.metrics_port}: {error}") from None
     try:
         server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
                                     tls=tls, token=token)  # fmt: skip
@@ -101,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     stop.wait()
     server.stop(grace=2.0).wait()
+    if metrics_server is not None:
+        metrics_server.close()
     if checkpointer is not None:
         checkpointer.save_now()
     log.info("shard_stopped", shard=args.shard_index, **{k: v for k, v in shard.status().items() if k in ("version", "bytes_in", "bytes_out")})

@@ -73,6 +73,19 @@ class Snapshot:
     contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RoundStats:
+    """How the last round closed, kept for metrics (`on_publish` reads it) and `dilocox status`."""
+
+    round: int
+    clusters: tuple[str, ...]  # whose contributions made it
+    dropped: tuple[str, ...]  # marked inactive at this close (missed the deadline)
+    decode_s: float  # decoding and averaging the contributions
+    apply_s: float  # the outer Nesterov step
+    latency_s: float  # first contribution in → version published
+    closed_at: float  # wall clock (time.time())
+
+
 class Shard:
     def __init__(
         self,
@@ -113,6 +126,7 @@ class Shard:
         self.accumulator: RoundAccumulator | None = None
         self.bytes_in = 0
         self.bytes_out = 0
+        self.last_round: RoundStats | None = None  # set just before the round's version is published
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None
 
@@ -261,7 +275,8 @@ class Shard:
         complete = acc.complete_clusters(set(self.owned))
         if len(complete) < self.min_clusters:
             return False
-        if not set(self.members) <= complete:
+        dropped = sorted(set(self.members) - complete)
+        if dropped:
             now = time.monotonic() if now is None else now
             expired = (
                 self.round_deadline_s is not None
@@ -270,17 +285,23 @@ class Shard:
             )
             if not expired:
                 return False
-            for cluster in sorted(set(self.members) - complete):
+            for cluster in dropped:
                 del self.members[cluster]
                 log.warning("cluster_inactive", shard=self.shard_index, cluster=cluster, round=acc.round,
                             reason=f"no complete contribution within the {self.round_deadline_s}s deadline")  # fmt: skip
             acc.keep_only(complete)
-        started = time.perf_counter()
+        decode_s = apply_s = 0.0
         new = {}
         for key, param in self.snapshot.tensors.items():
+            started = time.perf_counter()
             grad = acc.mean(key)
+            decoded = time.perf_counter()
             new[key] = param if grad is None else self.optimizer.step(key, param, grad)
+            decode_s += decoded - started
+            apply_s += time.perf_counter() - decoded
         momentum = {key: buf.clone() for key, buf in self.optimizer.buffers.items()}
+        latency_s = time.monotonic() - acc.first_push_at if acc.first_push_at is not None else 0.0
+        self.last_round = RoundStats(acc.round, tuple(sorted(complete)), tuple(dropped), decode_s, apply_s, latency_s, time.time())
         self._publish(Snapshot(acc.round, new, momentum, acc.contributions))
         log.info(
             "round_closed",
@@ -289,7 +310,9 @@ class Shard:
             clusters=len(complete),
             tokens=sum(acc.cluster_weights.values()),
             bytes_in=acc.bytes_in,
-            apply_s=round(time.perf_counter() - started, 4),
+            decode_s=round(decode_s, 4),
+            apply_s=round(apply_s, 4),
+            latency_s=round(latency_s, 3),
         )
         self.accumulator = None
         self._cond.notify_all()
@@ -331,6 +354,9 @@ class Shard:
                 "bytes_out": self.bytes_out,
                 "initialised": self.snapshot is not None,
                 "min_clusters": self.min_clusters,
+                "state": "uninitialised" if self.snapshot is None else ("collecting" if acc and acc.contributions else "waiting"),
+                "last_round_seconds": self.last_round.latency_s if self.last_round else 0.0,
+                "last_round_closed_at": self.last_round.closed_at if self.last_round else 0.0,
             }
 
     def add_bytes_out(self, n: int) -> None:

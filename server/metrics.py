@@ -1,0 +1,101 @@
+"""Prometheus metrics of one shard, defined here and hooked into `Shard` through `on_publish`.
+
+Two kinds of source, so that the RPC path gains no work:
+
+* Events, recorded when a version is published (the shard's `on_publish` hook, called under its lock
+  with `shard.last_round` already describing the close): rounds closed, contributions per cluster,
+  clusters dropped at a deadline, and the decode / apply / round-latency timings.
+* State, read when Prometheus scrapes (a custom collector over `Shard.status()`): version, open round,
+  active clusters, and the byte counters the servicer already keeps on the shard.
+
+Names start with `dilocox_`; docs/deploy.md lists the ones worth alerting on.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from dilocox.server.shard import Shard, Snapshot
+
+# Seconds: per-round CPU work is milliseconds to seconds; a round over a WAN is seconds to an hour.
+_WORK_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
+_ROUND_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, float("inf"))
+
+
+class _ShardStateCollector(Collector):
+    """Reads the shard's live state at scrape time (no bookkeeping on the RPC path)."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+
+    def collect(self):  # noqa: ANN201 - prometheus_client protocol
+        status = self.shard.status()
+        yield GaugeMetricFamily("dilocox_version", "Newest published global version (-1: not initialised)", value=status["version"])
+        yield GaugeMetricFamily("dilocox_open_round", "Round the shard is collecting contributions for", value=status["open_round"])
+        yield GaugeMetricFamily("dilocox_active_clusters", "Clusters currently taking part in rounds", value=len(status["clusters"]))
+        yield GaugeMetricFamily(
+            "dilocox_round_contributed_clusters", "Clusters whose whole contribution to the open round is in",
+            value=len(status["contributed"]),
+        )  # fmt: skip
+        yield GaugeMetricFamily("dilocox_min_clusters", "Contributions a round needs before it may close", value=status["min_clusters"])
+        yield GaugeMetricFamily("dilocox_owned_elements", "Parameter elements this shard owns", value=status["num_elements"])
+        yield CounterMetricFamily("dilocox_bytes_received", "Bytes of pushes received (gRPC message bytes)", value=status["bytes_in"])
+        yield CounterMetricFamily("dilocox_bytes_sent", "Bytes of pulls sent (gRPC message bytes)", value=status["bytes_out"])
+        yield GaugeMetricFamily(
+            "dilocox_last_round_close_timestamp_seconds", "Unix time the last round closed (0: none since start)",
+            value=status["last_round_closed_at"],
+        )  # fmt: skip
+
+
+class ShardMetrics:
+    """The metrics of one shard in its own registry; `attach()` hooks them in."""
+
+    def __init__(self, shard: Shard, registry: CollectorRegistry | None = None) -> None:
+        self.shard = shard
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.rounds_closed = Counter("dilocox_rounds_closed", "Rounds closed (versions published after round 0)", registry=r)
+        self.contributions = Counter(
+            "dilocox_contributions", "Complete contributions that went into a closed round", ["cluster"], registry=r
+        )
+        self.clusters_dropped = Counter(
+            "dilocox_clusters_dropped", "Clusters marked inactive because they missed a round deadline", registry=r
+        )
+        self.decode_seconds = Histogram(
+            "dilocox_decode_seconds", "Per round: decoding and averaging the contributions", buckets=_WORK_BUCKETS, registry=r
+        )
+        self.apply_seconds = Histogram(
+            "dilocox_apply_seconds", "Per round: applying the outer Nesterov step", buckets=_WORK_BUCKETS, registry=r
+        )
+        self.round_latency = Histogram(
+            "dilocox_round_latency_seconds", "Per round: first contribution received to version published",
+            buckets=_ROUND_BUCKETS, registry=r,
+        )  # fmt: skip
+        r.register(_ShardStateCollector(shard))
+
+    def attach(self) -> "ShardMetrics":
+        """Chain onto the shard's `on_publish` (keeping a checkpointer already there); call once."""
+        previous = self.shard.on_publish
+
+        def on_publish(snapshot: Snapshot) -> None:
+            self.observe_publish(snapshot)
+            if previous is not None:
+                previous(snapshot)
+
+        self.shard.on_publish = on_publish
+        return self
+
+    def observe_publish(self, snapshot: Snapshot) -> None:
+        stats = self.shard.last_round
+        if snapshot.version < 1 or stats is None or stats.round != snapshot.version:
+            return  # round 0 (initial weights) or a restore: not a closed round
+        self.rounds_closed.inc()
+        for cluster in stats.clusters:
+            self.contributions.labels(cluster=cluster).inc()
+        if stats.dropped:
+            self.clusters_dropped.inc(len(stats.dropped))
+        self.decode_seconds.observe(stats.decode_s)
+        self.apply_seconds.observe(stats.apply_s)
+        self.round_latency.observe(stats.latency_s)
