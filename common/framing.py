@@ -136,6 +136,8 @@ def decompress_chunk(chunk: pb.TensorChunk) -> bytes:
         raise CorruptFrame(
             f"chunk of {key_of(chunk)} at offset {chunk.offset}: frame holds {declared} bytes, header says {chunk.raw_bytes}"
         )
+    if declared == 0:
+        return _verified_empty(chunk, frame)
     try:
         raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=MAX_CHUNK_BYTES, allow_extra_data=False)
     except zstandard.ZstdError as exc:
@@ -143,6 +145,20 @@ def decompress_chunk(chunk: pb.TensorChunk) -> bytes:
     if len(raw) != chunk.raw_bytes:
         raise CorruptFrame(f"chunk of {key_of(chunk)}: decompressed {len(raw)} bytes, expected {chunk.raw_bytes}")
     return raw
+
+
+def _verified_empty(chunk: pb.TensorChunk, frame: bytes) -> bytes:
+    """Decode a frame that claims 0 bytes. python-zstandard's one-shot `decompress` returns b"" for such a
+    frame without reading its blocks or checksum, so junk after the header passed; a streaming decode
+    checks them (and stops at the first byte of output, so it cannot be made to allocate)."""
+    decoder = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        raw = decoder.decompress(frame)
+    except zstandard.ZstdError as exc:
+        raise CorruptFrame(f"chunk of {key_of(chunk)} at offset {chunk.offset}: corrupt zstd frame ({exc})") from None
+    if raw or not decoder.eof or decoder.unused_data:
+        raise CorruptFrame(f"chunk of {key_of(chunk)} at offset {chunk.offset}: corrupt empty zstd frame")
+    return b""
 
 
 class SliceAssembler:
