@@ -101,3 +101,34 @@ def test_shard_metrics_after_a_round(shard_process):
     assert proc.wait(timeout=20) == 0
     with pytest.raises(OSError):  # the endpoint goes away with the shard
         scrape(metrics_port)
+
+
+def test_worker_metrics_while_training(shard_set):
+    """A real `dilocox worker` (tiny model) serves its round metrics from rank 0 while it trains."""
+    shards = shard_set(1, "run-worker-metrics")
+    metrics_port = _free_port()
+    argv = [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "run-worker-metrics",
+            "--cluster", "site-a", "--rounds", "1000", "--inner-steps", "3", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+            "--block-size", "16", "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1",
+            "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1", "--insecure"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline, m = time.monotonic() + 120, {}
+        while m.get(("dilocox_worker_rounds_total", ()), 0) < 3:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, f"worker did not complete 3 rounds: {m}"
+            time.sleep(0.2)
+            try:
+                m = scrape(metrics_port)
+            except OSError:
+                continue  # not serving yet
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    rounds = m[("dilocox_worker_rounds_total", ())]
+    assert m[("dilocox_inner_steps_total", ())] == 3 * rounds
+    assert m[("dilocox_tokens_trained_total", ())] == 3 * 4 * 16 * rounds
+    assert m[("dilocox_worker_round", ())] >= rounds and m[("dilocox_worker_version", ())] >= rounds - 1
+    assert 0 < m[("dilocox_train_loss", ())] < 10 and 0 < m[("dilocox_eval_loss", ())] < 10  # bytes: ln 256 ≈ 5.5 at first
+    assert m[("dilocox_bytes_pushed_total", ())] > 0 and m[("dilocox_bytes_pulled_total", ())] > 0
+    assert m[("dilocox_compute_seconds_total", ())] > 0 and m[("dilocox_idle_seconds_total", ())] >= 0

@@ -78,11 +78,13 @@ class DilocoCluster:
         peer_sync: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
         checkpoint: WorkerCheckpoint | None = None,
         steps_controller: StepsController | None = None,
+        on_round: Callable[[RoundReport, int, int], None] | None = None,
     ) -> None:
         """`model_specs`: the whole model's (name, shape) list, when this rank holds only a stage of it.
         `owned_names`: the parameters this rank pushes and pulls (its replica's share of the stage).
         `peer_sync`: fills in the global weights of the stage's other names from the replicas that
-        pulled them (a broadcast over the stage's data-parallel group)."""
+        pulled them (a broadcast over the stage's data-parallel group).
+        `on_round(report, inner_steps, version)`: called after every round, e.g. to update metrics."""
         if delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {delay}")
         self.trainer = trainer
@@ -98,6 +100,7 @@ class DilocoCluster:
         self.peer_sync = peer_sync
         self.checkpoint = checkpoint
         self.steps_controller = steps_controller
+        self.on_round = on_round
         self._captured: dict[int, tuple[dict, dict | None]] = {}  # round -> local state, until it is on the shards
         self.slices: list[ParamSlice] = []
         self.version = -1
@@ -202,6 +205,8 @@ class DilocoCluster:
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
         )
         log.info("round_done", cluster=self.client.cluster, delay=self.delay, inner_steps=self.inner_steps, **asdict(report))
+        if self.on_round is not None:
+            self.on_round(report, self.inner_steps, self.version)
         if self.steps_controller is not None and exchange is not None:
             self.inner_steps = self.steps_controller.update(round_, compute_s, exchange.comm_s)
         return report, merged

@@ -14,6 +14,7 @@ import torch
 from dilocox.common.compression import TensorCompressor
 from dilocox.common.config import add_config_arguments, as_dict, config_from_args
 from dilocox.common.logs import configure_logging
+from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.adaptive_steps import StepsController
 from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
@@ -40,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save this rank's local state here after rounds")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="save every k rounds (default 1)")
     parser.add_argument("--resume", action="store_true", help="restore the local state from --checkpoint-dir first")
+    add_metrics_arguments(parser, default_host="0.0.0.0")  # served by the cluster's rank 0 only
     add_security_arguments(parser, "worker")
     add_config_arguments(parser)
 
@@ -95,8 +97,18 @@ def run(args: argparse.Namespace) -> int:
                 extra["checkpoint"].restore(trainer, compressor)
         except (ValueError, FileNotFoundError) as error:
             raise SystemExit(f"dilocox worker: {error}") from None
+    metrics_server = None
     try:
         with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor, tls=tls, token=token) as client:
+            if args.metrics_port and (context is None or context.layout.rank == 0):
+                from dilocox.worker.metrics import WorkerMetrics
+
+                metrics = WorkerMetrics(client.traffic)
+                try:
+                    metrics_server = serve_metrics(metrics.registry, args.metrics_port, args.metrics_host, role=cluster)
+                except OSError as error:
+                    raise SystemExit(f"dilocox worker: cannot serve metrics on port {args.metrics_port}: {error}") from None
+                extra["on_round"] = metrics.observe_round
             DilocoCluster(
                 trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config)), **extra
             ).run()
@@ -104,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
         return 2
     finally:
+        if metrics_server is not None:
+            metrics_server.close()
         if context is not None:
             context.close()
     return 0

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one cluster (served by its rank 0), fed by `DilocoCluster`'s `on_round` hook.
+
+What a site operator asks of a training job: is it making progress (rounds, inner steps, tokens, the
+global version it holds), is it learning (train and eval loss), and is the WAN hidden behind compute
+(compute vs idle seconds, bytes pushed and pulled). Per-round values arrive through the round loop's
+hook; the byte counters are read from the aggregator client at scrape time, so they include the
+initial push and pulls that are not part of any round. Under torchrun only rank 0 serves them, and its
+byte counters are that rank's share of the cluster's traffic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from dilocox.worker.aggregator_client import Traffic
+    from dilocox.worker.cluster import RoundReport
+
+
+class _TrafficCollector(Collector):
+    def __init__(self, traffic: "Traffic") -> None:
+        self.traffic = traffic
+
+    def collect(self):  # noqa: ANN201 - prometheus_client protocol
+        yield CounterMetricFamily("dilocox_bytes_pushed", "Bytes this rank pushed to the shards (gRPC message bytes)",
+                                  value=self.traffic.bytes_up)  # fmt: skip
+        yield CounterMetricFamily("dilocox_bytes_pulled", "Bytes this rank pulled from the shards (gRPC message bytes)",
+                                  value=self.traffic.bytes_down)  # fmt: skip
+
+
+class WorkerMetrics:
+    """One cluster's metrics in its own registry; pass `observe_round` as DilocoCluster's `on_round`."""
+
+    def __init__(self, traffic: "Traffic | None" = None, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.rounds = Counter("dilocox_worker_rounds", "Outer rounds this cluster completed", registry=r)
+        self.inner_steps = Counter("dilocox_inner_steps", "Inner optimiser steps taken", registry=r)
+        self.tokens = Counter("dilocox_tokens_trained", "Tokens trained on (the rounds' averaging weights)", registry=r)
+        self.round = Gauge("dilocox_worker_round", "Last round this cluster completed", registry=r)
+        self.version = Gauge("dilocox_worker_version", "Global version this cluster last folded in", registry=r)
+        self.train_loss = Gauge("dilocox_train_loss", "Mean training loss of the last round's inner steps", registry=r)
+        self.eval_loss = Gauge("dilocox_eval_loss", "Held-out loss after the last round", registry=r)
+        self.compute_seconds = Counter("dilocox_compute_seconds", "Seconds spent in inner steps", registry=r)
+        self.idle_seconds = Counter("dilocox_idle_seconds", "Seconds the trainer blocked waiting for the network", registry=r)
+        self.comm_seconds = Counter("dilocox_exchange_seconds", "Seconds the rounds' push and pull took (hidden or not)", registry=r)
+        self.train_loss.set(math.nan)
+        self.eval_loss.set(math.nan)
+        if traffic is not None:
+            r.register(_TrafficCollector(traffic))
+
+    def observe_round(self, report: "RoundReport", inner_steps: int, version: int) -> None:
+        self.rounds.inc()
+        self.inner_steps.inc(inner_steps)
+        self.tokens.inc(report.tokens)
+        self.round.set(report.round)
+        self.version.set(version)
+        self.train_loss.set(report.train_loss)
+        if not math.isnan(report.eval_loss):  # not evaluated this round: keep the last value
+            self.eval_loss.set(report.eval_loss)
+        self.compute_seconds.inc(max(0.0, report.compute_s))
+        self.idle_seconds.inc(max(0.0, report.idle_s))
+        self.comm_seconds.inc(max(0.0, report.comm_s))
