@@ -1,39 +1,107 @@
-"""`dilocox status`: ask every shard what it is doing."""
+"""`dilocox status`: ask every shard what it is doing, as a table (or JSON lines for scripts).
+
+An operator's first question during a run is "is every shard alive, on the same version, with every
+site in the round, and is traffic flowing?", so each shard is one row with exactly that; a shard that
+does not answer is a row too (state `unreachable`), and the exit status is 1 so scripts notice.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
-from google.protobuf.json_format import MessageToDict
-
+from dilocox.common.logs import configure_logging
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
+
+COLUMNS = ("SHARD", "ADDRESS", "STATE", "VERSION", "ROUND", "CLUSTERS", "IN ROUND", "LAST ROUND", "CLOSED", "BYTES IN", "BYTES OUT")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", required=True, help="comma-separated host:port of the shards")
-    parser.add_argument("--json", action="store_true", help="one JSON object per shard instead of key=value")
+    parser.add_argument("--json", action="store_true", help="one JSON object per shard (one per line) instead of a table")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each shard (default 10)")
     add_security_arguments(parser, "worker")
 
 
+def shard_record(address: str, reply) -> dict:  # noqa: ANN001 - a StatusReply or an AggregatorError
+    """One shard's state as plain JSON types (ints stay ints, unlike MessageToDict's int64 strings)."""
+    if isinstance(reply, AggregatorError):
+        return {"address": address, "state": "unreachable", "error": reply.code.name, "details": reply.details}
+    return {
+        "address": address,
+        "state": reply.state or ("waiting" if reply.initialised else "uninitialised"),
+        "run_id": reply.run_id,
+        "shard_index": reply.shard_index,
+        "num_shards": reply.num_shards,
+        "version": reply.version,
+        "open_round": reply.open_round,
+        "clusters": list(reply.clusters),
+        "contributed": list(reply.contributed),
+        "min_clusters": reply.min_clusters,
+        "num_elements": reply.num_elements,
+        "initialised": reply.initialised,
+        "last_round_seconds": reply.last_round_seconds,
+        "last_round_closed_at": reply.last_round_closed_at,
+        "bytes_in": reply.bytes_in,
+        "bytes_out": reply.bytes_out,
+    }
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def table_row(record: dict, now: float) -> tuple[str, ...]:
+    if record["state"] == "unreachable":
+        return ("?", record["address"], "unreachable", *["-"] * (len(COLUMNS) - 3))
+    closed_at = record["last_round_closed_at"]
+    return (
+        f"{record['shard_index']}/{record['num_shards']}",
+        record["address"],
+        record["state"],
+        str(record["version"]),
+        str(record["open_round"]),
+        f"{len(record['clusters'])} (min {record['min_clusters']})",
+        f"{len(record['contributed'])}/{len(record['clusters'])}",
+        f"{record['last_round_seconds']:.1f}s" if closed_at else "-",
+        f"{max(0.0, now - closed_at):.0f}s ago" if closed_at else "-",
+        human_bytes(record["bytes_in"]),
+        human_bytes(record["bytes_out"]),
+    )
+
+
+def format_table(records: list[dict], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    rows = [COLUMNS, *(table_row(r, now) for r in records)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"{r['address']}: {r['error']}: {r['details']}" for r in records if r["state"] == "unreachable"]
+    runs = sorted({r["run_id"] for r in records if "run_id" in r})
+    if len(runs) > 1:
+        lines.append(f"warning: the shards serve different runs: {runs}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
+    configure_logging("kv", "warning")  # stdout carries only the table / JSON; warnings go to stderr
     addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
+    if not addresses:
+        raise SystemExit("dilocox status: --servers names no shard")
     try:
         tls, token = security_from_args(args, "worker")
     except ValueError as error:
         raise SystemExit(f"dilocox status: {error}") from None
-    code = 0
     with AggregatorClient(addresses, run_id="", cluster="status", tls=tls, token=token, retry_s=0) as client:
-        for address, reply in zip(addresses, client.status_each()):
-            if isinstance(reply, AggregatorError):
-                error = reply
-                print(f"address={address} error={error.code.name} details={error.details!r}")
-                code = 1
-                continue
-            fields = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-            if args.json:
-                print(json.dumps({"address": address, **fields}))
-            else:
-                print(" ".join([f"address={address}"] + [f"{k}={v}" for k, v in fields.items()]))
-    return code
+        records = [shard_record(a, reply) for a, reply in zip(addresses, client.status_each(timeout=args.timeout))]
+    if args.json:
+        for record in records:
+            print(json.dumps(record))
+    else:
+        print(format_table(records))
+    return 1 if any(r["state"] == "unreachable" for r in records) else 0

@@ -1,0 +1,81 @@
+"""`dilocox status`: a table (or JSON lines) of every shard's live state, unreachable shards included."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import torch
+
+from dilocox.common import cli
+from dilocox.worker.aggregator_client import AggregatorClient
+from dilocox.worker.cluster import slice_tensors
+from dilocox.worker.status import COLUMNS
+
+RUN = "run-status"
+PARAMS = [("w", (16, 4)), ("b", (4,))]
+
+
+def _dead_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _drive_one_round(addresses: list[str]) -> None:
+    """Clusters a and b close round 1; a then pushes half of round 2 on nothing (a stays 'collecting')."""
+    clients = [AggregatorClient(addresses, RUN, c, connect_timeout=10, rpc_timeout=30) for c in ("a", "b")]
+    try:
+        for client in clients:
+            client.join(PARAMS)
+        full = {name: torch.ones(shape) for name, shape in PARAMS}
+        clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, full))
+        for client in clients:
+            client.push(1, 10.0, slice_tensors(client.assignment, full))
+        clients[0].pull(min_version=1, wait_seconds=10)
+        clients[0].push(2, 10.0, slice_tensors(clients[0].assignment, full))
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_status_table_and_json(shard_set, capsys):
+    shards = shard_set(2, RUN, min_clusters=2)
+    _drive_one_round(shards.addresses)
+    servers = ",".join(shards.addresses)
+    capsys.readouterr()  # the shards' own logs
+
+    assert cli.main(["status", "--servers", servers, "--insecure"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [w for c in COLUMNS for w in c.split()]
+    assert len(lines) == 3
+    for index, (line, address) in enumerate(zip(lines[1:], shards.addresses)):
+        cells = line.split()
+        assert cells[:6] == [f"{index}/2", address, "collecting", "1", "2", "2"]
+        assert "1/2" in cells and "ago" in cells and "KiB" in line
+
+    assert cli.main(["status", "--servers", servers, "--insecure", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["address"] for r in records] == shards.addresses
+    for r in records:
+        assert r["state"] == "collecting" and r["version"] == 1 and r["open_round"] == 2
+        assert r["clusters"] == ["a", "b"] and r["contributed"] == ["a"] and r["run_id"] == RUN
+        assert r["bytes_in"] > 0 and r["bytes_out"] > 0 and r["last_round_closed_at"] > 0
+        assert 0 <= r["last_round_seconds"] < 30
+
+
+def test_status_marks_an_unreachable_shard_and_fails(shard_set, capsys):
+    shards = shard_set(1, RUN)
+    dead = _dead_address()
+    capsys.readouterr()
+    code = cli.main(["status", "--servers", f"{shards.addresses[0]},{dead}", "--insecure", "--timeout", "3"])
+    out = capsys.readouterr().out
+    assert code == 1
+    rows = out.splitlines()
+    assert rows[1].split()[:4] == ["0/1", shards.addresses[0], "uninitialised", "-1"]
+    assert rows[2].split()[:3] == ["?", dead, "unreachable"]
+    assert f"{dead}: UNAVAILABLE" in out
+
+    assert cli.main(["status", "--servers", dead, "--insecure", "--json", "--timeout", "3"]) == 1
+    record = json.loads(capsys.readouterr().out)
+    assert record["state"] == "unreachable" and record["error"] == "UNAVAILABLE"
