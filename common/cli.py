@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from typing import Mapping
+
+from dilocox.common.settings import SettingsError, add_config_option, apply_sources, subparsers_of
 
 SUBCOMMANDS = {
     "server": ("dilocox.server.main", "run one aggregation shard"),
@@ -20,10 +24,14 @@ SUBCOMMANDS = {
     "bench": ("dilocox.bench.main", "benchmarks (bytes on the wire, overlap), written to bench/results/"),
     "compose": ("dilocox.common.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),
     "link": ("dilocox.common.link_cli", "shape this host's WAN egress (tc) and measure a link's bulk rate"),
+    "config": ("dilocox.common.config_cli", "print the effective run configuration (flags > env > --config file) as TOML"),
 }
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+def build_parser(argv: list[str], environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv`'s command. With `environ` (as `main` passes), values from `--config` /
+    $DILOCOX_CONFIG and from DILOCOX_<FLAG> variables become the command's defaults (common/settings.py);
+    without it the parser depends on `argv` alone."""
     parser = argparse.ArgumentParser(
         prog="dilocox",
         description="DiLoCoX: pre-train one model across GPU clusters joined by slow links.",
@@ -36,12 +44,24 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         if name == chosen:  # only the chosen command's module is imported
             importlib.import_module(module).add_arguments(p)
             p.set_defaults(_module=module)
+            chain, path = [p], [name]
+            nested = subparsers_of(p)
+            after = argv[argv.index(name) + 1 :]
+            leaf = next((a for a in after if a in nested), None)
+            if leaf is not None:
+                chain, path = [p, nested[leaf]], [name, leaf]
+            add_config_option(chain[-1])
+            if environ is not None:
+                try:
+                    apply_sources(chain, path, argv, environ, SUBCOMMANDS)
+                except SettingsError as error:
+                    chain[-1].exit(2, f"{chain[-1].prog}: error: {error}\n")  # the reason, without a screen of usage
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
+    args = build_parser(argv, os.environ).parse_args(argv)
     return int(importlib.import_module(args._module).run(args) or 0)
 
 

@@ -9,6 +9,7 @@ to a useful loss on two CPU cores in a few minutes.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from dilocox.common.compression import CompressionConfig
@@ -143,6 +144,7 @@ def as_dict(config: object) -> dict:
 # Flag names: top-level and model fields as themselves (`--rounds`, `--n-layer`), the other groups
 # prefixed by their group (`--inner-steps`, `--inner-lr`, `--outer-lr`, `--compress-codec`).
 _GROUPS = {"model": "", "parallel": "", "inner": "inner-", "outer": "outer-", "wire": "wire-", "compress": "compress-"}
+GROUP_FLAG_PREFIXES = dict(_GROUPS)  # for common/settings.py: `[inner] steps` in a file is `--inner-steps`
 
 
 def _flag_fields(cls: type = RunConfig):
@@ -160,8 +162,10 @@ def _flag_fields(cls: type = RunConfig):
 def add_config_arguments(parser, defaults: RunConfig | None = None) -> None:
     """Add one flag per config field; unset flags stay None so a config file's values win over defaults."""
     defaults = defaults or RunConfig()
-    group = parser.add_argument_group("run configuration (also settable in a --config TOML/JSON file)")
-    group.add_argument("--config", help="TOML or JSON file with [model], [inner], [outer], [wire] tables")
+    from dilocox.common.settings import CONFIG_HELP
+
+    group = parser.add_argument_group("run configuration (also from a --config file or DILOCOX_<FLAG> variables)")
+    group.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     for flag, dest, grp, f in _flag_fields():
         default = getattr(getattr(defaults, grp), f.name) if grp else getattr(defaults, f.name)
         add_field_argument(group, flag, dest, default)
@@ -217,9 +221,13 @@ def load_config_file(path: str) -> dict:
 
 
 def config_from_args(args, base: RunConfig | None = None) -> RunConfig:
-    """Defaults ← config file ← explicit flags."""
+    """Defaults ← config file ← explicit flags.
+
+    Under the `dilocox` console script the file (and DILOCOX_* variables) have already become the
+    flags' values (common/settings.py marks that with `_config_applied`); read directly only otherwise.
+    """
     config = base or RunConfig()
-    if getattr(args, "config", None):
+    if getattr(args, "config", None) and not getattr(args, "_config_applied", False):
         config = from_dict(load_config_file(args.config), config)
     overrides: dict = {}
     for _flag, dest, grp, f in _flag_fields():
@@ -231,6 +239,31 @@ def config_from_args(args, base: RunConfig | None = None) -> RunConfig:
         else:
             overrides[f.name] = value
     return from_dict(overrides, config)
+
+
+def to_toml(config: RunConfig) -> str:
+    """`config` as a TOML file that `--config` (and `from_dict`) read back to an equal RunConfig."""
+
+    def value(v: object) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, float):
+            return repr(v) if v == v and abs(v) != float("inf") else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+        if isinstance(v, int):
+            return str(v)
+        if isinstance(v, str):
+            return json.dumps(v)  # JSON's string escapes are valid TOML basic-string escapes
+        raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+    top, tables = [], []
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if dataclasses.is_dataclass(v):
+            tables.append(f"\n[{f.name}]")
+            tables += [f"{g.name} = {value(getattr(v, g.name))}" for g in dataclasses.fields(v)]
+        else:
+            top.append(f"{f.name} = {value(v)}")
+    return "\n".join(top + tables) + "\n"
 
 
 def config_flags(config: RunConfig) -> list[str]:

@@ -1,0 +1,127 @@
+"""Flag values from --config files and DILOCOX_<FLAG> variables: precedence, tables, errors, `config show`."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from dilocox.common import cli
+from dilocox.common.config import InnerConfig, RunConfig, config_from_args, from_dict
+from dilocox.common.settings import env_name
+
+RUN_TOML = """
+run_id = "from-file"
+port = 7001
+servers = ["a:1", "b:2"]
+rounds = 5
+insecure = true
+
+[model]
+n_layer = 3
+
+[inner]
+steps = 30
+lr = 0.01
+
+[server]
+port = 7002
+metrics-port = 9100
+
+[worker]
+cluster = "site-a"
+"""
+
+
+def parse(argv: list[str], environ: dict[str, str] | None = None):
+    return cli.build_parser(argv, environ or {}).parse_args(argv)
+
+
+@pytest.fixture
+def run_toml(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(RUN_TOML)
+    return str(path)
+
+
+def test_precedence_flag_over_env_over_file_over_default(run_toml):
+    assert parse(["server", "--insecure"]).port == 50051  # default
+    assert parse(["server", "--config", run_toml]).port == 7002  # file: [server] beats the top level
+    assert parse(["server", "--config", run_toml], {"DILOCOX_PORT": "7003"}).port == 7003  # env beats file
+    assert parse(["server", "--config", run_toml, "--port", "7004"], {"DILOCOX_PORT": "7003"}).port == 7004  # flag beats all
+
+    def steps(argv, environ=None):
+        return config_from_args(parse(["worker", *argv], environ)).inner.steps
+
+    assert steps(["--servers", "x:1"]) == InnerConfig().steps
+    assert steps(["--config", run_toml]) == 30
+    assert steps(["--config", run_toml], {"DILOCOX_INNER_STEPS": "40"}) == 40
+    assert steps(["--config", run_toml, "--inner-steps", "50"], {"DILOCOX_INNER_STEPS": "40"}) == 50
+
+
+def test_shared_file_gives_each_command_its_keys(run_toml):
+    server = parse(["server", "--config", run_toml])
+    assert (server.run_id, server.metrics_port, server.insecure) == ("from-file", 9100, True)
+    assert not hasattr(server, "servers") and not hasattr(server, "cluster")  # other commands' keys: ignored
+    worker = parse(["worker", "--config", run_toml])  # --servers is required, and the file gives it
+    assert (worker.servers, worker.cluster, worker.metrics_port) == ("a:1,b:2", "site-a", 0)
+    config = config_from_args(worker)
+    assert (config.run_id, config.rounds, config.model.n_layer, config.inner.lr) == ("from-file", 5, 3, 0.01)
+
+
+def test_environment_alone_configures_a_command():
+    """What docker-compose does: no file, no flags beyond the command, everything from `environment:`."""
+    environ = {"DILOCOX_SERVERS": "shard-0:50051,shard-1:50051", "DILOCOX_RUN_ID": "compose", "DILOCOX_INSECURE": "1",
+               "DILOCOX_N_LAYER": "4", "DILOCOX_INNER_ADAPTIVE_STEPS": "yes", "DILOCOX_METRICS_PORT": "9100",
+               "DILOCOX_IMAGE": "ignored: no such flag"}  # fmt: skip
+    args = parse(["worker"], environ)
+    assert (args.servers, args.insecure, args.metrics_port) == ("shard-0:50051,shard-1:50051", True, 9100)
+    config = config_from_args(args)
+    assert (config.run_id, config.model.n_layer, config.inner.adaptive_steps) == ("compose", 4, True)
+    assert env_name("--inner-steps") == "DILOCOX_INNER_STEPS" and env_name("--run-id") == "DILOCOX_RUN_ID"
+
+
+def test_config_file_named_by_environment(run_toml):
+    assert parse(["server"], {"DILOCOX_CONFIG": run_toml}).port == 7002
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("inner_stpes = 3\n", "unknown key 'inner_stpes': no dilocox command has a flag --inner-stpes"),
+        ("[worker]\nnum_shards = 3\n", "[worker] has unknown key 'num_shards': dilocox worker has no flag --num-shards"),
+        ("[inner]\nstpes = 3\n", "unknown key 'inner_stpes'"),
+        ("[frobnicate]\nx = 1\n", "unknown table [frobnicate]"),
+        ("rounds = 'many'\n", "key 'rounds': --rounds: invalid value 'many'"),
+        ("log_format = 'xml'\n", "--log-format: 'xml' is not one of ['json', 'kv']"),
+        ("rounds = [\n", "is not valid TOML"),
+    ],
+)
+def test_bad_config_file_is_a_clear_error(tmp_path, capsys, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        parse(["worker", "--servers", "x:1", "--config", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err
+
+
+def test_bad_environment_value_names_the_variable(capsys):
+    with pytest.raises(SystemExit):
+        parse(["server", "--insecure"], {"DILOCOX_PORT": "fifty"})
+    assert "environment variable DILOCOX_PORT: --port: invalid value 'fifty'" in capsys.readouterr().err
+
+
+def test_config_show_prints_toml_that_reads_back(tmp_path, capsys, run_toml):
+    argv = ["config", "show", "--config", run_toml, "--rounds", "7", "--compress-codec", "int8", "--dropout", "0.125"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    shown = from_dict(tomllib.loads(text))
+    expected = config_from_args(parse(["worker", "--config", run_toml, "--rounds", "7", "--compress-codec", "int8", "--dropout", "0.125"]))
+    assert shown == expected and shown != RunConfig()
+    assert (shown.rounds, shown.run_id, shown.model.n_layer, shown.compress.codec) == (7, "from-file", 3, "int8")
+    again = tmp_path / "shown.toml"
+    again.write_text(text)
+    assert cli.main(["config", "show", "--config", str(again)]) == 0  # the output is itself a --config file
+    assert capsys.readouterr().out == text
