@@ -9,6 +9,8 @@ BENCHMARKS = {
     "wire": ("dilocox.bench.wire", "bytes per round: DiLoCoX vs dense fp32 vs AllReduce"),
     "overlap": ("dilocox.bench.overlap", "compute idle time with and without the one-step delay over a slow link"),
     "pipeline": ("dilocox.bench.pipeline", "inner-step tokens/s of a PP=2 cluster vs one process"),
+    "wan": ("dilocox.bench.wan", "DiLoCoX vs DiLoCo vs AllReduce over shaped WAN links (namespaces + tc), report and plots"),
+    "shard": ("dilocox.bench.shard_throughput", "MB/s of pseudo-gradients decoded and applied per shard vs memory bandwidth"),
 }
 
 

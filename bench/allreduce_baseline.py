@@ -1,0 +1,149 @@
+"""Baseline (a): data-parallel training with an AllReduce of the gradients at every step, across the sites.
+
+One process per site (each in its site's namespace), one gloo process group whose TCP traffic crosses
+the shaped links. Same model, same seed, same data shards (rank r samples site r's shard, as cluster r
+does), same inner AdamW and learning-rate schedule, and the same global batch per step as the DiLoCo
+modes (sites × batch size): after `rounds × H` steps it has trained exactly as many tokens. The
+gradients are flattened into one buffer (as DDP's buckets would) and averaged with `all_reduce`; the
+averaged gradient is clipped like a single process would, then AdamW steps. Evaluation runs every H steps
+on the same fixed eval windows.
+
+Latency: this kernel has no netem, so each collective waits 2·(N−1) one-way latencies (+ jitter) in user
+space — the sequential hops of a ring all-reduce. Fallback (no namespaces): each collective also sleeps
+until its bytes would have crossed the link at the configured rate.
+
+    python -m dilocox.bench.allreduce_baseline --rank R --world N --master HOST:PORT --config-json '{…}' …
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from dilocox.common.config import RunConfig, as_dict, from_dict
+from dilocox.worker.data import load_corpus
+from dilocox.worker.inner_trainer import InnerTrainer
+
+
+def emit(event: str, **fields: object) -> None:
+    print(json.dumps({"event": event, **fields}), file=sys.stderr, flush=True)
+
+
+def ring_bytes_per_rank(numel: int, world: int, bytes_per_value: int = 4) -> int:
+    """What one rank sends (and receives) in a ring all-reduce: 2·(N−1)/N of the buffer."""
+    return 2 * (world - 1) * numel * bytes_per_value // world
+
+
+class AllReduceTrainer:
+    def __init__(self, config: RunConfig, trainer: InnerTrainer, world: int, latency_s: float, jitter_s: float,
+                 throttle_bytes_s: float | None, seed: int) -> None:  # fmt: skip
+        self.config = config
+        self.trainer = trainer
+        self.world = world
+        self.params = [p for p in trainer.model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.bytes_per_step = ring_bytes_per_rank(self.numel, world)
+        self.latency_s = latency_s
+        self.jitter_s = jitter_s
+        self.throttle_bytes_s = throttle_bytes_s
+        self.rng = random.Random(seed)
+        self.compute_s = 0.0
+        self.comm_s = 0.0
+        self.bytes_sent = 0
+
+    def _wan_wait(self, elapsed: float) -> float:
+        """User-space part of the link: ring hops' latency (+ jitter) and, in the fallback, the rate."""
+        hops = 2 * (self.world - 1)
+        wait = sum(max(0.0, self.latency_s + self.rng.uniform(-self.jitter_s, self.jitter_s)) for _ in range(hops))
+        if self.throttle_bytes_s:
+            wait += max(0.0, self.bytes_per_step / self.throttle_bytes_s - elapsed)
+        return wait
+
+    def step(self) -> tuple[float, int]:
+        t = self.trainer
+        began = time.perf_counter()
+        for group in t.optimizer.param_groups:
+            group["lr"] = t.lr_at(t.step)
+        x, y = t.sampler.next_batch()
+        _, loss = t.model(x, y)
+        t.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        flat = _flatten_dense_tensors([p.grad for p in self.params])
+        computed = time.perf_counter()
+        dist.all_reduce(flat)
+        wait = self._wan_wait(time.perf_counter() - computed)
+        if wait > 0:
+            time.sleep(wait)
+        reduced = time.perf_counter()
+        flat /= self.world
+        for p, g in zip(self.params, _unflatten_dense_tensors(flat, [p.grad for p in self.params])):
+            p.grad.copy_(g)
+        if self.config.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.config.inner.grad_clip)
+        t.optimizer.step()
+        t.step += 1
+        self.comm_s += reduced - computed
+        self.compute_s += (computed - began) + (time.perf_counter() - reduced)
+        self.bytes_sent += self.bytes_per_step
+        return float(loss.detach()), x.numel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dilocox.bench.allreduce_baseline")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--master", required=True, help="host:port of rank 0's TCP rendezvous")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way, added per ring hop")
+    parser.add_argument("--jitter-ms", type=float, default=0.0)
+    parser.add_argument("--throttle-mbit", type=float, default=0.0, help="fallback only: sleep bytes/rate per collective")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = from_dict(json.loads(args.config_json))
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
+                            timeout=datetime.timedelta(minutes=30))  # fmt: skip
+    try:
+        trainer = InnerTrainer(config, load_corpus(args.data), args.rank, args.world)
+        with torch.no_grad():  # as DDP does at construction: every rank starts from rank 0's weights
+            for p in trainer.model.parameters():
+                dist.broadcast(p, 0)
+        ar = AllReduceTrainer(config, trainer, args.world, args.latency_ms / 1000, args.jitter_ms / 1000,
+                              args.throttle_mbit * 1e6 / 8 if args.throttle_mbit > 0 else None, seed=args.rank)  # fmt: skip
+        emit("ar_started", rank=args.rank, eval_loss=round(trainer.evaluate(), 4), params=ar.numel, bytes_per_step=ar.bytes_per_step,
+             config=as_dict(config))  # fmt: skip
+        dist.barrier()
+        began = time.perf_counter()
+        steps, every = config.rounds * config.inner.steps, config.inner.steps
+        tokens, losses, last_eval = 0, [], float("nan")
+        for step in range(1, steps + 1):
+            loss, n = ar.step()
+            tokens += n * args.world
+            losses.append(loss)
+            if step % every == 0 or step == steps:
+                last_eval = trainer.evaluate()
+                emit("ar_eval", rank=args.rank, step=step, steps=steps, tokens=tokens, train_loss=round(sum(losses) / len(losses), 4),
+                     eval_loss=round(last_eval, 4), seconds=round(time.perf_counter() - began, 3),
+                     compute_s=round(ar.compute_s, 3), comm_s=round(ar.comm_s, 3))  # fmt: skip
+                losses = []
+        wall = time.perf_counter() - began
+        emit("ar_done", rank=args.rank, steps=steps, tokens=tokens, final_eval_loss=round(last_eval, 4), seconds=round(wall, 3),
+             compute_s=round(ar.compute_s, 3), comm_s=round(ar.comm_s, 3), idle_fraction=round(ar.comm_s / wall, 4),
+             bytes_sent=ar.bytes_sent)  # fmt: skip
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
