@@ -10,7 +10,7 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
-# Lets `dilocox compose build` prune exactly its own dangling build stages.
+# Lets `dilocox compose build` prune exactly its own dangling images (old builds of either stage).
 LABEL org.dilocox.stage=build
 ARG WHEELHOUSE=""
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -29,6 +29,7 @@ RUN set -eux; cd /src; \
 
 # The runtime stage gets the virtualenv only: no sources, no wheelhouse.
 FROM ${BASE_IMAGE} AS runtime
+LABEL org.dilocox.stage=runtime
 RUN command -v tc >/dev/null 2>&1 || { apt-get update && apt-get install -y --no-install-recommends iproute2 \
       && rm -rf /var/lib/apt/lists/*; } || true
 RUN command -v python3 >/dev/null 2>&1 || { apt-get update && apt-get install -y --no-install-recommends python3 \

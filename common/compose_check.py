@@ -82,9 +82,6 @@ class ComposeRun:
                              capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
         return json.loads(out.stdout)
 
-    def health(self, service: str) -> str:
-        return self.state(service).get("Health", {}).get("Status", "none")
-
     def events(self, service: str) -> list[dict]:
         """The service's structlog JSON events (other lines, e.g. torchrun's, are skipped)."""
         out = subprocess.run(["docker", "logs", self.container(service)], capture_output=True, text=True, timeout=60, check=False)
@@ -121,10 +118,17 @@ def measure_link(run: ComposeRun, site: str, seconds: float = 6.0) -> float:
             if probe.returncode == 0:
                 return json.loads(probe.stdout.strip().splitlines()[-1])["mbit_per_s"]
             time.sleep(1)  # the sink may not be listening yet
-        raise CheckFailed(f"link probe from {site} failed: {probe.stderr[-2000:]}")
+        raise CheckFailed(f"link probe from {site} failed: {(probe.stdout + probe.stderr)[-2000:]}")
     finally:
         if sink.poll() is None:
             sink.kill()
+
+
+def _healthy(run: ComposeRun, service: str) -> bool:
+    state = run.state(service)
+    if state["Status"] in ("exited", "dead"):
+        raise CheckFailed(f"{service} exited with {state['ExitCode']} before turning healthy")
+    return state.get("Health", {}).get("Status") == "healthy"
 
 
 def rounds_closed(run: ComposeRun) -> list[dict]:
@@ -142,7 +146,7 @@ def check(run: ComposeRun, kill_site: bool = True) -> dict:
     run.compose("up", "--detach", "--no-build", timeout=600)
     services = [*topology.shard_names(), *(s.name for s in topology.sites)]
     for service in services:
-        wait_until(lambda s=service: run.health(s) == "healthy", 240, f"{service} to turn healthy")
+        wait_until(lambda s=service: _healthy(run, s), 240, f"{service} to turn healthy")
     report["healthy_after_s"] = round(time.monotonic() - started, 1)
     log.info("compose_healthy", services=services, seconds=report["healthy_after_s"])
 

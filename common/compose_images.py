@@ -149,7 +149,7 @@ def build_image(project: pathlib.Path, cache: pathlib.Path, image: str = IMAGE, 
              "--build-arg", f"WHEELHOUSE={WHEELHOUSE_IN_CONTEXT}", str(project)], timeout=1800)  # fmt: skip
     finally:
         shutil.rmtree(wheelhouse, ignore_errors=True)
-    # The build stage (sources + wheelhouse, ~1.5 GB) is left dangling by every rebuild: drop ours.
-    subprocess.run(["docker", "image", "prune", "--force", "--filter", "label=org.dilocox.stage=build"],
+    # Every rebuild leaves the build stage (sources + wheelhouse) and the previous image dangling: drop ours.
+    subprocess.run(["docker", "image", "prune", "--force", "--filter", "label=org.dilocox.stage"],
                    capture_output=True, timeout=300, check=False)  # fmt: skip
     log.info("image_built", image=image, base=base, seconds=round(time.monotonic() - started, 1))

@@ -37,14 +37,14 @@ class Topology:
     run_id: str = "compose-sim"
     num_shards: int = 2
     sites: tuple[Site, ...] = (Site("site-a"), Site("site-b"))
-    rounds: int = 10
-    inner_steps: int = 20
+    rounds: int = 80
+    inner_steps: int = 40
     n_layer: int = 2
     n_embd: int = 64
     block_size: int = 64
     inner_batch_size: int = 8
     min_clusters: int = 1
-    round_deadline_s: float = 45.0
+    round_deadline_s: float = 20.0
     wan_rate_mbit: float = 20.0
     wan_latency_ms: float = 0.0
     # Host port of shard i is host_port_base + i (compose publishes them on 127.0.0.1 for `dilocox status`).

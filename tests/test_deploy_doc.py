@@ -1,0 +1,112 @@
+"""docs/deploy.md's worked example, run as written on localhost: certificates, two TLS shards, two
+torchrun sites, status, metrics. Only the `step=setup` variables (hosts, sizes) and the listening
+ports are replaced, so the guide's commands cannot rot."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dilocox.common.cli import build_parser
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
+STEP = re.compile(r"```bash step=(?P<name>[\w-]+)\n(?P<body>.*?)```", re.S)
+
+
+def doc_steps() -> dict[str, str]:
+    return {m["name"]: m["body"] for m in STEP.finditer(DOC.read_text())}
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_every_dilocox_command_in_the_guide_parses():
+    """Every `dilocox …` line and every `torchrun … -m dilocox.common.cli …` parses with the CLI's parser."""
+    text = DOC.read_text().replace("\\\n", " ")
+    setup = subprocess.run(["bash", "-c", doc_steps()["setup"] + "\nenv -0"], capture_output=True, text=True, check=True)
+    example = dict(item.split("=", 1) for item in setup.stdout.split("\0") if "=" in item)
+    text = re.sub(r"\$\{?(\w+)\}?", lambda m: example.get(m[1], m[0]), text)
+    commands = []
+    for block in re.findall(r"```bash[^\n]*\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["dilocox"]:
+                commands.append(words[1:])
+            elif words[:1] == ["torchrun"]:
+                commands.append(words[words.index("dilocox.common.cli") + 1 :])
+    assert len(commands) >= 8
+    for argv in commands:
+        build_parser(argv).parse_args(argv)
+
+
+@pytest.mark.timeout(300)
+def test_worked_example_runs_on_localhost(tmp_path):
+    steps = doc_steps()
+    assert {"setup", "certs", "shard-0", "shard-1", "site-a", "site-b", "status", "metrics"} <= steps.keys()
+    grpc0, grpc1, m0, m1, m2, m3, rdzv_a, rdzv_b = free_ports(8)
+    ports = {"50051": grpc0, "50052": grpc1, "9100": m0, "9101": m1, "9102": m2, "9103": m3}
+
+    def localised(step: str) -> str:
+        return re.sub(r"\b(50051|50052|9100|9101|9102|9103)\b", lambda m: str(ports[m[1]]), steps[step])
+
+    env = {
+        **os.environ,
+        "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "RUN_ID": "doc-run", "AGG_HOST": "localhost", "SHARDS": f"localhost:{grpc0},localhost:{grpc1}",
+        "DILOCOX_TOKEN": "doc-test-token", "NODES": "1", "GPUS_PER_NODE": "2", "PP": "2", "DP": "1", "ROUNDS": "2",
+        "SITE_A_RDZV": f"127.0.0.1:{rdzv_a}", "SITE_B_RDZV": f"127.0.0.1:{rdzv_b}",
+        "DILOCOX_INNER_STEPS": "10", "DILOCOX_EVAL_BATCHES": "2", "OMP_NUM_THREADS": "1",
+    }  # fmt: skip
+
+    def shell(step: str, **kwargs) -> subprocess.Popen:
+        log = open(tmp_path / f"{step}.log", "w")
+        return subprocess.Popen(["bash", "-c", localised(step)], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, **kwargs)  # fmt: skip
+
+    def output(step: str) -> str:
+        return (tmp_path / f"{step}.log").read_text()
+
+    assert shell("certs").wait(timeout=60) == 0, output("certs")
+    shards = [shell("shard-0"), shell("shard-1")]
+    sites = []
+    try:
+        for port in (grpc0, grpc1):
+            deadline = time.monotonic() + 60
+            while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+                assert time.monotonic() < deadline, output("shard-0") + output("shard-1")
+                time.sleep(0.2)
+        sites = [shell("site-a"), shell("site-b")]
+        for name, proc in zip(("site-a", "site-b"), sites):
+            assert proc.wait(timeout=240) == 0, output(name)[-4000:]
+        assert shell("status").wait(timeout=60) == 0, output("status")
+        rows = [line.split() for line in output("status").splitlines() if line[:1].isdigit()]
+        assert [(r[0], r[3], r[5]) for r in rows] == [("0/2", "2", "2"), ("1/2", "2", "2")], output("status")  # shard, version, clusters
+        assert shell("metrics").wait(timeout=60) == 0, output("metrics")
+        assert "dilocox_rounds_closed_total 2.0" in output("metrics"), output("metrics")
+    finally:
+        for proc in [*sites, *shards]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in [*sites, *shards]:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert [p.returncode for p in shards] == [0, 0], output("shard-0")[-2000:] + output("shard-1")[-2000:]
+    assert (tmp_path / "state" / "shard-0").is_dir() and any((tmp_path / "state" / "shard-0").iterdir())
