@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+import structlog
 import torch
 
 from dilocox.common import cli
@@ -14,6 +16,15 @@ from dilocox.worker.status import COLUMNS
 
 RUN = "run-status"
 PARAMS = [("w", (16, 4)), ("b", (4,))]
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """`dilocox status` points structlog at this test's captured stderr, which closes after it: put the
+    process-wide configuration back, or later tests' log calls would write to a closed file."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 def _dead_address() -> str:
