@@ -18,6 +18,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import sys
 import time
@@ -101,7 +102,8 @@ class Bars:
         if self.tqdm is None:
             print(f"[bench wan] {name}: running ({total} {unit}s)…", file=sys.stderr, flush=True)
             return None, lambda n, fields: None
-        bar = self.tqdm(total=total, desc=f"{name:>10}", unit=unit, file=sys.stderr, leave=True, dynamic_ncols=True)
+        width = shutil.get_terminal_size((100, 20)).columns
+        bar = self.tqdm(total=total, desc=f"{name:>10}", unit=unit, file=sys.stderr, leave=True, ncols=width if width >= 40 else 100)
         return bar, lambda n, fields: (bar.update(n), bar.set_postfix(fields, refresh=False))
 
     @staticmethod
@@ -218,6 +220,7 @@ def write_wan_report(out_dir, args, config, calibration, settings, describe, pro
     probe_lines = "\n".join(f"| {path} | {p['configured_mbit_per_s']:g} | {p['mbit_per_s']:.2f} | {p['ratio'] * 100:.1f}% | "
                             f"{p['goodput_mbit_per_s']:.2f} | {p['measured_by']} |" for path, p in probes.items())  # fmt: skip
     fallback = describe["kind"] != "netns"
+    steps = config.rounds * config.inner.steps
     target_text = "none" if target is None else f"{target:.4f}" + (", the worst final loss of the modes" if args.target_loss is None else "")
     notes = (
         (f"**⚠ {describe['label']}.** Why: {describe.get('why_no_namespaces')}.\n\n" if fallback else f"**Links:** {describe['label']}.\n\n")
@@ -234,6 +237,10 @@ def write_wan_report(out_dir, args, config, calibration, settings, describe, pro
         "| --- | --- | --- | --- | --- | --- |\n"
         f"{probe_lines}\n\n"
         + scaling_note(calibration, settings, args.comm_ratio, args.rate_mbit <= 0)
+        + (f"Measured inside the AllReduce run: {base.comm_s / steps * 1000:.0f} ms per collective against "
+           f"{base.compute_s / steps * 1000:.0f} ms of compute per step, r = {base.comm_s / max(1e-9, base.compute_s):.1f} "
+           f"(bytes/rate alone would be {calibration['allreduce_bytes_per_step_per_site'] * 8 / (settings.rate_mbit * 1e6) * 1000:.0f} ms; "
+           "compute slows down when other work shares the cores).\n" if base and steps else "")
         + "\n**Latency** is added in user space because this kernel has no `netem`: the gRPC streams go through a relay "
         "(bench/relay.py) in the hub that delivers each chunk latency ± jitter later, in order; the AllReduce waits "
         "2·(S−1) one-way latencies per collective (a ring's sequential hops). Bandwidth is the kernel's tbf"
