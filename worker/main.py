@@ -24,6 +24,7 @@ from dilocox.worker.distributed_cluster import DistributedContext, relaunch_with
 from dilocox.worker.pipeline_stage import full_param_specs
 from dilocox.worker.inner_trainer import InnerTrainer
 from dilocox.worker.local_checkpoint import WorkerCheckpoint
+from dilocox.worker.progress import chain, progress_for
 
 log = structlog.get_logger()
 
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 extra["checkpoint"].restore(trainer, compressor)
         except (ValueError, FileNotFoundError) as error:
             raise SystemExit(f"dilocox worker: {error}") from None
-    metrics_server = None
+    metrics_server, progress = None, None
     try:
         with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor, tls=tls, token=token) as client:
             if args.metrics_port and (context is None or context.layout.rank == 0):
@@ -109,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
                 except OSError as error:
                     raise SystemExit(f"dilocox worker: cannot serve metrics on port {args.metrics_port}: {error}") from None
                 extra["on_round"] = metrics.observe_round
+            if context is None or context.layout.rank == 0:
+                progress = progress_for(config.rounds, cluster, args.log_format)
+                if progress is not None:
+                    configure_logging(args.log_format, stream=progress.log_stream())
+                extra["on_round"] = chain(extra.get("on_round"), progress)
             DilocoCluster(
                 trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config)), **extra
             ).run()
@@ -118,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if metrics_server is not None:
             metrics_server.close()
+        if progress is not None:
+            progress.close()
         if context is not None:
             context.close()
     return 0
