@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -192,12 +193,19 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
         stopped_at = shard.version
         assert 3 <= stopped_at < rounds
         second = worker("--resume")
-        assert second.wait(timeout=180) == 0, second.stderr.read()[-3000:]
+        _, second_log = second.communicate(timeout=180)
+        assert second.returncode == 0, second_log[-3000:]
     finally:
         if first.poll() is None:
             first.kill()
     assert shard.version == rounds
+    events = {e["event"]: e for e in map(json.loads, filter(lambda line: line.startswith("{"), second_log.splitlines()))}
+    restored, joined_at = events["worker_checkpoint_restored"]["round"], events["cluster_started"]["version"]
+    # A SIGTERM can land after the round's push reached the shard but before the worker recorded it: the
+    # shard then holds that round (it is not trained again) while the checkpoint does not count it.
+    assert joined_at - restored in (0, 1), (restored, joined_at)
+    trained = (restored + rounds - joined_at) * h
     state = torch.load(tmp_path / "worker-solo-rank0.pt", weights_only=False)
     assert state["round"] == rounds
-    assert state["trainer"]["step"] == rounds * h  # no inner step lost or repeated across the restart
-    assert state["trainer"]["sampler"]["batches_drawn"] == rounds * h
+    assert state["trainer"]["step"] == trained  # no inner step repeated, none lost but that in-flight round's
+    assert state["trainer"]["sampler"]["batches_drawn"] == trained
