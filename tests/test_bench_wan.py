@@ -40,8 +40,9 @@ def _run_bench(out: pathlib.Path, *extra: str, timeout: float = 240) -> tuple[su
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if os.geteuid() == 0:
+        if os.geteuid() == 0:  # what a killed run could leave: its topology, or its availability probe's
             netns.sweep(f"dlx-{proc.pid}-")
+            netns.sweep(f"dlx-{proc.pid % 100000}p-")
     return subprocess.CompletedProcess(argv, proc.returncode, out_text, err_text), proc.pid
 
 
