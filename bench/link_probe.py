@@ -15,12 +15,13 @@ import json
 import pathlib
 import socket
 import sys
-import time
 
-BLOCK = 64 * 1024
+from dilocox.common.link_probe import receive_counted, stream_zeros
 
 
 def sink(host: str, port_file: str, warmup_s: float, timeout_s: float = 120.0) -> dict:
+    """Listen on a free port (written to `port_file`), take one transfer, return what it measured.
+    `<port_file>.flowing` appears with the first byte: the prober's window on the kernel's counters starts there."""
     with socket.create_server((host, 0)) as server:
         tmp = pathlib.Path(port_file + ".tmp")
         tmp.write_text(str(server.getsockname()[1]))
@@ -29,29 +30,13 @@ def sink(host: str, port_file: str, warmup_s: float, timeout_s: float = 120.0) -
         conn, _ = server.accept()
         with conn:
             conn.settimeout(timeout_s)
-            start = time.monotonic()
-            total, counted, since = 0, 0, None
-            while data := conn.recv(BLOCK):
-                now = time.monotonic()
-                if total == 0:  # tell the prober that data flows: its measurement window starts from here
-                    pathlib.Path(port_file + ".flowing").write_text("1")
-                total += len(data)
-                if now - start >= warmup_s:
-                    if since is None:
-                        since = now
-                    else:
-                        counted += len(data)
-            seconds = time.monotonic() - since if since is not None else 0.0
-    return {"bytes_total": total, "bytes_measured": counted, "seconds": round(seconds, 4),
-            "mbit_per_s": round(counted * 8 / seconds / 1e6, 3) if seconds > 0 else 0.0}  # fmt: skip
+            result = receive_counted(conn, warmup_s, lambda: pathlib.Path(port_file + ".flowing").write_text("1"))
+    return result.as_dict()
 
 
 def send(host: str, port: int, seconds: float) -> None:
-    payload = bytes(BLOCK)
     with socket.create_connection((host, port), timeout=60) as conn:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            conn.sendall(payload)
+        stream_zeros(conn, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

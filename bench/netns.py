@@ -24,6 +24,8 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 
+from dilocox.common.link_shaping import TokenBucket
+
 
 class NamespaceError(RuntimeError):
     """Namespaces, veth or tc are unavailable here (not root, no iproute2, a restricted sandbox)."""
@@ -40,15 +42,10 @@ def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 
 def tbf_args(rate_mbit: float, queue_ms: int = 100) -> list[str]:
-    """tbf parameters: the rate, a bucket of ~10 ms of traffic but at least 66 KiB, and a queue that holds
-    `queue_ms` at the rate before dropping. The bucket must hold a whole 64 KiB GSO packet of the veth:
-    with a smaller one tbf splits such packets and drops parts of them when its queue is full, and TCP
-    then stalls on retransmission timeouts (bulk transfers measured at 72–76% of the rate with a 4 ms
-    bucket at 9.5 Mbit/s, 96–97% with this one)."""
-    if not rate_mbit > 0:
-        raise ValueError(f"rate must be positive, got {rate_mbit} Mbit/s")
-    burst = max(66 * 1024, int(rate_mbit * 1e6 / 8 * 0.01))
-    return ["tbf", "rate", f"{max(1, round(rate_mbit * 1000))}kbit", "burst", str(burst), "latency", f"{queue_ms}ms"]
+    """tbf parameters for both ends of a site's veth: common/link_shaping.py's token bucket (at least
+    66 KiB, so the veth's 64 KiB GSO packets pass whole: with a 4 ms bucket bulk transfers measured
+    72–76% of the rate, 96–97% with this one)."""
+    return TokenBucket(rate_mbit, queue_ms).qdisc_args()
 
 
 @dataclass

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 BLOCK = 64 * 1024
 REPORT_PREFIX = b"RATE "
@@ -22,30 +23,46 @@ REPORT_PREFIX = b"RATE "
 
 @dataclass(frozen=True)
 class ProbeResult:
-    bytes_measured: int
+    bytes_measured: int  # after the warm-up: what the rate is computed from
     seconds: float
+    bytes_total: int = 0  # everything received
 
     @property
     def mbit_per_s(self) -> float:
         return self.bytes_measured * 8 / self.seconds / 1e6 if self.seconds > 0 else 0.0
 
+    def as_dict(self) -> dict:
+        return {**asdict(self), "seconds": round(self.seconds, 4), "mbit_per_s": round(self.mbit_per_s, 3)}
+
     def as_json(self) -> str:
-        return json.dumps({**asdict(self), "mbit_per_s": round(self.mbit_per_s, 3)})
+        return json.dumps(self.as_dict())
 
 
-def _receive(conn: socket.socket, warmup_s: float) -> ProbeResult:
-    """Read until the sender closes its side; count only bytes after the warm-up."""
+def receive_counted(conn: socket.socket, warmup_s: float, on_first_byte: Callable[[], None] | None = None) -> ProbeResult:
+    """Read until the sender closes its side; count only bytes after the warm-up. `on_first_byte`
+    tells a prober watching other counters (e.g. the kernel's) that data flows."""
     start = time.monotonic()
-    counted, counted_since = 0, None
+    total, counted, counted_since = 0, 0, None
     while data := conn.recv(BLOCK):
         now = time.monotonic()
+        if total == 0 and on_first_byte is not None:
+            on_first_byte()
+        total += len(data)
         if now - start >= warmup_s:
             if counted_since is None:
                 counted_since = now
             else:
                 counted += len(data)
     last = time.monotonic()
-    return ProbeResult(counted, (last - counted_since) if counted_since is not None else 0.0)
+    return ProbeResult(counted, (last - counted_since) if counted_since is not None else 0.0, total)
+
+
+def stream_zeros(conn: socket.socket, seconds: float) -> None:
+    """Send as fast as the link takes it for `seconds`."""
+    payload = bytes(BLOCK)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        conn.sendall(payload)
 
 
 def serve_sink(server: socket.socket, connections: int = 1, warmup_s: float = 1.0, timeout_s: float = 300.0) -> list[ProbeResult]:
@@ -57,7 +74,7 @@ def serve_sink(server: socket.socket, connections: int = 1, warmup_s: float = 1.
             conn, _ = server.accept()
             with conn:
                 conn.settimeout(timeout_s)
-                result = _receive(conn, warmup_s)
+                result = receive_counted(conn, warmup_s)
                 conn.sendall(REPORT_PREFIX + result.as_json().encode() + b"\n")
                 results.append(result)
     return results
@@ -65,11 +82,8 @@ def serve_sink(server: socket.socket, connections: int = 1, warmup_s: float = 1.
 
 def send_probe(host: str, port: int, seconds: float, timeout_s: float = 60.0) -> ProbeResult:
     """Stream zeros for `seconds`, half-close, and return the rate the sink measured."""
-    payload = bytes(BLOCK)
     with socket.create_connection((host, port), timeout=timeout_s) as conn:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            conn.sendall(payload)
+        stream_zeros(conn, seconds)
         conn.shutdown(socket.SHUT_WR)
         reply = b""
         while chunk := conn.recv(4096):
@@ -77,7 +91,7 @@ def send_probe(host: str, port: int, seconds: float, timeout_s: float = 60.0) ->
     if not reply.startswith(REPORT_PREFIX):
         raise ConnectionError(f"the sink at {host}:{port} sent no rate report")
     fields = json.loads(reply[len(REPORT_PREFIX):])
-    return ProbeResult(fields["bytes_measured"], fields["seconds"])
+    return ProbeResult(fields["bytes_measured"], fields["seconds"], fields["bytes_total"])
 
 
 def sink_in_thread(host: str = "127.0.0.1", warmup_s: float = 1.0) -> tuple[int, threading.Thread, list[ProbeResult]]:

@@ -29,7 +29,7 @@ def test_probe_measures_loopback():
     port, thread, results = sink_in_thread(warmup_s=0.1)
     measured = send_probe("127.0.0.1", port, seconds=0.5)
     thread.join(timeout=10)
-    assert results and results[0] == measured
+    assert results and (results[0].bytes_measured, results[0].bytes_total) == (measured.bytes_measured, measured.bytes_total)
     assert measured.bytes_measured > 0 and measured.mbit_per_s > 10
 
 
