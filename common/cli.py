@@ -21,7 +21,7 @@ SUBCOMMANDS = {
     "status": ("dilocox.worker.status", "print what each shard is doing"),
     "health": ("dilocox.server.health", "exit 0 if a shard answers the standard gRPC health check with SERVING"),
     "certs": ("dilocox.common.certs", "make a development CA and server/client certificates for TLS/mTLS"),
-    "bench": ("dilocox.bench.main", "benchmarks (bytes on the wire, overlap), written to bench/results/"),
+    "bench": ("dilocox.bench.main", "benchmarks: wire, overlap, pipeline, wan (vs AllReduce over shaped links), shard; reports in bench/results/"),
     "compose": ("dilocox.common.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),
     "link": ("dilocox.common.link_cli", "shape this host's WAN egress (tc) and measure a link's bulk rate"),
     "config": ("dilocox.common.config_cli", "print the effective run configuration (flags > env > --config file) as TOML"),

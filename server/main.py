@@ -27,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051, help="port to listen on; 0 picks a free one (default 50051)")
     parser.add_argument("--port-file", type=pathlib.Path, help="write the bound port here once serving")
     parser.add_argument("--run-id", default="dilocox-sim", help="run this shard serves; other runs are refused")
-    parser.add_argument("--outer-lr", type=float, default=OuterConfig.lr, help="outer Nesterov learning rate η (default 0.7)")
-    parser.add_argument("--outer-momentum", type=float, default=OuterConfig.momentum, help="outer momentum μ (default 0.9)")
+    parser.add_argument("--outer-lr", type=float, default=OuterConfig.lr, help=f"outer Nesterov learning rate η (default {OuterConfig.lr})")
+    parser.add_argument("--outer-momentum", type=float, default=OuterConfig.momentum, help=f"outer momentum μ (default {OuterConfig.momentum})")
     parser.add_argument(
         "--min-clusters", type=int, default=1, help="contributions a round needs before it may close (default 1)"
     )
