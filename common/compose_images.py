@@ -30,7 +30,8 @@ WHEELHOUSE_IN_CONTEXT = ".wheelhouse"
 
 
 class EngineUnavailable(RuntimeError):
-    """Docker cannot be installed or started here: the caller reports SKIPPED, not a failure."""
+    """Docker cannot be installed or started here, or what the image is made of (a Debian mirror, the
+    package index) cannot be reached: the caller reports SKIPPED, not a failure of the system."""
 
 
 def run(argv: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
@@ -109,7 +110,10 @@ def ensure_base_image(name: str = BASE_IMAGE, mirror: str = DEBIAN_MIRROR) -> No
         raise EngineUnavailable("debootstrap is not installed (apt-get install debootstrap)")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dilocox-rootfs-") as rootfs:
-        run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", rootfs, mirror], timeout=1200)
+        try:
+            run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", rootfs, mirror], timeout=1200)
+        except (RuntimeError, subprocess.TimeoutExpired) as error:  # the mirror is out of reach: the environment's fault
+            raise EngineUnavailable(f"debootstrap could not build the base image from {mirror}: {str(error)[-500:]}") from None
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
         imported = subprocess.run(["docker", "import", "-", name], stdin=tar.stdout, capture_output=True, text=True, check=False)
         tar.stdout.close()
@@ -130,7 +134,10 @@ def prepare_wheelhouse(project: pathlib.Path, cache: pathlib.Path) -> pathlib.Pa
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     run([*pip, "wheel", "--no-deps", "--wheel-dir", str(cache), str(project)], timeout=600)
     (project_wheel,) = cache.glob("dilocox-*.whl")
-    run([*pip, "download", "--dest", str(cache), str(project_wheel), f"torch=={torch.__version__}"], timeout=1200)
+    try:
+        run([*pip, "download", "--dest", str(cache), str(project_wheel), f"torch=={torch.__version__}"], timeout=1200)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:  # no package index reachable
+        raise EngineUnavailable(f"the image's wheels could not be downloaded: {str(error)[-500:]}") from None
     target = project / WHEELHOUSE_IN_CONTEXT
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(cache, target)
