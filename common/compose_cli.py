@@ -71,18 +71,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = ensure_engine()
     except EngineUnavailable as error:
-        print(f"SKIPPED: docker compose simulation: {error}", flush=True)
-        return 0
+        return _unavailable(args, error)
     try:
         if args.action == "build":
             build_image(project, args.cache_dir, args.image, args.base_image)
             return 0
         return _check(args, project)
     except EngineUnavailable as error:
-        print(f"SKIPPED: docker compose simulation: {error}", flush=True)
-        return 0
+        return _unavailable(args, error)
     finally:
         engine.stop()
+
+
+def _unavailable(args: argparse.Namespace, error: EngineUnavailable) -> int:
+    """`check` (run by CI) skips loudly where docker or the image's sources cannot be had; `build`,
+    asked for by a person, fails with the reason."""
+    if args.action == "check":
+        print(f"SKIPPED: docker compose simulation: {error}", flush=True)
+        return 0
+    print(f"dilocox compose build: {error}", file=sys.stderr, flush=True)
+    return 1
 
 
 def _check(args: argparse.Namespace, project: pathlib.Path) -> int:
