@@ -68,6 +68,18 @@ def key_of(chunk: pb.TensorChunk) -> SliceKey:
     return SliceKey(chunk.name, chunk.row_start, chunk.row_stop)
 
 
+def own_contribution_digest(slices: dict[SliceKey, bytes]) -> bytes:
+    """Digest of a cluster's own part of a round, from each slice's payload sha256: sha256 over the
+    concatenated digests in sorted key order. Shard and cluster compute it independently, so one
+    32-byte value confirms the cluster still holds exactly what the shard applied."""
+    return hashlib.sha256(b"".join(slices[key] for key in sorted(slices))).digest()
+
+
+def is_own_summary(chunk: pb.TensorChunk) -> bool:
+    """The one nameless chunk of a contributions pull that stands for the requester's own slices."""
+    return chunk.own and not chunk.name
+
+
 def encode_slice(
     key: SliceKey,
     tensor: torch.Tensor,
@@ -218,7 +230,7 @@ class Assembled:
     """One complete unit of a stream: a slice's payload, decoded, with the frame's metadata."""
 
     key: SliceKey
-    tensor: torch.Tensor | None  # None for an `own` reference (no payload travelled)
+    tensor: torch.Tensor
     payload: bytearray
     meta: pb.TensorChunk  # the first chunk, without its data: codec, dtype, version, contributor, …
 
@@ -255,8 +267,7 @@ def assemble_units(
         if assembler.add(chunk):
             del open_units[unit]
             done.add(unit)
-            tensor = None if meta.own else assembler.decode()
-            yield Assembled(key, tensor, assembler._buffer, meta)
+            yield Assembled(key, assembler.decode(), assembler._buffer, meta)
     if open_units:
         names = ", ".join(str(u[0]) for u in sorted(open_units, key=lambda u: (u[0], u[1], u[2])))
         raise InvalidFrame(f"stream ended with incomplete slices: {names}")

@@ -16,7 +16,7 @@ from dilocox.common.config import WireConfig
 from dilocox.common.errors import DilocoxError, InvalidFrame
 from dilocox.common import codecs
 from dilocox.common.security import TlsFiles, TokenInterceptor, server_credentials
-from dilocox.common.framing import EncodedSlice, assemble_units, encode_slice, frame_payload
+from dilocox.common.framing import EncodedSlice, assemble_units, encode_slice, frame_payload, own_contribution_digest
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.server.health import add_health_service, mark_serving, mark_shutting_down
@@ -163,18 +163,25 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         return forwarded <= full
 
     def _contribution_chunks(self, snapshot: Snapshot, keys: list, requester: str) -> Iterator[pb.TensorChunk]:
+        """The other clusters' payloads, slice by slice; the requester's own slices (it holds their
+        bytes) as one nameless summary chunk at the end: their combined digest and count."""
         wire = self.wire
+        own: dict = {}
+        own_weight = 0.0
         for key in keys:
             for cluster, contribution in sorted(snapshot.contributions.get(key, {}).items()):
                 item = contribution.slice
-                common = dict(version=snapshot.version, is_delta=True, base_version=snapshot.version - 1,
-                              contributor=cluster, weight=contribution.weight)  # fmt: skip
-                if cluster == requester:  # it has these bytes: send only their digest
-                    yield from frame_payload(key, b"", item.codec, item.dtype, item.shape, wire.chunk_bytes, wire.zstd_level,
-                                             own=True, payload_sha256=item.sha256, **common)  # fmt: skip
-                else:
-                    yield from frame_payload(key, item.payload, item.codec, item.dtype, item.shape, wire.chunk_bytes,
-                                             wire.zstd_level, **common)  # fmt: skip
+                if cluster == requester:
+                    own[key], own_weight = item.sha256, contribution.weight
+                    continue
+                yield from frame_payload(key, item.payload, item.codec, item.dtype, item.shape, wire.chunk_bytes,
+                                         wire.zstd_level, version=snapshot.version, is_delta=True,
+                                         base_version=snapshot.version - 1, contributor=cluster,
+                                         weight=contribution.weight)  # fmt: skip
+        if own:
+            yield pb.TensorChunk(version=snapshot.version, is_delta=True, base_version=snapshot.version - 1,
+                                 contributor=requester, weight=own_weight, own=True, own_slices=len(own),
+                                 payload_sha256=own_contribution_digest(own))  # fmt: skip
 
     def _full_chunks(self, snapshot: Snapshot, keys: list) -> Iterator[pb.TensorChunk]:
         wire = self.wire

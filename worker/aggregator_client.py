@@ -23,7 +23,16 @@ from dilocox.common.assignment import ParamSlice, model_digest
 from dilocox.common.compression import TensorCompressor
 from dilocox.common.config import WireConfig
 from dilocox.common.aggregation import Contribution, weighted_mean
-from dilocox.common.framing import Assembled, EncodedSlice, SliceKey, assemble_units, encode_slice, frame_payload
+from dilocox.common.framing import (
+    Assembled,
+    EncodedSlice,
+    SliceKey,
+    assemble_units,
+    encode_slice,
+    frame_payload,
+    is_own_summary,
+    own_contribution_digest,
+)
 from dilocox.common.outer_optimizer import OuterNesterov
 from dilocox.common.security import TlsFiles, open_channel
 from dilocox.proto import dilocox_pb2 as pb
@@ -237,6 +246,7 @@ class AggregatorClient:
 
             def attempt(have: int) -> None:
                 nonlocal received
+                summaries: list[pb.TensorChunk] = []  # the requester's own slices, as one chunk
                 request = pb.PullRequest(
                     run_id=self.run_id,
                     cluster=self.cluster,
@@ -250,17 +260,28 @@ class AggregatorClient:
                     nonlocal received
                     for chunk in stub.Pull(request, timeout=wait_seconds + self.rpc_timeout):
                         received += chunk.ByteSize()
-                        yield chunk
+                        if is_own_summary(chunk):
+                            summaries.append(chunk)
+                        else:
+                            yield chunk
 
                 def vet(key: SliceKey, chunk: pb.TensorChunk) -> int:
+                    if chunk.own:
+                        raise ValueError(f"shard {shard} sent {key} as our own slice: own parts come as one summary")
                     if key not in expected or tuple(chunk.shape) != expected[key].slice_shape:
                         raise ValueError(f"shard {shard} sent {key} with shape {list(chunk.shape)}, which it does not own")
                     if chunk.is_delta and (chunk.base_version != have or key not in self.held):
                         raise ValueError(f"shard {shard} sent round {chunk.version} for version {chunk.base_version}; we hold {have}")
                     return codecs.max_payload_bytes(chunk.codec, expected[key].slice_shape)
 
-                units = self._call(address, lambda: list(assemble_units(chunks(), vet)))
-                self._apply(shard, units)
+                def fetch() -> list[Assembled]:
+                    summaries.clear()  # a retried call starts the stream over
+                    return list(assemble_units(chunks(), vet))
+
+                units = self._call(address, fetch)
+                own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
+                own = self._own_contributions(shard, summaries, own_keys, have)
+                self._apply(shard, units, own, summaries[0].version if summaries else None)
 
             try:
                 attempt(self.held_versions.get(shard, -1))
@@ -277,16 +298,43 @@ class AggregatorClient:
         wanted_keys = [s.key for s in self.assignment if not wanted or s.name in wanted]
         return min(versions), {k: self.held[k] for k in wanted_keys if k in self.held}, total
 
-    def _apply(self, shard: int, units: list[Assembled]) -> None:
-        """Fold one shard's pull into `held`: full weights (+ momentum), or a round to replay."""
+    def _own_contributions(
+        self, shard: int, summaries: list[pb.TensorChunk], keys: list[SliceKey], have: int
+    ) -> dict[SliceKey, list[Contribution]]:
+        """Our own part of the round the shard forwards, from the copies we kept when pushing — after
+        checking the shard's summary (count and combined digest) against them."""
+        if not summaries:
+            return {}
+        if len(summaries) > 1:
+            raise ValueError(f"shard {shard} sent {len(summaries)} summaries of our own contribution")
+        summary = summaries[0]
+        if summary.base_version != have:
+            raise ValueError(f"shard {shard} sent round {summary.version} for version {summary.base_version}; we hold {have}")
+        mine = {k: self._own[k] for k in keys if k in self._own}
+        if any(k not in self.held for k in mine):
+            raise StaleReplica(f"shard {shard} forwards a round for slices we hold no weights of")
+        if summary.own_slices != len(mine) or own_contribution_digest({k: v[0].sha256 for k, v in mine.items()}) != summary.payload_sha256:
+            raise StaleReplica(f"shard {shard} holds a contribution of ours ({summary.own_slices} slices) we no longer have")
+        return {k: [(self.cluster, summary.weight, lambda t=decoded: t)] for k, (_item, decoded) in mine.items()}
+
+    def _apply(
+        self,
+        shard: int,
+        units: list[Assembled],
+        own: dict[SliceKey, list[Contribution]] | None = None,
+        own_version: int | None = None,
+    ) -> None:
+        """Fold one shard's pull into `held`: full weights (+ momentum), or a round to replay (the
+        forwarded contributions plus `own`, our part of round `own_version`; a round only we
+        contributed to comes as that alone)."""
         assert self.outer is not None, "join first"
-        contributions: dict[SliceKey, list[Contribution]] = {}
-        version = self.held_versions.get(shard, -1)
+        contributions: dict[SliceKey, list[Contribution]] = {k: list(v) for k, v in (own or {}).items()}
+        version = own_version if own_version is not None else self.held_versions.get(shard, -1)
         for unit in units:
             meta, key = unit.meta, unit.key
             version = meta.version
             if meta.is_delta:
-                contributions.setdefault(key, []).append((meta.contributor, meta.weight, self._contribution(unit)))
+                contributions.setdefault(key, []).append((meta.contributor, meta.weight, lambda t=unit.tensor: t))
             elif meta.momentum:
                 self.outer.buffers[key] = unit.tensor.clone()
             else:
@@ -296,16 +344,6 @@ class AggregatorClient:
             grad = weighted_mean(items)
             self.held[key] = self.outer.step(key, self.held[key], grad)
         self.held_versions[shard] = version
-
-    def _contribution(self, unit: Assembled):
-        if not unit.meta.own:
-            tensor = unit.tensor
-            return lambda: tensor
-        mine = self._own.get(unit.key)
-        if mine is None or mine[0].sha256 != unit.meta.payload_sha256:
-            raise StaleReplica(f"{unit.key}: the shard holds a contribution of ours we no longer have")
-        decoded = mine[1]
-        return lambda: decoded
 
     # ------------------------------------------------------------------ status
     def status_each(self, timeout: float = 10.0) -> list[pb.StatusReply | AggregatorError]:
