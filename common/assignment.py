@@ -4,10 +4,10 @@ Every participant (each shard and each cluster rank) computes the same assignmen
 inputs — the ordered (name, shape) list and the shard count — so nothing about it has to be agreed
 over the network beyond the model digest.
 
-Balance: tensors larger than 1/8 of a shard's fair share are split by rows into pieces no larger than
+Balance: tensors larger than half of a shard's fair share are split by rows into pieces no larger than
 that, then pieces are placed largest-first on the least-loaded shard (LPT). A shard's load can then
-exceed the mean by at most one piece, so the largest shard holds ≤ 1.125× the mean whenever rows are
-fine-grained enough (the unsplittable unit is one row).
+exceed the mean by at most one piece — ≤ 1.5× the mean in the worst case; on real models, with many
+tensors to even out, it measures ≤ 1.05× (the tests check 1.25×).
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ import torch
 
 from dilocox.common.framing import SliceKey
 
-SPLIT_FRACTION = 8  # pieces are at most (total / num_shards) / SPLIT_FRACTION elements
+# Pieces are at most (total / num_shards) / SPLIT_FRACTION elements. 2, not finer: each row piece of a
+# matrix is compressed on its own, and a low-rank piece costs (its rows + all columns) × rank, so
+# splitting a matrix into k pieces repeats the column factor k times (docs/decisions.md).
+SPLIT_FRACTION = 2
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from dilocox.common.assignment import ParamSlice, assign_slices, model_digest, slices_of_shard
+from dilocox.common.assignment import SPLIT_FRACTION, ParamSlice, assign_slices, model_digest, slices_of_shard
 from dilocox.common.config import GPTConfig
 from dilocox.common.framing import SliceKey
 
@@ -118,7 +118,7 @@ def test_large_tensors_are_split_by_rows():
     wte = [s for s in slices if s.name == "wte.weight"]
     assert len(wte) > 1
     assert len({s.shard for s in wte}) > 1, "a big embedding is spread over shards"
-    assert max(s.numel for s in slices) <= sum(math.prod(x) for _, x in GPT2) // (4 * 8)
+    assert max(s.numel for s in slices) <= sum(math.prod(x) for _, x in GPT2) // (4 * SPLIT_FRACTION)
     # Small tensors (biases, layer norms) stay whole.
     assert len([s for s in slices if s.name == "h.0.ln_1.bias"]) == 1
 
