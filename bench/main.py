@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS = {
     "wire": ("dilocox.bench.wire", "bytes per round: DiLoCoX vs dense fp32 vs AllReduce"),
+    "compression": ("dilocox.bench.compression", "bytes on the wire vs final eval loss per compression setting, against dense synchronous DiLoCo"),
     "overlap": ("dilocox.bench.overlap", "compute idle time with and without the one-step delay over a slow link"),
     "pipeline": ("dilocox.bench.pipeline", "inner-step tokens/s of a PP=2 cluster vs one process"),
     "wan": ("dilocox.bench.wan", "DiLoCoX vs DiLoCo vs AllReduce over shaped WAN links (namespaces + tc), report and plots"),

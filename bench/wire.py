@@ -18,9 +18,9 @@ from dilocox.common.config import InnerConfig, RunConfig
 from dilocox.worker.inprocess import run_in_process
 
 CONFIGS = {
-    "dilocox default (rank≤16, 90% energy, int4)": CompressionConfig(),
+    "dilocox default (rank≤24, 95% energy, int4)": CompressionConfig(),
     "strongest (rank≤8, 50% energy, int4)": CompressionConfig(rank_max=8, target_energy=0.5),
-    "rank≤16, int8 factors": CompressionConfig(factor_bits=8),
+    "rank≤24, int8 factors": CompressionConfig(factor_bits=8),
     "int8 quantised": CompressionConfig(codec="int8"),
     "dense fp32 (DiLoCo)": CompressionConfig(codec="fp32"),
 }

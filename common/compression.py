@@ -40,8 +40,10 @@ class CompressionConfig:
     codec: str = "lowrank"  # fp32 | fp16 | bf16 | int8 | int4 | lowrank
     factor_bits: int = 4  # quantiser of low-rank factors and of small/1-D tensors in lowrank mode (4, 8, 32)
     rank_min: int = 1
-    rank_max: int = 16
-    target_energy: float = 0.9  # smallest rank whose components capture this share of ‖Δ‖²
+    # Loss first: ≤ 24 components reaching 95% of ‖Δ‖² measured both fewer bytes and a lower loss than
+    # the earlier ≤ 16 / 90% on row-sliced matrices (docs/benchmarks.md, `dilocox bench compression`).
+    rank_max: int = 24
+    target_energy: float = 0.95  # smallest rank whose components capture this share of ‖Δ‖²
     rank_window: int = 3  # rounds over which the chosen rank is smoothed (max of the window)
     adaptive_rank: bool = True  # False: always rank_max
     min_lowrank_numel: int = 4096  # smaller matrices are only quantised
@@ -88,11 +90,15 @@ class _TensorState:
 class TensorCompressor:
     """Compresses a stream of same-shaped tensors per key, keeping error-feedback and rank state."""
 
-    def __init__(self, config: CompressionConfig, seed: int = 0, name: str = "uplink") -> None:
+    def __init__(self, config: CompressionConfig, seed: int = 0, name: str = "uplink", track_deficit: bool = False) -> None:
+        """`track_deficit`: also keep Σ inputs − Σ decoded per key (one more model-sized buffer), the
+        signal compression has withheld so far; benchmarks read it to show what error feedback does."""
         self.config = config
         self.seed = seed
         self.name = name
         self.state: dict[Hashable, _TensorState] = {}
+        self.deficit: dict[Hashable, torch.Tensor] | None = {} if track_deficit else None
+        self.input_sum: dict[Hashable, torch.Tensor] = {}
 
     def uses_lowrank(self, shape: tuple[int, ...]) -> bool:
         return self.config.codec == "lowrank" and len(shape) >= 2 and math.prod(shape) >= self.config.min_lowrank_numel
@@ -110,6 +116,11 @@ class TensorCompressor:
             encoded = self._stateless(self.config.small_tensor_codec, target)
         if self.config.error_feedback:
             state.error = target - encoded.decoded
+        if self.deficit is not None:
+            given = delta.detach().to(torch.float32)
+            self.input_sum[key] = self.input_sum[key] + given if key in self.input_sum else given.clone()
+            withheld = given - encoded.decoded
+            self.deficit[key] = self.deficit[key] + withheld if key in self.deficit else withheld
         return encoded
 
     def state_dict(self) -> dict:
@@ -127,6 +138,18 @@ class TensorCompressor:
     def residual_norm(self) -> float:
         """‖e‖ over all tensors: how much error feedback is carrying (should stay bounded)."""
         return math.sqrt(sum(float(s.error.square().sum()) for s in self.state.values() if s.error is not None))
+
+    def deficit_norm(self) -> float:
+        """‖Σ inputs − Σ decoded‖ over all tensors (needs `track_deficit`): bounded by the residual with
+        error feedback (decay 1), growing with the rounds without it."""
+        if self.deficit is None:
+            raise RuntimeError("this compressor was created without track_deficit")
+        return math.sqrt(sum(float(d.square().sum()) for d in self.deficit.values()))
+
+    def relative_deficit(self) -> float:
+        """`deficit_norm` over ‖Σ inputs‖: the share of all signal so far that has not reached the receiver."""
+        total = math.sqrt(sum(float(t.square().sum()) for t in self.input_sum.values()))
+        return self.deficit_norm() / max(total, 1e-30)
 
     # ------------------------------------------------------------------ codecs
     @staticmethod

@@ -261,6 +261,35 @@ def test_error_feedback_makes_the_sum_of_decoded_track_the_sum_of_inputs():
     assert residuals_off == [0.0] * len(residuals_off)
 
 
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_tracked_deficit_is_the_signal_not_yet_delivered(error_feedback):
+    """`track_deficit` keeps Σ inputs − Σ decoded (what `dilocox bench compression` reports): with error
+    feedback it is the residual and stays flat; without, it grows with the rounds."""
+    rows, cols = 96, 64
+    compressor = TensorCompressor(CompressionConfig(rank_max=2, target_energy=0.5, error_feedback=error_feedback),
+                                  seed=0, track_deficit=True)  # fmt: skip
+    g = _gen(5)
+    direction = torch.randn(rows, 3, generator=g) @ torch.randn(cols, 3, generator=g).T
+    sum_in, sum_out, deficits = torch.zeros(rows, cols), torch.zeros(rows, cols), []
+    for _ in range(20):
+        delta = direction + 0.1 * torch.randn(rows, cols, generator=g)
+        sum_in += delta
+        sum_out += compressor.compress("w", delta).decoded
+        deficits.append(compressor.deficit_norm())
+    assert deficits[-1] == pytest.approx(float((sum_in - sum_out).norm()), rel=1e-4)
+    assert compressor.relative_deficit() == pytest.approx(_rel(sum_out, sum_in), rel=1e-4)
+    if error_feedback:
+        assert deficits[-1] == pytest.approx(compressor.residual_norm(), rel=1e-4)
+        assert deficits[-1] < 2 * deficits[4]
+    else:
+        assert deficits[-1] > 3 * deficits[4]  # the dropped third component piles up: ≈ 20/5 = 4×
+
+
+def test_deficit_needs_tracking():
+    with pytest.raises(RuntimeError, match="track_deficit"):
+        TensorCompressor(CompressionConfig()).deficit_norm()
+
+
 def test_warm_start_converges_over_rounds():
     g = _gen(3)
     u, _ = torch.linalg.qr(torch.randn(96, 64, generator=g))

@@ -35,6 +35,7 @@ def run_in_process(
     added_latency_s: float = 0.0,
     evaluate_every_round: bool = False,
     timeout_s: float = 1800.0,
+    track_deficit: bool = False,
 ) -> InProcessResult:
     """Train `config.rounds` rounds with `num_clusters` clusters against `num_shards` shards."""
     corpus = corpus if corpus is not None else load_corpus(None)
@@ -51,7 +52,7 @@ def run_in_process(
     try:
         for i in range(num_clusters):
             trainer = InnerTrainer(config, corpus, i, num_clusters)
-            compressor = TensorCompressor(config.compress, seed=config.seed) if config.compress.codec != "fp32" else None
+            compressor = TensorCompressor(config.compress, seed=config.seed, track_deficit=track_deficit) if config.compress.codec != "fp32" else None
             client = AggregatorClient(addresses, config.run_id, f"cluster-{i}", config.wire, compressor=compressor,
                                       connect_timeout=30, rpc_timeout=max(60.0, timeout_s))  # fmt: skip
             clusters.append(DilocoCluster(trainer, client, config.rounds, config.inner.steps, config.delay,
