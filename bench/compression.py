@@ -44,7 +44,7 @@ SETTINGS = {
     "default-ef-m0": Setting("default compression + error feedback (decay 0.9) as the only momentum (outer momentum 0), "
                              "synchronous", 0, CompressionConfig(error_feedback=True, error_decay=0.9),
                              OuterConfig(momentum=0.0)),  # fmt: skip
-    "r16-sync": Setting("rank ≤ 16, 90% energy (the default before issue 5's second pass), synchronous", 0,
+    "r16-sync": Setting("rank ≤ 16, 90% energy (the previous default), synchronous", 0,
                         CompressionConfig(rank_max=16, target_energy=0.9)),  # fmt: skip
     "strong-sync": Setting("strongest preset (rank ≤ 8, 50% energy), synchronous", 0, CompressionConfig(**_STRONG)),
     "strong-ef-sync": Setting("strongest preset + error feedback, synchronous", 0,
@@ -74,7 +74,13 @@ def run_setting(name: str, rounds: int, inner_steps: int) -> dict:
     config = RunConfig(rounds=rounds, delay=setting.delay, inner=InnerConfig(steps=inner_steps),
                        outer=setting.outer, compress=setting.compress)  # fmt: skip
     started = time.perf_counter()
-    result = run_in_process(config, num_clusters=2, num_shards=2, track_deficit=True)
+    withheld: list[float] = []  # ‖Σ Δ − Σ decoded‖ on cluster 0 after each of its rounds
+
+    def record(client, _report) -> None:
+        if client.cluster == "cluster-0":
+            withheld.append(client.compressor.deficit_norm() if client.compressor else 0.0)
+
+    result = run_in_process(config, num_clusters=2, num_shards=2, track_deficit=True, on_round=record)
     dense = 4 * result.num_params
     steady = [r for c in result.clusters for r in c.reports[1:]] or [r for c in result.clusters for r in c.reports]
     up = sum(r.bytes_up for r in steady) / len(steady)
@@ -89,6 +95,9 @@ def run_setting(name: str, rounds: int, inner_steps: int) -> dict:
         "down_vs_dense_fp32": round(dense / down, 1),
         "final_eval_loss": round(sum(c.final_eval_loss for c in result.clusters) / len(result.clusters), 4),
         "withheld_signal": round(compressor.relative_deficit(), 4) if compressor else 0.0,
+        "withheld_norm_by_quarter": " → ".join(f"{withheld[max(0, len(withheld) * q // 4 - 1)]:.3f}" for q in (1, 2, 3, 4))
+        if withheld
+        else "",
         "seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -99,13 +108,15 @@ def run(args: argparse.Namespace, out_dir) -> str:
     for row in rows:
         row["loss_vs_reference"] = f"{100 * (row['final_eval_loss'] / reference - 1):+.1f}%"
     columns = ["setting", "up_bytes_per_round", "down_bytes_per_round", "up_vs_dense_fp32", "down_vs_dense_fp32",
-               "final_eval_loss", "loss_vs_reference", "withheld_signal", "seconds"]  # fmt: skip
+               "final_eval_loss", "loss_vs_reference", "withheld_signal", "withheld_norm_by_quarter", "seconds"]  # fmt: skip
     notes = (
         f"2 clusters × 2 shards, {args.rounds} rounds × H={args.inner_steps}, the default model and corpus; every "
         "setting trains on the same tokens. Bytes: per cluster per round (rounds ≥ 2), at the gRPC message "
         "layer, framing included; dense fp32 = 4 bytes × parameters. `loss_vs_reference`: final eval loss "
         f"against {SETTINGS[REFERENCE].label}. `withheld_signal`: ‖ΣΔ − Σ decoded‖ / ‖ΣΔ‖ over the run on "
-        "cluster 0's uplink.\n\n" + "\n".join(f"* `{row['setting']}`: {row['description']}" for row in rows) + "\n"
+        "cluster 0's uplink; `withheld_norm_by_quarter`: ‖ΣΔ − Σ decoded‖ after a quarter, half, three "
+        "quarters and all of the rounds (with one-step delay the compression runs in the background, so "
+        "a value may lag a round).\n\n" + "\n".join(f"* `{row['setting']}`: {row['description']}" for row in rows) + "\n"
     )
     meta = {"args": vars(args), "settings": {n: dataclasses.asdict(SETTINGS[n]) for n in chosen_settings(args.settings)}}
     return write_report(out_dir, "compression", "Compression: bytes on the wire vs final eval loss", rows, columns, notes, meta)

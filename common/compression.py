@@ -144,11 +144,11 @@ class TensorCompressor:
         error feedback (decay 1), growing with the rounds without it."""
         if self.deficit is None:
             raise RuntimeError("this compressor was created without track_deficit")
-        return math.sqrt(sum(float(d.square().sum()) for d in self.deficit.values()))
+        return math.sqrt(sum(float(d.square().sum()) for d in list(self.deficit.values())))  # another thread may add keys
 
     def relative_deficit(self) -> float:
         """`deficit_norm` over ‖Σ inputs‖: the share of all signal so far that has not reached the receiver."""
-        total = math.sqrt(sum(float(t.square().sum()) for t in self.input_sum.values()))
+        total = math.sqrt(sum(float(t.square().sum()) for t in list(self.input_sum.values())))
         return self.deficit_norm() / max(total, 1e-30)
 
     # ------------------------------------------------------------------ codecs

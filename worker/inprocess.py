@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from dilocox.common.compression import TensorCompressor
 from dilocox.common.config import RunConfig
 from dilocox.server.servicer import start_server
 from dilocox.server.shard import Shard
 from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import DilocoCluster
+from dilocox.worker.cluster import DilocoCluster, RoundReport
 from dilocox.worker.data import load_corpus
 from dilocox.worker.inner_trainer import InnerTrainer
 
@@ -36,8 +37,12 @@ def run_in_process(
     evaluate_every_round: bool = False,
     timeout_s: float = 1800.0,
     track_deficit: bool = False,
+    on_round: Callable[[AggregatorClient, RoundReport], None] | None = None,
 ) -> InProcessResult:
-    """Train `config.rounds` rounds with `num_clusters` clusters against `num_shards` shards."""
+    """Train `config.rounds` rounds with `num_clusters` clusters against `num_shards` shards.
+
+    `track_deficit`: the clusters' compressors keep what they withheld (benchmarks read it);
+    `on_round(client, report)`: called by each cluster's thread after each of its rounds."""
     corpus = corpus if corpus is not None else load_corpus(None)
     shards = [
         Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters)
@@ -55,8 +60,9 @@ def run_in_process(
             compressor = TensorCompressor(config.compress, seed=config.seed, track_deficit=track_deficit) if config.compress.codec != "fp32" else None
             client = AggregatorClient(addresses, config.run_id, f"cluster-{i}", config.wire, compressor=compressor,
                                       connect_timeout=30, rpc_timeout=max(60.0, timeout_s))  # fmt: skip
+            hook = (lambda report, _steps, _version, client=client: on_round(client, report)) if on_round else None
             clusters.append(DilocoCluster(trainer, client, config.rounds, config.inner.steps, config.delay,
-                                          evaluate_every_round=evaluate_every_round))  # fmt: skip
+                                          evaluate_every_round=evaluate_every_round, on_round=hook))  # fmt: skip
         errors: list[BaseException] = []
 
         def run(cluster: DilocoCluster) -> None:
