@@ -52,3 +52,15 @@ def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
     _, piped = run_sim(tmp_path / "pp2", "--pp", "2", "--microbatches", "4")
     assert piped["ok"] and piped["tokens"] == single["tokens"]
     assert abs(piped["final_eval_loss"] - single["final_eval_loss"]) < 0.05 * single["final_eval_loss"], (single, piped)
+
+
+def test_sim_compressed_converges_like_uncompressed_synchronous(tmp_path):
+    """Issue 5, acceptance 3 (short form): the default DiLoCoX (one-step delay + default compression)
+    against dense fp32 synchronous DiLoCo at equal tokens, with a looser margin than the long run's
+    figures (docs/benchmarks.md: +6.7% there; +3.6% for compression alone). Measured here: 2.957 vs
+    2.886 (+2.5%)."""
+    _, dense = run_sim(tmp_path / "fp32", "--delay", "0", "--compress-codec", "fp32")
+    _, default = run_sim(tmp_path / "default")
+    assert dense["tokens"] == default["tokens"]
+    assert default["bytes_up"] < dense["bytes_up"] / 3  # totals include the dense initial weights (round 0)
+    assert default["final_eval_loss"] < 1.15 * dense["final_eval_loss"], (dense, default)
