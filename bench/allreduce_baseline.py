@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dilocox.common.config import RunConfig, as_dict, from_dict
+from dilocox.common.config import as_dict, from_dict
 from dilocox.worker.data import load_corpus
 from dilocox.worker.inner_trainer import InnerTrainer
 
@@ -43,9 +43,8 @@ def ring_bytes_per_rank(numel: int, world: int, bytes_per_value: int = 4) -> int
 
 
 class AllReduceTrainer:
-    def __init__(self, config: RunConfig, trainer: InnerTrainer, world: int, latency_s: float, jitter_s: float,
+    def __init__(self, trainer: InnerTrainer, world: int, latency_s: float, jitter_s: float,
                  throttle_bytes_s: float | None, seed: int) -> None:  # fmt: skip
-        self.config = config
         self.trainer = trainer
         self.world = world
         self.params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -68,32 +67,27 @@ class AllReduceTrainer:
         return wait
 
     def step(self) -> tuple[float, int]:
-        t = self.trainer
+        """One inner step of the site's trainer, its gradients averaged across the sites."""
         began = time.perf_counter()
-        for group in t.optimizer.param_groups:
-            group["lr"] = t.lr_at(t.step)
-        x, y = t.sampler.next_batch()
-        _, loss = t.model(x, y)
-        t.optimizer.zero_grad(set_to_none=False)
-        loss.backward()
+        comm_before = self.comm_s
+        loss, tokens = self.trainer.train_step(reduce_gradients=self._average_gradients)
+        self.compute_s += time.perf_counter() - began - (self.comm_s - comm_before)
+        self.bytes_sent += self.bytes_per_step
+        return loss, tokens
+
+    def _average_gradients(self) -> None:
+        """All-reduce the flattened gradients (as DDP's buckets would) plus the user-space link wait;
+        only the collective and the wait count as communication."""
         flat = _flatten_dense_tensors([p.grad for p in self.params])
         computed = time.perf_counter()
         dist.all_reduce(flat)
         wait = self._wan_wait(time.perf_counter() - computed)
         if wait > 0:
             time.sleep(wait)
-        reduced = time.perf_counter()
+        self.comm_s += time.perf_counter() - computed
         flat /= self.world
         for p, g in zip(self.params, _unflatten_dense_tensors(flat, [p.grad for p in self.params])):
             p.grad.copy_(g)
-        if self.config.inner.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.config.inner.grad_clip)
-        t.optimizer.step()
-        t.step += 1
-        self.comm_s += reduced - computed
-        self.compute_s += (computed - began) + (time.perf_counter() - reduced)
-        self.bytes_sent += self.bytes_per_step
-        return float(loss.detach()), x.numel()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():  # as DDP does at construction: every rank starts from rank 0's weights
             for p in trainer.model.parameters():
                 dist.broadcast(p, 0)
-        ar = AllReduceTrainer(config, trainer, args.world, args.latency_ms / 1000, args.jitter_ms / 1000,
+        ar = AllReduceTrainer(trainer, args.world, args.latency_ms / 1000, args.jitter_ms / 1000,
                               args.throttle_mbit * 1e6 / 8 if args.throttle_mbit > 0 else None, seed=args.rank)  # fmt: skip
         emit("ar_started", rank=args.rank, eval_loss=round(trainer.evaluate(), 4), params=ar.numel, bytes_per_step=ar.bytes_per_step,
              config=as_dict(config))  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import torch
 
@@ -97,20 +98,30 @@ class InnerTrainer(CheckpointableTrainer):
         total_loss = 0.0
         tokens = 0
         for _ in range(n):
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr_at(self.step)
-            x, y = self.sampler.next_batch()
-            _, loss = self.model(x, y)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.config.inner.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
-            self.optimizer.step()
-            total_loss += float(loss.detach())
-            tokens += x.numel()
-            self.step += 1
+            loss, batch_tokens = self.train_step()
+            total_loss += loss
+            tokens += batch_tokens
         self.tokens_seen += tokens
         return total_loss / max(1, n), tokens, time.perf_counter() - started
+
+    def train_step(self, reduce_gradients: Callable[[], None] | None = None) -> tuple[float, int]:
+        """One inner AdamW step (scheduled lr, clipping); returns (train loss, tokens).
+
+        `reduce_gradients` runs between backward and clipping: where the data-parallel AllReduce
+        baseline (bench/allreduce_baseline.py) averages the gradients across sites."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        x, y = self.sampler.next_batch()
+        _, loss = self.model(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if reduce_gradients is not None:
+            reduce_gradients()
+        if self.config.inner.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
+        self.optimizer.step()
+        self.step += 1
+        return float(loss.detach()), x.numel()
 
     def evaluate(self) -> float:
         return evaluate(
