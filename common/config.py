@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from dilocox.common.compression import CompressionConfig
+from dilocox.common.settings import CONFIG_HELP, load_file, parse_bool
 
 
 @dataclass(frozen=True)
@@ -162,22 +163,11 @@ def _flag_fields(cls: type = RunConfig):
 def add_config_arguments(parser, defaults: RunConfig | None = None) -> None:
     """Add one flag per config field; unset flags stay None so a config file's values win over defaults."""
     defaults = defaults or RunConfig()
-    from dilocox.common.settings import CONFIG_HELP
-
     group = parser.add_argument_group("run configuration (also from a --config file or DILOCOX_<FLAG> variables)")
     group.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     for flag, dest, grp, f in _flag_fields():
         default = getattr(getattr(defaults, grp), f.name) if grp else getattr(defaults, f.name)
         add_field_argument(group, flag, dest, default)
-
-
-def parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true/false, got {text!r}")
 
 
 def add_field_argument(group, flag: str, dest: str, default: object) -> None:
@@ -208,18 +198,6 @@ def from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:
     return dataclasses.replace(base, **top)
 
 
-def load_config_file(path: str) -> dict:
-    import json
-    import pathlib
-    import tomllib
-
-    p = pathlib.Path(path)
-    if not p.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    text = p.read_text()
-    return json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
-
-
 def config_from_args(args, base: RunConfig | None = None) -> RunConfig:
     """Defaults ← config file ← explicit flags.
 
@@ -228,7 +206,7 @@ def config_from_args(args, base: RunConfig | None = None) -> RunConfig:
     """
     config = base or RunConfig()
     if getattr(args, "config", None) and not getattr(args, "_config_applied", False):
-        config = from_dict(load_config_file(args.config), config)
+        config = from_dict(load_file(args.config), config)
     overrides: dict = {}
     for _flag, dest, grp, f in _flag_fields():
         value = getattr(args, dest, None)

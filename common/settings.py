@@ -40,6 +40,14 @@ class SettingsError(ValueError):
     """A value from a config file or the environment that the command cannot take."""
 
 
+def parse_bool(text: str) -> bool:
+    """true/false, 1/0, yes/no, on/off (any case): the one spelling of booleans in flags, files and env."""
+    lowered = text.strip().lower()
+    if lowered not in _BOOLEAN:
+        raise ValueError(f"expected true/false, got {text!r}")
+    return _BOOLEAN[lowered]
+
+
 def key_of(name: str) -> str:
     """The canonical form of a flag or key name: `--inner-steps`, `inner-steps`, `inner_steps` → `inner_steps`."""
     return name.lstrip("-").replace("-", "_").lower()
@@ -136,8 +144,11 @@ def convert(action: argparse.Action, value: Any, source: str) -> Any:
     def as_bool(v: Any) -> bool:
         if isinstance(v, bool):
             return v
-        if isinstance(v, str) and v.strip().lower() in _BOOLEAN:
-            return _BOOLEAN[v.strip().lower()]
+        if isinstance(v, str):
+            try:
+                return parse_bool(v)
+            except ValueError:
+                pass
         raise SettingsError(f"{source}: {option} takes true or false, got {v!r}")
 
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
@@ -160,7 +171,7 @@ def convert_one(action: argparse.Action, value: Any, source: str) -> Any:
     if isinstance(value, (dict, list)) or (isinstance(value, bool) and parse in (str, int, float)):
         raise SettingsError(f"{source}: {option} cannot take {value!r}")
     try:
-        if isinstance(value, bool):  # a true/false flag (typed by config.parse_bool)
+        if isinstance(value, bool):  # a true/false flag (typed by parse_bool)
             result = parse(str(value).lower())
         elif parse is int and isinstance(value, float):
             raise ValueError("not an integer")
