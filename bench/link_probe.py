@@ -16,6 +16,7 @@ import pathlib
 import socket
 import sys
 
+from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.link_probe import receive_counted, stream_zeros
 
 
@@ -23,9 +24,7 @@ def sink(host: str, port_file: str, warmup_s: float, timeout_s: float = 120.0) -
     """Listen on a free port (written to `port_file`), take one transfer, return what it measured.
     `<port_file>.flowing` appears with the first byte: the prober's window on the kernel's counters starts there."""
     with socket.create_server((host, 0)) as server:
-        tmp = pathlib.Path(port_file + ".tmp")
-        tmp.write_text(str(server.getsockname()[1]))
-        tmp.replace(port_file)
+        write_text_atomic(port_file, str(server.getsockname()[1]))
         server.settimeout(timeout_s)
         conn, _ = server.accept()
         with conn:

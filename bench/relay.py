@@ -24,6 +24,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from dilocox.common.atomic_file import write_text_atomic
+
 CHUNK = 64 * 1024
 
 
@@ -115,13 +117,6 @@ async def _serve(link: Link, upstream: tuple[str, int], client_reader, client_wr
             w.close()
 
 
-def _write_atomic(path: str, text: str) -> None:
-    p = pathlib.Path(path)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(p)
-
-
 async def main_async(spec: dict) -> None:
     links = {name: Link(name, LinkSpec(**params), seed=i) for i, (name, params) in enumerate(sorted(spec["links"].items()))}
     servers, ports = [], []
@@ -131,7 +126,7 @@ async def main_async(spec: dict) -> None:
                                             route["listen"][0], int(route["listen"][1]))  # fmt: skip
         servers.append(server)
         ports.append(server.sockets[0].getsockname()[1])
-    _write_atomic(spec["ports_file"], json.dumps(ports))
+    write_text_atomic(spec["ports_file"], json.dumps(ports))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -146,7 +141,7 @@ async def main_async(spec: dict) -> None:
         except asyncio.TimeoutError:
             pass
         if spec.get("stats_file"):
-            _write_atomic(spec["stats_file"], stats())
+            write_text_atomic(spec["stats_file"], stats())
     for server in servers:
         server.close()
 

@@ -1,6 +1,8 @@
 """Crash-safe file replacement: write a temporary file beside the target, fsync, rename, fsync the folder.
 
-A crash at any point leaves either the previous file or the new one, never a torn mix.
+A crash at any point leaves either the previous file or the new one, never a torn mix. Small
+hand-over files (a bound port for a parent process to read) only need the rename: a reader never sees
+them half-written.
 """
 
 from __future__ import annotations
@@ -9,10 +11,18 @@ import os
 import pathlib
 import tempfile
 
-import torch
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to a temporary file beside `path`, then rename it into place."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def atomic_torch_save(obj: object, path: str | os.PathLike) -> pathlib.Path:
+    import torch  # here, so that processes writing only text files (relays, probes) start without it
+
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")

@@ -28,12 +28,16 @@ class MetricsServer:
         self._httpd.server_close()
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "0.0.0.0", role: str = "") -> MetricsServer:
-    """Serve `registry` at http://host:port/metrics in a daemon thread; port 0 picks a free port.
+def serve_metrics(registry: CollectorRegistry, port: int, host: str, role: str, command: str) -> MetricsServer:
+    """Serve `registry` at http://host:port/metrics in a daemon thread for the CLI `command` (e.g.
+    "dilocox server"), which exits with the reason if the port cannot be bound.
 
-    (The CLI flags treat 0 as "off" and never call this with it; tests use 0 to avoid port races.)
+    (The CLI flags treat port 0 as "off" and never call this with it.)
     """
-    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as error:
+        raise SystemExit(f"{command}: cannot serve metrics on port {port}: {error}") from None
     bound = httpd.server_port
     log.info("metrics_serving", role=role, address=f"{host}:{bound}", path="/metrics")
     return MetricsServer(bound, httpd)

@@ -9,6 +9,7 @@ import threading
 
 import structlog
 
+from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.config import OuterConfig, WireConfig
 from dilocox.common.logs import configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
@@ -88,20 +89,15 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from dilocox.server.metrics import ShardMetrics
 
-        try:
-            metrics_server = serve_metrics(ShardMetrics(shard).attach().registry, args.metrics_port, args.metrics_host or args.host,
-                                           role=f"shard-{args.shard_index}")  # fmt: skip
-        except OSError as error:
-            raise SystemExit(f"dilocox server: cannot serve metrics on port {args.metrics_port}: {error}") from None
+        metrics_server = serve_metrics(ShardMetrics(shard).attach().registry, args.metrics_port, args.metrics_host or args.host,
+                                       role=f"shard-{args.shard_index}", command="dilocox server")  # fmt: skip
     try:
         server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
                                     tls=tls, token=token)  # fmt: skip
     except (ValueError, OSError, RuntimeError) as error:
         raise SystemExit(f"dilocox server: {error}") from None
     if args.port_file:
-        tmp = args.port_file.with_suffix(".tmp")
-        tmp.write_text(str(port))
-        tmp.replace(args.port_file)
+        write_text_atomic(args.port_file, str(port))
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

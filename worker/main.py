@@ -105,10 +105,8 @@ def run(args: argparse.Namespace) -> int:
                 from dilocox.worker.metrics import WorkerMetrics
 
                 metrics = WorkerMetrics(client.traffic)
-                try:
-                    metrics_server = serve_metrics(metrics.registry, args.metrics_port, args.metrics_host, role=cluster)
-                except OSError as error:
-                    raise SystemExit(f"dilocox worker: cannot serve metrics on port {args.metrics_port}: {error}") from None
+                metrics_server = serve_metrics(metrics.registry, args.metrics_port, args.metrics_host, role=cluster,
+                                               command="dilocox worker")  # fmt: skip
                 extra["on_round"] = metrics.observe_round
             if context is None or context.layout.rank == 0:
                 progress = progress_for(config.rounds, cluster, args.log_format)
