@@ -24,7 +24,7 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 
-from dilocox.common.link_shaping import TokenBucket
+from dilocox.common.link_shaping import TokenBucket, run_iproute
 
 
 class NamespaceError(RuntimeError):
@@ -32,13 +32,7 @@ class NamespaceError(RuntimeError):
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-    except FileNotFoundError:
-        raise NamespaceError(f"{argv[0]} is not installed (iproute2 provides ip and tc)") from None
-    if check and done.returncode != 0:
-        raise NamespaceError(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
-    return done
+    return run_iproute(argv, NamespaceError, timeout=30, check=check)
 
 
 def tbf_args(rate_mbit: float, queue_ms: int = 100) -> list[str]:

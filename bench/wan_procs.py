@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Callable
 
+from dilocox.common.subprocesses import stop_gracefully
+
 EventHandler = Callable[[str, dict, float], None]  # (process name, event, monotonic time of arrival)
 
 
@@ -84,13 +86,7 @@ class ChildProcess:
         return code
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_gracefully(self.proc, grace_s)
         self._reader.join(timeout=5)
 
     def tail(self, lines: int = 15) -> str:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from dilocox.common.subprocesses import stop_gracefully
+
 log = structlog.get_logger()
 
 BASE_IMAGE = "dilocox-base:bookworm"
@@ -50,11 +52,7 @@ class Engine:
 
     def stop(self) -> None:
         if self.started is not None and self.started.poll() is None:
-            self.started.terminate()
-            try:
-                self.started.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.started.kill()
+            stop_gracefully(self.started, grace_s=30)
             log.info("dockerd_stopped", pid=self.started.pid)
 
 

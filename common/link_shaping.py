@@ -49,14 +49,21 @@ class TokenBucket:
         return ["qdisc", "replace", "dev", device, "root", *self.qdisc_args()]
 
 
-def _run(argv: list[str]) -> str:
+def run_iproute(argv: list[str], error: type[Exception] = ShapingError, timeout: float = 20,
+                check: bool = True) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run an iproute2 command (`ip`, `tc`); a missing binary, or a failure when `check`, raises
+    `error` with the command's own message (the WAN benchmark passes its NamespaceError)."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=20, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError:
-        raise ShapingError(f"{argv[0]} is not installed (install iproute2)") from None
-    if done.returncode != 0:
-        raise ShapingError(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.stdout.strip()}")
-    return done.stdout
+        raise error(f"{argv[0]} is not installed (iproute2 provides ip and tc)") from None
+    if check and done.returncode != 0:
+        raise error(f"`{' '.join(argv)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def _run(argv: list[str]) -> str:
+    return run_iproute(argv).stdout
 
 
 def resolve(host: str) -> str:

@@ -13,6 +13,7 @@ import torch
 
 from dilocox.common.assignment import model_digest
 from dilocox.common.outer_optimizer import OuterNesterov
+from dilocox.common.subprocesses import stop_gracefully
 from dilocox.server import checkpoint
 from dilocox.server.shard import Shard
 from dilocox.worker.aggregator_client import AggregatorClient
@@ -131,12 +132,7 @@ def test_killed_shard_resumes_from_its_checkpoint(tmp_path):
     finally:
         for client in (a, b, observer):
             client.close()
-        if shard_proc.poll() is None:
-            shard_proc.send_signal(signal.SIGTERM)
-            try:
-                shard_proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                shard_proc.kill()
+        stop_gracefully(shard_proc, grace_s=10)
 
 
 def test_communicator_repushes_a_round_the_shard_lost(shard_set):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from dilocox.common.subprocesses import stop_gracefully
 from dilocox.worker.aggregator_client import AggregatorClient
 from dilocox.worker.cluster import slice_tensors
 
@@ -53,13 +54,7 @@ def shard_process(tmp_path):
             time.sleep(0.05)
         yield f"127.0.0.1:{port_file.read_text()}", metrics_port, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_gracefully(proc, grace_s=20)
 
 
 def test_shard_metrics_after_a_round(shard_process):

@@ -1,0 +1,19 @@
+"""Stopping a child process the one way this project does: SIGTERM first, so it takes its graceful
+path (a shard saves its checkpoint, a worker reports its pending round, dockerd stops its containers),
+then SIGKILL if it has not exited within the grace period."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+
+def stop_gracefully(proc: subprocess.Popen, grace_s: float) -> int:
+    """SIGTERM `proc` if it still runs, wait up to `grace_s`, then kill it; returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.wait()
