@@ -82,9 +82,7 @@ def run_setting(name: str, rounds: int, inner_steps: int) -> dict:
 
     result = run_in_process(config, num_clusters=2, num_shards=2, track_deficit=True, on_round=record)
     dense = 4 * result.num_params
-    steady = [r for c in result.clusters for r in c.reports[1:]] or [r for c in result.clusters for r in c.reports]
-    up = sum(r.bytes_up for r in steady) / len(steady)
-    down = sum(r.bytes_down for r in steady) / len(steady)
+    up, down = result.bytes_per_round()
     compressor = result.clusters[0].client.compressor
     return {
         "setting": name,
@@ -93,7 +91,7 @@ def run_setting(name: str, rounds: int, inner_steps: int) -> dict:
         "down_bytes_per_round": round(down),
         "up_vs_dense_fp32": round(dense / up, 1),
         "down_vs_dense_fp32": round(dense / down, 1),
-        "final_eval_loss": round(sum(c.final_eval_loss for c in result.clusters) / len(result.clusters), 4),
+        "final_eval_loss": round(result.mean_final_eval_loss(), 4),
         "withheld_signal": round(compressor.relative_deficit(), 4) if compressor else 0.0,
         "withheld_norm_by_quarter": " → ".join(f"{withheld[max(0, len(withheld) * q // 4 - 1)]:.3f}" for q in (1, 2, 3, 4))
         if withheld

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
         config = RunConfig(rounds=args.rounds, delay=delay, inner=InnerConfig(steps=args.inner_steps))
         started = time.perf_counter()
         result = run_in_process(config, num_clusters=2, num_shards=2, added_latency_s=args.latency_ms / 1000)
-        reports = [r for c in result.clusters for r in c.reports[1:]]
+        reports = result.steady_reports()
         idle = sum(r.idle_s for r in reports) / len(reports)
         seconds = sum(r.seconds for r in reports) / len(reports)
         comm = sum(r.comm_s for r in reports) / len(reports)

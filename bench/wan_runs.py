@@ -173,8 +173,9 @@ def run_diloco(links: Links, mode: Mode, config: RunConfig, options: RunOptions,
     t_end = max(t for _, t in dones.values())
     curve.append(CurvePoint(tokens, round(t_end - t0, 3), final))
     rounds = [e for _, e, _ in events.of("round_done")]
-    per_site_seconds = [sum(e["seconds"] for e in rounds if e["cluster"] == f"cluster-{s}") for s in range(sites)]
-    per_site_idle = [sum(e["idle_s"] for e in rounds if e["cluster"] == f"cluster-{s}") for s in range(sites)]
+    site_rounds = [[e for e in rounds if e["cluster"] == f"cluster-{s}"] for s in range(sites)]
+    per_site_seconds = [sum(e["seconds"] for e in rs) for rs in site_rounds]
+    per_site_idle = [sum(e["idle_s"] for e in rs) for rs in site_rounds]
     measured = _link_bytes(links, before, after)
     if measured is None and relay_stats:
         measured = (mean([relay_stats[f"s{s}"]["bytes"]["up"] for s in range(sites)]),
@@ -186,8 +187,8 @@ def run_diloco(links: Links, mode: Mode, config: RunConfig, options: RunOptions,
         mode=mode.name, label=mode.label, tokens=tokens, train_s=round(t_end - t0, 3),
         initial_eval_loss=curve[0].eval_loss, final_eval_loss=final, curve=curve,
         idle_fraction=round(mean([i / s for i, s in zip(per_site_idle, per_site_seconds) if s > 0]), 4),
-        compute_s=round(mean([e["compute_s"] for e in done]), 3), comm_s=round(mean([sum(e["comm_s"] for e in rounds
-                                                                                      if e["cluster"] == f"cluster-{s}") for s in range(sites)]), 3),
+        compute_s=round(mean([e["compute_s"] for e in done]), 3),
+        comm_s=round(mean([sum(e["comm_s"] for e in rs) for rs in site_rounds]), 3),
         bytes_sent_per_site=measured[0] if measured else float("nan"), bytes_received_per_site=measured[1] if measured else float("nan"),
         bytes_source=source if measured else "unavailable", app_bytes_sent_per_site=mean([e["bytes_up"] for e in done]), wall_s=round(wall, 1),
         extra={"rounds": len(by_round), "delay": config.delay, "codec": config.compress.codec,

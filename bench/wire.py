@@ -39,9 +39,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
         started = time.perf_counter()
         result = run_in_process(config, num_clusters=args.clusters, num_shards=2)
         dense = 4 * result.num_params
-        steady = [r for c in result.clusters for r in c.reports[1:]]  # round 1 has no pull of contributions yet
-        up = sum(r.bytes_up for r in steady) / len(steady)
-        down = sum(r.bytes_down for r in steady) / len(steady)
+        up, down = result.bytes_per_round()
         allreduce_round = 2 * (args.clusters - 1) / args.clusters * dense * args.inner_steps
         rows.append({
             "config": label,
@@ -50,7 +48,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
             "up_vs_dense_fp32": round(dense / up, 1),
             "down_vs_dense_fp32": round(dense / down, 1),
             "vs_allreduce_per_round": round(2 * allreduce_round / (up + down), 1),
-            "final_eval_loss": round(sum(c.final_eval_loss for c in result.clusters) / len(result.clusters), 4),
+            "final_eval_loss": round(result.mean_final_eval_loss(), 4),
             "seconds": round(time.perf_counter() - started, 1),
         })  # fmt: skip
     notes = (

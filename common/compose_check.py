@@ -12,6 +12,7 @@ container logs, health states), not the processes' internals.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import shutil
@@ -63,8 +64,13 @@ class ComposeRun:
     name: str = "dilocoxcheck"
     env: dict = field(default_factory=dict)
 
+    @functools.cached_property
+    def base_argv(self) -> list[str]:
+        """`<compose> --project-name NAME --file docker-compose.yml`; which compose is asked once per run."""
+        return [*compose_command(), "--project-name", self.name, "--file", str(self.project_dir / "docker-compose.yml")]
+
     def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-        argv = [*compose_command(), "--project-name", self.name, "--file", str(self.project_dir / "docker-compose.yml"), *args]
+        argv = [*self.base_argv, *args]
         done = subprocess.run(argv, cwd=self.project_dir, capture_output=True, text=True, timeout=timeout, check=False,
                               env=self.env)  # fmt: skip
         if check and done.returncode != 0:
@@ -108,8 +114,7 @@ class ComposeRun:
 
 def measure_link(run: ComposeRun, site: str, seconds: float = 6.0) -> float:
     """Bulk-probe the shaped path site → shard-0 from inside the containers; Mbit/s at the receiver."""
-    sink = subprocess.Popen([*compose_command(), "--project-name", run.name, "--file", str(run.project_dir / "docker-compose.yml"),
-                             "exec", "-T", "shard-0", "dilocox", "link", "sink", "--port", str(PROBE_PORT)],
+    sink = subprocess.Popen([*run.base_argv, "exec", "-T", "shard-0", "dilocox", "link", "sink", "--port", str(PROBE_PORT)],
                             cwd=run.project_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run.env)  # fmt: skip
     try:
         for _ in range(20):
@@ -174,12 +179,17 @@ def check(run: ComposeRun, kill_site: bool = True) -> dict:
         wait_until(lambda: any(e.get("clusters", 0) == len(both) and e.get("round", 0) > restarted_at
                                for e in rounds_closed(run)), 300, f"a round with {second} back in it")  # fmt: skip
         report["rejoined_at_version"] = restarted_at
-    wait_until(lambda: run.state(first)["Status"] == "exited", 900, f"{first} to finish its rounds")
-    if run.state(first)["ExitCode"] != 0:
-        raise CheckFailed(f"{first} exited with {run.state(first)['ExitCode']}")
+
+    def exited() -> dict | None:
+        state = run.state(first)
+        return state if state["Status"] == "exited" else None
+
+    ended = wait_until(exited, 900, f"{first} to finish its rounds")
+    if ended["ExitCode"] != 0:
+        raise CheckFailed(f"{first} exited with {ended['ExitCode']}")
     finished = [e for e in run.events(first) if e.get("event") == "cluster_done"]
     if not finished:
-        raise CheckFailed(f"{first} logged no cluster_finished event")
+        raise CheckFailed(f"{first} logged no cluster_done event")
     initial, final = finished[-1]["initial_eval_loss"], finished[-1]["final_eval_loss"]
     report.update(initial_eval_loss=initial, final_eval_loss=final, rounds=run.version(),
                   rounds_with_every_site=sum(e.get("clusters", 0) == len(both) for e in rounds_closed(run)),

@@ -105,9 +105,10 @@ class TensorCompressor:
 
     def compress(self, key: Hashable, delta: torch.Tensor) -> Encoded:
         state = self.state.setdefault(key, _TensorState())
-        target = delta.detach().to(torch.float32)
+        given = delta.detach().to(torch.float32)
+        target = given
         if self.config.error_feedback and state.error is not None:
-            target = target + self.config.error_decay * state.error
+            target = given + self.config.error_decay * state.error
         if self.config.codec != "lowrank":
             encoded = self._stateless(self.config.codec, target)
         elif self.uses_lowrank(tuple(target.shape)):
@@ -117,7 +118,6 @@ class TensorCompressor:
         if self.config.error_feedback:
             state.error = target - encoded.decoded
         if self.deficit is not None:
-            given = delta.detach().to(torch.float32)
             self.input_sum[key] = self.input_sum[key] + given if key in self.input_sum else given.clone()
             withheld = given - encoded.decoded
             self.deficit[key] = self.deficit[key] + withheld if key in self.deficit else withheld

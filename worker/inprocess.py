@@ -27,6 +27,20 @@ class InProcessResult:
     shards: list[Shard]
     num_params: int
 
+    def steady_reports(self) -> list[RoundReport]:
+        """Every cluster's reports from round 2 on (round 1 pulls no contributions and, with the
+        delay, has nothing in flight yet); all of them for a one-round run."""
+        steady = [r for c in self.clusters for r in c.reports[1:]]
+        return steady or [r for c in self.clusters for r in c.reports]
+
+    def bytes_per_round(self) -> tuple[float, float]:
+        """Mean (uplink, downlink) bytes per cluster per steady round, at the gRPC message layer."""
+        steady = self.steady_reports()
+        return sum(r.bytes_up for r in steady) / len(steady), sum(r.bytes_down for r in steady) / len(steady)
+
+    def mean_final_eval_loss(self) -> float:
+        return sum(c.final_eval_loss for c in self.clusters) / len(self.clusters)
+
 
 def run_in_process(
     config: RunConfig,
