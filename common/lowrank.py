@@ -7,6 +7,10 @@ factor quantiser), so a shard decodes any client's choice from the bytes alone.
 
 Layout (little-endian):  header  |  P payload  |  Q payload
 where each factor payload is raw float32 (factor_bits = 32) or a `common.quantize` payload (8 or 4).
+Version 2 (what this build writes) stores each factor transposed, component by component (Pᵀ, Qᵀ),
+with one quantisation block per component (`factor_block`): a weak component gets a scale of its own
+instead of the strongest one's. Against version 1 (row-major factors in blocks of 128, still decoded)
+that measured less quantisation error in P·Qᵀ for fewer bytes after zstd (docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import torch
 from dilocox.common.errors import InvalidFrame, UnknownCodec
 from dilocox.common.quantize import decode_quantized, encode_quantized, quantized_nbytes
 
-LOWRANK_VERSION = 1
+LOWRANK_VERSION = 2  # what this build writes
+DECODED_VERSIONS = (1, 2)
 _MAGIC = 0xC5
 _HEADER = struct.Struct("<BBBxIII")  # magic, version, factor_bits, pad, rows, cols, rank
 FACTOR_BITS = (32, 8, 4)
-QUANT_BLOCK = 128
+MAX_COMPONENT_BLOCK = 1024  # longer components are quantised in blocks of 256
 
 
 def power_iteration(matrix: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,10 +49,17 @@ def ordered_factors(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, tor
     return p @ vh.T, u * s, s
 
 
+def factor_block(length: int) -> int:
+    """Values per absmax scale in a version-2 factor whose components are `length` long: the whole
+    component (one scale each, never shared with a neighbour), or 256 for components over 1024."""
+    return max(1, length) if length <= MAX_COMPONENT_BLOCK else 256
+
+
 def _encode_factor(x: torch.Tensor, bits: int) -> bytes:
+    """`x` is a factor transposed: one component per row."""
     if bits == 32:
         return x.to(torch.float32).contiguous().numpy().tobytes()
-    return encode_quantized(x, bits, QUANT_BLOCK)
+    return encode_quantized(x, bits, factor_block(x.shape[1]))
 
 
 def _decode_factor(buffer, offset: int, numel: int, bits: int) -> tuple[torch.Tensor, int]:
@@ -72,7 +84,7 @@ def encode_lowrank(p: torch.Tensor, q: torch.Tensor, factor_bits: int = 4) -> by
     rows, rank = p.shape
     cols = q.shape[0]
     header = _HEADER.pack(_MAGIC, LOWRANK_VERSION, factor_bits, rows, cols, rank)
-    return header + _encode_factor(p, factor_bits) + _encode_factor(q, factor_bits)
+    return header + _encode_factor(p.T.contiguous(), factor_bits) + _encode_factor(q.T.contiguous(), factor_bits)
 
 
 def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
@@ -82,8 +94,8 @@ def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
     magic, version, bits, rows, cols, rank = _HEADER.unpack_from(buffer, 0)
     if magic != _MAGIC:
         raise InvalidFrame(f"not a low-rank payload (magic {magic:#x})")
-    if version != LOWRANK_VERSION:
-        raise UnknownCodec(f"low-rank payload version {version}; this build decodes version {LOWRANK_VERSION}")
+    if version not in DECODED_VERSIONS:
+        raise UnknownCodec(f"low-rank payload version {version}; this build decodes versions {DECODED_VERSIONS}")
     if bits not in FACTOR_BITS:
         raise InvalidFrame(f"low-rank factor quantiser of {bits} bits is not one of {FACTOR_BITS}")
     if rank > min(rows, cols):
@@ -92,7 +104,9 @@ def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
     q, offset = _decode_factor(buffer, offset, cols * rank, bits)
     if offset != len(buffer):
         raise InvalidFrame(f"low-rank payload has {len(buffer) - offset} trailing bytes")
-    return p.reshape(rows, rank) @ q.reshape(cols, rank).T
+    if version == 1:  # row-major factors
+        return p.reshape(rows, rank) @ q.reshape(cols, rank).T
+    return p.reshape(rank, rows).T @ q.reshape(rank, cols)
 
 
 def lowrank_header_shape(buffer) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from dilocox.common.errors import InvalidFrame, UnknownCodec
 from dilocox.common.lowrank import (
     decode_lowrank,
     encode_lowrank,
+    factor_block,
     lowrank_header_shape,
     max_lowrank_bytes,
     ordered_factors,
@@ -35,7 +36,7 @@ from dilocox.common.lowrank import (
 from dilocox.common.quantize import encode_quantized, quantized_nbytes
 
 HEADER = struct.Struct("<BBBxIII")  # magic, version, factor_bits, pad, rows, cols, rank (as documented)
-MAGIC, VERSION = 0xC5, 1
+MAGIC, VERSION = 0xC5, 2  # the version this build writes (it also decodes 1)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -107,7 +108,7 @@ def test_payload_size_is_header_plus_factors_and_far_below_dense(bits):
     if bits == 32:
         factors = 4 * (rows + cols) * rank
     else:
-        factors = quantized_nbytes(rows * rank, bits, 128) + quantized_nbytes(cols * rank, bits, 128)
+        factors = quantized_nbytes(rows * rank, bits, factor_block(rows)) + quantized_nbytes(cols * rank, bits, factor_block(cols))
     assert HEADER.size == 16
     assert len(payload) == HEADER.size + factors
     dense = 4 * rows * cols
@@ -128,6 +129,32 @@ def test_decode_refuses_wrong_magic_and_unknown_version():
     payload[1] = VERSION + 1
     with pytest.raises(UnknownCodec, match="version"):
         _decode(payload, (6, 20))
+
+
+def test_version_2_stores_factors_by_component_and_version_1_still_decodes():
+    """Version 2 quantises Pᵀ and Qᵀ (one component per block); a version-1 payload (row-major P and
+    Q, as earlier builds wrote them) decodes to the same product."""
+    p = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    q = torch.arange(40, dtype=torch.float32).reshape(20, 2) / 10
+    v2 = encode_lowrank(p, q, 32)
+    assert v2[1] == 2
+    assert v2[HEADER.size : HEADER.size + 4 * 6] == p[:, 0].numpy().tobytes()  # first P's column 0
+    v1 = HEADER.pack(MAGIC, 1, 32, 6, 20, 2) + p.numpy().tobytes() + q.numpy().tobytes()
+    torch.testing.assert_close(_decode(v1, (6, 20)), p @ q.T)
+    torch.testing.assert_close(_decode(v2, (6, 20)), p @ q.T)
+
+
+def test_per_component_blocks_quantise_weak_components_finely():
+    """A component 100× weaker than the first keeps its own int4 scale in version 2 (row-major blocks
+    shared with the strong one would round it to zero): its column of Q comes back within int4's
+    bound of itself. P's columns here are ±1/√n, which int4 represents exactly."""
+    n, m = 512, 256
+    p = torch.stack([torch.ones(n), torch.tensor([1.0, -1.0]).repeat(n // 2)], dim=1) / n**0.5
+    q = torch.randn(m, 2, generator=_gen(7)) * torch.tensor([100.0, 1.0])
+    decoded = _decode(encode_lowrank(p, q, 4), (n, m))
+    weak_column = decoded.T @ p[:, 1]  # = the decoded q[:, 1], as P's columns are orthonormal
+    assert _rel(weak_column, q[:, 1]) < 0.25  # int4 of 256 Gaussian values: ≈ 0.15; rounded to zero: 1.0
+    assert factor_block(512) == 512 and factor_block(1025) == 256
 
 
 def test_decode_refuses_rank_beyond_min_dimension():
