@@ -24,7 +24,10 @@ from dilocox.common.compression import CompressionConfig
 from dilocox.common.config import InnerConfig, OuterConfig, RunConfig
 from dilocox.worker.inprocess import run_in_process
 
-_STRONG = dict(rank_max=8, target_energy=0.5)
+_NO_EF = dict(error_feedback=False)
+_CLASSIC_EF = dict(error_feedback=True, local_residual=False)
+_PREVIOUS = dict(rank_max=24, target_energy=0.95, error_feedback=False)  # the default before error feedback
+_R6 = dict(rank_max=6)  # the ≥ 100× preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,18 +41,17 @@ class Setting:
 SETTINGS = {
     "fp32-sync": Setting("dense fp32, synchronous (DiLoCo, the reference)", 0, CompressionConfig(codec="fp32")),
     "fp32-delay": Setting("dense fp32, one-step delay", 1, CompressionConfig(codec="fp32")),
-    "default-sync": Setting("default compression, synchronous", 0, CompressionConfig()),
+    "default-sync": Setting("default compression (rank ≤ 8, error feedback kept locally), synchronous", 0,
+                            CompressionConfig()),  # fmt: skip
     "default": Setting("default DiLoCoX (one-step delay + default compression)", 1, CompressionConfig()),
-    "default-ef": Setting("default compression + error feedback, synchronous", 0, CompressionConfig(error_feedback=True)),
-    "default-ef-m0": Setting("default compression + error feedback (decay 0.9) as the only momentum (outer momentum 0), "
-                             "synchronous", 0, CompressionConfig(error_feedback=True, error_decay=0.9),
-                             OuterConfig(momentum=0.0)),  # fmt: skip
-    "r16-sync": Setting("rank ≤ 16, 90% energy (the previous default), synchronous", 0,
-                        CompressionConfig(rank_max=16, target_energy=0.9)),  # fmt: skip
-    "strong-sync": Setting("strongest preset (rank ≤ 8, 50% energy), synchronous", 0, CompressionConfig(**_STRONG)),
-    "strong-ef-sync": Setting("strongest preset + error feedback, synchronous", 0,
-                              CompressionConfig(**_STRONG, error_feedback=True)),  # fmt: skip
-    "strong": Setting("strongest preset, one-step delay", 1, CompressionConfig(**_STRONG)),
+    "no-ef-sync": Setting("default ranks without error feedback, synchronous", 0, CompressionConfig(**_NO_EF)),
+    "no-ef": Setting("default ranks without error feedback, one-step delay", 1, CompressionConfig(**_NO_EF)),
+    "classic-ef-sync": Setting("default ranks + classic error feedback (residual only re-sent, not kept in "
+                               "the cluster's weights), synchronous", 0, CompressionConfig(**_CLASSIC_EF)),  # fmt: skip
+    "r6": Setting("rank ≤ 6 (the ≥ 100× preset), one-step delay", 1, CompressionConfig(**_R6)),
+    "r6-sync": Setting("rank ≤ 6 (the ≥ 100× preset), synchronous", 0, CompressionConfig(**_R6)),
+    "previous": Setting("previous default (rank ≤ 24, 95% energy, no error feedback), one-step delay", 1,
+                        CompressionConfig(**_PREVIOUS)),  # fmt: skip
 }
 REFERENCE = "fp32-sync"
 

@@ -40,16 +40,22 @@ class CompressionConfig:
     codec: str = "lowrank"  # fp32 | fp16 | bf16 | int8 | int4 | lowrank
     factor_bits: int = 4  # quantiser of low-rank factors and of small/1-D tensors in lowrank mode (4, 8, 32)
     rank_min: int = 1
-    # Loss first: ≤ 24 components reaching 95% of ‖Δ‖² measured both fewer bytes and a lower loss than
-    # the earlier ≤ 16 / 90% on row-sliced matrices (docs/benchmarks.md, `dilocox bench compression`).
-    rank_max: int = 24
-    target_energy: float = 0.95  # smallest rank whose components capture this share of ‖Δ‖²
+    # ≤ 8 components with error feedback kept locally: ≈ 85× below dense fp32 at about the loss the
+    # earlier ≤ 24 / 95% without error feedback had at 36× (docs/benchmarks.md, `dilocox bench compression`).
+    # With error feedback the residual flattens the spectrum, so the rank mostly sits at rank_max.
+    rank_max: int = 8
+    target_energy: float = 0.5  # smallest rank whose components capture this share of ‖Δ + e‖²
     rank_window: int = 3  # rounds over which the chosen rank is smoothed (max of the window)
     adaptive_rank: bool = True  # False: always rank_max
     min_lowrank_numel: int = 4096  # smaller matrices are only quantised
-    # Off by default: with the outer Nesterov step it measured worse here (docs/benchmarks.md).
-    error_feedback: bool = False
+    # On by default, with the residual kept in the cluster's weights (local_residual): without error
+    # feedback the dropped part of every round is lost for good (+12.6% loss at rank ≤ 8, docs/benchmarks.md).
+    error_feedback: bool = True
     error_decay: float = 1.0  # share of last round's residual carried into this one (1 = classic error feedback)
+    # With error feedback, the cluster also keeps its unsent residual in its own weights: it trains on
+    # from the global model minus what it has not delivered yet, so that it neither re-learns nor
+    # re-sends that part (classic error feedback does both; docs/decisions.md).
+    local_residual: bool = True
 
     def __post_init__(self) -> None:
         if self.codec not in CODEC_CHOICES:
@@ -60,6 +66,11 @@ class CompressionConfig:
             raise ValueError(f"need 1 ≤ rank_min ≤ rank_max, got {self.rank_min}, {self.rank_max}")
         if not 0 <= self.error_decay <= 1:
             raise ValueError(f"error_decay must be in [0, 1], got {self.error_decay}")
+        if self.error_feedback and self.local_residual and self.error_decay != 1:
+            raise ValueError(
+                f"local_residual keeps the whole unsent residual in the cluster's weights, so it needs "
+                f"error_decay = 1 (got {self.error_decay}); set local_residual false to decay the residual"
+            )
         if not 0 < self.target_energy <= 1:
             raise ValueError(f"target_energy must be in (0, 1], got {self.target_energy}")
 
@@ -134,6 +145,17 @@ class TensorCompressor:
         self.state = {
             key: _TensorState(v["error"], v["q"], v["rank"], deque(v["recent_ranks"])) for key, v in state.items()
         }
+
+    @property
+    def keeps_local_residual(self) -> bool:
+        """Whether the cluster should keep the unsent residual in its weights (see CompressionConfig)."""
+        return self.config.error_feedback and self.config.local_residual
+
+    def residual(self, key: Hashable) -> torch.Tensor | None:
+        """What `key`'s compressed messages have not delivered yet (Σ inputs − Σ decoded, with error
+        feedback at decay 1); None before its first round or without error feedback."""
+        state = self.state.get(key)
+        return state.error if state is not None else None
 
     def residual_norm(self) -> float:
         """‖e‖ over all tensors: how much error feedback is carrying (should stay bounded)."""

@@ -59,11 +59,11 @@ class OuterConfig:
     """The outer optimiser run by the shards: SGD with Nesterov momentum.
 
     DiLoCo's 0.7/0.9 suit synchronous rounds; with the one-step delay and compressed pseudo-gradients
-    a lower momentum measured better for both forms (docs/decisions.md).
+    with error feedback a lower momentum measured better for both forms (docs/decisions.md).
     """
 
     lr: float = 0.9
-    momentum: float = 0.5
+    momentum: float = 0.3
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -229,3 +229,35 @@ def test_worker_sigterm_mid_round_finishes_pending_round(shard_set, tmp_path):
     acc = shard.accumulator  # no half-applied push: the open round holds all of the stopped cluster's slices or none
     delivered = {k for k, per in acc.contributions.items() if "cluster-0" in per} if acc else set()
     assert delivered in (set(), set(shard.owned))
+
+
+@pytest.mark.parametrize("local_residual", [True, False])
+def test_error_feedback_residual_stays_in_the_clusters_weights(shard_set, local_residual):
+    """With error feedback kept locally, a synchronous cluster trains on from θ_t minus its own
+    undelivered residual (held global weights − e, slice by slice); with classic error feedback it
+    adopts θ_t itself. Either way its copy of the global weights stays the shard's, bit for bit."""
+    from dilocox.common.compression import CompressionConfig, TensorCompressor
+
+    shards = shard_set(1, RUN, min_clusters=1)
+    config = CompressionConfig(codec="int4", error_feedback=True, local_residual=local_residual)
+    client = AggregatorClient(shards.addresses, RUN, "c0", connect_timeout=10, rpc_timeout=30,
+                              compressor=TensorCompressor(config))  # fmt: skip
+    checked: list[float] = []
+
+    def check(_report, _steps, _version) -> None:
+        for s in cluster.slices:
+            held = client.held[s.key]
+            residual = client.compressor.residual(s.key)
+            want = held - residual.reshape(held.shape) if local_residual else held
+            assert torch.equal(s.view(cluster.params[s.name].detach()), want), s.key
+            checked.append(float(residual.abs().max()))
+
+    cluster = DilocoCluster(ToyTrainer(3), client, rounds=4, inner_steps=3, delay=0, on_round=check)
+    try:
+        cluster.run()
+    finally:
+        client.close()
+    assert len(checked) == 4 * len(cluster.slices)
+    assert max(checked) > 0  # int4 really left something undelivered, so the check above had teeth
+    for key, tensor in shards.shards[0].snapshot.tensors.items():
+        assert torch.equal(client.held[key], tensor)

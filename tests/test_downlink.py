@@ -113,10 +113,11 @@ def test_a_round_only_we_contributed_to_comes_as_one_summary_per_shard(shard_set
 
 
 def test_default_model_traffic_is_fifty_times_below_dense_fp32():
-    """Uplink and downlink per round ≥ 50× below dense fp32 on the default model, with the strongest
-    compression preset (rank ≤ 8, 50% energy; the default keeps rank ≤ 24 for loss, ≈ 37×)."""
-    aggressive = CompressionConfig(rank_max=8, target_energy=0.5)
-    config = RunConfig(rounds=4, delay=0, inner=InnerConfig(steps=4, batch_size=4), compress=aggressive)
+    """Issue 5, acceptance 2 (loose form): uplink and downlink per round ≥ 50× below dense fp32 on the
+    default model with the default compression (rank ≤ 8 with error feedback; the long run measures
+    ≈ 85×, docs/benchmarks.md)."""
+    config = RunConfig(rounds=4, delay=0, inner=InnerConfig(steps=4, batch_size=4))
+    assert config.compress == CompressionConfig()
     result = run_in_process(config, num_clusters=2, num_shards=2, timeout_s=180)
     dense = 4 * result.num_params
     for cluster in result.clusters:

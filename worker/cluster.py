@@ -10,6 +10,11 @@ Both forms of DESIGN.md §3, one loop:
   nothing is in flight and θ_{t-1} is s_t itself, so the same rule holds. After the last round the
   cluster collects θ_T and adopts it, so both forms end on the same global model.
 
+With error feedback kept locally (`CompressionConfig.local_residual`, the default with error feedback)
+θ_t in both rules is the global model minus the cluster's undelivered residual e (Σ Δ − Σ D(C(·)) of
+its own messages): what it trains on holds all of its own progress, delivered or not, so it neither
+re-learns the dropped part in the next round nor counts it twice when error feedback sends it later.
+
 The first cluster to reach an uninitialised shard seeds it with its initial weights (round 0), so every
 cluster starts from the same θ_0.
 """
@@ -119,9 +124,14 @@ class DilocoCluster:
             for name, tensor in full.items():
                 self.params[name].copy_(tensor)
 
-    def _global_weights(self, pulled: dict[SliceKey, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _global_weights(self, pulled: dict[SliceKey, torch.Tensor], keep_unsent: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors of the pulled global weights of this rank's parameters (every slice must be
-        present); with `peer_sync`, completed by the stage's replicas."""
+        present); with `peer_sync`, completed by the stage's replicas.
+
+        `keep_unsent`: minus this cluster's undelivered residual where its compressor keeps it locally
+        (error feedback with `local_residual`): the weights to train on are the global model plus all
+        of this cluster's own progress the global model does not hold yet. Taken off before the
+        replicas' broadcast, so every replica of a stage gets the same weights."""
         by_key = {s.key: s for s in self.slices}
         missing = set(by_key) - set(pulled)
         if missing:
@@ -131,6 +141,12 @@ class DilocoCluster:
             if key in by_key:
                 s = by_key[key]
                 s.view(full[s.name]).copy_(tensor)
+        compressor = self.client.compressor
+        if keep_unsent and compressor is not None and compressor.keeps_local_residual:
+            for s in self.slices:
+                residual = compressor.residual(s.key)
+                if residual is not None:
+                    s.view(full[s.name]).sub_(residual.reshape(s.slice_shape))
         return self.peer_sync(full) if self.peer_sync else full
 
     # ------------------------------------------------------------------ lifecycle
@@ -175,13 +191,13 @@ class DilocoCluster:
             self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
             exchange, idle = self.communicator.collect()
             self._commit(round_)
-            merged = self._global_weights(exchange.weights)
+            merged = self._global_weights(exchange.weights, keep_unsent=True)
         else:
             base = start
             if self.communicator.in_flight is not None:
                 exchange, idle = self.communicator.collect()
                 self._commit(exchange.round)
-                base = self._global_weights(exchange.weights)
+                base = self._global_weights(exchange.weights, keep_unsent=True)
             merged = {name: base[name] - delta[name] for name in delta}
             self._capture(round_)
             self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
