@@ -31,7 +31,7 @@ from dilocox.worker.pipeline_stage import full_param_specs
 CODECS = {
     "fp32 (DiLoCo)": CompressionConfig(codec="fp32"),
     "int8": CompressionConfig(codec="int8"),
-    "low-rank ≤24 int4 (DiLoCoX default)": CompressionConfig(),
+    "low-rank ≤8 int4 (DiLoCoX default)": CompressionConfig(),
 }
 
 

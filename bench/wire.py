@@ -18,9 +18,11 @@ from dilocox.common.config import InnerConfig, RunConfig
 from dilocox.worker.inprocess import run_in_process
 
 CONFIGS = {
-    "dilocox default (rank≤24, 95% energy, int4)": CompressionConfig(),
-    "strongest (rank≤8, 50% energy, int4)": CompressionConfig(rank_max=8, target_energy=0.5),
-    "rank≤24, int8 factors": CompressionConfig(factor_bits=8),
+    "dilocox default (rank≤8, int4, error feedback)": CompressionConfig(),
+    "≥100× preset (rank≤6, int4, error feedback)": CompressionConfig(rank_max=6),
+    "rank≤8, int8 factors": CompressionConfig(factor_bits=8),
+    "previous default (rank≤24, 95% energy, int4, no error feedback)": CompressionConfig(rank_max=24, target_energy=0.95,
+                                                                                        error_feedback=False),
     "int8 quantised": CompressionConfig(codec="int8"),
     "dense fp32 (DiLoCo)": CompressionConfig(codec="fp32"),
 }
