@@ -40,16 +40,17 @@ class CompressionConfig:
     codec: str = "lowrank"  # fp32 | fp16 | bf16 | int8 | int4 | lowrank
     factor_bits: int = 4  # quantiser of low-rank factors and of small/1-D tensors in lowrank mode (4, 8, 32)
     rank_min: int = 1
-    # ≤ 8 components with error feedback kept locally: ≈ 85× below dense fp32 at about the loss the
-    # earlier ≤ 24 / 95% without error feedback had at 36× (docs/benchmarks.md, `dilocox bench compression`).
-    # With error feedback the residual flattens the spectrum, so the rank mostly sits at rank_max.
+    # ≤ 8 components with error feedback kept locally: 88× / 85× below dense fp32 (up / down) at a lower
+    # loss than the earlier ≤ 24 / 95% without error feedback at 38× (docs/benchmarks.md, `dilocox bench
+    # compression`; rank_max 6 is the ≥ 100× preset). With error feedback the residual flattens the
+    # spectrum, so the rank mostly sits at rank_max.
     rank_max: int = 8
     target_energy: float = 0.5  # smallest rank whose components capture this share of ‖Δ + e‖²
     rank_window: int = 3  # rounds over which the chosen rank is smoothed (max of the window)
     adaptive_rank: bool = True  # False: always rank_max
     min_lowrank_numel: int = 4096  # smaller matrices are only quantised
     # On by default, with the residual kept in the cluster's weights (local_residual): without error
-    # feedback the dropped part of every round is lost for good (+12.6% loss at rank ≤ 8, docs/benchmarks.md).
+    # feedback the dropped part of every round is lost for good (+14.8% loss at rank ≤ 8, docs/benchmarks.md).
     error_feedback: bool = True
     error_decay: float = 1.0  # share of last round's residual carried into this one (1 = classic error feedback)
     # With error feedback, the cluster also keeps its unsent residual in its own weights: it trains on
