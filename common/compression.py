@@ -160,7 +160,8 @@ class TensorCompressor:
 
     def residual_norm(self) -> float:
         """‖e‖ over all tensors: how much error feedback is carrying (should stay bounded)."""
-        return math.sqrt(sum(float(s.error.square().sum()) for s in self.state.values() if s.error is not None))
+        states = list(self.state.values())  # with the delay the background sender may add keys meanwhile
+        return math.sqrt(sum(float(s.error.square().sum()) for s in states if s.error is not None))
 
     def deficit_norm(self) -> float:
         """‖Σ inputs − Σ decoded‖ over all tensors (needs `track_deficit`): bounded by the residual with

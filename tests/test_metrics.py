@@ -127,3 +127,4 @@ def test_worker_metrics_while_training(shard_set):
     assert 0 < m[("dilocox_train_loss", ())] < 10 and 0 < m[("dilocox_eval_loss", ())] < 10  # bytes: ln 256 ≈ 5.5 at first
     assert m[("dilocox_bytes_pushed_total", ())] > 0 and m[("dilocox_bytes_pulled_total", ())] > 0
     assert m[("dilocox_compute_seconds_total", ())] > 0 and m[("dilocox_idle_seconds_total", ())] >= 0
+    assert m[("dilocox_error_feedback_residual_norm", ())] > 0  # default compression: int4 + error feedback

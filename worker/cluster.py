@@ -61,6 +61,9 @@ class RoundReport:
     idle_s: float  # seconds the trainer blocked on the network at this boundary
     seconds: float  # wall time of the round, boundary included
     overlap: float  # share of comm_s hidden behind compute: 1 − idle/comm (1.0 when nothing was awaited)
+    # ‖e‖ of this rank's error-feedback residuals after the round (what compression still holds back;
+    # bounded when error feedback works); 0 without error feedback. With the delay it may lag a round.
+    residual_norm: float = 0.0
 
 
 def slice_tensors(slices: list[ParamSlice], full: dict[str, torch.Tensor]) -> dict[SliceKey, torch.Tensor]:
@@ -219,6 +222,7 @@ class DilocoCluster:
             idle_s=round(idle, 3),
             seconds=round(time.perf_counter() - began, 3),
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
+            residual_norm=round(self.client.compressor.residual_norm(), 4) if self.client.compressor else 0.0,
         )
         log.info("round_done", cluster=self.client.cluster, delay=self.delay, inner_steps=self.inner_steps, **asdict(report))
         if self.on_round is not None:

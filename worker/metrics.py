@@ -49,6 +49,8 @@ class WorkerMetrics:
         self.compute_seconds = Counter("dilocox_compute_seconds", "Seconds spent in inner steps", registry=r)
         self.idle_seconds = Counter("dilocox_idle_seconds", "Seconds the trainer blocked waiting for the network", registry=r)
         self.comm_seconds = Counter("dilocox_exchange_seconds", "Seconds the rounds' push and pull took (hidden or not)", registry=r)
+        self.residual_norm = Gauge("dilocox_error_feedback_residual_norm",
+                                   "L2 norm of what compression still holds back (error-feedback residuals)", registry=r)  # fmt: skip
         self.train_loss.set(math.nan)
         self.eval_loss.set(math.nan)
         if traffic is not None:
@@ -66,3 +68,4 @@ class WorkerMetrics:
         self.compute_seconds.inc(max(0.0, report.compute_s))
         self.idle_seconds.inc(max(0.0, report.idle_s))
         self.comm_seconds.inc(max(0.0, report.comm_s))
+        self.residual_norm.set(report.residual_norm)
