@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import time
 
+from dilocox.bench.compression import HUNDREDFOLD_PRESET, PREVIOUS_DEFAULT
 from dilocox.bench.report import write_report
 from dilocox.common.compression import CompressionConfig
 from dilocox.common.config import InnerConfig, RunConfig
@@ -19,10 +20,9 @@ from dilocox.worker.inprocess import run_in_process
 
 CONFIGS = {
     "dilocox default (rank≤8, int4, error feedback)": CompressionConfig(),
-    "≥100× preset (rank≤6, int4, error feedback)": CompressionConfig(rank_max=6),
+    "≥100× preset (rank≤6, int4, error feedback)": HUNDREDFOLD_PRESET,
     "rank≤8, int8 factors": CompressionConfig(factor_bits=8),
-    "previous default (rank≤24, 95% energy, int4, no error feedback)": CompressionConfig(rank_max=24, target_energy=0.95,
-                                                                                        error_feedback=False),
+    "previous default (rank≤24, 95% energy, int4, no error feedback)": PREVIOUS_DEFAULT,
     "int8 quantised": CompressionConfig(codec="int8"),
     "dense fp32 (DiLoCo)": CompressionConfig(codec="fp32"),
 }
