@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -104,3 +104,16 @@ def assign_slices(params: Sequence[tuple[str, Sequence[int]]], num_shards: int) 
 
 def slices_of_shard(slices: Iterable[ParamSlice], shard: int) -> list[ParamSlice]:
     return [s for s in slices if s.shard == shard]
+
+
+@dataclass(frozen=True)
+class SliceMap:
+    """The run's slices by position in the assignment: a bundle names its slices by that position
+    (`common.bundle`), which both ends know from Join, instead of by name, rows and shape."""
+
+    entries: tuple[tuple[SliceKey, tuple[int, ...]], ...]  # position → (key, slice shape)
+    index: Mapping[SliceKey, int]  # key → position
+
+    @classmethod
+    def of(cls, assignment: Sequence[ParamSlice]) -> "SliceMap":
+        return cls(tuple((s.key, s.slice_shape) for s in assignment), {s.key: i for i, s in enumerate(assignment)})

@@ -2,7 +2,8 @@
 
 Why per-chunk zstd frames rather than one compressed stream: every gRPC message then stands alone (a
 retried or reordered chunk decodes by itself), no message comes near gRPC's 4 MiB default limit, and
-a receiver never holds more than one slice's payload. Each frame carries zstd's content checksum and
+a receiver never holds more than one slice's payload. Small slices share a chunk (`frame_slices`, a
+`common.bundle`): one frame then covers many of them. Each frame carries zstd's content checksum and
 content size, so truncation and bit flips are caught before anything is applied.
 
 The payload codec (how a tensor becomes bytes) is pluggable through `common.codecs`; this module only
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import zstandard
 
 from dilocox.common import codecs
+from dilocox.common.bundle import BUNDLE_CODEC, HEADER_BYTES, MAX_ENTRIES, BundleEntry, entry_bytes, pack_bundle, unpack_bundle
 from dilocox.common.errors import CorruptFrame, InvalidFrame
 from dilocox.proto import dilocox_pb2 as pb
 
@@ -135,6 +137,68 @@ def frame_payload(
             break
 
 
+def frame_slices(
+    items: Iterable[EncodedSlice],
+    slice_index: Mapping[SliceKey, int],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    zstd_level: int = 1,
+    **fields: object,
+) -> Iterator[pb.TensorChunk]:
+    """Chunks for `items`, in order: consecutive payloads that fit one chunk together travel as one
+    bundle (`common.bundle`; `slice_index` gives each slice's position in the run's slice map), a
+    payload over half a chunk travels alone (`frame_payload`). `fields` go on every chunk (version,
+    contributor, …). Lazy: it holds at most one chunk's worth of small payloads at a time."""
+    pending: list[EncodedSlice] = []
+    pending_bytes = HEADER_BYTES
+    for item in items:
+        size = entry_bytes(item.codec, item.dtype, len(item.payload))
+        if len(item.payload) > chunk_bytes // 2:
+            yield from _flush(pending, slice_index, chunk_bytes, zstd_level, fields)
+            pending, pending_bytes = [], HEADER_BYTES
+            yield from frame_payload(item.key, item.payload, item.codec, item.dtype, item.shape, chunk_bytes, zstd_level, **fields)
+            continue
+        if pending and (pending_bytes + size > chunk_bytes or len(pending) == MAX_ENTRIES):
+            yield from _flush(pending, slice_index, chunk_bytes, zstd_level, fields)
+            pending, pending_bytes = [], HEADER_BYTES
+        pending.append(item)
+        pending_bytes += size
+    yield from _flush(pending, slice_index, chunk_bytes, zstd_level, fields)
+
+
+def _flush(
+    pending: list[EncodedSlice], slice_index: Mapping[SliceKey, int], chunk_bytes: int, zstd_level: int, fields: dict
+) -> Iterator[pb.TensorChunk]:
+    """One chunk for the pending slices: a bundle, or the plain framing when there is only one."""
+    if len(pending) == 1:
+        item = pending[0]
+        yield from frame_payload(item.key, item.payload, item.codec, item.dtype, item.shape, chunk_bytes, zstd_level, **fields)
+    elif pending:
+        payload = pack_bundle([BundleEntry(slice_index[i.key], i.codec, i.dtype, i.payload) for i in pending])
+        yield from frame_payload(SliceKey("", 0, 0), payload, BUNDLE_CODEC, "", (), chunk_bytes, zstd_level, **fields)
+
+
+def open_bundle(chunk: pb.TensorChunk, slice_map: Sequence[tuple[SliceKey, tuple[int, ...]]]) -> Iterator[tuple[pb.TensorChunk, bytes]]:
+    """The slices of a bundle chunk as (metadata, payload): each one's metadata is the bundle chunk's
+    (version, contributor, …) with the slice's key, codec, dtype, shape and size filled in.
+    `slice_map[i]` is the (key, slice shape) of slice i in the run's slice map."""
+    if not slice_map:
+        raise InvalidFrame("a slice bundle arrived where the run's slice map is not known yet")
+    if chunk.name or chunk.offset or list(chunk.shape) or chunk.raw_bytes != chunk.payload_bytes:
+        raise InvalidFrame("a slice bundle must travel as one whole chunk with no name and no shape")
+    raw = decompress_chunk(chunk)
+    for entry in unpack_bundle(raw, len(slice_map)):
+        key, shape = slice_map[entry.index]
+        meta = pb.TensorChunk()
+        meta.CopyFrom(chunk)
+        meta.ClearField("zstd_frame")
+        meta.name, meta.row_start, meta.row_stop = key.name, key.row_start, key.row_stop
+        meta.codec, meta.dtype = entry.codec, entry.dtype
+        meta.shape[:] = list(shape)
+        meta.payload_bytes = meta.raw_bytes = len(entry.payload)
+        yield meta, entry.payload
+
+
+
 def decompress_chunk(chunk: pb.TensorChunk) -> bytes:
     """The raw bytes of one chunk; raises CorruptFrame for anything but an intact frame of the declared size."""
     if not 0 <= chunk.raw_bytes <= MAX_CHUNK_BYTES:
@@ -241,17 +305,32 @@ def unit_of(chunk: pb.TensorChunk) -> tuple:
 
 
 def assemble_units(
-    chunks: Iterable[pb.TensorChunk], max_payload_bytes: Callable[[SliceKey, pb.TensorChunk], int]
+    chunks: Iterable[pb.TensorChunk],
+    max_payload_bytes: Callable[[SliceKey, pb.TensorChunk], int],
+    slice_map: Sequence[tuple[SliceKey, tuple[int, ...]]] = (),
 ) -> Iterator[Assembled]:
-    """Yield each unit as soon as its last chunk arrives.
+    """Yield each unit as soon as its last chunk arrives (a bundle's slices as soon as it does).
 
     `max_payload_bytes(key, first_chunk)` vets each new unit before any buffer is allocated (the server
     raises UnknownSlice / ShapeMismatch there). A unit that starts twice, or a stream that ends with a
-    unit incomplete, is an InvalidFrame.
+    unit incomplete, is an InvalidFrame. `slice_map` (the run's (key, slice shape) list) resolves the
+    slices of bundles; a stream with bundles and no slice map is an InvalidFrame.
     """
     open_units: dict[tuple, tuple[SliceAssembler, pb.TensorChunk]] = {}
     done: set[tuple] = set()
     for chunk in chunks:
+        if chunk.codec == BUNDLE_CODEC:
+            for meta, payload in open_bundle(chunk, slice_map):
+                unit = unit_of(meta)
+                if unit in done or unit in open_units:
+                    raise InvalidFrame(f"{unit[0]}: the slice comes twice in this stream")
+                limit = max_payload_bytes(unit[0], meta)
+                if len(payload) > limit:
+                    raise InvalidFrame(f"{unit[0]}: payload of {len(payload)} bytes is over {limit} for codec {meta.codec}")
+                done.add(unit)
+                buffer = bytearray(payload)
+                yield Assembled(unit[0], codecs.decode(meta.codec, buffer, meta.dtype, tuple(meta.shape)), buffer, meta)
+            continue
         unit = unit_of(chunk)
         key = unit[0]
         if unit in done:
@@ -274,10 +353,12 @@ def assemble_units(
 
 
 def assemble(
-    chunks: Iterable[pb.TensorChunk], max_payload_bytes: Callable[[SliceKey, pb.TensorChunk], int]
+    chunks: Iterable[pb.TensorChunk],
+    max_payload_bytes: Callable[[SliceKey, pb.TensorChunk], int],
+    slice_map: Sequence[tuple[SliceKey, tuple[int, ...]]] = (),
 ) -> Iterator[tuple[SliceKey, torch.Tensor, int]]:
     """Yield (key, tensor, version) for each slice of a plain stream (pushes, weight pulls)."""
-    for unit in assemble_units(chunks, max_payload_bytes):
+    for unit in assemble_units(chunks, max_payload_bytes, slice_map):
         yield unit.key, unit.tensor, unit.meta.version
 
 

@@ -14,9 +14,8 @@ import structlog
 
 from dilocox.common.config import WireConfig
 from dilocox.common.errors import DilocoxError, InvalidFrame
-from dilocox.common import codecs
 from dilocox.common.security import TlsFiles, TokenInterceptor, server_credentials
-from dilocox.common.framing import EncodedSlice, assemble_units, encode_slice, frame_payload, own_contribution_digest
+from dilocox.common.framing import EncodedSlice, assemble_units, frame_slices, own_contribution_digest
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.server.health import add_health_service, mark_serving, mark_shutting_down
@@ -118,7 +117,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
             pushed = [
                 EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), bytes(u.payload))
-                for u in assemble_units(chunks(), vet)
+                for u in assemble_units(chunks(), vet, self.shard.slice_map.entries)
             ]
             result = self.shard.commit_push(header.cluster, header.round, header.weight, pushed, bytes_in=received)
         except DilocoxError as error:
@@ -163,35 +162,33 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         return forwarded <= full
 
     def _contribution_chunks(self, snapshot: Snapshot, keys: list, requester: str) -> Iterator[pb.TensorChunk]:
-        """The other clusters' payloads, slice by slice; the requester's own slices (it holds their
-        bytes) as one nameless summary chunk at the end: their combined digest and count."""
-        wire = self.wire
-        own: dict = {}
-        own_weight = 0.0
+        """The other clusters' payloads, cluster by cluster (small slices bundled: a cluster's weight is
+        the same on all its slices); the requester's own slices (it holds their bytes) as one nameless
+        summary chunk at the end: their combined digest and count."""
+        wire, index = self.wire, self.shard.slice_map.index
+        by_cluster: dict[str, list] = {}
         for key in keys:
-            for cluster, contribution in sorted(snapshot.contributions.get(key, {}).items()):
-                item = contribution.slice
-                if cluster == requester:
-                    own[key], own_weight = item.sha256, contribution.weight
-                    continue
-                yield from frame_payload(key, item.payload, item.codec, item.dtype, item.shape, wire.chunk_bytes,
-                                         wire.zstd_level, version=snapshot.version, is_delta=True,
-                                         base_version=snapshot.version - 1, contributor=cluster,
-                                         weight=contribution.weight)  # fmt: skip
+            for cluster, contribution in snapshot.contributions.get(key, {}).items():
+                by_cluster.setdefault(cluster, []).append(contribution)
+        mine = by_cluster.pop(requester, [])
+        own = {c.slice.key: c.slice.sha256 for c in mine}
+        for cluster, contributions in sorted(by_cluster.items()):
+            weight = contributions[0].weight
+            yield from frame_slices((c.slice for c in contributions), index, wire.chunk_bytes, wire.zstd_level,
+                                    version=snapshot.version, is_delta=True, base_version=snapshot.version - 1,
+                                    contributor=cluster, weight=weight)  # fmt: skip
         if own:
             yield pb.TensorChunk(version=snapshot.version, is_delta=True, base_version=snapshot.version - 1,
-                                 contributor=requester, weight=own_weight, own=True, own_slices=len(own),
+                                 contributor=requester, weight=mine[0].weight, own=True, own_slices=len(own),
                                  payload_sha256=own_contribution_digest(own))  # fmt: skip
 
     def _full_chunks(self, snapshot: Snapshot, keys: list) -> Iterator[pb.TensorChunk]:
-        wire = self.wire
-        for key in keys:
-            yield from encode_slice(key, snapshot.tensors[key], chunk_bytes=wire.chunk_bytes, zstd_level=wire.zstd_level,
-                                    version=snapshot.version)  # fmt: skip
-            if key in snapshot.momentum:
-                payload, dtype = codecs.encode("fp32", snapshot.momentum[key])
-                yield from frame_payload(key, payload, "fp32", dtype, tuple(snapshot.momentum[key].shape), wire.chunk_bytes,
-                                         wire.zstd_level, version=snapshot.version, momentum=True)  # fmt: skip
+        """The weights, then the outer momentum, of `keys` (small slices bundled)."""
+        wire, index = self.wire, self.shard.slice_map.index
+        weights = (EncodedSlice.exact(key, snapshot.tensors[key]) for key in keys)
+        yield from frame_slices(weights, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version)
+        momentum = (EncodedSlice.exact(key, snapshot.momentum[key]) for key in keys if key in snapshot.momentum)
+        yield from frame_slices(momentum, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version, momentum=True)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return pb.StatusReply(**self.shard.status())

@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from dilocox.common import codecs
-from dilocox.common.assignment import ParamSlice, assign_slices, model_digest, slices_of_shard
+from dilocox.common.assignment import ParamSlice, SliceMap, assign_slices, model_digest, slices_of_shard
 from dilocox.common.errors import (
     InvalidFrame,
     ModelMismatch,
@@ -116,6 +116,7 @@ class Shard:
         self.digest: str | None = None
         self.param_specs: list[tuple[str, tuple[int, ...]]] = []
         self.assignment: list[ParamSlice] = []
+        self._slice_map: tuple[list[ParamSlice], SliceMap] | None = None
         self.owned: dict[SliceKey, ParamSlice] = {}
         self.run_config_json = ""
         # Membership and rounds:
@@ -188,6 +189,14 @@ class Shard:
         if tuple(shape) != owned.slice_shape:
             raise ShapeMismatch(f"{key}: expected shape {list(owned.slice_shape)}, got {list(shape)}")
         return owned
+
+    @property
+    def slice_map(self) -> SliceMap:
+        """The run's slices by position (what bundles name them by); rebuilt when the assignment is."""
+        cached = self._slice_map
+        if cached is None or cached[0] is not self.assignment:
+            cached = self._slice_map = (self.assignment, SliceMap.of(self.assignment))
+        return cached[1]
 
     def vet_slice(self, key: SliceKey, codec: str, shape: tuple[int, ...]) -> int:
         """Check a slice announced by a stream's first chunk; return the payload byte limit for its codec."""

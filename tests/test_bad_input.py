@@ -21,7 +21,8 @@ import torch
 from dilocox.common import codecs
 from dilocox.common.assignment import model_digest
 from dilocox.common.config import WireConfig
-from dilocox.common.framing import SliceKey, encode_slice, frame_payload
+from dilocox.common.bundle import BUNDLE_CODEC, BundleEntry, pack_bundle
+from dilocox.common.framing import EncodedSlice, SliceKey, encode_slice, frame_payload
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.server.shard import Shard
 from dilocox.worker.aggregator_client import AggregatorClient
@@ -190,6 +191,40 @@ def test_wrong_dtype_for_codec_is_invalid_argument(scene, reference_round_1, cod
     payload, _ = encoded(scene, codec)
     bad = payload_chunks(scene, payload, codec, dtype)
     refuse(scene, with_bad_slice(scene, bad), Code.INVALID_ARGUMENT, fragment, reference_round_1)
+
+
+def bundled_push(scene: Scene, mutate=lambda payload: payload, dtype: str = "float32") -> list[pb.PushMessage]:
+    """`other`'s genuine round-1 slices, all in one bundle whose bytes `mutate` may spoil."""
+    index = scene.shard.slice_map.index
+    items = [EncodedSlice.exact(k, scene.deltas[k]) for k in scene.keys]
+    payload = mutate(pack_bundle([BundleEntry(index[i.key], i.codec, dtype, i.payload) for i in items]))
+    return [header(), *as_messages(frame_payload(SliceKey("", 0, 0), payload, BUNDLE_CODEC, "", (), max(1, len(payload))))]
+
+
+@pytest.mark.parametrize(
+    "mutate, code, fragment",
+    [
+        (lambda b: b + b"\0", Code.INVALID_ARGUMENT, "follow the table"),
+        (lambda b: b[:1] + b"\x02" + b[2:], Code.UNIMPLEMENTED, "bundle version 2"),
+        (lambda b: b[:4] + struct.pack("<I", 10**6) + b[8:], Code.INVALID_ARGUMENT, "names slice 1000000"),
+        (lambda b: b[:4] + struct.pack("<I", 1) + b[8:], Code.INVALID_ARGUMENT, "names a slice twice"),
+    ],
+)
+def test_malformed_bundle_is_refused_and_none_of_it_applied(scene, reference_round_1, mutate, code, fragment):
+    """The bundle holds every slice of the push: a shard that applied part of it would show it."""
+    refuse(scene, bundled_push(scene, mutate), code, fragment, reference_round_1)
+
+
+def test_wrong_dtype_inside_a_bundle_is_invalid_argument(scene, reference_round_1):
+    refuse(scene, bundled_push(scene, dtype="float16"), Code.INVALID_ARGUMENT, "frame says 'float16'", reference_round_1)
+
+
+def test_a_whole_push_in_one_bundle_is_applied_exactly(scene, reference_round_1):
+    scene.stub.Push(iter(bundled_push(scene)), timeout=30)
+    snapshot = scene.shard.snapshot
+    assert snapshot.version == 1
+    for key, tensor in reference_round_1.tensors.items():
+        assert torch.equal(snapshot.tensors[key], tensor), key
 
 
 def test_chunks_disagreeing_on_dtype_are_invalid_argument(scene, reference_round_1):

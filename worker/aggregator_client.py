@@ -19,7 +19,7 @@ import structlog
 import torch
 
 from dilocox.common import codecs
-from dilocox.common.assignment import ParamSlice, model_digest
+from dilocox.common.assignment import ParamSlice, SliceMap, model_digest
 from dilocox.common.compression import TensorCompressor
 from dilocox.common.config import WireConfig
 from dilocox.common.aggregation import Contribution, weighted_mean
@@ -28,8 +28,7 @@ from dilocox.common.framing import (
     EncodedSlice,
     SliceKey,
     assemble_units,
-    encode_slice,
-    frame_payload,
+    frame_slices,
     is_own_summary,
     own_contribution_digest,
 )
@@ -106,6 +105,7 @@ class AggregatorClient:
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="agg-client")
         self.traffic = Traffic()
         self.assignment: list[ParamSlice] = []
+        self.slice_map = SliceMap.of([])
         self.compressor = compressor  # uplink pseudo-gradients (rounds ≥ 1); None: lossless fp32
         # The global weights as this cluster holds them, with a replica of the outer optimiser: a shard
         # that sees we hold version v−1 forwards round v's contributions and we replay its step.
@@ -157,6 +157,7 @@ class AggregatorClient:
         self.assignment = [
             ParamSlice(s.name, tuple(s.shape), s.row_start, s.row_stop, s.shard) for s in first.assignment
         ]
+        self.slice_map = SliceMap.of(self.assignment)
         by_index = sorted(replies, key=lambda r: r.shard_index)
         return JoinInfo(
             num_shards=first.num_shards,
@@ -189,17 +190,14 @@ class AggregatorClient:
 
         def push_one(shard: int) -> int:
             address, stub = self._stubs[shard]
-            sent = 0
-
             # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
+            items = [
+                self._own[key][0] if not reencode and key in self._own else self._encode(round_, key, tensors[key])
+                for key in by_shard.get(shard, [])
+            ]
             messages = [pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))]
-            for key in by_shard.get(shard, []):
-                if not reencode and key in self._own:
-                    item = self._own[key][0]
-                    chunks = frame_payload(key, item.payload, item.codec, item.dtype, item.shape, self.wire.chunk_bytes, self.wire.zstd_level)
-                else:
-                    chunks = self._encode(round_, key, tensors[key])
-                messages += [pb.PushMessage(chunk=chunk) for chunk in chunks]
+            chunks = frame_slices(items, self.slice_map.index, self.wire.chunk_bytes, self.wire.zstd_level)
+            messages += [pb.PushMessage(chunk=chunk) for chunk in chunks]
             sent = sum(m.ByteSize() for m in messages)
             self._call(address, lambda: stub.Push(iter(messages), timeout=self.rpc_timeout))
             return sent
@@ -211,10 +209,9 @@ class AggregatorClient:
         self.traffic.bytes_up += total
         return total
 
-    def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor) -> Iterator[pb.TensorChunk]:
-        wire = self.wire
+    def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor) -> EncodedSlice:
         if round_ == 0:  # initial weights always travel exactly
-            return encode_slice(key, tensor, chunk_bytes=wire.chunk_bytes, zstd_level=wire.zstd_level)
+            return EncodedSlice.exact(key, tensor)
         if self.compressor is None:
             item = EncodedSlice.exact(key, tensor)
             decoded = item.decode()
@@ -223,7 +220,7 @@ class AggregatorClient:
             item = EncodedSlice(key, encoded.codec, encoded.dtype, tuple(tensor.shape), bytes(encoded.payload))
             decoded = encoded.decoded
         self._own[key] = (item, decoded)  # to replay the round's step when the shard forwards it
-        return frame_payload(key, item.payload, item.codec, item.dtype, item.shape, wire.chunk_bytes, wire.zstd_level)
+        return item
 
     # ------------------------------------------------------------------ pull
     def pull(
@@ -276,7 +273,7 @@ class AggregatorClient:
 
                 def fetch() -> list[Assembled]:
                     summaries.clear()  # a retried call starts the stream over
-                    return list(assemble_units(chunks(), vet))
+                    return list(assemble_units(chunks(), vet, self.slice_map.entries))
 
                 units = self._call(address, fetch)
                 own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
