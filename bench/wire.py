@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import time
 
-from dilocox.bench.compression import HUNDREDFOLD_PRESET, PREVIOUS_DEFAULT
+from dilocox.bench.compression import LEAN_PRESET, PREVIOUS_DEFAULT
 from dilocox.bench.report import write_report
 from dilocox.common.compression import CompressionConfig
 from dilocox.common.config import InnerConfig, RunConfig
@@ -20,7 +20,7 @@ from dilocox.worker.inprocess import run_in_process
 
 CONFIGS = {
     "dilocox default (rank≤8, int4, error feedback)": CompressionConfig(),
-    "≥100× preset (rank≤6, int4, error feedback)": HUNDREDFOLD_PRESET,
+    "lean preset (rank≤6, int4, error feedback)": LEAN_PRESET,
     "rank≤8, int8 factors": CompressionConfig(factor_bits=8),
     "previous default (rank≤24, 95% energy, int4, no error feedback)": PREVIOUS_DEFAULT,
     "int8 quantised": CompressionConfig(codec="int8"),

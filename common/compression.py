@@ -40,10 +40,10 @@ class CompressionConfig:
     codec: str = "lowrank"  # fp32 | fp16 | bf16 | int8 | int4 | lowrank
     factor_bits: int = 4  # quantiser of low-rank factors and of small/1-D tensors in lowrank mode (4, 8, 32)
     rank_min: int = 1
-    # ≤ 8 components with error feedback kept locally: 88× / 85× below dense fp32 (up / down) at a lower
-    # loss than the earlier ≤ 24 / 95% without error feedback at 38× (docs/benchmarks.md, `dilocox bench
-    # compression`; rank_max 6 is the ≥ 100× preset). With error feedback the residual flattens the
-    # spectrum, so the rank mostly sits at rank_max.
+    # ≤ 8 components with error feedback kept locally: 103× / 103× below dense fp32 (up / down) with the
+    # delay, at a lower loss than the earlier ≤ 24 / 95% without error feedback at 40× (docs/benchmarks.md,
+    # `dilocox bench compression`; rank_max 6 is the lean preset, ≈ 128×). With error feedback the
+    # residual flattens the spectrum, so the rank mostly sits at rank_max.
     rank_max: int = 8
     target_energy: float = 0.5  # smallest rank whose components capture this share of ‖Δ + e‖²
     rank_window: int = 3  # rounds over which the chosen rank is smoothed (max of the window)

@@ -23,7 +23,7 @@ def test_compression_bench_writes_a_table_with_every_setting(tmp_path):
     assert "| fp32-sync |" in (out / "compression.md").read_text()
     for row in rows:
         assert math.isfinite(row["final_eval_loss"]), row
-    reference, strong, default = rows  # strong: the ≥ 100× preset
+    reference, strong, default = rows  # strong: the lean (rank ≤ 6) preset
     assert reference["withheld_signal"] == 0.0 and reference["loss_vs_reference"] == "+0.0%"
     assert 0 < strong["withheld_signal"] < 1 and 0 < default["withheld_signal"] < 1
     assert strong["up_vs_dense_fp32"] >= default["up_vs_dense_fp32"] > 10 * reference["up_vs_dense_fp32"]
