@@ -198,7 +198,6 @@ def open_bundle(chunk: pb.TensorChunk, slice_map: Sequence[tuple[SliceKey, tuple
         yield meta, entry.payload
 
 
-
 def decompress_chunk(chunk: pb.TensorChunk) -> bytes:
     """The raw bytes of one chunk; raises CorruptFrame for anything but an intact frame of the declared size."""
     if not 0 <= chunk.raw_bytes <= MAX_CHUNK_BYTES:
