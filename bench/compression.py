@@ -21,14 +21,14 @@ import time
 
 from dilocox.bench.report import write_report
 from dilocox.common.compression import CompressionConfig
-from dilocox.common.config import InnerConfig, OuterConfig, RunConfig
+from dilocox.common.config import InnerConfig, RunConfig
 from dilocox.worker.inprocess import run_in_process
 
 _NO_EF = dict(error_feedback=False)
 _CLASSIC_EF = dict(error_feedback=True, local_residual=False)
 # Presets the wire benchmark reports too (one definition, so both reports measure the same settings).
 PREVIOUS_DEFAULT = CompressionConfig(rank_max=24, target_energy=0.95, error_feedback=False)  # before error feedback
-LEAN_PRESET = CompressionConfig(rank_max=6)  # fewer bytes than the default (≈ 120×) for a higher loss
+LEAN_PRESET = CompressionConfig(rank_max=6)  # fewer bytes than the default (≈ 128×) for a higher loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,6 @@ class Setting:
     label: str
     delay: int
     compress: CompressionConfig
-    outer: OuterConfig = OuterConfig()
 
 
 SETTINGS = {
@@ -74,8 +73,7 @@ def chosen_settings(text: str) -> list[str]:
 
 def run_setting(name: str, rounds: int, inner_steps: int) -> dict:
     setting = SETTINGS[name]
-    config = RunConfig(rounds=rounds, delay=setting.delay, inner=InnerConfig(steps=inner_steps),
-                       outer=setting.outer, compress=setting.compress)  # fmt: skip
+    config = RunConfig(rounds=rounds, delay=setting.delay, inner=InnerConfig(steps=inner_steps), compress=setting.compress)
     started = time.perf_counter()
     withheld: list[float] = []  # ‖Σ Δ − Σ decoded‖ on cluster 0 after each of its rounds
 

@@ -17,7 +17,6 @@ import pathlib
 import structlog
 import torch
 
-from dilocox.common.assignment import assign_slices, slices_of_shard
 from dilocox.common.atomic_file import atomic_torch_save
 from dilocox.common.framing import EncodedSlice, SliceKey
 from dilocox.server.round_state import Contribution
@@ -87,8 +86,7 @@ def restore(shard: Shard, state: dict) -> None:
     shard.digest = state["digest"]
     shard.param_specs = [(n, tuple(s)) for n, s in state["param_specs"]]
     if shard.param_specs:
-        shard.assignment = assign_slices(shard.param_specs, shard.num_shards)
-        shard.owned = {s.key: s for s in slices_of_shard(shard.assignment, shard.shard_index)}
+        shard.use_assignment(shard.param_specs)
     shard.run_config_json = state["run_config_json"]
     shard.members = dict(state["members"])
     shard.initialiser = state["initialiser"]

@@ -116,8 +116,8 @@ class Shard:
         self.digest: str | None = None
         self.param_specs: list[tuple[str, tuple[int, ...]]] = []
         self.assignment: list[ParamSlice] = []
-        self._slice_map: tuple[list[ParamSlice], SliceMap] | None = None
         self.owned: dict[SliceKey, ParamSlice] = {}
+        self.slice_map = SliceMap.of([])  # the run's slices by position: what bundles name them by
         self.run_config_json = ""
         # Membership and rounds:
         self.members: dict[str, float] = {}  # cluster -> time of (re)join
@@ -144,8 +144,7 @@ class Shard:
             if self.digest is None:
                 self.digest = digest
                 self.param_specs = [(name, tuple(int(d) for d in shape)) for name, shape in params]
-                self.assignment = assign_slices(params, self.num_shards)
-                self.owned = {s.key: s for s in slices_of_shard(self.assignment, self.shard_index)}
+                self.use_assignment(self.param_specs)
                 self.run_config_json = run_config_json or json.dumps({})
             elif digest != self.digest:
                 raise ModelMismatch(
@@ -190,13 +189,12 @@ class Shard:
             raise ShapeMismatch(f"{key}: expected shape {list(owned.slice_shape)}, got {list(shape)}")
         return owned
 
-    @property
-    def slice_map(self) -> SliceMap:
-        """The run's slices by position (what bundles name them by); rebuilt when the assignment is."""
-        cached = self._slice_map
-        if cached is None or cached[0] is not self.assignment:
-            cached = self._slice_map = (self.assignment, SliceMap.of(self.assignment))
-        return cached[1]
+    def use_assignment(self, params: Sequence[tuple[str, tuple[int, ...]]]) -> None:
+        """Split the run's parameters into slices (deterministic: every shard and cluster gets the same
+        map) and derive what this shard owns and the slices' positions."""
+        self.assignment = assign_slices(params, self.num_shards)
+        self.owned = {s.key: s for s in slices_of_shard(self.assignment, self.shard_index)}
+        self.slice_map = SliceMap.of(self.assignment)
 
     def vet_slice(self, key: SliceKey, codec: str, shape: tuple[int, ...]) -> int:
         """Check a slice announced by a stream's first chunk; return the payload byte limit for its codec."""
