@@ -27,6 +27,8 @@ def test_compression_bench_writes_a_table_with_every_setting(tmp_path):
     assert reference["withheld_signal"] == 0.0 and reference["loss_vs_reference"] == "+0.0%"
     assert 0 < strong["withheld_signal"] < 1 and 0 < default["withheld_signal"] < 1
     assert strong["up_vs_dense_fp32"] >= default["up_vs_dense_fp32"] > 10 * reference["up_vs_dense_fp32"]
+    # the end-of-run flush of the residuals: a one-off reported apart, none for dense fp32
+    assert reference["flush_bytes_up"] == 0 and default["flush_bytes_up"] > 0 and default["flush_in_rounds"] > 0
     # ‖ΣΔ − Σ decoded‖ after each quarter of the rounds: zero for dense fp32, positive when compressed
     assert reference["withheld_norm_by_quarter"] == " → ".join(["0.000"] * 4)
     assert all(float(v) > 0 for v in strong["withheld_norm_by_quarter"].split(" → ")[1:])

@@ -135,4 +135,4 @@ def test_pp2_dp2_worker_pushes_disjoint_shares(shard_set, tmp_path):
     for e in shares.values():
         assert e["params_held"] < model.num_params()  # a stage, never the whole model
     assert {e["rank"] for e in events if e["event"] == "cluster_done"} == {0, 1, 2, 3}
-    assert all(s.version == 2 for s in shards.shards)
+    assert all(s.version == 3 for s in shards.shards)  # 2 rounds, then every rank's flush of its residuals

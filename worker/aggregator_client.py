@@ -177,11 +177,13 @@ class AggregatorClient:
         tensors: Mapping[SliceKey, torch.Tensor],
         shards: Iterable[int] | None = None,
         reencode: bool = True,
+        codec: str | None = None,
     ) -> int:
         """Send slices (keyed by SliceKey) to their owning shards in parallel; returns bytes sent.
 
         `reencode=False` resends the bytes of this round's last push (a re-push after a shard restart)
-        instead of compressing again, which would advance the compressor's state a second time."""
+        instead of compressing again, which would advance the compressor's state a second time.
+        `codec`: a dense codec for this push instead of the compressor's own (the end-of-run flush)."""
         owner = {s.key: s.shard for s in self.assignment}
         by_shard: dict[int, list[SliceKey]] = {}
         for key in tensors:
@@ -192,7 +194,7 @@ class AggregatorClient:
             address, stub = self._stubs[shard]
             # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
             items = [
-                self._own[key][0] if not reencode and key in self._own else self._encode(round_, key, tensors[key])
+                self._own[key][0] if not reencode and key in self._own else self._encode(round_, key, tensors[key], codec)
                 for key in by_shard.get(shard, [])
             ]
             messages = [pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))]
@@ -209,14 +211,14 @@ class AggregatorClient:
         self.traffic.bytes_up += total
         return total
 
-    def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor) -> EncodedSlice:
+    def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor, codec: str | None = None) -> EncodedSlice:
         if round_ == 0:  # initial weights always travel exactly
             return EncodedSlice.exact(key, tensor)
         if self.compressor is None:
             item = EncodedSlice.exact(key, tensor)
             decoded = item.decode()
         else:
-            encoded = self.compressor.compress(key, tensor)
+            encoded = self.compressor.compress(key, tensor, codec)
             item = EncodedSlice(key, encoded.codec, encoded.dtype, tuple(tensor.shape), bytes(encoded.payload))
             decoded = encoded.decoded
         self._own[key] = (item, decoded)  # to replay the round's step when the shard forwards it

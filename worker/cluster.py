@@ -8,7 +8,12 @@ Both forms of DESIGN.md §3, one loop:
   (it travelled while round t computed); θ_local ← θ_{t-1} − Δ_t (the merged model with this round's
   own progress on top); s_{t+1} = θ_local; hand Δ_t to the background communicator. For the first round
   nothing is in flight and θ_{t-1} is s_t itself, so the same rule holds. After the last round the
-  cluster collects θ_T and adopts it, so both forms end on the same global model.
+  cluster collects θ_T.
+
+Both forms then end alike. With error feedback the compressed rounds leave each cluster a residual the
+shards never received; a flush round (`rounds + 1`, no inner steps) sends it once with a dense
+quantiser, and the cluster adopts the resulting global model, so a run ends on the shards' model with
+every cluster's progress in it (docs/decisions.md, "End-of-run flush").
 
 With error feedback kept locally (`CompressionConfig.local_residual`, the default with error feedback)
 θ_t in both rules is the global model minus the cluster's undelivered residual e (Σ Δ − Σ D(C(·)) of
@@ -116,6 +121,9 @@ class DilocoCluster:
         self.initial_eval_loss: float | None = None
         self.final_eval_loss: float | None = None
         self.communicator = Communicator(client, pull_names=tuple(self.owned_names))
+        self._last_weight = 1.0  # tokens of the last round: the flush round's weight
+        self._last_round_weights: dict[SliceKey, torch.Tensor] | None = None  # θ_T pulled by the synchronous last round
+        self.flush: dict | None = None  # what the end-of-run flush sent and cost, once it ran
 
     # ------------------------------------------------------------------ parameters
     def current(self) -> dict[str, torch.Tensor]:
@@ -206,6 +214,9 @@ class DilocoCluster:
             self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
         if exchange is not None:
             self.version = exchange.version
+            if round_ == self.rounds and self.delay == 0:
+                self._last_round_weights = exchange.weights
+        self._last_weight = float(tokens)
         self._assign(merged)
 
         eval_loss = self.trainer.evaluate() if self.evaluate_every_round or round_ == self.rounds else float("nan")
@@ -248,15 +259,47 @@ class DilocoCluster:
             self.checkpoint.write(round_, *captured)
 
     def finish(self) -> None:
-        """With delay=1, collect the last round's global weights and adopt them."""
-        if self.communicator.in_flight is None:
-            return
-        exchange, idle = self.communicator.collect()
-        self._commit(exchange.round)
+        """End on the global model, the same in both forms: collect θ_T (delay=1: it is still in flight),
+        flush the error-feedback residuals, and adopt the shards' weights without any local residual."""
+        weights = self._last_round_weights
+        if self.communicator.in_flight is not None:
+            exchange, idle = self.communicator.collect()
+            self._commit(exchange.round)
+            self.version = exchange.version
+            weights = exchange.weights
+            log.info("last_round_collected", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3),
+                     bytes_up=exchange.bytes_up, bytes_down=exchange.bytes_down)  # fmt: skip
+        flushed = self._flush_residuals()
+        if flushed is not None:
+            weights = flushed.weights
+        if weights is not None:
+            self._assign(self._global_weights(weights))
+            log.info("final_weights_adopted", cluster=self.client.cluster, version=self.version)
+
+    def _flush_residuals(self) -> RoundExchange | None:
+        """Round `rounds + 1` without inner steps: a zero pseudo-gradient pushed with the dense flush
+        codec, so that error feedback sends exactly what the compressed rounds held back. Returns its
+        exchange, or None when nothing is to be flushed or the shards have already closed that round
+        (a worker resumed after its run had ended)."""
+        compressor = self.client.compressor
+        if compressor is None or not compressor.flushes:
+            return None
+        round_ = self.rounds + 1
+        held_back = compressor.residual_norm()
+        zeros = {s.key: torch.zeros(s.slice_shape) for s in self.slices}
+        self.communicator.submit(round_, self._last_weight, zeros, codec=compressor.config.flush_codec)
+        try:
+            exchange, idle = self.communicator.collect()
+        except AggregatorError as error:
+            if error.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            log.warning("residuals_not_flushed", cluster=self.client.cluster, round=round_, reason=error.details)
+            return None
         self.version = exchange.version
-        self._assign(self._global_weights(exchange.weights))
-        log.info("final_weights_adopted", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3),
-                 bytes_up=exchange.bytes_up, bytes_down=exchange.bytes_down)  # fmt: skip
+        self.flush = {"round": round_, "codec": compressor.config.flush_codec, "residual_norm": round(held_back, 4),
+                      "bytes_up": exchange.bytes_up, "bytes_down": exchange.bytes_down, "comm_s": round(exchange.comm_s, 3)}  # fmt: skip
+        log.info("residuals_flushed", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3), **self.flush)
+        return exchange
 
     def run(self) -> list[RoundReport]:
         try:

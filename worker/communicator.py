@@ -60,12 +60,13 @@ class Communicator:
         """The round whose exchange has not been collected yet, if any."""
         return self._in_flight[0] if self._in_flight else None
 
-    def submit(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor]) -> None:
-        """Start pushing round `round_` and pulling its result; `slices` must not change afterwards."""
+    def submit(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None = None) -> None:
+        """Start pushing round `round_` and pulling its result; `slices` must not change afterwards.
+        `codec`: a dense codec for this round's push instead of the compressor's (the end-of-run flush)."""
         with self._lock:
             if self._in_flight is not None:
                 raise RuntimeError(f"round {self._in_flight[0]} is still in flight; collect it before submitting {round_}")
-            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices))
+            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices, codec))
 
     def collect(self, timeout: float | None = None) -> tuple[RoundExchange, float]:
         """Wait for the in-flight round; returns (its exchange, seconds this call blocked)."""
@@ -115,9 +116,9 @@ class Communicator:
         self._executor.shutdown(wait=False, cancel_futures=True)
         return outcome
 
-    def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor]) -> RoundExchange:
+    def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None) -> RoundExchange:
         started = time.perf_counter()
-        bytes_up = self.client.push(round_, weight, slices)
+        bytes_up = self.client.push(round_, weight, slices, codec=codec)
         pushed = time.perf_counter()
         give_up = time.monotonic() + self.pull_wait_s
         while True:

@@ -95,6 +95,7 @@ class Simulation:
         self._rounds: dict[int, dict[str, dict]] = defaultdict(dict)
         self._initial: dict[str, float] = {}
         self._final: dict[tuple[str, int], dict] = {}
+        self._flushes: dict[tuple[str, int], dict] = {}  # the end-of-run flush of each rank's residuals
         self.round_lines: list[dict] = []
 
     # ------------------------------------------------------------------ processes
@@ -160,6 +161,8 @@ class Simulation:
                 self._initial[cluster] = event["eval_loss"]
             elif kind == "cluster_done":
                 self._final[source] = event
+            elif kind == "residuals_flushed":
+                self._flushes[source] = event
             elif kind == "round_done":
                 per_round = self._rounds[event["round"]]
                 per_round[source] = event
@@ -213,6 +216,9 @@ class Simulation:
             "tokens": sum(line["tokens"] for line in self.round_lines),
             "bytes_up": sum(e.get("bytes_up", 0) for e in self._final.values()),
             "bytes_down": sum(e.get("bytes_down", 0) for e in self._final.values()),
+            # of which the one-off end-of-run flush of the error-feedback residuals
+            "flush_bytes_up": sum(e["bytes_up"] for e in self._flushes.values()),
+            "flush_bytes_down": sum(e["bytes_down"] for e in self._flushes.values()),
             "idle_fraction": round(
                 sum(line["idle_s"] for line in self.round_lines) / max(1e-9, sum(line["seconds"] for line in self.round_lines)), 4
             ),
