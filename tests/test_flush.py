@@ -43,6 +43,8 @@ def test_flush_codec_is_validated_and_needs_error_feedback():
     assert TensorCompressor(CompressionConfig()).flushes
     assert not TensorCompressor(CompressionConfig(flush_codec="none")).flushes
     assert not TensorCompressor(CompressionConfig(error_feedback=False)).flushes  # nothing held back to flush
+    # classic error feedback: the cluster re-learns what it dropped, so flushing it would count it twice
+    assert not TensorCompressor(CompressionConfig(local_residual=False)).flushes
 
 
 def _run(shards, flush_codec: str, delay: int, rounds: int = 4, clusters: int = 2) -> list[DilocoCluster]:
