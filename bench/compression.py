@@ -129,8 +129,8 @@ def run(args: argparse.Namespace, out_dir) -> str:
         f"against {SETTINGS[REFERENCE].label}. `flush_bytes_up`: the end-of-run flush of the error-feedback "
         "residuals, per cluster, once per run (not in the per-round figures; about as much comes back down); "
         "`flush_in_rounds`: the same in rounds' worth of uplink. `withheld_signal`: ‖ΣΔ − Σ decoded‖ / ‖ΣΔ‖ "
-        "over the training rounds (before the flush) on cluster 0's uplink; `withheld_norm_by_quarter`: ‖ΣΔ − Σ decoded‖ after a quarter, half, three "
-        "quarters and all of the rounds (with one-step delay the compression runs in the background, so "
+        "over the training rounds (before the flush) on cluster 0's uplink; `withheld_norm_by_quarter`: "
+        "‖ΣΔ − Σ decoded‖ after a quarter, half, three quarters and all of the rounds (with one-step delay the compression runs in the background, so "
         "a value may lag a round).\n\n" + "\n".join(f"* `{row['setting']}`: {row['description']}" for row in rows) + "\n"
     )
     meta = {"args": vars(args), "settings": {n: dataclasses.asdict(SETTINGS[n]) for n in chosen_settings(args.settings)}}

@@ -60,9 +60,9 @@ class CompressionConfig:
     local_residual: bool = True
     # After the last round each cluster sends what error feedback (kept locally) still holds back, once,
     # with this dense quantiser (the residual is what low rank could not carry, so it has no low-rank
-    # structure), and the run ends on a global model that holds all the clusters' progress. Without it the last
-    # residuals never reach the shards: +6.0% instead of +3.6% loss with the delay, for a one-off
-    # ≈ 12 rounds' worth of bytes (docs/decisions.md). "none": end on the last round's global model.
+    # structure), and the run ends on a global model that holds all the clusters' progress. Without it
+    # the last residuals never reach the shards: +6.0% instead of +3.6% loss with the delay, for a
+    # one-off ≈ 12 rounds' worth of bytes (docs/decisions.md). "none": end on the last round's model.
     flush_codec: str = "int4"
 
     def __post_init__(self) -> None:

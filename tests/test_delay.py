@@ -99,6 +99,12 @@ def run_clusters(addresses, seeds, rounds, h, delay, compute_s=0.0):
     for i, seed in enumerate(seeds):
         client = AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=10, rpc_timeout=30)
         clusters.append(RecordingCluster(ToyTrainer(seed, compute_s), client, rounds, h, delay=delay))
+    run_concurrently(clusters)
+    return clusters
+
+
+def run_concurrently(clusters: list[DilocoCluster]) -> None:
+    """Run the clusters' loops on threads (a round closes only once all have pushed), then close them."""
     errors = []
 
     def run(c):
@@ -116,7 +122,6 @@ def run_clusters(addresses, seeds, rounds, h, delay, compute_s=0.0):
         c.client.close()
     assert not errors, errors
     assert not any(t.is_alive() for t in threads), "a cluster hung"
-    return clusters
 
 
 def test_delayed_weights_equal_pure_torch_reference(shard_set):

@@ -10,7 +10,7 @@ from dilocox.common.compression import CompressionConfig, TensorCompressor
 from dilocox.common.quantize import relative_error_bound
 from dilocox.worker.aggregator_client import AggregatorClient
 from dilocox.worker.cluster import DilocoCluster
-from tests.test_delay import ToyTrainer
+from tests.test_delay import ToyTrainer, run_concurrently
 
 RUN = "run-flush"
 # Rank 1 on the toy model's 3×6 weight: every round leaves a sizeable residual to flush.
@@ -48,31 +48,13 @@ def test_flush_codec_is_validated_and_needs_error_feedback():
 
 
 def _run(shards, flush_codec: str, delay: int, rounds: int = 4, clusters: int = 2) -> list[DilocoCluster]:
-    import threading
-
     config = CompressionConfig(**LOW_RANK, flush_codec=flush_codec)
     runs = []
     for i in range(clusters):
         client = AggregatorClient(shards.addresses, RUN, f"c{i}", connect_timeout=10, rpc_timeout=30,
                                   compressor=TensorCompressor(config, seed=5))  # fmt: skip
         runs.append(DilocoCluster(ToyTrainer(10 + i), client, rounds=rounds, inner_steps=3, delay=delay))
-    errors: list[BaseException] = []
-
-    def go(cluster: DilocoCluster) -> None:
-        try:
-            cluster.run()
-        except BaseException as error:  # noqa: BLE001 - surfaced below
-            errors.append(error)
-
-    threads = [threading.Thread(target=go, args=(c,)) for c in runs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    for c in runs:
-        c.client.close()
-    assert not errors, errors
-    assert not any(t.is_alive() for t in threads), "a cluster hung"
+    run_concurrently(runs)
     return runs
 
 

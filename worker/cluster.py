@@ -286,7 +286,7 @@ class DilocoCluster:
             return None
         round_ = self.rounds + 1
         held_back = compressor.residual_norm()
-        zeros = {s.key: torch.zeros(s.slice_shape) for s in self.slices}
+        zeros = {s.key: torch.zeros(s.slice_shape, device=self.params[s.name].device) for s in self.slices}  # where Δ lives
         self.communicator.submit(round_, self._last_weight, zeros, codec=compressor.config.flush_codec)
         try:
             exchange, idle = self.communicator.collect()
