@@ -99,7 +99,7 @@ def test_worked_example_runs_on_localhost(tmp_path):
         # shard, version, clusters: 2 rounds, then the end-of-run flush of the error-feedback residuals
         assert [(r[0], r[3], r[5]) for r in rows] == [("0/2", "3", "2"), ("1/2", "3", "2")], output("status")
         assert shell("metrics").wait(timeout=60) == 0, output("metrics")
-        assert "dilocox_rounds_closed_total 2.0" in output("metrics"), output("metrics")
+        assert "dilocox_rounds_closed_total 3.0" in output("metrics"), output("metrics")  # 2 rounds + the flush
     finally:
         for proc in [*sites, *shards]:
             if proc.poll() is None:
