@@ -168,7 +168,7 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
     same round count, AdamW step and data position as an uninterrupted run."""
     shards = shard_set(1, RUN)
     shard = shards.shards[0]
-    rounds, h = 8, 3
+    rounds, h = 24, 3  # enough rounds that the SIGTERM lands mid-run even on a starved CI core
 
     def worker(*extra: str) -> subprocess.Popen:
         cmd = [
