@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from dilocox.common.config import as_dict, from_dict
-from dilocox.worker.data import load_corpus
-from dilocox.worker.inner_trainer import InnerTrainer
+from dilocox.common.config.run import as_dict, from_dict
+from dilocox.worker.data.corpus import load_corpus
+from dilocox.worker.train.inner_trainer import InnerTrainer
 
 
 def emit(event: str, **fields: object) -> None:

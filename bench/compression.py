@@ -22,9 +22,9 @@ import dataclasses
 import time
 
 from dilocox.bench.report import write_report
-from dilocox.common.compression import CompressionConfig
-from dilocox.common.config import InnerConfig, RunConfig
-from dilocox.worker.inprocess import run_in_process
+from dilocox.common.wire.compression import CompressionConfig
+from dilocox.common.config.run import InnerConfig, RunConfig
+from dilocox.sim.inprocess import run_in_process
 
 _NO_EF = dict(error_feedback=False)
 _CLASSIC_EF = dict(error_feedback=True, local_residual=False)

@@ -17,7 +17,7 @@ import socket
 import sys
 
 from dilocox.common.atomic_file import write_text_atomic
-from dilocox.common.link_probe import receive_counted, stream_zeros
+from dilocox.common.deploy.link_probe import receive_counted, stream_zeros
 
 
 def sink(host: str, port_file: str, warmup_s: float, timeout_s: float = 120.0) -> dict:

@@ -24,7 +24,7 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 
-from dilocox.common.link_shaping import TokenBucket, run_iproute
+from dilocox.common.deploy.link_shaping import TokenBucket, run_iproute
 
 
 class NamespaceError(RuntimeError):
@@ -36,7 +36,7 @@ def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
 
 
 def tbf_args(rate_mbit: float, queue_ms: int = 100) -> list[str]:
-    """tbf parameters for both ends of a site's veth: common/link_shaping.py's token bucket (at least
+    """tbf parameters for both ends of a site's veth: common/deploy/link_shaping.py's token bucket (at least
     66 KiB, so the veth's 64 KiB GSO packets pass whole: with a 4 ms bucket bulk transfers measured
     72–76% of the rate, 96–97% with this one)."""
     return TokenBucket(rate_mbit, queue_ms).qdisc_args()

@@ -11,8 +11,8 @@ import argparse
 import time
 
 from dilocox.bench.report import write_report
-from dilocox.common.config import InnerConfig, RunConfig
-from dilocox.worker.inprocess import run_in_process
+from dilocox.common.config.run import InnerConfig, RunConfig
+from dilocox.sim.inprocess import run_in_process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dilocox.bench.report import write_report
-from dilocox.common.config import InnerConfig, ParallelConfig, RunConfig
-from dilocox.worker.data import load_corpus
-from dilocox.worker.inner_trainer import InnerTrainer
-from dilocox.worker.parallel_layout import ParallelLayout, new_groups
-from dilocox.worker.pipeline_trainer import PipelineTrainer
+from dilocox.common.config.run import InnerConfig, ParallelConfig, RunConfig
+from dilocox.worker.data.corpus import load_corpus
+from dilocox.worker.train.inner_trainer import InnerTrainer
+from dilocox.worker.train.parallel_layout import ParallelLayout, new_groups
+from dilocox.worker.train.pipeline_trainer import PipelineTrainer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from dilocox.bench.report import write_report
-from dilocox.common.assignment import assign_slices, model_digest, slices_of_shard
-from dilocox.common.compression import CompressionConfig, TensorCompressor
-from dilocox.common.config import GPTConfig
-from dilocox.common.framing import EncodedSlice, assemble_units, encode_slice, frame_payload
+from dilocox.common.wire.assignment import assign_slices, model_digest, slices_of_shard
+from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
+from dilocox.common.config.run import GPTConfig
+from dilocox.common.wire.framing import EncodedSlice, assemble_units, encode_slice, frame_payload
 from dilocox.server.shard import Shard
-from dilocox.worker.pipeline_stage import full_param_specs
+from dilocox.worker.train.pipeline_stage import full_param_specs
 
 CODECS = {
     "fp32 (DiLoCo)": CompressionConfig(codec="fp32"),

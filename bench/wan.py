@@ -32,9 +32,9 @@ from dilocox.bench.report import write_report
 from dilocox.bench.wan_links import LinkSettings, LoopbackLinks, NamespaceLinks, measure_links
 from dilocox.bench.wan_modes import MODES, ModeResult
 from dilocox.bench.wan_runs import RUNNERS, RunOptions
-from dilocox.common.config import InnerConfig, RunConfig, add_config_arguments, as_dict, config_from_args
-from dilocox.worker.data import load_corpus
-from dilocox.worker.inner_trainer import InnerTrainer
+from dilocox.common.config.run import InnerConfig, RunConfig, add_config_arguments, as_dict, config_from_args
+from dilocox.worker.data.corpus import load_corpus
+from dilocox.worker.train.inner_trainer import InnerTrainer
 
 DEFAULT_ROUNDS, QUICK_ROUNDS = 10, 5
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from dilocox.common.config import RunConfig, from_dict
+from dilocox.common.config.run import RunConfig, from_dict
 
 
 @dataclass(frozen=True)

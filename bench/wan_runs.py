@@ -15,7 +15,7 @@ from dilocox.bench.allreduce_baseline import ring_bytes_per_rank
 from dilocox.bench.wan_links import Links, Relay
 from dilocox.bench.wan_modes import CurvePoint, Mode, ModeResult, mean
 from dilocox.bench.wan_procs import ChildProcess, child_env, dilocox_cli, python_module, stop_all, wait_all, wait_for_file
-from dilocox.common.config import RunConfig, as_dict, config_flags
+from dilocox.common.config.run import RunConfig, as_dict, config_flags
 
 Progress = Callable[[int, dict], None]  # (units done since the last call, fields to show)
 

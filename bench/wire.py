@@ -14,9 +14,9 @@ import time
 
 from dilocox.bench.compression import LEAN_PRESET, PREVIOUS_DEFAULT
 from dilocox.bench.report import write_report
-from dilocox.common.compression import CompressionConfig
-from dilocox.common.config import InnerConfig, RunConfig
-from dilocox.worker.inprocess import run_in_process
+from dilocox.common.wire.compression import CompressionConfig
+from dilocox.common.config.run import InnerConfig, RunConfig
+from dilocox.sim.inprocess import run_in_process
 
 CONFIGS = {
     "dilocox default (rank≤8, int4, error feedback)": CompressionConfig(),

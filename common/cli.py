@@ -12,25 +12,25 @@ import os
 import sys
 from typing import Mapping
 
-from dilocox.common.settings import SettingsError, add_config_option, apply_sources, subparsers_of
+from dilocox.common.config.sources import SettingsError, add_config_option, apply_sources, subparsers_of
 
 SUBCOMMANDS = {
     "server": ("dilocox.server.main", "run one aggregation shard"),
     "worker": ("dilocox.worker.main", "run one cluster (trains and syncs with the shards)"),
-    "sim": ("dilocox.worker.sim", "local simulation: shards + clusters as processes on localhost"),
+    "sim": ("dilocox.sim.main", "local simulation: shards + clusters as processes on localhost"),
     "status": ("dilocox.worker.status", "print what each shard is doing"),
     "health": ("dilocox.server.health", "exit 0 if a shard answers the standard gRPC health check with SERVING"),
-    "certs": ("dilocox.common.certs", "make a development CA and server/client certificates for TLS/mTLS"),
+    "certs": ("dilocox.common.deploy.certs", "make a development CA and server/client certificates for TLS/mTLS"),
     "bench": ("dilocox.bench.main", "benchmarks: wire, overlap, pipeline, wan (vs AllReduce over shaped links), shard; reports in bench/results/"),
-    "compose": ("dilocox.common.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),
-    "link": ("dilocox.common.link_cli", "shape this host's WAN egress (tc) and measure a link's bulk rate"),
-    "config": ("dilocox.common.config_cli", "print the effective run configuration (flags > env > --config file) as TOML"),
+    "compose": ("dilocox.common.deploy.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),
+    "link": ("dilocox.common.deploy.link_cli", "shape this host's WAN egress (tc) and measure a link's bulk rate"),
+    "config": ("dilocox.common.config.show", "print the effective run configuration (flags > env > --config file) as TOML"),
 }
 
 
 def build_parser(argv: list[str], environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The parser for `argv`'s command. With `environ` (as `main` passes), values from `--config` /
-    $DILOCOX_CONFIG and from DILOCOX_<FLAG> variables become the command's defaults (common/settings.py);
+    $DILOCOX_CONFIG and from DILOCOX_<FLAG> variables become the command's defaults (common/config/sources.py);
     without it the parser depends on `argv` alone."""
     parser = argparse.ArgumentParser(
         prog="dilocox",

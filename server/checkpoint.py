@@ -18,7 +18,7 @@ import structlog
 import torch
 
 from dilocox.common.atomic_file import atomic_torch_save
-from dilocox.common.framing import EncodedSlice, SliceKey
+from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.server.round_state import Contribution
 from dilocox.server.shard import Shard, Snapshot
 

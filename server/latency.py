@@ -12,7 +12,7 @@ from typing import Iterator
 
 import grpc
 
-from dilocox.common.config import WireConfig
+from dilocox.common.config.run import WireConfig
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.server.servicer import AggregatorServicer
 from dilocox.server.shard import Shard

@@ -10,12 +10,12 @@ import threading
 import structlog
 
 from dilocox.common.atomic_file import write_text_atomic
-from dilocox.common.config import OuterConfig, WireConfig
+from dilocox.common.config.run import OuterConfig, WireConfig
 from dilocox.common.logs import configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.server import checkpoint
-from dilocox.server.servicer import start_server
+from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
 
 log = structlog.get_logger()

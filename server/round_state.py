@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dilocox.common.aggregation import weighted_mean
-from dilocox.common.errors import InvalidFrame
-from dilocox.common.framing import EncodedSlice, SliceKey
+from dilocox.common.wire.aggregation import weighted_mean
+from dilocox.common.wire.errors import InvalidFrame
+from dilocox.common.wire.framing import EncodedSlice, SliceKey
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from typing import Callable, Iterable, Sequence
 import structlog
 import torch
 
-from dilocox.common import codecs
-from dilocox.common.assignment import ParamSlice, SliceMap, assign_slices, model_digest, slices_of_shard
-from dilocox.common.errors import (
+from dilocox.common.wire import codecs
+from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices, model_digest, slices_of_shard
+from dilocox.common.wire.errors import (
     InvalidFrame,
     ModelMismatch,
     NotJoined,
@@ -34,8 +34,8 @@ from dilocox.common.errors import (
     UnknownSlice,
     WrongRun,
 )
-from dilocox.common.framing import EncodedSlice, SliceKey
-from dilocox.common.outer_optimizer import OuterNesterov
+from dilocox.common.wire.framing import EncodedSlice, SliceKey
+from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.server.round_state import Contribution, RoundAccumulator
 
 log = structlog.get_logger("dilocox.shard")

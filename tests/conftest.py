@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dilocox.common.config import WireConfig
-from dilocox.server.servicer import start_server
+from dilocox.common.config.run import WireConfig
+from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
 
 

@@ -8,11 +8,11 @@ import pytest
 import structlog
 import torch
 
-from dilocox.server.servicer import start_server
+from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
-from dilocox.worker.adaptive_steps import StepsController
-from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import DilocoCluster
+from dilocox.worker.exchange.adaptive_steps import StepsController
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import DilocoCluster
 
 
 def test_controller_grows_shrinks_caps_and_can_be_pinned():

@@ -1,4 +1,4 @@
-"""Tests of dilocox.common.assignment: which shard owns which parameter rows."""
+"""Tests of dilocox.common.wire.assignment: which shard owns which parameter rows."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from dilocox.common.assignment import SPLIT_FRACTION, ParamSlice, assign_slices, model_digest, slices_of_shard
-from dilocox.common.config import GPTConfig
-from dilocox.common.framing import SliceKey
+from dilocox.common.wire.assignment import SPLIT_FRACTION, ParamSlice, assign_slices, model_digest, slices_of_shard
+from dilocox.common.config.run import GPTConfig
+from dilocox.common.wire.framing import SliceKey
 
 
 def gpt2_small_params() -> list[tuple[str, tuple[int, ...]]]:
@@ -46,7 +46,7 @@ GPT2 = gpt2_small_params()
 
 @pytest.fixture(scope="module")
 def small_model_params() -> list[tuple[str, tuple[int, ...]]]:
-    from dilocox.worker.model import GPT
+    from dilocox.worker.models.gpt import GPT
 
     torch.manual_seed(0)
     return [(name, tuple(p.shape)) for name, p in GPT(GPTConfig()).named_parameters()]
@@ -189,7 +189,7 @@ def test_deterministic_across_processes_and_hash_seeds():
     """Nothing in the assignment may depend on set/dict hash order or any process state."""
     code = (
         "import json, sys\n"
-        "from dilocox.common.assignment import assign_slices\n"
+        "from dilocox.common.wire.assignment import assign_slices\n"
         "params = [(n, tuple(s)) for n, s in json.load(sys.stdin)]\n"
         "print(json.dumps([[s.name, s.row_start, s.row_stop, s.shard] for s in assign_slices(params, 5)]))\n"
     )
@@ -278,7 +278,7 @@ def test_model_digest_differs(other):
 
 
 def test_model_digest_of_project_model_is_stable(small_model_params):
-    from dilocox.worker.model import GPT
+    from dilocox.worker.models.gpt import GPT
 
     torch.manual_seed(1)  # different weights, same names and shapes
     again = [(n, tuple(p.shape)) for n, p in GPT(GPTConfig()).named_parameters()]

@@ -18,15 +18,15 @@ import grpc
 import pytest
 import torch
 
-from dilocox.common import codecs
-from dilocox.common.assignment import model_digest
-from dilocox.common.config import WireConfig
-from dilocox.common.bundle import BUNDLE_CODEC, BundleEntry, pack_bundle
-from dilocox.common.framing import EncodedSlice, SliceKey, encode_slice, frame_payload
+from dilocox.common.wire import codecs
+from dilocox.common.wire.assignment import model_digest
+from dilocox.common.config.run import WireConfig
+from dilocox.common.wire.bundle import BUNDLE_CODEC, BundleEntry, pack_bundle
+from dilocox.common.wire.framing import EncodedSlice, SliceKey, encode_slice, frame_payload
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.server.shard import Shard
-from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import slice_tensors
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import slice_tensors
 from test_grpc_integration import PARAMS, RUN, _same, _state, _stub, random_tensors
 
 GOOD_WEIGHT = 100.0

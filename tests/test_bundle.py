@@ -1,4 +1,4 @@
-"""Tests of slice bundles: the byte layout (dilocox.common.bundle), how `frame_slices` groups slices
+"""Tests of slice bundles: the byte layout (dilocox.common.wire.bundle), how `frame_slices` groups slices
 into bundles, and how `assemble_units` opens them — including every refusal of a malformed bundle."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 import zstandard
 
-from dilocox.common import codecs
-from dilocox.common.assignment import SliceMap, assign_slices
-from dilocox.common.bundle import BUNDLE_CODEC, BundleEntry, pack_bundle, unpack_bundle
-from dilocox.common.errors import CorruptFrame, InvalidFrame, UnknownCodec
-from dilocox.common.framing import EncodedSlice, SliceKey, assemble_units, frame_payload, frame_slices
+from dilocox.common.wire import codecs
+from dilocox.common.wire.assignment import SliceMap, assign_slices
+from dilocox.common.wire.bundle import BUNDLE_CODEC, BundleEntry, pack_bundle, unpack_bundle
+from dilocox.common.wire.errors import CorruptFrame, InvalidFrame, UnknownCodec
+from dilocox.common.wire.framing import EncodedSlice, SliceKey, assemble_units, frame_payload, frame_slices
 from dilocox.proto import dilocox_pb2 as pb
 
 PARAMS = [("emb", (64, 16)), ("bias", (16,)), ("norm", (16,)), ("big", (512, 64)), ("tail", (7,))]

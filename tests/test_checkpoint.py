@@ -11,13 +11,13 @@ import time
 
 import torch
 
-from dilocox.common.assignment import model_digest
-from dilocox.common.outer_optimizer import OuterNesterov
+from dilocox.common.wire.assignment import model_digest
+from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.subprocesses import stop_gracefully
 from dilocox.server import checkpoint
 from dilocox.server.shard import Shard
-from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import slice_tensors
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import slice_tensors
 
 RUN = "ckpt-run"
 PARAMS = [("emb", (40, 8)), ("w", (8, 24)), ("b", (24,))]
@@ -138,7 +138,7 @@ def test_killed_shard_resumes_from_its_checkpoint(tmp_path):
 def test_communicator_repushes_a_round_the_shard_lost(shard_set):
     """A shard restarted from a checkpoint has forgotten the open round's pushes: the waiting client
     pushes the same bytes again and gets its result."""
-    from dilocox.worker.communicator import Communicator
+    from dilocox.worker.exchange.communicator import Communicator
 
     shards = shard_set(1, RUN)
     shard = shards.shards[0]

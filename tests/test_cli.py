@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dilocox.common import cli
-from dilocox.common.config import (
+from dilocox.common.config.run import (
     GPTConfig,
     InnerConfig,
     OuterConfig,
@@ -133,7 +133,7 @@ def test_bad_flag_type_is_a_usage_error(capsys):
 def test_only_the_chosen_subcommand_module_is_wired():
     parser = cli.build_parser(["sim"])
     args = parser.parse_args(["sim", "--clusters", "3"])
-    assert args._module == "dilocox.worker.sim" and args.clusters == 3
+    assert args._module == "dilocox.sim.main" and args.clusters == 3
 
 
 # --------------------------------------------------------------------------- config

@@ -8,9 +8,9 @@ import pathlib
 import pytest
 import structlog
 
-from dilocox.common import compose_images
+from dilocox.common.deploy import compose_images
 from dilocox.common.cli import build_parser
-from dilocox.common.compose_cli import run
+from dilocox.common.deploy.compose_cli import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -21,10 +21,10 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from dilocox.common import codecs
-from dilocox.common.compression import CompressionConfig, TensorCompressor
-from dilocox.common.errors import InvalidFrame, UnknownCodec
-from dilocox.common.lowrank import (
+from dilocox.common.wire import codecs
+from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
+from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
+from dilocox.common.wire.lowrank import (
     decode_lowrank,
     encode_lowrank,
     factor_block,
@@ -33,7 +33,7 @@ from dilocox.common.lowrank import (
     ordered_factors,
     power_iteration,
 )
-from dilocox.common.quantize import encode_quantized, quantized_nbytes
+from dilocox.common.wire.quantize import encode_quantized, quantized_nbytes
 
 HEADER = struct.Struct("<BBBxIII")  # magic, version, factor_bits, pad, rows, cols, rank (as documented)
 MAGIC, VERSION = 0xC5, 2  # the version this build writes (it also decodes 1)

@@ -1,4 +1,4 @@
-"""Tests of the corpus loading, split, batch sampling and evaluation in dilocox.worker.data."""
+"""Tests of the corpus loading, split, batch sampling and evaluation in dilocox.worker.data.corpus."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dilocox.common.config import GPTConfig
-from dilocox.worker.data import (
+from dilocox.common.config.run import GPTConfig
+from dilocox.worker.data.corpus import (
     BatchSampler,
     CorpusError,
     check_size,
@@ -17,7 +17,7 @@ from dilocox.worker.data import (
     load_corpus,
     split_corpus,
 )
-from dilocox.worker.model import GPT
+from dilocox.worker.models.gpt import GPT
 
 
 def test_default_corpus():

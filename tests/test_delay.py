@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-from dilocox.server.servicer import start_server
+from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
-from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import DilocoCluster, slice_tensors
-from dilocox.worker.communicator import Communicator
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import DilocoCluster, slice_tensors
+from dilocox.worker.exchange.communicator import Communicator
 
 RUN = "run-delay"
 LR, MOMENTUM = 0.7, 0.9
@@ -241,7 +241,7 @@ def test_error_feedback_residual_stays_in_the_clusters_weights(shard_set, local_
     """With error feedback kept locally, a synchronous cluster trains on from θ_t minus its own
     undelivered residual (held global weights − e, slice by slice); with classic error feedback it
     adopts θ_t itself. Either way its copy of the global weights stays the shard's, bit for bit."""
-    from dilocox.common.compression import CompressionConfig, TensorCompressor
+    from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 
     shards = shard_set(1, RUN, min_clusters=1)
     config = CompressionConfig(codec="int4", error_feedback=True, local_residual=local_residual)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from dilocox.common.compression import CompressionConfig, TensorCompressor
-from dilocox.common.config import InnerConfig, RunConfig
-from dilocox.common.framing import EncodedSlice
-from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import slice_tensors
-from dilocox.worker.inprocess import run_in_process
+from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
+from dilocox.common.config.run import InnerConfig, RunConfig
+from dilocox.common.wire.framing import EncodedSlice
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import slice_tensors
+from dilocox.sim.inprocess import run_in_process
 
 RUN = "run-downlink"
 PARAMS = [("emb", (96, 32)), ("w", (32, 64)), ("b", (64,)), ("gain", ())]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dilocox.common.compression import CompressionConfig, TensorCompressor
-from dilocox.common.quantize import relative_error_bound
-from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import DilocoCluster
+from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
+from dilocox.common.wire.quantize import relative_error_bound
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import DilocoCluster
 from tests.test_delay import ToyTrainer, run_concurrently
 
 RUN = "run-flush"

@@ -1,4 +1,4 @@
-"""Tests of dilocox.common.framing (chunks, zstd frames, assembly) and dilocox.common.codecs."""
+"""Tests of dilocox.common.wire.framing (chunks, zstd frames, assembly) and dilocox.common.wire.codecs."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 import zstandard
 
-from dilocox.common import codecs, framing
-from dilocox.common.errors import CorruptFrame, DilocoxError, InvalidFrame, UnknownCodec, UnknownSlice
-from dilocox.common.framing import MAX_CHUNK_BYTES, SliceKey, assemble, decompress_chunk, encode_slice
+from dilocox.common.wire import codecs
+from dilocox.common.wire import framing
+from dilocox.common.wire.errors import CorruptFrame, DilocoxError, InvalidFrame, UnknownCodec, UnknownSlice
+from dilocox.common.wire.framing import MAX_CHUNK_BYTES, SliceKey, assemble, decompress_chunk, encode_slice
 from dilocox.proto import dilocox_pb2 as pb
 
 KEY = SliceKey("w", 0, 3)

@@ -24,12 +24,12 @@ import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from dilocox.common import codecs
-from dilocox.common.assignment import model_digest
-from dilocox.common.errors import DilocoxError
-from dilocox.common.framing import MAX_CHUNK_BYTES, SliceKey, assemble_units, decompress_chunk, encode_slice
-from dilocox.common.lowrank import as_matrix_shape
-from dilocox.common.quantize import decode_quantized
+from dilocox.common.wire import codecs
+from dilocox.common.wire.assignment import model_digest
+from dilocox.common.wire.errors import DilocoxError
+from dilocox.common.wire.framing import MAX_CHUNK_BYTES, SliceKey, assemble_units, decompress_chunk, encode_slice
+from dilocox.common.wire.lowrank import as_matrix_shape
+from dilocox.common.wire.quantize import decode_quantized
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.server.shard import Shard
 from test_bad_input import (

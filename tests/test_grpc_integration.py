@@ -6,13 +6,13 @@ import grpc
 import pytest
 import torch
 
-from dilocox.common.assignment import model_digest
-from dilocox.common.config import WireConfig
-from dilocox.common.framing import SliceKey, encode_slice
+from dilocox.common.wire.assignment import model_digest
+from dilocox.common.config.run import WireConfig
+from dilocox.common.wire.framing import SliceKey, encode_slice
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.worker.cluster import slice_tensors
+from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.exchange.cluster import slice_tensors
 
 RUN = "run-test"
 PARAMS = [("tok_emb", (64, 16)), ("blocks.0.w", (16, 48)), ("blocks.0.b", (48,)), ("head", (64, 16)), ("gain", ())]

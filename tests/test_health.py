@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 
 from dilocox.server import health
-from dilocox.server.servicer import start_server
+from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
 
 

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from dilocox.common.link_probe import send_probe, sink_in_thread
-from dilocox.common.link_shaping import TokenBucket
+from dilocox.common.deploy.link_probe import send_probe, sink_in_thread
+from dilocox.common.deploy.link_shaping import TokenBucket
 
 
 def test_token_bucket_arguments():

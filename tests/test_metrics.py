@@ -15,8 +15,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from dilocox.common.subprocesses import stop_gracefully
-from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import slice_tensors
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import slice_tensors
 
 RUN = "run-metrics"
 PARAMS = [("w", (32, 8)), ("b", (8,))]

@@ -1,4 +1,4 @@
-"""Tests of the byte-level GPT in dilocox.worker.model."""
+"""Tests of the byte-level GPT in dilocox.worker.models.gpt."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dilocox.common.config import GPTConfig
-from dilocox.worker.model import GPT
+from dilocox.common.config.run import GPTConfig
+from dilocox.worker.models.gpt import GPT
 
 CFG = GPTConfig()
 

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dilocox.common.config import GPTConfig, InnerConfig, ParallelConfig, RunConfig
-from dilocox.worker.data import load_corpus
-from dilocox.worker.inner_trainer import InnerTrainer
-from dilocox.worker.model import GPT
-from dilocox.worker.parallel_layout import ParallelLayout, new_groups
-from dilocox.worker.pipeline_stage import GPTStage, stage_layers
-from dilocox.worker.pipeline_trainer import PipelineTrainer
+from dilocox.common.config.run import GPTConfig, InnerConfig, ParallelConfig, RunConfig
+from dilocox.worker.data.corpus import load_corpus
+from dilocox.worker.train.inner_trainer import InnerTrainer
+from dilocox.worker.models.gpt import GPT
+from dilocox.worker.train.parallel_layout import ParallelLayout, new_groups
+from dilocox.worker.train.pipeline_stage import GPTStage, stage_layers
+from dilocox.worker.train.pipeline_trainer import PipelineTrainer
 
 H = 3
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from dilocox.worker.cluster import RoundReport
+from dilocox.worker.exchange.cluster import RoundReport
 from dilocox.worker.progress import chain, progress_for
 
 

@@ -1,4 +1,4 @@
-"""Tests of dilocox.common.quantize (blockwise int8/int4) and the lossy codecs it backs in common.codecs."""
+"""Tests of dilocox.common.wire.quantize (blockwise int8/int4) and the lossy codecs it backs in common.codecs."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 import zstandard
 
-from dilocox.common import codecs
-from dilocox.common.errors import InvalidFrame, UnknownCodec
-from dilocox.common.framing import SliceKey, assemble, decompress_chunk, encode_slice
-from dilocox.common.quantize import (
+from dilocox.common.wire import codecs
+from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
+from dilocox.common.wire.framing import SliceKey, assemble, decompress_chunk, encode_slice
+from dilocox.common.wire.quantize import (
     HEADER_BYTES,
     QUANT_VERSION,
     decode_quantized,

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from dilocox.common.security import TlsFiles, make_dev_certificates
-from dilocox.server.servicer import start_server
+from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
-from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 
 RUN = "secure-run"
 PARAMS = [("w", (4, 4))]

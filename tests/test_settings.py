@@ -7,8 +7,8 @@ import tomllib
 import pytest
 
 from dilocox.common import cli
-from dilocox.common.config import InnerConfig, RunConfig, config_from_args, from_dict
-from dilocox.common.settings import env_name
+from dilocox.common.config.run import InnerConfig, RunConfig, config_from_args, from_dict
+from dilocox.common.config.sources import env_name
 
 RUN_TOML = """
 run_id = "from-file"

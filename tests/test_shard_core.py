@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from dilocox.common.assignment import model_digest
-from dilocox.common.errors import (
+from dilocox.common.wire.assignment import model_digest
+from dilocox.common.wire.errors import (
     InvalidFrame,
     ModelMismatch,
     NotJoined,
@@ -18,7 +18,7 @@ from dilocox.common.errors import (
     UnknownSlice,
     WrongRun,
 )
-from dilocox.common.outer_optimizer import OuterNesterov
+from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.server.shard import Shard
 
 PARAMS = [("emb", (12, 5)), ("w", (7, 3)), ("b", (7,)), ("scale", ())]

@@ -11,8 +11,8 @@ import structlog
 import torch
 
 from dilocox.common import cli
-from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import slice_tensors
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import slice_tensors
 from dilocox.worker.status import COLUMNS
 
 RUN = "run-status"

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from dilocox.common.cli import build_parser
-from dilocox.common.compose_file import compose_document, render, to_yaml
-from dilocox.common.topology import COMPOSE, LOCALHOST, Topology, all_commands, as_shell
+from dilocox.common.deploy.compose_file import compose_document, render, to_yaml
+from dilocox.common.deploy.topology import COMPOSE, LOCALHOST, Topology, all_commands, as_shell
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

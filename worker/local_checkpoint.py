@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from dilocox.common.atomic_file import atomic_torch_save
-from dilocox.common.compression import TensorCompressor
+from dilocox.common.wire.compression import TensorCompressor
 
 log = structlog.get_logger()
 

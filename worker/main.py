@@ -11,18 +11,18 @@ import sys
 import structlog
 import torch
 
-from dilocox.common.compression import TensorCompressor
-from dilocox.common.config import add_config_arguments, as_dict, config_from_args
+from dilocox.common.wire.compression import TensorCompressor
+from dilocox.common.config.run import add_config_arguments, as_dict, config_from_args
 from dilocox.common.logs import configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
-from dilocox.worker.adaptive_steps import StepsController
-from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.worker.cluster import DilocoCluster
-from dilocox.worker.data import CorpusError, load_corpus
-from dilocox.worker.distributed_cluster import DistributedContext, relaunch_with_torchrun, stage_sizes, under_torchrun
-from dilocox.worker.pipeline_stage import full_param_specs
-from dilocox.worker.inner_trainer import InnerTrainer
+from dilocox.worker.exchange.adaptive_steps import StepsController
+from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.exchange.cluster import DilocoCluster
+from dilocox.worker.data.corpus import CorpusError, load_corpus
+from dilocox.worker.train.distributed_cluster import DistributedContext, relaunch_with_torchrun, stage_sizes, under_torchrun
+from dilocox.worker.train.pipeline_stage import full_param_specs
+from dilocox.worker.train.inner_trainer import InnerTrainer
 from dilocox.worker.local_checkpoint import WorkerCheckpoint
 from dilocox.worker.progress import chain, progress_for
 

@@ -18,8 +18,8 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from dilocox.worker.aggregator_client import Traffic
-    from dilocox.worker.cluster import RoundReport
+    from dilocox.worker.exchange.aggregator_client import Traffic
+    from dilocox.worker.exchange.cluster import RoundReport
 
 
 class _TrafficCollector(Collector):

@@ -13,7 +13,7 @@ import time
 
 from dilocox.common.logs import configure_logging
 from dilocox.common.security import add_security_arguments, security_from_args
-from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 
 COLUMNS = ("SHARD", "ADDRESS", "STATE", "VERSION", "ROUND", "CLUSTERS", "IN ROUND", "LAST ROUND", "CLOSED", "BYTES IN", "BYTES OUT")
 

@@ -18,12 +18,12 @@ import grpc
 import structlog
 import torch
 
-from dilocox.common import codecs
-from dilocox.common.assignment import ParamSlice, SliceMap, model_digest
-from dilocox.common.compression import TensorCompressor
-from dilocox.common.config import WireConfig
-from dilocox.common.aggregation import Contribution, weighted_mean
-from dilocox.common.framing import (
+from dilocox.common.wire import codecs
+from dilocox.common.wire.assignment import ParamSlice, SliceMap, model_digest
+from dilocox.common.wire.compression import TensorCompressor
+from dilocox.common.config.run import WireConfig
+from dilocox.common.wire.aggregation import Contribution, weighted_mean
+from dilocox.common.wire.framing import (
     Assembled,
     EncodedSlice,
     SliceKey,
@@ -32,7 +32,7 @@ from dilocox.common.framing import (
     is_own_summary,
     own_contribution_digest,
 )
-from dilocox.common.outer_optimizer import OuterNesterov
+from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.security import TlsFiles, open_channel
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc

@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from dilocox.common.config import RunConfig
-from dilocox.worker.data import BatchSampler, check_size, evaluate, split_corpus
-from dilocox.worker.model import GPT
+from dilocox.common.config.run import RunConfig
+from dilocox.worker.data.corpus import BatchSampler, check_size, evaluate, split_corpus
+from dilocox.worker.models.gpt import GPT
 
 EVAL_FRACTION = 0.1
 

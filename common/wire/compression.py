@@ -25,8 +25,8 @@ from typing import Hashable
 import structlog
 import torch
 
-from dilocox.common import codecs
-from dilocox.common.lowrank import as_matrix_shape, encode_lowrank, ordered_factors, power_iteration
+from dilocox.common.wire import codecs
+from dilocox.common.wire.lowrank import as_matrix_shape, encode_lowrank, ordered_factors, power_iteration
 
 log = structlog.get_logger()
 

@@ -14,8 +14,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from dilocox.common.errors import InvalidFrame, UnknownCodec
-from dilocox.common.lowrank import (
+from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
+from dilocox.common.wire.lowrank import (
     as_matrix_shape,
     decode_lowrank,
     encode_lowrank,
@@ -23,7 +23,7 @@ from dilocox.common.lowrank import (
     max_lowrank_bytes,
     power_iteration,
 )
-from dilocox.common.quantize import decode_quantized, encode_quantized, quantized_nbytes
+from dilocox.common.wire.quantize import decode_quantized, encode_quantized, quantized_nbytes
 
 
 class Codec(NamedTuple):

@@ -12,8 +12,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from dilocox.common.compression import CompressionConfig
-from dilocox.common.settings import CONFIG_HELP, load_file, parse_bool
+from dilocox.common.wire.compression import CompressionConfig
+from dilocox.common.config.sources import CONFIG_HELP, GROUP_FLAG_PREFIXES, load_file, parse_bool
 
 
 @dataclass(frozen=True)
@@ -144,8 +144,7 @@ def as_dict(config: object) -> dict:
 # --------------------------------------------------------------------------- flags and files
 # Flag names: top-level and model fields as themselves (`--rounds`, `--n-layer`), the other groups
 # prefixed by their group (`--inner-steps`, `--inner-lr`, `--outer-lr`, `--compress-codec`).
-_GROUPS = {"model": "", "parallel": "", "inner": "inner-", "outer": "outer-", "wire": "wire-", "compress": "compress-"}
-GROUP_FLAG_PREFIXES = dict(_GROUPS)  # for common/settings.py: `[inner] steps` in a file is `--inner-steps`
+_GROUPS = GROUP_FLAG_PREFIXES  # defined in config/sources.py, which reads `[inner] steps` from files
 
 
 def _flag_fields(cls: type = RunConfig):
@@ -202,7 +201,7 @@ def config_from_args(args, base: RunConfig | None = None) -> RunConfig:
     """Defaults ← config file ← explicit flags.
 
     Under the `dilocox` console script the file (and DILOCOX_* variables) have already become the
-    flags' values (common/settings.py marks that with `_config_applied`); read directly only otherwise.
+    flags' values (common/config/sources.py marks that with `_config_applied`); read directly only otherwise.
     """
     config = base or RunConfig()
     if getattr(args, "config", None) and not getattr(args, "_config_applied", False):

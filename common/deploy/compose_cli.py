@@ -1,6 +1,6 @@
 """`dilocox compose`: the docker-compose multi-site simulation.
 
-    dilocox compose render            # write docker-compose.yml from common/topology.py
+    dilocox compose render            # write docker-compose.yml from common/deploy/topology.py
     dilocox compose build             # build the image offline (debootstrap base + host wheelhouse)
     dilocox compose check             # engine up → build → compose up → checks → everything removed
 
@@ -19,11 +19,11 @@ import time
 
 import structlog
 
-from dilocox.common.compose_check import CheckFailed, ComposeRun, check
-from dilocox.common.compose_file import render
-from dilocox.common.compose_images import BASE_IMAGE, IMAGE, EngineUnavailable, build_image, ensure_engine
+from dilocox.common.deploy.compose_check import CheckFailed, ComposeRun, check
+from dilocox.common.deploy.compose_file import render
+from dilocox.common.deploy.compose_images import BASE_IMAGE, IMAGE, EngineUnavailable, build_image, ensure_engine
 from dilocox.common.logs import configure_logging
-from dilocox.common.topology import Topology
+from dilocox.common.deploy.topology import Topology
 
 log = structlog.get_logger()
 

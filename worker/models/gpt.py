@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dilocox.common.config import GPTConfig
+from dilocox.common.config.run import GPTConfig
 
 
 class CausalSelfAttention(nn.Module):

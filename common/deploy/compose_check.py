@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from dilocox.common.compose_file import render
-from dilocox.common.topology import Topology
+from dilocox.common.deploy.compose_file import render
+from dilocox.common.deploy.topology import Topology
 
 log = structlog.get_logger()
 

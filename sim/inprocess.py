@@ -11,14 +11,14 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from dilocox.common.compression import TensorCompressor
-from dilocox.common.config import RunConfig
-from dilocox.server.servicer import start_server
+from dilocox.common.wire.compression import TensorCompressor
+from dilocox.common.config.run import RunConfig
+from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
-from dilocox.worker.aggregator_client import AggregatorClient
-from dilocox.worker.cluster import DilocoCluster, RoundReport
-from dilocox.worker.data import load_corpus
-from dilocox.worker.inner_trainer import InnerTrainer
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import DilocoCluster, RoundReport
+from dilocox.worker.data.corpus import load_corpus
+from dilocox.worker.train.inner_trainer import InnerTrainer
 
 
 @dataclass

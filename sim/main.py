@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import structlog
 
-from dilocox.common.config import RunConfig, add_config_arguments, config_flags, config_from_args
+from dilocox.common.config.run import RunConfig, add_config_arguments, config_flags, config_from_args
 from dilocox.common.logs import configure_logging
 from dilocox.common.security import make_dev_certificates
 

@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from dilocox.common.config import RunConfig
-from dilocox.worker.data import BatchSampler, check_size, eval_windows, split_corpus
-from dilocox.worker.inner_trainer import EVAL_FRACTION, CheckpointableTrainer, inner_lr, make_inner_optimizer
-from dilocox.worker.parallel_layout import ParallelLayout
-from dilocox.worker.pipeline_stage import build_stage
+from dilocox.common.config.run import RunConfig
+from dilocox.worker.data.corpus import BatchSampler, check_size, eval_windows, split_corpus
+from dilocox.worker.train.inner_trainer import EVAL_FRACTION, CheckpointableTrainer, inner_lr, make_inner_optimizer
+from dilocox.worker.train.parallel_layout import ParallelLayout
+from dilocox.worker.train.pipeline_stage import build_stage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

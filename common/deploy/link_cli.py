@@ -12,8 +12,8 @@ import socket
 
 import structlog
 
-from dilocox.common.link_probe import send_probe, serve_sink
-from dilocox.common.link_shaping import ShapingError, TokenBucket, device_towards, egress_qdisc, shape_egress
+from dilocox.common.deploy.link_probe import send_probe, serve_sink
+from dilocox.common.deploy.link_shaping import ShapingError, TokenBucket, device_towards, egress_qdisc, shape_egress
 from dilocox.common.logs import configure_logging
 
 log = structlog.get_logger()

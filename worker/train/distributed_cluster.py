@@ -16,9 +16,9 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from dilocox.common.config import RunConfig
-from dilocox.worker.parallel_layout import ParallelLayout, new_groups
-from dilocox.worker.pipeline_trainer import PipelineTrainer
+from dilocox.common.config.run import RunConfig
+from dilocox.worker.train.parallel_layout import ParallelLayout, new_groups
+from dilocox.worker.train.pipeline_trainer import PipelineTrainer
 
 log = structlog.get_logger()
 

@@ -19,9 +19,9 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 import zstandard
 
-from dilocox.common import codecs
-from dilocox.common.bundle import BUNDLE_CODEC, HEADER_BYTES, MAX_ENTRIES, BundleEntry, entry_bytes, pack_bundle, unpack_bundle
-from dilocox.common.errors import CorruptFrame, InvalidFrame
+from dilocox.common.wire import codecs
+from dilocox.common.wire.bundle import BUNDLE_CODEC, HEADER_BYTES, MAX_ENTRIES, BundleEntry, entry_bytes, pack_bundle, unpack_bundle
+from dilocox.common.wire.errors import CorruptFrame, InvalidFrame
 from dilocox.proto import dilocox_pb2 as pb
 
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024

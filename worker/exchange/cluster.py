@@ -35,11 +35,11 @@ import grpc
 import structlog
 import torch
 
-from dilocox.common.assignment import ParamSlice
-from dilocox.common.framing import SliceKey
-from dilocox.worker.adaptive_steps import StepsController
-from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.worker.communicator import Communicator, RoundExchange
+from dilocox.common.wire.assignment import ParamSlice
+from dilocox.common.wire.framing import SliceKey
+from dilocox.worker.exchange.adaptive_steps import StepsController
+from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.exchange.communicator import Communicator, RoundExchange
 from dilocox.worker.local_checkpoint import WorkerCheckpoint
 
 log = structlog.get_logger()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dilocox.common.config import add_config_arguments, config_from_args, to_toml
+from dilocox.common.config.run import add_config_arguments, config_from_args, to_toml
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

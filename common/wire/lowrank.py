@@ -20,8 +20,8 @@ import struct
 
 import torch
 
-from dilocox.common.errors import InvalidFrame, UnknownCodec
-from dilocox.common.quantize import decode_quantized, encode_quantized, quantized_nbytes
+from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
+from dilocox.common.wire.quantize import decode_quantized, encode_quantized, quantized_nbytes
 
 LOWRANK_VERSION = 2  # what this build writes
 DECODED_VERSIONS = (1, 2)

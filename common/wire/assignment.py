@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from dilocox.common.framing import SliceKey
+from dilocox.common.wire.framing import SliceKey
 
 # Pieces are at most (total / num_shards) / SPLIT_FRACTION elements. 2, not finer: each row piece of a
 # matrix is compressed on its own, and a low-rank piece costs (its rows + all columns) × rank, so

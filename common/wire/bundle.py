@@ -29,8 +29,8 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple, Sequence
 
-from dilocox.common import codecs
-from dilocox.common.errors import InvalidFrame, UnknownCodec
+from dilocox.common.wire import codecs
+from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
 
 BUNDLE_CODEC = "bundle"
 BUNDLE_VERSION = 1

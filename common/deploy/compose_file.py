@@ -1,7 +1,7 @@
 """Render a `Topology` as a Compose-spec file (works with `docker-compose` 1.29 and `docker compose` v2).
 
 Why generated: the compose services must run exactly the commands the plain-process test runs, so
-both come from `common/topology.py`; a test checks the committed `docker-compose.yml` equals this
+both come from `common/deploy/topology.py`; a test checks the committed `docker-compose.yml` equals this
 rendering. The YAML is written by a tiny emitter (strings JSON-quoted, which YAML reads verbatim)
 rather than a new dependency.
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dilocox.common.topology import CHECKPOINT_DIR, COMPOSE, METRICS_PORT, SHARD_PORT, Topology, all_commands, as_shell
+from dilocox.common.deploy.topology import CHECKPOINT_DIR, COMPOSE, METRICS_PORT, SHARD_PORT, Topology, all_commands, as_shell
 
 HEADER = """\
 # Multi-site simulation: {shards} aggregation shards and {sites} sites, each site a torchrun job whose
 # WAN egress is shaped by tc inside its container (rate {rate:g} Mbit/s; latency, if any, is added in
 # user space by the shards: this kernel has no netem).
 #
-# GENERATED from common/topology.py by `dilocox compose render` -- edit the topology, not this file.
+# GENERATED from common/deploy/topology.py by `dilocox compose render` -- edit the topology, not this file.
 # Offline machines: `dilocox compose build` makes the image without a registry; `dilocox compose check`
 # runs this file end to end and checks it (docs/deploy.md).
 """

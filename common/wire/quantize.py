@@ -25,7 +25,7 @@ import struct
 import numpy as np
 import torch
 
-from dilocox.common.errors import InvalidFrame, UnknownCodec
+from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
 
 QUANT_VERSION = 1
 MAGIC = 0xD7

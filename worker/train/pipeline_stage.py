@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dilocox.common.config import GPTConfig
-from dilocox.worker.model import GPT
+from dilocox.common.config.run import GPTConfig
+from dilocox.worker.models.gpt import GPT
 
 
 def stage_layers(n_layer: int, stage: int, num_stages: int) -> range:

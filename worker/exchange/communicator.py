@@ -18,8 +18,8 @@ import grpc
 import structlog
 import torch
 
-from dilocox.common.framing import SliceKey
-from dilocox.worker.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.common.wire.framing import SliceKey
+from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 
 log = structlog.get_logger()
 

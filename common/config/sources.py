@@ -88,13 +88,14 @@ def load_file(path: str | os.PathLike) -> dict:
         raise SettingsError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {error}") from None
 
 
-def _group_prefixes() -> dict[str, str]:
-    from dilocox.common.config import GROUP_FLAG_PREFIXES  # imports torch: only when a file has such a table
-
-    return {group: key_of(prefix) for group, prefix in GROUP_FLAG_PREFIXES.items()}
-
-
+# The run configuration's groups and their flags' prefixes: `[inner] steps` in a file is `--inner-steps`.
+# config/run.py generates RunConfig's flags from this same table, so files and flags cannot drift apart.
+GROUP_FLAG_PREFIXES = {"model": "", "parallel": "", "inner": "inner-", "outer": "outer-", "wire": "wire-", "compress": "compress-"}
 _RUN_GROUPS = ("model", "inner", "outer", "wire", "compress", "parallel")
+
+
+def _group_prefixes() -> dict[str, str]:
+    return {group: key_of(prefix) for group, prefix in GROUP_FLAG_PREFIXES.items()}
 
 
 def flatten_file(data: Mapping[str, Any], command_path: list[str], commands: Iterable[str]) -> tuple[dict, dict]:

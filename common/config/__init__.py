@@ -1,0 +1,2 @@
+"""Configuration: the run's typed dataclasses (`run.py`), where flag values come from — flags,
+`DILOCOX_*` environment, `--config` file — (`sources.py`), and `dilocox config show` (`show.py`)."""

@@ -1,0 +1,1 @@
+"""Model builders for a cluster's trainer. The aggregation service never imports these."""
