@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from dilocox.bench.report import write_report
 from dilocox.common.config.run import InnerConfig, ParallelConfig, RunConfig
 from dilocox.worker.data.corpus import load_corpus
+from dilocox.worker.train.device import Compute
 from dilocox.worker.train.inner_trainer import InnerTrainer
 from dilocox.worker.train.parallel_layout import ParallelLayout, new_groups
 from dilocox.worker.train.pipeline_trainer import PipelineTrainer
@@ -46,7 +47,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace, schedule: str, out: st
     try:
         layout = ParallelLayout(rank, 2, 1)
         groups = new_groups(layout)
-        trainer = PipelineTrainer(_config(args, 2, schedule), load_corpus(None), layout, *groups, device=device)
+        trainer = PipelineTrainer(_config(args, 2, schedule), load_corpus(None), layout, *groups, compute=Compute(device, bf16=False))
         trainer.train_steps(3)
         dist.barrier()
         _, tokens, seconds = trainer.train_steps(args.steps)

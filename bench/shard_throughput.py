@@ -23,10 +23,10 @@ import torch
 from dilocox.bench.report import write_report
 from dilocox.common.wire.assignment import assign_slices, model_digest, slices_of_shard
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
-from dilocox.common.config.run import GPTConfig
+from dilocox.common.config.run import ModelConfig
 from dilocox.common.wire.framing import EncodedSlice, assemble_units, encode_slice, frame_payload
 from dilocox.server.shard import Shard
-from dilocox.worker.train.pipeline_stage import full_param_specs
+from dilocox.worker.models.build import model_param_specs
 
 CODECS = {
     "fp32 (DiLoCo)": CompressionConfig(codec="fp32"),
@@ -118,7 +118,7 @@ def measure_codec(specs, compress: CompressionConfig, args: argparse.Namespace) 
 
 def run(args: argparse.Namespace, out_dir) -> str:
     torch.set_num_threads(args.threads)
-    specs = full_param_specs(GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd))
+    specs = model_param_specs(ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd), 256)
     params = sum(int(np.prod(shape)) for _, shape in specs)
     reference = memory_bandwidth(args.reference_mb)
     best_reference = max(reference.values())

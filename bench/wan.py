@@ -77,7 +77,7 @@ def calibrate(config: RunConfig, corpus: bytes, sites: int, threads: int, steps:
         _, tokens, seconds = trainer.train_steps(steps)
     finally:
         torch.set_num_threads(previous)
-    params = trainer.model.num_params()
+    params = sum(p.numel() for _, p in trainer.named_parameters())
     return {"step_s": round(seconds / steps, 5), "tokens_per_step_per_site": tokens // steps, "params": params,
             "allreduce_bytes_per_step_per_site": ring_bytes_per_rank(params, sites)}  # fmt: skip
 

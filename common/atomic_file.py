@@ -13,11 +13,18 @@ import tempfile
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, then rename it into place."""
+    """Write `text` to a temporary file beside `path` (a name of its own, so that concurrent writers of
+    the same file never share one), then rename it into place; creates the folder if needed."""
     path = pathlib.Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def atomic_torch_save(obj: object, path: str | os.PathLike) -> pathlib.Path:

@@ -18,6 +18,7 @@ from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster, RoundReport
 from dilocox.worker.data.corpus import load_corpus
+from dilocox.worker.data.token_data import TokenData
 from dilocox.worker.train.inner_trainer import InnerTrainer
 
 
@@ -46,7 +47,7 @@ def run_in_process(
     config: RunConfig,
     num_clusters: int = 2,
     num_shards: int = 2,
-    corpus: bytes | None = None,
+    corpus: bytes | TokenData | None = None,
     added_latency_s: float = 0.0,
     evaluate_every_round: bool = False,
     timeout_s: float = 1800.0,
@@ -94,7 +95,7 @@ def run_in_process(
             raise TimeoutError(f"in-process run did not finish within {timeout_s:.0f}s")
         if errors:
             raise errors[0]
-        return InProcessResult(clusters, shards, clusters[0].trainer.model.num_params())
+        return InProcessResult(clusters, shards, sum(p.numel() for _, p in clusters[0].trainer.named_parameters()))
     finally:
         for c in clusters:
             c.client.close()

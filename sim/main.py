@@ -25,6 +25,8 @@ import structlog
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_flags, config_from_args
 from dilocox.common.logs import configure_logging
 from dilocox.common.security import make_dev_certificates
+from dilocox.worker.data.sources import CorpusError
+from dilocox.worker.data.tokenizer import TokenizerError, resolve_tokenizer
 
 log = structlog.get_logger()
 
@@ -32,7 +34,9 @@ log = structlog.get_logger()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=2, help="aggregation shard processes (default 2)")
     parser.add_argument("--clusters", type=int, default=2, help="cluster processes, each on its own data shard (default 2)")
-    parser.add_argument("--data", help="text file or folder to train on (default: the bundled tinyshakespeare)")
+    parser.add_argument("--data", help="a folder made by `dilocox data prepare`, or a text file, folder, .jsonl or .parquet "
+                        "(default: the bundled tinyshakespeare)")
+    parser.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column (default text)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per cluster process (default 1)")
     parser.add_argument("--log-dir", type=pathlib.Path, help="keep every process's log here (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")
@@ -126,13 +130,23 @@ class Simulation:
         log.info("sim_shards_up", shards=len(addresses), addresses=addresses)
         return addresses
 
+    def prepare_tokenizer(self) -> None:
+        """Train a `bpe:VOCAB` tokenizer once, here, before the clusters start: they find it in the
+        cache instead of each training the same one."""
+        if self.config.tokenizer.startswith("bpe:"):
+            started = time.monotonic()
+            tokenizer = resolve_tokenizer(self.config.tokenizer, self.args.data, self.args.text_field)
+            log.info("sim_tokenizer_ready", tokenizer=tokenizer.spec, vocab=tokenizer.vocab_size,
+                     seconds=round(time.monotonic() - started, 1))  # fmt: skip
+
     def start_clusters(self, addresses: list[str]) -> None:
         for j in range(self.args.clusters):
             name = f"cluster-{j}"
             cmd = _cli(
                 "worker", "--servers", ",".join(addresses), "--cluster", name, "--cluster-index", str(j),
                 "--num-clusters", str(self.args.clusters), "--threads", str(self.args.threads), "--log-format", "json",
-                *(["--data", self.args.data] if self.args.data else []), *config_flags(self.config), *self.worker_security,
+                *(["--data", self.args.data] if self.args.data else []), "--text-field", self.args.text_field,
+                *config_flags(self.config), *self.worker_security,
             )  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
             self.workers[name] = proc
@@ -190,6 +204,7 @@ class Simulation:
     def run(self) -> dict:
         started = time.monotonic()
         try:
+            self.prepare_tokenizer()
             addresses = self.start_shards()
             self.start_clusters(addresses)
             deadline = started + self.args.timeout
@@ -242,7 +257,10 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     log.info("sim_starting", shards=args.shards, clusters=args.clusters, rounds=config.rounds,
              inner_steps=config.inner.steps, log_dir=str(log_dir), pid=os.getpid())  # fmt: skip
-    summary = Simulation(args, config, log_dir).run()
+    try:
+        summary = Simulation(args, config, log_dir).run()
+    except (TokenizerError, CorpusError) as error:
+        raise SystemExit(f"dilocox sim: {error}") from None
     if args.summary_json:
         args.summary_json.write_text(json.dumps(summary, indent=2))
     return 0 if summary["ok"] else 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dilocox.common.wire.assignment import SPLIT_FRACTION, ParamSlice, assign_slices, model_digest, slices_of_shard
-from dilocox.common.config.run import GPTConfig
+from dilocox.common.config.run import ModelConfig
 from dilocox.common.wire.framing import SliceKey
 
 
@@ -49,7 +49,7 @@ def small_model_params() -> list[tuple[str, tuple[int, ...]]]:
     from dilocox.worker.models.gpt import GPT
 
     torch.manual_seed(0)
-    return [(name, tuple(p.shape)) for name, p in GPT(GPTConfig()).named_parameters()]
+    return [(name, tuple(p.shape)) for name, p in GPT(ModelConfig()).named_parameters()]
 
 
 def _loads(slices: list[ParamSlice], num_shards: int) -> list[int]:
@@ -281,7 +281,7 @@ def test_model_digest_of_project_model_is_stable(small_model_params):
     from dilocox.worker.models.gpt import GPT
 
     torch.manual_seed(1)  # different weights, same names and shapes
-    again = [(n, tuple(p.shape)) for n, p in GPT(GPTConfig()).named_parameters()]
+    again = [(n, tuple(p.shape)) for n, p in GPT(ModelConfig()).named_parameters()]
     assert model_digest(again) == model_digest(small_model_params)
-    bigger = [(n, tuple(p.shape)) for n, p in GPT(GPTConfig(n_layer=3)).named_parameters()]
+    bigger = [(n, tuple(p.shape)) for n, p in GPT(ModelConfig(n_layer=3)).named_parameters()]
     assert model_digest(bigger) != model_digest(small_model_params)

@@ -185,7 +185,8 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
         while shard.version < 3 and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.05)
         first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=60) == 143
+        code = first.wait(timeout=60)
+        assert code == 143, f"exit {code}: " + first.stderr.read()[-3000:]
         stopped_at = shard.version
         assert 3 <= stopped_at < rounds
         second = worker("--resume")

@@ -13,7 +13,7 @@ import pytest
 
 from dilocox.common import cli
 from dilocox.common.config.run import (
-    GPTConfig,
+    ModelConfig,
     InnerConfig,
     OuterConfig,
     RunConfig,
@@ -150,7 +150,7 @@ CUSTOM = RunConfig(
     rounds=3,
     seed=9,
     eval_batches=2,
-    model=GPTConfig(block_size=32, n_layer=3, n_head=2, n_embd=64, dropout=0.1),
+    model=ModelConfig(block_size=32, n_layer=3, n_head=2, n_embd=64, dropout=0.1),
     inner=InnerConfig(steps=7, batch_size=4, lr=1.5e-4, weight_decay=0.0, warmup_steps=0),
     outer=OuterConfig(lr=0.35, momentum=0.8),
     wire=WireConfig(chunk_bytes=12345, zstd_level=3),

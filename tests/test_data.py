@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dilocox.common.config.run import GPTConfig
+from dilocox.common.config.run import ModelConfig
 from dilocox.worker.data.corpus import (
     BatchSampler,
     CorpusError,
@@ -153,7 +153,7 @@ def test_sampler_rejects_tiny_shard_and_bad_index():
 
 def test_evaluate_deterministic_and_restores_mode():
     # Heavy dropout: if evaluate forgot model.eval(), two calls would differ.
-    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.5)
+    cfg = ModelConfig(block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.5)
     torch.manual_seed(0)
     model = GPT(cfg)
     _, ev = split_corpus(load_corpus(None)[:20000], 0.2)

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from dilocox.common.config.run import GPTConfig
+from dilocox.common.config.run import ModelConfig
 from dilocox.worker.models.gpt import GPT
 
-CFG = GPTConfig()
+CFG = ModelConfig()
 
 
-def _model(seed: int = 0, config: GPTConfig = CFG) -> GPT:
+def _model(seed: int = 0, config: ModelConfig = CFG) -> GPT:
     torch.manual_seed(seed)
     return GPT(config)
 

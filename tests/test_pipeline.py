@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dilocox.common.config.run import GPTConfig, InnerConfig, ParallelConfig, RunConfig
+from dilocox.common.config.run import ModelConfig, InnerConfig, ParallelConfig, RunConfig
 from dilocox.worker.data.corpus import load_corpus
 from dilocox.worker.train.inner_trainer import InnerTrainer
 from dilocox.worker.models.gpt import GPT
@@ -27,7 +27,7 @@ H = 3
 def small_config(schedule: str = "1f1b", pp: int = 2, dp: int = 1) -> RunConfig:
     return RunConfig(
         rounds=2,
-        model=GPTConfig(n_layer=2, n_embd=64, block_size=32),
+        model=ModelConfig(n_layer=2, n_embd=64, block_size=32),
         inner=InnerConfig(steps=H, batch_size=8, warmup_steps=2),
         parallel=ParallelConfig(pp=pp, dp=dp, microbatches=4, schedule=schedule),
     )
@@ -87,7 +87,7 @@ def test_pipeline_round_equals_single_process(schedule, tmp_path):
 
 def test_stages_hold_only_their_parameters():
     """Issue 3, acceptance 3 (memory): stages partition the model's parameters, with the full names."""
-    config = GPTConfig(n_layer=5, n_embd=32)
+    config = ModelConfig(n_layer=5, n_embd=32)
     torch.manual_seed(0)
     model = GPT(config)
     full = dict(model.named_parameters())
@@ -128,7 +128,7 @@ def test_pp2_dp2_worker_pushes_disjoint_shares(shard_set, tmp_path):
     shares = {e["rank"]: e for e in events if e["event"] == "rank_share"}
     assert sorted(shares) == [0, 1, 2, 3]
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=32, block_size=32))
+    model = GPT(ModelConfig(n_layer=2, n_embd=32, block_size=32))
     names = [n for n, _ in model.named_parameters()]
     pushed = [n for e in shares.values() for n in e["names"]]
     assert sorted(pushed) == sorted(names) and len(pushed) == len(set(pushed))

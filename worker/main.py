@@ -19,10 +19,15 @@ from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.exchange.cluster import DilocoCluster
-from dilocox.worker.data.corpus import CorpusError, load_corpus
+from dilocox.worker.data.sources import CorpusError
+from dilocox.worker.data.token_data import load_run_data
+from dilocox.worker.data.tokenizer import TokenizerError
+from dilocox.worker.models.build import model_param_specs
+from dilocox.worker.models.spec import ModelSpecError
+from dilocox.worker.train.device import DeviceError
 from dilocox.worker.train.distributed_cluster import DistributedContext, relaunch_with_torchrun, stage_sizes, under_torchrun
-from dilocox.worker.train.pipeline_stage import full_param_specs
 from dilocox.worker.train.inner_trainer import InnerTrainer
+from dilocox.worker.train.pipeline_stage import PipelineSplitError
 from dilocox.worker.local_checkpoint import WorkerCheckpoint
 from dilocox.worker.progress import chain, progress_for
 
@@ -36,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", help="this cluster's name, unique in the run (default cluster-<index>)")
     parser.add_argument("--cluster-index", type=int, default=0, help="which data shard this cluster trains on (default 0)")
     parser.add_argument("--num-clusters", type=int, default=1, help="how many data shards the corpus is cut into (default 1)")
-    parser.add_argument("--data", help="text file or folder to train on (default: the bundled tinyshakespeare)")
+    parser.add_argument("--data", help="a folder made by `dilocox data prepare` (memory-mapped), or a text file, folder, "
+                        ".jsonl or .parquet tokenised at start-up (default: the bundled tinyshakespeare)")
+    parser.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column (default text)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save this rank's local state here after rounds")
@@ -66,27 +73,33 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cluster = args.cluster or f"cluster-{args.cluster_index}"
-    context = DistributedContext(config) if parallel else None
+    context = None
     try:
-        corpus = load_corpus(args.data)
+        context = DistributedContext(config) if parallel else None
+        data = load_run_data(config.tokenizer, args.data, args.text_field)
         if context is None:
-            trainer = InnerTrainer(config, corpus, args.cluster_index, args.num_clusters)
+            trainer = InnerTrainer(config, data, args.cluster_index, args.num_clusters)
             inner = config.inner
             extra: dict = {
                 "steps_controller": StepsController(inner.steps, max(inner.steps, inner.max_steps), enabled=inner.adaptive_steps)
             }
         else:
-            trainer = context.trainer(config, corpus, args.cluster_index, args.num_clusters)
+            trainer = context.trainer(config, data, args.cluster_index, args.num_clusters)
             extra = {
-                "model_specs": full_param_specs(config.model),
+                "model_specs": model_param_specs(config.model, data.vocab_size),
                 "owned_names": context.layout.share(stage_sizes(trainer)),
                 "peer_sync": context.peer_sync(trainer),
             }
-    except CorpusError as error:
+    except (CorpusError, TokenizerError, ModelSpecError, PipelineSplitError, DeviceError) as error:
+        if context is not None:
+            context.close()
         raise SystemExit(f"dilocox worker: {error}") from None
     addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
     held = sum(p.numel() for _, p in trainer.named_parameters())
-    log.info("worker_starting", cluster=cluster, servers=addresses, params_held=held, corpus_bytes=len(corpus))
+    compute = context.compute if context is not None else trainer.compute
+    log.info("worker_starting", cluster=cluster, servers=addresses, model=config.model.model, params_held=held,
+             tokenizer=config.tokenizer, vocab=data.vocab_size, tokens=data.num_tokens, memory_mapped=data.memory_mapped,
+             device=str(compute.device), precision=compute.precision)  # fmt: skip
     compressor = TensorCompressor(config.compress, seed=config.seed, name="uplink") if config.compress.codec != "fp32" else None
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("dilocox worker: --resume needs --checkpoint-dir")

@@ -17,9 +17,19 @@ from dilocox.common.config.sources import CONFIG_HELP, GROUP_FLAG_PREFIXES, load
 
 
 @dataclass(frozen=True)
-class GPTConfig:
-    """Shape of the nanoGPT-style model. Byte-level, so the vocabulary is fixed at 256."""
+class ModelConfig:
+    """Which model a cluster trains, and the built-in GPT's shape.
 
+    `model`: `gpt` (the built-in nanoGPT-style model, shaped by the fields below), a preset name
+    (`llama-tiny`, `llama-20m`, `gpt2-small`, `llama-350m`, `llama-1b`: Hugging Face configurations
+    shipped with the project), a path to a Hugging Face `config.json`, or `module:function` returning an
+    `nn.Module` (worker/models/). `block_size` is the training context of every model. The vocabulary
+    comes from the run's tokenizer (`vocab_size` is the byte-level default); a `config.json` keeps its
+    own and must hold the tokenizer's. `weights`: a local `.safetensors` file to continue from.
+    """
+
+    model: str = "gpt"
+    weights: str = ""
     vocab_size: int = 256
     block_size: int = 64
     n_layer: int = 2
@@ -41,6 +51,7 @@ class InnerConfig:
 
     steps: int = 50
     batch_size: int = 16
+    grad_accum: int = 1  # micro-steps whose gradients add up to one inner step (batch_size each)
     lr: float = 3e-3
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -52,6 +63,10 @@ class InnerConfig:
     # the exchange time includes waiting for the slowest cluster, and runs compare at equal tokens.
     adaptive_steps: bool = False
     max_steps: int = 200
+
+    def __post_init__(self) -> None:
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be ≥ 1, got {self.grad_accum}")
 
 
 @dataclass(frozen=True)
@@ -83,14 +98,23 @@ class WireConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallelism inside one cluster: pipeline stages × data-parallel replicas, over NCCL or gloo."""
+    """How one cluster computes: its device and precision, pipeline stages × data-parallel replicas
+    (NCCL between GPUs, gloo on CPU — the same code)."""
 
     pp: int = 1  # pipeline stages
     dp: int = 1  # data-parallel replicas of each stage
     microbatches: int = 4  # per inner step, through the pipeline (must divide the batch size)
     schedule: str = "1f1b"  # gpipe | 1f1b
+    device: str = "auto"  # auto (cuda where there is one) | cpu | cuda | cuda:N
+    # auto: bf16 autocast on CUDA, fp32 on CPU. Weights, AdamW state and everything sent to the shards
+    # stay fp32 either way; bf16 is autocast of the forward and backward only.
+    precision: str = "auto"  # auto | fp32 | bf16
 
     def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
         if self.pp < 1 or self.dp < 1:
             raise ValueError(f"pp and dp must be ≥ 1, got pp={self.pp} dp={self.dp}")
         if self.schedule not in ("gpipe", "1f1b"):
@@ -117,7 +141,10 @@ class RunConfig:
     delay: int = 1
     seed: int = 1234
     eval_batches: int = 8
-    model: GPTConfig = field(default_factory=GPTConfig)
+    # byte (the default: bytes are tokens), bpe:VOCAB (a byte-level BPE trained on the training data,
+    # cached by content), or a path to a tokenizer.json; see worker/data/tokenizer.py.
+    tokenizer: str = "byte"
+    model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
     wire: WireConfig = field(default_factory=WireConfig)

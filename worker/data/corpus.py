@@ -1,62 +1,39 @@
-"""The byte-level corpus, its train/eval split, and per-cluster batch sampling.
+"""Training tokens, their train/eval split, per-cluster batch sampling, and evaluation.
 
-Bytes are tokens (vocabulary 256), so any file is a corpus and there is no tokenizer to ship. Each
-cluster samples only from its own contiguous shard of the training bytes so that clusters see
+Each cluster samples only from its own contiguous shard of the training tokens so that clusters see
 different data, as DiLoCo's clusters would; every random choice goes through a per-cluster
-`torch.Generator` so that a run is reproducible and resumable without touching global RNG state.
+`torch.Generator` so that a run is reproducible and resumable without touching global RNG state. The
+tokens are a 1-D array: bytes of a small corpus read whole (`load_corpus`, the byte-level default), or
+a memory-mapped token file (worker/data/token_data.py).
 """
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 import pathlib
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn as nn
 
-
-class CorpusError(ValueError):
-    """The corpus cannot be used: missing, empty, or too small for the requested block size."""
-
-
-def default_corpus_path() -> pathlib.Path:
-    """The bundled tinyshakespeare, so that `dilocox sim` works with no data argument."""
-    return pathlib.Path(str(importlib.resources.files("dilocox.common") / "data" / "tinyshakespeare.txt"))
-
-
-def _is_hidden(rel: pathlib.PurePath) -> bool:
-    return any(part.startswith(".") for part in rel.parts)
+from dilocox.worker.data.sources import CorpusError, default_corpus_path, input_files
+from dilocox.worker.models.contract import lm_loss
 
 
 def load_corpus(path: str | os.PathLike | None = None, block_size: int | None = None) -> bytes:
-    """Read a corpus: None -> the bundled default; a file -> its bytes; a folder -> every regular,
-    non-hidden file under it (recursive, sorted by relative POSIX path so the order does not depend
-    on the filesystem), joined by b"\\n". With `block_size`, also check it holds one training window."""
+    """Read a corpus whole (small corpora, byte-level): None -> the bundled default; a file -> its bytes;
+    a folder -> every regular, non-hidden file under it (worker/data/sources.py's order) joined by
+    b"\n". With `block_size`, also check it holds one training window. Large corpora go through
+    `dilocox data prepare` and a memory-mapped token file instead (worker/data/token_data.py)."""
     p = default_corpus_path() if path is None else pathlib.Path(path)
-    if not p.exists():
-        raise CorpusError(f"corpus path does not exist: {p}")
-    if p.is_file():
-        data = p.read_bytes()
-        if not data:
-            raise CorpusError(f"corpus file is empty: {p}")
-    elif p.is_dir():
-        files: list[tuple[str, pathlib.Path]] = []
-        for root, dirs, names in os.walk(p):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in names:
-                full = pathlib.Path(root) / name
-                rel = full.relative_to(p)
-                if not _is_hidden(rel) and full.is_file():
-                    files.append((rel.as_posix(), full))
-        files.sort(key=lambda item: item[0])
-        pieces = [full.read_bytes() for _, full in files]
-        if not any(pieces):
-            raise CorpusError(f"corpus folder has no non-empty, non-hidden regular files: {p}")
-        data = b"\n".join(pieces)
-    else:
-        raise CorpusError(f"corpus path is neither a regular file nor a folder: {p}")
+    files = input_files(p)
+    pieces = [file.read_bytes() for file in files]
+    if p.is_file() and not pieces[0]:
+        raise CorpusError(f"corpus file is empty: {p}")
+    if not any(pieces):
+        raise CorpusError(f"corpus folder has no non-empty, non-hidden regular files: {p}")
+    data = b"\n".join(pieces)
     if block_size is not None:
         check_size(len(data), block_size)
     return data
@@ -70,22 +47,27 @@ def _eval_len(n_bytes: int, eval_fraction: float) -> int:
 
 def check_size(n_bytes: int, block_size: int, *, eval_fraction: float = 0.0, num_shards: int = 1) -> None:
     """Raise CorpusError unless every training shard (and the eval set, if any) holds at least one
-    window of block_size + 1 bytes (inputs plus the shifted targets). Call it before training so
+    window of block_size + 1 tokens (inputs plus the shifted targets). Call it before training so
     the error names the corpus rather than surfacing as an indexing failure deep in a sampler."""
+    n_eval = _eval_len(n_bytes, eval_fraction)
+    check_split(n_bytes - n_eval, n_eval, block_size, num_shards, eval_fraction)
+
+
+def check_split(n_train: int, n_eval: int, block_size: int, num_shards: int = 1, eval_fraction: float | None = None) -> None:
+    """`check_size` for a split already made (a prepared token file's manifest fixes its own)."""
     if block_size <= 0 or num_shards <= 0:
         raise ValueError("block_size and num_shards must be positive")
     need = block_size + 1
-    n_eval = _eval_len(n_bytes, eval_fraction)
-    smallest_shard = (n_bytes - n_eval) // num_shards
+    smallest_shard = n_train // num_shards
+    split = f"eval_fraction={eval_fraction}" if eval_fraction is not None else f"{n_eval} eval tokens"
     if smallest_shard < need:
         raise CorpusError(
-            f"corpus too small: {n_bytes} bytes gives {smallest_shard} training bytes per shard "
-            f"({num_shards} shard(s), eval_fraction={eval_fraction}); need at least {need} "
-            f"(block_size {block_size} + 1)"
+            f"corpus too small: {n_train + n_eval} tokens gives {smallest_shard} training tokens per shard "
+            f"({num_shards} shard(s), {split}); need at least {need} (block_size {block_size} + 1)"
         )
-    if eval_fraction > 0 and n_eval < need:
+    if (eval_fraction is None or eval_fraction > 0) and n_eval < need:
         raise CorpusError(
-            f"corpus too small: eval set is {n_eval} bytes, need at least {need} (block_size {block_size} + 1)"
+            f"corpus too small: eval set is {n_eval} tokens, need at least {need} (block_size {block_size} + 1)"
         )
 
 
@@ -107,12 +89,31 @@ def _mix_seed(seed: int, shard_index: int) -> int:
     return x % 2**63
 
 
+def as_token_array(tokens: np.ndarray | torch.Tensor) -> np.ndarray:
+    """A 1-D numpy view of token ids: a memory map stays one, a CPU tensor shares its memory."""
+    array = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
+    return array.reshape(-1)
+
+
+def gather_windows(tokens: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
+    """int64 [len(starts), length]: the windows of `length` tokens at `starts`. Reads only those
+    tokens, so on a memory-mapped file only their pages are touched."""
+    rows = tokens[starts.astype(np.int64)[:, None] + np.arange(length, dtype=np.int64)[None, :]]
+    return torch.from_numpy(rows.astype(np.int64))
+
+
 class BatchSampler:
-    """Random (x, y) windows from this cluster's contiguous 1/num_shards of the training bytes."""
+    """Random (x, y) windows from this cluster's contiguous 1/num_shards of the training tokens.
+
+    `train` is a 1-D array of token ids — in memory, or a memory-mapped token file that is never read
+    whole. Windows never cross a shard's bounds, so clusters (and the data-parallel replicas inside one)
+    train on disjoint data. The read position is the generator's state plus the batch count, both in
+    `state_dict`, so a resumed worker draws exactly the batches an uninterrupted one would have.
+    """
 
     def __init__(
         self,
-        train: torch.Tensor,
+        train: np.ndarray | torch.Tensor,
         block_size: int,
         batch_size: int,
         seed: int,
@@ -123,7 +124,8 @@ class BatchSampler:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         if block_size <= 0 or batch_size <= 0:
             raise ValueError("block_size and batch_size must be positive")
-        n = train.numel()
+        tokens = as_token_array(train)
+        n = len(tokens)
         self.start = n * shard_index // num_shards
         self.end = n * (shard_index + 1) // num_shards
         self.block_size = block_size
@@ -131,31 +133,34 @@ class BatchSampler:
         self.seed = seed
         self.shard_index = shard_index
         self.num_shards = num_shards
-        shard = train.reshape(-1)[self.start : self.end]
-        if shard.numel() < block_size + 1:
+        self._shard = tokens[self.start : self.end]
+        if len(self._shard) < block_size + 1:
             raise CorpusError(
-                f"shard {shard_index}/{num_shards} has {shard.numel()} bytes, need at least "
+                f"shard {shard_index}/{num_shards} has {len(self._shard)} tokens, need at least "
                 f"{block_size + 1} (block_size + 1)"
             )
-        # Every window of block_size + 1 bytes as a view; a batch gathers only the rows it needs.
-        self._windows = shard.unfold(0, block_size + 1, 1)
+        self._num_windows = len(self._shard) - block_size  # every start of block_size + 1 tokens
         self._gen = torch.Generator().manual_seed(_mix_seed(seed, shard_index))
         self.batches_drawn = 0
 
     @property
     def shard_range(self) -> tuple[int, int]:
-        """[start, end) of this shard in the training tensor."""
+        """[start, end) of this shard in the training tokens."""
         return self.start, self.end
 
     @property
     def tokens_per_batch(self) -> int:
         return self.batch_size * self.block_size
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, y: int64 [batch_size, block_size]; y is x shifted left by one byte."""
-        ix = torch.randint(0, self._windows.size(0), (self.batch_size,), generator=self._gen)
-        w = self._windows[ix].long()
+    def next_starts(self) -> np.ndarray:
+        """The shard-relative starts of the next batch's windows (advances the stream)."""
+        ix = torch.randint(0, self._num_windows, (self.batch_size,), generator=self._gen)
         self.batches_drawn += 1
+        return ix.numpy()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y: int64 [batch_size, block_size]; y is x shifted left by one token."""
+        w = gather_windows(self._shard, self.next_starts(), self.block_size + 1)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, Any]:
@@ -178,24 +183,24 @@ class BatchSampler:
         self.batches_drawn = int(state["batches_drawn"])
 
 
-def eval_windows(n_bytes: int, block_size: int, count: int) -> torch.Tensor:
+def eval_windows(n_tokens: int, block_size: int, count: int) -> torch.Tensor:
     """`count` window starts spread evenly over the eval data: fixed, so eval losses are comparable
     across rounds and clusters without any randomness."""
-    last = n_bytes - (block_size + 1)
+    last = n_tokens - (block_size + 1)
     if last < 0:
-        raise CorpusError(f"eval data has {n_bytes} bytes, need at least {block_size + 1} (block_size + 1)")
+        raise CorpusError(f"eval data has {n_tokens} tokens, need at least {block_size + 1} (block_size + 1)")
     return torch.linspace(0, last, count, dtype=torch.float64).round().long()
 
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, eval_data: torch.Tensor, block_size: int, batch_size: int, num_batches: int
+    model: nn.Module, eval_data: np.ndarray | torch.Tensor, block_size: int, batch_size: int, num_batches: int
 ) -> float:
     """Mean loss (nats) over a fixed set of evenly spaced eval windows; the model's mode is restored."""
     if batch_size <= 0 or num_batches <= 0:
         raise ValueError("batch_size and num_batches must be positive")
-    starts = eval_windows(eval_data.numel(), block_size, batch_size * num_batches)
-    windows = eval_data.reshape(-1).unfold(0, block_size + 1, 1)
+    tokens = as_token_array(eval_data)
+    starts = eval_windows(len(tokens), block_size, batch_size * num_batches).numpy()
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     was_training = model.training
@@ -203,9 +208,8 @@ def evaluate(
     try:
         total = 0.0
         for b in range(num_batches):
-            w = windows[starts[b * batch_size : (b + 1) * batch_size]].long().to(device)
-            _, loss = model(w[:, :-1], w[:, 1:])
-            total += float(loss)
+            w = gather_windows(tokens, starts[b * batch_size : (b + 1) * batch_size], block_size + 1).to(device)
+            total += float(lm_loss(model, w[:, :-1], w[:, 1:]))
         return total / num_batches
     finally:
         model.train(was_training)

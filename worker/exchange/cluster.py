@@ -127,8 +127,10 @@ class DilocoCluster:
 
     # ------------------------------------------------------------------ parameters
     def current(self) -> dict[str, torch.Tensor]:
-        """Detached clones of the local parameters (a snapshot that later steps do not touch)."""
-        return {name: p.detach().clone() for name, p in self.params.items()}
+        """fp32 CPU copies of the local parameters (a snapshot that later steps do not touch). The
+        exchange works on the CPU in fp32 whatever device the trainer uses: pseudo-gradients, error
+        feedback and the replica of the outer step never depend on the accelerator."""
+        return {name: p.detach().to(device="cpu", dtype=torch.float32, copy=True) for name, p in self.params.items()}
 
     def _assign(self, full: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -286,7 +288,7 @@ class DilocoCluster:
             return None
         round_ = self.rounds + 1
         held_back = compressor.residual_norm()
-        zeros = {s.key: torch.zeros(s.slice_shape, device=self.params[s.name].device) for s in self.slices}  # where Δ lives
+        zeros = {s.key: torch.zeros(s.slice_shape) for s in self.slices}  # on the CPU, where Δ lives
         self.communicator.submit(round_, self._last_weight, zeros, codec=compressor.config.flush_codec)
         try:
             exchange, idle = self.communicator.collect()

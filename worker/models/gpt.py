@@ -14,13 +14,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dilocox.common.config.run import GPTConfig
+from dilocox.common.config.run import ModelConfig
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention on the fused SDPA kernel (no explicit mask tensor needed)."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
         self.n_embd = config.n_embd
@@ -46,7 +46,7 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     """Position-wise feed-forward, 4x wide with GELU, as in GPT-2."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.act = nn.GELU()
@@ -62,7 +62,7 @@ class Block(nn.Module):
     """Pre-LayerNorm transformer block: normalising before each sublayer keeps the residual stream
     an identity path, which trains stably without warmup tricks at this size."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
@@ -78,9 +78,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Byte-level GPT: 256-symbol vocabulary, learned absolute positions, untied head."""
 
-    def __init__(self, config: GPTConfig | None = None) -> None:
+    def __init__(self, config: ModelConfig | None = None) -> None:
         super().__init__()
-        self.config = config if config is not None else GPTConfig()
+        self.config = config if config is not None else ModelConfig()
         c = self.config
         self.tok_emb = nn.Embedding(c.vocab_size, c.n_embd)
         self.pos_emb = nn.Embedding(c.block_size, c.n_embd)

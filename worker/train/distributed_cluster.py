@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from dilocox.common.config.run import RunConfig
+from dilocox.worker.data.token_data import TokenData
+from dilocox.worker.train.device import resolve_compute
 from dilocox.worker.train.parallel_layout import ParallelLayout, new_groups
 from dilocox.worker.train.pipeline_trainer import PipelineTrainer
 
@@ -48,22 +50,21 @@ class DistributedContext:
                 f"dilocox worker: torchrun started {world} processes but --pp {config.parallel.pp} × --dp "
                 f"{config.parallel.dp} needs {config.parallel.world_size}"
             )
-        self.device = torch.device("cpu")
-        backend = "gloo"
-        if torch.cuda.is_available():
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            self.device = torch.device("cuda", local_rank)
+        self.compute = resolve_compute(config.parallel, int(os.environ.get("LOCAL_RANK", "0")))
+        self.device = self.compute.device
+        backend = self.compute.backend
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            backend = "nccl"
         dist.init_process_group(backend=backend)
         self.layout = ParallelLayout(dist.get_rank(), config.parallel.pp, config.parallel.dp)
         self.pipeline_group, self.replica_group = new_groups(self.layout)
         structlog.contextvars.bind_contextvars(rank=self.layout.rank, stage=self.layout.stage, replica=self.layout.replica)
-        log.info("rank_ready", backend=backend, world=world, pp=self.layout.pp, dp=self.layout.dp)
+        log.info("rank_ready", backend=backend, world=world, pp=self.layout.pp, dp=self.layout.dp, device=str(self.device),
+                 precision=self.compute.precision)  # fmt: skip
 
-    def trainer(self, config: RunConfig, corpus: bytes, cluster_index: int, num_clusters: int) -> PipelineTrainer:
-        return PipelineTrainer(config, corpus, self.layout, self.pipeline_group, self.replica_group,
-                               cluster_index, num_clusters, self.device)  # fmt: skip
+    def trainer(self, config: RunConfig, data: TokenData, cluster_index: int, num_clusters: int) -> PipelineTrainer:
+        return PipelineTrainer(config, data, self.layout, self.pipeline_group, self.replica_group,
+                               cluster_index, num_clusters, self.compute)  # fmt: skip
 
     def peer_sync(self, trainer: PipelineTrainer):
         """Complete a rank's share of its stage's global weights with the replicas' shares (broadcasts

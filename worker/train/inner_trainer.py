@@ -15,10 +15,11 @@ from typing import Callable
 import torch
 
 from dilocox.common.config.run import RunConfig
-from dilocox.worker.data.corpus import BatchSampler, check_size, evaluate, split_corpus
-from dilocox.worker.models.gpt import GPT
-
-EVAL_FRACTION = 0.1
+from dilocox.worker.data.corpus import BatchSampler, check_split, evaluate
+from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
+from dilocox.worker.models.build import build_model
+from dilocox.worker.models.contract import lm_loss
+from dilocox.worker.train.device import Compute, resolve_compute
 
 
 def inner_lr(config: RunConfig, step: int) -> float:
@@ -64,15 +65,21 @@ class CheckpointableTrainer:
 
 
 class InnerTrainer(CheckpointableTrainer):
-    def __init__(self, config: RunConfig, corpus: bytes, cluster_index: int = 0, num_clusters: int = 1) -> None:
+    """One process: the whole model on one device (`--device`), bf16 autocast where asked
+    (`--precision`), `grad_accum` micro-batches per inner step. Takes a corpus as bytes (byte-level)
+    or the run's `TokenData` (any tokenizer, in memory or memory-mapped)."""
+
+    def __init__(self, config: RunConfig, corpus: bytes | TokenData, cluster_index: int = 0, num_clusters: int = 1,
+                 compute: Compute | None = None) -> None:  # fmt: skip
         self.config = config
-        check_size(len(corpus), config.model.block_size, eval_fraction=EVAL_FRACTION, num_shards=num_clusters)
-        train, self.eval_data = split_corpus(corpus, EVAL_FRACTION)
-        # Every cluster builds the same initial model (same seed); only the data differs between them.
-        torch.manual_seed(config.seed)
-        self.model = GPT(config.model)
+        self.data = corpus if isinstance(corpus, TokenData) else TokenData.from_bytes(corpus, EVAL_FRACTION)
+        check_split(len(self.data.train), len(self.data.eval), config.model.block_size, num_clusters)
+        self.eval_data = self.data.eval
+        self.compute = compute or resolve_compute(config.parallel)
+        # Every cluster builds the same initial model (same seed, on the CPU); only the data differs.
+        self.model = build_model(config.model, self.data.vocab_size, config.seed).to(self.compute.device)
         self.sampler = BatchSampler(
-            train, config.model.block_size, config.inner.batch_size, config.seed, cluster_index, num_clusters
+            self.data.train, config.model.block_size, config.inner.batch_size, config.seed, cluster_index, num_clusters
         )
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
         self.step = 0
@@ -105,25 +112,34 @@ class InnerTrainer(CheckpointableTrainer):
         return total_loss / max(1, n), tokens, time.perf_counter() - started
 
     def train_step(self, reduce_gradients: Callable[[], None] | None = None) -> tuple[float, int]:
-        """One inner AdamW step (scheduled lr, clipping); returns (train loss, tokens).
+        """One inner AdamW step (scheduled lr, `grad_accum` micro-batches, clipping); returns (train
+        loss, tokens).
 
         `reduce_gradients` runs between backward and clipping: where the data-parallel AllReduce
         baseline (bench/allreduce_baseline.py) averages the gradients across sites."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
-        x, y = self.sampler.next_batch()
-        _, loss = self.model(x, y)
+        accum = self.config.inner.grad_accum
+        device = self.compute.device
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        total = torch.zeros((), device=device)
+        tokens = 0
+        for _ in range(accum):
+            x, y = self.sampler.next_batch()
+            with self.compute.autocast():
+                loss = lm_loss(self.model, x.to(device), y.to(device))
+            (loss / accum).backward()
+            total += loss.detach()
+            tokens += x.numel()
         if reduce_gradients is not None:
             reduce_gradients()
         if self.config.inner.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.inner.grad_clip)
         self.optimizer.step()
         self.step += 1
-        return float(loss.detach()), x.numel()
+        return float(total) / accum, tokens
 
     def evaluate(self) -> float:
-        return evaluate(
-            self.model, self.eval_data, self.config.model.block_size, self.config.inner.batch_size, self.config.eval_batches
-        )
+        with self.compute.autocast():
+            return evaluate(self.model, self.eval_data, self.config.model.block_size, self.config.inner.batch_size,
+                            self.config.eval_batches)  # fmt: skip

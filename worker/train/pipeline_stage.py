@@ -1,17 +1,31 @@
-"""One pipeline stage of the GPT: a contiguous run of blocks, with the embeddings first and the head last.
+"""Pipeline stages: a contiguous run of blocks, with the embeddings first and the head last.
 
-Parameter names are kept exactly as in the full `GPT` (`blocks.3.attn.qkv.weight`, `head.weight`), so
-the shard assignment, the model digest and the pseudo-gradient slices are the same whether a cluster
-runs one process or a pipeline: a stage simply owns a subset of the names.
+Parameter names are kept exactly as in the full model (`blocks.3.attn.qkv.weight`, `head.weight` for the
+built-in GPT; `model.layers.3.self_attn.q_proj.weight`, `lm_head.weight` for a Llama), so the shard
+assignment, the model digest and the pseudo-gradient slices are the same whether a cluster runs one
+process or a pipeline: a stage simply owns a subset of the names.
+
+Two families split: the built-in GPT, and Hugging Face decoder-only models laid out like Llama
+(`model.embed_tokens`, `model.layers`, `model.rotary_emb`, `model.norm`, `lm_head`: Llama, Mistral,
+Qwen2, …). Anything else is refused with its name; a model whose head shares the embedding's weight
+is refused too, since the two would live on different stages.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
-from dilocox.common.config.run import GPTConfig
+from dilocox.common.config.run import ModelConfig
+from dilocox.worker.models.build import build_model
 from dilocox.worker.models.gpt import GPT
+from dilocox.worker.models.hf import ties_embeddings
+
+
+class PipelineSplitError(ValueError):
+    """A model that `--pp` cannot cut into stages."""
 
 
 def stage_layers(n_layer: int, stage: int, num_stages: int) -> range:
@@ -29,7 +43,8 @@ class GPTStage(nn.Module):
 
     def __init__(self, model: GPT, stage: int, num_stages: int) -> None:
         super().__init__()
-        self.config: GPTConfig = model.config
+        self.config: ModelConfig = model.config
+        self.hidden_size = self.config.n_embd
         self.is_first = stage == 0
         self.is_last = stage == num_stages - 1
         if self.is_first:
@@ -50,18 +65,84 @@ class GPTStage(nn.Module):
         return x
 
 
-def build_stage(config: GPTConfig, seed: int, stage: int, num_stages: int) -> GPTStage:
+LLAMA_LAYOUT = ("model.embed_tokens", "model.layers", "model.rotary_emb", "model.norm", "lm_head")
+
+
+def _has_llama_layout(model: nn.Module) -> bool:
+    def has(path: str) -> bool:
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return False
+        return True
+
+    return all(has(path) for path in LLAMA_LAYOUT)
+
+
+class DecoderStage(nn.Module):
+    """A stage of a Llama-family Hugging Face model: its decoder layers, the token embedding on the
+    first stage, the final norm and the head on the last. Every stage recomputes the rotary position
+    embedding and the causal mask from the hidden states' shape (they hold no parameters)."""
+
+    def __init__(self, lm: nn.Module, stage: int, num_stages: int) -> None:
+        super().__init__()
+        self.hf_config = lm.config
+        self.hidden_size = lm.config.hidden_size
+        self.is_first = stage == 0
+        self.is_last = stage == num_stages - 1
+        self.model = nn.Module()  # keeps the full model's names: model.embed_tokens, model.layers.<i>, ...
+        if self.is_first:
+            self.model.embed_tokens = lm.model.embed_tokens
+        indices = stage_layers(len(lm.model.layers), stage, num_stages)
+        self.model.layers = nn.ModuleDict({str(i): lm.model.layers[i] for i in indices})
+        self.model.rotary_emb = lm.model.rotary_emb
+        if self.is_last:
+            self.model.norm = lm.model.norm
+            self.lm_head = lm.lm_head
+        from transformers.masking_utils import create_causal_mask
+
+        self._create_causal_mask = create_causal_mask
+        self._mask_cache_kwarg = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(x) if self.is_first else x
+        positions = torch.arange(hidden.size(1), device=hidden.device).unsqueeze(0)
+        mask = self._create_causal_mask(config=self.hf_config, inputs_embeds=hidden, attention_mask=None,
+                                        position_ids=positions, **{self._mask_cache_kwarg: None})  # fmt: skip
+        rotary = self.model.rotary_emb(hidden, position_ids=positions)
+        for layer in self.model.layers.values():
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+            if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
+                hidden = hidden[0]
+        if self.is_last:
+            hidden = self.lm_head(self.model.norm(hidden))
+        return hidden
+
+
+def split_model(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """Stage `stage` of `model`, or PipelineSplitError naming the architecture and why."""
+    if isinstance(model, GPT):
+        return GPTStage(model, stage, num_stages)
+    name = type(model).__name__
+    if not _has_llama_layout(model):
+        raise PipelineSplitError(
+            f"--pp {num_stages}: cannot split {name} into pipeline stages; --pp > 1 supports the built-in GPT and "
+            f"Llama-family Hugging Face models ({', '.join(LLAMA_LAYOUT)}). Train it with --pp 1."
+        )
+    if num_stages > 1 and ties_embeddings(model):
+        raise PipelineSplitError(
+            f"--pp {num_stages}: {name} ties its output head to its input embedding (tie_word_embeddings=true), "
+            "and the two would live on different stages. Set \"tie_word_embeddings\": false in its config.json "
+            "(the head then trains on its own), or use --pp 1."
+        )
+    return DecoderStage(model, stage, num_stages)
+
+
+def build_stage(config: ModelConfig, vocab_size: int, seed: int, stage: int, num_stages: int) -> nn.Module:
     """The stage of the model every cluster builds from `seed`, identical to the single-process init.
 
-    The full model is built once (so the initialisation is bit-identical to `GPT` under the same seed),
-    the stage keeps its own modules, and the rest is dropped before training starts.
+    The full model is built once (so the initialisation is bit-identical to one process under the same
+    seed), the stage keeps its own modules, and the rest is dropped before training starts.
     """
-    torch.manual_seed(seed)
-    return GPTStage(GPT(config), stage, num_stages)
-
-
-def full_param_specs(config: GPTConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of the whole model, built on the meta device: no memory."""
-    with torch.device("meta"):
-        model = GPT(config)
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    return split_model(build_model(config, vocab_size, seed), stage, num_stages)

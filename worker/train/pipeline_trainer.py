@@ -14,20 +14,19 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from dilocox.common.config.run import RunConfig
-from dilocox.worker.data.corpus import BatchSampler, check_size, eval_windows, split_corpus
-from dilocox.worker.train.inner_trainer import EVAL_FRACTION, CheckpointableTrainer, inner_lr, make_inner_optimizer
+from dilocox.worker.data.corpus import BatchSampler, as_token_array, check_split, eval_windows, gather_windows
+from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
+from dilocox.worker.models.contract import causal_lm_loss
+from dilocox.worker.train.device import Compute
+from dilocox.worker.train.inner_trainer import CheckpointableTrainer, inner_lr, make_inner_optimizer
 from dilocox.worker.train.parallel_layout import ParallelLayout
 from dilocox.worker.train.pipeline_stage import build_stage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+_loss_fn = causal_lm_loss
 
 
 class PipelineTrainer(CheckpointableTrainer):
@@ -40,20 +39,22 @@ class PipelineTrainer(CheckpointableTrainer):
         replica_group: dist.ProcessGroup,
         cluster_index: int = 0,
         num_clusters: int = 1,
-        device: torch.device | None = None,
+        compute: Compute | None = None,
     ) -> None:
         self.config = config
         self.layout = layout
         self.pipeline_group = pipeline_group
         self.replica_group = replica_group
-        self.device = device or torch.device("cpu")
+        self.compute = compute or Compute(torch.device("cpu"), bf16=False)
+        self.device = self.compute.device
         dp = layout.dp
-        check_size(len(corpus), config.model.block_size, eval_fraction=EVAL_FRACTION, num_shards=num_clusters * dp)
-        train, self.eval_data = split_corpus(corpus, EVAL_FRACTION)
-        self.module = build_stage(config.model, config.seed, layout.stage, layout.pp).to(self.device)
+        data = corpus if isinstance(corpus, TokenData) else TokenData.from_bytes(corpus, EVAL_FRACTION)
+        check_split(len(data.train), len(data.eval), config.model.block_size, num_clusters * dp)
+        self.eval_data = as_token_array(data.eval)
+        self.module = build_stage(config.model, data.vocab_size, config.seed, layout.stage, layout.pp).to(self.device)
         # Every stage of a replica draws the same batches (the first needs x, the last y); replicas of a
         # cluster each get their own part of the cluster's data.
-        self.sampler = BatchSampler(train, config.model.block_size, config.inner.batch_size, config.seed,
+        self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, config.seed,
                                     cluster_index * dp + layout.replica, num_clusters * dp)  # fmt: skip
         self.stage = PipelineStage(self.module, layout.stage, layout.pp, self.device, group=pipeline_group)
         schedule_cls = SCHEDULES[config.parallel.schedule]
@@ -75,30 +76,41 @@ class PipelineTrainer(CheckpointableTrainer):
         started = time.perf_counter()
         self.module.train()
         total_loss = 0.0
+        accum = self.config.inner.grad_accum
         for _ in range(n):
             for group in self.optimizer.param_groups:
                 group["lr"] = inner_lr(self.config, self.step)
-            x, y = self.sampler.next_batch()
             self.optimizer.zero_grad(set_to_none=True)
             losses: list[torch.Tensor] = []
-            if self.module.is_first and self.module.is_last:
-                loss = _loss_fn(self.module(x.to(self.device)), y.to(self.device))
-                loss.backward()
-                losses = [loss.detach()]
-            elif self.module.is_first:
-                self.schedule.step(x.to(self.device))
-            elif self.module.is_last:
-                self.schedule.step(target=y.to(self.device), losses=losses)
-            else:
-                self.schedule.step()
+            for _micro in range(accum):
+                x, y = self.sampler.next_batch()
+                with self.compute.autocast():
+                    self._forward_backward(x, y, losses)
+            if accum > 1:
+                for p in self.module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(accum)
             self._average_replica_grads()
             self._clip_global_grad_norm()
             self.optimizer.step()
             total_loss += self._pipeline_mean_loss(losses)
             self.step += 1
-        tokens = n * self.sampler.tokens_per_batch * self.layout.dp
+        tokens = n * accum * self.sampler.tokens_per_batch * self.layout.dp
         self.tokens_seen += tokens
         return total_loss / max(1, n), tokens, time.perf_counter() - started
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, losses: list[torch.Tensor]) -> None:
+        """One batch through the schedule (micro-batched); the last stage appends its losses."""
+        if self.module.is_first and self.module.is_last:
+            loss = _loss_fn(self.module(x.to(self.device)), y.to(self.device))
+            loss.backward()
+            losses.append(loss.detach())
+        elif self.module.is_first:
+            self.schedule.step(x.to(self.device))
+        elif self.module.is_last:
+            self.schedule.step(target=y.to(self.device), losses=losses)
+        else:
+            self.schedule.step()
 
     def evaluate(self) -> float:
         """Mean eval loss of the whole model, the same fixed windows as the single-process trainer."""
@@ -110,18 +122,16 @@ class PipelineTrainer(CheckpointableTrainer):
         batches = 0
         ranks = self.layout.pipeline_ranks()
         me = ranks.index(dist.get_rank())
-        with torch.no_grad():
+        with torch.no_grad(), self.compute.autocast():
             for i in range(0, len(starts), cfg.inner.batch_size):
-                window = starts[i : i + cfg.inner.batch_size]
-                offsets = torch.arange(cfg.model.block_size + 1)
-                block = self.eval_data[window[:, None] + offsets[None, :]].long()
+                block = gather_windows(self.eval_data, starts[i : i + cfg.inner.batch_size].numpy(), cfg.model.block_size + 1)
                 x, y = block[:, :-1], block[:, 1:]
                 h = x.to(self.device) if self.module.is_first else self._recv_hidden(ranks[me - 1], x.shape)
                 out = self.module(h)
                 if self.module.is_last:
                     total += float(_loss_fn(out, y.to(self.device)))
-                else:
-                    dist.send(out.contiguous(), dst=ranks[me + 1], group=self.pipeline_group)
+                else:  # fp32 between stages whatever autocast computed in
+                    dist.send(out.float().contiguous(), dst=ranks[me + 1], group=self.pipeline_group)
                 batches += 1
         dist.broadcast(total, src=ranks[-1], group=self.pipeline_group)
         self.module.train(was_training)
@@ -129,7 +139,7 @@ class PipelineTrainer(CheckpointableTrainer):
 
     # ------------------------------------------------------------------ collectives
     def _recv_hidden(self, src: int, idx_shape: torch.Size) -> torch.Tensor:
-        hidden = torch.empty(*idx_shape, self.config.model.n_embd, device=self.device)
+        hidden = torch.empty(*idx_shape, self.module.hidden_size, device=self.device)
         dist.recv(hidden, src=src, group=self.pipeline_group)
         return hidden
 
