@@ -18,7 +18,7 @@ SUBCOMMANDS = {
     "server": ("dilocox.server.main", "run one aggregation shard"),
     "worker": ("dilocox.worker.main", "run one cluster (trains and syncs with the shards)"),
     "sim": ("dilocox.sim.main", "local simulation: shards + clusters as processes on localhost"),
-    "data": ("dilocox.worker.data.prepare", "prepare a corpus: tokenise it into a memory-mapped token file + manifest"),
+    "data": ("dilocox.worker.data.prepare", "prepare a corpus: tokenise it into a token file + manifest that workers stream from disk"),
     "status": ("dilocox.worker.status", "print what each shard is doing"),
     "health": ("dilocox.server.health", "exit 0 if a shard answers the standard gRPC health check with SERVING"),
     "certs": ("dilocox.common.deploy.certs", "make a development CA and server/client certificates for TLS/mTLS"),

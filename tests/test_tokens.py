@@ -1,4 +1,4 @@
-"""Tokenizers, `dilocox data prepare`, memory-mapped token files, and how clusters read them
+"""Tokenizers, `dilocox data prepare`, token files streamed from disk, and how clusters read them
 (worker/data/tokenizer.py, prepare.py, token_data.py, corpus.py)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dilocox.worker.data.manifest import TOKENS_FILE, read_manifest
 from dilocox.worker.data.prepare import prepare_tokens
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import load_run_data, load_token_data, open_prepared
+from dilocox.worker.data.token_file import TokenFile
 from dilocox.worker.data.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer_file, resolve_tokenizer
 
 pytest.importorskip("tokenizers")
@@ -78,12 +79,13 @@ def test_malformed_tokenizer_json_is_refused(tmp_path):
         load_tokenizer_file(tmp_path / "tokenizer.json")
 
 
-def test_prepare_a_text_folder_gives_the_corpus_bytes_memory_mapped(corpus_dir, tmp_path):
+def test_prepare_a_text_folder_gives_the_corpus_bytes_streamed_from_disk(corpus_dir, tmp_path):
     manifest = prepare_tokens(corpus_dir, ByteTokenizer(), tmp_path / "out")
     assert manifest.dtype == "uint8" and manifest.documents == 2
     assert (tmp_path / "out" / TOKENS_FILE).read_bytes() == load_corpus(corpus_dir)  # the corpus as it always was
     data = open_prepared(tmp_path / "out", ByteTokenizer())
-    assert data.memory_mapped and isinstance(data.train, np.memmap)
+    assert data.streamed and isinstance(data.train, TokenFile)
+    assert bytes(data.train.read(0, 100)) == load_corpus(corpus_dir)[:100]
     assert data.num_tokens == manifest.num_tokens and len(data.eval) == manifest.eval_tokens
 
 
@@ -137,9 +139,9 @@ def test_a_prepared_bpe_folder_brings_its_own_tokenizer(corpus_dir, tmp_path):
     bpe = resolve_tokenizer("bpe:500", corpus_dir)
     prepare_tokens(corpus_dir, bpe, tmp_path / "prepared")
     data = load_run_data("bpe:500", tmp_path / "prepared")
-    assert data.memory_mapped and data.vocab_size == 500 and data.tokenizer_digest == bpe.digest
+    assert data.streamed and data.vocab_size == 500 and data.tokenizer_digest == bpe.digest
     on_the_fly = load_run_data("bpe:500", corpus_dir)  # a text path, tokenised at start-up: the same tokens
-    assert np.array_equal(np.concatenate([data.train, data.eval]), np.concatenate([on_the_fly.train, on_the_fly.eval]))
+    assert np.array_equal(np.concatenate([data.train.read(), data.eval.read()]), np.concatenate([on_the_fly.train, on_the_fly.eval]))
 
 
 def test_clusters_and_replicas_read_disjoint_windows(corpus_dir, tmp_path):
@@ -161,7 +163,7 @@ def test_clusters_and_replicas_read_disjoint_windows(corpus_dir, tmp_path):
             assert seen[i].isdisjoint(seen[j])
 
 
-def test_resume_continues_the_read_position_on_a_memory_map(corpus_dir, tmp_path):
+def test_resume_continues_the_read_position_on_a_token_file(corpus_dir, tmp_path):
     prepare_tokens(corpus_dir, ByteTokenizer(), tmp_path / "p")
     data = open_prepared(tmp_path / "p", ByteTokenizer())
     uninterrupted = BatchSampler(data.train, 32, 4, seed=9, shard_index=1, num_shards=2)

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", help="this cluster's name, unique in the run (default cluster-<index>)")
     parser.add_argument("--cluster-index", type=int, default=0, help="which data shard this cluster trains on (default 0)")
     parser.add_argument("--num-clusters", type=int, default=1, help="how many data shards the corpus is cut into (default 1)")
-    parser.add_argument("--data", help="a folder made by `dilocox data prepare` (memory-mapped), or a text file, folder, "
+    parser.add_argument("--data", help="a folder made by `dilocox data prepare` (streamed from disk), or a text file, folder, "
                         ".jsonl or .parquet tokenised at start-up (default: the bundled tinyshakespeare)")
     parser.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column (default text)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     held = sum(p.numel() for _, p in trainer.named_parameters())
     compute = context.compute if context is not None else trainer.compute
     log.info("worker_starting", cluster=cluster, servers=addresses, model=config.model.model, params_held=held,
-             tokenizer=config.tokenizer, vocab=data.vocab_size, tokens=data.num_tokens, memory_mapped=data.memory_mapped,
+             tokenizer=config.tokenizer, vocab=data.vocab_size, tokens=data.num_tokens, streamed=data.streamed,
              device=str(compute.device), precision=compute.precision)  # fmt: skip
     compressor = TensorCompressor(config.compress, seed=config.seed, name="uplink") if config.compress.codec != "fp32" else None
     if args.resume and not args.checkpoint_dir:

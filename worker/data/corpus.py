@@ -3,8 +3,8 @@
 Each cluster samples only from its own contiguous shard of the training tokens so that clusters see
 different data, as DiLoCo's clusters would; every random choice goes through a per-cluster
 `torch.Generator` so that a run is reproducible and resumable without touching global RNG state. The
-tokens are a 1-D array: bytes of a small corpus read whole (`load_corpus`, the byte-level default), or
-a memory-mapped token file (worker/data/token_data.py).
+tokens are 1-D: bytes of a small corpus read whole (`load_corpus`, the byte-level default), text
+tokenised into memory, or a prepared token file read window by window (worker/data/token_file.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from dilocox.worker.data.sources import CorpusError, default_corpus_path, input_files
+from dilocox.worker.data.token_file import TokenFile
 from dilocox.worker.models.contract import lm_loss
 
 
@@ -25,7 +26,7 @@ def load_corpus(path: str | os.PathLike | None = None, block_size: int | None = 
     """Read a corpus whole (small corpora, byte-level): None -> the bundled default; a file -> its bytes;
     a folder -> every regular, non-hidden file under it (worker/data/sources.py's order) joined by
     b"\n". With `block_size`, also check it holds one training window. Large corpora go through
-    `dilocox data prepare` and a memory-mapped token file instead (worker/data/token_data.py)."""
+    `dilocox data prepare` and a token file streamed from disk instead (worker/data/token_file.py)."""
     p = default_corpus_path() if path is None else pathlib.Path(path)
     files = input_files(p)
     pieces = [file.read_bytes() for file in files]
@@ -89,31 +90,35 @@ def _mix_seed(seed: int, shard_index: int) -> int:
     return x % 2**63
 
 
-def as_token_array(tokens: np.ndarray | torch.Tensor) -> np.ndarray:
-    """A 1-D numpy view of token ids: a memory map stays one, a CPU tensor shares its memory."""
+def as_token_array(tokens: np.ndarray | torch.Tensor | TokenFile) -> np.ndarray | TokenFile:
+    """1-D token ids: a CPU tensor as a numpy view of its memory, a token file as it is."""
+    if isinstance(tokens, TokenFile):
+        return tokens
     array = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
     return array.reshape(-1)
 
 
-def gather_windows(tokens: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
-    """int64 [len(starts), length]: the windows of `length` tokens at `starts`. Reads only those
-    tokens, so on a memory-mapped file only their pages are touched."""
-    rows = tokens[starts.astype(np.int64)[:, None] + np.arange(length, dtype=np.int64)[None, :]]
+def gather_windows(tokens: np.ndarray | TokenFile, starts: np.ndarray, length: int) -> torch.Tensor:
+    """int64 [len(starts), length]: the windows of `length` tokens at `starts`; from a token file only
+    those tokens are read."""
+    if isinstance(tokens, TokenFile):
+        rows = tokens.windows(starts, length)
+    else:
+        rows = tokens[starts.astype(np.int64)[:, None] + np.arange(length, dtype=np.int64)[None, :]]
     return torch.from_numpy(rows.astype(np.int64))
 
 
 class BatchSampler:
     """Random (x, y) windows from this cluster's contiguous 1/num_shards of the training tokens.
 
-    `train` is a 1-D array of token ids — in memory, or a memory-mapped token file that is never read
-    whole. Windows never cross a shard's bounds, so clusters (and the data-parallel replicas inside one)
+    `train` is 1-D token ids — in memory, or a prepared token file read window by window, never whole. Windows never cross a shard's bounds, so clusters (and the data-parallel replicas inside one)
     train on disjoint data. The read position is the generator's state plus the batch count, both in
     `state_dict`, so a resumed worker draws exactly the batches an uninterrupted one would have.
     """
 
     def __init__(
         self,
-        train: np.ndarray | torch.Tensor,
+        train: np.ndarray | torch.Tensor | TokenFile,
         block_size: int,
         batch_size: int,
         seed: int,
@@ -194,7 +199,7 @@ def eval_windows(n_tokens: int, block_size: int, count: int) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, eval_data: np.ndarray | torch.Tensor, block_size: int, batch_size: int, num_batches: int
+    model: nn.Module, eval_data: np.ndarray | torch.Tensor | TokenFile, block_size: int, batch_size: int, num_batches: int
 ) -> float:
     """Mean loss (nats) over a fixed set of evenly spaced eval windows; the model's mode is restored."""
     if batch_size <= 0 or num_batches <= 0:

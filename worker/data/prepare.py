@@ -1,5 +1,5 @@
-"""`dilocox data prepare`: tokenise text files, folders, `.jsonl` and `.parquet` into a memory-mapped
-token file plus its manifest, in bounded memory, with a progress bar; `dilocox data info` prints one.
+"""`dilocox data prepare`: tokenise text files, folders, `.jsonl` and `.parquet` into a token file plus
+its manifest, in bounded memory, with a progress bar; `dilocox data info` prints one.
 
 The folder appears whole or not at all: everything is written into a temporary sibling folder that is
 renamed into place at the end, so an interrupted or failed run leaves no half-written output.

@@ -1,7 +1,7 @@
-"""A run's training and eval tokens: a prepared, memory-mapped token file, or text tokenised on the fly.
+"""A run's training and eval tokens: a prepared token file streamed from disk, or text tokenised on the fly.
 
-`dilocox data prepare` writes a folder (worker/data/manifest.py); a worker opens `tokens.bin` as a
-read-only memory map and reads only the windows it samples, so a corpus far larger than RAM costs a
+`dilocox data prepare` writes a folder (worker/data/manifest.py); a worker reads only the windows it
+samples from its `tokens.bin` (worker/data/token_file.py), so a corpus far larger than RAM costs a
 worker no more memory than a small one. A plain text path (file or folder, `.jsonl`, `.parquet`) is
 tokenised into memory at start-up — the same stream `data prepare` writes — which suits corpora of a
 few hundred MB at most.
@@ -18,6 +18,7 @@ import numpy as np
 
 from dilocox.worker.data.manifest import TOKENS_FILE, is_prepared, read_manifest
 from dilocox.worker.data.sources import CorpusError, default_corpus_path, documents
+from dilocox.worker.data.token_file import TokenFile
 from dilocox.worker.data.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, resolve_tokenizer, token_dtype
 
 EVAL_FRACTION = 0.1  # the last 10% of the tokens, unless a prepared folder says otherwise
@@ -25,12 +26,12 @@ EVAL_FRACTION = 0.1  # the last 10% of the tokens, unless a prepared folder says
 
 @dataclass(frozen=True)
 class TokenData:
-    train: np.ndarray  # 1-D token ids (possibly a memory map)
-    eval: np.ndarray
+    train: np.ndarray | TokenFile  # 1-D token ids, in memory or streamed from a prepared file
+    eval: np.ndarray | TokenFile
     vocab_size: int
     tokenizer_digest: str
     source: str
-    memory_mapped: bool = False
+    streamed: bool = False  # read window by window from a prepared token file
 
     @property
     def num_tokens(self) -> int:
@@ -77,13 +78,13 @@ def open_prepared(path: str | os.PathLike, tokenizer: Tokenizer) -> TokenData:
         )
     if manifest.vocab_size > tokenizer.vocab_size:
         raise TokenizerError(f"the data in {folder} holds ids up to {manifest.vocab_size - 1}, beyond the tokenizer's vocabulary")
-    tokens = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(manifest.dtype), mode="r")
+    tokens = TokenFile(folder / TOKENS_FILE, np.dtype(manifest.dtype))
     split = manifest.train_tokens
-    return TokenData(tokens[:split], tokens[split:], tokenizer.vocab_size, tokenizer.digest, str(folder), memory_mapped=True)
+    return TokenData(tokens[:split], tokens[split:], tokenizer.vocab_size, tokenizer.digest, str(folder), streamed=True)
 
 
 def load_token_data(path: str | os.PathLike | None, tokenizer: Tokenizer, text_field: str = "text") -> TokenData:
-    """The run's tokens from a prepared folder (memory-mapped) or a text path (tokenised into memory)."""
+    """The run's tokens from a prepared folder (streamed) or a text path (tokenised into memory)."""
     source = default_corpus_path() if path is None else pathlib.Path(path)
     if is_prepared(source):
         return open_prepared(source, tokenizer)

@@ -67,7 +67,7 @@ class CheckpointableTrainer:
 class InnerTrainer(CheckpointableTrainer):
     """One process: the whole model on one device (`--device`), bf16 autocast where asked
     (`--precision`), `grad_accum` micro-batches per inner step. Takes a corpus as bytes (byte-level)
-    or the run's `TokenData` (any tokenizer, in memory or memory-mapped)."""
+    or the run's `TokenData` (any tokenizer, in memory or streamed from a prepared file)."""
 
     def __init__(self, config: RunConfig, corpus: bytes | TokenData, cluster_index: int = 0, num_clusters: int = 1,
                  compute: Compute | None = None) -> None:  # fmt: skip
