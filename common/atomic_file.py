@@ -7,9 +7,12 @@ them half-written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import shutil
 import tempfile
+from typing import Iterator
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -48,3 +51,22 @@ def atomic_torch_save(obj: object, path: str | os.PathLike) -> pathlib.Path:
     finally:
         os.close(dir_fd)
     return path
+
+
+@contextlib.contextmanager
+def atomic_folder(out: str | os.PathLike) -> Iterator[pathlib.Path]:
+    """Write a whole folder or nothing: yields a temporary sibling to fill, renamed to `out` on success
+    and removed on any error. `out` must not exist, or be an empty folder."""
+    out = pathlib.Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} already exists and is not an empty folder: choose another or remove it")
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+        if out.exists():
+            out.rmdir()
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise

@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "worker": ("dilocox.worker.main", "run one cluster (trains and syncs with the shards)"),
     "sim": ("dilocox.sim.main", "local simulation: shards + clusters as processes on localhost"),
     "data": ("dilocox.worker.data.prepare", "prepare a corpus: tokenise it into a token file + manifest that workers stream from disk"),
+    "export": ("dilocox.worker.export", "write the run's global model (from running shards or their checkpoints) as loadable files"),
     "status": ("dilocox.worker.status", "print what each shard is doing"),
     "health": ("dilocox.server.health", "exit 0 if a shard answers the standard gRPC health check with SERVING"),
     "certs": ("dilocox.common.deploy.certs", "make a development CA and server/client certificates for TLS/mTLS"),

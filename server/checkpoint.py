@@ -15,27 +15,21 @@ import os
 import pathlib
 
 import structlog
-import torch
 
 from dilocox.common.atomic_file import atomic_torch_save
-from dilocox.common.wire.framing import EncodedSlice, SliceKey
+from dilocox.common.wire.checkpoint_format import FORMAT_VERSION, checkpoint_path, key_tuple, load_state, slice_key
+from dilocox.common.wire.framing import EncodedSlice
 from dilocox.server.round_state import Contribution
 from dilocox.server.shard import Shard, Snapshot
 
 log = structlog.get_logger()
-FORMAT_VERSION = 1
-
-
-def checkpoint_path(directory: str | os.PathLike, shard_index: int) -> pathlib.Path:
-    return pathlib.Path(directory) / f"shard-{shard_index}.pt"
 
 
 def shard_state(shard: Shard) -> dict:
-    """A plain, picklable description of the shard's durable state (call under the shard's lock)."""
+    """A plain, picklable description of the shard's durable state (call under the shard's lock);
+    the layout is common/wire/checkpoint_format.py's."""
     snap = shard.snapshot
-
-    def key(k: SliceKey) -> tuple:
-        return (k.name, k.row_start, k.row_stop)
+    key = key_tuple
 
     return {
         "format": FORMAT_VERSION,
@@ -72,10 +66,7 @@ def save(shard: Shard, directory: str | os.PathLike) -> pathlib.Path:
 
 
 def load(path: str | os.PathLike) -> dict:
-    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file, written by save()
-    if state.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this build reads {FORMAT_VERSION}")
-    return state
+    return load_state(path)
 
 
 def restore(shard: Shard, state: dict) -> None:
@@ -95,11 +86,11 @@ def restore(shard: Shard, state: dict) -> None:
     snap = state["snapshot"]
     if snap is None:
         return
-    tensors = {SliceKey(*k): t for k, t in snap["tensors"].items()}
-    momentum = {SliceKey(*k): t for k, t in snap["momentum"].items()}
+    tensors = {slice_key(k): t for k, t in snap["tensors"].items()}
+    momentum = {slice_key(k): t for k, t in snap["momentum"].items()}
     contributions = {
-        SliceKey(*k): {
-            c: Contribution(c, w, EncodedSlice(SliceKey(*k), codec, dtype, tuple(shape), payload))
+        slice_key(k): {
+            c: Contribution(c, w, EncodedSlice(slice_key(k), codec, dtype, tuple(shape), payload))
             for c, (w, codec, dtype, shape, payload) in per.items()
         }
         for k, per in snap["contributions"].items()

@@ -41,8 +41,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
-            params = [(p.name, tuple(p.shape)) for p in request.params]
-            result = self.shard.join(request.run_id, request.cluster, request.model_digest, params, request.run_config_json)
+            if request.observer:
+                result = self.shard.describe(request.run_id)
+            else:
+                params = [(p.name, tuple(p.shape)) for p in request.params]
+                result = self.shard.join(request.run_id, request.cluster, request.model_digest, params, request.run_config_json)
         except DilocoxError as error:
             _abort(context, error)
         return pb.JoinReply(
@@ -100,12 +103,16 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
         try:
             wait = max(0.0, min(request.wait_seconds, 3600.0))
-            snapshot = self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, wait)
+            snapshot = self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, wait, request.observer)
         except DilocoxError as error:
             _abort(context, error)
         names = set(request.names)
         keys = [k for k in snapshot.tensors if not names or k.name in names]
-        if self._forward_contributions(snapshot, keys, request):
+        if request.observer:  # the weights alone: an export needs no momentum and replays nothing
+            index, wire = self.shard.slice_map.index, self.wire
+            weights = (EncodedSlice.exact(key, snapshot.tensors[key]) for key in keys)
+            chunks = frame_slices(weights, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version)
+        elif self._forward_contributions(snapshot, keys, request):
             chunks = self._contribution_chunks(snapshot, keys, request.cluster)
         else:
             chunks = self._full_chunks(snapshot, keys)

@@ -161,6 +161,15 @@ class Shard:
             self._cond.notify_all()
             return JoinResult(cluster, version, needs_init, list(self.assignment), self.run_config_json)
 
+    def describe(self, run_id: str) -> JoinResult:
+        """What a read-only observer (`dilocox export`) needs: the slice map, the run's config and the
+        version held. Registers nothing: no round ever waits for an observer."""
+        self._check_run(run_id)
+        with self._cond:
+            if self.digest is None:
+                raise NotReady(f"shard {self.shard_index} holds no model yet: no cluster has joined run {self.run_id!r}")
+            return JoinResult("", self.version, False, list(self.assignment), self.run_config_json)
+
     # ------------------------------------------------------------------ pushes
     @property
     def version(self) -> int:
@@ -326,11 +335,12 @@ class Shard:
         return True
 
     # ------------------------------------------------------------------ pulls
-    def wait_for_version(self, run_id: str, cluster: str, min_version: int, timeout: float) -> Snapshot:
-        """Block until the shard publishes at least `min_version` (or refuse after `timeout` seconds)."""
+    def wait_for_version(self, run_id: str, cluster: str, min_version: int, timeout: float, observer: bool = False) -> Snapshot:
+        """Block until the shard publishes at least `min_version` (or refuse after `timeout` seconds).
+        An `observer` needs no membership (it only reads)."""
         self._check_run(run_id)
         with self._cond:
-            if cluster not in self.members:
+            if not observer and cluster not in self.members:
                 raise NotJoined(f"cluster {cluster!r} has not joined shard {self.shard_index}")
             ready = self._cond.wait_for(lambda: self.snapshot is not None and self.snapshot.version >= min_version, timeout)
             if not ready:

@@ -7,12 +7,13 @@ have pushed.
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
 from dilocox.common.wire.compression import TensorCompressor
-from dilocox.common.config.run import RunConfig
+from dilocox.common.config.run import RunConfig, as_dict
 from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
@@ -53,11 +54,13 @@ def run_in_process(
     timeout_s: float = 1800.0,
     track_deficit: bool = False,
     on_round: Callable[[AggregatorClient, RoundReport], None] | None = None,
+    before_stop: Callable[[list[str]], None] | None = None,
 ) -> InProcessResult:
     """Train `config.rounds` rounds with `num_clusters` clusters against `num_shards` shards.
 
     `track_deficit`: the clusters' compressors keep what they withheld (benchmarks read it);
-    `on_round(client, report)`: called by each cluster's thread after each of its rounds."""
+    `on_round(client, report)`: called by each cluster's thread after each of its rounds;
+    `before_stop(addresses)`: called once the clusters are done, while the shards still serve."""
     corpus = corpus if corpus is not None else load_corpus(None)
     shards = [
         Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters)
@@ -77,7 +80,8 @@ def run_in_process(
                                       connect_timeout=30, rpc_timeout=max(60.0, timeout_s))  # fmt: skip
             hook = (lambda report, _steps, _version, client=client: on_round(client, report)) if on_round else None
             clusters.append(DilocoCluster(trainer, client, config.rounds, config.inner.steps, config.delay,
-                                          evaluate_every_round=evaluate_every_round, on_round=hook))  # fmt: skip
+                                          json.dumps(as_dict(config)), evaluate_every_round=evaluate_every_round,
+                                          on_round=hook))  # fmt: skip
         errors: list[BaseException] = []
 
         def run(cluster: DilocoCluster) -> None:
@@ -95,6 +99,8 @@ def run_in_process(
             raise TimeoutError(f"in-process run did not finish within {timeout_s:.0f}s")
         if errors:
             raise errors[0]
+        if before_stop is not None:
+            before_stop(addresses)
         return InProcessResult(clusters, shards, sum(p.numel() for _, p in clusters[0].trainer.named_parameters()))
     finally:
         for c in clusters:

@@ -139,6 +139,19 @@ class Simulation:
             log.info("sim_tokenizer_ready", tokenizer=tokenizer.spec, vocab=tokenizer.vocab_size,
                      seconds=round(time.monotonic() - started, 1))  # fmt: skip
 
+    def export_model(self, addresses: list[str]) -> str | None:
+        """The run's global model, read from the still-running shards into <log dir>/model."""
+        out = self.log_dir / "model"
+        command = _cli("export", "--servers", ",".join(addresses), "--run-id", self.config.run_id, "--out", str(out),
+                       "--text-field", self.args.text_field, *(["--data", self.args.data] if self.args.data else []),
+                       *self.worker_security)  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            log.error("sim_export_failed", error=done.stderr.strip()[-2000:])
+            return None
+        log.info("sim_model_exported", path=str(out))
+        return str(out)
+
     def start_clusters(self, addresses: list[str]) -> None:
         for j in range(self.args.clusters):
             name = f"cluster-{j}"
@@ -203,6 +216,7 @@ class Simulation:
     # ------------------------------------------------------------------ run
     def run(self) -> dict:
         started = time.monotonic()
+        model_dir = None
         try:
             self.prepare_tokenizer()
             addresses = self.start_shards()
@@ -216,6 +230,7 @@ class Simulation:
                     raise TimeoutError(f"the simulation did not finish within {self.args.timeout:.0f}s") from None
                 if code != 0:
                     failed[name] = code
+            model_dir = None if failed else self.export_model(addresses)
         finally:
             self.stop_all()
         wall = time.monotonic() - started
@@ -240,6 +255,7 @@ class Simulation:
             "delay": self.config.delay,
             "wall_s": round(wall, 1),
             "log_dir": str(self.log_dir),
+            "model_dir": model_dir,
         }
         log.info("sim_summary", **summary)
         return summary

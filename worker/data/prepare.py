@@ -1,20 +1,19 @@
 """`dilocox data prepare`: tokenise text files, folders, `.jsonl` and `.parquet` into a token file plus
 its manifest, in bounded memory, with a progress bar; `dilocox data info` prints one.
 
-The folder appears whole or not at all: everything is written into a temporary sibling folder that is
-renamed into place at the end, so an interrupted or failed run leaves no half-written output.
+The folder appears whole or not at all (common/atomic_file.py's `atomic_folder`): an interrupted or
+failed run leaves no half-written output.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import shutil
 import sys
 
 import numpy as np
 
+from dilocox.common.atomic_file import atomic_folder
 from dilocox.worker.data.manifest import MANIFEST_FILE, TOKENS_FILE, Manifest, is_prepared, read_manifest
 from dilocox.worker.data.sources import CorpusError, input_files
 from dilocox.worker.data.token_data import EVAL_FRACTION, token_stream
@@ -26,42 +25,34 @@ def prepare_tokens(data: str | os.PathLike, tokenizer: Tokenizer, out: str | os.
     """Write `out/tokens.bin`, `out/manifest.json` (and `out/tokenizer.json`); returns the manifest."""
     if not 0.0 < eval_fraction < 1.0:
         raise ValueError(f"eval fraction must be in (0, 1), got {eval_fraction}")
-    out = pathlib.Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CorpusError(f"{out} already exists and is not an empty folder: choose another --out or remove it")
     files = input_files(data)
     dtype = token_dtype(tokenizer.vocab_size)
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    partial.mkdir(parents=True)
     structured = any(f.suffix.lower() == ".parquet" for f in files)  # compressed: its text outgrows the file
     bar = _progress(None if structured else sum(f.stat().st_size for f in files), progress)
     try:
-        count = documents = 0
-        with (partial / TOKENS_FILE).open("wb") as sink:
-            for ids, consumed, new_document in token_stream(data, tokenizer, text_field):
-                documents += new_document
-                sink.write(np.ascontiguousarray(ids, dtype=dtype).tobytes())
-                count += len(ids)
-                bar.update(consumed)
-            sink.flush()
-            os.fsync(sink.fileno())
-        eval_tokens = int(count * eval_fraction)
-        if eval_tokens < 2 or count - eval_tokens < 2:
-            raise CorpusError(f"corpus too small for the split: {count} tokens give {count - eval_tokens} to train and "
-                              f"{eval_tokens} to evaluate (eval fraction {eval_fraction})")  # fmt: skip
-        manifest = Manifest(dtype=dtype.name, num_tokens=count, eval_tokens=eval_tokens, tokenizer_spec=tokenizer.spec,
-                            tokenizer_digest=tokenizer.digest, vocab_size=tokenizer.vocab_size, documents=documents,
-                            sources=[str(f) for f in files], text_field=text_field)  # fmt: skip
-        if isinstance(tokenizer, HFTokenizer):
-            tokenizer.save(partial / "tokenizer.json")
-        (partial / MANIFEST_FILE).write_text(manifest.to_json())
-        if out.exists():
-            out.rmdir()
-        partial.rename(out)
+        with atomic_folder(out) as partial:
+            count = documents = 0
+            with (partial / TOKENS_FILE).open("wb") as sink:
+                for ids, consumed, new_document in token_stream(data, tokenizer, text_field):
+                    documents += new_document
+                    sink.write(np.ascontiguousarray(ids, dtype=dtype).tobytes())
+                    count += len(ids)
+                    bar.update(consumed)
+                sink.flush()
+                os.fsync(sink.fileno())
+            eval_tokens = int(count * eval_fraction)
+            if eval_tokens < 2 or count - eval_tokens < 2:
+                raise CorpusError(f"corpus too small for the split: {count} tokens give {count - eval_tokens} to train and "
+                                  f"{eval_tokens} to evaluate (eval fraction {eval_fraction})")  # fmt: skip
+            manifest = Manifest(dtype=dtype.name, num_tokens=count, eval_tokens=eval_tokens, tokenizer_spec=tokenizer.spec,
+                                tokenizer_digest=tokenizer.digest, vocab_size=tokenizer.vocab_size, documents=documents,
+                                sources=[str(f) for f in files], text_field=text_field)  # fmt: skip
+            if isinstance(tokenizer, HFTokenizer):
+                tokenizer.save(partial / "tokenizer.json")
+            (partial / MANIFEST_FILE).write_text(manifest.to_json())
         return manifest
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    except FileExistsError as error:
+        raise CorpusError(str(error)) from None
     finally:
         bar.close()
 

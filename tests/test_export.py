@@ -1,0 +1,114 @@
+"""`dilocox export`: the global model out of live shards (a read-only observer) or their checkpoints,
+checked whole and at one version, written as files the project's model and Hugging Face both load."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
+from dilocox.common.wire.checkpoint_format import checkpoint_path
+from dilocox.server import checkpoint
+from dilocox.sim.inprocess import run_in_process
+from dilocox.worker.export import ExportError, evaluate_export, from_checkpoints, from_servers, write_export
+
+pytest.importorskip("safetensors")
+
+
+def _config(model: str = "gpt") -> RunConfig:
+    return RunConfig(run_id="export-run", rounds=2, eval_batches=1,
+                     model=ModelConfig(model=model, n_layer=1, n_embd=32, block_size=32),
+                     inner=InnerConfig(steps=3, batch_size=4, warmup_steps=2))  # fmt: skip
+
+
+def _shards_weights(result) -> dict:
+    """{name: full tensor} assembled from the in-process shards' own published snapshots."""
+    slices = {k: t for shard in result.shards for k, t in shard.snapshot.tensors.items()}
+    names = {k.name for k in slices}
+    return {name: torch.cat([slices[k] for k in sorted((k for k in slices if k.name == name), key=lambda k: k.row_start)])
+            for name in names}  # fmt: skip
+
+
+def _trained(model: str, tmp_path):
+    """A two-cluster, two-shard run; exported live before the shards stop, and checkpointed."""
+    live = {}
+
+    def before_stop(addresses):
+        live["model"] = from_servers(addresses, "export-run")
+
+    result = run_in_process(_config(model), num_clusters=2, num_shards=2, before_stop=before_stop, timeout_s=300)
+    for shard in result.shards:
+        checkpoint.save(shard, tmp_path / "ckpt")
+    return result, live["model"]
+
+
+def test_export_from_live_shards_and_from_checkpoints_are_the_shards_weights(tmp_path):
+    result, live = _trained("gpt", tmp_path)
+    assert all(shard.members.keys() == {"cluster-0", "cluster-1"} for shard in result.shards)  # the observer joined nothing
+    offline = from_checkpoints([tmp_path / "ckpt"])
+    want = _shards_weights(result)
+    assert live.version == offline.version == result.shards[0].version
+    assert live.tensors.keys() == offline.tensors.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(live.tensors[name], tensor) and torch.equal(offline.tensors[name], tensor), name
+    out = write_export(live, tmp_path / "model")
+    record = json.loads((out / "export.json").read_text())
+    assert record["version"] == live.version and record["num_params"] == live.num_params and not record["huggingface"]
+    # The exported model's eval loss is the run's final one (every cluster ends on the shards' model).
+    assert evaluate_export(out) == pytest.approx(result.clusters[0].final_eval_loss, abs=1e-4)
+
+
+def test_export_of_a_tiny_llama_loads_with_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    result, live = _trained("llama-tiny", tmp_path)
+    out = write_export(live, tmp_path / "model")
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, live.tensors[name]), name
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert loaded(x).logits.shape == (2, 16, 256)
+    assert evaluate_export(out) == pytest.approx(result.clusters[0].final_eval_loss, abs=1e-4)
+
+
+def test_export_refuses_a_missing_shard_a_missing_slice_and_mixed_versions(tmp_path):
+    result, _ = _trained("gpt", tmp_path)
+    files = [checkpoint_path(tmp_path / "ckpt", i) for i in range(2)]
+    with pytest.raises(ExportError, match=r"no weights from shard\(s\) \[1\]"):
+        from_checkpoints([files[0]])
+    state = checkpoint.load(files[1])
+    older = dict(state, snapshot=dict(state["snapshot"], version=state["snapshot"]["version"] - 1))
+    torch.save(older, tmp_path / "older.pt")
+    with pytest.raises(ExportError, match="different versions"):
+        from_checkpoints([files[0], tmp_path / "older.pt"])
+    tensors = dict(state["snapshot"]["tensors"])
+    dropped = sorted(tensors)[0]
+    del tensors[dropped]
+    torch.save(dict(state, snapshot=dict(state["snapshot"], tensors=tensors)), tmp_path / "holed.pt")
+    with pytest.raises(ExportError, match=rf"slice {dropped[0]}\[.*\] of shard 1 is missing"):
+        from_checkpoints([files[0], tmp_path / "holed.pt"])
+    torch.save(dict(state, run_id="another-run"), tmp_path / "other.pt")
+    with pytest.raises(ExportError, match="from another run"):
+        from_checkpoints([files[0], tmp_path / "other.pt"])
+    write_export(from_checkpoints(files), tmp_path / "done")
+    with pytest.raises(FileExistsError):
+        write_export(from_checkpoints(files), tmp_path / "done")
+
+
+def test_export_command_errors_are_clear(tmp_path, shard_set):
+    cli = [sys.executable, "-m", "dilocox.common.cli", "export", "--out", str(tmp_path / "out")]
+    missing = subprocess.run([*cli, "--checkpoints", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "no shard checkpoint at" in missing.stderr
+    empty = shard_set(1, "export-run")  # a shard no cluster has joined yet
+    fresh = subprocess.run([*cli, "--servers", empty.addresses[0], "--run-id", "export-run", "--insecure"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert fresh.returncode == 1 and "holds no model yet" in fresh.stderr
+    wrong = subprocess.run([*cli, "--servers", empty.addresses[0], "--run-id", "other", "--insecure"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert wrong.returncode == 1 and "PERMISSION_DENIED" in wrong.stderr
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,282 @@
+"""`dilocox export`: the run's global model, out of the aggregation service, as files a user can load.
+
+The global model lives only on the shards, each holding some slices. Export assembles it — from the
+running shards (a read-only observer: it joins no round, so training is never held up) or offline from
+the shards' checkpoint files — checks that every slice of the run is there and that all of them belong
+to one version, and writes a folder:
+
+* `model.safetensors` — every parameter by its full name, fp32;
+* `export.json` — run id, version, parameter count, the run's configuration;
+* for a Hugging Face model also `config.json` (+ `tokenizer.json` and `tokenizer_config.json` where the
+  run's tokenizer is found), so `AutoModelForCausalLM.from_pretrained(folder)` loads it; the built-in GPT
+  loads with `dilocox worker --weights folder` or `build_model(config, vocab, seed)` with `weights` set.
+
+`--eval` then reports the exported model's loss on the run's eval split (worker/data/), the same windows
+a cluster evaluates on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+from dataclasses import dataclass
+from typing import Iterable
+
+import grpc
+import torch
+
+from dilocox.common.atomic_file import atomic_folder
+from dilocox.common.config.run import RunConfig, WireConfig, from_dict
+from dilocox.common.security import TlsFiles, add_security_arguments, open_channel, security_from_args
+from dilocox.common.wire import codecs
+from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices
+from dilocox.common.wire.checkpoint_format import load_state, slice_key
+from dilocox.common.wire.errors import DilocoxError
+from dilocox.common.wire.framing import SliceKey, assemble_units
+from dilocox.proto import dilocox_pb2 as pb
+from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+
+EXPORT_FORMAT = "dilocox-export"
+
+
+class ExportError(ValueError):
+    """The global model cannot be assembled: a shard missing, a slice missing, mixed versions, …"""
+
+
+@dataclass
+class GlobalModel:
+    run_id: str
+    version: int
+    run_config_json: str
+    tensors: dict[str, torch.Tensor]  # full parameters by name, in the run's parameter order
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel() for t in self.tensors.values())
+
+    @property
+    def run_config(self) -> RunConfig:
+        try:
+            return from_dict(json.loads(self.run_config_json or "{}"))
+        except (ValueError, TypeError) as error:
+            raise ExportError(f"the run's recorded configuration cannot be read by this dilocox: {error}") from None
+
+
+def assemble(run_id: str, assignment: list[ParamSlice], parts: dict[int, tuple[int, dict[SliceKey, torch.Tensor]]],
+             run_config_json: str, num_shards: int) -> GlobalModel:  # fmt: skip
+    """Full tensors from every shard's (version, slices); refuses a missing shard or slice, or mixed versions."""
+    missing_shards = sorted(set(range(num_shards)) - set(parts))
+    if missing_shards:
+        raise ExportError(f"no weights from shard(s) {missing_shards} of {num_shards}: every shard is needed")
+    versions = {shard: version for shard, (version, _) in parts.items()}
+    if len(set(versions.values())) != 1:
+        listed = ", ".join(f"shard {s}: version {v}" for s, v in sorted(versions.items()))
+        raise ExportError(f"the shards hold different versions ({listed}): export when they agree (the run's last "
+                          "round closed on all of them), or from checkpoints of one version")  # fmt: skip
+    version = next(iter(versions.values()))
+    if version < 0:
+        raise ExportError("the shards hold no published weights yet")
+    slices = {key: tensor for _, (_, held) in parts.items() for key, tensor in held.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for s in assignment:
+        tensor = slices.get(s.key)
+        if tensor is None or tuple(tensor.shape) != s.slice_shape:
+            problem = "missing" if tensor is None else f"shaped {list(tensor.shape)}, not {list(s.slice_shape)}"
+            raise ExportError(f"slice {s.name}[{s.row_start}:{s.row_stop}] of shard {s.shard} is {problem}")
+        full = tensors.setdefault(s.name, torch.empty(s.shape, dtype=torch.float32))
+        (full[s.row_start : s.row_stop] if full.dim() else full).copy_(tensor.reshape(s.slice_shape))
+    return GlobalModel(run_id, version, run_config_json, tensors)
+
+
+def from_checkpoints(locations: Iterable[str | pathlib.Path]) -> GlobalModel:
+    """Offline: the shards' checkpoint files (`shard-<i>.pt`), or folders holding them."""
+    files: list[pathlib.Path] = []
+    for location in map(pathlib.Path, locations):
+        found = sorted(location.glob("shard-*.pt")) if location.is_dir() else [location]
+        if not found or not all(f.is_file() for f in found):
+            raise ExportError(f"no shard checkpoint at {location} (expected shard-<index>.pt files)")
+        files += found
+    states = []
+    for file in files:
+        try:
+            states.append(load_state(file))
+        except (ValueError, OSError, RuntimeError) as error:
+            raise ExportError(f"{file}: not a readable shard checkpoint: {error}") from None
+    first = states[0]
+    for file, state in zip(files, states):
+        for field in ("run_id", "num_shards", "digest"):
+            if state[field] != first[field]:
+                raise ExportError(f"{file} is from another run ({field} {state[field]!r}, not {first[field]!r})")
+    parts: dict[int, tuple[int, dict[SliceKey, torch.Tensor]]] = {}
+    for file, state in zip(files, states):
+        if state["shard_index"] in parts:
+            raise ExportError(f"two checkpoints of shard {state['shard_index']} ({file} and another): give one per shard")
+        snap = state["snapshot"]
+        held = {} if snap is None else {slice_key(k): t for k, t in snap["tensors"].items()}
+        parts[state["shard_index"]] = (-1 if snap is None else snap["version"], held)
+    assignment = assign_slices(first["param_specs"], first["num_shards"])
+    return assemble(first["run_id"], assignment, parts, first["run_config_json"], first["num_shards"])
+
+
+def _rpc_error(address: str, error: grpc.RpcError) -> ExportError:
+    code = error.code() if hasattr(error, "code") else None
+    return ExportError(f"shard at {address}: {code.name if code else 'error'}: {error.details() if hasattr(error, 'details') else error}")
+
+
+def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None, token: str | None = None,
+                 timeout: float = 60.0, wire: WireConfig | None = None) -> GlobalModel:  # fmt: skip
+    """Live: every shard's latest weights, read as an observer (no membership, no round waits for it)."""
+    wire = wire or WireConfig()
+    options = [("grpc.max_receive_message_length", wire.max_message_bytes), ("grpc.max_send_message_length", wire.max_message_bytes)]
+    parts: dict[int, tuple[int, dict[SliceKey, torch.Tensor]]] = {}
+    assignment: list[ParamSlice] = []
+    run_config_json, num_shards = "", len(addresses)
+    for address in addresses:
+        channel = open_channel(address, options, tls, token)
+        try:
+            stub = pb_grpc.AggregatorStub(channel)
+            reply = stub.Join(pb.JoinRequest(run_id=run_id, observer=True), timeout=timeout)
+            assignment = [ParamSlice(s.name, tuple(s.shape), s.row_start, s.row_stop, s.shard) for s in reply.assignment]
+            run_config_json, num_shards = reply.run_config_json, reply.num_shards
+            slice_map = SliceMap.of(assignment)
+            expected = {s.key: s for s in assignment if s.shard == reply.shard_index}
+
+            def vet(key: SliceKey, chunk: pb.TensorChunk, expected=expected, shard=reply.shard_index) -> int:
+                if key not in expected or tuple(chunk.shape) != expected[key].slice_shape or chunk.is_delta or chunk.momentum:
+                    raise ExportError(f"shard {shard} sent {key}, which is not one of its weight slices")
+                return codecs.max_payload_bytes(chunk.codec, expected[key].slice_shape)
+
+            request = pb.PullRequest(run_id=run_id, observer=True, min_version=0, wait_seconds=0.0)
+            units = list(assemble_units(stub.Pull(request, timeout=timeout), vet, slice_map.entries))
+        except grpc.RpcError as error:
+            raise _rpc_error(address, error) from None
+        except DilocoxError as error:
+            raise ExportError(f"shard at {address} sent a malformed stream: {error}") from None
+        finally:
+            channel.close()
+        versions = {u.meta.version for u in units}
+        if len(versions) > 1:
+            raise ExportError(f"shard at {address} sent slices of versions {sorted(versions)} in one pull")
+        parts[reply.shard_index] = (versions.pop() if versions else reply.version, {u.key: u.tensor for u in units})
+    return assemble(run_id, assignment, parts, run_config_json, num_shards)
+
+
+# --------------------------------------------------------------------------- writing
+def _input_embedding_name(model: torch.nn.Module) -> str | None:
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if get is not None else None
+    weight = getattr(embedding, "weight", None)
+    return next((name for name, p in model.named_parameters() if p is weight), None)
+
+
+def _hf_config(config: RunConfig, tensors: dict[str, torch.Tensor]):
+    """The Hugging Face configuration the run trained (its vocabulary read off the exported embedding), or
+    None for a model that is not a Hugging Face one."""
+    from dilocox.worker.models.hf import hf_config
+    from dilocox.worker.models.spec import resolve_model
+
+    spec = resolve_model(config.model.model)
+    if spec.kind != "hf":
+        return None
+    import transformers
+
+    probe = hf_config(spec, config.model.block_size, 1)
+    with torch.device("meta"):
+        name = _input_embedding_name(transformers.AutoModelForCausalLM.from_config(probe))
+    vocab = tensors[name].shape[0] if name in tensors else probe.vocab_size
+    return hf_config(spec, config.model.block_size, vocab)
+
+
+def _tokenizer_files(config: RunConfig, data: str | None, text_field: str, folder: pathlib.Path) -> str:
+    """Copy the run's tokenizer into the export where it can be found; returns what happened, for the record."""
+    from dilocox.worker.data.tokenizer import HFTokenizer, TokenizerError, resolve_tokenizer
+
+    if config.tokenizer == "byte":
+        return "byte-level: token ids are the text's bytes, no tokenizer file"
+    try:
+        tokenizer = resolve_tokenizer(config.tokenizer, data, text_field)
+    except (TokenizerError, ValueError, OSError) as error:
+        return f"not included ({error}); pass --data with the run's data to include it"
+    assert isinstance(tokenizer, HFTokenizer)
+    tokenizer.save(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": config.model.block_size,
+    }, indent=2) + "\n")  # fmt: skip
+    return f"{tokenizer.spec} ({tokenizer.digest})"
+
+
+def write_export(model: GlobalModel, out: str | pathlib.Path, data: str | None = None, text_field: str = "text",
+                 model_override: str | None = None) -> pathlib.Path:  # fmt: skip
+    """Write the export folder whole or not at all; returns its path."""
+    from safetensors.torch import save_file
+
+    config = model.run_config
+    if model_override:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=model_override))
+    hf = _hf_config(config, model.tensors)
+    out = pathlib.Path(out)
+    with atomic_folder(out) as folder:
+        save_file({name: t.contiguous() for name, t in model.tensors.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt", "run_id": model.run_id, "version": str(model.version)})  # fmt: skip
+        if hf is not None:
+            hf.save_pretrained(str(folder))
+        tokenizer_note = _tokenizer_files(config, data, text_field, folder)
+        record = {"format": EXPORT_FORMAT, "run_id": model.run_id, "version": model.version, "num_params": model.num_params,
+                  "model": config.model.model, "huggingface": hf is not None, "tokenizer": tokenizer_note,
+                  "run_config": dataclasses.asdict(config)}  # fmt: skip
+        (folder / "export.json").write_text(json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def evaluate_export(folder: str | pathlib.Path, data: str | None = None, text_field: str = "text") -> float:
+    """The exported model's mean loss on the run's eval split (the windows a cluster evaluates on)."""
+    from dilocox.worker.data.corpus import evaluate
+    from dilocox.worker.data.token_data import load_run_data
+    from dilocox.worker.models.build import build_model
+
+    folder = pathlib.Path(folder)
+    record = json.loads((folder / "export.json").read_text())
+    config = from_dict(record["run_config"])
+    tokens = load_run_data(config.tokenizer, data, text_field)
+    model = build_model(dataclasses.replace(config.model, weights=str(folder / "model.safetensors")), tokens.vocab_size, config.seed)
+    return evaluate(model, tokens.eval, config.model.block_size, config.inner.batch_size, config.eval_batches)
+
+
+# --------------------------------------------------------------------------- command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--servers", help="comma-separated host:port of every running shard (read-only: no round waits)")
+    source.add_argument("--checkpoints", help="comma-separated shard checkpoint files or folders (offline)")
+    parser.add_argument("--run-id", default=RunConfig().run_id, help=f"the run's id, for --servers (default {RunConfig().run_id})")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per shard call (default 120)")
+    parser.add_argument("--data", help="the run's data: finds its BPE tokenizer to include, and the eval split for --eval")
+    parser.add_argument("--text-field", default="text", help="text field of .jsonl / .parquet data (default text)")
+    parser.add_argument("--model", help="where the run's --model (a config.json path) is on this machine, if elsewhere")
+    parser.add_argument("--eval", action="store_true", help="then report the exported model's loss on the run's eval split")
+    add_security_arguments(parser, "worker")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dilocox.worker.data.sources import CorpusError
+    from dilocox.worker.data.tokenizer import TokenizerError
+    from dilocox.worker.models.spec import ModelSpecError
+
+    try:
+        if args.servers:
+            tls, token = security_from_args(args, "worker")
+            addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
+            model = from_servers(addresses, args.run_id, tls, token, args.timeout)
+        else:
+            model = from_checkpoints([c.strip() for c in args.checkpoints.split(",") if c.strip()])
+        out = write_export(model, args.out, args.data, args.text_field, args.model)
+        print(f"exported run {model.run_id} version {model.version}: {model.num_params:,} parameters to {out}")
+        if args.eval:
+            print(f"eval loss {evaluate_export(out, args.data, args.text_field):.4f}")
+    except (ExportError, ModelSpecError, TokenizerError, CorpusError, FileExistsError, ValueError) as error:
+        print(f"dilocox export: {error}", file=sys.stderr)
+        return 1
+    return 0
