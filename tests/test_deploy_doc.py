@@ -4,6 +4,7 @@ ports are replaced, so the guide's commands cannot rot."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -58,7 +59,7 @@ def test_every_dilocox_command_in_the_guide_parses():
 @pytest.mark.timeout(300)
 def test_worked_example_runs_on_localhost(tmp_path):
     steps = doc_steps()
-    assert {"setup", "certs", "shard-0", "shard-1", "site-a", "site-b", "status", "metrics"} <= steps.keys()
+    assert {"setup", "certs", "shard-0", "shard-1", "site-a", "site-b", "status", "metrics", "export"} <= steps.keys()
     grpc0, grpc1, m0, m1, m2, m3, rdzv_a, rdzv_b = free_ports(8)
     ports = {"50051": grpc0, "50052": grpc1, "9100": m0, "9101": m1, "9102": m2, "9103": m3}
 
@@ -100,6 +101,9 @@ def test_worked_example_runs_on_localhost(tmp_path):
         assert [(r[0], r[3], r[5]) for r in rows] == [("0/2", "3", "2"), ("1/2", "3", "2")], output("status")
         assert shell("metrics").wait(timeout=60) == 0, output("metrics")
         assert "dilocox_rounds_closed_total 3.0" in output("metrics"), output("metrics")  # 2 rounds + the flush
+        assert shell("export").wait(timeout=120) == 0, output("export")
+        exported = json.loads((tmp_path / "model" / "export.json").read_text())
+        assert exported["run_id"] == "doc-run" and exported["version"] == 3 and (tmp_path / "model" / "model.safetensors").is_file()
     finally:
         for proc in [*sites, *shards]:
             if proc.poll() is None:
