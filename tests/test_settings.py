@@ -125,3 +125,20 @@ def test_config_show_prints_toml_that_reads_back(tmp_path, capsys, run_toml):
     again.write_text(text)
     assert cli.main(["config", "show", "--config", str(again)]) == 0  # the output is itself a --config file
     assert capsys.readouterr().out == text
+
+
+def test_config_show_for_a_command_applies_its_own_table_and_environment(tmp_path, capsys, monkeypatch):
+    """`config show --command worker` prints what `dilocox worker` would run with: the [worker] table's
+    pp = 2 wins over the top level's (it printed pp = 1 before), env beats the file, the token is hidden."""
+    path = tmp_path / "run.toml"
+    path.write_text('run_id = "shared"\npp = 1\n[inner]\nsteps = 7\n[worker]\npp = 2\nservers = "a:1,b:2"\n[server]\nnum-shards = 3\n')
+    monkeypatch.setenv("DILOCOX_ROUNDS", "9")
+    monkeypatch.setenv("DILOCOX_TOKEN", "s3cret")
+    assert cli.main(["config", "show", "--command", "worker", "--config", str(path)]) == 0
+    text = capsys.readouterr().out
+    shown = tomllib.loads(text)
+    assert shown["parallel"]["pp"] == 2 and shown["rounds"] == 9 and shown["inner"]["steps"] == 7 and shown["run_id"] == "shared"
+    assert shown["worker"]["servers"] == "a:1,b:2" and "s3cret" not in text and "# token: set (not printed)" in text
+    assert cli.main(["config", "show", "--command", "server", "--config", str(path)]) == 0
+    server = tomllib.loads(capsys.readouterr().out)
+    assert server["server"]["num-shards"] == 3 and "parallel" not in server

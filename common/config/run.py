@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 
 from dilocox.common.wire.compression import CompressionConfig
@@ -245,20 +246,27 @@ def config_from_args(args, base: RunConfig | None = None) -> RunConfig:
     return from_dict(overrides, config)
 
 
+def toml_value(v: object) -> str:
+    """One TOML value: booleans, numbers (nan/inf too), strings; paths as strings."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v) if v == v and abs(v) != float("inf") else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, (str, os.PathLike)):
+        return json.dumps(str(v))  # JSON's string escapes are valid TOML basic-string escapes
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def flag_dests() -> set[str]:
+    """The argparse destinations of every RunConfig flag (`add_config_arguments`)."""
+    return {dest for _flag, dest, _grp, _f in _flag_fields()}
+
+
 def to_toml(config: RunConfig) -> str:
     """`config` as a TOML file that `--config` (and `from_dict`) read back to an equal RunConfig."""
-
-    def value(v: object) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, float):
-            return repr(v) if v == v and abs(v) != float("inf") else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
-        if isinstance(v, int):
-            return str(v)
-        if isinstance(v, str):
-            return json.dumps(v)  # JSON's string escapes are valid TOML basic-string escapes
-        raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
+    value = toml_value
     top, tables = [], []
     for f in dataclasses.fields(config):
         v = getattr(config, f.name)
