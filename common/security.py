@@ -3,14 +3,12 @@
 The link between sites crosses the internet. A shard serves TLS (and, given a CA, requires client
 certificates: mTLS); every call also carries the run's shared token, which a server interceptor checks
 before any handler runs. Plaintext happens only when asked for explicitly (`--insecure`, localhost/dev).
-`make_dev_certificates` writes a throw-away CA, server and client certificate for trying it out.
+Certificates themselves are made by `dilocox certs` (common/deploy/certs.py).
 """
 
 from __future__ import annotations
 
-import datetime
 import hmac
-import ipaddress
 import pathlib
 from dataclasses import dataclass
 
@@ -122,50 +120,41 @@ def open_channel(address: str, options: list, tls: TlsFiles | None, token: str |
     return grpc.intercept_channel(channel, _TokenClientInterceptor(token)) if token else channel
 
 
-def make_dev_certificates(out_dir: str | pathlib.Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1")) -> dict[str, pathlib.Path]:
-    """Write ca.pem, server.pem/server-key.pem, client.pem/client-key.pem (for development only)."""
+HOSTNAME_MISMATCH = ("Hostname Verification Check failed", "is not in peer certificate", "hostname mismatch")
+
+
+def is_hostname_mismatch(details: str) -> bool:
+    """gRPC reports a certificate that does not name the host as UNAVAILABLE, like a shard that is down."""
+    return any(marker in (details or "") for marker in HOSTNAME_MISMATCH)
+
+
+def certificate_names(address: str, timeout: float = 5.0) -> list[str]:
+    """The names (DNS and IP SANs) in the certificate the server at `address` presents; [] if unknown."""
+    import socket
+    import ssl
+
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    host, _, port = address.rpartition(":")
+    try:
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # only to read the names it holds
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=host.strip("[]")) as tls:
+                der = tls.getpeercert(binary_form=True)
+        sans = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return [str(n) for n in sans.get_values_for_type(x509.DNSName)] + [str(n) for n in sans.get_values_for_type(x509.IPAddress)]
+    except Exception:  # noqa: BLE001 - best effort, for an error message only
+        return []
 
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
-    def write_key(key, path: pathlib.Path) -> None:  # noqa: ANN001
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-        path.chmod(0o600)
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_cert = (
-        x509.CertificateBuilder().subject_name(name("dilocox dev CA")).issuer_name(name("dilocox dev CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    paths = {"ca": out / "ca.pem"}
-    paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    sans = [x509.IPAddress(ipaddress.ip_address(h)) if h.replace(".", "").isdigit() else x509.DNSName(h) for h in hosts]
-    for role, usage in (("server", ExtendedKeyUsageOID.SERVER_AUTH), ("client", ExtendedKeyUsageOID.CLIENT_AUTH)):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder().subject_name(name(f"dilocox {role}")).issuer_name(ca_cert.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=30))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )  # fmt: skip
-        paths[role] = out / f"{role}.pem"
-        paths[f"{role}-key"] = out / f"{role}-key.pem"
-        paths[role].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        write_key(key, paths[f"{role}-key"])
-    return paths
+def explain_hostname_mismatch(address: str) -> str:
+    host = address.rpartition(":")[0].strip("[]")
+    names = certificate_names(address)
+    held = f"it names {', '.join(names)}" if names else "its names could not be read"
+    return (f"TLS host-name mismatch: the certificate of the shard at {address} is not valid for {host!r} ({held}). "
+            f"Connect by a name the certificate holds, or issue one for this host from the run's CA: "
+            f"dilocox certs --out DIR --ca DIR --hosts {host}")  # fmt: skip
 
 
 def add_security_arguments(parser, role: str) -> None:  # noqa: ANN001

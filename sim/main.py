@@ -24,7 +24,7 @@ import structlog
 
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_flags, config_from_args
 from dilocox.common.logs import configure_logging
-from dilocox.common.security import make_dev_certificates
+from dilocox.common.deploy.certs import make_dev_certificates
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.tokenizer import TokenizerError, resolve_tokenizer
 

@@ -9,7 +9,8 @@ import sys
 import grpc
 import pytest
 
-from dilocox.common.security import TlsFiles, make_dev_certificates
+from dilocox.common.deploy.certs import make_dev_certificates
+from dilocox.common.security import TlsFiles
 from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
@@ -81,3 +82,57 @@ def test_sim_runs_end_to_end_with_tls(tmp_path):
     assert result["ok"] and result["rounds"] == 2
     shard_log = (tmp_path / "logs" / "shard-0.log").read_text()
     assert '"tls": "mtls"' in shard_log and '"token": true' in shard_log
+
+
+def _cert(path):
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def test_certs_keeps_the_ca_key_and_issues_one_more_host_from_it(tmp_path):
+    """`dilocox certs` keeps ca-key.pem (0600, with a warning naming it); `--ca` issues a certificate for
+    a new host from that CA, valid `--days`; a shard serving it is reachable by that name with the old ca.pem."""
+    cli = [sys.executable, "-m", "dilocox.common.cli", "certs"]
+    made = subprocess.run([*cli, "--out", str(tmp_path / "run"), "--hosts", "127.0.0.1", "--days", "90"], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    ca_key = tmp_path / "run" / "ca-key.pem"
+    assert ca_key.is_file() and ca_key.stat().st_mode & 0o777 == 0o600
+    assert f"WARNING: {ca_key} is the CA's private key" in made.stderr
+    server = _cert(tmp_path / "run" / "server.pem")
+    assert 89 <= (server.not_valid_after_utc - server.not_valid_before_utc).days <= 91
+    added = subprocess.run([*cli, "--out", str(tmp_path / "new"), "--ca", str(tmp_path / "run"), "--hosts", "localhost"],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    new_cert = tmp_path / "new" / "server-localhost.pem"
+    assert _cert(new_cert).issuer == _cert(tmp_path / "run" / "ca.pem").subject
+    shard = Shard(0, 1, RUN)
+    srv, port = start_server(shard, "127.0.0.1", 0, tls=TlsFiles(new_cert, tmp_path / "new" / "server-localhost-key.pem", tmp_path / "run" / "ca.pem"))
+    try:
+        run = tmp_path / "run"
+        join(f"localhost:{port}", TlsFiles(run / "client.pem", run / "client-key.pem", run / "ca.pem"), None)
+    finally:
+        srv.stop(grace=None)
+    missing = subprocess.run([*cli, "--out", str(tmp_path / "x"), "--ca", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "holds no CA" in missing.stderr
+
+
+def test_a_host_name_mismatch_is_reported_as_such(tmp_path):
+    """A shard whose certificate does not name the host the worker dials: the first connection error
+    says so (with the names the certificate holds) at once, instead of retrying as if the shard were down."""
+    certs = make_dev_certificates(tmp_path, ("shard.example.org",))
+    shard = Shard(0, 1, RUN)
+    server, port = start_server(shard, "127.0.0.1", 0, tls=TlsFiles(certs["server"], certs["server-key"], certs["ca"]))
+    try:
+        with pytest.raises(AggregatorError) as refused:
+            with AggregatorClient([f"127.0.0.1:{port}"], RUN, "c", tls=TlsFiles(certs["client"], certs["client-key"], certs["ca"]),
+                                  connect_timeout=3, retry_s=60) as client:  # fmt: skip
+                client.join(PARAMS)
+        text = refused.value.details
+        assert "TLS host-name mismatch" in text and "not valid for '127.0.0.1'" in text and "shard.example.org" in text
+        status = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "status", "--servers", f"127.0.0.1:{port}",
+                                 "--tls-ca", str(certs["ca"]), "--tls-cert", str(certs["client"]), "--tls-key", str(certs["client-key"])],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert status.returncode == 1 and "TLS host-name mismatch" in status.stdout + status.stderr
+    finally:
+        server.stop(grace=None)

@@ -30,7 +30,8 @@ import torch
 
 from dilocox.common.atomic_file import atomic_folder
 from dilocox.common.config.run import RunConfig, WireConfig, from_dict
-from dilocox.common.security import TlsFiles, add_security_arguments, open_channel, security_from_args
+from dilocox.common.security import (TlsFiles, add_security_arguments, explain_hostname_mismatch, is_hostname_mismatch,
+                                     open_channel, security_from_args)
 from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices
 from dilocox.common.wire.checkpoint_format import load_state, slice_key
@@ -123,7 +124,10 @@ def from_checkpoints(locations: Iterable[str | pathlib.Path]) -> GlobalModel:
 
 def _rpc_error(address: str, error: grpc.RpcError) -> ExportError:
     code = error.code() if hasattr(error, "code") else None
-    return ExportError(f"shard at {address}: {code.name if code else 'error'}: {error.details() if hasattr(error, 'details') else error}")
+    details = error.details() if hasattr(error, "details") else str(error)
+    if is_hostname_mismatch(details or ""):
+        details = explain_hostname_mismatch(address)
+    return ExportError(f"shard at {address}: {code.name if code else 'error'}: {details}")
 
 
 def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None, token: str | None = None,

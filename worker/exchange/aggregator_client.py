@@ -33,7 +33,7 @@ from dilocox.common.wire.framing import (
     own_contribution_digest,
 )
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.common.security import TlsFiles, open_channel
+from dilocox.common.security import TlsFiles, explain_hostname_mismatch, is_hostname_mismatch, open_channel
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 
@@ -137,10 +137,13 @@ class AggregatorClient:
         )
 
         def join_one(i: int) -> pb.JoinReply:
-            return self._call(
-                self.addresses[i],
-                lambda: self._stubs_by_address[i].Join(request, timeout=self.connect_timeout, wait_for_ready=True),
-            )
+            try:
+                return self._call(
+                    self.addresses[i],
+                    lambda: self._stubs_by_address[i].Join(request, timeout=self.connect_timeout, wait_for_ready=True),
+                )
+            except AggregatorError as error:
+                raise self._why_unreachable(i, error) if error.code == grpc.StatusCode.DEADLINE_EXCEEDED else error
 
         replies = list(self._pool.map(join_one, range(len(self.addresses))))
         num_shards = {r.num_shards for r in replies}
@@ -355,6 +358,18 @@ class AggregatorClient:
                 replies.append(error)
         return replies
 
+    def _why_unreachable(self, i: int, error: AggregatorError) -> AggregatorError:
+        """A first connection that waited out its deadline says only that; one fail-fast call gets the
+        channel's last transport error (refused, a TLS failure, a host-name mismatch) into the message."""
+        try:
+            self._stubs_by_address[i].Status(pb.StatusRequest(), timeout=5)
+            return error
+        except grpc.RpcError as probe:
+            details = probe.details() or ""
+        if is_hostname_mismatch(details):
+            return AggregatorError(error.address, grpc.StatusCode.UNAVAILABLE, f"{explain_hostname_mismatch(error.address)} [{details}]")
+        return AggregatorError(error.address, error.code, f"{error.details}; last connection error: {details}")
+
     def _call(self, address: str, fn):
         """Run one call; a shard that is UNAVAILABLE (restarting, link down) is retried with exponential
         backoff and jitter for up to `retry_s` seconds. Every call made through here is idempotent."""
@@ -364,10 +379,12 @@ class AggregatorClient:
             try:
                 return fn()
             except grpc.RpcError as error:
-                code = error.code()
+                code, details = error.code(), error.details() or ""
+                if code == grpc.StatusCode.UNAVAILABLE and is_hostname_mismatch(details):  # no retry fixes a certificate
+                    raise AggregatorError(address, code, f"{explain_hostname_mismatch(address)} [{details}]") from None
                 pause = min(5.0, 0.2 * 2**attempt) * (0.5 + random.random())
                 if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() + pause > deadline:
-                    raise AggregatorError(address, code, error.details() or "") from None
+                    raise AggregatorError(address, code, details) from None
                 log.warning("shard_unavailable_retrying", address=address, attempt=attempt + 1, pause_s=round(pause, 2))
                 time.sleep(pause)
                 attempt += 1
