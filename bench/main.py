@@ -10,6 +10,7 @@ BENCHMARKS = {
     "compression": ("dilocox.bench.compression", "bytes on the wire vs final eval loss per compression setting, against dense synchronous DiLoCo"),
     "overlap": ("dilocox.bench.overlap", "compute idle time with and without the one-step delay over a slow link"),
     "pipeline": ("dilocox.bench.pipeline", "inner-step tokens/s of a PP=2 cluster vs one process"),
+    "train": ("dilocox.bench.train", "trainer tokens/s and peak memory per model preset and precision; streaming a large token file"),
     "wan": ("dilocox.bench.wan", "DiLoCoX vs DiLoCo vs AllReduce over shaped WAN links (namespaces + tc), report and plots"),
     "shard": ("dilocox.bench.shard_throughput", "MB/s of pseudo-gradients decoded and applied per shard vs memory bandwidth"),
 }

@@ -1,0 +1,141 @@
+"""`dilocox bench train`: inner-step tokens/s and peak memory per model preset and precision, and a
+worker's memory when it streams a large prepared token file instead of a small one.
+
+Every row runs in a fresh child process (so peak RSS is that configuration's own): it builds the
+trainer exactly as `dilocox worker` does (tokenizer, token data, model, device, precision), runs warm-up
+steps, then times `--steps` inner steps. No shards: this is the trainer's cost alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+DEFAULT_ROWS = "gpt:byte,llama-tiny:byte,llama-20m:bpe:8192"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default=DEFAULT_ROWS,
+                        help=f"comma-separated MODEL:TOKENIZER rows (default {DEFAULT_ROWS}; e.g. gpt2-small:bpe:8192 on a GPU)")
+    parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated precisions per model (default fp32,bf16)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
+    parser.add_argument("--steps", type=int, default=8, help="timed inner steps per row (default 8, after 2 warm-up)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per child (default: torch's choice)")
+    parser.add_argument("--stream-mb", type=int, default=512,
+                        help="size of the large prepared token file for the streaming memory rows (default 512; 0 skips them)")
+    parser.add_argument("--data", help="text to train on (default: the bundled tinyshakespeare)")
+
+
+def _child(spec: dict) -> dict:
+    """One measurement, in this (child) process."""
+    import torch
+
+    from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, RunConfig
+    from dilocox.worker.data.token_data import load_run_data
+    from dilocox.worker.train.inner_trainer import InnerTrainer
+
+    if spec["threads"] > 0:
+        torch.set_num_threads(spec["threads"])
+    config = RunConfig(tokenizer=spec["tokenizer"], model=ModelConfig(model=spec["model"], block_size=spec["block_size"]),
+                       inner=InnerConfig(batch_size=spec["batch_size"], warmup_steps=2),
+                       parallel=ParallelConfig(device=spec["device"], precision=spec["precision"]))  # fmt: skip
+    data = load_run_data(config.tokenizer, spec["data"])
+    trainer = InnerTrainer(config, data)
+    trainer.train_steps(2)
+    if trainer.compute.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    loss, tokens, _ = trainer.train_steps(spec["steps"])
+    if trainer.compute.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    return {
+        "params_m": round(sum(p.numel() for _, p in trainer.named_parameters()) / 1e6, 2),
+        "vocab": data.vocab_size,
+        "device": str(trainer.compute.device),
+        "tokens_per_s": round(tokens / seconds),
+        "loss": round(loss, 3),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "cuda_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20) if trainer.compute.device.type == "cuda" else "",
+        "corpus_tokens": data.num_tokens,
+        "streamed": data.streamed,
+    }
+
+
+def _measure(spec: dict) -> dict:
+    done = subprocess.run([sys.executable, "-m", "dilocox.bench.train", json.dumps(spec)], capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _prepared(text_path: pathlib.Path, target_bytes: int, folder: pathlib.Path) -> pathlib.Path:
+    """A byte-level prepared token folder of about `target_bytes`, made from `text_path` repeated."""
+    from dilocox.worker.data.prepare import prepare_tokens
+    from dilocox.worker.data.tokenizer import ByteTokenizer
+
+    text = text_path.read_bytes()
+    source = folder / f"text-{target_bytes}.txt"
+    with source.open("wb") as f:
+        for _ in range(max(1, -(-target_bytes // len(text)))):
+            f.write(text)
+    out = folder / f"tokens-{target_bytes}"
+    prepare_tokens(source, ByteTokenizer(), out)
+    source.unlink()
+    return out
+
+
+def run(args: argparse.Namespace, out_dir) -> str:
+    from dilocox.bench.report import write_report
+    from dilocox.worker.data.sources import default_corpus_path
+
+    base = {"device": args.device, "steps": args.steps, "batch_size": args.batch_size, "block_size": args.block_size,
+            "threads": args.threads, "data": args.data}  # fmt: skip
+    rows = []
+    for item in [r for r in args.models.split(",") if r]:
+        model, _, tokenizer = item.partition(":")
+        for precision in [p for p in args.precisions.split(",") if p]:
+            result = _measure({**base, "model": model, "tokenizer": tokenizer or "byte", "precision": precision})
+            rows.append({"model": model, "tokenizer": tokenizer or "byte", "precision": precision, **result})
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    stream_rows = []
+    if args.stream_mb > 0:
+        text = pathlib.Path(args.data) if args.data else default_corpus_path()
+        with tempfile.TemporaryDirectory(prefix="dilocox-bench-train-") as tmp:
+            for size in (1 << 20, args.stream_mb << 20):
+                started = time.perf_counter()
+                folder = _prepared(text, size, pathlib.Path(tmp))
+                prepare_s = time.perf_counter() - started
+                result = _measure({**base, "model": "gpt", "tokenizer": "byte", "precision": "fp32", "data": str(folder)})
+                stream_rows.append({"token_file_mb": round(size / 2**20), "prepare_s": round(prepare_s, 1), **result})
+                print(json.dumps(stream_rows[-1]), file=sys.stderr)
+    notes = (f"{args.steps} timed inner steps after 2 warm-up, batch {args.batch_size} × block {args.block_size}, "
+             f"device {args.device}, {os.cpu_count()} CPU cores, torch threads {args.threads or 'default'}. "
+             "bf16 is autocast (weights and optimiser state fp32). Peak RSS is the child process's maximum resident set.\n")  # fmt: skip
+    if stream_rows:
+        delta = stream_rows[-1].get("peak_rss_mb", 0) - stream_rows[0].get("peak_rss_mb", 0)
+        notes += ("\n## Streaming a large prepared token file\n\nThe built-in GPT trained from a prepared "
+                  "token file of each size (byte-level, the corpus repeated):\n\n")
+        from dilocox.bench.report import markdown_table
+
+        notes += markdown_table(stream_rows, ["token_file_mb", "corpus_tokens", "streamed", "tokens_per_s", "peak_rss_mb", "prepare_s"])
+        notes += f"\n\nPeak RSS with the {stream_rows[-1]['token_file_mb']} MB file minus the 1 MB file: {delta} MB.\n"
+    columns = ["model", "tokenizer", "precision", "params_m", "vocab", "device", "tokens_per_s", "peak_rss_mb", "cuda_peak_mb", "loss"]
+    if any("error" in r for r in rows):
+        columns.append("error")
+    return write_report(out_dir, "train", "Trainer throughput and memory per model and precision", rows, columns, notes,
+                        {"args": vars(args), "stream": stream_rows})  # fmt: skip
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))
