@@ -27,7 +27,7 @@ from dilocox.worker.models.spec import ModelSpecError
 from dilocox.worker.train.device import DeviceError
 from dilocox.worker.train.distributed_cluster import DistributedContext, relaunch_with_torchrun, stage_sizes, under_torchrun
 from dilocox.worker.train.inner_trainer import InnerTrainer
-from dilocox.worker.train.pipeline_stage import PipelineSplitError
+from dilocox.worker.train.pipeline_stage import PipelineSplitError, check_splittable
 from dilocox.worker.local_checkpoint import WorkerCheckpoint
 from dilocox.worker.progress import chain, progress_for
 
@@ -67,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.cluster_index < args.num_clusters:
         raise SystemExit(f"dilocox worker: --cluster-index {args.cluster_index} outside [0, {args.num_clusters})")
     parallel = config.parallel.world_size > 1
+    try:
+        check_splittable(config.model, config.parallel.pp)  # before a torchrun job is started for nothing
+    except (ModelSpecError, PipelineSplitError) as error:
+        raise SystemExit(f"dilocox worker: {error}") from None
     if parallel and not under_torchrun():
         relaunch_with_torchrun(config.parallel.world_size)  # does not return
     if args.threads > 0:

@@ -31,11 +31,15 @@ def build_model(config: ModelConfig, vocab_size: int, seed: int) -> nn.Module:
     return model
 
 
+def meta_model(config: ModelConfig, vocab_size: int) -> nn.Module:
+    """The model's structure on the meta device: names, shapes and modules, no memory and no init."""
+    with torch.device("meta"):
+        return _construct(resolve_model(config.model), config, vocab_size)
+
+
 def model_param_specs(config: ModelConfig, vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every parameter of the whole model, built on the meta device: no memory."""
-    with torch.device("meta"):
-        model = _construct(resolve_model(config.model), config, vocab_size)
-    return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    return [(name, tuple(p.shape)) for name, p in meta_model(config, vocab_size).named_parameters()]
 
 
 def _construct(spec: ModelSpec, config: ModelConfig, vocab_size: int) -> nn.Module:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dilocox.common.config.run import ModelConfig
-from dilocox.worker.models.build import build_model
+from dilocox.worker.models.build import build_model, meta_model
 from dilocox.worker.models.gpt import GPT
 from dilocox.worker.models.hf import ties_embeddings
 
@@ -146,3 +146,10 @@ def build_stage(config: ModelConfig, vocab_size: int, seed: int, stage: int, num
     seed), the stage keeps its own modules, and the rest is dropped before training starts.
     """
     return split_model(build_model(config, vocab_size, seed), stage, num_stages)
+
+
+def check_splittable(config: ModelConfig, num_stages: int) -> None:
+    """Refuse (PipelineSplitError) a model `--pp num_stages` cannot split, from its structure on the meta
+    device: before any weights are made or a torchrun job is started for it."""
+    if num_stages > 1:
+        split_model(meta_model(config, vocab_size=1), 0, num_stages)
