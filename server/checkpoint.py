@@ -101,19 +101,52 @@ def restore(shard: Shard, state: dict) -> None:
 
 
 class Checkpointer:
-    """Saves every `every` versions (as `Shard.on_publish`) and on demand (SIGTERM)."""
+    """Saves every `every` versions (as `Shard.on_publish`) and on demand (SIGTERM), keeping the last
+    `keep` versions (`shard-<i>.pt` and `shard-<i>.v<version>.pt`), and never replaces a checkpoint by
+    an older or emptier one: a restarted shard that somehow holds less than its folder keeps its hands off."""
 
-    def __init__(self, shard: Shard, directory: str | os.PathLike, every: int = 1) -> None:
+    def __init__(self, shard: Shard, directory: str | os.PathLike, every: int = 1, keep: int = 3) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be ≥ 1 round, got {every}")
+        if keep < 1:
+            raise ValueError(f"checkpoints to keep must be ≥ 1, got {keep}")
         self.shard = shard
-        self.directory = directory
+        self.directory = pathlib.Path(directory)
         self.every = every
+        self.keep = keep
+        self.written_version = shard.version if checkpoint_path(directory, shard.shard_index).exists() else None
 
     def __call__(self, snapshot: Snapshot) -> None:
         if snapshot.version % self.every == 0:
-            save(self.shard, self.directory)
+            self._write()
 
     def save_now(self) -> None:
         with self.shard._cond:
-            save(self.shard, self.directory)
+            self._write()
+
+    def _write(self) -> None:
+        version, index = self.shard.version, self.shard.shard_index
+        if self.written_version is not None and version <= self.written_version:
+            if version < self.written_version or self.shard.snapshot is None:
+                log.warning("checkpoint_not_replaced", shard=index, version=version, kept_version=self.written_version,
+                            reason="the checkpoint on disk is newer")  # fmt: skip
+                return
+        path = checkpoint_path(self.directory, index)
+        if self.written_version is not None and self.written_version != version and path.exists() and self.keep > 1:
+            os.replace(path, self.directory / f"shard-{index}.v{self.written_version}.pt")
+            older = sorted(self.directory.glob(f"shard-{index}.v*.pt"), key=lambda p: int(p.stem.rsplit(".v", 1)[1]))
+            for stale in older[: max(0, len(older) - (self.keep - 1))]:
+                stale.unlink()
+        save(self.shard, self.directory)
+        self.written_version = version
+
+
+def move_aside(directory: str | os.PathLike, shard_index: int) -> pathlib.Path:
+    """`--fresh`: this shard's checkpoints (current and kept versions) into a dated folder beside them."""
+    import time
+
+    folder = pathlib.Path(directory) / time.strftime(f"replaced-shard-{shard_index}-%Y%m%d-%H%M%S")
+    folder.mkdir(parents=True, exist_ok=False)
+    for file in pathlib.Path(directory).glob(f"shard-{shard_index}.*pt"):
+        os.replace(file, folder / file.name)
+    return folder

@@ -90,13 +90,15 @@ def start_server(
         bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
+    shard.closing = False  # a shard served again after a stop (tests restart one in-process)
     server.start()
     stop_timer = shard.start_deadline_timer()
     mark_serving(health_service)  # listening, and any resumed state is already restored
     server_stop = server.stop
 
-    def stop(grace):  # health turns NOT_SERVING first, and the deadline timer ends with the server
+    def stop(grace):  # health turns NOT_SERVING first, held pulls are answered, the deadline timer ends
         mark_shutting_down(health_service)
+        shard.close()
         stop_timer.set()
         return server_stop(grace)
 

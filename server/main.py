@@ -40,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="write shard-<index>.pt here (atomically)")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every k published versions (default 1)")
+    parser.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept: this version and earlier ones (default 3)")
     parser.add_argument("--resume", action="store_true", help="restart from the checkpoint in --checkpoint-dir")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start a new run over a --checkpoint-dir that holds one: move the old checkpoints aside first")
     parser.add_argument(
         "--added-latency-ms", type=float, default=0.0,
         help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
@@ -48,6 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
     add_metrics_arguments(parser, default_host=None)
     add_security_arguments(parser, "server")
+
+
+def _describe(path: pathlib.Path) -> str:
+    try:
+        state = checkpoint.load(path)
+    except Exception as error:  # noqa: BLE001 - unreadable: still not ours to overwrite
+        return f"a checkpoint that cannot be read ({error})"
+    version = state["snapshot"]["version"] if state.get("snapshot") else -1
+    return f"run {state.get('run_id')!r} at version {version}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,8 +83,15 @@ def run(args: argparse.Namespace) -> int:
     checkpointer = None
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("dilocox server: --resume needs --checkpoint-dir")
+    if args.resume and args.fresh:
+        raise SystemExit("dilocox server: --resume and --fresh exclude each other")
     if args.checkpoint_dir:
         path = checkpoint.checkpoint_path(args.checkpoint_dir, args.shard_index)
+        if path.is_file() and not args.resume:
+            if not args.fresh:
+                raise SystemExit(f"dilocox server: {path} holds {_describe(path)}: restart with --resume to continue it, or "
+                                 "--fresh to move it aside and start a new run (starting empty would overwrite it)")  # fmt: skip
+            log.warning("checkpoints_moved_aside", shard=args.shard_index, to=str(checkpoint.move_aside(args.checkpoint_dir, args.shard_index)))
         if args.resume:
             if not path.is_file():
                 raise SystemExit(f"dilocox server: --resume: no checkpoint at {path}")
@@ -81,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             except (ValueError, KeyError) as error:
                 raise SystemExit(f"dilocox server: cannot resume from {path}: {error}") from None
         try:
-            checkpointer = checkpoint.Checkpointer(shard, args.checkpoint_dir, args.checkpoint_every)
+            checkpointer = checkpoint.Checkpointer(shard, args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep)
         except ValueError as error:
             raise SystemExit(f"dilocox server: {error}") from None
         shard.on_publish = checkpointer

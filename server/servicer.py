@@ -89,6 +89,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), bytes(u.payload))
                 for u in assemble_units(chunks(), vet, self.shard.slice_map.entries)
             ]
+            if not pushed:
+                raise InvalidFrame("a push must carry at least one slice after its PushHeader")
             result = self.shard.commit_push(header.cluster, header.round, header.weight, pushed, bytes_in=received)
         except DilocoxError as error:
             _abort(context, error)

@@ -30,6 +30,7 @@ from dilocox.common.wire.errors import (
     NotJoined,
     NotReady,
     RoundNotOpen,
+    ShuttingDown,
     ShapeMismatch,
     UnknownSlice,
     WrongRun,
@@ -130,6 +131,7 @@ class Shard:
         self.last_round: RoundStats | None = None  # set just before the round's version is published
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None
+        self.closing = False  # set by close(): held pulls return at once
 
     # ------------------------------------------------------------------ membership
     def join(
@@ -342,13 +344,26 @@ class Shard:
         with self._cond:
             if not observer and cluster not in self.members:
                 raise NotJoined(f"cluster {cluster!r} has not joined shard {self.shard_index}")
-            ready = self._cond.wait_for(lambda: self.snapshot is not None and self.snapshot.version >= min_version, timeout)
+
+            def have() -> bool:
+                return self.snapshot is not None and self.snapshot.version >= min_version
+
+            ready = self._cond.wait_for(lambda: have() or self.closing, timeout)
+            if self.closing and not have():
+                raise ShuttingDown(f"shard {self.shard_index} is shutting down; retry")
             if not ready:
                 raise NotReady(
                     f"shard {self.shard_index} holds version {self.version}, not {min_version}, after waiting {timeout:.1f}s"
                 )
             assert self.snapshot is not None
             return self.snapshot
+
+    def close(self) -> None:
+        """Stopping: every held pull is answered now (UNAVAILABLE, which clients retry) instead of at the
+        end of its wait, so SIGTERM does not keep the process alive for a pull's 30 s."""
+        with self._cond:
+            self.closing = True
+            self._cond.notify_all()
 
     # ------------------------------------------------------------------ status
     @property

@@ -72,3 +72,9 @@ class NotReady(DilocoxError):
     """The requested weights do not exist yet within the wait the client allowed."""
 
     status = "DEADLINE_EXCEEDED"
+
+
+class ShuttingDown(DilocoxError):
+    """The shard is stopping (SIGTERM): retry, the same shard or its successor will answer."""
+
+    status = "UNAVAILABLE"
