@@ -26,6 +26,7 @@ from dilocox.common.config.run import RunConfig, add_config_arguments, config_fl
 from dilocox.common.logs import configure_logging
 from dilocox.common.deploy.certs import make_dev_certificates
 from dilocox.worker.data.sources import CorpusError
+from dilocox.worker.data.token_data import add_data_arguments
 from dilocox.worker.data.tokenizer import TokenizerError, resolve_tokenizer
 
 log = structlog.get_logger()
@@ -34,9 +35,7 @@ log = structlog.get_logger()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=2, help="aggregation shard processes (default 2)")
     parser.add_argument("--clusters", type=int, default=2, help="cluster processes, each on its own data shard (default 2)")
-    parser.add_argument("--data", help="a folder made by `dilocox data prepare`, or a text file, folder, .jsonl or .parquet "
-                        "(default: the bundled tinyshakespeare)")
-    parser.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column (default text)")
+    add_data_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per cluster process (default 1)")
     parser.add_argument("--log-dir", type=pathlib.Path, help="keep every process's log here (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")

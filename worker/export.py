@@ -39,6 +39,7 @@ from dilocox.common.wire.errors import DilocoxError
 from dilocox.common.wire.framing import SliceKey, assemble_units
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+from dilocox.worker.data.token_data import add_data_arguments
 
 EXPORT_FORMAT = "dilocox-export"
 
@@ -257,8 +258,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--checkpoints", help="comma-separated shard checkpoint files or folders (offline)")
     parser.add_argument("--run-id", default=RunConfig().run_id, help=f"the run's id, for --servers (default {RunConfig().run_id})")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per shard call (default 120)")
-    parser.add_argument("--data", help="the run's data: finds its BPE tokenizer to include, and the eval split for --eval")
-    parser.add_argument("--text-field", default="text", help="text field of .jsonl / .parquet data (default text)")
+    add_data_arguments(parser, "the run's data: finds its BPE tokenizer to include, and the eval split for --eval")
     parser.add_argument("--model", help="where the run's --model (a config.json path) is on this machine, if elsewhere")
     parser.add_argument("--eval", action="store_true", help="then report the exported model's loss on the run's eval split")
     add_security_arguments(parser, "worker")

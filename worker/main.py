@@ -20,7 +20,7 @@ from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.exchange.cluster import DilocoCluster
 from dilocox.worker.data.sources import CorpusError
-from dilocox.worker.data.token_data import load_run_data
+from dilocox.worker.data.token_data import add_data_arguments, load_run_data
 from dilocox.worker.data.tokenizer import TokenizerError
 from dilocox.worker.models.build import model_param_specs
 from dilocox.worker.models.spec import ModelSpecError
@@ -41,9 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", help="this cluster's name, unique in the run (default cluster-<index>)")
     parser.add_argument("--cluster-index", type=int, default=0, help="which data shard this cluster trains on (default 0)")
     parser.add_argument("--num-clusters", type=int, default=1, help="how many data shards the corpus is cut into (default 1)")
-    parser.add_argument("--data", help="a folder made by `dilocox data prepare` (streamed from disk), or a text file, folder, "
-                        ".jsonl or .parquet tokenised at start-up (default: the bundled tinyshakespeare)")
-    parser.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column (default text)")
+    add_data_arguments(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save this rank's local state here after rounds")

@@ -9,6 +9,7 @@ few hundred MB at most.
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 from dataclasses import dataclass
@@ -98,3 +99,10 @@ def load_token_data(path: str | os.PathLike | None, tokenizer: Tokenizer, text_f
 def load_run_data(tokenizer_spec: str, path: str | os.PathLike | None, text_field: str = "text") -> TokenData:
     """A worker's data: the run's tokenizer (trained or found in the cache for `bpe:VOCAB`), then its tokens."""
     return load_token_data(path, resolve_tokenizer(tokenizer_spec, path, text_field), text_field)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, data_help: str | None = None) -> None:
+    """`--data` and `--text-field`, as every command that reads a run's data takes them."""
+    parser.add_argument("--data", help=data_help or "a folder made by `dilocox data prepare` (streamed from disk), or a text "
+                        "file, folder, .jsonl or .parquet tokenised at start-up (default: the bundled tinyshakespeare)")  # fmt: skip
+    parser.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column (default text)")
