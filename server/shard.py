@@ -24,6 +24,7 @@ import torch
 
 from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices, model_digest, slices_of_shard
+from dilocox.common.config.run import final_version_of
 from dilocox.common.wire.errors import (
     InvalidFrame,
     ModelMismatch,
@@ -370,9 +371,15 @@ class Shard:
     def num_elements(self) -> int:
         return sum(s.numel for s in self.owned.values())
 
+    @property
+    def final_version(self) -> int | None:
+        """The run's last version, from the run configuration its first cluster sent; None if unknown."""
+        return final_version_of(self.run_config_json)
+
     def status(self) -> dict:
         with self._cond:
             acc = self.accumulator if self.accumulator and self.accumulator.round == self.open_round else None
+            final = self.final_version
             return {
                 "run_id": self.run_id,
                 "shard_index": self.shard_index,
@@ -386,9 +393,11 @@ class Shard:
                 "bytes_out": self.bytes_out,
                 "initialised": self.snapshot is not None,
                 "min_clusters": self.min_clusters,
-                "state": "uninitialised" if self.snapshot is None else ("collecting" if acc and acc.contributions else "waiting"),
+                "state": "uninitialised" if self.snapshot is None else (
+                    "finished" if final is not None and self.version >= final else ("collecting" if acc and acc.contributions else "waiting")),
                 "last_round_seconds": self.last_round.latency_s if self.last_round else 0.0,
                 "last_round_closed_at": self.last_round.closed_at if self.last_round else 0.0,
+                "final_version": -1 if final is None else final,
             }
 
     def add_bytes_out(self, n: int) -> None:

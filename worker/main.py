@@ -18,7 +18,7 @@ from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.worker.exchange.cluster import DilocoCluster
+from dilocox.worker.exchange.cluster import DilocoCluster, RunFinished
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments, load_run_data
 from dilocox.worker.data.tokenizer import TokenizerError
@@ -134,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     except AggregatorError as error:
         log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
         return 2
+    except RunFinished as error:
+        log.error("run_finished", cluster=cluster, reason=str(error))
+        return 3
     finally:
         if metrics_server is not None:
             metrics_server.close()

@@ -46,6 +46,7 @@ def shard_record(address: str, reply) -> dict:  # noqa: ANN001 - a StatusReply o
         "last_round_closed_at": reply.last_round_closed_at,
         "bytes_in": reply.bytes_in,
         "bytes_out": reply.bytes_out,
+        "final_version": reply.final_version if reply.final_version >= 0 else None,
     }
 
 
@@ -85,6 +86,9 @@ def format_table(records: list[dict], now: float | None = None) -> str:
     runs = sorted({r["run_id"] for r in records if "run_id" in r})
     if len(runs) > 1:
         lines.append(f"warning: the shards serve different runs: {runs}")
+    if records and all(r["state"] == "finished" for r in records):
+        lines.append(f"run {runs[0]} finished at version {records[0]['version']}: get its model with "
+                     "`dilocox export --servers <these shards> --run-id <run> --out DIR`")  # fmt: skip
     return "\n".join(lines)
 
 

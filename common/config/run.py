@@ -153,6 +153,14 @@ class RunConfig:
     compress: CompressionConfig = field(default_factory=CompressionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    @property
+    def final_version(self) -> int:
+        """The global version a run ends on: one per round, plus the end-of-run flush of the residuals
+        where the clusters keep them locally (worker/exchange/cluster.py, docs/decisions.md)."""
+        c = self.compress
+        flushes = c.codec != "fp32" and c.error_feedback and c.local_residual and c.flush_codec != "none"
+        return self.rounds + (1 if flushes else 0)
+
     def __post_init__(self) -> None:
         if self.delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {self.delay}")
@@ -286,3 +294,11 @@ def config_flags(config: RunConfig) -> list[str]:
         argv += [flag, str(value)]
     return argv
 
+
+def final_version_of(run_config_json: str) -> int | None:
+    """The final version of a run recorded as JSON (the first cluster's, on the shards); None if unknown."""
+    try:
+        data = json.loads(run_config_json or "{}")
+        return from_dict(data).final_version if data else None
+    except (ValueError, TypeError):
+        return None

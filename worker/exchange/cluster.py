@@ -35,6 +35,7 @@ import grpc
 import structlog
 import torch
 
+from dilocox.common.config.run import final_version_of
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.adaptive_steps import StepsController
@@ -74,6 +75,10 @@ class RoundReport:
 def slice_tensors(slices: list[ParamSlice], full: dict[str, torch.Tensor]) -> dict[SliceKey, torch.Tensor]:
     """Cut full tensors into the assignment's slices (views, no copies)."""
     return {s.key: s.view(full[s.name]) for s in slices if s.name in full}
+
+
+class RunFinished(RuntimeError):
+    """The shards already hold the run's final version: a cluster that starts now has nothing to train."""
 
 
 class DilocoCluster:
@@ -166,6 +171,13 @@ class DilocoCluster:
     def start(self) -> int:
         """Join, seed uninitialised shards, adopt the current global weights; returns the first round to train."""
         info = self.client.join(self.model_specs, self.run_config_json)
+        final = final_version_of(info.run_config_json)
+        if final is not None and min(info.versions) >= final and getattr(self.trainer, "step", 0) == 0:
+            raise RunFinished(
+                f"run {self.client.run_id!r} has finished: the shards hold its final version {min(info.versions)} "
+                f"({final} = its rounds and the end-of-run flush), so this cluster would train nothing. Get the model "
+                "with `dilocox export`, or start a new run (another --run-id, fresh shards)"
+            )
         owned = set(self.owned_names)
         self.slices = [s for s in info.assignment if s.name in owned]
         if info.needs_init:

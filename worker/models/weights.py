@@ -20,7 +20,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     try:
         from safetensors.torch import load_file
     except ImportError:
-        raise ModelSpecError("--weights needs the safetensors package: pip install 'dilocox[models]'") from None
+        raise ModelSpecError("--weights needs the safetensors package: pip install safetensors") from None
     try:
         state = load_file(str(file))
     except Exception as error:  # noqa: BLE001 - safetensors raises its own error types for a bad header
