@@ -129,7 +129,7 @@ def run_diloco(links: Links, mode: Mode, config: RunConfig, options: RunOptions,
                 "server", "--num-shards", str(shards), "--shard-index", str(i), "--host", "127.0.0.1", "--port", "0",
                 "--port-file", str(port_file), "--run-id", config.run_id, "--outer-lr", str(config.outer.lr),
                 "--outer-momentum", str(config.outer.momentum), "--min-clusters", str(sites), "--round-deadline-s", "0",
-                "--log-format", "json", "--insecure",
+                "--keep-serving", "--log-format", "json", "--insecure",
             )  # fmt: skip
             shard_procs.append(ChildProcess(f"{mode.name}-shard{i}", links.hub_argv(argv), work / f"{mode.name}-shard{i}.log", env=child_env(1)))
             ports.append((i, port_file))

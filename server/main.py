@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="write shard-<index>.pt here (atomically)")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every k published versions (default 1)")
+    parser.add_argument("--keep-serving", action="store_true",
+                        help="keep serving after the run's end (default: exit once every cluster has pulled the final version)")
     parser.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept: this version and earlier ones (default 3)")
     parser.add_argument("--resume", action="store_true", help="restart from the checkpoint in --checkpoint-dir")
     parser.add_argument("--fresh", action="store_true",
@@ -125,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if not args.keep_serving:
+        def on_finished() -> None:
+            log.info("shard_stopping", shard=args.shard_index, reason="every cluster holds the run's final version")
+            stop.set()
+
+        shard.on_finished = on_finished
     stop.wait()
     server.stop(grace=2.0).wait()
     if metrics_server is not None:

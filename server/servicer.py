@@ -123,6 +123,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             sent += chunk.ByteSize()
             yield chunk
         self.shard.add_bytes_out(sent)
+        if not request.observer:  # this much of this version is now at the cluster
+            self.shard.note_pulled(request.cluster, snapshot.version, names)
 
     def _forward_contributions(self, snapshot: Snapshot, keys: list, request: pb.PullRequest) -> bool:
         """Send the round's contributions (the cluster replays the step) when it holds the previous

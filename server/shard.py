@@ -133,6 +133,10 @@ class Shard:
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None
         self.closing = False  # set by close(): held pulls return at once
+        # Clusters that have pulled the run's final version; once every member has, `on_finished` runs
+        # (`dilocox server` stops itself then, unless --keep-serving).
+        self.pulled_final: dict[str, set[str]] = {}  # cluster -> names of owned slices it pulled at the final version
+        self.on_finished: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ membership
     def join(
@@ -358,6 +362,20 @@ class Shard:
                 )
             assert self.snapshot is not None
             return self.snapshot
+
+    def note_pulled(self, cluster: str, version: int, names: Iterable[str]) -> None:
+        """A member received `version` of `names` (a pipeline's ranks each pull their share); the run is
+        over for this shard once every member holds the final version of every slice it owns."""
+        final = self.final_version
+        with self._cond:
+            if final is None or version < final or cluster not in self.members:
+                return
+            owned = {key.name for key in self.owned}
+            self.pulled_final.setdefault(cluster, set()).update(set(names) or owned)
+            done = all(owned <= self.pulled_final.get(member, set()) for member in self.members)
+        if done and self.on_finished is not None:
+            log.info("run_finished", shard=self.shard_index, version=version, clusters=sorted(self.members))
+            self.on_finished()
 
     def close(self) -> None:
         """Stopping: every held pull is answered now (UNAVAILABLE, which clients retry) instead of at the

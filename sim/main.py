@@ -112,7 +112,7 @@ class Simulation:
                 "--port-file", str(port_file), "--run-id", self.config.run_id,
                 "--outer-lr", str(self.config.outer.lr), "--outer-momentum", str(self.config.outer.momentum),
                 "--min-clusters", str(self.args.clusters), "--round-deadline-s", str(self.args.round_deadline_s),
-                "--log-format", "json", *self.server_security,
+                "--keep-serving", "--log-format", "json", *self.server_security,  # the sim exports, then stops them
             )  # fmt: skip
             with (self.log_dir / f"shard-{i}.log").open("w") as out:
                 self.shards.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))

@@ -48,3 +48,46 @@ def test_status_says_finished_and_a_late_site_is_told_the_run_is_over(tmp_path):
     late = seen["late"]
     assert late.returncode == 3, late.stderr[-3000:]
     assert "has finished: the shards hold its final version 3" in late.stderr and "dilocox export" in late.stderr
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_shards_exit_by_themselves_once_every_cluster_holds_the_final_version(tmp_path):
+    """Real processes: one shard without --keep-serving, two sites of 2 rounds; the shard stops (exit 0,
+    a last checkpoint) as soon as both sites have pulled the final version (2 rounds + the flush)."""
+    import json
+    import time
+
+    cli = [sys.executable, "-m", "dilocox.common.cli"]
+    port = _free_port()
+    shard = subprocess.Popen([*cli, "server", "--port", str(port), "--run-id", RUN, "--min-clusters", "2", "--round-deadline-s", "0",
+                              "--checkpoint-dir", str(tmp_path), "--log-format", "json", "--insecure"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    sites = [subprocess.Popen([*cli, "worker", "--servers", f"127.0.0.1:{port}", "--run-id", RUN, "--cluster", f"site-{i}",
+                               "--cluster-index", str(i), "--num-clusters", "2", "--insecure", "--rounds", "2", "--n-layer", "1",
+                               "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4", "--inner-steps", "3",
+                               "--eval-batches", "1", "--threads", "1", "--log-format", "json"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]  # fmt: skip
+    try:
+        for site in sites:
+            _, err = site.communicate(timeout=240)
+            assert site.returncode == 0, err[-3000:]
+        done_at = time.monotonic()
+        _, shard_log = shard.communicate(timeout=60)
+        assert shard.returncode == 0 and time.monotonic() - done_at < 30
+    finally:
+        for proc in [*sites, shard]:
+            if proc.poll() is None:
+                proc.kill()
+    events = [json.loads(line) for line in shard_log.splitlines() if line.startswith("{")]
+    finished = [e for e in events if e["event"] == "run_finished"]
+    assert finished and finished[0]["version"] == 3 and finished[0]["clusters"] == ["site-0", "site-1"]
+    from dilocox.server import checkpoint
+
+    assert checkpoint.load(tmp_path / "shard-0.pt")["snapshot"]["version"] == 3

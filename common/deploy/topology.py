@@ -89,6 +89,7 @@ def shard_command(topology: Topology, index: int, placement: Placement, checkpoi
         "--min-clusters", str(topology.min_clusters), "--round-deadline-s", f"{topology.round_deadline_s:g}",
         "--added-latency-ms", f"{topology.wan_latency_ms:g}",
         "--metrics-port", str(placement.metrics_port(topology, index)),
+        "--keep-serving",  # the compose check and the plain-process run read the shards after the sites end
         "--log-format", "json", "--insecure",
     ]  # fmt: skip
     directory = CHECKPOINT_DIR if placement.compose else checkpoint_dir
