@@ -40,6 +40,7 @@ def shard_state(shard: Shard) -> dict:
         "param_specs": shard.param_specs,
         "run_config_json": shard.run_config_json,
         "members": dict(shard.members),
+        "known": sorted(shard.known),
         "initialiser": shard.initialiser,
         "outer": {"lr": shard.optimizer.lr, "momentum": shard.optimizer.momentum},
         "snapshot": None
@@ -80,6 +81,7 @@ def restore(shard: Shard, state: dict) -> None:
         shard.use_assignment(shard.param_specs)
     shard.run_config_json = state["run_config_json"]
     shard.members = dict(state["members"])
+    shard.known = set(state.get("known", shard.members))  # checkpoints from before the field: the members
     shard.initialiser = state["initialiser"]
     shard.optimizer.lr = state["outer"]["lr"]
     shard.optimizer.momentum = state["outer"]["momentum"]

@@ -61,6 +61,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             run_config_json=result.run_config_json,
             outer_lr=self.shard.optimizer.lr,
             outer_momentum=self.shard.optimizer.momentum,
+            rejoin=result.rejoin,
         )
 
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:

@@ -50,6 +50,7 @@ class JoinResult:
     needs_init: bool
     assignment: list[ParamSlice]
     run_config_json: str
+    rejoin: bool = False
 
 
 @dataclass
@@ -133,6 +134,7 @@ class Shard:
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None
         self.closing = False  # set by close(): held pulls return at once
+        self.known: set[str] = set()  # every cluster that ever joined (members drop the inactive ones)
         # Clusters that have pulled the run's final version; once every member has, `on_finished` runs
         # (`dilocox server` stops itself then, unless --keep-serving).
         self.pulled_final: dict[str, set[str]] = {}  # cluster -> names of owned slices it pulled at the final version
@@ -158,15 +160,16 @@ class Shard:
                     f"model digest {digest[:12]}… does not match this run's {self.digest[:12]}…: "
                     "the cluster's model has different parameter names or shapes"
                 )
-            rejoin = cluster in self.members
+            rejoin = cluster in self.members or cluster in self.known
             self.members[cluster] = time.time()
+            self.known.add(cluster)
             if self.snapshot is None and self.initialiser is None:
                 self.initialiser = cluster
             needs_init = self.snapshot is None and self.initialiser == cluster
             version = self.snapshot.version if self.snapshot else -1
             log.info("cluster_joined", shard=self.shard_index, cluster=cluster, rejoin=rejoin, version=version, initialiser=needs_init)
             self._cond.notify_all()
-            return JoinResult(cluster, version, needs_init, list(self.assignment), self.run_config_json)
+            return JoinResult(cluster, version, needs_init, list(self.assignment), self.run_config_json, rejoin)
 
     def describe(self, run_id: str) -> JoinResult:
         """What a read-only observer (`dilocox export`) needs: the slice map, the run's config and the

@@ -91,3 +91,37 @@ def test_shards_exit_by_themselves_once_every_cluster_holds_the_final_version(tm
     from dilocox.server import checkpoint
 
     assert checkpoint.load(tmp_path / "shard-0.pt")["snapshot"]["version"] == 3
+
+
+def test_late_cluster_new_to_a_run_is_refused_unless_it_asks_to_join_late(shard_set):
+    """A site new to the run arriving after rounds closed says how many rounds it would miss and exits 3;
+    the shard reports a returning cluster as a rejoin, also after the deadline dropped it from the members."""
+    import json
+
+    import torch
+
+    from dilocox.common.config.run import as_dict
+    from dilocox.worker.exchange.aggregator_client import AggregatorClient
+    from dilocox.worker.exchange.cluster import slice_tensors
+    from dilocox.worker.models.build import model_param_specs
+
+    model = ModelConfig(n_layer=1, n_embd=32, block_size=32)
+    config = RunConfig(run_id=RUN, rounds=4, model=model)
+    specs = model_param_specs(model, 256)
+    shards = shard_set(1, RUN)
+    with AggregatorClient(shards.addresses, RUN, "early", retry_s=0) as client:
+        info = client.join(specs, json.dumps(as_dict(config)))
+        assert not info.rejoin
+        weights = {name: torch.zeros(shape) for name, shape in specs}
+        client.push(0, 1.0, slice_tensors(client.assignment, weights))
+        client.push(1, 1.0, slice_tensors(client.assignment, weights))  # round 1 closes: version 1
+    assert shards.shards[0].version == 1
+    flags = ["--run-id", RUN, "--insecure", "--rounds", "4", "--n-layer", "1", "--n-embd", "32", "--block-size", "32",
+             "--inner-batch-size", "4", "--eval-batches", "1", "--log-format", "json"]  # fmt: skip
+    late = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--cluster", "late",
+                           *flags], capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert late.returncode == 3, late.stderr[-3000:]
+    assert "is at version 1" in late.stderr and "would train 3 of its 4 rounds" in late.stderr and "--join-late" in late.stderr
+    del shards.shards[0].members["early"]  # as a missed deadline does
+    with AggregatorClient(shards.addresses, RUN, "early", retry_s=0) as client:
+        assert client.join(specs).rejoin

@@ -18,7 +18,7 @@ from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.worker.exchange.cluster import DilocoCluster, RunFinished
+from dilocox.worker.exchange.cluster import DilocoCluster, LateJoin, RunFinished
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments, load_run_data
 from dilocox.worker.data.tokenizer import TokenizerError
@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save this rank's local state here after rounds")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="save every k rounds (default 1)")
     parser.add_argument("--resume", action="store_true", help="restore the local state from --checkpoint-dir first")
+    parser.add_argument("--join-late", action="store_true",
+                        help="join a run whose first rounds have closed, training only the rounds left (default: refuse, exit 3)")
     add_metrics_arguments(parser, default_host="0.0.0.0")  # served by the cluster's rank 0 only
     add_security_arguments(parser, "worker")
     add_config_arguments(parser)
@@ -129,13 +131,14 @@ def run(args: argparse.Namespace) -> int:
                     configure_logging(args.log_format, stream=progress.log_stream())
                 extra["on_round"] = chain(extra.get("on_round"), progress)
             DilocoCluster(
-                trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config)), **extra
+                trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config)),
+                allow_late_join=args.join_late, **extra,
             ).run()
     except AggregatorError as error:
         log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
         return 2
-    except RunFinished as error:
-        log.error("run_finished", cluster=cluster, reason=str(error))
+    except (RunFinished, LateJoin) as error:
+        log.error("run_finished" if isinstance(error, RunFinished) else "late_join_refused", cluster=cluster, reason=str(error))
         return 3
     finally:
         if metrics_server is not None:

@@ -110,7 +110,9 @@ def site_commands(topology: Topology, index: int, placement: Placement) -> list[
         "--n-layer", str(topology.n_layer), "--n-embd", str(topology.n_embd),
         "--block-size", str(topology.block_size), "--inner-batch-size", str(topology.inner_batch_size),
         "--threads", "1", "--metrics-port", str(placement.metrics_port(topology, topology.num_shards + index)),
-        "--log-format", "json", "--insecure", *topology.extra_worker_flags,
+        "--log-format", "json", "--insecure",
+        "--join-late",  # with --min-clusters 1 the first site up may close rounds before the other joins
+        *topology.extra_worker_flags,
     ]  # fmt: skip
     if not placement.compose:
         return [worker]

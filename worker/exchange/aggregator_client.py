@@ -63,6 +63,7 @@ class JoinInfo:
     run_config_json: str
     outer_lr: float
     outer_momentum: float
+    rejoin: bool = False  # this cluster had joined the run before
 
 
 @dataclass
@@ -170,6 +171,7 @@ class AggregatorClient:
             run_config_json=first.run_config_json,
             outer_lr=first.outer_lr,
             outer_momentum=first.outer_momentum,
+            rejoin=any(r.rejoin for r in replies),
         )
 
     # ------------------------------------------------------------------ push

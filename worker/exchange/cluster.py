@@ -81,6 +81,10 @@ class RunFinished(RuntimeError):
     """The shards already hold the run's final version: a cluster that starts now has nothing to train."""
 
 
+class LateJoin(RuntimeError):
+    """A cluster new to the run arrives after rounds have closed: it would train fewer than it asked for."""
+
+
 class DilocoCluster:
     def __init__(
         self,
@@ -97,8 +101,11 @@ class DilocoCluster:
         checkpoint: WorkerCheckpoint | None = None,
         steps_controller: StepsController | None = None,
         on_round: Callable[[RoundReport, int, int], None] | None = None,
+        allow_late_join: bool = True,
     ) -> None:
         """`model_specs`: the whole model's (name, shape) list, when this rank holds only a stage of it.
+        `allow_late_join=False`: a cluster new to the run refuses to start once rounds have closed
+        (it would train fewer rounds than asked for); a cluster rejoining, or resumed, always may.
         `owned_names`: the parameters this rank pushes and pulls (its replica's share of the stage).
         `peer_sync`: fills in the global weights of the stage's other names from the replicas that
         pulled them (a broadcast over the stage's data-parallel group).
@@ -107,6 +114,7 @@ class DilocoCluster:
             raise ValueError(f"delay must be 0 or 1, got {delay}")
         self.trainer = trainer
         self.client = client
+        self.allow_late_join = allow_late_join
         self.rounds = rounds
         self.inner_steps = inner_steps
         self.delay = delay
@@ -177,6 +185,13 @@ class DilocoCluster:
                 f"run {self.client.run_id!r} has finished: the shards hold its final version {min(info.versions)} "
                 f"({final} = its rounds and the end-of-run flush), so this cluster would train nothing. Get the model "
                 "with `dilocox export`, or start a new run (another --run-id, fresh shards)"
+            )
+        held, fresh = min(info.versions), getattr(self.trainer, "step", 0) == 0
+        if not self.allow_late_join and not info.rejoin and fresh and held > 0:
+            raise LateJoin(
+                f"run {self.client.run_id!r} is at version {held}: its first {min(held, self.rounds)} rounds have closed, so "
+                f"this site would train {max(0, self.rounds - held)} of its {self.rounds} rounds. Start every site together "
+                "(shards first, --min-clusters = the number of sites), or pass --join-late to join anyway"
             )
         owned = set(self.owned_names)
         self.slices = [s for s in info.assignment if s.name in owned]
