@@ -135,6 +135,8 @@ class Shard:
         self.on_publish: Callable[[Snapshot], None] | None = None
         self.closing = False  # set by close(): held pulls return at once
         self.known: set[str] = set()  # every cluster that ever joined (members drop the inactive ones)
+        self._final_for: str | None = None  # the run configuration `_final_version` was parsed from
+        self._final_version: int | None = None
         # Clusters that have pulled the run's final version; once every member has, `on_finished` runs
         # (`dilocox server` stops itself then, unless --keep-serving).
         self.pulled_final: dict[str, set[str]] = {}  # cluster -> names of owned slices it pulled at the final version
@@ -394,8 +396,11 @@ class Shard:
 
     @property
     def final_version(self) -> int | None:
-        """The run's last version, from the run configuration its first cluster sent; None if unknown."""
-        return final_version_of(self.run_config_json)
+        """The run's last version, from the run configuration its first cluster sent; None if unknown.
+        Parsed once per recorded configuration: every pull asks for it."""
+        if self._final_for != self.run_config_json:
+            self._final_version, self._final_for = final_version_of(self.run_config_json), self.run_config_json
+        return self._final_version
 
     def status(self) -> dict:
         with self._cond:
