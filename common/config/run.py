@@ -157,8 +157,7 @@ class RunConfig:
     def final_version(self) -> int:
         """The global version a run ends on: one per round, plus the end-of-run flush of the residuals
         where the clusters keep them locally (worker/exchange/cluster.py, docs/decisions.md)."""
-        c = self.compress
-        flushes = c.codec != "fp32" and c.error_feedback and c.local_residual and c.flush_codec != "none"
+        flushes = self.compress.codec != "fp32" and self.compress.flushes_residuals  # fp32: no compressor, no residual
         return self.rounds + (1 if flushes else 0)
 
     def __post_init__(self) -> None:
