@@ -3,6 +3,11 @@
 A crash at any point leaves either the previous file or the new one, never a torn mix. Small
 hand-over files (a bound port for a parent process to read) only need the rename: a reader never sees
 them half-written.
+
+A stop signal is held back while a file is written: processes here turn SIGTERM into `sys.exit`, and an
+exception raised inside `torch.save` leaves its zip writer half-closed, which then fails with an
+unrelated error instead of the clean exit the operator asked for. The signal is delivered as soon as the
+file is in place.
 """
 
 from __future__ import annotations
@@ -11,8 +16,38 @@ import contextlib
 import os
 import pathlib
 import shutil
+import signal
 import tempfile
+import threading
 from typing import Iterator
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[None]:
+    """Hold back the Python handlers of SIGTERM and SIGINT while the body runs, then deliver a signal that
+    arrived meanwhile. Python runs signal handlers on the main thread only, so a write from another
+    thread is never interrupted by them and needs nothing. Blocking the signal in the OS is not enough:
+    a process with gRPC threads takes it on another thread and still runs the handler here."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    held = {}
+    for signum in _STOP_SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler):  # SIG_DFL / SIG_IGN end or ignore the process outside Python: nothing to hold
+            held[signum] = handler
+            signal.signal(signum, lambda number, _frame: arrived.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+        if arrived:
+            signal.raise_signal(arrived[0])
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -22,9 +57,9 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with stop_signals_deferred(), os.fdopen(fd, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
@@ -37,11 +72,11 @@ def atomic_torch_save(obj: object, path: str | os.PathLike) -> pathlib.Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with stop_signals_deferred(), os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
