@@ -1,8 +1,8 @@
 """Shard checkpoints: everything a restarted shard needs to serve the same run from the same version.
 
 Saved: the run's identity and model (digest, parameter list → the same assignment), membership, the
-published version with its global weights, the outer momentum, and the contributions that made it (so
-clusters holding the previous version can still replay it). Not saved: the open round's contributions
+run's traffic counters, the published version with its global weights, the outer momentum, and the
+contributions that made it (so clusters holding the previous version can still replay it). Not saved: the open round's contributions
 — clusters re-push after a restart (pushes are idempotent, and the client re-pushes while it waits).
 
 Writes are atomic: a temporary file in the same folder, fsync, then rename; a crash mid-write leaves the
@@ -42,6 +42,9 @@ def shard_state(shard: Shard) -> dict:
         "members": dict(shard.members),
         "known": sorted(shard.known),
         "initialiser": shard.initialiser,
+        # Run totals, so that a restarted shard's bytes_in/out (and their Prometheus counters) go on from
+        # where they were; as of the checkpoint, so traffic after it and before a crash is not counted.
+        "counters": {"bytes_in": shard.bytes_in, "bytes_out": shard.bytes_out, "dropped_bytes": shard.dropped_bytes},
         "outer": {"lr": shard.optimizer.lr, "momentum": shard.optimizer.momentum},
         "snapshot": None
         if snap is None
@@ -83,6 +86,9 @@ def restore(shard: Shard, state: dict) -> None:
     shard.members = dict(state["members"])
     shard.known = set(state.get("known", shard.members))  # checkpoints from before the field: the members
     shard.initialiser = state["initialiser"]
+    counters = state.get("counters", {})  # checkpoints from before the field start at 0
+    shard.bytes_in, shard.bytes_out = counters.get("bytes_in", 0), counters.get("bytes_out", 0)
+    shard.dropped_bytes = counters.get("dropped_bytes", 0)
     shard.optimizer.lr = state["outer"]["lr"]
     shard.optimizer.momentum = state["outer"]["momentum"]
     snap = state["snapshot"]

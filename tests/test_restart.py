@@ -110,14 +110,14 @@ def test_restart_sigterm_during_a_held_pull_exits_within_seconds(tmp_path):
     outcome = {}
     try:
         _wait_listening(port, proc)
-        with AggregatorClient([f"127.0.0.1:{port}"], RUN, "a", retry_s=0) as client:
+        with AggregatorClient([f"127.0.0.1:{port}"], RUN, "a", shard_wait_s=0) as client:
             client.join(PARAMS)
             client.push(0, 1.0, slice_tensors(client.assignment, _tensors(0)))
             channel = grpc.insecure_channel(f"127.0.0.1:{port}")
 
-            def held_pull() -> None:  # waits for version 5, which never comes
+            def held_pull() -> None:  # waits for version 1, which never comes (nobody pushes round 1)
                 try:
-                    list(pb_grpc.AggregatorStub(channel).Pull(pb.PullRequest(run_id=RUN, cluster="a", min_version=5, wait_seconds=30), timeout=60))
+                    list(pb_grpc.AggregatorStub(channel).Pull(pb.PullRequest(run_id=RUN, cluster="a", min_version=1, wait_seconds=30), timeout=60))
                 except grpc.RpcError as error:
                     outcome["code"] = error.code()
 
@@ -140,7 +140,7 @@ def test_restart_sigterm_during_a_held_pull_exits_within_seconds(tmp_path):
 
 def test_restart_empty_push_is_refused(shard_set):
     shards = shard_set(1, RUN)
-    with AggregatorClient(shards.addresses, RUN, "a", retry_s=0) as client:
+    with AggregatorClient(shards.addresses, RUN, "a", shard_wait_s=0) as client:
         client.join(PARAMS)
         client.push(0, 1.0, slice_tensors(client.assignment, _tensors(0)))
     stub = pb_grpc.AggregatorStub(grpc.insecure_channel(shards.addresses[0]))
@@ -149,3 +149,14 @@ def test_restart_empty_push_is_refused(shard_set):
         stub.Push(iter([header]), timeout=10)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least one slice" in refused.value.details()
     assert shards.shards[0].accumulator is None or not shards.shards[0].accumulator.contributions
+
+
+def test_restart_keeps_the_traffic_counters(tmp_path):
+    """bytes_in/bytes_out (and the Prometheus counters read from them) go on across a restart."""
+    shard = _saved_checkpoint(tmp_path)
+    shard.bytes_in, shard.bytes_out, shard.dropped_bytes = 1234, 5678, 90
+    checkpoint.save(shard, tmp_path)
+    restarted = Shard(0, 1, RUN)
+    checkpoint.restore(restarted, checkpoint.load(checkpoint_path(tmp_path, 0)))
+    status = restarted.status()
+    assert (status["bytes_in"], status["bytes_out"], restarted.dropped_bytes) == (1234, 5678, 90)
