@@ -43,6 +43,8 @@ class _ShardStateCollector(Collector):
         yield GaugeMetricFamily("dilocox_owned_elements", "Parameter elements this shard owns", value=status["num_elements"])
         yield CounterMetricFamily("dilocox_bytes_received", "Bytes of pushes received (gRPC message bytes)", value=status["bytes_in"])
         yield CounterMetricFamily("dilocox_bytes_sent", "Bytes of pulls sent (gRPC message bytes)", value=status["bytes_out"])
+        yield CounterMetricFamily("dilocox_dropped_bytes", "Payload bytes of partial contributions a deadline discarded "
+                                  "(their clusters deliver them the next round)", value=self.shard.dropped_bytes)  # fmt: skip
         yield GaugeMetricFamily(
             "dilocox_last_round_close_timestamp_seconds", "Unix time the last round closed (0: none since start)",
             value=status["last_round_closed_at"],

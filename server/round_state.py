@@ -61,12 +61,15 @@ class RoundAccumulator:
                 delivered[cluster] = delivered.get(cluster, 0) + 1
         return {c for c, n in delivered.items() if n == len(owned)}
 
-    def keep_only(self, clusters: set[str]) -> None:
-        """Drop the partial contributions of clusters that did not complete the round."""
+    def keep_only(self, clusters: set[str]) -> int:
+        """Drop the partial contributions of clusters that did not complete the round; returns the payload
+        bytes dropped (those clusters keep what this shard refuses and deliver it next round)."""
+        dropped = 0
         for per_key in self.contributions.values():
             for cluster in [c for c in per_key if c not in clusters]:
-                del per_key[cluster]
+                dropped += len(per_key.pop(cluster).slice.payload)
         self.cluster_weights = {c: w for c, w in self.cluster_weights.items() if c in clusters}
+        return dropped
 
     def mean(self, key: SliceKey) -> torch.Tensor | None:
         """The weighted mean pseudo-gradient of a slice, or None if nobody delivered it."""

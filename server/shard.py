@@ -130,6 +130,7 @@ class Shard:
         self.accumulator: RoundAccumulator | None = None
         self.bytes_in = 0
         self.bytes_out = 0
+        self.dropped_bytes = 0  # partial contributions discarded when a deadline closed a round without them
         self.last_round: RoundStats | None = None  # set just before the round's version is published
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None
@@ -195,6 +196,8 @@ class Shard:
         """Refuse a push before any chunk is read: wrong run, unknown cluster, round not open."""
         self._check_run(run_id)
         with self._cond:
+            if self._included_in_published(cluster, round_):
+                return  # a retry of a push the round was closed with: answered as duplicates
             if cluster not in self.members:
                 raise NotJoined(f"cluster {cluster!r} has not joined shard {self.shard_index}")
             self._check_round(cluster, round_)
@@ -240,6 +243,8 @@ class Shard:
         if len({item.key for item in encoded}) != len(encoded):
             raise InvalidFrame("the same slice appears twice in one push")
         with self._cond:
+            if self._included_in_published(cluster, round_, [item.key for item in encoded]):
+                return PushResult(round_, 0, len(encoded), False)
             self._check_round(cluster, round_)
             self.bytes_in += bytes_in
             if round_ == 0:
@@ -250,6 +255,8 @@ class Shard:
             for item in fresh:
                 acc.add(cluster, weight, item)
             acc.bytes_in += bytes_in
+            log.info("push_accepted", shard=self.shard_index, cluster=cluster, round=round_, slices=len(fresh),
+                     duplicates=len(encoded) - len(fresh), bytes_in=bytes_in)  # fmt: skip
             closed = self._maybe_close_round()
             return PushResult(round_, len(fresh), len(encoded) - len(fresh), closed)
 
@@ -267,6 +274,18 @@ class Shard:
             log.info("initialised", shard=self.shard_index, by=cluster, elements=self.num_elements)
             self._cond.notify_all()
         return PushResult(0, len(fresh), len(slices) - len(fresh), closed)
+
+    def _included_in_published(self, cluster: str, round_: int, keys: Sequence[SliceKey] | None = None) -> bool:
+        """Whether the version just published holds this cluster's contribution for round `round_` (for
+        every one of `keys`, if given). A push whose reply was lost is retried after the round closed;
+        it must be told "duplicate", not "round closed", because a cluster keeps a refused contribution
+        to deliver it next round, and would then deliver it twice."""
+        snapshot = self.snapshot
+        if round_ < 1 or snapshot is None or snapshot.version != round_:
+            return False
+        if keys is None:
+            return any(cluster in per_key for per_key in snapshot.contributions.values())
+        return bool(keys) and all(cluster in snapshot.contributions.get(key, {}) for key in keys)
 
     def _open_accumulator(self) -> RoundAccumulator:
         if self.accumulator is None or self.accumulator.round != self.open_round:
@@ -317,7 +336,7 @@ class Shard:
                 del self.members[cluster]
                 log.warning("cluster_inactive", shard=self.shard_index, cluster=cluster, round=acc.round,
                             reason=f"no complete contribution within the {self.round_deadline_s}s deadline")  # fmt: skip
-            acc.keep_only(complete)
+            self.dropped_bytes += acc.keep_only(complete)
         decode_s = apply_s = 0.0
         new = {}
         for key, param in self.snapshot.tensors.items():
@@ -354,6 +373,13 @@ class Shard:
         with self._cond:
             if not observer and cluster not in self.members:
                 raise NotJoined(f"cluster {cluster!r} has not joined shard {self.shard_index}")
+            if not observer and self.snapshot is not None and min_version > self.open_round:
+                # The cluster pushed round min_version, so it saw version min_version − 2 at least: this
+                # shard went back (restored from an older checkpoint). Waiting could only time out.
+                raise RoundNotOpen(
+                    f"shard {self.shard_index} holds version {self.version}: round {min_version} cannot close here before "
+                    f"rounds {self.open_round}–{min_version - 1}; rejoin at its version"
+                )
 
             def have() -> bool:
                 return self.snapshot is not None and self.snapshot.version >= min_version

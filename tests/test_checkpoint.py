@@ -85,9 +85,9 @@ def test_killed_shard_resumes_from_its_checkpoint(tmp_path):
     port = free_port()
     address = f"127.0.0.1:{port}"
     shard_proc = start_shard(port, tmp_path, resume=False)
-    a = AggregatorClient([address], RUN, "a", connect_timeout=30, rpc_timeout=30, retry_s=60)
-    b = AggregatorClient([address], RUN, "b", connect_timeout=30, rpc_timeout=30, retry_s=60)
-    observer = AggregatorClient([address], RUN, "observer", connect_timeout=30, rpc_timeout=30, retry_s=60)
+    a = AggregatorClient([address], RUN, "a", connect_timeout=30, rpc_timeout=30, shard_wait_s=60)
+    b = AggregatorClient([address], RUN, "b", connect_timeout=30, rpc_timeout=30, shard_wait_s=60)
+    observer = AggregatorClient([address], RUN, "observer", connect_timeout=30, rpc_timeout=30, shard_wait_s=60)
     try:
         a.join(PARAMS)
         b.join(PARAMS)

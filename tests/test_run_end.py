@@ -109,7 +109,7 @@ def test_late_cluster_new_to_a_run_is_refused_unless_it_asks_to_join_late(shard_
     config = RunConfig(run_id=RUN, rounds=4, model=model)
     specs = model_param_specs(model, 256)
     shards = shard_set(1, RUN)
-    with AggregatorClient(shards.addresses, RUN, "early", retry_s=0) as client:
+    with AggregatorClient(shards.addresses, RUN, "early", shard_wait_s=0) as client:
         info = client.join(specs, json.dumps(as_dict(config)))
         assert not info.rejoin
         weights = {name: torch.zeros(shape) for name, shape in specs}
@@ -123,5 +123,5 @@ def test_late_cluster_new_to_a_run_is_refused_unless_it_asks_to_join_late(shard_
     assert late.returncode == 3, late.stderr[-3000:]
     assert "is at version 1" in late.stderr and "would train 3 of its 4 rounds" in late.stderr and "--join-late" in late.stderr
     del shards.shards[0].members["early"]  # as a missed deadline does
-    with AggregatorClient(shards.addresses, RUN, "early", retry_s=0) as client:
+    with AggregatorClient(shards.addresses, RUN, "early", shard_wait_s=0) as client:
         assert client.join(specs).rejoin

@@ -34,7 +34,7 @@ def mtls_shard(certs):
 
 
 def join(address: str, tls: TlsFiles | None, token: str | None) -> None:
-    with AggregatorClient([address], RUN, "c", tls=tls, token=token, connect_timeout=3, retry_s=0) as client:
+    with AggregatorClient([address], RUN, "c", tls=tls, token=token, connect_timeout=3, shard_wait_s=0) as client:
         client.join(PARAMS)
 
 
@@ -126,7 +126,7 @@ def test_a_host_name_mismatch_is_reported_as_such(tmp_path):
     try:
         with pytest.raises(AggregatorError) as refused:
             with AggregatorClient([f"127.0.0.1:{port}"], RUN, "c", tls=TlsFiles(certs["client"], certs["client-key"], certs["ca"]),
-                                  connect_timeout=3, retry_s=60) as client:  # fmt: skip
+                                  connect_timeout=3, shard_wait_s=60) as client:  # fmt: skip
                 client.join(PARAMS)
         text = refused.value.details
         assert "TLS host-name mismatch" in text and "not valid for '127.0.0.1'" in text and "shard.example.org" in text

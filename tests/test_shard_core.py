@@ -19,6 +19,7 @@ from dilocox.common.wire.errors import (
     WrongRun,
 )
 from dilocox.common.wire.outer_optimizer import OuterNesterov
+from dilocox.common.wire.framing import EncodedSlice
 from dilocox.server.shard import Shard
 
 PARAMS = [("emb", (12, 5)), ("w", (7, 3)), ("b", (7,)), ("scale", ())]
@@ -185,10 +186,25 @@ def test_pull_waits_for_the_round_and_times_out_cleanly():
 
 def test_late_push_for_closed_round_is_refused():
     shard = make_shard()
+    init(shard, ["a", "b"], full_tensors(0))
+    shard.min_clusters = 1
+    shard.members.pop("b")  # b missed the round: it closes with a alone
+    shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(4)))
+    shard.members["b"] = 0.0
+    with pytest.raises(RoundNotOpen, match="round 1 is closed; the open round is 2"):
+        shard.commit_push("b", 1, 1.0, slices_for(shard, full_tensors(4)))
+
+
+def test_a_retried_push_the_round_closed_with_is_a_duplicate_not_refused():
+    """Its reply was lost: "refused" would make the cluster carry it into the next round, twice delivered."""
+    shard = make_shard()
     init(shard, ["a"], full_tensors(0))
     shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(4)))
-    with pytest.raises(RoundNotOpen, match="round 1 is closed; the open round is 2"):
-        shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(4)))
+    published = shard.snapshot
+    shard.check_push(RUN, "a", 1, 1.0)
+    again = shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(4)))
+    assert (again.accepted, again.duplicate, again.round_closed) == (0, len(shard.owned), False)
+    assert shard.snapshot is published and shard.version == 1
 
 
 def test_deadline_closes_the_round_with_complete_clusters_and_drops_the_rest():
@@ -204,6 +220,7 @@ def test_deadline_closes_the_round_with_complete_clusters_and_drops_the_rest():
     assert not shard.tick(now=started + 4.9) and shard.version == 0  # before the deadline: keep waiting
     assert shard.tick(now=started + 5.0) and shard.version == 1
     assert shard.status()["clusters"] == ["a", "b"]
+    assert shard.dropped_bytes == len(EncodedSlice.exact(*slices_for(shard, dc)[0]).payload)  # c's partial push, counted
 
     reference = OuterNesterov(0.7, 0.9)
     for key, s in shard.owned.items():

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save this rank's local state here after rounds")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="save every k rounds (default 1)")
     parser.add_argument("--resume", action="store_true", help="restore the local state from --checkpoint-dir first")
+    parser.add_argument("--shard-wait-s", type=float, default=1800.0,
+                        help="how long to wait for an unreachable shard (restarting, link down) before giving up, "
+                             "retrying as soon as it serves again (default 1800 = 30 min)")  # fmt: skip
     parser.add_argument("--join-late", action="store_true",
                         help="join a run whose first rounds have closed, training only the rounds left (default: refuse, exit 3)")
     add_metrics_arguments(parser, default_host="0.0.0.0")  # served by the cluster's rank 0 only
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = args.cluster or f"cluster-{args.cluster_index}"
     context = None
     try:
-        context = DistributedContext(config) if parallel else None
+        context = DistributedContext(config, collective_timeout_s=args.shard_wait_s + 600) if parallel else None
         data = load_run_data(config.tokenizer, args.data, args.text_field)
         if context is None:
             trainer = InnerTrainer(config, data, args.cluster_index, args.num_clusters)
@@ -117,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"dilocox worker: {error}") from None
     metrics_server, progress = None, None
     try:
-        with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor, tls=tls, token=token) as client:
+        with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor, tls=tls, token=token,
+                              shard_wait_s=args.shard_wait_s) as client:
             if args.metrics_port and (context is None or context.layout.rank == 0):
                 from dilocox.worker.metrics import WorkerMetrics
 

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         tls, token = security_from_args(args, "worker")
     except ValueError as error:
         raise SystemExit(f"dilocox status: {error}") from None
-    with AggregatorClient(addresses, run_id="", cluster="status", tls=tls, token=token, retry_s=0) as client:
+    with AggregatorClient(addresses, run_id="", cluster="status", tls=tls, token=token, shard_wait_s=0) as client:
         records = [shard_record(a, reply) for a, reply in zip(addresses, client.status_each(timeout=args.timeout))]
     if args.json:
         for record in records:

@@ -8,7 +8,6 @@ framing.
 
 from __future__ import annotations
 
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,25 +32,18 @@ from dilocox.common.wire.framing import (
     own_contribution_digest,
 )
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.common.security import TlsFiles, explain_hostname_mismatch, is_hostname_mismatch, open_channel
+from dilocox.common.security import TlsFiles, open_channel
+from dilocox.worker.exchange.carry import UndeliveredCarry
+from dilocox.worker.exchange.shard_wait import RECONNECT_OPTIONS, AggregatorError, call_waiting, why_unreachable
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 
 log = structlog.get_logger()
 
 
+
 class StaleReplica(RuntimeError):
     """Our copy cannot replay a forwarded round (e.g. our own contribution is gone): pull in full."""
-
-
-class AggregatorError(RuntimeError):
-    """A shard refused or failed a call; carries the gRPC status code."""
-
-    def __init__(self, address: str, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{address}: {code.name}: {details}")
-        self.address = address
-        self.code = code
-        self.details = details
 
 
 @dataclass
@@ -71,6 +63,9 @@ class Traffic:
     bytes_up: int = 0
     bytes_down: int = 0
     per_shard_up: dict[int, int] = field(default_factory=dict)
+    carried_elements: int = 0  # refused by a shard that closed the round without them; sent next round
+    dropped_rounds: int = 0  # local rounds trained and then discarded (the cluster rejoined instead)
+    dropped_tokens: int = 0
 
 
 class AggregatorClient:
@@ -83,7 +78,7 @@ class AggregatorClient:
         connect_timeout: float = 60.0,
         rpc_timeout: float = 600.0,
         compressor: TensorCompressor | None = None,
-        retry_s: float = 60.0,
+        shard_wait_s: float = 1800.0,
         tls: TlsFiles | None = None,
         token: str | None = None,
     ) -> None:
@@ -95,12 +90,14 @@ class AggregatorClient:
         self.wire = wire or WireConfig()
         self.connect_timeout = connect_timeout
         self.rpc_timeout = rpc_timeout
-        self.retry_s = retry_s
+        self.shard_wait_s = shard_wait_s
         options = [
             ("grpc.max_receive_message_length", self.wire.max_message_bytes),
             ("grpc.max_send_message_length", self.wire.max_message_bytes),
+            *RECONNECT_OPTIONS,
         ]
         self._channels = [open_channel(a, options, tls, token) for a in self.addresses]
+        self._channel_of = dict(zip(self.addresses, self._channels))
         self._stubs_by_address = [pb_grpc.AggregatorStub(c) for c in self._channels]
         self._stubs: dict[int, tuple[str, pb_grpc.AggregatorStub]] = {}  # shard index -> (address, stub)
         self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="agg-client")
@@ -114,6 +111,9 @@ class AggregatorClient:
         self.held_versions: dict[int, int] = {}  # shard -> version of its slices in `held`
         self.outer: OuterNesterov | None = None
         self._own: dict[SliceKey, tuple[EncodedSlice, torch.Tensor]] = {}  # last pushed slice, decoded
+        self._last_push: tuple[int, float, dict[int, list[SliceKey]]] | None = None  # round, weight, keys by shard
+        self.carry = UndeliveredCarry()  # what a shard closed its round without, for the next push
+        self._push_generation = 0  # counts encoded pushes: a re-push of the same bytes is the same one
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -139,12 +139,16 @@ class AggregatorClient:
 
         def join_one(i: int) -> pb.JoinReply:
             try:
+                # A first join fails fast on a wrong address (connect_timeout); a rejoin (after a missed
+                # deadline, or during a shard's restart) waits as long as any other call does.
+                timeout = self.shard_wait_s if self._stubs else self.connect_timeout
                 return self._call(
                     self.addresses[i],
-                    lambda: self._stubs_by_address[i].Join(request, timeout=self.connect_timeout, wait_for_ready=True),
+                    lambda: self._stubs_by_address[i].Join(request, timeout=max(timeout, 1.0), wait_for_ready=True),
+                    call="join",
                 )
             except AggregatorError as error:
-                raise self._why_unreachable(i, error) if error.code == grpc.StatusCode.DEADLINE_EXCEEDED else error
+                raise why_unreachable(self._stubs_by_address[i], error) if error.code == grpc.StatusCode.DEADLINE_EXCEEDED else error
 
         replies = list(self._pool.map(join_one, range(len(self.addresses))))
         num_shards = {r.num_shards for r in replies}
@@ -194,27 +198,79 @@ class AggregatorClient:
         for key in tensors:
             by_shard.setdefault(owner[key], []).append(key)
         targets = sorted(set(shards) if shards is not None else by_shard)
+        if round_ > 0:
+            if reencode:
+                self._push_generation += 1
+                tensors = self.carry.add_to(tensors)
+            self._last_push = (round_, weight, by_shard)
 
         def push_one(shard: int) -> int:
-            address, stub = self._stubs[shard]
             # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
             items = [
                 self._own[key][0] if not reencode and key in self._own else self._encode(round_, key, tensors[key], codec)
                 for key in by_shard.get(shard, [])
             ]
-            messages = [pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))]
-            chunks = frame_slices(items, self.slice_map.index, self.wire.chunk_bytes, self.wire.zstd_level)
-            messages += [pb.PushMessage(chunk=chunk) for chunk in chunks]
-            sent = sum(m.ByteSize() for m in messages)
-            self._call(address, lambda: stub.Push(iter(messages), timeout=self.rpc_timeout))
-            return sent
+            return self._send(shard, round_, weight, items)
 
-        sent_per_shard = list(self._pool.map(push_one, targets))
-        for shard, sent in zip(targets, sent_per_shard):
+        running = {shard: self._pool.submit(push_one, shard) for shard in targets}
+        sent_per_shard, refused = {}, {}
+        for shard, future in running.items():
+            try:
+                sent_per_shard[shard] = future.result()
+            except AggregatorError as error:
+                refused[shard] = error
+        for shard, sent in sent_per_shard.items():
             self.traffic.per_shard_up[shard] = self.traffic.per_shard_up.get(shard, 0) + sent
-        total = sum(sent_per_shard)
+        total = sum(sent_per_shard.values())
         self.traffic.bytes_up += total
+        if refused:
+            closed = [s for s, e in refused.items() if e.code == grpc.StatusCode.FAILED_PRECONDITION]
+            if round_ > 0:
+                self.carry_undelivered(round_, [key for s in closed for key in by_shard.get(s, [])])
+            raise next(iter(refused.values()))
         return total
+
+    def carry_undelivered(self, round_: int, keys: Iterable[SliceKey]) -> None:
+        """A shard closed round `round_` without these slices of ours: deliver them with the next push
+        (see `carry.UndeliveredCarry`)."""
+        kept = self.carry.keep(self._push_generation, {key: self._own[key][1] for key in keys if key in self._own})
+        self.traffic.carried_elements = self.carry.elements
+        if kept:
+            log.warning("pseudo_gradient_carried", cluster=self.cluster, round=round_, slices=len(kept),
+                        elements=sum(self._own[key][1].numel() for key in kept),
+                        reason="a shard closed the round without them: they go with the next round")  # fmt: skip
+
+    def _send(self, shard: int, round_: int, weight: float, items: list[EncodedSlice], wait: bool = True) -> int:
+        """One push stream to one shard; `wait=False`: one try, no waiting for an unreachable shard."""
+        address, stub = self._stubs[shard]
+        messages = [pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))]
+        chunks = frame_slices(items, self.slice_map.index, self.wire.chunk_bytes, self.wire.zstd_level)
+        messages += [pb.PushMessage(chunk=chunk) for chunk in chunks]
+        if wait:
+            self._call(address, lambda: stub.Push(iter(messages), timeout=self.rpc_timeout), call="push")
+        else:
+            try:
+                stub.Push(iter(messages), timeout=self.rpc_timeout)
+            except grpc.RpcError as error:
+                raise AggregatorError(address, error.code(), error.details() or "") from None
+        return sum(m.ByteSize() for m in messages)
+
+    def _repush_after_outage(self, shard: int, round_: int) -> None:
+        """A shard we lost the connection to may have restarted from its checkpoint, without the open
+        round's pushes: send it our part of round `round_` again (the same bytes; a shard that kept
+        them ignores duplicates) before asking for that round's result, rather than waiting out a pull."""
+        if self._last_push is None or self._last_push[0] != round_:
+            return
+        _, weight, by_shard = self._last_push
+        items = [self._own[key][0] for key in by_shard.get(shard, []) if key in self._own]
+        if not items:
+            return
+        try:
+            sent = self._send(shard, round_, weight, items, wait=False)
+            self.traffic.bytes_up += sent
+            log.info("repushed_after_outage", shard=shard, round=round_, bytes_up=sent)
+        except AggregatorError as error:  # closed meanwhile (it had our push), or down again: the pull decides
+            log.info("repush_after_outage_refused", shard=shard, round=round_, code=error.code.name, details=error.details)
 
     def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor, codec: str | None = None) -> EncodedSlice:
         if round_ == 0:  # initial weights always travel exactly
@@ -282,7 +338,7 @@ class AggregatorClient:
                     summaries.clear()  # a retried call starts the stream over
                     return list(assemble_units(chunks(), vet, self.slice_map.entries))
 
-                units = self._call(address, fetch)
+                units = self._call(address, fetch, on_reconnect=lambda: self._repush_after_outage(shard, min_version), call="pull")
                 own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
                 own = self._own_contributions(shard, summaries, own_keys, have)
                 self._apply(shard, units, own, summaries[0].version if summaries else None)
@@ -292,6 +348,13 @@ class AggregatorClient:
             except StaleReplica as error:
                 log.warning("replica_resync", shard=shard, reason=str(error))
                 attempt(-1)  # the full weights and momentum, once
+            except AggregatorError as error:
+                # Dropped at the close of the round we wait for (a deadline, with part of a pipeline's
+                # shares in): the push we made was accepted, then discarded. Deliver it next round.
+                last = self._last_push
+                if error.code == grpc.StatusCode.FAILED_PRECONDITION and last is not None and last[0] == min_version:
+                    self.carry_undelivered(min_version, last[2].get(shard, []))
+                raise
             return received
 
         total = sum(self._pool.map(pull_one, shards))
@@ -355,39 +418,11 @@ class AggregatorClient:
         replies: list[pb.StatusReply | AggregatorError] = []
         for address, stub in zip(self.addresses, self._stubs_by_address):
             try:
-                replies.append(self._call(address, lambda: stub.Status(pb.StatusRequest(), timeout=timeout)))
+                replies.append(self._call(address, lambda: stub.Status(pb.StatusRequest(), timeout=timeout), call="status"))
             except AggregatorError as error:
                 replies.append(error)
         return replies
 
-    def _why_unreachable(self, i: int, error: AggregatorError) -> AggregatorError:
-        """A first connection that waited out its deadline says only that; one fail-fast call gets the
-        channel's last transport error (refused, a TLS failure, a host-name mismatch) into the message."""
-        try:
-            self._stubs_by_address[i].Status(pb.StatusRequest(), timeout=5)
-            return error
-        except grpc.RpcError as probe:
-            details = probe.details() or ""
-        if is_hostname_mismatch(details):
-            return AggregatorError(error.address, grpc.StatusCode.UNAVAILABLE, f"{explain_hostname_mismatch(error.address)} [{details}]")
-        return AggregatorError(error.address, error.code, f"{error.details}; last connection error: {details}")
-
-    def _call(self, address: str, fn):
-        """Run one call; a shard that is UNAVAILABLE (restarting, link down) is retried with exponential
-        backoff and jitter for up to `retry_s` seconds. Every call made through here is idempotent."""
-        deadline = time.monotonic() + self.retry_s
-        attempt = 0
-        while True:
-            try:
-                return fn()
-            except grpc.RpcError as error:
-                code, details = error.code(), error.details() or ""
-                if code == grpc.StatusCode.UNAVAILABLE and is_hostname_mismatch(details):  # no retry fixes a certificate
-                    raise AggregatorError(address, code, f"{explain_hostname_mismatch(address)} [{details}]") from None
-                pause = min(5.0, 0.2 * 2**attempt) * (0.5 + random.random())
-                if code != grpc.StatusCode.UNAVAILABLE or time.monotonic() + pause > deadline:
-                    raise AggregatorError(address, code, details) from None
-                log.warning("shard_unavailable_retrying", address=address, attempt=attempt + 1, pause_s=round(pause, 2))
-                time.sleep(pause)
-                attempt += 1
-
+    def _call(self, address: str, fn, on_reconnect=None, call: str = "call"):
+        """Run one idempotent call, waiting out an unreachable shard (see `shard_wait.call_waiting`)."""
+        return call_waiting(fn, address, self._channel_of[address], self.shard_wait_s, on_reconnect, call)

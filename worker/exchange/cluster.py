@@ -235,7 +235,7 @@ class DilocoCluster:
         else:
             base = start
             if self.communicator.in_flight is not None:
-                exchange, idle = self.communicator.collect()
+                exchange, idle = self._collect_or_drop(round_, tokens)
                 self._commit(exchange.round)
                 base = self._global_weights(exchange.weights, keep_unsent=True)
             merged = {name: base[name] - delta[name] for name in delta}
@@ -270,6 +270,21 @@ class DilocoCluster:
         if self.steps_controller is not None and exchange is not None:
             self.inner_steps = self.steps_controller.update(round_, compute_s, exchange.comm_s)
         return report, merged
+
+    def _collect_or_drop(self, round_: int, tokens: int) -> tuple[RoundExchange, float]:
+        """Collect the previous round's exchange; if the shards refused it, round `round_`, trained
+        meanwhile on top of it, is discarded (the cluster rejoins and adopts the global weights): counted
+        and logged, so no computed round disappears silently. (What the refusing shard lacked of the
+        previous round is carried into the next push by the client.)"""
+        try:
+            return self.communicator.collect()
+        except AggregatorError as error:
+            if error.code == grpc.StatusCode.FAILED_PRECONDITION:
+                self.client.traffic.dropped_rounds += 1
+                self.client.traffic.dropped_tokens += int(tokens)
+                log.warning("local_round_dropped", cluster=self.client.cluster, round=round_, tokens=int(tokens),
+                            reason=error.details)  # fmt: skip
+            raise
 
     def _capture(self, round_: int) -> None:
         """Copy the local state that round `round_` ends with, before its pseudo-gradient leaves."""
@@ -309,7 +324,8 @@ class DilocoCluster:
         """Round `rounds + 1` without inner steps: a zero pseudo-gradient pushed with the dense flush
         codec, so that error feedback sends exactly what the compressed rounds held back. Returns its
         exchange, or None when nothing is to be flushed or the shards have already closed that round
-        (a worker resumed after its run had ended)."""
+        without it. (A worker resumed after its run had ended finds its own flush in that round: the
+        shards answer the repeated push as a duplicate and it ends on their model.)"""
         compressor = self.client.compressor
         if compressor is None or not compressor.flushes:
             return None

@@ -130,9 +130,8 @@ class Communicator:
                 if error.code != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= give_up:
                     raise
             log.info("round_result_late_repushing", round=round_, waited_s=round(time.perf_counter() - pushed, 1))
-            try:
-                self.client.push(round_, weight, slices, reencode=False)
-            except AggregatorError as error:
-                if error.code != grpc.StatusCode.FAILED_PRECONDITION:  # closed meanwhile: the pull will see it
-                    raise
+            # Refused (FAILED_PRECONDITION): the shard closed the round without us, or went back to an
+            # older version, or dropped us — the client keeps that part for the next push, and the error
+            # makes the cluster rejoin. (A round closed *with* our push answers the re-push as duplicates.)
+            self.client.push(round_, weight, slices, reencode=False)
         return RoundExchange(round_, version, weights, bytes_up, bytes_down, pushed - started, time.perf_counter() - pushed)

@@ -9,6 +9,7 @@ GPU, gloo on CPU).
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 
@@ -43,7 +44,10 @@ def stage_sizes(trainer: PipelineTrainer) -> dict[str, int]:
 class DistributedContext:
     """Process groups and the layout of this rank; created once per worker process."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, collective_timeout_s: float = 2400.0) -> None:
+        """`collective_timeout_s`: how long a rank waits in a collective for the others. It must outlast
+        a shard outage (`--shard-wait-s`): while one rank waits for a shard, its pipeline peers wait for
+        it in the next collective, and torch's default (30 min) would end the site first."""
         world = int(os.environ["WORLD_SIZE"])
         if world != config.parallel.world_size:
             raise SystemExit(
@@ -55,7 +59,7 @@ class DistributedContext:
         backend = self.compute.backend
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=collective_timeout_s))
         self.layout = ParallelLayout(dist.get_rank(), config.parallel.pp, config.parallel.dp)
         self.pipeline_group, self.replica_group = new_groups(self.layout)
         structlog.contextvars.bind_contextvars(rank=self.layout.rank, stage=self.layout.stage, replica=self.layout.replica)
