@@ -15,11 +15,13 @@ import time
 from dilocox.bench.compression import LEAN_PRESET, PREVIOUS_DEFAULT
 from dilocox.bench.report import write_report
 from dilocox.common.wire.compression import CompressionConfig
-from dilocox.common.config.run import InnerConfig, RunConfig
+from dilocox.common.config.run import InnerConfig, RunConfig, WireConfig
 from dilocox.sim.inprocess import run_in_process
 
+DEFAULT_NO_CHECK = "dilocox default, replay check off"
 CONFIGS = {
     "dilocox default (rank≤8, int4, error feedback)": CompressionConfig(),
+    DEFAULT_NO_CHECK: CompressionConfig(),
     "lean preset (rank≤6, int4, error feedback)": LEAN_PRESET,
     "rank≤8, int8 factors": CompressionConfig(factor_bits=8),
     "previous default (rank≤24, 95% energy, int4, no error feedback)": PREVIOUS_DEFAULT,
@@ -37,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, out_dir) -> str:
     rows = []
     for label, compress in CONFIGS.items():
-        config = RunConfig(rounds=args.rounds, delay=0, inner=InnerConfig(steps=args.inner_steps), compress=compress)
+        wire = WireConfig(replay_check=label != DEFAULT_NO_CHECK)
+        config = RunConfig(rounds=args.rounds, delay=0, inner=InnerConfig(steps=args.inner_steps), compress=compress, wire=wire)
         started = time.perf_counter()
         result = run_in_process(config, num_clusters=args.clusters, num_shards=2)
         dense = 4 * result.num_params
@@ -53,7 +56,10 @@ def run(args: argparse.Namespace, out_dir) -> str:
             "final_eval_loss": round(result.mean_final_eval_loss(), 4),
             "seconds": round(time.perf_counter() - started, 1),
         })  # fmt: skip
+    with_check, without = rows[0]["down_bytes_per_round"], rows[1]["down_bytes_per_round"]
     notes = (
+        f"Replay check: the shards' state digests add {with_check - without} bytes per cluster per round to the "
+        f"downlink ({100 * (with_check - without) / without:.2f} % of {without}; 2 shards).\n"
         f"Default model ({result.num_params:,} parameters, dense fp32 = {4 * result.num_params:,} bytes), "
         f"{args.clusters} clusters, 2 shards, H={args.inner_steps}, {args.rounds} rounds, synchronous. Bytes per cluster "
         "per round (rounds ≥ 2), counted at the gRPC message layer (ByteSize of every message), including "

@@ -107,6 +107,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         try:
             wait = max(0.0, min(request.wait_seconds, 3600.0))
             snapshot = self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, wait, request.observer)
+            if not request.observer:
+                self.shard.note_replay_mismatches(request.cluster, request.replay_mismatches)
         except DilocoxError as error:
             _abort(context, error)
         names = set(request.names)
@@ -116,7 +118,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             weights = (EncodedSlice.exact(key, snapshot.tensors[key]) for key in keys)
             chunks = frame_slices(weights, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version)
         elif self._forward_contributions(snapshot, keys, request):
-            chunks = self._contribution_chunks(snapshot, keys, request.cluster)
+            chunks = self._contribution_chunks(snapshot, keys, request.cluster, request.check_replay)
         else:
             chunks = self._full_chunks(snapshot, keys)
         sent = 0
@@ -140,10 +142,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         full = sum(4 * snapshot.tensors[k].numel() * (2 if k in snapshot.momentum else 1) for k in keys)
         return forwarded <= full
 
-    def _contribution_chunks(self, snapshot: Snapshot, keys: list, requester: str) -> Iterator[pb.TensorChunk]:
+    def _contribution_chunks(self, snapshot: Snapshot, keys: list, requester: str, check: bool) -> Iterator[pb.TensorChunk]:
         """The other clusters' payloads, cluster by cluster (small slices bundled: a cluster's weight is
         the same on all its slices); the requester's own slices (it holds their bytes) as one nameless
-        summary chunk at the end: their combined digest and count."""
+        summary chunk: their combined digest and count; and, if asked (`check`), the state digest of
+        `keys` last, for the cluster to check its replay against."""
         wire, index = self.wire, self.shard.slice_map.index
         by_cluster: dict[str, list] = {}
         for key in keys:
@@ -160,6 +163,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             yield pb.TensorChunk(version=snapshot.version, is_delta=True, base_version=snapshot.version - 1,
                                  contributor=requester, weight=mine[0].weight, own=True, own_slices=len(own),
                                  payload_sha256=own_contribution_digest(own))  # fmt: skip
+        if check:
+            yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=self.shard.state_digest(snapshot, keys))
 
     def _full_chunks(self, snapshot: Snapshot, keys: list) -> Iterator[pb.TensorChunk]:
         """The weights, then the outer momentum, of `keys` (small slices bundled)."""

@@ -38,6 +38,7 @@ from dilocox.common.wire.errors import (
 )
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
+from dilocox.common.wire.replica_digest import combined_digest, slice_digest
 from dilocox.server.round_state import Contribution, RoundAccumulator
 
 log = structlog.get_logger("dilocox.shard")
@@ -74,6 +75,7 @@ class Snapshot:
     tensors: dict[SliceKey, torch.Tensor]
     momentum: dict[SliceKey, torch.Tensor] = field(default_factory=dict)
     contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
+    digests: dict[SliceKey, bytes] = field(default_factory=dict)  # per-slice state digests, filled on first ask
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,8 @@ class Shard:
         # (`dilocox server` stops itself then, unless --keep-serving).
         self.pulled_final: dict[str, set[str]] = {}  # cluster -> names of owned slices it pulled at the final version
         self.on_finished: Callable[[], None] | None = None
+        self.replay_mismatches: dict[str, int] = {}  # cluster -> replays that differed, as it last reported
+        self._digest_lock = threading.Lock()  # one computation of a version's digests, however many pull
 
     # ------------------------------------------------------------------ membership
     def join(
@@ -394,6 +398,20 @@ class Shard:
             assert self.snapshot is not None
             return self.snapshot
 
+    def state_digest(self, snapshot: Snapshot, keys: Sequence[SliceKey]) -> bytes:
+        """The digest of `keys`' weights and momentum at `snapshot` (common/wire/replica_digest.py); each
+        slice is hashed once per version, when a cluster first asks (≈ 1.7 GB/s on one core)."""
+        with self._digest_lock:
+            for key in keys:
+                if key not in snapshot.digests:
+                    snapshot.digests[key] = slice_digest(key, snapshot.tensors[key], snapshot.momentum.get(key))
+            return combined_digest({key: snapshot.digests[key] for key in keys})
+
+    def note_replay_mismatches(self, cluster: str, count: int) -> None:
+        if count > 0:
+            with self._cond:
+                self.replay_mismatches[cluster] = max(count, self.replay_mismatches.get(cluster, 0))
+
     def note_pulled(self, cluster: str, version: int, names: Iterable[str]) -> None:
         """A member received `version` of `names` (a pipeline's ranks each pull their share); the run is
         over for this shard once every member holds the final version of every slice it owns."""
@@ -450,6 +468,7 @@ class Shard:
                 "last_round_seconds": self.last_round.latency_s if self.last_round else 0.0,
                 "last_round_closed_at": self.last_round.closed_at if self.last_round else 0.0,
                 "final_version": -1 if final is None else final,
+                "replay_mismatches": sum(self.replay_mismatches.values()),
             }
 
     def add_bytes_out(self, n: int) -> None:

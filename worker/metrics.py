@@ -31,6 +31,14 @@ class _TrafficCollector(Collector):
                                   value=self.traffic.bytes_up)  # fmt: skip
         yield CounterMetricFamily("dilocox_bytes_pulled", "Bytes this rank pulled from the shards (gRPC message bytes)",
                                   value=self.traffic.bytes_down)  # fmt: skip
+        yield CounterMetricFamily("dilocox_replay_mismatches", "Replays of the outer step that differed from a shard's "
+                                  "state digest (each followed by a full pull)", value=self.traffic.replay_mismatches)  # fmt: skip
+        yield CounterMetricFamily("dilocox_carried_elements", "Pseudo-gradient elements a shard closed its round without, "
+                                  "delivered with the next round", value=self.traffic.carried_elements)  # fmt: skip
+        yield CounterMetricFamily("dilocox_dropped_local_rounds", "Local rounds trained and then discarded on a rejoin",
+                                  value=self.traffic.dropped_rounds)  # fmt: skip
+        yield CounterMetricFamily("dilocox_dropped_local_tokens", "Tokens of the discarded local rounds",
+                                  value=self.traffic.dropped_tokens)  # fmt: skip
 
 
 class WorkerMetrics:

@@ -47,6 +47,7 @@ def shard_record(address: str, reply) -> dict:  # noqa: ANN001 - a StatusReply o
         "bytes_in": reply.bytes_in,
         "bytes_out": reply.bytes_out,
         "final_version": reply.final_version if reply.final_version >= 0 else None,
+        "replay_mismatches": reply.replay_mismatches,
     }
 
 
@@ -86,6 +87,10 @@ def format_table(records: list[dict], now: float | None = None) -> str:
     runs = sorted({r["run_id"] for r in records if "run_id" in r})
     if len(runs) > 1:
         lines.append(f"warning: the shards serve different runs: {runs}")
+    mismatched = [r for r in records if r.get("replay_mismatches")]
+    if mismatched:
+        lines.append("replay mismatches (clusters whose replay of the outer step differed, then pulled in full): "
+                     + ", ".join(f"shard {r['shard_index']}: {r['replay_mismatches']}" for r in mismatched))  # fmt: skip
     if records and all(r["state"] == "finished" for r in records):
         lines.append(f"run {runs[0]} finished at version {records[0]['version']}: get its model with "
                      "`dilocox export --servers <these shards> --run-id <run> --out DIR`")  # fmt: skip

@@ -95,6 +95,9 @@ class WireConfig:
     chunk_bytes: int = 2 * 1024 * 1024
     zstd_level: int = 1
     max_message_bytes: int = 8 * 1024 * 1024
+    # Compare each replayed outer step with the shard's state digest (32 bytes per shard and round) and
+    # pull in full on a mismatch; off only to talk to shards from before the check.
+    replay_check: bool = True
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,9 @@ def weighted_mean(contributions: Iterable[Contribution]) -> torch.Tensor | None:
     acc: torch.Tensor | None = None
     for _, weight, decode in sorted(contributions, key=lambda c: c[0]):
         delta = decode().to(torch.float32)
-        acc = delta * weight if acc is None else acc.add_(delta, alpha=weight)
+        # A multiply, then an add: `add_(delta, alpha=w)` may fuse into one FMA on some CPUs and not on
+        # others, and shards and clusters must round alike (see lowrank.ordered_product).
+        acc = delta * weight if acc is None else acc.add_(delta * weight)
         total += weight
     if acc is None:
         return None

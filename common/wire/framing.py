@@ -82,6 +82,11 @@ def is_own_summary(chunk: pb.TensorChunk) -> bool:
     return chunk.own and not chunk.name
 
 
+def is_state_digest(chunk: pb.TensorChunk) -> bool:
+    """The nameless last chunk of a contributions pull carrying the shard's state digest."""
+    return chunk.state_digest and not chunk.name
+
+
 def encode_slice(
     key: SliceKey,
     tensor: torch.Tensor,

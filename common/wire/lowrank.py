@@ -88,7 +88,7 @@ def encode_lowrank(p: torch.Tensor, q: torch.Tensor, factor_bits: int = 4) -> by
 
 
 def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
-    """The dense n×m reconstruction P Qᵀ of a low-rank payload (one dense tensor, via one matmul)."""
+    """The dense n×m reconstruction P Qᵀ of a low-rank payload (one dense tensor, in a fixed order)."""
     if len(buffer) < _HEADER.size:
         raise InvalidFrame(f"low-rank payload of {len(buffer)} bytes is shorter than its header")
     magic, version, bits, rows, cols, rank = _HEADER.unpack_from(buffer, 0)
@@ -105,8 +105,35 @@ def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
     if offset != len(buffer):
         raise InvalidFrame(f"low-rank payload has {len(buffer) - offset} trailing bytes")
     if version == 1:  # row-major factors
-        return p.reshape(rows, rank) @ q.reshape(cols, rank).T
-    return p.reshape(rank, rows).T @ q.reshape(rank, cols)
+        return ordered_product(p.reshape(rows, rank).T, q.reshape(cols, rank).T)
+    return ordered_product(p.reshape(rank, rows), q.reshape(rank, cols))
+
+
+_ROW_BLOCK = 64  # rows of the product built at once: the block stays in cache across the rank-1 terms
+
+
+def ordered_product(p_t: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
+    """P Qᵀ (P: n×r, Q: m×r, given as their r×n and r×m transposes) as the sum of its rank-1 terms in
+    order, p₀q₀ᵀ + p₁q₁ᵀ + …, each term and each addition one rounded fp32 operation.
+
+    A BLAS matmul sums the r products in an order (and with fused multiply-adds) that depends on the
+    CPU's vector width and the library, so a shard and a cluster on different machines — or a cluster
+    on a GPU — would decode the same payload to tensors that differ in the last bit, and the replayed
+    outer step would drift. Elementwise IEEE multiplies and adds round the same everywhere. Built in
+    blocks of rows, it costs about one to two matmuls (docs/decisions.md, "Replay check")."""
+    rank, rows = p_t.shape
+    cols = q_t.shape[1]
+    p_t, q_t = p_t.to(torch.float32), q_t.to(torch.float32).contiguous()
+    out = torch.zeros(rows, cols, dtype=torch.float32)
+    if rank == 0:
+        return out
+    for start in range(0, rows, _ROW_BLOCK):
+        block = out[start : start + _ROW_BLOCK]
+        p_block = p_t[:, start : start + _ROW_BLOCK].T  # rows × rank
+        torch.mul(p_block[:, 0:1], q_t[0], out=block)
+        for i in range(1, rank):
+            block.add_(p_block[:, i : i + 1] * q_t[i])
+    return out
 
 
 def lowrank_header_shape(buffer) -> tuple[int, int]:

@@ -36,8 +36,10 @@ class OuterNesterov:
             buf = self.buffers[key] = grad.detach().clone()
         else:
             buf.mul_(self.momentum).add_(grad)
-        update = grad.add(buf, alpha=self.momentum)
-        return param.sub(update, alpha=self.lr)
+        # One rounded operation at a time (no `alpha=`, which may fuse into an FMA on one machine and not
+        # on another): the clusters' replay must round exactly as the shard does.
+        update = (buf * self.momentum).add_(grad)
+        return param - update.mul_(self.lr)
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "buffers": dict(self.buffers)}

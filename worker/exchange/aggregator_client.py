@@ -29,11 +29,13 @@ from dilocox.common.wire.framing import (
     assemble_units,
     frame_slices,
     is_own_summary,
+    is_state_digest,
     own_contribution_digest,
 )
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.security import TlsFiles, open_channel
 from dilocox.worker.exchange.carry import UndeliveredCarry
+from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
 from dilocox.worker.exchange.shard_wait import RECONNECT_OPTIONS, AggregatorError, call_waiting, why_unreachable
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
@@ -66,6 +68,7 @@ class Traffic:
     carried_elements: int = 0  # refused by a shard that closed the round without them; sent next round
     dropped_rounds: int = 0  # local rounds trained and then discarded (the cluster rejoined instead)
     dropped_tokens: int = 0
+    replay_mismatches: int = 0  # replays of the outer step that differed from a shard (then pulled in full)
 
 
 class AggregatorClient:
@@ -112,6 +115,7 @@ class AggregatorClient:
         self.outer: OuterNesterov | None = None
         self._own: dict[SliceKey, tuple[EncodedSlice, torch.Tensor]] = {}  # last pushed slice, decoded
         self._last_push: tuple[int, float, dict[int, list[SliceKey]]] | None = None  # round, weight, keys by shard
+        self.replay_check = ReplayCheck(self.wire.replay_check, cluster)
         self.carry = UndeliveredCarry()  # what a shard closed its round without, for the next push
         self._push_generation = 0  # counts encoded pushes: a re-push of the same bytes is the same one
 
@@ -307,6 +311,7 @@ class AggregatorClient:
             def attempt(have: int) -> None:
                 nonlocal received
                 summaries: list[pb.TensorChunk] = []  # the requester's own slices, as one chunk
+                digests: list[pb.TensorChunk] = []  # the shard's state digest, to check our replay with
                 request = pb.PullRequest(
                     run_id=self.run_id,
                     cluster=self.cluster,
@@ -314,6 +319,8 @@ class AggregatorClient:
                     wait_seconds=wait_seconds,
                     names=list(names),
                     have_version=have,
+                    check_replay=self.replay_check.enabled,
+                    replay_mismatches=self.replay_check.mismatches,
                 )
 
                 def chunks() -> Iterator[pb.TensorChunk]:
@@ -322,6 +329,8 @@ class AggregatorClient:
                         received += chunk.ByteSize()
                         if is_own_summary(chunk):
                             summaries.append(chunk)
+                        elif is_state_digest(chunk):
+                            digests.append(chunk)
                         else:
                             yield chunk
 
@@ -336,15 +345,25 @@ class AggregatorClient:
 
                 def fetch() -> list[Assembled]:
                     summaries.clear()  # a retried call starts the stream over
+                    digests.clear()
                     return list(assemble_units(chunks(), vet, self.slice_map.entries))
 
                 units = self._call(address, fetch, on_reconnect=lambda: self._repush_after_outage(shard, min_version), call="pull")
                 own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
+                deltas = [u.meta.version for u in units if u.meta.is_delta] + [c.version for c in summaries]
+                digest = self.replay_check.expected(shard, digests, max(deltas) if deltas else None)  # before applying
                 own = self._own_contributions(shard, summaries, own_keys, have)
                 self._apply(shard, units, own, summaries[0].version if summaries else None)
+                if digest is not None:
+                    assert self.outer is not None
+                    self.replay_check.verify(shard, self.held_versions[shard], own_keys, self.held, self.outer.buffers, digest)
 
             try:
                 attempt(self.held_versions.get(shard, -1))
+            except ReplayMismatch:
+                self.traffic.replay_mismatches = self.replay_check.mismatches
+                attempt(-1)  # the shard's weights and momentum in full, before the next round
+                self.replay_check.resynced(shard, self.held)
             except StaleReplica as error:
                 log.warning("replica_resync", shard=shard, reason=str(error))
                 attempt(-1)  # the full weights and momentum, once
