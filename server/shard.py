@@ -350,7 +350,7 @@ class Shard:
             new[key] = param if grad is None else self.optimizer.step(key, param, grad)
             decode_s += decoded - started
             apply_s += time.perf_counter() - decoded
-        momentum = {key: buf.clone() for key, buf in self.optimizer.buffers.items()}
+        momentum = dict(self.optimizer.buffers)  # the optimiser replaces buffers, never changes them: no copy
         latency_s = time.monotonic() - acc.first_push_at if acc.first_push_at is not None else 0.0
         self.last_round = RoundStats(acc.round, tuple(sorted(complete)), tuple(dropped), decode_s, apply_s, latency_s, time.time())
         self._publish(Snapshot(acc.round, new, momentum, acc.contributions))

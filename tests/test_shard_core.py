@@ -244,3 +244,17 @@ def test_deadline_never_closes_below_min_clusters():
     shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(1)))
     assert not shard.tick(now=shard.accumulator.first_push_at + 100)
     assert shard.version == 0 and shard.status()["clusters"] == ["a", "b"]
+
+
+def test_a_published_versions_momentum_never_changes_afterwards():
+    """Snapshots share the optimiser's momentum tensors instead of copying them each round: the
+    optimiser must replace a buffer, never update it in place."""
+    shard = make_shard()
+    init(shard, ["a"], full_tensors(0))
+    shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(1)))
+    first = shard.snapshot
+    kept = {k: t.clone() for k, t in first.momentum.items()}
+    shard.commit_push("a", 2, 1.0, slices_for(shard, full_tensors(2)))
+    assert shard.version == 2 and kept
+    assert all(torch.equal(first.momentum[k], t) for k, t in kept.items())
+    assert any(not torch.equal(shard.snapshot.momentum[k], t) for k, t in kept.items())

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
+from dilocox.common.wire.finite import all_finite
 from dilocox.common.wire.lowrank import (
     as_matrix_shape,
     decode_lowrank,
@@ -138,7 +139,7 @@ def decode(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> 
     if any(d < 0 for d in shape):
         raise InvalidFrame(f"negative dimension in shape {list(shape)}")
     tensor = check_known(name).decode(buffer, dtype, shape)
-    if tensor.numel() and not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise InvalidFrame(f"{name} payload holds NaN or Inf values")
     return tensor
 

@@ -30,14 +30,17 @@ class OuterNesterov:
         self.buffers: dict[Hashable, torch.Tensor] = {}
 
     def step(self, key: Hashable, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """Return the updated parameter as a new tensor; the momentum buffer of `key` is updated in place."""
+        """Return the updated parameter as a new tensor; `key`'s momentum buffer is replaced by a new one."""
         buf = self.buffers.get(key)
-        if buf is None:
-            buf = self.buffers[key] = grad.detach().clone()
-        else:
-            buf.mul_(self.momentum).add_(grad)
+        # A new momentum tensor each step, never an update in place: a published version keeps a
+        # reference to the momentum it was made with (no copy of it per round), so it must not change.
         # One rounded operation at a time (no `alpha=`, which may fuse into an FMA on one machine and not
         # on another): the clusters' replay must round exactly as the shard does.
+        if buf is None:
+            buf = grad.detach().clone()
+        else:
+            buf = (buf * self.momentum).add_(grad)
+        self.buffers[key] = buf
         update = (buf * self.momentum).add_(grad)
         return param - update.mul_(self.lr)
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
+from dilocox.common.wire.finite import all_finite
 
 QUANT_VERSION = 1
 MAGIC = 0xD7
@@ -93,7 +94,7 @@ def encode_quantized(x: torch.Tensor, bits: int, block: int = 128) -> bytes:
     _check_block(block)
     flat = x.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
     numel = flat.numel()
-    if numel and not bool(torch.isfinite(flat).all()):
+    if not all_finite(flat):
         raise ValueError("cannot quantise a tensor holding NaN or Inf")
     full = numel // block
     absmax_parts = [flat[: full * block].view(full, block).abs().amax(dim=1)]
@@ -165,6 +166,6 @@ def decode_quantized(buffer: bytes | bytearray | memoryview, offset: int = 0) ->
             raise InvalidFrame(f"int4 code -8 is outside [-{qmax}, {qmax}]")
         codes = nibbles.to(torch.int8) - 8
     values = _per_block(codes.to(torch.float32), block, scales, torch.mul)
-    if numel and not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         raise InvalidFrame("quantised payload decodes to values beyond float32 range")
     return values, end
