@@ -13,6 +13,7 @@ BENCHMARKS = {
     "train": ("dilocox.bench.train", "trainer tokens/s and peak memory per model preset and precision; streaming a large token file"),
     "wan": ("dilocox.bench.wan", "DiLoCoX vs DiLoCo vs AllReduce over shaped WAN links (namespaces + tc), report and plots"),
     "shard": ("dilocox.bench.shard_throughput", "MB/s of pseudo-gradients decoded and applied per shard vs memory bandwidth"),
+    "scale": ("dilocox.bench.scale", "the aggregation service at model size: time and memory per round against parameters, clusters and shards"),
 }
 
 

@@ -1,0 +1,231 @@
+"""`dilocox bench scale`: the aggregation service at real model sizes (issue 19, first part).
+
+Real shard processes on localhost gRPC and real clients — the project's own `AggregatorClient`, its
+compressor and its replay of the outer step — fed synthetic pseudo-gradients with the parameter list of
+a real LLM preset (Llama / GPT-2 shapes, built on the meta device). No inner training: the figures are
+the system's own cost. Per setting (model × clusters M × shards N × codec), per round after a warm-up:
+bytes per cluster each way, push time (the compressor's share of it), the round's close on the shard
+(first push → published), pull + replay + digest check, the shard's decode + apply throughput against a
+memory-bandwidth reference measured in the same run, peak RSS of each shard against the fp32 bytes it
+owns and of the client process, and a late joiner's full pull.
+
+The clusters run as threads of this process (one Python process, so their peak RSS is reported
+together); each holds what a real cluster's exchange holds: its copy of the global weights and the outer
+momentum, the compressor's residuals, the pseudo-gradient of the round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from dilocox.bench.report import write_report
+from dilocox.bench.shard_throughput import memory_bandwidth
+from dilocox.bench.wan_procs import ChildProcess, child_env, dilocox_cli, stop_all, wait_for_file
+from dilocox.common.config.run import ModelConfig
+from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import slice_tensors
+from dilocox.worker.models.build import model_param_specs
+from dilocox.worker.models.spec import resolve_model
+
+RUN = "bench-scale"
+CODECS = {"fp32": CompressionConfig(codec="fp32"), "default": CompressionConfig()}
+QUICK = {"models": ["llama-20m"], "clusters": [2], "shards": [1, 2], "codecs": ["fp32", "default"], "rounds": 2}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="llama-20m,gpt2-small", help="model presets, comma-separated (default llama-20m,gpt2-small)")
+    parser.add_argument("--clusters", default="2,4", help="values of M, comma-separated (default 2,4)")
+    parser.add_argument("--shards", default="1,2", help="values of N, comma-separated (default 1,2)")
+    parser.add_argument("--codecs", default="fp32,default", help="fp32 and/or default compression (default both)")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per setting, after one warm-up round (default 2)")
+    parser.add_argument("--quick", action="store_true", help="a CI-sized sweep: llama-20m, M=2, N=1,2, both codecs")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _param_specs(preset: str) -> list[tuple[str, tuple[int, ...]]]:
+    spec = resolve_model(preset)
+    vocab = int(spec.hf_config.get("vocab_size", 256)) if spec.hf_config else 256
+    return model_param_specs(ModelConfig(model=preset), vocab)
+
+
+def _peak_rss_mb(pid: int | str = "self") -> float:
+    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_peak_rss() -> None:
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")  # Linux ≥ 4.0: VmHWM starts again from now
+    except OSError:
+        pass
+
+
+def _synthetic_delta(specs, seed: int) -> dict[str, torch.Tensor]:
+    """A pseudo-gradient with a few strong directions (what low rank finds) plus noise, per parameter."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in specs:
+        if len(shape) == 2:
+            rows, cols = shape
+            t = torch.randn(rows, 4, generator=g) @ torch.randn(4, cols, generator=g)
+            t.mul_(1e-3).add_(torch.randn(rows, cols, generator=g), alpha=1e-4)
+        else:
+            t = torch.randn(shape, generator=g).mul_(1e-4)
+        out[name] = t
+    return out
+
+
+class _TimedCompressor(TensorCompressor):
+    """The default compressor, timing its own work (part of every push)."""
+
+    seconds = 0.0
+
+    def compress(self, key, delta, codec=None):  # noqa: ANN001, ANN201 - same signature as the parent
+        started = time.perf_counter()
+        try:
+            return super().compress(key, delta, codec)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+def _start_shards(n: int, clusters: int, work: pathlib.Path, events: list) -> tuple[list[ChildProcess], list[str]]:
+    procs, addresses = [], []
+
+    def on_event(name: str, event: dict, _arrived: float) -> None:
+        if event.get("event") == "round_closed":
+            events.append(event)
+
+    for i in range(n):
+        port_file = work / f"shard-{i}.port"
+        argv = dilocox_cli("server", "--num-shards", str(n), "--shard-index", str(i), "--port", "0", "--port-file", str(port_file),
+                           "--run-id", RUN, "--min-clusters", str(clusters), "--round-deadline-s", "0", "--keep-serving",
+                           "--insecure", "--log-format", "json")  # fmt: skip
+        procs.append(ChildProcess(f"shard-{i}", argv, work / f"shard-{i}.log", on_event, env=child_env(1)))
+    for i, proc in enumerate(procs):
+        addresses.append(f"127.0.0.1:{wait_for_file(work / f'shard-{i}.port', proc)}")
+    return procs, addresses
+
+
+def run_setting(preset: str, specs, clusters: int, shards: int, codec: str, rounds: int, reference_mb_s: float) -> dict:
+    params = sum(torch.Size(s).numel() for _, s in specs)
+    events: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="dilocox-scale-") as tmp:
+        work = pathlib.Path(tmp)
+        procs, addresses = _start_shards(shards, clusters, work, events)
+        clients: list[AggregatorClient] = []
+        try:
+            _reset_peak_rss()
+            compressors = [_TimedCompressor(CODECS[codec], seed=7) if codec != "fp32" else None for _ in range(clusters)]
+            clients = [AggregatorClient(addresses, RUN, f"c{i}", compressor=compressors[i], rpc_timeout=1800) for i in range(clusters)]
+            for c in clients:
+                c.join(specs)
+            theta0 = {name: torch.randn(shape).mul_(0.02) for name, shape in specs}
+            clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, theta0))
+            del theta0
+            pool = ThreadPoolExecutor(max_workers=clusters)
+            list(pool.map(lambda c: c.pull(0, wait_seconds=600), clients))
+            timings: list[dict] = []
+            for round_ in range(1, rounds + 2):  # round 1 is the warm-up
+                before = [(c.traffic.bytes_up, c.traffic.bytes_down, comp.seconds if comp else 0.0) for c, comp in zip(clients, compressors)]
+
+                def one(i: int) -> dict:
+                    c = clients[i]
+                    delta = slice_tensors(c.assignment, _synthetic_delta(specs, 1000 * round_ + i))
+                    started = time.perf_counter()
+                    c.push(round_, 1000.0, delta)
+                    pushed = time.perf_counter()
+                    del delta
+                    c.pull(round_, wait_seconds=1800)
+                    return {"push_s": pushed - started, "pull_s": time.perf_counter() - pushed}
+
+                per_cluster = list(pool.map(one, range(clusters)))
+                if round_ == 1:
+                    continue
+                timings.append({
+                    "up": sum(c.traffic.bytes_up - b[0] for c, b in zip(clients, before)) / clusters,
+                    "down": sum(c.traffic.bytes_down - b[1] for c, b in zip(clients, before)) / clusters,
+                    "compress_s": sum((comp.seconds if comp else 0.0) - b[2] for comp, b in zip(compressors, before)) / clusters,
+                    "push_s": max(t["push_s"] for t in per_cluster),
+                    "pull_s": max(t["pull_s"] for t in per_cluster),
+                })  # fmt: skip
+            client_rss = _peak_rss_mb()
+            joiner = AggregatorClient(addresses, RUN, "late-joiner", rpc_timeout=1800)
+            clients.append(joiner)
+            joiner.join(specs)
+            started = time.perf_counter()
+            joiner.pull(0, wait_seconds=600)
+            joiner_s = time.perf_counter() - started
+            shard_rss = [_peak_rss_mb(p.proc.pid) for p in procs]
+            pool.shutdown()
+        finally:
+            for c in clients:
+                c.close()
+            stop_all(procs)
+    closes = [e for e in events if e.get("round", 0) >= 2]
+    owned_mb = 4 * params / shards / 1e6
+    decode_apply = sum(e["decode_s"] + e["apply_s"] for e in closes) / max(1, len(closes))
+    dense_mb = clusters * owned_mb  # what one shard decodes and applies per round, as dense fp32
+    mean = {k: sum(t[k] for t in timings) / len(timings) for k in timings[0]}
+    return {
+        "model": preset,
+        "params_M": round(params / 1e6, 1),
+        "M": clusters,
+        "N": shards,
+        "codec": codec,
+        "up_MB": round(mean["up"] / 1e6, 2),
+        "down_MB": round(mean["down"] / 1e6, 2),
+        "push_s": round(mean["push_s"], 2),
+        "compress_s": round(mean["compress_s"], 2),
+        "close_s": round(sum(e["latency_s"] for e in closes) / max(1, len(closes)), 2),
+        "pull_replay_s": round(mean["pull_s"], 2),
+        "decode_apply_MB_s": round(dense_mb / decode_apply, 0) if decode_apply else None,
+        "vs_copy_bw": round(dense_mb / decode_apply / reference_mb_s, 3) if decode_apply else None,
+        "shard_rss_MB": round(max(shard_rss), 0),
+        "shard_rss_vs_owned": round(max(shard_rss) / owned_mb, 1),
+        "clients_rss_MB": round(client_rss, 0),
+        "clients_rss_per_param_B": round(client_rss * 1e6 / clusters / params, 1),
+        "joiner_full_pull_s": round(joiner_s, 2),
+    }
+
+
+def run(args: argparse.Namespace, out_dir) -> str:
+    torch.set_num_threads(1)
+    if args.quick:
+        models, ms, ns, codecs, rounds = QUICK["models"], QUICK["clusters"], QUICK["shards"], QUICK["codecs"], QUICK["rounds"]
+    else:
+        models, ms, ns = args.models.split(","), _ints(args.clusters), _ints(args.shards)
+        codecs, rounds = args.codecs.split(","), args.rounds
+    reference = memory_bandwidth(256)["torch_copy"]
+    rows = []
+    for preset in models:
+        specs = _param_specs(preset)
+        for codec in codecs:
+            for m in ms:
+                for n in ns:
+                    rows.append(run_setting(preset, specs, m, n, codec, rounds, reference))
+                    print(json.dumps(rows[-1]), flush=True)
+    notes = (
+        f"Synthetic pseudo-gradients with the presets' parameter lists; shards are real `dilocox server` processes "
+        f"(1 torch thread each), the M clusters are threads of the bench process. Per round after a warm-up, "
+        f"mean of {rounds}. `up_MB`/`down_MB`: per cluster per round (gRPC message bytes). `push_s`, `pull_replay_s`: "
+        f"the slowest cluster (the pull waits for the round to close, then replays and checks it). `close_s`: "
+        f"the shard's first push → published. `decode_apply_MB_s`: dense fp32 bytes (M × the shard's elements × 4) "
+        f"per second of the shard's decode + mean + outer step; `vs_copy_bw`: against a torch copy measured in the "
+        f"same run ({reference:.0f} MB/s read + write). `shard_rss_vs_owned`: peak RSS over the fp32 bytes the shard "
+        f"owns. `clients_rss_MB`: peak RSS of the bench process holding all M clusters' exchange state.\n"
+    )
+    return write_report(out_dir, "scale", "The aggregation service at model size", rows, list(rows[0]), notes, {"args": vars(args)})
