@@ -83,8 +83,8 @@ def test_replicas_stay_bit_identical_and_joiners_resync(shard_set):
         # ... and so does one whose copy differs from what the shard applied (the summary's digest).
         for i, c in enumerate((a, b, joiner)):
             c.push(7, 50.0, slice_tensors(c.assignment, low_rank_delta(300 + i)))
-        key, (item, decoded) = next(iter(b._own.items()))
-        b._own[key] = (EncodedSlice(key, item.codec, item.dtype, item.shape, item.payload + b"x"), decoded)
+        key, item = next(iter(b._own.items()))
+        b._own[key] = EncodedSlice(key, item.codec, item.dtype, item.shape, item.payload + b"x")
         version, _, received = b.pull(7, wait_seconds=10)
         assert version == 7 and received > dense
         assert_replica_equals_shards(b, shards)

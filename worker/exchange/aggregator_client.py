@@ -8,6 +8,7 @@ framing.
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -113,7 +114,10 @@ class AggregatorClient:
         self.held: dict[SliceKey, torch.Tensor] = {}
         self.held_versions: dict[int, int] = {}  # shard -> version of its slices in `held`
         self.outer: OuterNesterov | None = None
-        self._own: dict[SliceKey, tuple[EncodedSlice, torch.Tensor]] = {}  # last pushed slice, decoded
+        # Our last pushed slices as they travelled: replayed (decoded again) when the shard forwards the
+        # round. Only the payload is kept — a compressed one is a few KB where the decoded slice would
+        # hold 4 bytes per parameter until the next pull.
+        self._own: dict[SliceKey, EncodedSlice] = {}
         self._last_push: tuple[int, float, dict[int, list[SliceKey]]] | None = None  # round, weight, keys by shard
         self.replay_check = ReplayCheck(self.wire.replay_check, cluster)
         self.carry = UndeliveredCarry()  # what a shard closed its round without, for the next push
@@ -211,7 +215,7 @@ class AggregatorClient:
         def push_one(shard: int) -> int:
             # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
             items = [
-                self._own[key][0] if not reencode and key in self._own else self._encode(round_, key, tensors[key], codec)
+                self._own[key] if not reencode and key in self._own else self._encode(round_, key, tensors[key], codec)
                 for key in by_shard.get(shard, [])
             ]
             return self._send(shard, round_, weight, items)
@@ -237,11 +241,11 @@ class AggregatorClient:
     def carry_undelivered(self, round_: int, keys: Iterable[SliceKey]) -> None:
         """A shard closed round `round_` without these slices of ours: deliver them with the next push
         (see `carry.UndeliveredCarry`)."""
-        kept = self.carry.keep(self._push_generation, {key: self._own[key][1] for key in keys if key in self._own})
+        kept = self.carry.keep(self._push_generation, {key: self._own[key].decode() for key in keys if key in self._own})
         self.traffic.carried_elements = self.carry.elements
         if kept:
             log.warning("pseudo_gradient_carried", cluster=self.cluster, round=round_, slices=len(kept),
-                        elements=sum(self._own[key][1].numel() for key in kept),
+                        elements=sum(math.prod(self._own[key].shape) for key in kept),
                         reason="a shard closed the round without them: they go with the next round")  # fmt: skip
 
     def _send(self, shard: int, round_: int, weight: float, items: list[EncodedSlice], wait: bool = True) -> int:
@@ -266,7 +270,7 @@ class AggregatorClient:
         if self._last_push is None or self._last_push[0] != round_:
             return
         _, weight, by_shard = self._last_push
-        items = [self._own[key][0] for key in by_shard.get(shard, []) if key in self._own]
+        items = [self._own[key] for key in by_shard.get(shard, []) if key in self._own]
         if not items:
             return
         try:
@@ -281,12 +285,10 @@ class AggregatorClient:
             return EncodedSlice.exact(key, tensor)
         if self.compressor is None:
             item = EncodedSlice.exact(key, tensor)
-            decoded = item.decode()
         else:
             encoded = self.compressor.compress(key, tensor, codec)
             item = EncodedSlice(key, encoded.codec, encoded.dtype, tuple(tensor.shape), bytes(encoded.payload))
-            decoded = encoded.decoded
-        self._own[key] = (item, decoded)  # to replay the round's step when the shard forwards it
+        self._own[key] = item  # to replay the round's step when the shard forwards it
         return item
 
     # ------------------------------------------------------------------ pull
@@ -399,9 +401,9 @@ class AggregatorClient:
         mine = {k: self._own[k] for k in keys if k in self._own}
         if any(k not in self.held for k in mine):
             raise StaleReplica(f"shard {shard} forwards a round for slices we hold no weights of")
-        if summary.own_slices != len(mine) or own_contribution_digest({k: v[0].sha256 for k, v in mine.items()}) != summary.payload_sha256:
+        if summary.own_slices != len(mine) or own_contribution_digest({k: v.sha256 for k, v in mine.items()}) != summary.payload_sha256:
             raise StaleReplica(f"shard {shard} holds a contribution of ours ({summary.own_slices} slices) we no longer have")
-        return {k: [(self.cluster, summary.weight, lambda t=decoded: t)] for k, (_item, decoded) in mine.items()}
+        return {k: [(self.cluster, summary.weight, item.decode)] for k, item in mine.items()}
 
     def _apply(
         self,
