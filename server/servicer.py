@@ -106,11 +106,18 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
         try:
             wait = max(0.0, min(request.wait_seconds, 3600.0))
-            snapshot = self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, wait, request.observer)
-            if not request.observer:
-                self.shard.note_replay_mismatches(request.cluster, request.replay_mismatches)
+            snapshot = self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, wait, request.observer,
+                                                   hold=True)  # fmt: skip
         except DilocoxError as error:
             _abort(context, error)
+        try:
+            yield from self._stream(snapshot, request)
+        finally:  # also when the client goes away mid-stream: gRPC closes this generator
+            self.shard.release(snapshot)
+
+    def _stream(self, snapshot: Snapshot, request: pb.PullRequest) -> Iterator[pb.TensorChunk]:
+        if not request.observer:
+            self.shard.note_replay_mismatches(request.cluster, request.replay_mismatches)
         names = set(request.names)
         keys = [k for k in snapshot.tensors if not names or k.name in names]
         if request.observer:  # the weights alone: an export needs no momentum and replays nothing

@@ -66,8 +66,9 @@ class PushResult:
 class Snapshot:
     """One published version: θ_v, the outer momentum after it, and the contributions that made it.
 
-    Nothing here is modified once published (momentum is copied), so a pull streaming version v is
-    never torn by the close of round v+1. `contributions` is what a cluster holding version v−1 needs
+    Nothing here is modified while a pull holds it (`Shard.wait_for_version(hold=True)`), so a pull
+    streaming version v is never torn by the close of round v+1; a close with no such pull updates the
+    weights and momentum in place, so a shard needs one copy of them, not two. `contributions` is what a cluster holding version v−1 needs
     to replay the step itself — the compressed downlink.
     """
 
@@ -146,6 +147,7 @@ class Shard:
         self.on_finished: Callable[[], None] | None = None
         self.replay_mismatches: dict[str, int] = {}  # cluster -> replays that differed, as it last reported
         self._digest_lock = threading.Lock()  # one computation of a version's digests, however many pull
+        self._readers: dict[int, int] = {}  # id(snapshot) -> pulls streaming it (the close then copies)
 
     # ------------------------------------------------------------------ membership
     def join(
@@ -342,12 +344,13 @@ class Shard:
                             reason=f"no complete contribution within the {self.round_deadline_s}s deadline")  # fmt: skip
             self.dropped_bytes += acc.keep_only(complete)
         decode_s = apply_s = 0.0
+        in_place = not self._readers.get(id(self.snapshot))  # no pull streams the current version
         new = {}
         for key, param in self.snapshot.tensors.items():
             started = time.perf_counter()
             grad = acc.mean(key)
             decoded = time.perf_counter()
-            new[key] = param if grad is None else self.optimizer.step(key, param, grad)
+            new[key] = param if grad is None else self.optimizer.step(key, param, grad, in_place=in_place)
             decode_s += decoded - started
             apply_s += time.perf_counter() - decoded
         momentum = dict(self.optimizer.buffers)  # the optimiser replaces buffers, never changes them: no copy
@@ -370,9 +373,12 @@ class Shard:
         return True
 
     # ------------------------------------------------------------------ pulls
-    def wait_for_version(self, run_id: str, cluster: str, min_version: int, timeout: float, observer: bool = False) -> Snapshot:
+    def wait_for_version(
+        self, run_id: str, cluster: str, min_version: int, timeout: float, observer: bool = False, hold: bool = False
+    ) -> Snapshot:
         """Block until the shard publishes at least `min_version` (or refuse after `timeout` seconds).
-        An `observer` needs no membership (it only reads)."""
+        An `observer` needs no membership (it only reads). `hold`: the caller streams the snapshot's
+        tensors and must `release` it after; until then no close updates them in place."""
         self._check_run(run_id)
         with self._cond:
             if not observer and cluster not in self.members:
@@ -396,7 +402,18 @@ class Shard:
                     f"shard {self.shard_index} holds version {self.version}, not {min_version}, after waiting {timeout:.1f}s"
                 )
             assert self.snapshot is not None
+            if hold:
+                self._readers[id(self.snapshot)] = self._readers.get(id(self.snapshot), 0) + 1
             return self.snapshot
+
+    def release(self, snapshot: Snapshot) -> None:
+        """A pull that held `snapshot` (wait_for_version(hold=True)) is done with it."""
+        with self._cond:
+            left = self._readers.get(id(snapshot), 0) - 1
+            if left > 0:
+                self._readers[id(snapshot)] = left
+            else:
+                self._readers.pop(id(snapshot), None)
 
     def state_digest(self, snapshot: Snapshot, keys: Sequence[SliceKey]) -> bytes:
         """The digest of `keys`' weights and momentum at `snapshot` (common/wire/replica_digest.py); each

@@ -246,15 +246,26 @@ def test_deadline_never_closes_below_min_clusters():
     assert shard.version == 0 and shard.status()["clusters"] == ["a", "b"]
 
 
-def test_a_published_versions_momentum_never_changes_afterwards():
-    """Snapshots share the optimiser's momentum tensors instead of copying them each round: the
-    optimiser must replace a buffer, never update it in place."""
-    shard = make_shard()
-    init(shard, ["a"], full_tensors(0))
-    shard.commit_push("a", 1, 1.0, slices_for(shard, full_tensors(1)))
-    first = shard.snapshot
-    kept = {k: t.clone() for k, t in first.momentum.items()}
+def test_a_published_version_never_changes_while_a_pull_holds_it():
+    """Snapshots share the optimiser's tensors instead of copying them each round. While a pull holds a
+    version (it streams it) the close builds new tensors; with no pull holding it, the close updates the
+    weights and momentum in place, so a shard needs one copy of them instead of two. Same numbers."""
+    shard, twin = make_shard(), make_shard()
+    for s in (shard, twin):
+        init(s, ["a"], full_tensors(0))
+        s.commit_push("a", 1, 1.0, slices_for(s, full_tensors(1)))
+    held = shard.wait_for_version(RUN, "a", 1, timeout=1, hold=True)
+    kept = {k: (held.tensors[k].clone(), held.momentum[k].clone()) for k in held.momentum}
     shard.commit_push("a", 2, 1.0, slices_for(shard, full_tensors(2)))
     assert shard.version == 2 and kept
-    assert all(torch.equal(first.momentum[k], t) for k, t in kept.items())
-    assert any(not torch.equal(shard.snapshot.momentum[k], t) for k, t in kept.items())
+    assert all(torch.equal(held.tensors[k], t) and torch.equal(held.momentum[k], m) for k, (t, m) in kept.items())
+    shard.release(held)
+    v2 = shard.snapshot
+    shard.commit_push("a", 3, 1.0, slices_for(shard, full_tensors(3)))  # nobody holds version 2: in place
+    assert all(shard.snapshot.tensors[k] is v2.tensors[k] for k in v2.momentum)
+    twin.commit_push("a", 2, 1.0, slices_for(twin, full_tensors(2)))
+    twin.commit_push("a", 3, 1.0, slices_for(twin, full_tensors(3)))
+    for k in shard.snapshot.tensors:  # both forms round alike
+        assert torch.equal(shard.snapshot.tensors[k], twin.snapshot.tensors[k])
+        if k in shard.snapshot.momentum:
+            assert torch.equal(shard.snapshot.momentum[k], twin.snapshot.momentum[k])

@@ -29,20 +29,24 @@ class OuterNesterov:
         self.momentum = momentum
         self.buffers: dict[Hashable, torch.Tensor] = {}
 
-    def step(self, key: Hashable, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """Return the updated parameter as a new tensor; `key`'s momentum buffer is replaced by a new one."""
+    def step(self, key: Hashable, param: torch.Tensor, grad: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        """Return the updated parameter. By default a new tensor, and `key`'s momentum buffer is replaced
+        by a new one: a published version keeps references to its weights and momentum (no copy per
+        round), which must not change while a pull streams them. `in_place`: update `param` and the
+        buffer themselves (the shard, when no pull holds the version): no second copy of either.
+
+        One rounded operation at a time (no `alpha=`, which may fuse into an FMA on one machine and not
+        on another): the clusters' replay must round exactly as the shard does; both forms round alike."""
         buf = self.buffers.get(key)
-        # A new momentum tensor each step, never an update in place: a published version keeps a
-        # reference to the momentum it was made with (no copy of it per round), so it must not change.
-        # One rounded operation at a time (no `alpha=`, which may fuse into an FMA on one machine and not
-        # on another): the clusters' replay must round exactly as the shard does.
         if buf is None:
             buf = grad.detach().clone()
+        elif in_place:
+            buf.mul_(self.momentum).add_(grad)
         else:
             buf = (buf * self.momentum).add_(grad)
         self.buffers[key] = buf
-        update = (buf * self.momentum).add_(grad)
-        return param - update.mul_(self.lr)
+        update = (buf * self.momentum).add_(grad).mul_(self.lr)
+        return param.sub_(update) if in_place else param - update
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "buffers": dict(self.buffers)}
