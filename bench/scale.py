@@ -21,7 +21,6 @@ import json
 import pathlib
 import statistics
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 

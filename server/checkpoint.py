@@ -2,8 +2,9 @@
 
 Saved: the run's identity and model (digest, parameter list → the same assignment), membership, the
 run's traffic counters, the published version with its global weights, the outer momentum, and the
-contributions that made it (so clusters holding the previous version can still replay it). Not saved: the open round's contributions
-— clusters re-push after a restart (pushes are idempotent, and the client re-pushes while it waits).
+contributions that made it (so clusters holding the previous version can still replay it). Not saved:
+the open round's contributions — clusters re-push after a restart (pushes are idempotent, and the
+client re-pushes while it waits).
 
 Writes are atomic: a temporary file in the same folder, fsync, then rename; a crash mid-write leaves the
 previous checkpoint intact.

@@ -68,8 +68,8 @@ class Snapshot:
 
     Nothing here is modified while a pull holds it (`Shard.wait_for_version(hold=True)`), so a pull
     streaming version v is never torn by the close of round v+1; a close with no such pull updates the
-    weights and momentum in place, so a shard needs one copy of them, not two. `contributions` is what a cluster holding version v−1 needs
-    to replay the step itself — the compressed downlink.
+    weights and momentum in place, so a shard needs one copy of them, not two. `contributions` is what
+    a cluster holding version v−1 needs to replay the step itself — the compressed downlink.
     """
 
     version: int
@@ -353,7 +353,9 @@ class Shard:
             new[key] = param if grad is None else self.optimizer.step(key, param, grad, in_place=in_place)
             decode_s += decoded - started
             apply_s += time.perf_counter() - decoded
-        momentum = dict(self.optimizer.buffers)  # the optimiser replaces buffers, never changes them: no copy
+        # No copy: the optimiser replaces the buffers, or updates them in place only when no pull holds
+        # the version they belong to.
+        momentum = dict(self.optimizer.buffers)
         latency_s = time.monotonic() - acc.first_push_at if acc.first_push_at is not None else 0.0
         self.last_round = RoundStats(acc.round, tuple(sorted(complete)), tuple(dropped), decode_s, apply_s, latency_s, time.time())
         self._publish(Snapshot(acc.round, new, momentum, acc.contributions))

@@ -56,7 +56,7 @@ def test_late_cluster_part_refused_by_one_shard_arrives_next_round_and_matches_a
             late.push(1, 10.0, slice_tensors(late.assignment, dl1), shards=[0])
         assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
         owned0 = [s for s in late.assignment if s.shard == 0]
-        assert late.traffic.carried_elements == sum(s.numel for s in owned0)
+        assert late.carry.elements == sum(s.numel for s in owned0)
         assert shards.shards[0].last_round.clusters == ("a",) and shards.shards[1].last_round.clusters == ("a", "late")
 
         # Round 2: `late` rejoins; its push carries round 1's refused part to shard 0 (and only there).
@@ -67,7 +67,7 @@ def test_late_cluster_part_refused_by_one_shard_arrives_next_round_and_matches_a
         late.push(2, 10.0, slice_tensors(late.assignment, dl2))
         for client in (a, late):
             client.pull(min_version=2)
-        assert late.traffic.carried_elements == sum(s.numel for s in owned0)  # kept once, not again
+        assert late.carry.elements == sum(s.numel for s in owned0)  # kept once, not again
 
         # Replay each shard's rule: shard 0 closed round 1 with `a` alone and round 2 with late's Δ1 + Δ2.
         for index, shard in enumerate(shards.shards):

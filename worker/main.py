@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             if args.metrics_port and (context is None or context.layout.rank == 0):
                 from dilocox.worker.metrics import WorkerMetrics
 
-                metrics = WorkerMetrics(client.traffic)
+                metrics = WorkerMetrics(client)
                 metrics_server = serve_metrics(metrics.registry, args.metrics_port, args.metrics_host, role=cluster,
                                                command="dilocox worker")  # fmt: skip
                 extra["on_round"] = metrics.observe_round

@@ -18,33 +18,36 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from dilocox.worker.exchange.aggregator_client import Traffic
+    from dilocox.worker.exchange.aggregator_client import AggregatorClient
     from dilocox.worker.exchange.cluster import RoundReport
 
 
-class _TrafficCollector(Collector):
-    def __init__(self, traffic: "Traffic") -> None:
-        self.traffic = traffic
+class _ExchangeCollector(Collector):
+    """Counters the aggregator client keeps (its traffic, its replay check, its carry), read at scrape time."""
+
+    def __init__(self, client: "AggregatorClient") -> None:
+        self.client = client
 
     def collect(self):  # noqa: ANN201 - prometheus_client protocol
+        traffic = self.client.traffic
         yield CounterMetricFamily("dilocox_bytes_pushed", "Bytes this rank pushed to the shards (gRPC message bytes)",
-                                  value=self.traffic.bytes_up)  # fmt: skip
+                                  value=traffic.bytes_up)  # fmt: skip
         yield CounterMetricFamily("dilocox_bytes_pulled", "Bytes this rank pulled from the shards (gRPC message bytes)",
-                                  value=self.traffic.bytes_down)  # fmt: skip
+                                  value=traffic.bytes_down)  # fmt: skip
         yield CounterMetricFamily("dilocox_replay_mismatches", "Replays of the outer step that differed from a shard's "
-                                  "state digest (each followed by a full pull)", value=self.traffic.replay_mismatches)  # fmt: skip
+                                  "state digest (each followed by a full pull)", value=self.client.replay_check.mismatches)  # fmt: skip
         yield CounterMetricFamily("dilocox_carried_elements", "Pseudo-gradient elements a shard closed its round without, "
-                                  "delivered with the next round", value=self.traffic.carried_elements)  # fmt: skip
+                                  "delivered with the next round", value=self.client.carry.elements)  # fmt: skip
         yield CounterMetricFamily("dilocox_dropped_local_rounds", "Local rounds trained and then discarded on a rejoin",
-                                  value=self.traffic.dropped_rounds)  # fmt: skip
+                                  value=traffic.dropped_rounds)  # fmt: skip
         yield CounterMetricFamily("dilocox_dropped_local_tokens", "Tokens of the discarded local rounds",
-                                  value=self.traffic.dropped_tokens)  # fmt: skip
+                                  value=traffic.dropped_tokens)  # fmt: skip
 
 
 class WorkerMetrics:
     """One cluster's metrics in its own registry; pass `observe_round` as DilocoCluster's `on_round`."""
 
-    def __init__(self, traffic: "Traffic | None" = None, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, client: "AggregatorClient | None" = None, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.rounds = Counter("dilocox_worker_rounds", "Outer rounds this cluster completed", registry=r)
@@ -61,8 +64,8 @@ class WorkerMetrics:
                                    "L2 norm of what compression still holds back (error-feedback residuals)", registry=r)  # fmt: skip
         self.train_loss.set(math.nan)
         self.eval_loss.set(math.nan)
-        if traffic is not None:
-            r.register(_TrafficCollector(traffic))
+        if client is not None:
+            r.register(_ExchangeCollector(client))
 
     def observe_round(self, report: "RoundReport", inner_steps: int, version: int) -> None:
         self.rounds.inc()

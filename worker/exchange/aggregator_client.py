@@ -8,7 +8,6 @@ framing.
 
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,7 +43,6 @@ from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 log = structlog.get_logger()
 
 
-
 class StaleReplica(RuntimeError):
     """Our copy cannot replay a forwarded round (e.g. our own contribution is gone): pull in full."""
 
@@ -66,10 +64,8 @@ class Traffic:
     bytes_up: int = 0
     bytes_down: int = 0
     per_shard_up: dict[int, int] = field(default_factory=dict)
-    carried_elements: int = 0  # refused by a shard that closed the round without them; sent next round
     dropped_rounds: int = 0  # local rounds trained and then discarded (the cluster rejoined instead)
     dropped_tokens: int = 0
-    replay_mismatches: int = 0  # replays of the outer step that differed from a shard (then pulled in full)
 
 
 class AggregatorClient:
@@ -241,11 +237,11 @@ class AggregatorClient:
     def carry_undelivered(self, round_: int, keys: Iterable[SliceKey]) -> None:
         """A shard closed round `round_` without these slices of ours: deliver them with the next push
         (see `carry.UndeliveredCarry`)."""
+        before = self.carry.elements
         kept = self.carry.keep(self._push_generation, {key: self._own[key].decode() for key in keys if key in self._own})
-        self.traffic.carried_elements = self.carry.elements
         if kept:
             log.warning("pseudo_gradient_carried", cluster=self.cluster, round=round_, slices=len(kept),
-                        elements=sum(math.prod(self._own[key].shape) for key in kept),
+                        elements=self.carry.elements - before,
                         reason="a shard closed the round without them: they go with the next round")  # fmt: skip
 
     def _send(self, shard: int, round_: int, weight: float, items: list[EncodedSlice], wait: bool = True) -> int:
@@ -254,13 +250,8 @@ class AggregatorClient:
         messages = [pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))]
         chunks = frame_slices(items, self.slice_map.index, self.wire.chunk_bytes, self.wire.zstd_level)
         messages += [pb.PushMessage(chunk=chunk) for chunk in chunks]
-        if wait:
-            self._call(address, lambda: stub.Push(iter(messages), timeout=self.rpc_timeout), call="push")
-        else:
-            try:
-                stub.Push(iter(messages), timeout=self.rpc_timeout)
-            except grpc.RpcError as error:
-                raise AggregatorError(address, error.code(), error.details() or "") from None
+        push = lambda: stub.Push(iter(messages), timeout=self.rpc_timeout)  # noqa: E731
+        self._call(address, push, call="push", wait_s=None if wait else 0.0)
         return sum(m.ByteSize() for m in messages)
 
     def _repush_after_outage(self, shard: int, round_: int) -> None:
@@ -363,7 +354,6 @@ class AggregatorClient:
             try:
                 attempt(self.held_versions.get(shard, -1))
             except ReplayMismatch:
-                self.traffic.replay_mismatches = self.replay_check.mismatches
                 attempt(-1)  # the shard's weights and momentum in full, before the next round
                 self.replay_check.resynced(shard, self.held)
             except StaleReplica as error:
@@ -444,6 +434,8 @@ class AggregatorClient:
                 replies.append(error)
         return replies
 
-    def _call(self, address: str, fn, on_reconnect=None, call: str = "call"):
-        """Run one idempotent call, waiting out an unreachable shard (see `shard_wait.call_waiting`)."""
-        return call_waiting(fn, address, self._channel_of[address], self.shard_wait_s, on_reconnect, call)
+    def _call(self, address: str, fn, on_reconnect=None, call: str = "call", wait_s: float | None = None):
+        """Run one idempotent call, waiting out an unreachable shard for `wait_s` (default `shard_wait_s`;
+        0: one try) — see `shard_wait.call_waiting`."""
+        wait_s = self.shard_wait_s if wait_s is None else wait_s
+        return call_waiting(fn, address, self._channel_of[address], wait_s, on_reconnect, call)
