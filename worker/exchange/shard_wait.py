@@ -30,6 +30,9 @@ RECONNECT_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
 _STOPPING_PAUSE_S = 0.2  # between answers of a shard that is stopping on a live connection
+# A shard that stops mid-call answers UNAVAILABLE, or resets the stream, which the client sees as
+# CANCELLED (this client never cancels a call itself: its own limits end calls as DEADLINE_EXCEEDED).
+WAITED_FOR = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _LOG_EVERY_S = 5.0  # longest wait for the channel between two attempts (one log line each)
 
 
@@ -51,11 +54,11 @@ def call_waiting(
     on_reconnect: Callable[[], None] | None = None,
     call: str = "call",
 ) -> T:
-    """Run `fn` (an idempotent call); while the shard is UNAVAILABLE, wait for `channel` to connect and
-    call again, for up to `wait_s` seconds in all. One log line per attempt says how long it has been
-    and how long is left. `on_reconnect` runs after the channel connected again, before the next call
-    (e.g. to re-send what a restarted shard has lost). Anything but UNAVAILABLE, a certificate that does
-    not name the host, or the end of the wait raises `AggregatorError`. `call` names the call in logs."""
+    """Run `fn` (an idempotent call); while the shard is unreachable (UNAVAILABLE, or CANCELLED by a shard
+    that stopped mid-call), wait for `channel` to connect and call again, for up to `wait_s` seconds in
+    all. One log line per attempt says how long it has been and how long is left. `on_reconnect` runs after the channel connected again, before the next call
+    (e.g. to re-send what a restarted shard has lost). Any other status, a certificate that does not
+    name the host, or the end of the wait raises `AggregatorError`. `call` names the call in logs."""
     started = time.monotonic()
     deadline = started + wait_s
     attempt = 0
@@ -70,13 +73,13 @@ def call_waiting(
             if code == grpc.StatusCode.UNAVAILABLE and is_hostname_mismatch(details):  # no retry fixes a certificate
                 raise AggregatorError(address, code, f"{explain_hostname_mismatch(address)} [{details}]") from None
             now = time.monotonic()
-            if code != grpc.StatusCode.UNAVAILABLE or now >= deadline:
-                if code == grpc.StatusCode.UNAVAILABLE and attempt:
+            if code not in WAITED_FOR or now >= deadline:
+                if code in WAITED_FOR and attempt:
                     details = f"{details} (gave up after waiting {now - started:.0f}s, --shard-wait-s {wait_s:g})"
                 raise AggregatorError(address, code, details) from None
         attempt += 1
         log.warning("shard_unavailable_waiting", address=address, call=call, attempt=attempt, waited_s=round(now - started, 1),
-                    gives_up_in_s=round(deadline - now), reason=details[:200])  # fmt: skip
+                    gives_up_in_s=round(deadline - now), code=code.name, reason=details[:200])  # fmt: skip
         # A stopping shard answers UNAVAILABLE on a live connection: a short pause, so that such answers
         # are not hammered; then wait for the channel to be connected.
         time.sleep(min(_STOPPING_PAUSE_S, max(0.0, deadline - time.monotonic())))

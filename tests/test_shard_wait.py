@@ -1,0 +1,65 @@
+"""Which failures a site waits out: a shard that went away (UNAVAILABLE, or a stream it reset as it
+stopped, which the client sees as CANCELLED) is waited for; anything else is raised at once."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from dilocox.worker.exchange.shard_wait import AggregatorError, call_waiting
+
+
+class _Refused(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return f"{self._code.name} from a test"
+
+
+class _Connected:
+    """A channel that reports itself connected at once (what `channel_ready_future` watches)."""
+
+    def subscribe(self, callback, try_to_connect=False):  # noqa: ANN001 - grpc.Channel protocol
+        callback(grpc.ChannelConnectivity.READY)
+
+    def unsubscribe(self, callback):  # noqa: ANN001
+        pass
+
+
+def _failing(*codes: grpc.StatusCode):
+    calls = []
+
+    def fn() -> str:
+        calls.append(len(calls))
+        if len(calls) <= len(codes):
+            raise _Refused(codes[len(calls) - 1])
+        return "answered"
+
+    return fn, calls
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_a_shard_that_went_away_is_waited_for(code):
+    fn, calls = _failing(code, code)
+    reconnected = []
+    assert call_waiting(fn, "shard:1", _Connected(), 30, on_reconnect=lambda: reconnected.append(1)) == "answered"
+    assert len(calls) == 3 and len(reconnected) == 2
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL])
+def test_other_failures_are_raised_at_once(code):
+    fn, calls = _failing(code)
+    with pytest.raises(AggregatorError) as raised:
+        call_waiting(fn, "shard:1", _Connected(), 30)
+    assert raised.value.code == code and len(calls) == 1
+
+
+def test_without_a_wait_one_try():
+    fn, calls = _failing(grpc.StatusCode.CANCELLED)
+    with pytest.raises(AggregatorError) as raised:
+        call_waiting(fn, "shard:1", _Connected(), 0)
+    assert raised.value.code == grpc.StatusCode.CANCELLED and len(calls) == 1
