@@ -14,11 +14,20 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 
 import structlog
 
 from dilocox.common.atomic_file import atomic_torch_save
-from dilocox.common.wire.checkpoint_format import FORMAT_VERSION, checkpoint_path, key_tuple, load_state, slice_key
+from dilocox.common.wire.checkpoint_format import (
+    FORMAT_VERSION,
+    checkpoint_path,
+    key_tuple,
+    load_state,
+    loaded_payload,
+    saved_payload,
+    slice_key,
+)
 from dilocox.common.wire.framing import EncodedSlice
 from dilocox.server.round_state import Contribution
 from dilocox.server.shard import Shard, Snapshot
@@ -54,7 +63,7 @@ def shard_state(shard: Shard) -> dict:
             "tensors": {key(k): t for k, t in snap.tensors.items()},
             "momentum": {key(k): t for k, t in snap.momentum.items()},
             "contributions": {
-                key(k): {c: (x.weight, x.slice.codec, x.slice.dtype, x.slice.shape, x.slice.payload) for c, x in per.items()}
+                key(k): {c: (x.weight, x.slice.codec, x.slice.dtype, x.slice.shape, saved_payload(x.slice.payload)) for c, x in per.items()}
                 for k, per in snap.contributions.items()
             },
         },
@@ -63,10 +72,12 @@ def shard_state(shard: Shard) -> dict:
 
 def save(shard: Shard, directory: str | os.PathLike) -> pathlib.Path:
     """Atomically write the shard's checkpoint; returns its path."""
+    started = time.perf_counter()
     state = shard_state(shard)
     path = atomic_torch_save(state, checkpoint_path(directory, shard.shard_index))
     version = state["snapshot"]["version"] if state["snapshot"] else -1
-    log.info("checkpoint_saved", shard=shard.shard_index, version=version, path=str(path))
+    log.info("checkpoint_saved", shard=shard.shard_index, version=version, path=str(path),
+             seconds=round(time.perf_counter() - started, 3), bytes=path.stat().st_size)  # fmt: skip
     return path
 
 
@@ -99,13 +110,15 @@ def restore(shard: Shard, state: dict) -> None:
     momentum = {slice_key(k): t for k, t in snap["momentum"].items()}
     contributions = {
         slice_key(k): {
-            c: Contribution(c, w, EncodedSlice(slice_key(k), codec, dtype, tuple(shape), payload))
+            c: Contribution(c, w, EncodedSlice(slice_key(k), codec, dtype, tuple(shape), loaded_payload(payload)))
             for c, (w, codec, dtype, shape, payload) in per.items()
         }
         for k, per in snap["contributions"].items()
     }
     shard.snapshot = Snapshot(snap["version"], tensors, momentum, contributions)
-    shard.optimizer.buffers = {k: t.clone() for k, t in momentum.items()}
+    # Shared with the snapshot, as after any close: the next close updates them in place only when no
+    # pull holds this version (a clone here cost one more copy of the momentum at every restore).
+    shard.optimizer.buffers = dict(momentum)
     log.info("checkpoint_restored", shard=shard.shard_index, version=snap["version"], members=sorted(shard.members))
 
 
@@ -152,8 +165,6 @@ class Checkpointer:
 
 def move_aside(directory: str | os.PathLike, shard_index: int) -> pathlib.Path:
     """`--fresh`: this shard's checkpoints (current and kept versions) into a dated folder beside them."""
-    import time
-
     folder = pathlib.Path(directory) / time.strftime(f"replaced-shard-{shard_index}-%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=False)
     for file in pathlib.Path(directory).glob(f"shard-{shard_index}.*pt"):

@@ -6,6 +6,7 @@ import argparse
 import pathlib
 import signal
 import threading
+import time
 
 import structlog
 
@@ -97,10 +98,13 @@ def run(args: argparse.Namespace) -> int:
         if args.resume:
             if not path.is_file():
                 raise SystemExit(f"dilocox server: --resume: no checkpoint at {path}")
+            started = time.perf_counter()
             try:
                 checkpoint.restore(shard, checkpoint.load(path))
             except (ValueError, KeyError) as error:
                 raise SystemExit(f"dilocox server: cannot resume from {path}: {error}") from None
+            log.info("checkpoint_loaded", shard=args.shard_index, path=str(path), bytes=path.stat().st_size,
+                     seconds=round(time.perf_counter() - started, 3))  # fmt: skip
         try:
             checkpointer = checkpoint.Checkpointer(shard, args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep)
         except ValueError as error:

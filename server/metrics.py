@@ -65,12 +65,10 @@ class ShardMetrics:
         self.clusters_dropped = Counter(
             "dilocox_clusters_dropped", "Clusters marked inactive because they missed a round deadline", registry=r
         )
-        self.decode_seconds = Histogram(
-            "dilocox_decode_seconds", "Per round: decoding and averaging the contributions", buckets=_WORK_BUCKETS, registry=r
-        )
-        self.apply_seconds = Histogram(
-            "dilocox_apply_seconds", "Per round: applying the outer Nesterov step", buckets=_WORK_BUCKETS, registry=r
-        )
+        self.update_seconds = Histogram(
+            "dilocox_update_seconds", "Per round: decoding the contributions, their weighted mean and the outer step (fused)",
+            buckets=_WORK_BUCKETS, registry=r,
+        )  # fmt: skip
         self.round_latency = Histogram(
             "dilocox_round_latency_seconds", "Per round: first contribution received to version published",
             buckets=_ROUND_BUCKETS, registry=r,
@@ -98,6 +96,5 @@ class ShardMetrics:
             self.contributions.labels(cluster=cluster).inc()
         if stats.dropped:
             self.clusters_dropped.inc(len(stats.dropped))
-        self.decode_seconds.observe(stats.decode_s)
-        self.apply_seconds.observe(stats.apply_s)
+        self.update_seconds.observe(stats.update_s)
         self.round_latency.observe(stats.latency_s)

@@ -1,7 +1,7 @@
 """What a shard collects for the round in progress: each cluster's encoded contribution per slice.
 
 Plain Python and torch, no gRPC. Contributions are kept *encoded* (compressed payloads are small) and
-decoded only when the round closes, one at a time, in cluster order: the same arithmetic every cluster
+decoded only when the round closes, in cluster order: the same arithmetic every cluster
 replays from the forwarded payloads (see `common.aggregation`). Every (cluster, slice) pair is recorded,
 so a retried push is recognised and never double-counted.
 """
@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dilocox.common.wire.aggregation import weighted_mean
+from dilocox.common.wire.aggregation import apply_round
 from dilocox.common.wire.errors import InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
+from dilocox.common.wire.outer_optimizer import OuterNesterov
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,11 @@ class RoundAccumulator:
         self.cluster_weights = {c: w for c, w in self.cluster_weights.items() if c in clusters}
         return dropped
 
-    def mean(self, key: SliceKey) -> torch.Tensor | None:
-        """The weighted mean pseudo-gradient of a slice, or None if nobody delivered it."""
-        return weighted_mean((c.cluster, c.weight, c.slice.decode) for c in self.contributions.get(key, {}).values())
+    def apply(self, key: SliceKey, optimizer: OuterNesterov, param: torch.Tensor, in_place: bool) -> torch.Tensor | None:
+        """The slice's outer step on the weighted mean of its contributions, or None if nobody
+        delivered it. fp32 payloads decode to views of their bytes: they are decoded together and the
+        mean is fused into the step (see `aggregation.apply_round`)."""
+        per_cluster = self.contributions.get(key, {}).values()
+        together = all(c.slice.codec == "fp32" for c in per_cluster)
+        items = [(c.cluster, c.weight, c.slice.decode) for c in per_cluster]
+        return apply_round(items, optimizer, key, param, in_place=in_place, decode_together=together)

@@ -87,7 +87,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 return self.shard.vet_slice(key, chunk.codec, tuple(chunk.shape))
 
             pushed = [
-                EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), bytes(u.payload))
+                EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), u.payload)  # the assembler's buffer, handed over
                 for u in assemble_units(chunks(), vet, self.shard.slice_map.entries)
             ]
             if not pushed:

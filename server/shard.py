@@ -86,8 +86,7 @@ class RoundStats:
     round: int
     clusters: tuple[str, ...]  # whose contributions made it
     dropped: tuple[str, ...]  # marked inactive at this close (missed the deadline)
-    decode_s: float  # decoding and averaging the contributions
-    apply_s: float  # the outer Nesterov step
+    update_s: float  # decoding the contributions, their mean and the outer step (one fused pass)
     latency_s: float  # first contribution in → version published
     closed_at: float  # wall clock (time.time())
 
@@ -343,21 +342,18 @@ class Shard:
                 log.warning("cluster_inactive", shard=self.shard_index, cluster=cluster, round=acc.round,
                             reason=f"no complete contribution within the {self.round_deadline_s}s deadline")  # fmt: skip
             self.dropped_bytes += acc.keep_only(complete)
-        decode_s = apply_s = 0.0
         in_place = not self._readers.get(id(self.snapshot))  # no pull streams the current version
         new = {}
+        started = time.perf_counter()
         for key, param in self.snapshot.tensors.items():
-            started = time.perf_counter()
-            grad = acc.mean(key)
-            decoded = time.perf_counter()
-            new[key] = param if grad is None else self.optimizer.step(key, param, grad, in_place=in_place)
-            decode_s += decoded - started
-            apply_s += time.perf_counter() - decoded
+            stepped = acc.apply(key, self.optimizer, param, in_place)
+            new[key] = param if stepped is None else stepped
+        update_s = time.perf_counter() - started
         # No copy: the optimiser replaces the buffers, or updates them in place only when no pull holds
         # the version they belong to.
         momentum = dict(self.optimizer.buffers)
         latency_s = time.monotonic() - acc.first_push_at if acc.first_push_at is not None else 0.0
-        self.last_round = RoundStats(acc.round, tuple(sorted(complete)), tuple(dropped), decode_s, apply_s, latency_s, time.time())
+        self.last_round = RoundStats(acc.round, tuple(sorted(complete)), tuple(dropped), update_s, latency_s, time.time())
         self._publish(Snapshot(acc.round, new, momentum, acc.contributions))
         log.info(
             "round_closed",
@@ -366,8 +362,7 @@ class Shard:
             clusters=len(complete),
             tokens=sum(acc.cluster_weights.values()),
             bytes_in=acc.bytes_in,
-            decode_s=round(decode_s, 4),
-            apply_s=round(apply_s, 4),
+            update_s=round(update_s, 4),
             latency_s=round(latency_s, 3),
         )
         self.accumulator = None

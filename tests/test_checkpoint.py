@@ -50,6 +50,11 @@ def test_restore_gives_the_same_shard_and_the_same_next_round(tmp_path):
         assert torch.equal(restored.snapshot.tensors[key], original.snapshot.tensors[key])
         assert torch.equal(restored.optimizer.buffers[key], original.optimizer.buffers[key])
         assert restored.snapshot.contributions[key].keys() == original.snapshot.contributions[key].keys()
+        for cluster, kept in original.snapshot.contributions[key].items():
+            assert restored.snapshot.contributions[key][cluster].slice.payload == kept.slice.payload
+    saved = checkpoint.load(path)["snapshot"]["contributions"]
+    # Payloads are saved as uint8 tensors (written straight from memory, not pickled whole).
+    assert all(isinstance(p[4], torch.Tensor) and p[4].dtype == torch.uint8 for per in saved.values() for p in per.values())
     for shard in (original, restored):  # both take round 3 to the same place
         shard.commit_push("a", 3, 2.0, slices(shard, tensors(30)))
         shard.commit_push("b", 3, 2.0, slices(shard, tensors(31)))

@@ -8,9 +8,11 @@ results bit-identical, whatever order the pushes arrived in.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Hashable, Iterable
 
 import torch
+
+from dilocox.common.wire.outer_optimizer import BLOCK_ELEMENTS, OuterNesterov
 
 Contribution = tuple[str, float, Callable[[], torch.Tensor]]  # (cluster, weight, decode)
 
@@ -33,3 +35,46 @@ def weighted_mean(contributions: Iterable[Contribution]) -> torch.Tensor | None:
     if acc is None:
         return None
     return acc.div_(total)
+
+
+def apply_round(
+    contributions: Iterable[Contribution],
+    optimizer: OuterNesterov,
+    key: Hashable,
+    param: torch.Tensor,
+    in_place: bool = False,
+    decode_together: bool = True,
+) -> torch.Tensor | None:
+    """The round's outer step on one slice: `optimizer.step(key, param, weighted_mean(contributions))`,
+    with the same bits, block by block; None if nobody contributed to the slice.
+
+    `decode_together`: decode every contribution first and fuse the weighted mean into the step's
+    blocks, so no slice-sized temporary exists at all — right when decoding is free (fp32 payloads
+    decode to views of their bytes) or already done (a cluster's replay). Otherwise the mean is built
+    one decoded contribution at a time (one slice-sized temporary, whatever the number of clusters)
+    and only the step runs by blocks."""
+    items = sorted(contributions, key=lambda c: c[0])
+    if not items:
+        return None
+    if not decode_together:
+        grad = weighted_mean(items)
+        assert grad is not None
+        return optimizer.step(key, param, grad, in_place=in_place)
+    flats = [(decode().to(torch.float32).reshape(-1), weight) for _, weight, decode in items]
+    if any(flat.numel() != param.numel() for flat, _ in flats):
+        raise ValueError(f"{key}: contributions of {[f.numel() for f, _ in flats]} elements for {param.numel()}")
+    total = 0.0
+    for _, weight in flats:
+        total += weight  # the same order of additions as weighted_mean
+    size = min(param.numel(), BLOCK_ELEMENTS)
+    acc, scaled = torch.empty(size), torch.empty(size)
+
+    def mean_block(start: int, stop: int) -> torch.Tensor:
+        # weighted_mean's operations on elements [start, stop): a multiply, then an add, per contribution
+        block = acc[: stop - start]
+        torch.mul(flats[0][0][start:stop], flats[0][1], out=block)
+        for flat, weight in flats[1:]:
+            block.add_(torch.mul(flat[start:stop], weight, out=scaled[: stop - start]))
+        return block.div_(total)
+
+    return optimizer.step_by_block(key, param, mean_block, in_place=in_place)

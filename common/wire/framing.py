@@ -44,22 +44,27 @@ class SliceKey:
 
 @dataclass(frozen=True)
 class EncodedSlice:
-    """One slice as it travelled: codec, dtype, shape and payload bytes."""
+    """One slice as it travelled: codec, dtype, shape and payload bytes.
+
+    A `bytearray` payload is decoded in place (an fp32 slice becomes a view of its bytes, no copy):
+    whoever builds one hands the buffer over and never writes to it again, and nothing writes to a
+    decoded tensor."""
 
     key: SliceKey
     codec: str
     dtype: str
     shape: tuple[int, ...]
-    payload: bytes
+    payload: bytes | bytearray
 
     @classmethod
     def exact(cls, key: SliceKey, tensor: torch.Tensor) -> "EncodedSlice":
         """An uncompressed (fp32) slice, for callers that hold plain tensors."""
         payload, dtype = codecs.encode("fp32", tensor)
-        return cls(key, "fp32", dtype, tuple(tensor.shape), bytes(payload))
+        return cls(key, "fp32", dtype, tuple(tensor.shape), bytearray(payload))
 
     def decode(self) -> torch.Tensor:
-        return codecs.decode(self.codec, bytearray(self.payload), self.dtype, self.shape)
+        buffer = self.payload if isinstance(self.payload, bytearray) else bytearray(self.payload)
+        return codecs.decode(self.codec, buffer, self.dtype, self.shape)
 
     @property
     def sha256(self) -> bytes:
@@ -298,9 +303,15 @@ class Assembled:
     """One complete unit of a stream: a slice's payload, decoded, with the frame's metadata."""
 
     key: SliceKey
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None  # None once the holder dropped it (it decodes the payload again when needed)
     payload: bytearray
     meta: pb.TensorChunk  # the first chunk, without its data: codec, dtype, version, contributor, …
+
+    def decode(self) -> torch.Tensor:
+        """The payload decoded (again, if `tensor` was dropped; an fp32 payload decodes to a view)."""
+        if self.tensor is not None:
+            return self.tensor
+        return codecs.decode(self.meta.codec, self.payload, self.meta.dtype, tuple(self.meta.shape))
 
 
 def unit_of(chunk: pb.TensorChunk) -> tuple:

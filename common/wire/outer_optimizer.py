@@ -14,9 +14,11 @@ same code on their copy when the downlink forwards a round's contributions, so b
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
+
+BLOCK_ELEMENTS = 1 << 18  # 1 MiB of fp32 per operand: a few operands fit a core's L2 cache
 
 
 class OuterNesterov:
@@ -33,20 +35,50 @@ class OuterNesterov:
         """Return the updated parameter. By default a new tensor, and `key`'s momentum buffer is replaced
         by a new one: a published version keeps references to its weights and momentum (no copy per
         round), which must not change while a pull streams them. `in_place`: update `param` and the
-        buffer themselves (the shard, when no pull holds the version): no second copy of either.
+        buffer themselves (the shard, when no pull holds the version): no second copy of either."""
+        flat = grad.detach().reshape(-1)
+        return self.step_by_block(key, param, lambda start, stop: flat[start:stop], in_place)
+
+    def step_by_block(
+        self, key: Hashable, param: torch.Tensor, grad_block: Callable[[int, int], torch.Tensor], in_place: bool = False
+    ) -> torch.Tensor:
+        """`step`, with the pseudo-gradient given block by block: `grad_block(start, stop)` returns its
+        flat elements [start, stop) (it may reuse one scratch tensor; each block is used before the next
+        is asked for).
+
+        Why blocks: every operation below is one pass over its operands, and a slice of 100M elements
+        passed through whole makes each pass go out to memory. Blocks of `BLOCK_ELEMENTS` stay in the
+        core's cache, so the seven passes (and the weighted mean's, see `aggregation.apply_round`) cost
+        about one trip to memory, and the only scratch tensor is one block. Blocking changes no
+        arithmetic: every operation is elementwise, so the bits are those of the whole-tensor form.
 
         One rounded operation at a time (no `alpha=`, which may fuse into an FMA on one machine and not
-        on another): the clusters' replay must round exactly as the shard does; both forms round alike."""
-        buf = self.buffers.get(key)
-        if buf is None:
-            buf = grad.detach().clone()
-        elif in_place:
-            buf.mul_(self.momentum).add_(grad)
-        else:
-            buf = (buf * self.momentum).add_(grad)
-        self.buffers[key] = buf
-        update = (buf * self.momentum).add_(grad).mul_(self.lr)
-        return param.sub_(update) if in_place else param - update
+        on another): the clusters' replay must round exactly as the shard does."""
+        old = self.buffers.get(key)
+        if not param.is_contiguous() or (old is not None and not old.is_contiguous()):
+            in_place = False  # a flat view would be a copy: updating it would not update them
+        flat_param = param.detach().reshape(-1)
+        n = flat_param.numel()
+        old_flat = None if old is None else old.reshape(-1)
+        buf = old_flat if in_place and old_flat is not None else torch.empty_like(flat_param)
+        out = flat_param if in_place else torch.empty_like(flat_param)
+        update = torch.empty(min(n, BLOCK_ELEMENTS), dtype=flat_param.dtype)
+        for start in range(0, n, BLOCK_ELEMENTS):
+            stop = min(n, start + BLOCK_ELEMENTS)
+            g, v, u = grad_block(start, stop), buf[start:stop], update[: stop - start]
+            if old_flat is None:
+                v.copy_(g)  # v starts at g
+            elif in_place:
+                v.mul_(self.momentum).add_(g)
+            else:
+                torch.mul(old_flat[start:stop], self.momentum, out=v).add_(g)
+            torch.mul(v, self.momentum, out=u).add_(g).mul_(self.lr)
+            if in_place:
+                out[start:stop].sub_(u)
+            else:
+                torch.sub(flat_param[start:stop], u, out=out[start:stop])
+        self.buffers[key] = buf.view(param.shape)
+        return param if in_place else out.view(param.shape)
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "buffers": dict(self.buffers)}

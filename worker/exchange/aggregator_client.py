@@ -21,7 +21,7 @@ from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, model_digest
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.config.run import WireConfig
-from dilocox.common.wire.aggregation import Contribution, weighted_mean
+from dilocox.common.wire.aggregation import Contribution, apply_round
 from dilocox.common.wire.framing import (
     Assembled,
     EncodedSlice,
@@ -278,7 +278,7 @@ class AggregatorClient:
             item = EncodedSlice.exact(key, tensor)
         else:
             encoded = self.compressor.compress(key, tensor, codec)
-            item = EncodedSlice(key, encoded.codec, encoded.dtype, tuple(tensor.shape), bytes(encoded.payload))
+            item = EncodedSlice(key, encoded.codec, encoded.dtype, tuple(tensor.shape), bytearray(encoded.payload))
         self._own[key] = item  # to replay the round's step when the shard forwards it
         return item
 
@@ -339,7 +339,15 @@ class AggregatorClient:
                 def fetch() -> list[Assembled]:
                     summaries.clear()  # a retried call starts the stream over
                     digests.clear()
-                    return list(assemble_units(chunks(), vet, self.slice_map.entries))
+                    units = []
+                    for unit in assemble_units(chunks(), vet, self.slice_map.entries):
+                        if unit.meta.is_delta:
+                            # Vetted (decoded once, finite and of the right shape), then dropped: the replay
+                            # decodes it again when it reaches its slice. Kept decoded, the forwarded rounds
+                            # of every shard would be (M - 1) dense copies of the model at once.
+                            unit.tensor = None
+                        units.append(unit)
+                    return units
 
                 units = self._call(address, fetch, on_reconnect=lambda: self._repush_after_outage(shard, min_version), call="pull")
                 own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
@@ -412,15 +420,17 @@ class AggregatorClient:
             meta, key = unit.meta, unit.key
             version = meta.version
             if meta.is_delta:
-                contributions.setdefault(key, []).append((meta.contributor, meta.weight, lambda t=unit.tensor: t))
+                contributions.setdefault(key, []).append((meta.contributor, meta.weight, unit.decode))
             elif meta.momentum:
-                self.outer.buffers[key] = unit.tensor.clone()
+                self.outer.buffers[key] = unit.decode().clone()
             else:
-                self.held[key] = unit.tensor
+                self.held[key] = unit.decode()
                 self.outer.buffers.pop(key, None)  # a full slice comes with its momentum, if it has any
+        # The shard's arithmetic, block by block (same bits). Compressed contributions are decoded one at
+        # a time (fp32 ones are views of their payloads: decoded together, the mean is fused in).
+        together = self.compressor is None
         for key, items in contributions.items():
-            grad = weighted_mean(items)
-            self.held[key] = self.outer.step(key, self.held[key], grad)
+            self.held[key] = apply_round(items, self.outer, key, self.held[key], decode_together=together)
         self.held_versions[shard] = version
 
     # ------------------------------------------------------------------ status
