@@ -30,6 +30,7 @@ import json
 import pathlib
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,6 @@ from dilocox.bench.wan_procs import ChildProcess, child_env, dilocox_cli, stop_a
 from dilocox.common.config.run import ModelConfig
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
-from dilocox.worker.exchange.cluster import slice_tensors
 from dilocox.worker.models.build import model_param_specs
 from dilocox.worker.models.spec import resolve_model
 
@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per setting, after one warm-up round (default 2)")
     parser.add_argument("--full-clusters", type=int, default=0,
                         help="clusters holding a full replica that replay every round (default 0: all); the others push only")
+    parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
+                        help="no cluster keeps error-feedback residuals (4 bytes per parameter less per full cluster)")
     parser.add_argument("--quick", action="store_true", help="a CI-sized sweep: llama-20m, M=2, N=1,2, both codecs")
 
 
@@ -89,23 +91,27 @@ def _reset_peak_rss() -> None:
 def _synthetic(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """A pseudo-gradient slice with a few strong directions (what low rank finds) plus noise."""
     g = torch.Generator().manual_seed(seed)
-    if len(shape) == 2:
-        rows, cols = shape
-        t = torch.randn(rows, 4, generator=g) @ torch.randn(4, cols, generator=g)
-        return t.mul_(1e-3).add_(torch.randn(rows, cols, generator=g), alpha=1e-4)
-    return torch.randn(shape, generator=g).mul_(1e-4)
+    t = torch.randn(shape, generator=g).mul_(1e-4)
+    if len(shape) == 2:  # one slice-sized tensor: the bench's own memory should not show in the figures
+        t.addmm_(torch.randn(shape[0], 4, generator=g), torch.randn(4, shape[1], generator=g), alpha=1e-3)
+    return t
 
 
 class _SyntheticDelta(Mapping):
-    """A round's pseudo-gradient, made slice by slice when the push reads it (never whole)."""
+    """A round's pseudo-gradient (or, `scale=0.02`, the initial weights), made slice by slice when the
+    push reads it (never whole)."""
 
-    def __init__(self, assignment, seed: int) -> None:
+    def __init__(self, assignment, seed: int, scale: float | None = None) -> None:
         self._shapes = {s.key: s.slice_shape for s in assignment}
         self._order = {s.key: i for i, s in enumerate(assignment)}
         self._seed = seed
+        self._scale = scale
 
     def __getitem__(self, key) -> torch.Tensor:  # noqa: ANN001 - a SliceKey
-        return _synthetic(self._shapes[key], self._seed * 100_003 + self._order[key])
+        seed = self._seed * 100_003 + self._order[key]
+        if self._scale is not None:
+            return torch.randn(self._shapes[key], generator=torch.Generator().manual_seed(seed)).mul_(self._scale)
+        return _synthetic(self._shapes[key], seed)
 
     def __iter__(self):  # noqa: ANN204
         return iter(self._shapes)
@@ -155,7 +161,9 @@ def _time_restore(n: int, clusters: int, work: pathlib.Path, procs: list[ChildPr
     return loaded[-1]["seconds"] if loaded else None
 
 
-def run_setting(preset: str, specs, clusters: int, shards: int, codec: str, rounds: int, reference: dict, full: int = 0) -> dict:
+def run_setting(
+    preset: str, specs, clusters: int, shards: int, codec: str, rounds: int, reference: dict, full: int = 0, error_feedback: bool = True
+) -> dict:
     params = sum(torch.Size(s).numel() for _, s in specs)
     events: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dilocox-scale-") as tmp:
@@ -166,23 +174,27 @@ def run_setting(preset: str, specs, clusters: int, shards: int, codec: str, roun
             _reset_peak_rss()
             full = full or clusters
             light = dataclasses.replace(CODECS[codec], error_feedback=False)  # push-only clusters keep no residuals
-            compressors = [_TimedCompressor(CODECS[codec] if i < full else light, seed=7) if codec != "fp32" else None for i in range(clusters)]
+            own = CODECS[codec] if error_feedback else light
+            compressors = [_TimedCompressor(own if i < full else light, seed=7) if codec != "fp32" else None for i in range(clusters)]
             clients = [AggregatorClient(addresses, RUN, f"c{i}", compressor=compressors[i], rpc_timeout=1800) for i in range(clusters)]
             for c in clients:
                 c.join(specs)
-            theta0 = {name: torch.randn(shape).mul_(0.02) for name, shape in specs}
-            clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, theta0))
-            del theta0
+            clients[0].push(0, 1.0, _SyntheticDelta(clients[0].assignment, 0, scale=0.02))
             pool = ThreadPoolExecutor(max_workers=clusters)
             list(pool.map(lambda c: c.pull(0, wait_seconds=600), clients[:full]))
             timings: list[dict] = []
+            light_turn = threading.Lock()
             for round_ in range(1, rounds + 2):  # round 1 is the warm-up
                 before = [(c.traffic.bytes_up, c.traffic.bytes_down, comp.seconds if comp else 0.0) for c, comp in zip(clients, compressors)]
 
                 def one(i: int) -> dict:
                     c = clients[i]
                     started = time.perf_counter()
-                    c.push(round_, 1000.0, _SyntheticDelta(c.assignment, 1000 * round_ + i))
+                    if i < full:
+                        c.push(round_, 1000.0, _SyntheticDelta(c.assignment, 1000 * round_ + i))
+                    else:
+                        with light_turn:  # one push-only cluster at a time: their slices in flight are the bench's, not a cluster's
+                            c.push(round_, 1000.0, _SyntheticDelta(c.assignment, 1000 * round_ + i))
                     pushed = time.perf_counter()
                     if i < full:
                         c.pull(round_, wait_seconds=1800)
@@ -232,6 +244,7 @@ def run_setting(preset: str, specs, clusters: int, shards: int, codec: str, roun
         "params_M": round(params / 1e6, 1),
         "M": clusters,
         "full_M": full,
+        "error_feedback": error_feedback and codec != "fp32",
         "N": shards,
         "codec": codec,
         "up_MB": round(mean["up"] / 1e6, 4),
@@ -268,7 +281,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
         for codec in codecs:
             for m in ms:
                 for n in ns:
-                    rows.append(run_setting(preset, specs, m, n, codec, rounds, reference, min(args.full_clusters, m)))
+                    rows.append(run_setting(preset, specs, m, n, codec, rounds, reference, min(args.full_clusters, m), args.error_feedback))
                     print(json.dumps(rows[-1]), flush=True)
     notes = (
         f"Synthetic pseudo-gradients with the presets' parameter lists; shards are real `dilocox server` processes "

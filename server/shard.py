@@ -270,7 +270,8 @@ class Shard:
             raise RoundNotOpen(f"round 0 (initial weights) belongs to {self.initialiser!r}, not {cluster!r}")
         fresh = [item for item in slices if item.key not in self._init_staging]
         for item in fresh:
-            self._init_staging[item.key] = item.decode().to(torch.float32).clone()
+            # A view of the pushed fp32 bytes (the buffer is the shard's alone from here): no second copy.
+            self._init_staging[item.key] = item.decode().to(torch.float32)
         closed = False
         if set(self._init_staging) >= set(self.owned):
             self._publish(Snapshot(0, dict(self._init_staging)))

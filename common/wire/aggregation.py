@@ -18,23 +18,37 @@ Contribution = tuple[str, float, Callable[[], torch.Tensor]]  # (cluster, weight
 
 
 def weighted_mean(contributions: Iterable[Contribution]) -> torch.Tensor | None:
-    """Σ w·Δ / Σ w over the contributions, in cluster order; decodes one contribution at a time."""
+    """Σ w·Δ / Σ w over the contributions, in cluster order; decodes one contribution at a time and
+    folds it in by cache-sized blocks, so the only slice-sized tensors are the sum and the contribution
+    being folded in (one block of scratch for the products)."""
     total = 0.0
     acc: torch.Tensor | None = None
-    scaled: torch.Tensor | None = None  # one temporary, reused: a fresh tensor per contribution costs page faults
+    scratch = torch.empty(0)
     for _, weight, decode in sorted(contributions, key=lambda c: c[0]):
         delta = decode().to(torch.float32)
+        flat = delta.reshape(-1)
+        n = flat.numel()
         # A multiply, then an add: `add_(delta, alpha=w)` may fuse into one FMA on some CPUs and not on
         # others, and shards and clusters must round alike (see lowrank.ordered_product).
         if acc is None:
-            acc = delta * weight
+            acc = torch.empty_like(flat)
+            for start in range(0, n, BLOCK_ELEMENTS):
+                stop = min(n, start + BLOCK_ELEMENTS)
+                torch.mul(flat[start:stop], weight, out=acc[start:stop])
+            shape = delta.shape
         else:
-            scaled = delta * weight if scaled is None or scaled.shape != delta.shape else torch.mul(delta, weight, out=scaled)
-            acc.add_(scaled)
+            if flat.numel() != acc.numel():
+                raise ValueError(f"contributions of {acc.numel()} and {flat.numel()} elements cannot be averaged")
+            if scratch.numel() < min(n, BLOCK_ELEMENTS):
+                scratch = torch.empty(min(n, BLOCK_ELEMENTS))
+            for start in range(0, n, BLOCK_ELEMENTS):
+                stop = min(n, start + BLOCK_ELEMENTS)
+                acc[start:stop].add_(torch.mul(flat[start:stop], weight, out=scratch[: stop - start]))
+        del delta, flat  # before the next decode: never two contributions decoded at once
         total += weight
     if acc is None:
         return None
-    return acc.div_(total)
+    return acc.div_(total).view(shape)
 
 
 def apply_round(

@@ -98,13 +98,22 @@ class CompressionConfig:
 
 @dataclass
 class Encoded:
-    """One compressed tensor: the bytes to frame, and what the receiver will reconstruct from them."""
+    """One compressed tensor: the bytes to frame, and (`decoded`) what the receiver will reconstruct
+    from them — decoded when first asked for: a compressor without error feedback never needs it, and a
+    low-rank decode is a dense tensor and most of a push's time."""
 
     codec: str
     dtype: str
     payload: bytes | memoryview
-    decoded: torch.Tensor
+    shape: tuple[int, ...]
     rank: int | None = None
+    _decoded: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def decoded(self) -> torch.Tensor:
+        if self._decoded is None:
+            self._decoded = codecs.decode(self.codec, bytearray(self.payload), self.dtype, self.shape)
+        return self._decoded
 
 
 @dataclass
@@ -204,8 +213,7 @@ class TensorCompressor:
     @staticmethod
     def _stateless(codec: str, tensor: torch.Tensor) -> Encoded:
         payload, dtype = codecs.encode(codec, tensor)
-        decoded = codecs.decode(codec, bytearray(payload), dtype, tuple(tensor.shape))
-        return Encoded(codec, dtype, payload, decoded)
+        return Encoded(codec, dtype, payload, tuple(tensor.shape))
 
     def _lowrank(self, key: Hashable, state: _TensorState, target: torch.Tensor) -> Encoded:
         cfg = self.config
@@ -220,9 +228,7 @@ class TensorCompressor:
         p, q, singular = ordered_factors(p, q)
         rank = self._choose_rank(key, state, singular, float(matrix.square().sum()), width)
         p, q = p[:, :rank].contiguous(), q[:, :rank].contiguous()
-        payload = encode_lowrank(p, q, cfg.factor_bits)
-        decoded = codecs.decode("lowrank", bytearray(payload), "float32", tuple(target.shape))
-        return Encoded("lowrank", "float32", payload, decoded, rank)
+        return Encoded("lowrank", "float32", encode_lowrank(p, q, cfg.factor_bits), tuple(target.shape), rank)
 
     def _choose_rank(self, key: Hashable, state: _TensorState, singular: torch.Tensor, total_energy: float, width: int) -> int:
         cfg = self.config

@@ -1,0 +1,46 @@
+"""`dilocox bench projection`: its byte count is the compressor's own, and its arithmetic is the one
+the document states (AllReduce ratio, the H at which communication hides)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from dilocox.bench.projection import MODELS, compressed_bytes, measured_costs, project
+from dilocox.common.wire.assignment import assign_slices
+from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
+
+SPECS = [("emb", (300, 64)), ("w", (64, 256)), ("norm", (64,)), ("small", (8, 8))]
+
+
+def test_compressed_bytes_are_what_the_compressor_sends_at_its_highest_rank():
+    config = CompressionConfig(adaptive_rank=False)  # always rank_max, where error feedback keeps it
+    compressor = TensorCompressor(config, seed=1)
+    sent = 0
+    for s in assign_slices(SPECS, 2):
+        sent += len(bytes(compressor.compress(s.key, torch.randn(s.slice_shape)).payload))
+    assert compressed_bytes(SPECS, 2, config) == sent
+
+
+def test_paper_models_have_their_sizes():
+    sizes = {name: sum(math.prod(s) for _, s in build()) for name, build in MODELS.items()}
+    assert 1.30e9 < sizes["opt-1.3b"] < 1.33e9 and 106e9 < sizes["dense-107b"] < 108e9
+
+
+def test_projection_arithmetic(tmp_path):
+    report = tmp_path / "scale.json"
+    row = {"model": "m", "params_M": 100.0, "M": 2, "full_M": 2, "N": 2, "codec": "default", "compress_s": 1.0,
+           "pull_replay_s": 2.0, "decode_apply_MB_s": 1000.0, "shard_rss_vs_owned": 3.0, "checkpoint_MB": 800.0,
+           "checkpoint_write_s": 2.0}  # fmt: skip
+    report.write_text(json.dumps({"rows": [row, {**row, "params_M": 10.0}, {**row, "codec": "fp32", "params_M": 500.0}]}))
+    costs = measured_costs(report)
+    assert costs["compress_s_per_param"] == 1.0 / 100e6 and costs["shard_dense_bytes_per_s"] == 1e9
+    args = argparse.Namespace(sites=2, link_gbit=1.0, shards=2, cluster_cores=1, shard_cores=1, shard_ram_gb=1000.0)
+    out = project("tiny", SPECS, 2.0, costs, args)
+    params = sum(math.prod(s) for _, s in SPECS)
+    allreduce_s = 4 * params / 125e6  # 2 sites: a ring moves the whole fp32 model through each link per step
+    assert math.isclose(out["ratio_vs_allreduce"], round((2.0 + allreduce_s) / 2.0, 1))
+    assert out["H_hides"] == 1 and out["up_MB"] == out["down_MB"]  # tiny: one step covers it; 2 sites forward one push
