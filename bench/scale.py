@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from dilocox.bench.report import write_report
+from dilocox.bench.scale_plots import write_scale_plots
 from dilocox.bench.shard_throughput import memory_bandwidth
 from dilocox.bench.wan_procs import ChildProcess, child_env, dilocox_cli, stop_all, wait_for_file
 from dilocox.common.config.run import ModelConfig
@@ -61,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="clusters holding a full replica that replay every round (default 0: all); the others push only")
     parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
                         help="no cluster keeps error-feedback residuals (4 bytes per parameter less per full cluster)")
+    parser.add_argument("--plot-only", metavar="REPORTS",
+                        help="run nothing: draw the plots from these scale.json reports (comma-separated), merged")
     parser.add_argument("--quick", action="store_true", help="a CI-sized sweep: llama-20m, M=2, N=1,2, both codecs")
 
 
@@ -268,6 +271,10 @@ def run_setting(
 
 
 def run(args: argparse.Namespace, out_dir) -> str:
+    if args.plot_only:
+        rows = [row for path in args.plot_only.split(",") for row in json.loads(pathlib.Path(path).read_text())["rows"]]
+        names = write_scale_plots(pathlib.Path(out_dir), rows)
+        return f"{len(rows)} rows from {args.plot_only}: " + (", ".join(names) if names else "no plots (matplotlib missing?)")
     torch.set_num_threads(1)
     if args.quick:
         models, ms, ns, codecs, rounds = QUICK["models"], QUICK["clusters"], QUICK["shards"], QUICK["codecs"], QUICK["rounds"]
@@ -293,4 +300,6 @@ def run(args: argparse.Namespace, out_dir) -> str:
         f"same run ({reference['torch_copy']:.0f} MB/s read + write); `vs_add`: against an in-place torch add ({reference['torch_add']:.0f} MB/s of its two inputs). `shard_rss_vs_owned`: peak RSS over the fp32 bytes the shard "
         f"owns. `clients_rss_MB`: peak RSS of the bench process holding all M clusters' exchange state.\n"
     )
+    plots = write_scale_plots(pathlib.Path(out_dir), rows)
+    notes += f"\nPlots: {', '.join(plots)}.\n" if plots else ""
     return write_report(out_dir, "scale", "The aggregation service at model size", rows, list(rows[0]), notes, {"args": vars(args)})

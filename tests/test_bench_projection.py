@@ -35,7 +35,8 @@ def test_projection_arithmetic(tmp_path):
     row = {"model": "m", "params_M": 100.0, "M": 2, "full_M": 2, "N": 2, "codec": "default", "compress_s": 1.0,
            "pull_replay_s": 2.0, "decode_apply_MB_s": 1000.0, "shard_rss_vs_owned": 3.0, "checkpoint_MB": 800.0,
            "checkpoint_write_s": 2.0}  # fmt: skip
-    report.write_text(json.dumps({"rows": [row, {**row, "params_M": 10.0}, {**row, "codec": "fp32", "params_M": 500.0}]}))
+    others = [{**row, "params_M": 10.0}, {**row, "codec": "fp32", "params_M": 500.0}, {**row, "error_feedback": False, "params_M": 900.0}]
+    report.write_text(json.dumps({"rows": [row, *others]}))
     costs = measured_costs(report)
     assert costs["compress_s_per_param"] == 1.0 / 100e6 and costs["shard_dense_bytes_per_s"] == 1e9
     args = argparse.Namespace(sites=2, link_gbit=1.0, shards=2, cluster_cores=1, shard_cores=1, shard_ram_gb=1000.0)

@@ -26,3 +26,13 @@ def test_bench_scale_with_push_only_clusters():
     row = run_setting("tiny", SPECS, clusters=3, shards=1, codec="default", rounds=1, reference=REFERENCE, full=1)
     assert (row["M"], row["full_M"]) == (3, 1)
     assert row["close_s"] is not None and row["pull_replay_s"] > 0 and row["down_MB"] > row["up_MB"]
+
+
+def test_scale_plots_are_drawn_from_report_rows(tmp_path):
+    from dilocox.bench.scale_plots import write_scale_plots
+
+    base = {"codec": "default", "push_s": 1.0, "close_s": 0.5, "pull_replay_s": 2.0, "shard_rss_vs_owned": 3.0, "clients_rss_per_param_B": 20.0}
+    rows = [{**base, "params_M": p, "M": m, "N": n, "push_s": p * m / n} for p in (10.0, 100.0) for m in (2, 4) for n in (1, 2, 4)]
+    names = write_scale_plots(tmp_path, rows)
+    assert set(names) == {"time_vs_params.png", "memory_vs_params.png", "time_vs_clusters.png", "time_vs_shards.png"}
+    assert all((tmp_path / n).stat().st_size > 1000 for n in names)

@@ -165,7 +165,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
         versions = {u.meta.version for u in units}
         if len(versions) > 1:
             raise ExportError(f"shard at {address} sent slices of versions {sorted(versions)} in one pull")
-        parts[reply.shard_index] = (versions.pop() if versions else reply.version, {u.key: u.tensor for u in units})
+        parts[reply.shard_index] = (versions.pop() if versions else reply.version, {u.key: u.decode() for u in units})
     return assemble(run_id, assignment, parts, run_config_json, num_shards)
 
 

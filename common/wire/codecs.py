@@ -23,6 +23,7 @@ from dilocox.common.wire.lowrank import (
     lowrank_header_shape,
     max_lowrank_bytes,
     power_iteration,
+    vet_lowrank,
 )
 from dilocox.common.wire.quantize import decode_quantized, encode_quantized, quantized_nbytes
 
@@ -142,6 +143,25 @@ def decode(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> 
     if not all_finite(tensor):
         raise InvalidFrame(f"{name} payload holds NaN or Inf values")
     return tensor
+
+
+def vet(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> None:
+    """Refuse exactly what `decode` would refuse, as cheaply as the codec allows: a low-rank payload is
+    checked on its factors (a bound on the product, see `lowrank.vet_lowrank`), not decoded — on a shard
+    and on every cluster that is a dense decode per contribution per round saved; other codecs decode
+    (an fp32 payload to a view) and drop the result."""
+    if name != "lowrank":
+        decode(name, buffer, dtype, shape)
+        return
+    if any(d < 0 for d in shape):
+        raise InvalidFrame(f"negative dimension in shape {list(shape)}")
+    if dtype != "float32":
+        raise InvalidFrame(f"codec lowrank reconstructs float32, frame says {dtype!r}")
+    if len(shape) < 2:
+        raise InvalidFrame(f"codec lowrank needs a shape of ≥ 2 dimensions, got {list(shape)}")
+    if lowrank_header_shape(buffer) != as_matrix_shape(shape):
+        raise InvalidFrame(f"low-rank payload is {lowrank_header_shape(buffer)}, frame shape {list(shape)}")
+    vet_lowrank(buffer)
 
 
 def max_payload_bytes(name: str, shape: tuple[int, ...]) -> int:

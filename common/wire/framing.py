@@ -292,23 +292,25 @@ class SliceAssembler:
     def complete(self) -> bool:
         return self._filled == self.payload_bytes and bool(self._covered)
 
-    def decode(self) -> torch.Tensor:
+    def vet(self) -> None:
+        """Refuse the completed payload if it would not decode (see `codecs.vet`)."""
         if not self.complete:
             raise InvalidFrame(f"{self.key}: stream ended with {self._filled} of {self.payload_bytes} payload bytes")
-        return codecs.decode(self.codec, self._buffer, self.dtype, self.shape)
+        codecs.vet(self.codec, self._buffer, self.dtype, self.shape)
 
 
 @dataclass
 class Assembled:
-    """One complete unit of a stream: a slice's payload, decoded, with the frame's metadata."""
+    """One complete unit of a stream: a slice's payload, vetted (it decodes), with the frame's metadata."""
 
     key: SliceKey
-    tensor: torch.Tensor | None  # None once the holder dropped it (it decodes the payload again when needed)
+    tensor: torch.Tensor | None  # decoded by `decode()` when first needed; None until then
     payload: bytearray
     meta: pb.TensorChunk  # the first chunk, without its data: codec, dtype, version, contributor, …
 
     def decode(self) -> torch.Tensor:
-        """The payload decoded (again, if `tensor` was dropped; an fp32 payload decodes to a view)."""
+        """The payload decoded (an fp32 payload decodes to a view of it); not kept: a holder of many units
+        decodes each when it reaches it, so that never all of them are dense at once."""
         if self.tensor is not None:
             return self.tensor
         return codecs.decode(self.meta.codec, self.payload, self.meta.dtype, tuple(self.meta.shape))
@@ -344,7 +346,8 @@ def assemble_units(
                     raise InvalidFrame(f"{unit[0]}: payload of {len(payload)} bytes is over {limit} for codec {meta.codec}")
                 done.add(unit)
                 buffer = bytearray(payload)
-                yield Assembled(unit[0], codecs.decode(meta.codec, buffer, meta.dtype, tuple(meta.shape)), buffer, meta)
+                codecs.vet(meta.codec, buffer, meta.dtype, tuple(meta.shape))
+                yield Assembled(unit[0], None, buffer, meta)
             continue
         unit = unit_of(chunk)
         key = unit[0]
@@ -361,7 +364,8 @@ def assemble_units(
         if assembler.add(chunk):
             del open_units[unit]
             done.add(unit)
-            yield Assembled(key, assembler.decode(), assembler._buffer, meta)
+            assembler.vet()
+            yield Assembled(key, None, assembler._buffer, meta)
     if open_units:
         names = ", ".join(str(u[0]) for u in sorted(open_units, key=lambda u: (u[0], u[1], u[2])))
         raise InvalidFrame(f"stream ended with incomplete slices: {names}")
@@ -374,7 +378,7 @@ def assemble(
 ) -> Iterator[tuple[SliceKey, torch.Tensor, int]]:
     """Yield (key, tensor, version) for each slice of a plain stream (pushes, weight pulls)."""
     for unit in assemble_units(chunks, max_payload_bytes, slice_map):
-        yield unit.key, unit.tensor, unit.meta.version
+        yield unit.key, unit.decode(), unit.meta.version
 
 
 def stream_bytes(chunks: Iterable[pb.TensorChunk]) -> int:

@@ -21,6 +21,7 @@ import struct
 import torch
 
 from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
+from dilocox.common.wire.finite import all_finite
 from dilocox.common.wire.quantize import decode_quantized, encode_quantized, quantized_nbytes
 
 LOWRANK_VERSION = 2  # what this build writes
@@ -89,6 +90,29 @@ def encode_lowrank(p: torch.Tensor, q: torch.Tensor, factor_bits: int = 4) -> by
 
 def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
     """The dense n×m reconstruction P Qᵀ of a low-rank payload (one dense tensor, in a fixed order)."""
+    return ordered_product(*lowrank_factors(buffer))
+
+
+# Largest |P Qᵀ| bound a payload may have: below it, every partial sum of the ordered product is finite
+# in fp32 (max ≈ 2^128), so a payload can be vetted without building the product.
+_SAFE_BOUND = 2.0**120
+
+
+def vet_lowrank(buffer: bytes | bytearray | memoryview) -> None:
+    """Refuse a payload whose decode would not be finite, without decoding it: its factors must be
+    finite and Σₖ max|pₖ|·max|qₖ| (a bound on every element of P Qᵀ and on every partial sum of the
+    ordered product) below 2^120. A real pseudo-gradient is some 30 orders of magnitude below that."""
+    p_t, q_t = lowrank_factors(buffer)
+    if not (all_finite(p_t) and all_finite(q_t)):
+        raise InvalidFrame("low-rank payload holds NaN or Inf factors")
+    if p_t.numel() and q_t.numel():
+        bound = float((p_t.abs().amax(dim=1).double() * q_t.abs().amax(dim=1).double()).sum())
+        if not bound < _SAFE_BOUND:
+            raise InvalidFrame(f"low-rank payload would overflow fp32 (|P Qᵀ| up to {bound:.3g})")
+
+
+def lowrank_factors(buffer: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Pᵀ, Qᵀ) of a low-rank payload, rank × rows and rank × cols, after checking its framing."""
     if len(buffer) < _HEADER.size:
         raise InvalidFrame(f"low-rank payload of {len(buffer)} bytes is shorter than its header")
     magic, version, bits, rows, cols, rank = _HEADER.unpack_from(buffer, 0)
@@ -105,8 +129,8 @@ def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
     if offset != len(buffer):
         raise InvalidFrame(f"low-rank payload has {len(buffer) - offset} trailing bytes")
     if version == 1:  # row-major factors
-        return ordered_product(p.reshape(rows, rank).T, q.reshape(cols, rank).T)
-    return ordered_product(p.reshape(rank, rows), q.reshape(rank, cols))
+        return p.reshape(rows, rank).T, q.reshape(cols, rank).T
+    return p.reshape(rank, rows), q.reshape(rank, cols)
 
 
 _ROW_BLOCK = 64  # rows of the product built at once: the block stays in cache across the rank-1 terms

@@ -339,15 +339,9 @@ class AggregatorClient:
                 def fetch() -> list[Assembled]:
                     summaries.clear()  # a retried call starts the stream over
                     digests.clear()
-                    units = []
-                    for unit in assemble_units(chunks(), vet, self.slice_map.entries):
-                        if unit.meta.is_delta:
-                            # Vetted (decoded once, finite and of the right shape), then dropped: the replay
-                            # decodes it again when it reaches its slice. Kept decoded, the forwarded rounds
-                            # of every shard would be (M - 1) dense copies of the model at once.
-                            unit.tensor = None
-                        units.append(unit)
-                    return units
+                    # Vetted as they arrive, decoded when the replay reaches their slice: kept decoded, the
+                    # forwarded rounds of every shard would be (M - 1) dense copies of the model at once.
+                    return list(assemble_units(chunks(), vet, self.slice_map.entries))
 
                 units = self._call(address, fetch, on_reconnect=lambda: self._repush_after_outage(shard, min_version), call="pull")
                 own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
