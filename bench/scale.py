@@ -80,7 +80,7 @@ def _param_specs(preset: str) -> list[tuple[str, tuple[int, ...]]]:
 def _peak_rss_mb(pid: int | str = "self") -> float:
     for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+            return int(line.split()[1]) * 1024 / 1e6  # kB (KiB) → MB, as the owned bytes are counted
     return float("nan")
 
 
