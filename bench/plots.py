@@ -19,6 +19,19 @@ def matplotlib_missing() -> str | None:
     return None
 
 
+def finish_figure(fig, ax, path: pathlib.Path, xlabel: str, ylabel: str, legend_fontsize: int = 8) -> None:
+    """Label, grid and legend the axes, then write the figure to `path` and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=legend_fontsize)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def write_plots(out_dir: pathlib.Path, curves: Curves, target: float | None, title: str) -> list[str]:
     """Write loss_vs_tokens.png and loss_vs_time.png; returns their file names ([] without matplotlib)."""
     if matplotlib_missing():
@@ -44,13 +57,7 @@ def write_plots(out_dir: pathlib.Path, curves: Curves, target: float | None, tit
             ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:.3f}")
         if log_x:
             ax.set_xscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("eval loss (nats/byte)")
         ax.set_title(title, fontsize=10)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / fname)
-        plt.close(fig)
+        finish_figure(fig, ax, out_dir / fname, xlabel, "eval loss (nats/byte)")
         names.append(fname)
     return names

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pathlib
 
-from dilocox.bench.plots import matplotlib_missing
+from dilocox.bench.plots import finish_figure, matplotlib_missing
 
 TIMES = (("push_s", "push"), ("close_s", "close (shard)"), ("pull_replay_s", "pull + replay"))
 MEMORY = (("shard_rss_vs_owned", "shard peak RSS / owned fp32"), ("clients_rss_per_param_B", "client B / parameter"))
@@ -44,13 +44,7 @@ def write_scale_plots(out_dir: pathlib.Path, rows: list[dict]) -> list[str]:
         if log:
             ax.set_xscale("log")
             ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out_dir / fname)
-        plt.close(fig)
+        finish_figure(fig, ax, out_dir / fname, xlabel, ylabel, legend_fontsize=7)
         names.append(fname)
 
     codecs = sorted({r["codec"] for r in rows})

@@ -99,13 +99,18 @@ def _encode_lowrank_stateless(tensor: torch.Tensor) -> tuple[bytes, str]:
     return encode_lowrank(p, q, factor_bits=8), "float32"
 
 
-def _decode_lowrank(buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _check_lowrank_frame(buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> None:
+    """What the frame says of a low-rank payload must agree with the payload's own header."""
     if dtype != "float32":
         raise InvalidFrame(f"codec lowrank reconstructs float32, frame says {dtype!r}")
     if len(shape) < 2:
         raise InvalidFrame(f"codec lowrank needs a shape of ≥ 2 dimensions, got {list(shape)}")
     if lowrank_header_shape(buffer) != as_matrix_shape(shape):
         raise InvalidFrame(f"low-rank payload is {lowrank_header_shape(buffer)}, frame shape {list(shape)}")
+
+
+def _decode_lowrank(buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    _check_lowrank_frame(buffer, dtype, shape)
     return decode_lowrank(buffer).reshape(shape)
 
 
@@ -155,12 +160,7 @@ def vet(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> Non
         return
     if any(d < 0 for d in shape):
         raise InvalidFrame(f"negative dimension in shape {list(shape)}")
-    if dtype != "float32":
-        raise InvalidFrame(f"codec lowrank reconstructs float32, frame says {dtype!r}")
-    if len(shape) < 2:
-        raise InvalidFrame(f"codec lowrank needs a shape of ≥ 2 dimensions, got {list(shape)}")
-    if lowrank_header_shape(buffer) != as_matrix_shape(shape):
-        raise InvalidFrame(f"low-rank payload is {lowrank_header_shape(buffer)}, frame shape {list(shape)}")
+    _check_lowrank_frame(buffer, dtype, shape)
     vet_lowrank(buffer)
 
 

@@ -21,7 +21,6 @@ from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, model_digest
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.config.run import WireConfig
-from dilocox.common.wire.aggregation import Contribution, apply_round
 from dilocox.common.wire.framing import (
     Assembled,
     EncodedSlice,
@@ -30,21 +29,17 @@ from dilocox.common.wire.framing import (
     frame_slices,
     is_own_summary,
     is_state_digest,
-    own_contribution_digest,
 )
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.security import TlsFiles, open_channel
 from dilocox.worker.exchange.carry import UndeliveredCarry
+from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions
 from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
 from dilocox.worker.exchange.shard_wait import RECONNECT_OPTIONS, AggregatorError, call_waiting, why_unreachable
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 
 log = structlog.get_logger()
-
-
-class StaleReplica(RuntimeError):
-    """Our copy cannot replay a forwarded round (e.g. our own contribution is gone): pull in full."""
 
 
 @dataclass
@@ -347,8 +342,10 @@ class AggregatorClient:
                 own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
                 deltas = [u.meta.version for u in units if u.meta.is_delta] + [c.version for c in summaries]
                 digest = self.replay_check.expected(shard, digests, max(deltas) if deltas else None)  # before applying
-                own = self._own_contributions(shard, summaries, own_keys, have)
-                self._apply(shard, units, own, summaries[0].version if summaries else None)
+                own = own_contributions(self.cluster, self._own, self.held, shard, summaries, own_keys, have)
+                assert self.outer is not None, "join first"
+                version = summaries[0].version if summaries else self.held_versions.get(shard, -1)
+                self.held_versions[shard] = apply_pull(self.held, self.outer, units, own, version, self.compressor is None)
                 if digest is not None:
                     assert self.outer is not None
                     self.replay_check.verify(shard, self.held_versions[shard], own_keys, self.held, self.outer.buffers, digest)
@@ -377,55 +374,6 @@ class AggregatorClient:
             log.info("pull_versions_differ", versions=versions)
         wanted_keys = [s.key for s in self.assignment if not wanted or s.name in wanted]
         return min(versions), {k: self.held[k] for k in wanted_keys if k in self.held}, total
-
-    def _own_contributions(
-        self, shard: int, summaries: list[pb.TensorChunk], keys: list[SliceKey], have: int
-    ) -> dict[SliceKey, list[Contribution]]:
-        """Our own part of the round the shard forwards, from the copies we kept when pushing — after
-        checking the shard's summary (count and combined digest) against them."""
-        if not summaries:
-            return {}
-        if len(summaries) > 1:
-            raise ValueError(f"shard {shard} sent {len(summaries)} summaries of our own contribution")
-        summary = summaries[0]
-        if summary.base_version != have:
-            raise ValueError(f"shard {shard} sent round {summary.version} for version {summary.base_version}; we hold {have}")
-        mine = {k: self._own[k] for k in keys if k in self._own}
-        if any(k not in self.held for k in mine):
-            raise StaleReplica(f"shard {shard} forwards a round for slices we hold no weights of")
-        if summary.own_slices != len(mine) or own_contribution_digest({k: v.sha256 for k, v in mine.items()}) != summary.payload_sha256:
-            raise StaleReplica(f"shard {shard} holds a contribution of ours ({summary.own_slices} slices) we no longer have")
-        return {k: [(self.cluster, summary.weight, item.decode)] for k, item in mine.items()}
-
-    def _apply(
-        self,
-        shard: int,
-        units: list[Assembled],
-        own: dict[SliceKey, list[Contribution]] | None = None,
-        own_version: int | None = None,
-    ) -> None:
-        """Fold one shard's pull into `held`: full weights (+ momentum), or a round to replay (the
-        forwarded contributions plus `own`, our part of round `own_version`; a round only we
-        contributed to comes as that alone)."""
-        assert self.outer is not None, "join first"
-        contributions: dict[SliceKey, list[Contribution]] = {k: list(v) for k, v in (own or {}).items()}
-        version = own_version if own_version is not None else self.held_versions.get(shard, -1)
-        for unit in units:
-            meta, key = unit.meta, unit.key
-            version = meta.version
-            if meta.is_delta:
-                contributions.setdefault(key, []).append((meta.contributor, meta.weight, unit.decode))
-            elif meta.momentum:
-                self.outer.buffers[key] = unit.decode().clone()
-            else:
-                self.held[key] = unit.decode()
-                self.outer.buffers.pop(key, None)  # a full slice comes with its momentum, if it has any
-        # The shard's arithmetic, block by block (same bits). Compressed contributions are decoded one at
-        # a time (fp32 ones are views of their payloads: decoded together, the mean is fused in).
-        together = self.compressor is None
-        for key, items in contributions.items():
-            self.held[key] = apply_round(items, self.outer, key, self.held[key], decode_together=together)
-        self.held_versions[shard] = version
 
     # ------------------------------------------------------------------ status
     def status_each(self, timeout: float = 10.0) -> list[pb.StatusReply | AggregatorError]:
