@@ -88,7 +88,6 @@ def measured_costs(report: pathlib.Path) -> dict:
         "replay_s_per_param": row["pull_replay_s"] / params,
         "shard_dense_bytes_per_s": row["decode_apply_MB_s"] * 1e6,
         "shard_rss_vs_owned": row["shard_rss_vs_owned"],
-        "checkpoint_bytes_per_s": row["checkpoint_MB"] * 1e6 / row["checkpoint_write_s"] if row.get("checkpoint_write_s") else None,
     }
 
 

@@ -25,6 +25,7 @@ timed rounds shard 0 is restarted with `--resume` to time the restore.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -193,11 +194,9 @@ def run_setting(
                 def one(i: int) -> dict:
                     c = clients[i]
                     started = time.perf_counter()
-                    if i < full:
+                    # One push-only cluster at a time: their slices in flight are the bench's, not a cluster's.
+                    with contextlib.nullcontext() if i < full else light_turn:
                         c.push(round_, 1000.0, _SyntheticDelta(c.assignment, 1000 * round_ + i))
-                    else:
-                        with light_turn:  # one push-only cluster at a time: their slices in flight are the bench's, not a cluster's
-                            c.push(round_, 1000.0, _SyntheticDelta(c.assignment, 1000 * round_ + i))
                     pushed = time.perf_counter()
                     if i < full:
                         c.pull(round_, wait_seconds=1800)

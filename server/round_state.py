@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dilocox.common.wire.aggregation import apply_round
+from dilocox.common.wire.aggregation import apply_round, decode_to_views
 from dilocox.common.wire.errors import InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
@@ -77,6 +77,6 @@ class RoundAccumulator:
         delivered it. fp32 payloads decode to views of their bytes: they are decoded together and the
         mean is fused into the step (see `aggregation.apply_round`)."""
         per_cluster = self.contributions.get(key, {}).values()
-        together = all(c.slice.codec == "fp32" for c in per_cluster)
+        together = decode_to_views(c.slice.codec for c in per_cluster)
         items = [(c.cluster, c.weight, c.slice.decode) for c in per_cluster]
         return apply_round(items, optimizer, key, param, in_place=in_place, decode_together=together)

@@ -51,6 +51,12 @@ def weighted_mean(contributions: Iterable[Contribution]) -> torch.Tensor | None:
     return acc.div_(total).view(shape)
 
 
+def decode_to_views(codecs: Iterable[str]) -> bool:
+    """Whether contributions in these codecs decode to views of their payload bytes (fp32), so that
+    `apply_round` can decode them all at once for free and fuse the mean into the step."""
+    return all(codec == "fp32" for codec in codecs)
+
+
 def apply_round(
     contributions: Iterable[Contribution],
     optimizer: OuterNesterov,

@@ -304,15 +304,12 @@ class Assembled:
     """One complete unit of a stream: a slice's payload, vetted (it decodes), with the frame's metadata."""
 
     key: SliceKey
-    tensor: torch.Tensor | None  # decoded by `decode()` when first needed; None until then
     payload: bytearray
     meta: pb.TensorChunk  # the first chunk, without its data: codec, dtype, version, contributor, …
 
     def decode(self) -> torch.Tensor:
         """The payload decoded (an fp32 payload decodes to a view of it); not kept: a holder of many units
         decodes each when it reaches it, so that never all of them are dense at once."""
-        if self.tensor is not None:
-            return self.tensor
         return codecs.decode(self.meta.codec, self.payload, self.meta.dtype, tuple(self.meta.shape))
 
 
@@ -347,7 +344,7 @@ def assemble_units(
                 done.add(unit)
                 buffer = bytearray(payload)
                 codecs.vet(meta.codec, buffer, meta.dtype, tuple(meta.shape))
-                yield Assembled(unit[0], None, buffer, meta)
+                yield Assembled(unit[0], buffer, meta)
             continue
         unit = unit_of(chunk)
         key = unit[0]
@@ -365,7 +362,7 @@ def assemble_units(
             del open_units[unit]
             done.add(unit)
             assembler.vet()
-            yield Assembled(key, None, assembler._buffer, meta)
+            yield Assembled(key, assembler._buffer, meta)
     if open_units:
         names = ", ".join(str(u[0]) for u in sorted(open_units, key=lambda u: (u[0], u[1], u[2])))
         raise InvalidFrame(f"stream ended with incomplete slices: {names}")

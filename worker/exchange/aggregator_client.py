@@ -345,7 +345,7 @@ class AggregatorClient:
                 own = own_contributions(self.cluster, self._own, self.held, shard, summaries, own_keys, have)
                 assert self.outer is not None, "join first"
                 version = summaries[0].version if summaries else self.held_versions.get(shard, -1)
-                self.held_versions[shard] = apply_pull(self.held, self.outer, units, own, version, self.compressor is None)
+                self.held_versions[shard] = apply_pull(self.held, self.outer, units, own, version)
                 if digest is not None:
                     assert self.outer is not None
                     self.replay_check.verify(shard, self.held_versions[shard], own_keys, self.held, self.outer.buffers, digest)

@@ -10,10 +10,11 @@ client's state, kept apart from the transport (`aggregator_client`).
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 
 import torch
 
-from dilocox.common.wire.aggregation import Contribution, apply_round
+from dilocox.common.wire.aggregation import Contribution, apply_round, decode_to_views
 from dilocox.common.wire.framing import Assembled, EncodedSlice, SliceKey, own_contribution_digest
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.proto import dilocox_pb2 as pb
@@ -21,6 +22,15 @@ from dilocox.proto import dilocox_pb2 as pb
 
 class StaleReplica(RuntimeError):
     """Our copy cannot replay a forwarded round (e.g. our own contribution is gone): pull in full."""
+
+
+@dataclass(frozen=True)
+class OwnPart:
+    """Our own contribution to a forwarded round, from the slices we kept when pushing."""
+
+    cluster: str
+    weight: float
+    slices: dict[SliceKey, EncodedSlice]
 
 
 def own_contributions(
@@ -31,11 +41,11 @@ def own_contributions(
     summaries: list[pb.TensorChunk],
     keys: list[SliceKey],
     have: int,
-) -> dict[SliceKey, list[Contribution]]:
+) -> OwnPart | None:
     """Our own part of the round the shard forwards, from the copies we `kept` when pushing — after
     checking the shard's summary (count and combined digest) against them."""
     if not summaries:
-        return {}
+        return None
     if len(summaries) > 1:
         raise ValueError(f"shard {shard} sent {len(summaries)} summaries of our own contribution")
     summary = summaries[0]
@@ -46,33 +56,36 @@ def own_contributions(
         raise StaleReplica(f"shard {shard} forwards a round for slices we hold no weights of")
     if summary.own_slices != len(mine) or own_contribution_digest({k: v.sha256 for k, v in mine.items()}) != summary.payload_sha256:
         raise StaleReplica(f"shard {shard} holds a contribution of ours ({summary.own_slices} slices) we no longer have")
-    return {k: [(cluster, summary.weight, item.decode)] for k, item in mine.items()}
+    return OwnPart(cluster, summary.weight, mine)
 
 
 def apply_pull(
     held: MutableMapping[SliceKey, torch.Tensor],
     outer: OuterNesterov,
     units: list[Assembled],
-    own: Mapping[SliceKey, list[Contribution]] | None,
+    own: OwnPart | None,
     version: int,
-    dense: bool,
 ) -> int:
     """Fold one shard's pull into `held`: full weights (+ momentum), or a round to replay (the forwarded
     contributions plus `own`, our part of that round; a round only we contributed to comes as that
-    alone). Returns the version `held` is at for this shard's slices. `dense`: every contribution is
-    fp32 (decoded as views, so decoded together and the mean fused into the step); otherwise each is
-    decoded one at a time."""
-    contributions: dict[SliceKey, list[Contribution]] = {k: list(v) for k, v in (own or {}).items()}
+    alone). Returns the version `held` is at for this shard's slices. A slice's contributions are
+    decoded together when they are all fp32 (views of their payloads), else one at a time."""
+    contributions: dict[SliceKey, list[Contribution]] = {}
+    codecs: dict[SliceKey, list[str]] = {}
+    for key, item in (own.slices if own else {}).items():
+        contributions[key] = [(own.cluster, own.weight, item.decode)]
+        codecs[key] = [item.codec]
     for unit in units:
         meta, key = unit.meta, unit.key
         version = meta.version
         if meta.is_delta:
             contributions.setdefault(key, []).append((meta.contributor, meta.weight, unit.decode))
+            codecs.setdefault(key, []).append(meta.codec)
         elif meta.momentum:
             outer.buffers[key] = unit.decode().clone()
         else:
             held[key] = unit.decode()
             outer.buffers.pop(key, None)  # a full slice comes with its momentum, if it has any
     for key, items in contributions.items():  # the shard's arithmetic, block by block (same bits)
-        held[key] = apply_round(items, outer, key, held[key], decode_together=dense)
+        held[key] = apply_round(items, outer, key, held[key], decode_together=decode_to_views(codecs[key]))
     return version
