@@ -64,41 +64,66 @@ class RecordingCluster(DilocoCluster):
         return report, merged
 
 
-def reference_delayed(seeds: list[int], rounds: int, h: int) -> tuple[list[list[dict]], dict]:
-    """The delayed algorithm of DESIGN.md §3 written out in torch, with torch.optim.SGD as the outer step."""
+def reference_delayed(seeds: list[int], rounds: int, h: int, rule: str = "own", sync_rounds: int = 0) -> tuple[list[list[dict]], dict]:
+    """The delayed algorithm of DESIGN.md §3 written out in torch, with torch.optim.SGD as the outer step.
+    `rule`: where a delayed round's successor starts — "own": θ_{t-1} − Δ_t; "eager": SGD's Nesterov
+    step from θ_{t-1} with momentum v_{t-1} on ĝ = Δ_t/M + (1 − 1/M)(1 − μ)·v_{t-1}. The first
+    `sync_rounds` rounds are synchronous (every cluster adopts θ_t at once)."""
     trainers = [ToyTrainer(s) for s in seeds]
     global_params = {n: torch.nn.Parameter(p.detach().clone()) for n, p in trainers[0].model.named_parameters()}
     outer = torch.optim.SGD(list(global_params.values()), lr=LR, momentum=MOMENTUM, nesterov=True)
     starts = [{n: p.detach().clone() for n, p in t.model.named_parameters()} for t in trainers]
     history: list[list[dict]] = [[] for _ in trainers]
     previous_global = None  # θ_{t-1} as the clusters receive it (one round late)
-    for _ in range(rounds):
+    share = 1.0 / len(trainers)
+
+    def assign(t, weights):
+        with torch.no_grad():
+            for n, p in t.model.named_parameters():
+                p.copy_(weights[n])
+
+    for round_ in range(1, rounds + 1):
+        sync = round_ <= sync_rounds
+        momentum = {n: outer.state[p]["momentum_buffer"].clone() for n, p in global_params.items() if "momentum_buffer" in outer.state[p]}
         deltas, tokens = [], []
         for i, t in enumerate(trainers):
             _, n_tokens, _ = t.train_steps(h)
             local = {n: p.detach().clone() for n, p in t.model.named_parameters()}
             delta = {n: starts[i][n] - local[n] for n in local}
-            base = previous_global if previous_global is not None else starts[i]
-            merged = {n: base[n] - delta[n] for n in delta}
-            with torch.no_grad():
-                for n, p in t.model.named_parameters():
-                    p.copy_(merged[n])
-            starts[i] = merged
-            history[i].append(merged)
             deltas.append(delta)
             tokens.append(float(n_tokens))
+            if sync:
+                continue
+            base = previous_global if previous_global is not None else starts[i]
+            if rule == "own":
+                merged = {n: base[n] - delta[n] for n in delta}
+            else:
+                v = {n: momentum.get(n, torch.zeros_like(delta[n])) for n in delta}
+                estimate = {n: delta[n] * share + (1 - share) * (1 - MOMENTUM) * v[n] for n in delta}
+                merged = {n: base[n] - LR * ((1 + MOMENTUM) * estimate[n] + MOMENTUM**2 * v[n]) for n in delta}
+            assign(t, merged)
+            starts[i] = merged
+            history[i].append(merged)
         for n, p in global_params.items():
             p.grad = sum(w * d[n] for w, d in zip(tokens, deltas)) / sum(tokens)
         outer.step()
-        previous_global = {n: p.detach().clone() for n, p in global_params.items()}
-    return history, previous_global
+        new_global = {n: p.detach().clone() for n, p in global_params.items()}
+        if sync:
+            for i, t in enumerate(trainers):
+                assign(t, new_global)
+                starts[i] = new_global
+                history[i].append(new_global)
+            previous_global = None  # nothing in flight after a synchronous round
+        else:
+            previous_global = new_global
+    return history, new_global
 
 
-def run_clusters(addresses, seeds, rounds, h, delay, compute_s=0.0):
+def run_clusters(addresses, seeds, rounds, h, delay, compute_s=0.0, **options):
     clusters = []
     for i, seed in enumerate(seeds):
         client = AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=10, rpc_timeout=30)
-        clusters.append(RecordingCluster(ToyTrainer(seed, compute_s), client, rounds, h, delay=delay))
+        clusters.append(RecordingCluster(ToyTrainer(seed, compute_s), client, rounds, h, delay=delay, num_clusters=len(seeds), **options))
     run_concurrently(clusters)
     return clusters
 
@@ -143,6 +168,27 @@ def test_delayed_weights_equal_pure_torch_reference(shard_set):
     # the same θ_{t-1} plus their own progress.
     first_a, first_b = clusters[0].after_boundary[0], clusters[1].after_boundary[0]
     assert any(not torch.equal(first_a[n], first_b[n]) for n in first_a)
+
+
+@pytest.mark.parametrize("rule, sync_rounds", [("eager", 0), ("eager", 2), ("own", 2)])
+def test_delayed_start_rules_and_warm_up_equal_the_reference(shard_set, rule, sync_rounds):
+    """The eager start (the outer step on Δ_t/M plus the replicated momentum's estimate of the others)
+    and a synchronous warm-up, at every boundary, against the torch reference."""
+    seeds, rounds, h = [11, 22], 6, 4
+    shards = shard_set(2, RUN, min_clusters=2)
+    clusters = run_clusters(shards.addresses, seeds, rounds, h, delay=1, delayed_start=rule, sync_rounds=sync_rounds)
+    expected, final_global = reference_delayed(seeds, rounds, h, rule=rule, sync_rounds=sync_rounds)
+    for cluster, reference in zip(clusters, expected):
+        assert [r.round for r in cluster.reports] == list(range(1, rounds + 1))
+        for got, want in zip(cluster.after_boundary, reference, strict=True):
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6)
+        for name, p in cluster.params.items():
+            torch.testing.assert_close(p.detach(), final_global[name], rtol=1e-6, atol=1e-6)
+    if sync_rounds:  # the warm-up rounds end on the same global model in both clusters, the delayed ones do not
+        a, b = clusters[0].after_boundary, clusters[1].after_boundary
+        assert all(torch.equal(a[r][n], b[r][n]) for r in range(sync_rounds) for n in a[r])
+        assert any(not torch.equal(a[sync_rounds][n], b[sync_rounds][n]) for n in a[sync_rounds])
 
 def slow_shard(delay_s: float, min_clusters: int = 1):
     shard = Shard(0, 1, RUN, LR, MOMENTUM, min_clusters)
@@ -266,3 +312,14 @@ def test_error_feedback_residual_stays_in_the_clusters_weights(shard_set, local_
     assert max(checked) > 0  # int4 really left something undelivered, so the check above had teeth
     for key, tensor in shards.shards[0].snapshot.tensors.items():
         assert torch.equal(client.held[key], tensor)
+
+
+def test_delay_options_are_checked():
+    from dilocox.common.config.run import RunConfig
+
+    with pytest.raises(ValueError, match="sync_rounds must be ≥ 0"):
+        RunConfig(sync_rounds=-1)
+    with pytest.raises(ValueError, match="delayed_start must be 'own' or 'eager'"):
+        RunConfig(delayed_start="later")
+    with pytest.raises(ValueError, match="delayed start must be one of own, eager"):
+        DilocoCluster(ToyTrainer(1), None, rounds=1, inner_steps=1, delayed_start="later")  # type: ignore[arg-type]

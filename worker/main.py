@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
                 extra["on_round"] = chain(extra.get("on_round"), progress)
             DilocoCluster(
                 trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config)),
-                allow_late_join=args.join_late, **extra,
+                allow_late_join=args.join_late, sync_rounds=config.sync_rounds, delayed_start=config.delayed_start,
+                num_clusters=args.num_clusters, **extra,
             ).run()
     except AggregatorError as error:
         log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)

@@ -143,11 +143,20 @@ class RunConfig:
     rounds: int = 16
     # 1: one-step-delay overlap (DiLoCoX); 0: synchronous DiLoCo, the reference.
     delay: int = 1
+    # With the delay: the first `sync_rounds` rounds synchronous (a warm-up, while pseudo-gradients are
+    # large), and where the next round starts: "own" (θ_{t-1} − Δ_t, DESIGN.md §3) or "eager" (the outer
+    # step on an estimate of the round's mean), see worker/exchange/delayed_start.py.
+    sync_rounds: int = 0
+    delayed_start: str = "own"
     seed: int = 1234
     eval_batches: int = 8
     # byte (the default: bytes are tokens), bpe:VOCAB (a byte-level BPE trained on the training data,
     # cached by content), or a path to a tokenizer.json; see worker/data/tokenizer.py.
     tokenizer: str = "byte"
+    # Which part of the training tokens each cluster (and each replica inside one) samples from:
+    # "contiguous" (its own stretch: non-IID on one text) or "interleaved" (round-robin chunks: a sample
+    # of the whole corpus); see worker/data/corpus.py, BatchSampler.
+    data_split: str = "contiguous"
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -166,6 +175,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {self.delay}")
+        if self.sync_rounds < 0:
+            raise ValueError(f"sync_rounds must be ≥ 0, got {self.sync_rounds}")
+        if self.data_split not in ("interleaved", "contiguous"):
+            raise ValueError(f"data_split must be 'interleaved' or 'contiguous', got {self.data_split!r}")
+        if self.delayed_start not in ("own", "eager"):
+            raise ValueError(f"delayed_start must be 'own' or 'eager', got {self.delayed_start!r}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be ≥ 1, got {self.rounds}")
         if self.parallel.pp > 1 and self.inner.batch_size % self.parallel.microbatches:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Callable, Protocol
 
 import grpc
@@ -41,6 +41,8 @@ from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.exchange.communicator import Communicator, RoundExchange
+from dilocox.worker.exchange.delayed_start import check_rule, start_rule
+from dilocox.worker.exchange.round_report import RoundReport
 from dilocox.worker.local_checkpoint import WorkerCheckpoint
 
 log = structlog.get_logger()
@@ -52,24 +54,6 @@ class LocalTrainer(Protocol):
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]: ...
     def train_steps(self, n: int) -> tuple[float, int, float]: ...
     def evaluate(self) -> float: ...
-
-
-@dataclass
-class RoundReport:
-    round: int
-    train_loss: float
-    eval_loss: float
-    tokens: int
-    bytes_up: int
-    bytes_down: int
-    compute_s: float
-    comm_s: float  # push + pull of the exchange folded in at this boundary
-    idle_s: float  # seconds the trainer blocked on the network at this boundary
-    seconds: float  # wall time of the round, boundary included
-    overlap: float  # share of comm_s hidden behind compute: 1 − idle/comm (1.0 when nothing was awaited)
-    # ‖e‖ of this rank's error-feedback residuals after the round (what compression still holds back;
-    # bounded when error feedback works); 0 without error feedback. With the delay it may lag a round.
-    residual_norm: float = 0.0
 
 
 def slice_tensors(slices: list[ParamSlice], full: dict[str, torch.Tensor]) -> dict[SliceKey, torch.Tensor]:
@@ -102,6 +86,9 @@ class DilocoCluster:
         steps_controller: StepsController | None = None,
         on_round: Callable[[RoundReport, int, int], None] | None = None,
         allow_late_join: bool = True,
+        sync_rounds: int = 0,
+        delayed_start: str = "own",
+        num_clusters: int = 1,
     ) -> None:
         """`model_specs`: the whole model's (name, shape) list, when this rank holds only a stage of it.
         `allow_late_join=False`: a cluster new to the run refuses to start once rounds have closed
@@ -109,7 +96,10 @@ class DilocoCluster:
         `owned_names`: the parameters this rank pushes and pulls (its replica's share of the stage).
         `peer_sync`: fills in the global weights of the stage's other names from the replicas that
         pulled them (a broadcast over the stage's data-parallel group).
-        `on_round(report, inner_steps, version)`: called after every round, e.g. to update metrics."""
+        `on_round(report, inner_steps, version)`: called after every round, e.g. to update metrics.
+        `sync_rounds`: with the delay, the first rounds run synchronously; `delayed_start` ("own" or
+        "eager", worker/exchange/delayed_start.py) and `num_clusters` (this cluster's share 1/M of a
+        round's mean) decide where a delayed round's successor starts."""
         if delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {delay}")
         self.trainer = trainer
@@ -118,6 +108,9 @@ class DilocoCluster:
         self.rounds = rounds
         self.inner_steps = inner_steps
         self.delay = delay
+        self.sync_rounds = sync_rounds
+        self.delayed_start = check_rule(delayed_start)
+        self.share = 1.0 / max(1, num_clusters)
         self.run_config_json = run_config_json
         self.evaluate_every_round = evaluate_every_round
         self.params = dict(trainer.named_parameters())
@@ -150,14 +143,16 @@ class DilocoCluster:
             for name, tensor in full.items():
                 self.params[name].copy_(tensor)
 
-    def _global_weights(self, pulled: dict[SliceKey, torch.Tensor], keep_unsent: bool = False) -> dict[str, torch.Tensor]:
+    def _global_weights(self, pulled: dict[SliceKey, torch.Tensor], keep_unsent: bool = False,
+                        then: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
         """Full tensors of the pulled global weights of this rank's parameters (every slice must be
         present); with `peer_sync`, completed by the stage's replicas.
 
         `keep_unsent`: minus this cluster's undelivered residual where its compressor keeps it locally
         (error feedback with `local_residual`): the weights to train on are the global model plus all
         of this cluster's own progress the global model does not hold yet. Taken off before the
-        replicas' broadcast, so every replica of a stage gets the same weights."""
+        replicas' broadcast, so every replica of a stage gets the same weights; so is `then` (the
+        delayed start, which needs this rank's momentum)."""
         by_key = {s.key: s for s in self.slices}
         missing = set(by_key) - set(pulled)
         if missing:
@@ -173,7 +168,13 @@ class DilocoCluster:
                 residual = compressor.residual(s.key)
                 if residual is not None:
                     s.view(full[s.name]).sub_(residual.reshape(s.slice_shape))
+        if then is not None:
+            full = then(full)
         return self.peer_sync(full) if self.peer_sync else full
+
+    def _next_start(self, delta: dict[str, torch.Tensor]) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """The delayed round's successor start from θ_{t-1} (this rank's names), by `delayed_start`."""
+        return start_rule(self.delayed_start, delta, self.slices, self.client.outer, self.share)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
@@ -226,24 +227,26 @@ class DilocoCluster:
 
         exchange: RoundExchange | None = None
         idle = 0.0
-        if self.delay == 0:
+        delay = 0 if round_ <= self.sync_rounds else self.delay
+        if delay == 0:
             self._capture(round_)
             self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
             exchange, idle = self.communicator.collect()
             self._commit(round_)
             merged = self._global_weights(exchange.weights, keep_unsent=True)
         else:
-            base = start
             if self.communicator.in_flight is not None:
                 exchange, idle = self._collect_or_drop(round_, tokens)
                 self._commit(exchange.round)
-                base = self._global_weights(exchange.weights, keep_unsent=True)
-            merged = {name: base[name] - delta[name] for name in delta}
+                merged = self._global_weights(exchange.weights, keep_unsent=True, then=self._next_start(delta))
+            else:  # nothing in flight: θ_{t-1} is where this round started
+                owned = self._next_start(delta)({name: start[name] for name in self.owned_names})
+                merged = self.peer_sync(owned) if self.peer_sync else owned
             self._capture(round_)
             self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
         if exchange is not None:
             self.version = exchange.version
-            if round_ == self.rounds and self.delay == 0:
+            if round_ == self.rounds and delay == 0:
                 self._last_round_weights = exchange.weights
         self._last_weight = float(tokens)
         self._assign(merged)
@@ -264,7 +267,7 @@ class DilocoCluster:
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
             residual_norm=round(self.client.compressor.residual_norm(), 4) if self.client.compressor else 0.0,
         )
-        log.info("round_done", cluster=self.client.cluster, delay=self.delay, inner_steps=self.inner_steps, **asdict(report))
+        log.info("round_done", cluster=self.client.cluster, delay=delay, inner_steps=self.inner_steps, **asdict(report))
         if self.on_round is not None:
             self.on_round(report, self.inner_steps, self.version)
         if self.steps_controller is not None and exchange is not None:

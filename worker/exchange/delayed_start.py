@@ -1,0 +1,80 @@
+"""Where a cluster starts its next round under the one-step delay.
+
+At the end of round t the cluster holds θ_{t-1} (the merged model that travelled while round t computed)
+and its own fresh pseudo-gradient Δ_t; the shards will make θ_t = θ_{t-1} − η·(ḡ_t + μ·v_t) with
+v_t = μ·v_{t-1} + ḡ_t and ḡ_t the mean of all clusters' Δ_t — but only a round later. The next round
+starts from an estimate of θ_t. Two rules:
+
+* ``own`` (DESIGN.md §3): s_{t+1} = θ_{t-1} − Δ_t. The cluster's own progress at full weight, nobody
+  else's: with M clusters its start leans towards its own data shard by (1 − η(1+μ)/M)·Δ_t, and the
+  others' rounds reach it a round late.
+* ``eager``: the shards' own step applied locally to an estimate of ḡ_t, as overlapped-DiLoCo variants
+  do ("eager updates": the local fresh outer gradient stands in for the all-reduced one that is still
+  on its way). The estimate is the cluster's fresh Δ_t at its share 1/M, and for the other clusters'
+  share their recent mean, which the replicated outer momentum already holds: (1 − μ)·v_{t-1} is an
+  exponential average of the last rounds' ḡ (exactly ḡ when it does not change):
+
+      ĝ     = Δ_t / M + (1 − 1/M)·(1 − μ)·v_{t-1}
+      s_{t+1} = θ_{t-1} − η·((1 + μ)·ĝ + μ²·v_{t-1})
+
+  It needs no state beyond what the cluster's replica of the outer step holds (θ and v). Where the
+  cluster has no momentum yet (its first rounds) v counts as 0.
+
+Either way the next adoption is unchanged: Δ_{t+1} = s_{t+1} − θ_local, θ_local ← θ_t − Δ_{t+1} for
+`own`; for `eager` the same estimate again, from θ_t and v_t. Measured in docs/benchmarks.md (issue 20).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from dilocox.common.wire.assignment import ParamSlice
+from dilocox.common.wire.outer_optimizer import OuterNesterov
+
+RULES = ("own", "eager")
+
+
+def check_rule(rule: str) -> str:
+    if rule not in RULES:
+        raise ValueError(f"delayed start must be one of {', '.join(RULES)}, got {rule!r}")
+    return rule
+
+
+def eager_start(
+    base: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor | None, lr: float, mu: float, share: float
+) -> torch.Tensor:
+    """s_{t+1} for one tensor: the outer step from `base` (θ_{t-1}) on the estimate of this round's mean
+    pseudo-gradient; `share` is this cluster's weight in the mean (1/M for equal token counts)."""
+    estimate = delta * share
+    if momentum is not None:
+        estimate = estimate + momentum * ((1.0 - share) * (1.0 - mu))
+    step = estimate * (1.0 + mu)
+    if momentum is not None:
+        step = step + momentum * (mu * mu)
+    return base - step * lr
+
+
+def own_start(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """s_{t+1} = θ_{t-1} − Δ_t: the merged model with the round's own progress on top."""
+    return base - delta
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def start_rule(rule: str, delta: Tensors, slices: list[ParamSlice], outer: OuterNesterov | None, share: float) -> Callable[[Tensors], Tensors]:
+    """θ_{t-1} (full tensors by name) → s_{t+1}, by `rule`. For `eager`, the momentum of the cluster's
+    replica of the outer step, gathered from its slices into full tensors now (it is v_{t-1} only
+    until the next pull)."""
+    if check_rule(rule) == "own":
+        return lambda base: {name: own_start(base[name], delta[name]) for name in base}
+    momentum: Tensors = {}
+    for s in slices:
+        buffer = outer.buffers.get(s.key) if outer is not None else None
+        if buffer is not None:
+            full = momentum.setdefault(s.name, torch.zeros(delta[s.name].shape))
+            s.view(full).copy_(buffer.reshape(s.slice_shape))
+    lr, mu = (outer.lr, outer.momentum) if outer is not None else (1.0, 0.0)
+    return lambda base: {name: eager_start(base[name], delta[name], momentum.get(name), lr, mu, share) for name in base}

@@ -1,0 +1,23 @@
+"""What one cluster reports of each round: the `round_done` log line, metrics and progress read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RoundReport:
+    round: int
+    train_loss: float
+    eval_loss: float
+    tokens: int
+    bytes_up: int
+    bytes_down: int
+    compute_s: float
+    comm_s: float  # push + pull of the exchange folded in at this boundary
+    idle_s: float  # seconds the trainer blocked on the network at this boundary
+    seconds: float  # wall time of the round, boundary included
+    overlap: float  # share of comm_s hidden behind compute: 1 − idle/comm (1.0 when nothing was awaited)
+    # ‖e‖ of this rank's error-feedback residuals after the round (what compression still holds back;
+    # bounded when error feedback works); 0 without error feedback. With the delay it may lag a round.
+    residual_norm: float = 0.0
