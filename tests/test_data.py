@@ -167,3 +167,35 @@ def test_evaluate_deterministic_and_restores_mode():
     assert abs(l1 - math.log(256)) < 0.3
     with pytest.raises(CorpusError):
         evaluate(model, ev[:10], block_size=32, batch_size=4, num_batches=1)
+
+
+def test_interleaved_split_deals_chunks_round_robin_and_keeps_windows_inside_them():
+    """Each shard samples every num_shards-th chunk of the corpus (a sample of the whole of it), shards
+    stay disjoint, no window crosses a chunk's end, and the stream resumes exactly."""
+    from dilocox.worker.data.corpus import INTERLEAVE_TOKENS
+
+    num_shards, block = 3, 32
+    n = INTERLEAVE_TOKENS * 10 + 100  # 10 whole chunks and a tail that no shard samples
+    train = torch.arange(n, dtype=torch.int64)
+    chunks_seen = []
+    for k in range(num_shards):
+        s = BatchSampler(train, block_size=block, batch_size=16, seed=2, shard_index=k, num_shards=num_shards, split="interleaved")
+        seen = set()
+        for _ in range(200):
+            x, y = s.next_batch()
+            assert torch.equal(x[:, 1:], y[:, :-1])
+            first, last = x[:, 0] // INTERLEAVE_TOKENS, y[:, -1] // INTERLEAVE_TOKENS
+            assert torch.equal(first, last)  # inside one chunk
+            seen |= set(first.tolist())
+        assert seen == set(range(k, 10, num_shards))  # every one of its chunks, and only those
+        chunks_seen.append(seen)
+    assert set().union(*chunks_seen) == set(range(10))
+    a = BatchSampler(train, block, 4, seed=5, shard_index=1, num_shards=2, split="interleaved")
+    a.next_batch()
+    b = BatchSampler(train, block, 4, seed=5, shard_index=1, num_shards=2, split="interleaved")
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.next_batch()[0], b.next_batch()[0])
+    with pytest.raises(ValueError, match="sampler state is for split=interleaved"):
+        BatchSampler(train, block, 4, seed=5, shard_index=1, num_shards=2).load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="data split must be one of"):
+        BatchSampler(train, block, 4, seed=5, split="random")

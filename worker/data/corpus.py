@@ -108,12 +108,22 @@ def gather_windows(tokens: np.ndarray | TokenFile, starts: np.ndarray, length: i
     return torch.from_numpy(rows.astype(np.int64))
 
 
-class BatchSampler:
-    """Random (x, y) windows from this cluster's contiguous 1/num_shards of the training tokens.
+SPLITS = ("interleaved", "contiguous")
+INTERLEAVE_TOKENS = 4096  # chunk of the interleaved split (at least two windows)
 
-    `train` is 1-D token ids — in memory, or a prepared token file read window by window, never whole. Windows never cross a shard's bounds, so clusters (and the data-parallel replicas inside one)
-    train on disjoint data. The read position is the generator's state plus the batch count, both in
-    `state_dict`, so a resumed worker draws exactly the batches an uninterrupted one would have.
+
+class BatchSampler:
+    """Random (x, y) windows from this cluster's 1/num_shards of the training tokens.
+
+    `train` is 1-D token ids — in memory, or a prepared token file read window by window, never whole.
+    `split`: which part is this shard's. "contiguous": the k-th contiguous 1/num_shards — on one text
+    corpus each cluster then sees its own stretch of it (the sites-own-their-data case, non-IID).
+    "interleaved": chunks of `INTERLEAVE_TOKENS` dealt round-robin (k, k + num_shards, …; a tail shorter
+    than a chunk is left out) — every shard a sample of the whole corpus, as when one corpus is split
+    across sites (docs/decisions.md). Windows never cross a shard's bounds (or a chunk's), so clusters
+    (and the data-parallel replicas inside one) train on disjoint data. The read position is the
+    generator's state plus the batch count, both in `state_dict`, so a resumed worker draws exactly the
+    batches an uninterrupted one would have.
     """
 
     def __init__(
@@ -124,33 +134,43 @@ class BatchSampler:
         seed: int,
         shard_index: int = 0,
         num_shards: int = 1,
+        split: str = "contiguous",
     ) -> None:
         if num_shards <= 0 or not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
         if block_size <= 0 or batch_size <= 0:
             raise ValueError("block_size and batch_size must be positive")
-        tokens = as_token_array(train)
+        if split not in SPLITS:
+            raise ValueError(f"data split must be one of {', '.join(SPLITS)}, got {split!r}")
+        self._tokens = tokens = as_token_array(train)
         n = len(tokens)
-        self.start = n * shard_index // num_shards
-        self.end = n * (shard_index + 1) // num_shards
         self.block_size = block_size
         self.batch_size = batch_size
         self.seed = seed
         self.shard_index = shard_index
         self.num_shards = num_shards
-        self._shard = tokens[self.start : self.end]
-        if len(self._shard) < block_size + 1:
+        self.split = split
+        if split == "contiguous":
+            self.start, self.end = n * shard_index // num_shards, n * (shard_index + 1) // num_shards
+            self._chunk, self._chunk_starts = self.end - self.start, np.array([self.start], dtype=np.int64)
+        else:
+            self._chunk = max(INTERLEAVE_TOKENS, 2 * (block_size + 1))
+            self._chunk_starts = np.arange(shard_index, n // self._chunk, num_shards, dtype=np.int64) * self._chunk
+            self.start, self.end = (int(self._chunk_starts[0]), int(self._chunk_starts[-1]) + self._chunk) if len(self._chunk_starts) else (0, 0)
+        held = self._chunk * len(self._chunk_starts)
+        if self._chunk < block_size + 1 or held < block_size + 1:
             raise CorpusError(
-                f"shard {shard_index}/{num_shards} has {len(self._shard)} tokens, need at least "
-                f"{block_size + 1} (block_size + 1)"
+                f"shard {shard_index}/{num_shards} has {held} tokens ({split} split), need at least "
+                f"{block_size + 1} (block_size + 1)" + (f" in each chunk of {self._chunk}" if split == "interleaved" else "")
             )
-        self._num_windows = len(self._shard) - block_size  # every start of block_size + 1 tokens
+        self._per_chunk = self._chunk - block_size  # every start of block_size + 1 tokens inside a chunk
+        self._num_windows = self._per_chunk * len(self._chunk_starts)
         self._gen = torch.Generator().manual_seed(_mix_seed(seed, shard_index))
         self.batches_drawn = 0
 
     @property
     def shard_range(self) -> tuple[int, int]:
-        """[start, end) of this shard in the training tokens."""
+        """[start, end) of this shard in the training tokens (interleaved: of its first and last chunk)."""
         return self.start, self.end
 
     @property
@@ -158,14 +178,14 @@ class BatchSampler:
         return self.batch_size * self.block_size
 
     def next_starts(self) -> np.ndarray:
-        """The shard-relative starts of the next batch's windows (advances the stream)."""
-        ix = torch.randint(0, self._num_windows, (self.batch_size,), generator=self._gen)
+        """The starts of the next batch's windows in the training tokens (advances the stream)."""
+        ix = torch.randint(0, self._num_windows, (self.batch_size,), generator=self._gen).numpy().astype(np.int64)
         self.batches_drawn += 1
-        return ix.numpy()
+        return self._chunk_starts[ix // self._per_chunk] + ix % self._per_chunk
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y: int64 [batch_size, block_size]; y is x shifted left by one token."""
-        w = gather_windows(self._shard, self.next_starts(), self.block_size + 1)
+        w = gather_windows(self._tokens, self.next_starts(), self.block_size + 1)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, Any]:
@@ -178,10 +198,11 @@ class BatchSampler:
             "num_shards": self.num_shards,
             "block_size": self.block_size,
             "batch_size": self.batch_size,
+            "split": self.split,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key in ("seed", "shard_index", "num_shards", "block_size", "batch_size"):
+        for key in ("seed", "shard_index", "num_shards", "block_size", "batch_size", "split"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"sampler state is for {key}={state[key]}, this sampler has {getattr(self, key)}")
         self._gen.set_state(state["generator"])

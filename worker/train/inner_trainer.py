@@ -79,7 +79,8 @@ class InnerTrainer(CheckpointableTrainer):
         # Every cluster builds the same initial model (same seed, on the CPU); only the data differs.
         self.model = build_model(config.model, self.data.vocab_size, config.seed).to(self.compute.device)
         self.sampler = BatchSampler(
-            self.data.train, config.model.block_size, config.inner.batch_size, config.seed, cluster_index, num_clusters
+            self.data.train, config.model.block_size, config.inner.batch_size, config.seed, cluster_index, num_clusters,
+            split=config.data_split,
         )
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
         self.step = 0

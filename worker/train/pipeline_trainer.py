@@ -55,7 +55,7 @@ class PipelineTrainer(CheckpointableTrainer):
         # Every stage of a replica draws the same batches (the first needs x, the last y); replicas of a
         # cluster each get their own part of the cluster's data.
         self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, config.seed,
-                                    cluster_index * dp + layout.replica, num_clusters * dp)  # fmt: skip
+                                    cluster_index * dp + layout.replica, num_clusters * dp, split=config.data_split)  # fmt: skip
         self.stage = PipelineStage(self.module, layout.stage, layout.pp, self.device, group=pipeline_group)
         schedule_cls = SCHEDULES[config.parallel.schedule]
         self.schedule = schedule_cls(self.stage, config.parallel.microbatches, loss_fn=_loss_fn)
