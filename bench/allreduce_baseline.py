@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dilocox.common.config.run import as_dict, from_dict
-from dilocox.worker.data.corpus import load_corpus
+from dilocox.worker.data.token_data import load_run_data
 from dilocox.worker.train.inner_trainer import InnerTrainer
 
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(minutes=30))  # fmt: skip
     try:
-        trainer = InnerTrainer(config, load_corpus(args.data), args.rank, args.world)
+        trainer = InnerTrainer(config, load_run_data(config.tokenizer, args.data), args.rank, args.world)
         with torch.no_grad():  # as DDP does at construction: every rank starts from rank 0's weights
             for p in trainer.model.parameters():
                 dist.broadcast(p, 0)

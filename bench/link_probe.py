@@ -6,7 +6,7 @@ steady part is counted: bytes after the first `warmup_s` at the receiver, so the
 initial burst does not inflate the figure.
 
     python -m dilocox.bench.link_probe sink HOST PORT_FILE WARMUP_S   # prints one JSON line when done
-    python -m dilocox.bench.link_probe send HOST PORT SECONDS
+    python -m dilocox.bench.link_probe send HOST PORT SECONDS [MAX_BYTES]
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import json
 import pathlib
 import socket
 import sys
+import time
 
 from dilocox.common.atomic_file import write_text_atomic
-from dilocox.common.deploy.link_probe import receive_counted, stream_zeros
+from dilocox.common.deploy.link_probe import BLOCK, receive_counted, stream_zeros
 
 
 def sink(host: str, port_file: str, warmup_s: float, timeout_s: float = 120.0) -> dict:
@@ -33,17 +34,30 @@ def sink(host: str, port_file: str, warmup_s: float, timeout_s: float = 120.0) -
     return result.as_dict()
 
 
-def send(host: str, port: int, seconds: float) -> None:
-    with socket.create_connection((host, port), timeout=60) as conn:
-        stream_zeros(conn, seconds)
+def send(host: str, port: int, seconds: float, max_bytes: int = 0) -> None:
+    """Stream zeros for `seconds`, or until `max_bytes` (0: no cap). The cap keeps a slow link's probe
+    short: at 0.5 Mbit/s the socket buffers alone hold minutes of backlog, which the sink would wait out."""
+    if max_bytes <= 0:
+        with socket.create_connection((host, port), timeout=60) as conn:
+            stream_zeros(conn, seconds)
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+        conn.settimeout(60)
+        conn.connect((host, port))
+        block = bytes(min(BLOCK, max_bytes))
+        end, sent = time.monotonic() + seconds, 0
+        while time.monotonic() < end and sent < max_bytes:
+            conn.sendall(block)
+            sent += len(block)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sink"] and len(argv) == 4:
         print(json.dumps(sink(argv[1], argv[2], float(argv[3]))), flush=True)
-    elif argv[:1] == ["send"] and len(argv) == 4:
-        send(argv[1], int(argv[2]), float(argv[3]))
+    elif argv[:1] == ["send"] and len(argv) in (4, 5):
+        send(argv[1], int(argv[2]), float(argv[3]), int(argv[4]) if len(argv) == 5 else 0)
     else:
         print(__doc__, file=sys.stderr)
         return 2

@@ -30,10 +30,12 @@ from dilocox.bench.allreduce_baseline import ring_bytes_per_rank
 from dilocox.bench.plots import matplotlib_missing, write_plots
 from dilocox.bench.report import write_report
 from dilocox.bench.wan_links import LinkSettings, LoopbackLinks, NamespaceLinks, measure_links
-from dilocox.bench.wan_modes import MODES, ModeResult
+from dilocox.bench.wan_modes import ABLATIONS, ALL_MODES, MODES, ModeResult
+from dilocox.bench.wan_ratio import (DEFAULT_SHAPED_STEPS, SPLIT_FROM_RATIO, PaperRegime, join_split, paper_regime,
+                                     shaped_probe_config, unshaped_links)
 from dilocox.bench.wan_runs import RUNNERS, RunOptions
 from dilocox.common.config.run import InnerConfig, RunConfig, add_config_arguments, as_dict, config_from_args
-from dilocox.worker.data.corpus import load_corpus
+from dilocox.worker.data.token_data import load_run_data
 from dilocox.worker.train.inner_trainer import InnerTrainer
 
 DEFAULT_ROUNDS, QUICK_ROUNDS = 10, 5
@@ -41,13 +43,23 @@ DEFAULT_ROUNDS, QUICK_ROUNDS = 10, 5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_ROUNDS} rounds instead of {DEFAULT_ROUNDS}, shorter link probes")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, any of {', '.join(MODES)} (default all)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"comma-separated, any of {', '.join(MODES)} (the default) and the ablations {', '.join(ABLATIONS)}")  # fmt: skip
     parser.add_argument("--sites", type=int, default=2, help="sites (clusters), each in its own namespace (default 2)")
     parser.add_argument("--shards", type=int, default=2, help="aggregation shards, in the hub (default 2)")
     parser.add_argument("--rate-mbit", type=float, default=0.0,
                         help="link rate per direction in Mbit/s; 0 (default) derives it from --comm-ratio and the measured step time")  # fmt: skip
     parser.add_argument("--comm-ratio", type=float, default=20.0,
                         help="AllReduce time / compute time of one step on the link (default 20: a large model on 1 Gbit/s)")  # fmt: skip
+    parser.add_argument("--paper-model", help="take the ratio from this model on the link instead: opt-1.3b or dense-107b "
+                        "(r = its ring AllReduce bytes per site / link rate / --step-s)")  # fmt: skip
+    parser.add_argument("--link-gbit", type=float, default=1.0, help="with --paper-model: the WAN link between the sites (default 1)")
+    parser.add_argument("--step-s", type=float, help="with --paper-model: one inner step's compute at a site (default 4 s for opt-1.3b, 10 s for dense-107b)")
+    parser.add_argument("--gradient-bytes", type=int, default=4, help="with --paper-model: bytes per AllReduced gradient value, 4 (fp32, default) or 2")
+    parser.add_argument("--allreduce-steps", type=int, default=-1,
+                        help=f"measure AllReduce's throughput over this many shaped steps and take its loss curve from an unshaped "
+                             f"run (the numerics do not depend on the link); 0: run it shaped in full; default: {DEFAULT_SHAPED_STEPS} "
+                             f"when r > {SPLIT_FROM_RATIO:g}, else 0")  # fmt: skip
     parser.add_argument("--latency-ms", type=float, default=2.0, help="one-way link latency, added in user space (default 2)")
     parser.add_argument("--jitter-ms", type=float, default=0.5, help="uniform ± jitter on the latency (default 0.5)")
     parser.add_argument("--target-loss", type=float, help="eval loss for the time-to-target column (default: the worst final loss)")
@@ -67,7 +79,7 @@ def base_config(args: argparse.Namespace) -> RunConfig:
     return config
 
 
-def calibrate(config: RunConfig, corpus: bytes, sites: int, threads: int, steps: int = 10) -> dict:
+def calibrate(config: RunConfig, corpus, sites: int, threads: int, steps: int = 10) -> dict:
     """Time the inner step of one site on this machine (after 3 warm-up steps)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -124,15 +136,21 @@ def run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
 def _run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
     started = time.monotonic()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in ALL_MODES]
     if unknown or not modes:
-        raise SystemExit(f"dilocox bench wan: unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+        raise SystemExit(f"dilocox bench wan: unknown mode(s) {unknown}; known: {', '.join(ALL_MODES)}")
     if args.sites < 2 or args.shards < 1:
         raise SystemExit("dilocox bench wan: needs --sites ≥ 2 and --shards ≥ 1")
     config = base_config(args)
-    corpus = load_corpus(args.data)
+    corpus = load_run_data(config.tokenizer, args.data)  # trains and caches a bpe:VOCAB tokenizer before the sites start
     calibration = calibrate(config, corpus, args.sites, args.threads)
+    regime = paper_regime(args.paper_model, args.sites, args.link_gbit, args.step_s, args.gradient_bytes) if args.paper_model else None
+    args.comm_ratio = regime.ratio if regime else args.comm_ratio
     rate = args.rate_mbit if args.rate_mbit > 0 else auto_rate_mbit(calibration, args.comm_ratio)
+    expected_ratio = calibration["allreduce_bytes_per_step_per_site"] * 8 / (rate * 1e6) / calibration["step_s"]
+    split_steps = args.allreduce_steps if args.allreduce_steps >= 0 else (DEFAULT_SHAPED_STEPS if expected_ratio > SPLIT_FROM_RATIO else 0)
+    if regime:
+        print(f"[bench wan] {regime.describe()}", file=sys.stderr, flush=True)
     settings = LinkSettings(rate, args.latency_ms, args.jitter_ms)
     if args.fallback:
         usable, why = False, "--fallback was given"
@@ -153,12 +171,15 @@ def _run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
               file=sys.stderr, flush=True)  # fmt: skip
         probes = measure_links(links, log_dir, seconds=probe_s, warmup_s=min(1.0, probe_s / 3))
         for name in modes:
-            mode = MODES[name]
+            mode = ALL_MODES[name]
             mode_config = mode.config(config)
             bar, progress = bars.start(name, mode_config.rounds, "round")
             options = RunOptions(log_dir, args.timeout, args.threads, args.shards, args.data)
             try:
-                result = RUNNERS[mode.runner](links, mode, mode_config, options, progress)
+                if mode.runner == "allreduce" and split_steps > 0:
+                    result = run_split_allreduce(links, mode, mode_config, options, progress, split_steps)
+                else:
+                    result = RUNNERS[mode.runner](links, mode, mode_config, options, progress)
             except Exception as error:  # noqa: BLE001 - reported, the other modes still run
                 failures[name] = str(error)
                 bars.finish(bar, name, f"FAILED: {str(error).splitlines()[0]}")
@@ -166,10 +187,49 @@ def _run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
             results[name] = result
             bars.finish(bar, name, f"{result.tokens_per_s:,.0f} tokens/s, final eval loss {result.final_eval_loss:.4f}, "
                                    f"{result.train_s:.1f}s training")  # fmt: skip
-    text = write_wan_report(out_dir, args, config, calibration, settings, describe, probes, results, failures, time.monotonic() - started)
+    text = write_wan_report(out_dir, args, config, calibration, settings, describe, probes, results, failures, time.monotonic() - started,
+                            regime)  # fmt: skip
+    for line in ratio_lines(results, calibration, settings, regime):
+        print(f"[bench wan] {line}", file=sys.stderr, flush=True)
     if failures:
         raise SystemExit(f"dilocox bench wan: mode(s) failed: {', '.join(failures)} (report and logs in {out_dir})")
     return text
+
+
+def run_split_allreduce(links, mode, config: RunConfig, options: RunOptions, progress, steps: int) -> ModeResult:
+    """AllReduce at a large ratio: `steps` shaped steps for its throughput, the full run over an unshaped
+    link for its loss curve (bench/wan_ratio.py)."""
+    probe = dataclasses.replace(mode, name=f"{mode.name}-shaped")
+    shaped = RUNNERS[mode.runner](links, probe, shaped_probe_config(config, steps), options, lambda n, fields: None)
+    with unshaped_links(links.sites) as plain:
+        unshaped = RUNNERS[mode.runner](plain, mode, config, options, progress)
+    return join_split(mode, shaped, unshaped, steps)
+
+
+def measured_ratio(base: ModeResult) -> tuple[float, float, float]:
+    """(r, collective s, compute s) per AllReduce step on the shaped link. Split: the collectives of the
+    shaped steps against the compute of the full (unshaped) run, which does not depend on the link and is
+    averaged over every step rather than a few."""
+    steps = max(1, base.extra.get("steps", 1))
+    comm, compute = base.comm_s / steps, base.compute_s / steps
+    return comm / max(1e-9, compute), comm, compute
+
+
+def ratio_lines(results: dict[str, ModeResult], calibration: dict, settings: LinkSettings, regime: PaperRegime | None) -> list[str]:
+    """The measured communication ratio and each mode's speed-up over AllReduce next to its bound."""
+    base = results.get("allreduce")
+    lines = [f"stated regime: {regime.describe()}"] if regime else []
+    expected = calibration["allreduce_bytes_per_step_per_site"] * 8 / (settings.rate_mbit * 1e6) / calibration["step_s"]
+    if base is None:
+        return lines + [f"r = {expected:.0f} from bytes / rate / calibrated step (no AllReduce run to measure it)"]
+    r, comm, compute = measured_ratio(base)
+    lines.append(f"measured r = {r:.0f}: AllReduce's collective {comm:.3f} s vs compute {compute * 1000:.0f} ms per step "
+                 f"(bytes / rate / calibrated step: {expected:.0f})")  # fmt: skip
+    for name, result in results.items():
+        if name != "allreduce":
+            lines.append(f"{name}: {result.tokens_per_s / base.tokens_per_s:.1f}× AllReduce's tokens/s; "
+                         f"bound (T + t_AR) / T = {1 + r:.1f}×")  # fmt: skip
+    return lines
 
 
 def scaling_note(calibration: dict, settings: LinkSettings, ratio: float, auto: bool) -> str:
@@ -192,7 +252,7 @@ def scaling_note(calibration: dict, settings: LinkSettings, ratio: float, auto: 
     )  # fmt: skip
 
 
-def write_wan_report(out_dir, args, config, calibration, settings, describe, probes, results, failures, elapsed) -> str:
+def write_wan_report(out_dir, args, config, calibration, settings, describe, probes, results, failures, elapsed, regime=None) -> str:
     base = results.get("allreduce")
     losses = [r.final_eval_loss for r in results.values() if r.finite()]
     target = args.target_loss if args.target_loss is not None else (max(losses) if losses else None)
@@ -237,6 +297,11 @@ def write_wan_report(out_dir, args, config, calibration, settings, describe, pro
         "| --- | --- | --- | --- | --- | --- |\n"
         f"{probe_lines}\n\n"
         + scaling_note(calibration, settings, args.comm_ratio, args.rate_mbit <= 0)
+        + "".join(f"* {line}\n" for line in ratio_lines(results, calibration, settings, regime)) + "\n"
+        + (f"**AllReduce split** (r > {SPLIT_FROM_RATIO:g} or `--allreduce-steps`): its throughput comes from "
+           f"{base.extra['split']['shaped_steps']} steps on the shaped link, its loss curve from the same configuration over an "
+           "unshaped link (identical numerics); each point keeps that run's compute and evaluation time and takes the shaped "
+           "collective time per step (bench/wan_ratio.py).\n\n" if base and base.extra.get("split") else "")
         + (f"Measured inside the AllReduce run: {base.comm_s / steps * 1000:.0f} ms per collective against "
            f"{base.compute_s / steps * 1000:.0f} ms of compute per step, r = {base.comm_s / max(1e-9, base.compute_s):.1f} "
            f"(bytes/rate alone would be {calibration['allreduce_bytes_per_step_per_site'] * 8 / (settings.rate_mbit * 1e6) * 1000:.0f} ms; "
@@ -268,6 +333,8 @@ def write_wan_report(out_dir, args, config, calibration, settings, describe, pro
         "plots": plots,
         "plots_missing": plots_missing,
         "elapsed_s": round(elapsed, 1),
+        "regime": dataclasses.asdict(regime) | {"ratio": regime.ratio} if regime else None,
+        "ratio_lines": ratio_lines(results, calibration, settings, regime),
     }
     title = f"WAN benchmark: DiLoCoX vs DiLoCo vs AllReduce ({'IN-PROCESS FALLBACK throttle' if fallback else 'shaped namespaces'})"
     columns = ["mode", "tokens", "tokens_per_s", "vs_allreduce_speed", "time_to_target_s", "final_eval_loss", "loss_vs_allreduce",

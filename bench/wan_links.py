@@ -171,7 +171,9 @@ def _probe(links: Links, work_dir: pathlib.Path, name: str, sink_argv_of, sink_h
         if relay_site is not None:
             relay = Relay(links, [(relay_site, ("127.0.0.1", port))], work_dir, name=f"{name}-relay")
             port = relay.ports[0]
-        sender = ChildProcess(f"{name}-send", sender_argv_of(python_module("dilocox.bench.link_probe", "send", host, str(port), str(seconds))),
+        budget = int(links.settings.rate_mbit * 1e6 / 8 * seconds * 1.25)  # a little over what the link takes in `seconds`
+        sender = ChildProcess(f"{name}-send", sender_argv_of(python_module("dilocox.bench.link_probe", "send", host, str(port), str(seconds),
+                                                                           str(budget))),
                               work_dir / f"{name}-send.log")  # fmt: skip
         procs.append(sender)
         if wire_bytes is not None:

@@ -2,8 +2,9 @@
 
 A mode is a runner ("allreduce": bench/allreduce_baseline.py; "diloco": shards + clusters through the
 relay) plus overrides of the run configuration shared by all modes (model, data, rounds × H, batch).
-A new mode is one more entry in `MODES`; `dilocox bench wan --modes` picks any subset, and every mode
-trains the same number of tokens.
+A new mode is one more entry in `MODES` (run by default) or `ABLATIONS` (the paper's ablations of
+DiLoCoX, run when named); `dilocox bench wan --modes` picks any subset, and every mode trains the same
+number of tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ MODES: dict[str, Mode] = {
         Mode("dilocox", "DiLoCoX (one-step delay + adaptive low-rank int4)", "diloco", {"delay": 1}),
     )
 }
+# The paper's ablations: DiLoCoX (as configured) with one part taken out. Not run unless named.
+ABLATIONS: dict[str, Mode] = {
+    m.name: m
+    for m in (
+        Mode("no-delay", "DiLoCoX without the one-step delay (synchronous, compressed)", "diloco", {"delay": 0}),
+        Mode("no-compression", "DiLoCoX without compression (fp32 uplink, delayed)", "diloco", {"compress": {"codec": "fp32"}}),
+        Mode("no-ef", "DiLoCoX without error feedback", "diloco", {"compress": {"error_feedback": False}}),
+        Mode("fixed", "DiLoCoX with fixed rank (r_max) and fixed H", "diloco",
+             {"compress": {"adaptive_rank": False}, "inner": {"adaptive_steps": False}}),  # fmt: skip
+        Mode("adaptive-h", "DiLoCoX with adaptive H (grows H while the exchange outlasts compute)", "diloco",
+             {"inner": {"adaptive_steps": True}}),  # fmt: skip
+    )
+}
+ALL_MODES: dict[str, Mode] = {**MODES, **ABLATIONS}
 
 
 @dataclass
