@@ -154,9 +154,10 @@ class RunConfig:
     # cached by content), or a path to a tokenizer.json; see worker/data/tokenizer.py.
     tokenizer: str = "byte"
     # Which part of the training tokens each cluster (and each replica inside one) samples from:
-    # "contiguous" (its own stretch: non-IID on one text) or "interleaved" (round-robin chunks: a sample
-    # of the whole corpus); see worker/data/corpus.py, BatchSampler.
-    data_split: str = "contiguous"
+    # "interleaved" (round-robin chunks: a sample of the whole corpus, as when one corpus is split across
+    # sites) or "contiguous" (its own stretch: non-IID on one text); worker/data/corpus.py, BatchSampler;
+    # docs/decisions.md, "Splitting one corpus across clusters".
+    data_split: str = "interleaved"
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)

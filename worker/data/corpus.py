@@ -109,7 +109,7 @@ def gather_windows(tokens: np.ndarray | TokenFile, starts: np.ndarray, length: i
 
 
 SPLITS = ("interleaved", "contiguous")
-INTERLEAVE_TOKENS = 4096  # chunk of the interleaved split (at least two windows)
+INTERLEAVE_TOKENS = 4096  # chunk of the interleaved split (smaller only where a shard would not get one)
 
 
 class BatchSampler:
@@ -154,11 +154,11 @@ class BatchSampler:
             self.start, self.end = n * shard_index // num_shards, n * (shard_index + 1) // num_shards
             self._chunk, self._chunk_starts = self.end - self.start, np.array([self.start], dtype=np.int64)
         else:
-            self._chunk = max(INTERLEAVE_TOKENS, 2 * (block_size + 1))
-            self._chunk_starts = np.arange(shard_index, n // self._chunk, num_shards, dtype=np.int64) * self._chunk
+            self._chunk = min(INTERLEAVE_TOKENS, n // num_shards)  # a small corpus: one chunk per shard (contiguous)
+            self._chunk_starts = np.arange(shard_index, n // max(1, self._chunk), num_shards, dtype=np.int64) * self._chunk
             self.start, self.end = (int(self._chunk_starts[0]), int(self._chunk_starts[-1]) + self._chunk) if len(self._chunk_starts) else (0, 0)
         held = self._chunk * len(self._chunk_starts)
-        if self._chunk < block_size + 1 or held < block_size + 1:
+        if self._chunk < block_size + 1:
             raise CorpusError(
                 f"shard {shard_index}/{num_shards} has {held} tokens ({split} split), need at least "
                 f"{block_size + 1} (block_size + 1)" + (f" in each chunk of {self._chunk}" if split == "interleaved" else "")
