@@ -32,8 +32,9 @@ def finish_figure(fig, ax, path: pathlib.Path, xlabel: str, ylabel: str, legend_
     plt.close(fig)
 
 
-def write_plots(out_dir: pathlib.Path, curves: Curves, target: float | None, title: str) -> list[str]:
-    """Write loss_vs_tokens.png and loss_vs_time.png; returns their file names ([] without matplotlib)."""
+def write_plots(out_dir: pathlib.Path, curves: Curves, target: float | None, title: str, unit: str = "nats/byte") -> list[str]:
+    """Write loss_vs_tokens.png and loss_vs_time.png; returns their file names ([] without matplotlib).
+    `unit`: of the loss — nats/byte for the byte tokenizer, nats/token for any other."""
     if matplotlib_missing():
         return []
     import matplotlib
@@ -58,6 +59,6 @@ def write_plots(out_dir: pathlib.Path, curves: Curves, target: float | None, tit
         if log_x:
             ax.set_xscale("log")
         ax.set_title(title, fontsize=10)
-        finish_figure(fig, ax, out_dir / fname, xlabel, "eval loss (nats/byte)")
+        finish_figure(fig, ax, out_dir / fname, xlabel, f"eval loss ({unit})")
         names.append(fname)
     return names

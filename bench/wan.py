@@ -275,7 +275,8 @@ def write_wan_report(out_dir, args, config, calibration, settings, describe, pro
         rows.append({"mode": name, "tokens": f"FAILED: {error.splitlines()[0][:120]}"})
     plots_missing = matplotlib_missing()
     curves = {f"{r.mode}": [(p.tokens, p.seconds, p.eval_loss) for p in r.curve] for r in results.values()}
-    plots = write_plots(out_dir, curves, target, f"{args.sites} sites, {settings.rate_mbit:g} Mbit/s, {links_word(describe)}") if curves else []
+    plots = write_plots(out_dir, curves, target, f"{args.sites} sites, {settings.rate_mbit:g} Mbit/s, {links_word(describe)}",
+                        "nats/byte" if config.tokenizer == "byte" else "nats/token") if curves else []  # fmt: skip
     tokens = config.rounds * config.inner.steps * config.inner.batch_size * config.model.block_size * args.sites
     probe_lines = "\n".join(f"| {path} | {p['configured_mbit_per_s']:g} | {p['mbit_per_s']:.2f} | {p['ratio'] * 100:.1f}% | "
                             f"{p['goodput_mbit_per_s']:.2f} | {p['measured_by']} |" for path, p in probes.items())  # fmt: skip
