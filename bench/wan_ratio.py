@@ -17,6 +17,7 @@ time replaced by the shaped steps' (steps so far × shaped collective time per s
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from dilocox.bench.allreduce_baseline import ring_bytes_per_rank
@@ -63,15 +64,8 @@ def paper_regime(model: str, sites: int, link_gbit: float, step_s: float | None,
         raise SystemExit(f"dilocox bench wan: unknown --paper-model {model!r}; known: {', '.join(MODELS)}")
     if link_gbit <= 0 or (step_s is not None and step_s <= 0) or gradient_bytes not in (2, 4):
         raise SystemExit("dilocox bench wan: --link-gbit and --step-s must be positive, --gradient-bytes 2 or 4")
-    params = sum(_numel(shape) for _, shape in MODELS[model]())
+    params = sum(math.prod(shape) for _, shape in MODELS[model]())
     return PaperRegime(model, params, sites, link_gbit, step_s if step_s is not None else DEFAULT_STEP_S[model], gradient_bytes)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def unshaped_links(sites: int) -> LoopbackLinks:
