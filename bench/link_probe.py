@@ -15,10 +15,9 @@ import json
 import pathlib
 import socket
 import sys
-import time
 
 from dilocox.common.atomic_file import write_text_atomic
-from dilocox.common.deploy.link_probe import BLOCK, receive_counted, stream_zeros
+from dilocox.common.deploy.link_probe import receive_counted, stream_zeros
 
 
 def sink(host: str, port_file: str, warmup_s: float, timeout_s: float = 120.0) -> dict:
@@ -35,21 +34,15 @@ def sink(host: str, port_file: str, warmup_s: float, timeout_s: float = 120.0) -
 
 
 def send(host: str, port: int, seconds: float, max_bytes: int = 0) -> None:
-    """Stream zeros for `seconds`, or until `max_bytes` (0: no cap). The cap keeps a slow link's probe
-    short: at 0.5 Mbit/s the socket buffers alone hold minutes of backlog, which the sink would wait out."""
-    if max_bytes <= 0:
-        with socket.create_connection((host, port), timeout=60) as conn:
-            stream_zeros(conn, seconds)
-        return
+    """Stream zeros for `seconds`, or until `max_bytes` (0: no cap). The cap, with a small send buffer,
+    keeps a slow link's probe short: at 0.5 Mbit/s the socket buffers alone hold minutes of backlog,
+    which the sink would wait out."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as conn:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+        if max_bytes > 0:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
         conn.settimeout(60)
         conn.connect((host, port))
-        block = bytes(min(BLOCK, max_bytes))
-        end, sent = time.monotonic() + seconds, 0
-        while time.monotonic() < end and sent < max_bytes:
-            conn.sendall(block)
-            sent += len(block)
+        stream_zeros(conn, seconds, max_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:

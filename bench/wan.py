@@ -35,7 +35,7 @@ from dilocox.bench.wan_ratio import (DEFAULT_SHAPED_STEPS, SPLIT_FROM_RATIO, Pap
                                      shaped_probe_config, unshaped_links)
 from dilocox.bench.wan_runs import RUNNERS, RunOptions
 from dilocox.common.config.run import InnerConfig, RunConfig, add_config_arguments, as_dict, config_from_args
-from dilocox.worker.data.token_data import load_run_data
+from dilocox.worker.data.token_data import TokenData, load_run_data
 from dilocox.worker.train.inner_trainer import InnerTrainer
 
 DEFAULT_ROUNDS, QUICK_ROUNDS = 10, 5
@@ -79,12 +79,12 @@ def base_config(args: argparse.Namespace) -> RunConfig:
     return config
 
 
-def calibrate(config: RunConfig, corpus, sites: int, threads: int, steps: int = 10) -> dict:
+def calibrate(config: RunConfig, data: bytes | TokenData, sites: int, threads: int, steps: int = 10) -> dict:
     """Time the inner step of one site on this machine (after 3 warm-up steps)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        trainer = InnerTrainer(config, corpus, 0, sites)
+        trainer = InnerTrainer(config, data, 0, sites)
         trainer.train_steps(3)
         _, tokens, seconds = trainer.train_steps(steps)
     finally:
@@ -92,6 +92,11 @@ def calibrate(config: RunConfig, corpus, sites: int, threads: int, steps: int = 
     params = sum(p.numel() for _, p in trainer.named_parameters())
     return {"step_s": round(seconds / steps, 5), "tokens_per_step_per_site": tokens // steps, "params": params,
             "allreduce_bytes_per_step_per_site": ring_bytes_per_rank(params, sites)}  # fmt: skip
+
+
+def allreduce_link_s(calibration: dict, rate_mbit: float) -> float:
+    """One step's fp32 AllReduce on the link by bytes / rate (seconds)."""
+    return calibration["allreduce_bytes_per_step_per_site"] * 8 / (rate_mbit * 1e6)
 
 
 def auto_rate_mbit(calibration: dict, ratio: float) -> float:
@@ -142,12 +147,12 @@ def _run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
     if args.sites < 2 or args.shards < 1:
         raise SystemExit("dilocox bench wan: needs --sites ≥ 2 and --shards ≥ 1")
     config = base_config(args)
-    corpus = load_run_data(config.tokenizer, args.data)  # trains and caches a bpe:VOCAB tokenizer before the sites start
-    calibration = calibrate(config, corpus, args.sites, args.threads)
+    data = load_run_data(config.tokenizer, args.data)  # trains and caches a bpe:VOCAB tokenizer before the sites start
+    calibration = calibrate(config, data, args.sites, args.threads)
     regime = paper_regime(args.paper_model, args.sites, args.link_gbit, args.step_s, args.gradient_bytes) if args.paper_model else None
     args.comm_ratio = regime.ratio if regime else args.comm_ratio
     rate = args.rate_mbit if args.rate_mbit > 0 else auto_rate_mbit(calibration, args.comm_ratio)
-    expected_ratio = calibration["allreduce_bytes_per_step_per_site"] * 8 / (rate * 1e6) / calibration["step_s"]
+    expected_ratio = allreduce_link_s(calibration, rate) / calibration["step_s"]
     split_steps = args.allreduce_steps if args.allreduce_steps >= 0 else (DEFAULT_SHAPED_STEPS if expected_ratio > SPLIT_FROM_RATIO else 0)
     if regime:
         print(f"[bench wan] {regime.describe()}", file=sys.stderr, flush=True)
@@ -187,9 +192,10 @@ def _run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
             results[name] = result
             bars.finish(bar, name, f"{result.tokens_per_s:,.0f} tokens/s, final eval loss {result.final_eval_loss:.4f}, "
                                    f"{result.train_s:.1f}s training")  # fmt: skip
+    ratios = ratio_lines(results, calibration, settings, regime)
     text = write_wan_report(out_dir, args, config, calibration, settings, describe, probes, results, failures, time.monotonic() - started,
-                            regime)  # fmt: skip
-    for line in ratio_lines(results, calibration, settings, regime):
+                            regime, ratios)  # fmt: skip
+    for line in ratios:
         print(f"[bench wan] {line}", file=sys.stderr, flush=True)
     if failures:
         raise SystemExit(f"dilocox bench wan: mode(s) failed: {', '.join(failures)} (report and logs in {out_dir})")
@@ -219,12 +225,14 @@ def ratio_lines(results: dict[str, ModeResult], calibration: dict, settings: Lin
     """The measured communication ratio and each mode's speed-up over AllReduce next to its bound."""
     base = results.get("allreduce")
     lines = [f"stated regime: {regime.describe()}"] if regime else []
-    expected = calibration["allreduce_bytes_per_step_per_site"] * 8 / (settings.rate_mbit * 1e6) / calibration["step_s"]
+    link_s = allreduce_link_s(calibration, settings.rate_mbit)
+    expected = link_s / calibration["step_s"]
     if base is None:
         return lines + [f"r = {expected:.0f} from bytes / rate / calibrated step (no AllReduce run to measure it)"]
     r, comm, compute = measured_ratio(base)
     lines.append(f"measured r = {r:.0f}: AllReduce's collective {comm:.3f} s vs compute {compute * 1000:.0f} ms per step "
-                 f"(bytes / rate / calibrated step: {expected:.0f})")  # fmt: skip
+                 f"(bytes / rate / calibrated step: {expected:.0f}; bytes / rate alone {link_s:.3f} s per collective, and "
+                 "compute slows down when other work shares the cores)")  # fmt: skip
     for name, result in results.items():
         if name != "allreduce":
             lines.append(f"{name}: {result.tokens_per_s / base.tokens_per_s:.1f}× AllReduce's tokens/s; "
@@ -234,7 +242,7 @@ def ratio_lines(results: dict[str, ModeResult], calibration: dict, settings: Lin
 
 def scaling_note(calibration: dict, settings: LinkSettings, ratio: float, auto: bool) -> str:
     step = calibration["step_s"]
-    comm = calibration["allreduce_bytes_per_step_per_site"] * 8 / (settings.rate_mbit * 1e6)
+    comm = allreduce_link_s(calibration, settings.rate_mbit)
     return (
         "**Scaling.** What decides AllReduce vs DiLoCo is r = (time of one step's AllReduce on the link) / (time of one "
         "step's compute). For a compute-bound model of N parameters r does not depend on N: the AllReduce moves "
@@ -252,7 +260,8 @@ def scaling_note(calibration: dict, settings: LinkSettings, ratio: float, auto: 
     )  # fmt: skip
 
 
-def write_wan_report(out_dir, args, config, calibration, settings, describe, probes, results, failures, elapsed, regime=None) -> str:
+def write_wan_report(out_dir, args, config, calibration, settings, describe, probes, results, failures, elapsed,
+                     regime: PaperRegime | None, ratios: list[str]) -> str:  # fmt: skip
     base = results.get("allreduce")
     losses = [r.final_eval_loss for r in results.values() if r.finite()]
     target = args.target_loss if args.target_loss is not None else (max(losses) if losses else None)
@@ -281,7 +290,6 @@ def write_wan_report(out_dir, args, config, calibration, settings, describe, pro
     probe_lines = "\n".join(f"| {path} | {p['configured_mbit_per_s']:g} | {p['mbit_per_s']:.2f} | {p['ratio'] * 100:.1f}% | "
                             f"{p['goodput_mbit_per_s']:.2f} | {p['measured_by']} |" for path, p in probes.items())  # fmt: skip
     fallback = describe["kind"] != "netns"
-    steps = config.rounds * config.inner.steps
     target_text = "none" if target is None else f"{target:.4f}" + (", the worst final loss of the modes" if args.target_loss is None else "")
     notes = (
         (f"**⚠ {describe['label']}.** Why: {describe.get('why_no_namespaces')}.\n\n" if fallback else f"**Links:** {describe['label']}.\n\n")
@@ -298,15 +306,11 @@ def write_wan_report(out_dir, args, config, calibration, settings, describe, pro
         "| --- | --- | --- | --- | --- | --- |\n"
         f"{probe_lines}\n\n"
         + scaling_note(calibration, settings, args.comm_ratio, args.rate_mbit <= 0)
-        + "".join(f"* {line}\n" for line in ratio_lines(results, calibration, settings, regime)) + "\n"
+        + "".join(f"* {line}\n" for line in ratios) + "\n"
         + (f"**AllReduce split** (r > {SPLIT_FROM_RATIO:g} or `--allreduce-steps`): its throughput comes from "
            f"{base.extra['split']['shaped_steps']} steps on the shaped link, its loss curve from the same configuration over an "
            "unshaped link (identical numerics); each point keeps that run's compute and evaluation time and takes the shaped "
            "collective time per step (bench/wan_ratio.py).\n\n" if base and base.extra.get("split") else "")
-        + (f"Measured inside the AllReduce run: {base.comm_s / steps * 1000:.0f} ms per collective against "
-           f"{base.compute_s / steps * 1000:.0f} ms of compute per step, r = {base.comm_s / max(1e-9, base.compute_s):.1f} "
-           f"(bytes/rate alone would be {calibration['allreduce_bytes_per_step_per_site'] * 8 / (settings.rate_mbit * 1e6) * 1000:.0f} ms; "
-           "compute slows down when other work shares the cores).\n" if base and steps else "")
         + "\n**Latency** is added in user space because this kernel has no `netem`: the gRPC streams go through a relay "
         "(bench/relay.py) in the hub that delivers each chunk latency ± jitter later, in order; the AllReduce waits "
         "2·(S−1) one-way latencies per collective (a ring's sequential hops). Bandwidth is the kernel's tbf"
@@ -335,7 +339,7 @@ def write_wan_report(out_dir, args, config, calibration, settings, describe, pro
         "plots_missing": plots_missing,
         "elapsed_s": round(elapsed, 1),
         "regime": dataclasses.asdict(regime) | {"ratio": regime.ratio} if regime else None,
-        "ratio_lines": ratio_lines(results, calibration, settings, regime),
+        "ratio_lines": ratios,
     }
     title = f"WAN benchmark: DiLoCoX vs DiLoCo vs AllReduce ({'IN-PROCESS FALLBACK throttle' if fallback else 'shaped namespaces'})"
     columns = ["mode", "tokens", "tokens_per_s", "vs_allreduce_speed", "time_to_target_s", "final_eval_loss", "loss_vs_allreduce",

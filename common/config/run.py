@@ -131,6 +131,10 @@ class ParallelConfig:
         return self.pp * self.dp
 
 
+DATA_SPLITS = ("interleaved", "contiguous")  # worker/data/corpus.py, BatchSampler
+DELAYED_STARTS = ("own", "eager")  # worker/exchange/delayed_start.py
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything a cluster needs to take part in a run.
@@ -178,9 +182,9 @@ class RunConfig:
             raise ValueError(f"delay must be 0 or 1, got {self.delay}")
         if self.sync_rounds < 0:
             raise ValueError(f"sync_rounds must be ≥ 0, got {self.sync_rounds}")
-        if self.data_split not in ("interleaved", "contiguous"):
+        if self.data_split not in DATA_SPLITS:
             raise ValueError(f"data_split must be 'interleaved' or 'contiguous', got {self.data_split!r}")
-        if self.delayed_start not in ("own", "eager"):
+        if self.delayed_start not in DELAYED_STARTS:
             raise ValueError(f"delayed_start must be 'own' or 'eager', got {self.delayed_start!r}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be ≥ 1, got {self.rounds}")

@@ -57,12 +57,13 @@ def receive_counted(conn: socket.socket, warmup_s: float, on_first_byte: Callabl
     return ProbeResult(counted, (last - counted_since) if counted_since is not None else 0.0, total)
 
 
-def stream_zeros(conn: socket.socket, seconds: float) -> None:
-    """Send as fast as the link takes it for `seconds`."""
-    payload = bytes(BLOCK)
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+def stream_zeros(conn: socket.socket, seconds: float, max_bytes: int = 0) -> None:
+    """Send as fast as the link takes it for `seconds`, or until `max_bytes` are sent (0: no cap)."""
+    payload = bytes(min(BLOCK, max_bytes) if max_bytes > 0 else BLOCK)
+    end, sent = time.monotonic() + seconds, 0
+    while time.monotonic() < end and (max_bytes <= 0 or sent < max_bytes):
         conn.sendall(payload)
+        sent += len(payload)
 
 
 def serve_sink(server: socket.socket, connections: int = 1, warmup_s: float = 1.0, timeout_s: float = 300.0) -> list[ProbeResult]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from dilocox.common.config.run import DATA_SPLITS
 from dilocox.worker.data.sources import CorpusError, default_corpus_path, input_files
 from dilocox.worker.data.token_file import TokenFile
 from dilocox.worker.models.contract import lm_loss
@@ -108,7 +109,7 @@ def gather_windows(tokens: np.ndarray | TokenFile, starts: np.ndarray, length: i
     return torch.from_numpy(rows.astype(np.int64))
 
 
-SPLITS = ("interleaved", "contiguous")
+SPLITS = DATA_SPLITS
 INTERLEAVE_TOKENS = 4096  # chunk of the interleaved split (smaller only where a shard would not get one)
 
 

@@ -30,10 +30,11 @@ from typing import Callable
 
 import torch
 
+from dilocox.common.config.run import DELAYED_STARTS
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 
-RULES = ("own", "eager")
+RULES = DELAYED_STARTS
 
 
 def check_rule(rule: str) -> str:
