@@ -207,7 +207,9 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
     # shard then holds that round (it is not trained again) while the checkpoint does not count it.
     assert joined_at - restored in (0, 1), (restored, joined_at)
     trained = (restored + rounds - joined_at) * h
-    state = torch.load(tmp_path / "worker-solo-rank0.pt", weights_only=False)
-    assert state["round"] == rounds
-    assert state["trainer"]["step"] == trained  # no inner step repeated, none lost but that in-flight round's
-    assert state["trainer"]["sampler"]["batches_drawn"] == trained
+    from dilocox.worker.checkpoint import read_progress
+
+    state = read_progress(tmp_path / "solo" / f"round-{rounds:06d}")
+    assert state["round"] == rounds and state["committed"]
+    assert state["step"] == trained  # no inner step repeated, none lost but that in-flight round's
+    assert state["data"]["replica0"]["batches_drawn"] == trained

@@ -58,10 +58,10 @@ class RecordingCluster(DilocoCluster):
         super().__init__(*args, **kwargs)
         self.after_boundary: list[dict[str, torch.Tensor]] = []
 
-    def run_round(self, round_, start):
-        report, merged = super().run_round(round_, start)
-        self.after_boundary.append({k: v.clone() for k, v in merged.items()})
-        return report, merged
+    def run_round(self, round_):
+        report = super().run_round(round_)
+        self.after_boundary.append({k: p.detach().clone() for k, p in self.params.items()})
+        return report
 
 
 def reference_delayed(seeds: list[int], rounds: int, h: int, rule: str = "own", sync_rounds: int = 0) -> tuple[list[list[dict]], dict]:
@@ -223,8 +223,7 @@ def test_shutdown_with_a_round_in_flight_completes_or_abandons_cleanly():
         trainer = ToyTrainer(1)
         cluster = DilocoCluster(trainer, client, rounds=3, inner_steps=2, delay=1)
         cluster.start()
-        params = cluster.current()
-        delta = {n: torch.full_like(t, 0.01) for n, t in params.items()}
+        delta = {n: torch.full_like(t, 0.01) for n, t in cluster.current().items()}
 
         finishing = Communicator(client)
         finishing.submit(1, 10.0, slice_tensors(cluster.slices, delta))

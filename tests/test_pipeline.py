@@ -1,89 +1,20 @@
-"""Pipeline-parallel clusters on real torch.distributed process groups (gloo on CPU)."""
+"""Pipeline stages, the reshard plan of a site, and a pp × dp worker against real shards."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
+import math
 import subprocess
 import sys
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from dilocox.common.config.run import ModelConfig, InnerConfig, ParallelConfig, RunConfig
-from dilocox.worker.data.corpus import load_corpus
-from dilocox.worker.train.inner_trainer import InnerTrainer
+from dilocox.common.config.run import ModelConfig
 from dilocox.worker.models.gpt import GPT
-from dilocox.worker.train.parallel_layout import ParallelLayout, new_groups
+from dilocox.worker.site.mesh import SiteShape
+from dilocox.worker.site.reshard import StageResharder, held_rows
 from dilocox.worker.train.pipeline_stage import GPTStage, stage_layers
-from dilocox.worker.train.pipeline_trainer import PipelineTrainer
-
-H = 3
-
-
-def small_config(schedule: str = "1f1b", pp: int = 2, dp: int = 1) -> RunConfig:
-    return RunConfig(
-        rounds=2,
-        model=ModelConfig(n_layer=2, n_embd=64, block_size=32),
-        inner=InnerConfig(steps=H, batch_size=8, warmup_steps=2),
-        parallel=ParallelConfig(pp=pp, dp=dp, microbatches=4, schedule=schedule),
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pipeline_round(rank: int, world: int, port: int, schedule: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        config = small_config(schedule)
-        layout = ParallelLayout(rank, config.parallel.pp, config.parallel.dp)
-        pipeline_group, replica_group = new_groups(layout)
-        trainer = PipelineTrainer(config, load_corpus(None), layout, pipeline_group, replica_group)
-        start = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-        loss, tokens, _ = trainer.train_steps(H)
-        delta = {n: start[n] - p.detach() for n, p in trainer.named_parameters()}
-        eval_loss = trainer.evaluate()
-        torch.save({"delta": delta, "loss": loss, "tokens": tokens, "eval": eval_loss}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_round_equals_single_process(schedule, tmp_path):
-    """Issue 3, acceptance 1: one round of a PP=2 cluster gives the single-process pseudo-gradient."""
-    mp.spawn(_pipeline_round, args=(2, free_port(), schedule, str(tmp_path)), nprocs=2, join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-
-    config = small_config(schedule)
-    reference = InnerTrainer(config, load_corpus(None))
-    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    ref_loss, ref_tokens, _ = reference.train_steps(H)
-    ref_delta = {n: start[n] - p.detach() for n, p in reference.named_parameters()}
-
-    merged = {**parts[0]["delta"], **parts[1]["delta"]}
-    assert set(parts[0]["delta"]).isdisjoint(parts[1]["delta"])  # each rank holds only its stage
-    assert merged.keys() == ref_delta.keys()
-    # Micro-batching reorders float sums. Per tensor that stays tiny, except where the true gradient is
-    # zero and AdamW normalises rounding noise (the attention key bias: softmax ignores it), hence 1e-3
-    # per tensor and the 1e-5 of the acceptance on the pseudo-gradient as a whole.
-    for name, want in ref_delta.items():
-        assert float((merged[name] - want).norm() / want.norm().clamp_min(1e-12)) < 1e-3, name
-    flat_got = torch.cat([merged[n].flatten() for n in ref_delta])
-    flat_want = torch.cat([t.flatten() for t in ref_delta.values()])
-    assert float((flat_got - flat_want).norm() / flat_want.norm()) < 1e-5
-    assert parts[0]["tokens"] == parts[1]["tokens"] == ref_tokens
-    assert abs(parts[1]["loss"] - ref_loss) < 1e-4
-    ref_eval = reference.evaluate()
-    assert abs(parts[0]["eval"] - ref_eval) < 1e-4 and parts[0]["eval"] == parts[1]["eval"]
-
 
 def test_stages_hold_only_their_parameters():
     """Issue 3, acceptance 3 (memory): stages partition the model's parameters, with the full names."""
@@ -104,18 +35,41 @@ def test_stages_hold_only_their_parameters():
         stage_layers(2, 0, 4)
 
 
-@pytest.mark.parametrize("dp", [1, 2, 3])
-def test_replica_shares_are_disjoint_balanced_and_cover_the_stage(dp):
-    sizes = {f"p{i}": (i * 37) % 101 + 1 for i in range(17)}
-    shares = [ParallelLayout(s * dp + d, 2, dp).share(sizes) for s in (0,) for d in range(dp)]
-    union = [n for share in shares for n in share]
-    assert sorted(union) == sorted(sizes) and len(union) == len(set(union))
-    loads = [sum(sizes[n] for n in share) for share in shares]
-    assert max(loads) - min(loads) <= max(sizes.values())
+@pytest.mark.parametrize("pp, dp, replicate", [(1, 1, 1), (2, 2, 1), (1, 3, 1), (1, 4, 2), (2, 2, 2), (1, 4, 4)])
+def test_reshard_plan_moves_every_row_once_to_its_owner_and_back_to_every_holder(pp, dp, replicate):
+    """The plan between FSDP's row chunks and whole parameters on their owners: each parameter is owned
+    by one replica, gathered from exactly one holder of each row chunk (one sharing the owner's
+    replicate coordinate), and scattered to every replica holding those rows."""
+    shape = SiteShape(pp, dp, replicate)
+    shapes = {f"p{i}": ((i * 37) % 101 + 1, 3 + i % 4) for i in range(17)} | {"bias": (5,), "scalar": ()}
+    plans = [StageResharder(shapes, shape, d, sharded=dp > 1, batch_elements=200) for d in range(dp)]
+    assert all(plan.owner == plans[0].owner and plan.batches == plans[0].batches for plan in plans)
+    owned = [n for plan in plans for n in plan.owned]
+    assert sorted(owned) == sorted(shapes) and len(owned) == len(set(owned))
+    loads = [sum(math.prod(shapes[n]) for n in plan.owned) for plan in plans]
+    assert max(loads) - min(loads) <= max(math.prod(s) for s in shapes.values())
+    rows = lambda n: shapes[n][0] if shapes[n] else 1  # noqa: E731
+    gathered = [p for batch in plans[0].gather_pieces for p in batch]
+    scattered = [p for batch in plans[0].scatter_pieces for p in batch]
+    for name in shapes:
+        owner = plans[0].owner[name]
+        pieces = sorted((p.start, p.stop, p.src) for p in gathered if p.name == name)
+        assert all(p.dst == owner for p in gathered if p.name == name)
+        assert [(a, b) for a, b, _ in pieces] == sorted({plans[0].rows_of(name, d) for d in range(dp) if plans[0].rows_of(name, d)[1] > plans[0].rows_of(name, d)[0]})
+        assert pieces[0][0] == 0 and pieces[-1][1] == rows(name)
+        for start, stop, src in pieces:
+            assert plans[0].rows_of(name, src) == (start, stop)  # the source holds exactly those rows
+            assert shape.replicate_coordinate(src) == shape.replicate_coordinate(owner)
+        for d in range(dp):
+            held = plans[0].rows_of(name, d)
+            got = sorted((p.start, p.stop) for p in scattered if p.name == name and p.dst == d)
+            assert got == ([held] if held[1] > held[0] else [])
+    assert held_rows(5, 0, 2) == (0, 3) and held_rows(5, 1, 2) == (3, 5) and held_rows(1, 1, 2) == (1, 1)
 
 
 def test_pp2_dp2_worker_pushes_disjoint_shares(shard_set, tmp_path):
-    """Issue 3, acceptance 3: every rank pushes only what it owns; together they cover the model."""
+    """Every rank of a pp=2 × dp=2 site (FSDP2) pushes only the parameters it owns — together they cover
+    the model once — holds a quarter of it, and keeps its replica of the shards' weights bit-identical."""
     shards = shard_set(2, "pp-run")
     cmd = [
         sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", ",".join(shards.addresses), "--run-id", "pp-run",
@@ -133,6 +87,10 @@ def test_pp2_dp2_worker_pushes_disjoint_shares(shard_set, tmp_path):
     pushed = [n for e in shares.values() for n in e["names"]]
     assert sorted(pushed) == sorted(names) and len(pushed) == len(set(pushed))
     for e in shares.values():
-        assert e["params_held"] < model.num_params()  # a stage, never the whole model
+        assert e["params_held"] < 0.3 * model.num_params()  # its FSDP shard of its stage
+        assert e["params_owned"] < 0.5 * model.num_params()
+    memory = [e for e in events if e["event"] == "exchange_memory"]
+    assert {e["rank"] for e in memory} == {0, 1, 2, 3}
+    assert not [e for e in events if "mismatch" in e["event"]]  # the replay check found every replica exact
     assert {e["rank"] for e in events if e["event"] == "cluster_done"} == {0, 1, 2, 3}
     assert all(s.version == 3 for s in shards.shards)  # 2 rounds, then every rank's flush of its residuals

@@ -24,11 +24,12 @@ from dilocox.worker.data.token_data import add_data_arguments, load_run_data
 from dilocox.worker.data.tokenizer import TokenizerError
 from dilocox.worker.models.build import model_param_specs
 from dilocox.worker.models.spec import ModelSpecError
+from dilocox.worker.checkpoint import SiteCheckpoint
+from dilocox.worker.exchange.access import LocalAccess
+from dilocox.worker.site.launch import relaunch_with_torchrun, under_torchrun
 from dilocox.worker.train.device import DeviceError
-from dilocox.worker.train.distributed_cluster import DistributedContext, relaunch_with_torchrun, stage_sizes, under_torchrun
 from dilocox.worker.train.inner_trainer import InnerTrainer
 from dilocox.worker.train.pipeline_stage import PipelineSplitError, check_splittable
-from dilocox.worker.local_checkpoint import WorkerCheckpoint
 from dilocox.worker.progress import chain, progress_for
 
 log = structlog.get_logger()
@@ -44,9 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
-    parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="save this rank's local state here after rounds")
+    parser.add_argument("--checkpoint-dir", type=pathlib.Path,
+                        help="save the site's local state here after rounds (torch.distributed.checkpoint, one folder per "
+                             "round under <dir>/<cluster>; every rank of the site must see the same folder)")  # fmt: skip
     parser.add_argument("--checkpoint-every", type=int, default=1, help="save every k rounds (default 1)")
-    parser.add_argument("--resume", action="store_true", help="restore the local state from --checkpoint-dir first")
+    parser.add_argument("--checkpoint-keep", type=int, default=2, help="committed checkpoints kept (default 2)")
+    parser.add_argument("--resume", action="store_true", help="restore the newest committed state from --checkpoint-dir first")
     parser.add_argument("--shard-wait-s", type=float, default=1800.0,
                         help="how long to wait for an unreachable shard (restarting, link down) before giving up, "
                              "retrying as soon as it serves again (default 1800 = 30 min)")  # fmt: skip
@@ -80,56 +84,60 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cluster = args.cluster or f"cluster-{args.cluster_index}"
-    context = None
+    mesh = None
     try:
-        context = DistributedContext(config, collective_timeout_s=args.shard_wait_s + 600) if parallel else None
+        if parallel:
+            from dilocox.worker.site.mesh import SiteMesh
+
+            mesh = SiteMesh(config.parallel, collective_timeout_s=args.shard_wait_s + 600)
         data = load_run_data(config.tokenizer, args.data, args.text_field)
-        if context is None:
+        if mesh is None:
             trainer = InnerTrainer(config, data, args.cluster_index, args.num_clusters)
+            access = LocalAccess(trainer.named_parameters())
             inner = config.inner
             extra: dict = {
                 "steps_controller": StepsController(inner.steps, max(inner.steps, inner.max_steps), enabled=inner.adaptive_steps)
             }
         else:
-            trainer = context.trainer(config, data, args.cluster_index, args.num_clusters)
-            extra = {
-                "model_specs": model_param_specs(config.model, data.vocab_size),
-                "owned_names": context.layout.share(stage_sizes(trainer)),
-                "peer_sync": context.peer_sync(trainer),
-            }
+            from dilocox.worker.site.access import SiteAccess
+            from dilocox.worker.site.trainer import SiteTrainer
+
+            trainer = SiteTrainer(config, data, mesh, args.cluster_index, args.num_clusters)
+            access = SiteAccess(mesh, trainer.named_parameters, model_param_specs(config.model, data.vocab_size))
+            extra = {}  # adaptive H decides per rank, and a site's ranks must train the same steps: off
     except (CorpusError, TokenizerError, ModelSpecError, PipelineSplitError, DeviceError) as error:
-        if context is not None:
-            context.close()
+        if mesh is not None:
+            mesh.close()
         raise SystemExit(f"dilocox worker: {error}") from None
     addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
-    held = sum(p.numel() for _, p in trainer.named_parameters())
-    compute = context.compute if context is not None else trainer.compute
-    log.info("worker_starting", cluster=cluster, servers=addresses, model=config.model.model, params_held=held,
+    compute = mesh.compute if mesh is not None else trainer.compute
+    log.info("worker_starting", cluster=cluster, servers=addresses, model=config.model.model, params_held=access.params_held,
              tokenizer=config.tokenizer, vocab=data.vocab_size, tokens=data.num_tokens, streamed=data.streamed,
              device=str(compute.device), precision=compute.precision)  # fmt: skip
     compressor = TensorCompressor(config.compress, seed=config.seed, name="uplink") if config.compress.codec != "fp32" else None
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("dilocox worker: --resume needs --checkpoint-dir")
     if args.checkpoint_dir:
-        rank = context.layout.rank if context is not None else 0
         try:
-            extra["checkpoint"] = WorkerCheckpoint(args.checkpoint_dir, cluster, rank, args.checkpoint_every)
+            extra["checkpoint"] = SiteCheckpoint(args.checkpoint_dir, cluster, args.checkpoint_every, args.checkpoint_keep,
+                                                 rank=mesh.rank if mesh else 0, replica=mesh.replica if mesh else 0,
+                                                 group=mesh.checkpoint_group if mesh else None)  # fmt: skip
             if args.resume:
-                extra["checkpoint"].restore(trainer, compressor)
+                extra["checkpoint"].restore(trainer, compressor, access.names)
         except (ValueError, FileNotFoundError) as error:
             raise SystemExit(f"dilocox worker: {error}") from None
     metrics_server, progress = None, None
     try:
         with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor, tls=tls, token=token,
                               shard_wait_s=args.shard_wait_s) as client:
-            if args.metrics_port and (context is None or context.layout.rank == 0):
+            if args.metrics_port and (mesh is None or mesh.rank == 0):
                 from dilocox.worker.metrics import WorkerMetrics
 
                 metrics = WorkerMetrics(client)
                 metrics_server = serve_metrics(metrics.registry, args.metrics_port, args.metrics_host, role=cluster,
                                                command="dilocox worker")  # fmt: skip
                 extra["on_round"] = metrics.observe_round
-            if context is None or context.layout.rank == 0:
+            if mesh is None or mesh.rank == 0:
                 progress = progress_for(config.rounds, cluster, args.log_format)
                 if progress is not None:
                     configure_logging(args.log_format, stream=progress.log_stream())
@@ -137,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             DilocoCluster(
                 trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config)),
                 allow_late_join=args.join_late, sync_rounds=config.sync_rounds, delayed_start=config.delayed_start,
-                num_clusters=args.num_clusters, **extra,
+                num_clusters=args.num_clusters, access=access, **extra,
             ).run()
     except AggregatorError as error:
         log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
@@ -150,6 +158,6 @@ def run(args: argparse.Namespace) -> int:
             metrics_server.close()
         if progress is not None:
             progress.close()
-        if context is not None:
-            context.close()
+        if mesh is not None:
+            mesh.close()
     return 0

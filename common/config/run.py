@@ -102,16 +102,20 @@ class WireConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How one cluster computes: its device and precision, pipeline stages × data-parallel replicas
-    (NCCL between GPUs, gloo on CPU — the same code)."""
+    """How one cluster computes: its device and precision, pipeline stages × data-parallel ranks
+    (NCCL between GPUs, gloo on CPU — the same code; worker/site/)."""
 
-    pp: int = 1  # pipeline stages
-    dp: int = 1  # data-parallel replicas of each stage
-    microbatches: int = 4  # per inner step, through the pipeline (must divide the batch size)
+    pp: int = 1  # pipeline stages (torch.distributed.pipelining)
+    dp: int = 1  # data-parallel ranks of each stage (FSDP2: fully_shard on the stage's DeviceMesh)
+    # Of the dp ranks, how many hold whole replicas: 1 = every stage fully sharded over its dp ranks (FSDP),
+    # dp = plain replication (DDP-style, for a stage that fits one GPU), in between = HSDP (replicas of
+    # dp / dp_replicate-way shards). Must divide dp.
+    dp_replicate: int = 1
+    microbatches: int = 4  # per inner step, through the pipeline (must divide the batch size; 1f1b: ≥ pp)
     schedule: str = "1f1b"  # gpipe | 1f1b
-    device: str = "auto"  # auto (cuda where there is one) | cpu | cuda | cuda:N
-    # auto: bf16 autocast on CUDA, fp32 on CPU. Weights, AdamW state and everything sent to the shards
-    # stay fp32 either way; bf16 is autocast of the forward and backward only.
+    device: str = "auto"  # auto (cuda where there is one) | cpu | cuda | cuda:N (one process only)
+    # auto: bf16 on GPUs that compute in it natively (compute capability ≥ 8), fp32 elsewhere. Weights,
+    # AdamW state and everything sent to the shards stay fp32 either way (worker/train/device.py).
     precision: str = "auto"  # auto | fp32 | bf16
 
     def __post_init__(self) -> None:
@@ -121,14 +125,33 @@ class ParallelConfig:
             raise ValueError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
         if self.pp < 1 or self.dp < 1:
             raise ValueError(f"pp and dp must be ≥ 1, got pp={self.pp} dp={self.dp}")
+        if self.dp_replicate < 1 or self.dp % self.dp_replicate:
+            raise ValueError(f"dp_replicate must be ≥ 1 and divide dp, got dp_replicate={self.dp_replicate} dp={self.dp}")
         if self.schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"schedule must be gpipe or 1f1b, got {self.schedule!r}")
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be ≥ 1, got {self.microbatches}")
+        if self.schedule == "1f1b" and self.pp > 1 and self.microbatches < self.pp:
+            # torch's Schedule1F1B needs every stage to hold a microbatch in its warm-up; with fewer it
+            # fails deep inside the schedule at the first step.
+            raise ValueError(
+                f"schedule 1f1b needs at least as many microbatches as stages: --pp {self.pp} with --microbatches "
+                f"{self.microbatches}; use --microbatches {self.pp} (or more, dividing the batch size) or --schedule gpipe"
+            )
+        if self.world_size > 1 and self.device.startswith("cuda:"):
+            raise ValueError(
+                f"--device {self.device} would put all {self.world_size} ranks of this site on one GPU; with --pp/--dp "
+                "use --device cuda (or auto): each rank takes the GPU of its LOCAL_RANK"
+            )
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp
+
+    @property
+    def dp_shard(self) -> int:
+        """How many ways each stage's parameters are sharded (FSDP's shard dimension)."""
+        return self.dp // self.dp_replicate
 
 
 DATA_SPLITS = ("interleaved", "contiguous")  # worker/data/corpus.py, BatchSampler

@@ -114,6 +114,11 @@ class AggregatorClient:
         self.carry = UndeliveredCarry()  # what a shard closed its round without, for the next push
         self._push_generation = 0  # counts encoded pushes: a re-push of the same bytes is the same one
 
+    @property
+    def own_payload_bytes(self) -> int:
+        """Bytes of our last push kept to replay its round (compressed payloads, or fp32 slices)."""
+        return sum(len(item.payload) for item in list(self._own.values()))
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         for channel in self._channels:

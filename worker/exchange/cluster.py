@@ -4,8 +4,8 @@ Both forms of DESIGN.md §3, one loop:
 
 * ``delay=0`` (synchronous DiLoCo, the reference): train H steps from s_t = θ_{t-1}; send
   Δ_t = s_t − θ_local; wait for θ_t; adopt it; s_{t+1} = θ_t.
-* ``delay=1`` (DiLoCoX one-step delay): train H steps from s_t; Δ_t = s_t − θ_local; collect θ_{t-1}
-  (it travelled while round t computed); θ_local ← θ_{t-1} − Δ_t (the merged model with this round's
+* ``delay=1`` (DiLoCoX one-step delay): train H steps from s_t; collect θ_{t-1} (it travelled while
+  round t computed); Δ_t = s_t − θ_local; θ_local ← θ_{t-1} − Δ_t (the merged model with this round's
   own progress on top); s_{t+1} = θ_local; hand Δ_t to the background communicator. For the first round
   nothing is in flight and θ_{t-1} is s_t itself, so the same rule holds. After the last round the
   cluster collects θ_T.
@@ -22,11 +22,17 @@ re-learns the dropped part in the next round nor counts it twice when error feed
 
 The first cluster to reach an uninitialised shard seeds it with its initial weights (round 0), so every
 cluster starts from the same θ_0.
+
+The loop works on the parameters this rank exchanges (`access.names`: all of them in one process, the
+rank's share of its stage in a site), in two host buffers (`host_buffers.HostBuffers`): s_t and the
+exchange buffer that holds θ, then Δ. In a site every rank runs this loop in step with the others: the
+same rounds, the same collectives at every boundary (read, write, eval), and the decisions that could
+differ per rank — the round to train, a rejoin — agreed over the site first (`access.agree_*`).
 """
+
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import asdict
 from typing import Callable, Protocol
@@ -38,18 +44,21 @@ import torch
 from dilocox.common.config.run import final_version_of
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
+from dilocox.worker.checkpoint import SiteCheckpoint
+from dilocox.worker.exchange.access import LocalAccess, ParameterAccess
 from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.exchange.boundary import BoundaryTimer, exchange_bytes
 from dilocox.worker.exchange.communicator import Communicator, RoundExchange
-from dilocox.worker.exchange.delayed_start import check_rule, start_rule
+from dilocox.worker.exchange.delayed_start import check_rule, next_start
+from dilocox.worker.exchange.host_buffers import HostBuffers
 from dilocox.worker.exchange.round_report import RoundReport
-from dilocox.worker.local_checkpoint import WorkerCheckpoint
 
 log = structlog.get_logger()
 
 
 class LocalTrainer(Protocol):
-    """What the round loop needs from the local trainer (InnerTrainer, or a toy one in tests)."""
+    """What the round loop needs from the local trainer (InnerTrainer, SiteTrainer, or a toy one in tests)."""
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]: ...
     def train_steps(self, n: int) -> tuple[float, int, float]: ...
@@ -58,7 +67,7 @@ class LocalTrainer(Protocol):
 
 def slice_tensors(slices: list[ParamSlice], full: dict[str, torch.Tensor]) -> dict[SliceKey, torch.Tensor]:
     """Cut full tensors into the assignment's slices (views, no copies)."""
-    return {s.key: s.view(full[s.name]) for s in slices if s.name in full}
+    return HostBuffers.slices_of(full, slices)
 
 
 class RunFinished(RuntimeError):
@@ -67,6 +76,10 @@ class RunFinished(RuntimeError):
 
 class LateJoin(RuntimeError):
     """A cluster new to the run arrives after rounds have closed: it would train fewer than it asked for."""
+
+
+def _refused_elsewhere() -> AggregatorError:
+    return AggregatorError("site", grpc.StatusCode.FAILED_PRECONDITION, "another rank of this site was refused: the site rejoins")
 
 
 class DilocoCluster:
@@ -79,10 +92,8 @@ class DilocoCluster:
         delay: int = 1,
         run_config_json: str = "",
         evaluate_every_round: bool = True,
-        model_specs: list[tuple[str, tuple[int, ...]]] | None = None,
-        owned_names: list[str] | None = None,
-        peer_sync: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-        checkpoint: WorkerCheckpoint | None = None,
+        access: ParameterAccess | None = None,
+        checkpoint: SiteCheckpoint | None = None,
         steps_controller: StepsController | None = None,
         on_round: Callable[[RoundReport, int, int], None] | None = None,
         allow_late_join: bool = True,
@@ -90,12 +101,10 @@ class DilocoCluster:
         delayed_start: str = "own",
         num_clusters: int = 1,
     ) -> None:
-        """`model_specs`: the whole model's (name, shape) list, when this rank holds only a stage of it.
+        """`access`: how to read and write the parameters this rank exchanges (default: all of the
+        trainer's, in this process; a site rank passes `worker.site.access.SiteAccess`).
         `allow_late_join=False`: a cluster new to the run refuses to start once rounds have closed
         (it would train fewer rounds than asked for); a cluster rejoining, or resumed, always may.
-        `owned_names`: the parameters this rank pushes and pulls (its replica's share of the stage).
-        `peer_sync`: fills in the global weights of the stage's other names from the replicas that
-        pulled them (a broadcast over the stage's data-parallel group).
         `on_round(report, inner_steps, version)`: called after every round, e.g. to update metrics.
         `sync_rounds`: with the delay, the first rounds run synchronously; `delayed_start` ("own" or
         "eager", worker/exchange/delayed_start.py) and `num_clusters` (this cluster's share 1/M of a
@@ -114,213 +123,220 @@ class DilocoCluster:
         self.run_config_json = run_config_json
         self.evaluate_every_round = evaluate_every_round
         self.params = dict(trainer.named_parameters())
-        self.model_specs = model_specs or [(name, tuple(p.shape)) for name, p in self.params.items()]
-        self.owned_names = list(owned_names) if owned_names is not None else list(self.params)
-        self.peer_sync = peer_sync
+        self.access = access or LocalAccess(list(self.params.items()))
+        self.names = list(self.access.names)
+        self.buffers = HostBuffers(self.access.shapes, pinned=self.access.pinned)
         self.checkpoint = checkpoint
         self.steps_controller = steps_controller
         self.on_round = on_round
-        self._captured: dict[int, tuple[dict, dict | None]] = {}  # round -> local state, until it is on the shards
         self.slices: list[ParamSlice] = []
         self.version = -1
         self.reports: list[RoundReport] = []
         self.initial_eval_loss: float | None = None
         self.final_eval_loss: float | None = None
-        self.communicator = Communicator(client, pull_names=tuple(self.owned_names))
+        self.communicator = Communicator(client, pull_names=tuple(self.names))
         self._last_weight = 1.0  # tokens of the last round: the flush round's weight
-        self._last_round_weights: dict[SliceKey, torch.Tensor] | None = None  # θ_T pulled by the synchronous last round
+        self._adopt_held = False  # the last round was synchronous: its θ_T is in the client's copy
         self.flush: dict | None = None  # what the end-of-run flush sent and cost, once it ran
+        self._memory_logged = False
 
     # ------------------------------------------------------------------ parameters
     def current(self) -> dict[str, torch.Tensor]:
-        """fp32 CPU copies of the local parameters (a snapshot that later steps do not touch). The
-        exchange works on the CPU in fp32 whatever device the trainer uses: pseudo-gradients, error
-        feedback and the replica of the outer step never depend on the accelerator."""
-        return {name: p.detach().to(device="cpu", dtype=torch.float32, copy=True) for name, p in self.params.items()}
+        """fp32 host copies of the parameters this rank exchanges (collective in a site)."""
+        out = {name: torch.empty(shape) for name, shape in self.access.shapes.items()}
+        self.access.read(out)
+        return out
 
-    def _assign(self, full: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, tensor in full.items():
-                self.params[name].copy_(tensor)
+    def _slices_of(self, views: dict[str, torch.Tensor]) -> dict[SliceKey, torch.Tensor]:
+        return HostBuffers.slices_of(views, self.slices)
 
-    def _global_weights(self, pulled: dict[SliceKey, torch.Tensor], keep_unsent: bool = False,
-                        then: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-        """Full tensors of the pulled global weights of this rank's parameters (every slice must be
-        present); with `peer_sync`, completed by the stage's replicas.
-
-        `keep_unsent`: minus this cluster's undelivered residual where its compressor keeps it locally
-        (error feedback with `local_residual`): the weights to train on are the global model plus all
-        of this cluster's own progress the global model does not hold yet. Taken off before the
-        replicas' broadcast, so every replica of a stage gets the same weights; so is `then` (the
-        delayed start, which needs this rank's momentum)."""
-        by_key = {s.key: s for s in self.slices}
-        missing = set(by_key) - set(pulled)
-        if missing:
-            raise RuntimeError(f"pull returned no weights for {len(missing)} slices, e.g. {sorted(missing)[0]}")
-        full = {name: torch.empty_like(self.params[name], device="cpu") for name in self.owned_names}
-        for key, tensor in pulled.items():
-            if key in by_key:
-                s = by_key[key]
-                s.view(full[s.name]).copy_(tensor)
+    def _start_from_held(self, keep_unsent: bool) -> None:
+        """s ← the client's copy of the global weights, minus this cluster's undelivered residual where its
+        compressor keeps it locally (`keep_unsent`)."""
         compressor = self.client.compressor
-        if keep_unsent and compressor is not None and compressor.keeps_local_residual:
-            for s in self.slices:
-                residual = compressor.residual(s.key)
-                if residual is not None:
-                    s.view(full[s.name]).sub_(residual.reshape(s.slice_shape))
-        if then is not None:
-            full = then(full)
-        return self.peer_sync(full) if self.peer_sync else full
+        subtract = keep_unsent and compressor is not None and compressor.keeps_local_residual
+        for key, start in self._slices_of(self.buffers.start).items():
+            start.copy_(self.client.held[key])
+            residual = compressor.residual(key) if subtract else None
+            if residual is not None:
+                start.sub_(residual.reshape(start.shape))
 
-    def _next_start(self, delta: dict[str, torch.Tensor]) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-        """The delayed round's successor start from θ_{t-1} (this rank's names), by `delayed_start`."""
-        return start_rule(self.delayed_start, delta, self.slices, self.client.outer, self.share)
+    def _delayed_start(self, from_held: bool) -> None:
+        """s_{t+1} by `delayed_start`, in place, from θ_{t-1}: the client's copy (minus the residual) once
+        a round has come back, else where this round started (s_t itself). Δ_t is in the work buffer."""
+        if from_held:
+            self._start_from_held(keep_unsent=True)
+        deltas = self._slices_of(self.buffers.work)
+        outer = self.client.outer
+        for key, start in self._slices_of(self.buffers.start).items():
+            momentum = outer.buffers.get(key) if outer is not None else None
+            momentum = momentum.reshape(start.shape) if momentum is not None else None
+            next_start(self.delayed_start, start, start, deltas[key], momentum, outer, self.share)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
         """Join, seed uninitialised shards, adopt the current global weights; returns the first round to train."""
-        info = self.client.join(self.model_specs, self.run_config_json)
+        info = self.client.join(self.access.model_specs, self.run_config_json)
         final = final_version_of(info.run_config_json)
-        if final is not None and min(info.versions) >= final and getattr(self.trainer, "step", 0) == 0:
+        fresh = getattr(self.trainer, "step", 0) == 0
+        held = min(info.versions)
+        if self.access.agree_any(final is not None and held >= final and fresh):
             raise RunFinished(
-                f"run {self.client.run_id!r} has finished: the shards hold its final version {min(info.versions)} "
+                f"run {self.client.run_id!r} has finished: the shards hold its final version {held} "
                 f"({final} = its rounds and the end-of-run flush), so this cluster would train nothing. Get the model "
                 "with `dilocox export`, or start a new run (another --run-id, fresh shards)"
             )
-        held, fresh = min(info.versions), getattr(self.trainer, "step", 0) == 0
-        if not self.allow_late_join and not info.rejoin and fresh and held > 0:
+        if self.access.agree_any(not self.allow_late_join and not info.rejoin and fresh and held > 0):
             raise LateJoin(
                 f"run {self.client.run_id!r} is at version {held}: its first {min(held, self.rounds)} rounds have closed, so "
                 f"this site would train {max(0, self.rounds - held)} of its {self.rounds} rounds. Start every site together "
                 "(shards first, --min-clusters = the number of sites), or pass --join-late to join anyway"
             )
-        owned = set(self.owned_names)
+        owned = set(self.names)
         self.slices = [s for s in info.assignment if s.name in owned]
+        self.access.read(self.buffers.work)  # θ here: what an uninitialised shard is seeded with
         if info.needs_init:
             shards = sorted({s.shard for s in self.slices if s.shard in info.needs_init})
-            init = slice_tensors([s for s in self.slices if s.shard in shards], self.current())
+            init = {key: t for key, t in self._slices_of(self.buffers.work).items() if key in {s.key for s in self.slices if s.shard in shards}}
             sent = self.client.push(0, 1.0, init, shards=shards)
             log.info("initialised_shards", shards=shards, bytes_up=sent)
-        self.version, pulled, received = self.client.pull(min_version=0, names=self.owned_names)
-        self._assign(self._global_weights(pulled))
+        version, _, received = self.client.pull(min_version=0, names=self.names)
+        self.version = self.access.agree_min(version)
+        self._start_from_held(keep_unsent=False)
+        self.access.write(self.buffers.start)
         self.initial_eval_loss = self.trainer.evaluate()
-        log.info("rank_share", cluster=self.client.cluster, names=self.owned_names,
-                 params_held=sum(p.numel() for p in self.params.values()))  # fmt: skip
-        log.info(
-            "cluster_started",
-            cluster=self.client.cluster,
-            version=self.version,
-            delay=self.delay,
-            num_shards=info.num_shards,
-            slices=len(self.slices),
-            eval_loss=round(self.initial_eval_loss, 4),
-            bytes_down=received,
-        )
+        log.info("rank_share", cluster=self.client.cluster, names=self.names, params_held=self.access.params_held,
+                 params_owned=self.buffers.numel)  # fmt: skip
+        log.info("cluster_started", cluster=self.client.cluster, version=self.version, delay=self.delay,
+                 num_shards=info.num_shards, slices=len(self.slices), eval_loss=round(self.initial_eval_loss, 4),
+                 bytes_down=received)  # fmt: skip
         return self.version + 1
 
-    def run_round(self, round_: int, start: dict[str, torch.Tensor]) -> tuple[RoundReport, dict[str, torch.Tensor]]:
-        """Train one round from `start` (s_t) and fold in the network; returns the report and s_{t+1}."""
+    def run_round(self, round_: int) -> RoundReport:
+        """Train one round from s_t (the start buffer, as the model holds it) and fold in the network."""
         began = time.perf_counter()
         train_loss, tokens, compute_s = self.trainer.train_steps(self.inner_steps)
-        local = self.current()
-        delta = {name: start[name] - local[name] for name in local}
-
+        timer = BoundaryTimer()
+        delay = 0 if round_ <= self.sync_rounds else self.delay
         exchange: RoundExchange | None = None
         idle = 0.0
-        delay = 0 if round_ <= self.sync_rounds else self.delay
+        refused: AggregatorError | None = None
+        if self.communicator.in_flight is not None:  # the previous round's exchange (delayed rounds)
+            with timer("collect"):
+                exchange, idle, refused = self._collect(round_, tokens)
+        work, start = self.buffers.work, self.buffers.start
+        with timer("read"):
+            self.access.read(work)
+        with timer("delta"):
+            for name in self.names:
+                torch.sub(start[name], work[name], out=work[name])  # Δ_t = s_t − θ_local, in place
+        deltas = self._slices_of(work)
         if delay == 0:
-            self._capture(round_)
-            self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
-            exchange, idle = self.communicator.collect()
+            self._check_refusal(refused, tokens)
+            self._capture(round_, timer)
+            self.communicator.submit(round_, float(tokens), deltas)
+            with timer("collect"):
+                exchange, waited, refused = self._collect(round_, tokens)
+            idle += waited
+            self._check_refusal(refused, tokens)
             self._commit(round_)
-            merged = self._global_weights(exchange.weights, keep_unsent=True)
+            with timer("start"):
+                self._start_from_held(keep_unsent=True)
         else:
-            if self.communicator.in_flight is not None:
-                exchange, idle = self._collect_or_drop(round_, tokens)
+            self._check_refusal(refused, tokens)
+            if exchange is not None:
                 self._commit(exchange.round)
-                merged = self._global_weights(exchange.weights, keep_unsent=True, then=self._next_start(delta))
-            else:  # nothing in flight: θ_{t-1} is where this round started
-                owned = self._next_start(delta)({name: start[name] for name in self.owned_names})
-                merged = self.peer_sync(owned) if self.peer_sync else owned
-            self._capture(round_)
-            self.communicator.submit(round_, float(tokens), slice_tensors(self.slices, delta))
+            with timer("start"):
+                self._delayed_start(from_held=exchange is not None)
+            self._capture(round_, timer)
+            self.communicator.submit(round_, float(tokens), deltas)
         if exchange is not None:
             self.version = exchange.version
-            if round_ == self.rounds and delay == 0:
-                self._last_round_weights = exchange.weights
+        self._adopt_held = delay == 0 and round_ == self.rounds
         self._last_weight = float(tokens)
-        self._assign(merged)
-
-        eval_loss = self.trainer.evaluate() if self.evaluate_every_round or round_ == self.rounds else float("nan")
+        with timer("write"):
+            self.access.write(start)
+        with timer("eval"):
+            eval_loss = self.trainer.evaluate() if self.evaluate_every_round or round_ == self.rounds else float("nan")
         comm_s = exchange.comm_s if exchange else 0.0
         report = RoundReport(
-            round=round_,
-            train_loss=round(train_loss, 4),
-            eval_loss=round(eval_loss, 4),
-            tokens=tokens,
-            bytes_up=exchange.bytes_up if exchange else 0,
-            bytes_down=exchange.bytes_down if exchange else 0,
-            compute_s=round(compute_s, 3),
-            comm_s=round(comm_s, 3),
-            idle_s=round(idle, 3),
+            round=round_, train_loss=round(train_loss, 4), eval_loss=round(eval_loss, 4), tokens=tokens,
+            bytes_up=exchange.bytes_up if exchange else 0, bytes_down=exchange.bytes_down if exchange else 0,
+            compute_s=round(compute_s, 3), comm_s=round(comm_s, 3), idle_s=round(idle, 3),
             seconds=round(time.perf_counter() - began, 3),
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
             residual_norm=round(self.client.compressor.residual_norm(), 4) if self.client.compressor else 0.0,
-        )
+        )  # fmt: skip
         log.info("round_done", cluster=self.client.cluster, delay=delay, inner_steps=self.inner_steps, **asdict(report))
+        log.info("boundary_done", round=round_, **timer.seconds())
+        if not self._memory_logged and round_ > 1:
+            self._log_memory()
         if self.on_round is not None:
             self.on_round(report, self.inner_steps, self.version)
         if self.steps_controller is not None and exchange is not None:
             self.inner_steps = self.steps_controller.update(round_, compute_s, exchange.comm_s)
-        return report, merged
+        return report
 
-    def _collect_or_drop(self, round_: int, tokens: int) -> tuple[RoundExchange, float]:
-        """Collect the previous round's exchange; if the shards refused it, round `round_`, trained
-        meanwhile on top of it, is discarded (the cluster rejoins and adopts the global weights): counted
-        and logged, so no computed round disappears silently. (What the refusing shard lacked of the
-        previous round is carried into the next push by the client.)"""
+    def _log_memory(self) -> None:
+        self._memory_logged = True
+        held = exchange_bytes(self.client, self.buffers)
+        log.info("exchange_memory", cluster=self.client.cluster, params_held=self.access.params_held,
+                 params_owned=self.buffers.numel, **held,
+                 bytes_per_held_param=round(held["total_bytes"] / max(1, self.access.params_held), 2))  # fmt: skip
+
+    def _collect(self, round_: int, tokens: int) -> tuple[RoundExchange | None, float, AggregatorError | None]:
+        """Collect the exchange in flight. A refusal (FAILED_PRECONDITION: the shards went on without us)
+        is returned, not raised, so that the site can agree on it first; round `round_`, trained on top of
+        the refused one, is then discarded (counted and logged: no computed round disappears silently).
+        What the refusing shard lacked is carried into the next push by the client."""
         try:
-            return self.communicator.collect()
+            exchange, idle = self.communicator.collect()
+            return exchange, idle, None
         except AggregatorError as error:
-            if error.code == grpc.StatusCode.FAILED_PRECONDITION:
-                self.client.traffic.dropped_rounds += 1
-                self.client.traffic.dropped_tokens += int(tokens)
-                log.warning("local_round_dropped", cluster=self.client.cluster, round=round_, tokens=int(tokens),
-                            reason=error.details)  # fmt: skip
-            raise
+            if error.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            return None, 0.0, error
 
-    def _capture(self, round_: int) -> None:
-        """Copy the local state that round `round_` ends with, before its pseudo-gradient leaves."""
+    def _check_refusal(self, refused: AggregatorError | None, tokens: int) -> None:
+        """Raise the refusal on every rank of the site if any rank had one (they rejoin together); the
+        round just trained is dropped."""
+        if not self.access.agree_any(refused is not None):
+            return
+        self.client.traffic.dropped_rounds += 1
+        self.client.traffic.dropped_tokens += int(tokens)
+        log.warning("local_round_dropped", cluster=self.client.cluster, tokens=int(tokens),
+                    reason=refused.details if refused else "another rank of the site was refused")  # fmt: skip
+        raise refused or _refused_elsewhere()
+
+    def _capture(self, round_: int, timer: BoundaryTimer) -> None:
+        """Start the checkpoint of the state round `round_` ends with, before its pseudo-gradient leaves."""
         if self.checkpoint is not None:
-            compressor = self.client.compressor
-            self._captured[round_] = (copy.deepcopy(self.trainer.state_dict()),
-                                      copy.deepcopy(compressor.state_dict()) if compressor else None)  # fmt: skip
+            with timer("checkpoint"):
+                self.checkpoint.capture(round_, self.trainer, self.client.compressor, self.names)
 
     def _commit(self, round_: int) -> None:
-        """Round `round_` is on the shards: its captured state becomes the checkpoint. A restart thus
+        """Round `round_` is on the shards: its checkpoint becomes the one to resume from. A restart thus
         resumes exactly at a round the shards have — no inner step lost or repeated."""
-        captured = self._captured.pop(round_, None)
-        for older in [r for r in self._captured if r < round_]:
-            del self._captured[older]
-        if captured is not None and round_ % self.checkpoint.every == 0:
-            self.checkpoint.write(round_, *captured)
+        if self.checkpoint is not None:
+            self.checkpoint.commit(round_)
 
     def finish(self) -> None:
         """End on the global model, the same in both forms: collect θ_T (delay=1: it is still in flight),
         flush the error-feedback residuals, and adopt the shards' weights without any local residual."""
-        weights = self._last_round_weights
+        adopt = self._adopt_held
         if self.communicator.in_flight is not None:
             exchange, idle = self.communicator.collect()
             self._commit(exchange.round)
             self.version = exchange.version
-            weights = exchange.weights
+            adopt = True
             log.info("last_round_collected", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3),
                      bytes_up=exchange.bytes_up, bytes_down=exchange.bytes_down)  # fmt: skip
-        flushed = self._flush_residuals()
-        if flushed is not None:
-            weights = flushed.weights
-        if weights is not None:
-            self._assign(self._global_weights(weights))
+        if self._flush_residuals() is not None:
+            adopt = True
+        if self.access.agree_any(adopt):  # every rank writes, or none (the write is collective)
+            if adopt:
+                self._start_from_held(keep_unsent=False)
+            self.access.write(self.buffers.start)
             log.info("final_weights_adopted", cluster=self.client.cluster, version=self.version)
 
     def _flush_residuals(self) -> RoundExchange | None:
@@ -334,8 +350,10 @@ class DilocoCluster:
             return None
         round_ = self.rounds + 1
         held_back = compressor.residual_norm()
-        zeros = {s.key: torch.zeros(s.slice_shape) for s in self.slices}  # on the CPU, where Δ lives
-        self.communicator.submit(round_, self._last_weight, zeros, codec=compressor.config.flush_codec)
+        work = self._slices_of(self.buffers.work)
+        for tensor in work.values():
+            tensor.zero_()
+        self.communicator.submit(round_, self._last_weight, work, codec=compressor.config.flush_codec)
         try:
             exchange, idle = self.communicator.collect()
         except AggregatorError as error:
@@ -352,10 +370,9 @@ class DilocoCluster:
     def run(self) -> list[RoundReport]:
         try:
             round_ = self.start()
-            start = self.current()
             while round_ <= self.rounds:
                 try:
-                    report, start = self.run_round(round_, start)
+                    report = self.run_round(round_)
                 except AggregatorError as error:
                     if error.code != grpc.StatusCode.FAILED_PRECONDITION:
                         raise
@@ -363,9 +380,8 @@ class DilocoCluster:
                     # closed): rejoin, adopt the current global weights and carry on from there.
                     log.warning("cluster_rejoining", cluster=self.client.cluster, round=round_, reason=error.details)
                     self.communicator.close(timeout=0)
-                    self.communicator = Communicator(self.client, pull_names=tuple(self.owned_names))
+                    self.communicator = Communicator(self.client, pull_names=tuple(self.names))
                     round_ = self.start()
-                    start = self.current()
                     continue
                 self.reports.append(report)
                 round_ += 1
@@ -376,7 +392,10 @@ class DilocoCluster:
             log.info("communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending)
             if outcome == "completed" and pending is not None:
                 self._commit(pending)  # its exchange made it: that round is durable now
+            if self.checkpoint is not None:
+                self.checkpoint.close()
         self.final_eval_loss = self.trainer.evaluate() if self.reports else self.initial_eval_loss
+        self._log_memory()
         log.info(
             "cluster_done",
             cluster=self.client.cluster,

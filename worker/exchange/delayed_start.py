@@ -26,12 +26,9 @@ Either way the next adoption is unchanged: Δ_{t+1} = s_{t+1} − θ_local, θ_l
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from dilocox.common.config.run import DELAYED_STARTS
-from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 
 RULES = DELAYED_STARTS
@@ -62,20 +59,12 @@ def own_start(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return base - delta
 
 
-Tensors = dict[str, torch.Tensor]
-
-
-def start_rule(rule: str, delta: Tensors, slices: list[ParamSlice], outer: OuterNesterov | None, share: float) -> Callable[[Tensors], Tensors]:
-    """θ_{t-1} (full tensors by name) → s_{t+1}, by `rule`. For `eager`, the momentum of the cluster's
-    replica of the outer step, gathered from its slices into full tensors now (it is v_{t-1} only
-    until the next pull)."""
+def next_start(rule: str, out: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor | None,
+               outer: OuterNesterov | None, share: float) -> None:
+    """s_{t+1} of one slice into `out` (which may be `base` itself) from θ_{t-1} = `base`, by `rule`.
+    `momentum`: the slice's v_{t-1} in the cluster's replica of the outer step (None before it has one)."""
     if check_rule(rule) == "own":
-        return lambda base: {name: own_start(base[name], delta[name]) for name in base}
-    momentum: Tensors = {}
-    for s in slices:
-        buffer = outer.buffers.get(s.key) if outer is not None else None
-        if buffer is not None:
-            full = momentum.setdefault(s.name, torch.zeros(delta[s.name].shape))
-            s.view(full).copy_(buffer.reshape(s.slice_shape))
+        torch.sub(base, delta, out=out)
+        return
     lr, mu = (outer.lr, outer.momentum) if outer is not None else (1.0, 0.0)
-    return lambda base: {name: eager_start(base[name], delta[name], momentum.get(name), lr, mu, share) for name in base}
+    out.copy_(eager_start(base, delta, momentum, lr, mu, share))

@@ -1,2 +1,2 @@
-"""Inner training: one process (`InnerTrainer`) or a pipeline of stages (`PipelineTrainer`) over a
-PP × DP layout inside a site, launched under `torchrun`."""
+"""Inner training in one process (`InnerTrainer`), the model's pipeline stages (`pipeline_stage`) and the
+device/precision choice (`device`). A torchrun site's trainer is `worker.site.trainer.SiteTrainer`."""

@@ -1,0 +1,186 @@
+"""`dilocox bench train --layouts`: one site (a torchrun job of pp × dp ranks) against real shards.
+
+Each layout runs the real thing: `dilocox server` processes and one `dilocox worker --pp P --dp D`, which
+starts its own torchrun job. Measured from outside, so that any version of the worker can be compared
+with the same yardstick: every rank's peak resident set (sampled from /proc, keyed by the rank torchrun
+gave it), and from the worker's `round_done` lines the site's tokens/s over its compute time and the
+seconds of each round boundary (the round's wall time minus its inner steps). Where the worker logs its
+`boundary_done` phases and `exchange_memory` (this version does), they are reported too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayoutRun:
+    pp: int
+    dp: int
+    dp_replicate: int = 1
+    model_flags: tuple[str, ...] = ("--n-layer", "4", "--n-embd", "384", "--block-size", "128")
+    rounds: int = 3
+    inner_steps: int = 4
+    batch_size: int = 8
+    microbatches: int = 4
+    shards: int = 2
+    extra: tuple[str, ...] = ()
+    events: list[dict] = field(default_factory=list)
+    peak_rss_kb: dict[int, int] = field(default_factory=dict)  # rank -> peak RSS
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dilocox.common.cli", *args]
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return int(item[5:])
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            children = pathlib.Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        for c in children:
+            found.append(int(c))
+            todo.append(int(c))
+    return found
+
+
+def _hwm_kb(pid: int) -> int:
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _sample(proc: subprocess.Popen, run: LayoutRun, stop: threading.Event) -> None:
+    """Peak RSS per rank: VmHWM of every descendant that torchrun gave a RANK, read until it exits."""
+    while not stop.is_set():
+        for pid in _descendants(proc.pid) + [proc.pid]:
+            rank = _rank_of(pid)
+            if rank is None and pid == proc.pid and run.pp * run.dp == 1:
+                rank = 0
+            if rank is not None:
+                run.peak_rss_kb[rank] = max(run.peak_rss_kb.get(rank, 0), _hwm_kb(pid))
+        stop.wait(0.2)
+
+
+def run_layout(run: LayoutRun, workdir: pathlib.Path, threads: int = 1, timeout_s: float = 900.0) -> LayoutRun:
+    """Start the shards and one site of `run`'s layout, wait for the site to finish, collect its events."""
+    run_id = f"layout-{run.pp}x{run.dp}"
+    shards, addresses = [], []
+    try:
+        for i in range(run.shards):
+            port_file = workdir / f"{run_id}-shard{i}.port"
+            shards.append(subprocess.Popen(_cli("server", "--num-shards", str(run.shards), "--shard-index", str(i), "--port", "0",
+                                                "--port-file", str(port_file), "--run-id", run_id, "--insecure",
+                                                "--log-format", "json"),
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+            deadline = time.monotonic() + 60
+            while not port_file.exists():
+                if time.monotonic() > deadline or shards[-1].poll() is not None:
+                    raise RuntimeError(f"shard {i} of {run_id} did not start")
+                time.sleep(0.05)
+            addresses.append(f"127.0.0.1:{port_file.read_text().strip()}")
+        layout = ["--pp", str(run.pp), "--dp", str(run.dp)]
+        if run.dp_replicate > 1:
+            layout += ["--dp-replicate", str(run.dp_replicate)]
+        cmd = _cli("worker", "--servers", ",".join(addresses), "--run-id", run_id, "--insecure", "--log-format", "json",
+                   "--threads", str(threads), *layout, "--microbatches", str(run.microbatches), "--rounds", str(run.rounds),
+                   "--inner-steps", str(run.inner_steps), "--inner-batch-size", str(run.batch_size), "--eval-batches", "1",
+                   "--device", "cpu", *run.model_flags, *run.extra)  # fmt: skip
+        log_path = workdir / f"{run_id}.log"
+        with log_path.open("w") as log_file:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
+            stop = threading.Event()
+            sampler = threading.Thread(target=_sample, args=(proc, run, stop), daemon=True)
+            sampler.start()
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            finally:
+                stop.set()
+                sampler.join(timeout=5)
+                if proc.poll() is None:
+                    proc.kill()
+        text = log_path.read_text()
+        if rc != 0:
+            raise RuntimeError(f"worker {run_id} exited {rc}: {text[-3000:]}")
+        run.events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        return run
+    finally:
+        for shard in shards:
+            shard.terminate()
+        for shard in shards:
+            try:
+                shard.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                shard.kill()
+
+
+def summarize(run: LayoutRun) -> dict:
+    """One row: tokens/s of the site, boundary seconds, peak RSS per rank, exchange bytes per held parameter."""
+    rounds = [e for e in run.events if e.get("event") == "round_done" and e.get("rank", 0) == 0]
+    steady = rounds[1:] or rounds  # the first round pays one-off costs (pipeline shape inference, first compress)
+    compute = sum(e["compute_s"] for e in steady)
+    tokens = sum(e["tokens"] for e in steady)
+    boundary = [e["seconds"] - e["compute_s"] for e in steady]
+    held = {e.get("rank", 0): e["params_held"] for e in run.events if e.get("event") == "rank_share"}
+    memory = {e.get("rank", 0): e for e in run.events if e.get("event") == "exchange_memory"}
+    phases: dict[str, list[float]] = {}
+    for e in run.events:
+        if e.get("event") == "boundary_done" and e.get("rank", 0) == 0 and e.get("round", 0) > 1:
+            for key, value in e.items():
+                if key.endswith("_s"):
+                    phases.setdefault(key, []).append(value)
+    rss = [round(run.peak_rss_kb[r] / 1024) for r in sorted(run.peak_rss_kb)]
+    row = {
+        "layout": f"pp{run.pp}×dp{run.dp}" + (f" (replicate {run.dp_replicate})" if run.dp_replicate > 1 else ""),
+        "ranks": run.pp * run.dp,
+        "tokens_per_s": round(tokens / compute) if compute else 0,
+        "boundary_s": round(sum(boundary) / len(boundary), 3) if boundary else 0.0,
+        "peak_rss_mb_per_rank": rss,
+        "params_held_m": [round(held[r] / 1e6, 2) for r in sorted(held)],
+    }
+    if memory:
+        row["exchange_bytes_per_held_param"] = [memory[r]["bytes_per_held_param"] for r in sorted(memory)]
+    if phases:
+        row["boundary_phases_s"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(phases.items())}
+    return row
+
+
+def measure_layouts(layouts: list[tuple[int, int, int]], threads: int = 1, **options) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="dilocox-layouts-") as tmp:
+        for pp, dp, replicate in layouts:
+            run = run_layout(LayoutRun(pp, dp, replicate, **options), pathlib.Path(tmp), threads)
+            rows.append(summarize(run))
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
+if __name__ == "__main__":  # python -m dilocox.bench.site_layouts 1x1 1x2 2x1 2x2 (pp x dp[xreplicate])
+    specs = [tuple(int(v) for v in a.split("x")) for a in sys.argv[1:]] or [(1, 1), (1, 2), (2, 1), (2, 2)]
+    measure_layouts([(s[0], s[1], s[2] if len(s) > 2 else 1) for s in specs], threads=int(os.environ.get("THREADS", "1")))

@@ -1,0 +1,217 @@
+"""A cluster's local state on disk, by `torch.distributed.checkpoint` (DCP), so a run can be stopped and
+resumed: one checkpoint per round for the whole site, each rank writing its own part of it once.
+
+What a checkpoint of round t holds, captured at the end of round t, before its pseudo-gradient leaves:
+
+* ``model``, ``optim`` — the stage's weights and AdamW state as DCP sees them through
+  `get_model_state_dict` / `get_optimizer_state_dict`: FSDP2's DTensors, so each rank writes its shard
+  and replicas (HSDP, plain replication, or pipeline stages' shared objects) are written once;
+* ``progress`` — inner step and tokens trained (the same on every rank);
+* ``data.replica<d>`` — replica d's batch sampler (the same on every stage of that replica's pipeline);
+* ``exchange.<name>`` — the uplink compressor's state (error-feedback residual, warm-start Q, rank
+  history) of each parameter, written by the rank that owns it.
+
+The save is DCP's `async_save`: the state is staged to host memory at the boundary (no copy on the
+device) and written by a background thread over the site's own gloo group, while training goes on. The
+checkpoint is *committed* — a `COMMITTED` file next to DCP's `.metadata` — only once round t's
+pseudo-gradient is on the shards (one round later under the delay), so a resume never starts from a
+round the shards have not got. `--resume` takes the newest committed one; older ones are pruned.
+
+A resume with the same layout restores every rank's state bit for bit. With another layout (other
+--pp, --dp or --dp-replicate), DCP reshards the weights and optimiser state, and the compressor state
+follows its parameters to their new owners (it is keyed by parameter, not by rank); only the data
+position is lost where the number of replicas changed (each replica's sampler is keyed by replica),
+which is logged. The directory must be shared by every rank of the site (one node, or a shared file
+system across nodes), as DCP requires.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import re
+import shutil
+from concurrent.futures import Future
+
+import structlog
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from dilocox.common.wire.compression import TensorCompressor
+
+log = structlog.get_logger()
+
+COMMITTED = "COMMITTED"
+_ROUND_DIR = re.compile(r"^round-(\d+)$")
+
+
+def _pack(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _unpack(data: bytes) -> object:
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)  # our own bytes
+
+
+class SiteCheckpoint:
+    def __init__(self, directory: str | os.PathLike, cluster: str, every: int = 1, keep: int = 2,
+                 rank: int = 0, replica: int = 0, group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+        """`rank`: this process's rank in the site (rank 0 commits and prunes); `replica`: which data
+        replica it trains; `group`: the site's checkpoint group (None: one process, no collectives)."""
+        if every < 1:
+            raise ValueError(f"checkpoint interval must be ≥ 1 round, got {every}")
+        if keep < 1:
+            raise ValueError(f"checkpoints kept must be ≥ 1, got {keep}")
+        self.root = pathlib.Path(directory) / cluster
+        self.every = every
+        self.keep = keep
+        self.rank = rank
+        self.replica = replica
+        self.group = group
+        self._pending: dict[int, Future] = {}
+
+    def path_of(self, round_: int) -> pathlib.Path:
+        return self.root / f"round-{round_:06d}"
+
+    # ------------------------------------------------------------------ save
+    def _state(self, trainer, compressor: TensorCompressor | None, names: list[str]) -> dict:  # noqa: ANN001
+        module, optimizer = trainer.trained_module, trainer.optimizer
+        by_name: dict[str, dict] = {name: {} for name in names}
+        for key, value in (compressor.state_dict() if compressor else {}).items():
+            if key.name in by_name:
+                by_name[key.name][key] = value
+        exchange = {name: _pack(per_slice) for name, per_slice in by_name.items()}
+        return {
+            "model": get_model_state_dict(module),
+            "optim": get_optimizer_state_dict(module, optimizer),
+            "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen)},
+            "data": {f"replica{self.replica}": _pack(trainer.sampler.state_dict())},
+            "exchange": exchange,
+        }
+
+    def capture(self, round_: int, trainer, compressor: TensorCompressor | None, names: list[str]) -> None:  # noqa: ANN001
+        """Start saving the state round `round_` ends with (every `every` rounds); collective in a site.
+        Returns once the state is staged in host memory; the write goes on in the background."""
+        if round_ % self.every:
+            return
+        self._wait_all()  # one write at a time: the previous one is finished before this one stages
+        path = self.path_of(round_)
+        if self.rank == 0 and path.exists():
+            shutil.rmtree(path)  # a stale partial write of this round (an earlier, interrupted run)
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        state = self._state(trainer, compressor, names)
+        self._pending[round_] = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
+        log.info("worker_checkpoint_staged", round=round_, path=str(path))
+
+    def commit(self, round_: int) -> None:
+        """Round `round_` is on the shards: its checkpoint (if one was started) becomes the one to resume."""
+        future = self._pending.pop(round_, None)
+        for older in [r for r in self._pending if r < round_]:
+            self._pending.pop(older).result()  # superseded; let it finish, it stays uncommitted
+        if future is None:
+            return
+        future.result()  # on rank 0: every rank's part and DCP's metadata are written
+        if self.rank == 0:
+            (self.path_of(round_) / COMMITTED).write_text(f"{round_}\n")
+            self._prune(round_)
+        log.info("worker_checkpoint_saved", round=round_, path=str(self.path_of(round_)))
+
+    def _wait_all(self) -> None:
+        for round_ in list(self._pending):
+            try:
+                self._pending[round_].result()
+            except Exception as error:  # noqa: BLE001 - a failed write is an uncommitted checkpoint, reported
+                log.warning("worker_checkpoint_failed", round=round_, error=str(error))
+                self._pending.pop(round_)
+
+    def close(self) -> None:
+        """Finish the writes in flight (they stay uncommitted unless `commit` ran for them)."""
+        self._wait_all()
+        self._pending.clear()
+
+    def _prune(self, newest: int) -> None:
+        rounds = self.rounds()
+        committed = [r for r in rounds if (self.path_of(r) / COMMITTED).exists()]
+        stale = [r for r in rounds if r < newest and (r not in committed or r not in committed[-self.keep :])]
+        for r in stale:
+            shutil.rmtree(self.path_of(r), ignore_errors=True)
+
+    def rounds(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _ROUND_DIR.match(p.name)))
+
+    def newest_committed(self) -> int | None:
+        committed = [r for r in self.rounds() if (self.path_of(r) / COMMITTED).exists()]
+        return committed[-1] if committed else None
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, trainer, compressor: TensorCompressor | None, names: list[str]) -> int:  # noqa: ANN001
+        """Load the newest committed checkpoint into `trainer` and `compressor` (this rank's `names`);
+        returns its round. Collective in a site."""
+        round_ = self.newest_committed()
+        if round_ is None:
+            legacy = sorted(self.root.parent.glob(f"worker-{self.root.name}-rank*.pt")) if self.root.parent.is_dir() else []
+            hint = (f"; {legacy[0].name} was written by an older dilocox and cannot be resumed: start without --resume"
+                    if legacy else "")  # fmt: skip
+            raise FileNotFoundError(f"no committed worker checkpoint under {self.root}{hint}")
+        path = self.path_of(round_)
+        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        module, optimizer = trainer.trained_module, trainer.optimizer
+        data_key = f"replica{self.replica}"
+        state = {
+            "model": get_model_state_dict(module),
+            "optim": get_optimizer_state_dict(module, optimizer),
+            "progress": {"step": 0, "tokens_seen": 0},
+            "data": {data_key: b""} if f"data.{data_key}" in saved else {},
+            "exchange": {name: b"" for name in names if f"exchange.{name}" in saved},
+        }
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
+        set_model_state_dict(module, state["model"])
+        set_optimizer_state_dict(module, optimizer, state["optim"])
+        trainer.step = int(state["progress"]["step"])
+        trainer.tokens_seen = int(state["progress"]["tokens_seen"])
+        reason = "the checkpoint has no sampler for this replica (another --dp)"
+        if state["data"]:
+            try:
+                trainer.sampler.load_state_dict(_unpack(state["data"][data_key]))
+                reason = ""
+            except ValueError as error:  # another split of the data (another --dp or --num-clusters)
+                reason = str(error)
+        if reason:
+            log.warning("data_position_reset", round=round_, replica=self.replica, reason=f"{reason}: its data starts over")
+        missing = [n for n in names if n not in state["exchange"]]
+        if compressor is not None:
+            restored = {}
+            for name in names:
+                if name in state["exchange"]:
+                    restored.update(_unpack(state["exchange"][name]))
+            compressor.load_state_dict(restored)
+            if missing:
+                log.warning("compressor_state_missing", round=round_, parameters=len(missing), example=missing[0])
+        log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step)
+        return round_
+
+
+def read_progress(path: str | os.PathLike) -> dict:
+    """The round, inner step, tokens and every replica's data position of one checkpoint folder, without
+    loading weights (one process, no process group)."""
+    path = pathlib.Path(path)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    replicas = sorted(key.split(".", 1)[1] for key in saved if key.startswith("data."))
+    state = {"progress": {"step": 0, "tokens_seen": 0}, "data": {r: b"" for r in replicas}}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    match = _ROUND_DIR.match(path.name)
+    return {"round": int(match.group(1)) if match else None, "committed": (path / COMMITTED).exists(),
+            **state["progress"], "data": {r: _unpack(v) for r, v in state["data"].items()}}  # fmt: skip

@@ -1,0 +1,55 @@
+"""What a round boundary costs: seconds per phase, and the host bytes the exchange keeps per rank.
+
+Phases, in order: `collect` (waiting for the exchange in flight: the trainer's idle time), `read`
+(gathering θ of the owned parameters to the host), `delta` (Δ = s − θ in place), `checkpoint` (staging
+the state for the asynchronous write), `start` (the next round's start from the global weights), `write`
+(scattering it back into the model) and `eval`. Logged per round as `boundary_done`; `dilocox bench
+train --layouts` reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Iterator
+
+import torch
+
+from dilocox.worker.exchange.host_buffers import HostBuffers
+
+
+class BoundaryTimer:
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[phase] += time.perf_counter() - started
+
+    def seconds(self) -> dict[str, float]:
+        return {f"{phase}_s": round(value, 4) for phase, value in self._seconds.items()}
+
+
+def _tensor_bytes(tensors) -> int:  # noqa: ANN001
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def exchange_bytes(client, buffers: HostBuffers) -> dict[str, int]:  # noqa: ANN001
+    """Host bytes this rank keeps for the exchange: the boundary buffers (s and the work buffer), the
+    client's replica of the global weights and outer momentum, the compressor's residuals and warm starts,
+    and the payloads of its own last push (kept to replay the round)."""
+    replica = _tensor_bytes(client.held.values())
+    momentum = _tensor_bytes(client.outer.buffers.values()) if client.outer is not None else 0
+    compressor = 0
+    if client.compressor is not None:
+        for state in list(client.compressor.state.values()):
+            compressor += _tensor_bytes([state.error, state.q])
+    own = client.own_payload_bytes
+    parts = {"buffer_bytes": buffers.nbytes, "replica_bytes": replica, "momentum_bytes": momentum,
+             "compressor_bytes": compressor, "own_push_bytes": own}  # fmt: skip
+    return {**parts, "total_bytes": sum(parts.values())}

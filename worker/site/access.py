@@ -1,0 +1,61 @@
+"""`ParameterAccess` for one rank of a site: the parameters it owns, moved in and out of FSDP's layout.
+
+The rank owns a share of its stage's parameters (`reshard.owners_by_size`); reading gathers their rows
+from the stage's ranks into the rank's host buffer, writing scatters them back, both on the device over
+the stage's dp group. Decisions the whole site must take alike (which round, whether to rejoin) are one
+small all-reduce over the site, on the device as NCCL requires.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dilocox.worker.site.mesh import SiteMesh
+from dilocox.worker.site.parallelize import local_part
+from dilocox.worker.site.reshard import BATCH_ELEMENTS, Resharder, StageResharder
+
+
+class SiteAccess:
+    def __init__(self, mesh: SiteMesh, named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]],
+                 model_specs: list[tuple[str, tuple[int, ...]]], batch_elements: int = BATCH_ELEMENTS) -> None:  # fmt: skip
+        """`named_parameters`: the trainer's, called anew at every boundary (FSDP swaps the registered
+        parameters between their sharded and gathered forms)."""
+        self.named_parameters = named_parameters
+        params = dict(named_parameters())
+        self.mesh = mesh
+        self.device = mesh.device
+        self.model_specs = [(n, tuple(s)) for n, s in model_specs]
+        sharded = mesh.fsdp_mesh is not None
+        self.plan = StageResharder({n: tuple(p.shape) for n, p in params.items()}, mesh.shape, mesh.replica, sharded, batch_elements)
+        self.resharder = Resharder(self.plan, mesh.stage_group, mesh.device)
+        self.resharder.check(self._local())
+        self.names = list(self.plan.owned)
+        self.shapes = {n: self.plan.shapes[n] for n in self.names}
+        self.params_held = sum(local_part(p).numel() for p in params.values())
+        self.stage_params = sum(math.prod(s) for s in self.plan.shapes.values())
+        self.pinned = mesh.compute.is_cuda
+
+    def _local(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of each parameter, looked up anew each time (a checkpoint load may replace
+        the tensors FSDP keeps them in)."""
+        return {n: local_part(p).detach() for n, p in self.named_parameters()}
+
+    def read(self, out: dict[str, torch.Tensor]) -> None:
+        self.resharder.gather(self._local(), out)
+
+    def write(self, values: dict[str, torch.Tensor]) -> None:
+        self.resharder.scatter(self._local(), values)
+
+    def agree_min(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def agree_any(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())

@@ -1,0 +1,142 @@
+"""Where a rank sits inside its site, and the site's process groups: a pp × dp `DeviceMesh`.
+
+A site is one `torchrun` job of pp × dp ranks, laid out as torchtitan lays out its meshes: the mesh
+dimensions are ("pp", "dp_replicate", "dp_shard"), row-major, so rank = stage · dp + replica and
+replica = r · dp_shard + s. The ranks of one stage (its dp ranks) share FSDP's mesh; the ranks of one
+replica across stages form a pipeline. One backend for all of it — NCCL on GPUs, gloo on the CPU — and
+one extra gloo group over the whole site for the asynchronous checkpoint writer, whose collectives run
+on a background thread and must not interleave with the training's on the same communicator.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dilocox.common.config.run import ParallelConfig
+from dilocox.worker.train.device import Compute, resolve_compute
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class SiteShape:
+    """The pure arithmetic of a layout: which stage and replica a rank is, and who its peers are."""
+
+    pp: int
+    dp: int
+    dp_replicate: int = 1
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.dp
+
+    def replica_of(self, rank: int) -> int:
+        """0 … dp − 1 within the stage; also which part of the site's data this rank's pipeline trains on."""
+        return rank % self.dp
+
+    def shard_coordinate(self, replica: int) -> int:
+        """Which of the stage's dp_shard row chunks `replica` holds (FSDP's shard index)."""
+        return replica % self.dp_shard
+
+    def replicate_coordinate(self, replica: int) -> int:
+        return replica // self.dp_shard
+
+    def replica_with(self, replicate: int, shard: int) -> int:
+        return replicate * self.dp_shard + shard
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The dp ranks of `stage`, in replica order (so a rank's index in its stage group is its replica)."""
+        return [stage * self.dp + d for d in range(self.dp)]
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        return [s * self.dp + replica for s in range(self.pp)]
+
+    @classmethod
+    def of(cls, parallel: ParallelConfig) -> "SiteShape":
+        return cls(parallel.pp, parallel.dp, parallel.dp_replicate)
+
+
+class SiteMesh:
+    """This rank's process groups and device; created once per worker process, before the model."""
+
+    def __init__(self, parallel: ParallelConfig, collective_timeout_s: float = 2400.0) -> None:
+        """`collective_timeout_s`: how long a rank waits in a collective for the others. It must outlast
+        a shard outage (`--shard-wait-s`): while one rank waits for a shard, its peers wait for it in the
+        next collective, and torch's default (10 min for NCCL) would end the site first."""
+        self.shape = SiteShape.of(parallel)
+        world = int(os.environ["WORLD_SIZE"])
+        if world != self.shape.world_size:
+            raise SystemExit(f"dilocox worker: torchrun started {world} processes but --pp {parallel.pp} × --dp "
+                             f"{parallel.dp} needs {self.shape.world_size}")  # fmt: skip
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        self.compute: Compute = resolve_compute(parallel, local_rank, local_world)
+        self.device = self.compute.device
+        if self.compute.is_cuda:
+            torch.cuda.set_device(self.device)
+        timeout = datetime.timedelta(seconds=collective_timeout_s)
+        dist.init_process_group(backend=self.compute.backend, timeout=timeout,
+                                device_id=self.device if self.compute.is_cuda else None)  # fmt: skip
+        self.rank = dist.get_rank()
+        self.stage = self.shape.stage_of(self.rank)
+        self.replica = self.shape.replica_of(self.rank)
+        self.mesh: DeviceMesh = init_device_mesh(self.device.type, (self.shape.pp, self.shape.dp_replicate, self.shape.dp_shard),
+                                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard"))  # fmt: skip
+        self.pp_group = self.mesh.get_group("pp")
+        self.shard_group = self.mesh.get_group("dp_shard")  # the ranks that together hold one copy of the stage
+        self.stage_group = self._stage_group(timeout)  # all dp ranks of this stage, group rank = replica
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+        structlog.contextvars.bind_contextvars(rank=self.rank, stage=self.stage, replica=self.replica)
+        log.info("rank_ready", backend=self.compute.backend, world=world, pp=self.shape.pp, dp=self.shape.dp,
+                 dp_replicate=self.shape.dp_replicate, device=str(self.device), precision=self.compute.precision)  # fmt: skip
+
+    def _stage_group(self, timeout: datetime.timedelta) -> dist.ProcessGroup:
+        """One group per stage over its dp ranks; every rank creates every group, in the same order, as
+        `new_group` requires."""
+        mine = None
+        for stage in range(self.shape.pp):
+            group = dist.new_group(self.shape.stage_ranks(stage), timeout=timeout)
+            if stage == self.stage:
+                mine = group
+        assert mine is not None
+        return mine
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards a stage over: 1-D (dp_shard) for FSDP, 2-D (dp_replicate, dp_shard) for
+        HSDP and plain replication; None for dp = 1 (nothing to shard or replicate)."""
+        if self.shape.dp == 1:
+            return None
+        if self.shape.dp_replicate == 1:
+            return self.mesh["dp_shard"]
+        return self.mesh["dp_replicate", "dp_shard"]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.shape.pp - 1
+
+    def last_stage_rank(self) -> int:
+        """Global rank of the last stage of this rank's pipeline."""
+        return self.shape.pipeline_ranks(self.replica)[-1]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,58 @@
+"""Data parallelism inside a site: torch's FSDP2 (`fully_shard`) on a stage, as torchtitan applies it.
+
+Each transformer block becomes its own FSDP unit (its parameters gathered just before it computes and
+freed after, so a rank holds one block unsharded at a time), then the stage's root takes what is left
+(embeddings, final norm, head). The mesh decides the flavour: 1-D → FSDP (every parameter's rows split
+over the stage's dp ranks), 2-D (dp_replicate, dp_shard) → HSDP, and dp_shard = 1 → plain replication
+with FSDP2's all-reduce of gradients. Gradients are averaged over the dp ranks by FSDP's reduce-scatter
+(or all-reduce), bucketed per unit and overlapped with the backward — nothing of it is written here.
+
+In bf16 FSDP's mixed-precision policy replaces autocast: parameters are gathered and computed in bf16,
+gradients reduced in fp32, and the sharded parameters and AdamW's state stay fp32. The stage's output is
+cast to fp32 so the loss (last stage) and the activations sent between stages are fp32, as they are
+without FSDP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+BLOCK_LIST_NAMES = ("blocks", "layers", "h")  # the built-in GPT, Llama-family HF models, GPT-2-style models
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model or stage: the items of a ModuleList/ModuleDict named like a block list."""
+    blocks: list[nn.Module] = []
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and name.rsplit(".", 1)[-1] in BLOCK_LIST_NAMES:
+            blocks.extend(child.values() if isinstance(child, nn.ModuleDict) else child)
+    return blocks
+
+
+def shard_stage(module: nn.Module, mesh: DeviceMesh, bf16: bool) -> nn.Module:
+    """Apply FSDP2 to `module` in place (blocks first, then the root); returns it."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    blocks = transformer_blocks(module)
+    for i, block in enumerate(blocks):
+        # The last block is gathered again at once by the backward: keep it (torchtitan does the same).
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    return module
+
+
+def local_part(param: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter (or gradient) this rank holds: its FSDP shard's rows, or all of it."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def reshard_all(module: nn.Module) -> None:
+    """Put every FSDP unit of `module` back in its sharded state. A forward without a backward (eval)
+    leaves the root's parameters gathered — and registered as plain, whole tensors — until the next
+    forward; the exchange must see each rank's shard."""
+    for child in module.modules():
+        if isinstance(child, FSDPModule):
+            child.reshard()

@@ -1,0 +1,206 @@
+"""Moving a stage's parameters between the layout FSDP keeps them in and the layout the exchange needs.
+
+FSDP holds every parameter of a stage split by rows over the stage's dp_shard ranks (torch.chunk's
+split: chunks of ⌈rows / dp_shard⌉). The exchange wants each parameter whole on one rank: its *owner*,
+which computes its pseudo-gradient, compresses, pushes, pulls and replays it — so a slice's low-rank
+factors, its bytes on the wire and its replay do not depend on the site's layout (docs/decisions.md,
+"A rank owns whole parameters"). Owners are spread over the stage's dp ranks by element count.
+
+At a round boundary `gather` brings each owned parameter's rows from the ranks holding them into the
+owner's host buffer, and `scatter` sends the owner's new values back to every rank holding rows of them
+(in HSDP or plain replication, to each replica). Both are `all_to_all_single` over the stage's dp group
+on the device (NVLink/InfiniBand inside a site), in batches of at most `batch_elements` elements so no
+model-sized buffer ever exists on the device; on the host the owner only ever holds its own parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dilocox.worker.site.mesh import SiteShape
+
+BATCH_ELEMENTS = 64 * 2**20  # 256 MB of fp32 per collective, at most
+
+
+def owners_by_size(sizes: dict[str, int], dp: int) -> dict[str, int]:
+    """Which replica of the stage owns each parameter: largest first onto the least-loaded replica
+    (LPT), ties by name; the same on every rank."""
+    loads = [0] * dp
+    owner = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        replica = min(range(dp), key=lambda d: (loads[d], d))
+        owner[name] = replica
+        loads[replica] += sizes[name]
+    return owner
+
+
+def held_rows(rows: int, shard: int, shards: int) -> tuple[int, int]:
+    """Rows [start, stop) of a `rows`-row parameter held by FSDP shard `shard` of `shards`
+    (torch.chunk: ⌈rows / shards⌉ each, the last ones shorter or empty)."""
+    chunk = math.ceil(rows / shards) if rows else 0
+    return min(shard * chunk, rows), min((shard + 1) * chunk, rows)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of parameter `name`, moving from replica `src` to replica `dst`."""
+
+    name: str
+    start: int
+    stop: int
+    src: int
+    dst: int
+
+
+class StageResharder:
+    """The pieces of a stage's parameters that move at a boundary, planned once from shapes alone."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], shape: SiteShape, replica: int, sharded: bool,
+                 batch_elements: int = BATCH_ELEMENTS) -> None:  # fmt: skip
+        """`shapes`: the stage's parameters (global shapes, stage order). `sharded`: whether FSDP splits
+        the rows over dp_shard (else every rank holds every row)."""
+        self.shapes = dict(shapes)
+        self.shape = shape
+        self.replica = replica
+        self.sharded = sharded
+        self.row_numel = {n: math.prod(s[1:]) if len(s) > 1 else 1 for n, s in self.shapes.items()}
+        self.owner = owners_by_size({n: math.prod(s) for n, s in self.shapes.items()}, shape.dp)
+        self.owned = [n for n in self.shapes if self.owner[n] == replica]
+        self.batches = self._batches(batch_elements)
+        self.gather_pieces = [self._gather_pieces(batch) for batch in self.batches]
+        self.scatter_pieces = [self._scatter_pieces(batch) for batch in self.batches]
+
+    def rows_of(self, name: str, replica: int) -> tuple[int, int]:
+        rows = self.shapes[name][0] if self.shapes[name] else 1
+        if not self.sharded:
+            return 0, rows
+        return held_rows(rows, self.shape.shard_coordinate(replica), self.shape.dp_shard)
+
+    def _batches(self, limit: int) -> list[list[str]]:
+        batches, current, size = [], [], 0
+        for name in self.shapes:
+            numel = math.prod(self.shapes[name])
+            if current and size + numel > limit:
+                batches.append(current)
+                current, size = [], 0
+            current.append(name)
+            size += numel
+        if current:
+            batches.append(current)
+        return batches
+
+    def _row_chunks(self, name: str) -> list[tuple[int, int, int]]:
+        """(shard coordinate, start, stop) of every non-empty row chunk of `name`."""
+        shards = self.shape.dp_shard if self.sharded else 1
+        rows = self.shapes[name][0] if self.shapes[name] else 1
+        chunks = [(k, *held_rows(rows, k, shards)) for k in range(shards)]
+        return [c for c in chunks if c[2] > c[1]]
+
+    def _gather_pieces(self, batch: list[str]) -> list[Piece]:
+        """Each row chunk goes to the parameter's owner from the replica that holds it and shares the
+        owner's replicate coordinate (the owner itself, where it holds those rows)."""
+        pieces = []
+        for name in batch:
+            owner = self.owner[name]
+            replicate = self.shape.replicate_coordinate(owner)
+            for k, start, stop in self._row_chunks(name):
+                src = self.shape.replica_with(replicate, k) if self.sharded else owner
+                pieces.append(Piece(name, start, stop, src, owner))
+        return pieces
+
+    def _scatter_pieces(self, batch: list[str]) -> list[Piece]:
+        """The owner sends every row chunk to every replica holding it."""
+        pieces = []
+        for name in batch:
+            owner = self.owner[name]
+            for k, start, stop in self._row_chunks(name):
+                for replicate in range(self.shape.dp_replicate if self.sharded else self.shape.dp):
+                    dst = self.shape.replica_with(replicate, k) if self.sharded else replicate
+                    pieces.append(Piece(name, start, stop, owner, dst))
+        return pieces
+
+
+class Resharder:
+    """Runs the plan of a `StageResharder` on this rank's parameters (collectives on the stage's group)."""
+
+    def __init__(self, plan: StageResharder, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.plan = plan
+        self.group = group
+        self.device = device
+        self.local: dict[str, torch.Tensor] = {}
+
+    def check(self, local: dict[str, torch.Tensor]) -> None:
+        """`local`: this rank's part of each parameter (`parallelize.local_part`) must hold the rows the
+        plan says (torch.chunk's split, which FSDP2 uses)."""
+        for name, tensor in local.items():
+            start, stop = self.plan.rows_of(name, self.plan.replica)
+            rows = tensor.shape[0] if tensor.dim() else 1
+            if rows != stop - start:
+                raise RuntimeError(f"{name}: this rank holds {rows} rows, the reshard plan expects {stop - start} "
+                                   f"(rows {start}–{stop}); FSDP's sharding is not torch.chunk's")  # fmt: skip
+
+    def _rows(self, tensor: torch.Tensor, name: str, start: int, stop: int, offset: int = 0) -> torch.Tensor:
+        """Rows [start, stop) of a tensor whose first row is row `offset` of `name`, flattened."""
+        if tensor.dim() == 0:
+            return tensor.reshape(1)
+        return tensor[start - offset : stop - offset].reshape(-1)
+
+    def _local_rows(self, piece: Piece) -> torch.Tensor:
+        held_start, _ = self.plan.rows_of(piece.name, self.plan.replica)
+        return self._rows(self.local[piece.name], piece.name, piece.start, piece.stop, held_start)
+
+    def _exchange(self, pieces: list[Piece], fill_send) -> tuple[torch.Tensor, list[tuple[Piece, int]]]:
+        """One all_to_all_single of `pieces`; returns the received buffer and (piece, offset) in it."""
+        me, dp = self.plan.replica, self.plan.shape.dp
+        numel = lambda p: (p.stop - p.start) * self.plan.row_numel[p.name]  # noqa: E731
+        outgoing = [p for p in pieces if p.src == me]
+        incoming = [p for p in pieces if p.dst == me]
+        outgoing.sort(key=lambda p: p.dst)  # stable: within a destination, the plan's order
+        incoming.sort(key=lambda p: p.src)
+        send = torch.empty(sum(numel(p) for p in outgoing), dtype=torch.float32, device=self.device)
+        offset = 0
+        for p in outgoing:
+            fill_send(p, send[offset : offset + numel(p)])
+            offset += numel(p)
+        recv = torch.empty(sum(numel(p) for p in incoming), dtype=torch.float32, device=self.device)
+        if dp == 1:
+            recv.copy_(send)
+        else:
+            send_splits = [sum(numel(p) for p in outgoing if p.dst == d) for d in range(dp)]
+            recv_splits = [sum(numel(p) for p in incoming if p.src == d) for d in range(dp)]
+            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        placed, offset = [], 0
+        for p in incoming:
+            placed.append((p, offset))
+            offset += numel(p)
+        return recv, placed
+
+    @torch.no_grad()
+    def gather(self, local: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
+        """Every owned parameter, whole, into `out` (host tensors of the full shapes), from every rank's
+        `local` rows."""
+        self.local = local
+        for pieces in self.plan.gather_pieces:
+            recv, placed = self._exchange(pieces, lambda p, dst: dst.copy_(self._local_rows(p)))
+            for p, offset in placed:
+                n = (p.stop - p.start) * self.plan.row_numel[p.name]
+                self._rows(out[p.name], p.name, p.start, p.stop).copy_(recv[offset : offset + n], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the host reads `out` next
+
+    @torch.no_grad()
+    def scatter(self, local: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
+        """The owned parameters' new `values` (host) into every rank's `local` rows of them."""
+        self.local = local
+        for pieces in self.plan.scatter_pieces:
+            fill = lambda p, dst: dst.copy_(self._rows(values[p.name], p.name, p.start, p.stop), non_blocking=True)  # noqa: E731
+            recv, placed = self._exchange(pieces, fill)
+            for p, offset in placed:
+                n = (p.stop - p.start) * self.plan.row_numel[p.name]
+                self._local_rows(p).copy_(recv[offset : offset + n])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the host may change `values` next

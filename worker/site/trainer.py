@@ -1,0 +1,206 @@
+"""The local half of DiLoCo for one rank of a site: its stage (or the whole model), sharded by FSDP2 over
+the stage's dp ranks, pipelined with `torch.distributed.pipelining` across stages, and its inner AdamW.
+
+Same contract as `InnerTrainer` (named_parameters / train_steps / evaluate), so the round loop does not
+care how the site computes. One inner step:
+
+* every replica's pipeline draws its own batch (each stage of a pipeline the same one: the first needs
+  the inputs, the last the targets) — `grad_accum` batches per step, each split into `microbatches`;
+* pp > 1: torch's schedule (GPipe or 1F1B) runs the micro-batches. Its own gradient scaling is off
+  (`scale_grads=False`): it would divide *all* of `.grad` by the micro-batch count at every `step()`,
+  so a second accumulated batch would divide the first again. The gradient of the whole step's batch is
+  taken once, at the end: ÷ (grad_accum · microbatches);
+* pp = 1: plain forward and backward, FSDP's gradient sync only on the last accumulated batch;
+* FSDP averages the gradients over the stage's dp ranks (its reduce-scatter), so the step's gradient is
+  that of the site's whole batch, exactly as one process would compute it;
+* the norm is clipped over the whole model: squared norms of each rank's shard, summed over the shard
+  group and the pipeline, on the device;
+* AdamW steps the rank's shard.
+
+Every collective here runs on the device (NCCL needs CUDA tensors): the reported loss and the eval
+total are device tensors until the last moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from dilocox.common.config.run import RunConfig
+from dilocox.worker.data.corpus import BatchSampler, as_token_array, check_split, eval_windows, gather_windows
+from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
+from dilocox.worker.models.build import build_model
+from dilocox.worker.models.contract import causal_lm_loss, logits_of
+from dilocox.worker.site.mesh import SiteMesh
+from dilocox.worker.site.parallelize import local_part, reshard_all, shard_stage
+from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
+from dilocox.worker.train.pipeline_stage import build_stage
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class SiteTrainer:
+    def __init__(self, config: RunConfig, data: TokenData | bytes, mesh: SiteMesh, cluster_index: int = 0, num_clusters: int = 1) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.compute = mesh.compute
+        self.device = mesh.device
+        shape = mesh.shape
+        data = data if isinstance(data, TokenData) else TokenData.from_bytes(data, EVAL_FRACTION)
+        check_split(len(data.train), len(data.eval), config.model.block_size, num_clusters * shape.dp)
+        self.eval_data = as_token_array(data.eval)
+        self.vocab_size = data.vocab_size
+        # The full model is built on the CPU from the run's seed (bit-identical to one process), the stage
+        # keeps its own modules, and only those move to the device.
+        if shape.pp == 1:
+            module = build_model(config.model, data.vocab_size, config.seed)
+        else:
+            module = build_stage(config.model, data.vocab_size, config.seed, mesh.stage, shape.pp)
+        self.module = module.to(self.device)
+        self.sharded = mesh.fsdp_mesh is not None
+        if self.sharded:
+            shard_stage(self.module, mesh.fsdp_mesh, self.compute.bf16)
+        # bf16 without FSDP is autocast; with FSDP its mixed-precision policy does it.
+        self._autocast = (lambda: contextlib.nullcontext()) if self.sharded else self.compute.autocast
+        self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, config.seed,
+                                    cluster_index * shape.dp + mesh.replica, num_clusters * shape.dp, split=config.data_split)  # fmt: skip
+        self.schedule = None
+        if shape.pp > 1:
+            stage = PipelineStage(self.module, mesh.stage, shape.pp, self.device, group=mesh.pp_group)
+            self.schedule = SCHEDULES[config.parallel.schedule](stage, config.parallel.microbatches, loss_fn=causal_lm_loss,
+                                                                scale_grads=False)  # fmt: skip
+        self.optimizer = make_inner_optimizer(config, self.module.parameters())
+        self.step = 0
+        self.tokens_seen = 0
+
+    # ------------------------------------------------------------------ LocalTrainer
+    @property
+    def trained_module(self) -> torch.nn.Module:
+        return self.module
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The stage's parameters as this rank holds them: FSDP's sharded DTensors (every unit resharded
+        first), or the plain tensors of an unsharded stage."""
+        if self.sharded:
+            reshard_all(self.module)
+        return list(self.module.named_parameters())
+
+    def train_steps(self, n: int) -> tuple[float, int, float]:
+        """Run `n` inner steps; returns (mean train loss, tokens the whole site trained, seconds)."""
+        started = time.perf_counter()
+        self.module.train()
+        total = torch.zeros((), device=self.device)
+        accum = self.config.inner.grad_accum
+        for _ in range(n):
+            for group in self.optimizer.param_groups:
+                group["lr"] = inner_lr(self.config, self.step)
+            self.optimizer.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            for i in range(accum):
+                x, y = self.sampler.next_batch()
+                self._forward_backward(x.to(self.device), y.to(self.device), losses, last=i == accum - 1)
+            self._scale_grads(1.0 / (accum * (self.config.parallel.microbatches if self.schedule else 1)))
+            self._clip_grad_norm()
+            self.optimizer.step()
+            if losses:
+                total += torch.stack(losses).mean()
+            self.step += 1
+        if self.mesh.shape.dp > 1:  # the site's loss: the mean over its replicas' batches
+            dist.all_reduce(total, group=self.mesh.stage_group)
+            total /= self.mesh.shape.dp
+        self._share_from_last_stage(total)
+        tokens = n * accum * self.sampler.tokens_per_batch * self.mesh.shape.dp
+        self.tokens_seen += tokens
+        return float(total) / max(1, n), tokens, time.perf_counter() - started
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, losses: list[torch.Tensor], last: bool) -> None:
+        """One batch: through the pipeline schedule (the last stage appends a loss per micro-batch) or
+        straight through the model; gradients accumulate in `.grad`, unscaled."""
+        if self.schedule is None:
+            if self.sharded:
+                self.module.set_requires_gradient_sync(last)  # reduce once, after the last accumulated batch
+            with self._autocast():
+                loss = causal_lm_loss(logits_of(self.module(x)), y)
+            loss.backward()
+            losses.append(loss.detach())
+            return
+        step_losses: list[torch.Tensor] = []  # the schedule empties the list it is given at every step()
+        with self._autocast():
+            if self.mesh.is_first_stage:
+                self.schedule.step(x, return_outputs=False)
+            elif self.mesh.is_last_stage:
+                self.schedule.step(target=y, losses=step_losses, return_outputs=False)
+            else:
+                self.schedule.step(return_outputs=False)
+        losses.extend(loss.detach() for loss in step_losses)
+
+    def _scale_grads(self, factor: float) -> None:
+        if factor != 1.0:
+            grads = [local_part(p.grad) for p in self.module.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, factor)
+
+    def _clip_grad_norm(self) -> None:
+        """Clip to `grad_clip` by the norm over the whole model, as one process would: each rank's shard
+        counted once (summed over the shard group — not over replicas, which hold the same rows — and
+        over the pipeline's stages)."""
+        max_norm = self.config.inner.grad_clip
+        if max_norm <= 0:
+            return
+        grads = [local_part(p.grad) for p in self.module.parameters() if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm(grads, 2.0).square() if grads else torch.zeros((), device=self.device)
+        squared = squared.to(device=self.device, dtype=torch.float32)
+        if self.sharded and self.mesh.shape.dp_shard > 1:
+            dist.all_reduce(squared, group=self.mesh.shard_group)
+        if self.mesh.shape.pp > 1:
+            dist.all_reduce(squared, group=self.mesh.pp_group)
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, squared.sqrt())
+
+    def _share_from_last_stage(self, value: torch.Tensor) -> None:
+        """Losses are known on the last stage; every stage reports the same (a device tensor for NCCL)."""
+        if self.mesh.shape.pp > 1:
+            dist.broadcast(value, src=self.mesh.last_stage_rank(), group=self.mesh.pp_group)
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean eval loss of the whole model over the same fixed windows as the single-process trainer.
+        Where the eval batches divide among the replicas, each replica's pipeline takes its share and the
+        totals are summed over the stage's dp ranks; otherwise every replica runs them all."""
+        cfg = self.config
+        batches = cfg.eval_batches
+        dp = self.mesh.shape.dp
+        split = dp > 1 and batches % dp == 0
+        mine = range(self.mesh.replica, batches, dp) if split else range(batches)
+        starts = eval_windows(len(self.eval_data), cfg.model.block_size, cfg.inner.batch_size * batches).numpy()
+        was_training = self.module.training
+        self.module.eval()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        try:
+            for b in mine:
+                block = gather_windows(self.eval_data, starts[b * cfg.inner.batch_size : (b + 1) * cfg.inner.batch_size],
+                                       cfg.model.block_size + 1).to(self.device)  # fmt: skip
+                total += self._eval_batch(block[:, :-1], block[:, 1:])
+        finally:
+            self.module.train(was_training)
+        self._share_from_last_stage(total)
+        if split:
+            dist.all_reduce(total, group=self.mesh.stage_group)
+        return float(total) / batches
+
+    def _eval_batch(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """This batch's mean loss on the last stage (zero elsewhere)."""
+        with self._autocast():
+            if self.schedule is None:
+                return causal_lm_loss(logits_of(self.module(x)), y).float()
+            losses: list[torch.Tensor] = []
+            if self.mesh.is_first_stage:
+                self.schedule.eval(x, return_outputs=False)
+            elif self.mesh.is_last_stage:
+                self.schedule.eval(target=y, losses=losses, return_outputs=False)
+            else:
+                self.schedule.eval(return_outputs=False)
+        return torch.stack(losses).mean().float() if losses else torch.zeros((), device=self.device)
