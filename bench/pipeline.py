@@ -19,10 +19,7 @@ import torch.multiprocessing as mp
 from dilocox.bench.report import write_report
 from dilocox.common.config.run import InnerConfig, ParallelConfig, RunConfig
 from dilocox.worker.data.corpus import load_corpus
-from dilocox.worker.train.device import Compute
 from dilocox.worker.train.inner_trainer import InnerTrainer
-from dilocox.worker.train.parallel_layout import ParallelLayout, new_groups
-from dilocox.worker.train.pipeline_trainer import PipelineTrainer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,30 +29,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
 
 
-def _config(args: argparse.Namespace, pp: int, schedule: str = "1f1b") -> RunConfig:
+def _config(args: argparse.Namespace, pp: int, schedule: str = "1f1b", device: str = "cpu") -> RunConfig:
     return RunConfig(inner=InnerConfig(batch_size=args.batch_size),
-                     parallel=ParallelConfig(pp=pp, microbatches=args.microbatches, schedule=schedule))  # fmt: skip
+                     parallel=ParallelConfig(pp=pp, microbatches=args.microbatches, schedule=schedule, device=device,
+                                             precision="fp32"))  # fmt: skip
 
 
 def _rank(rank: int, port: int, args: argparse.Namespace, schedule: str, out: str) -> None:
+    from dilocox.worker.site.mesh import SiteMesh
+    from dilocox.worker.site.trainer import SiteTrainer
+
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda", rank) if torch.cuda.device_count() >= 2 else torch.device("cpu")
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")  # fmt: skip
+    device = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    config = _config(args, 2, schedule, device)
+    mesh = SiteMesh(config.parallel, collective_timeout_s=600)
     try:
-        layout = ParallelLayout(rank, 2, 1)
-        groups = new_groups(layout)
-        trainer = PipelineTrainer(_config(args, 2, schedule), load_corpus(None), layout, *groups, compute=Compute(device, bf16=False))
+        trainer = SiteTrainer(config, load_corpus(None), mesh)
         trainer.train_steps(3)
         dist.barrier()
         _, tokens, seconds = trainer.train_steps(args.steps)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(f"{tokens / seconds} {backend}")
+                f.write(f"{tokens / seconds} {mesh.compute.backend}")
     finally:
-        dist.destroy_process_group()
+        mesh.close()
 
 
 def run(args: argparse.Namespace, out_dir) -> str:

@@ -213,3 +213,72 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
     assert state["round"] == rounds and state["committed"]
     assert state["step"] == trained  # no inner step repeated, none lost but that in-flight round's
     assert state["data"]["replica0"]["batches_drawn"] == trained
+
+
+def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
+    """A pp=2 × dp=2 site killed outright (SIGKILL to its whole torchrun job) and started again with
+    --resume continues from its newest committed checkpoint (written by torch.distributed.checkpoint,
+    each rank its own part) and finishes the run; no committed round is trained twice."""
+    from dilocox.worker.checkpoint import read_progress
+
+    run_id, rounds, h = "site-resume", 10, 2
+    shards = shard_set(2, run_id)
+
+    def site(*extra: str) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", ",".join(shards.addresses), "--run-id", run_id,
+            "--cluster", "site", "--pp", "2", "--dp", "2", "--rounds", str(rounds), "--inner-steps", str(h), "--n-layer", "2",
+            "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1",
+            "--insecure", "--checkpoint-dir", str(tmp_path), "--log-format", "json", *extra,
+        ]  # fmt: skip
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    first = site()
+    try:
+        deadline = time.monotonic() + 180
+        while min(s.version for s in shards.shards) < 4 and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.05)
+        assert min(s.version for s in shards.shards) >= 4, "the site did not get going: " + (first.stderr.read()[-3000:] if first.poll() is not None else "")
+        kill_tree(first.pid)  # torchrun starts its ranks in sessions of their own: kill every one
+        first.wait(timeout=30)
+        killed_at = min(s.version for s in shards.shards)
+        assert killed_at < rounds
+        second = site("--resume")
+        _, log = second.communicate(timeout=240)
+        (tmp_path / "resumed.log").write_text(log)
+        assert second.returncode == 0, log[-4000:]
+    finally:
+        if first.poll() is None:
+            kill_tree(first.pid)
+    assert all(s.version == rounds + 1 for s in shards.shards)  # the rounds, then the flush
+    events = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    restored = {e["rank"]: e["round"] for e in events if e["event"] == "worker_checkpoint_restored"}
+    assert sorted(restored) == [0, 1, 2, 3] and len(set(restored.values())) == 1  # one checkpoint for the site
+    started = {e["rank"]: e["version"] for e in events if e["event"] == "cluster_started"}
+    assert len(set(started.values())) == 1  # the ranks agree on the round to go on from
+    resumed_from, joined_at = restored[0], started[0]
+    assert 1 <= resumed_from <= joined_at <= killed_at + 1
+    final = read_progress(tmp_path / "site" / f"round-{rounds:06d}")
+    assert final["committed"] and sorted(final["data"]) == ["replica0", "replica1"]
+    assert final["step"] == (resumed_from + rounds - joined_at) * h  # no inner step of a committed round repeated
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it, children first found, all before any is reaped."""
+    import os
+    import pathlib
+
+    found, todo = [pid], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            children = [int(c) for c in pathlib.Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
+        except OSError:
+            continue
+        found += children
+        todo += children
+    for p in found:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

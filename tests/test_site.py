@@ -136,6 +136,8 @@ def _site(rank: int, world: int, port: int, layout: tuple[int, int, int], out_di
         same = all(torch.equal(local(a), local(b)) for a, b in zip(first.module.parameters(), second.module.parameters()))
         opt_a, opt_b = first.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
         same &= all(torch.equal(local(opt_a[k][f]), local(opt_b[k][f])) for k in opt_a for f in opt_a[k])
+        groups = lambda opt: [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]  # noqa: E731
+        same &= groups(first.optimizer) == groups(second.optimizer)
         same &= first.sampler.state_dict()["batches_drawn"] == second.sampler.state_dict()["batches_drawn"] == 2
         same &= torch.equal(first.sampler.state_dict()["generator"], second.sampler.state_dict()["generator"])
         same &= second.step == first.step == 2

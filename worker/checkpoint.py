@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -49,6 +50,10 @@ from dilocox.common.wire.compression import TensorCompressor
 
 log = structlog.get_logger()
 
+# AdamW's state keyed by parameter name (`optim.state.<name>.exp_avg`, `optim.param_groups.<name>.lr`)
+# rather than by group index: the stages of a pipeline have different parameters in "group 0", and under
+# one key DCP would keep only one stage's (torchtitan flattens for the same reason).
+OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMMITTED = "COMMITTED"
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
 
@@ -93,7 +98,7 @@ class SiteCheckpoint:
         exchange = {name: _pack(per_slice) for name, per_slice in by_name.items()}
         return {
             "model": get_model_state_dict(module),
-            "optim": get_optimizer_state_dict(module, optimizer),
+            "optim": get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS),
             "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen)},
             "data": {f"replica{self.replica}": _pack(trainer.sampler.state_dict())},
             "exchange": exchange,
@@ -172,14 +177,14 @@ class SiteCheckpoint:
         data_key = f"replica{self.replica}"
         state = {
             "model": get_model_state_dict(module),
-            "optim": get_optimizer_state_dict(module, optimizer),
+            "optim": get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS),
             "progress": {"step": 0, "tokens_seen": 0},
             "data": {data_key: b""} if f"data.{data_key}" in saved else {},
             "exchange": {name: b"" for name in names if f"exchange.{name}" in saved},
         }
         dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
         set_model_state_dict(module, state["model"])
-        set_optimizer_state_dict(module, optimizer, state["optim"])
+        set_optimizer_state_dict(module, optimizer, state["optim"], options=OPTIM_OPTIONS)
         trainer.step = int(state["progress"]["step"])
         trainer.tokens_seen = int(state["progress"]["tokens_seen"])
         reason = "the checkpoint has no sampler for this replica (another --dp)"
