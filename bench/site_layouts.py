@@ -10,15 +10,18 @@ seconds of each round boundary (the round's wall time minus its inner steps). Wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 
 @dataclass
@@ -88,14 +91,14 @@ def _sample(proc: subprocess.Popen, run: LayoutRun, stop: threading.Event) -> No
         stop.wait(0.2)
 
 
-def run_layout(run: LayoutRun, workdir: pathlib.Path, threads: int = 1, timeout_s: float = 900.0) -> LayoutRun:
-    """Start the shards and one site of `run`'s layout, wait for the site to finish, collect its events."""
-    run_id = f"layout-{run.pp}x{run.dp}"
+@contextlib.contextmanager
+def shard_processes(count: int, run_id: str, workdir: pathlib.Path) -> Iterator[list[str]]:
+    """`count` real `dilocox server` processes on free localhost ports; yields their addresses."""
     shards, addresses = [], []
     try:
-        for i in range(run.shards):
+        for i in range(count):
             port_file = workdir / f"{run_id}-shard{i}.port"
-            shards.append(subprocess.Popen(_cli("server", "--num-shards", str(run.shards), "--shard-index", str(i), "--port", "0",
+            shards.append(subprocess.Popen(_cli("server", "--num-shards", str(count), "--shard-index", str(i), "--port", "0",
                                                 "--port-file", str(port_file), "--run-id", run_id, "--insecure",
                                                 "--log-format", "json"),
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
@@ -105,31 +108,7 @@ def run_layout(run: LayoutRun, workdir: pathlib.Path, threads: int = 1, timeout_
                     raise RuntimeError(f"shard {i} of {run_id} did not start")
                 time.sleep(0.05)
             addresses.append(f"127.0.0.1:{port_file.read_text().strip()}")
-        layout = ["--pp", str(run.pp), "--dp", str(run.dp)]
-        if run.dp_replicate > 1:
-            layout += ["--dp-replicate", str(run.dp_replicate)]
-        cmd = _cli("worker", "--servers", ",".join(addresses), "--run-id", run_id, "--insecure", "--log-format", "json",
-                   "--threads", str(threads), *layout, "--microbatches", str(run.microbatches), "--rounds", str(run.rounds),
-                   "--inner-steps", str(run.inner_steps), "--inner-batch-size", str(run.batch_size), "--eval-batches", "1",
-                   "--device", "cpu", *run.model_flags, *run.extra)  # fmt: skip
-        log_path = workdir / f"{run_id}.log"
-        with log_path.open("w") as log_file:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
-            stop = threading.Event()
-            sampler = threading.Thread(target=_sample, args=(proc, run, stop), daemon=True)
-            sampler.start()
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            finally:
-                stop.set()
-                sampler.join(timeout=5)
-                if proc.poll() is None:
-                    proc.kill()
-        text = log_path.read_text()
-        if rc != 0:
-            raise RuntimeError(f"worker {run_id} exited {rc}: {text[-3000:]}")
-        run.events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-        return run
+        yield addresses
     finally:
         for shard in shards:
             shard.terminate()
@@ -138,6 +117,64 @@ def run_layout(run: LayoutRun, workdir: pathlib.Path, threads: int = 1, timeout_
                 shard.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 shard.kill()
+
+
+def run_worker(cmd: list[str], log_path: pathlib.Path, run: LayoutRun | None = None, timeout_s: float = 900.0,
+               stop_after_round: int | None = None) -> tuple[int, list[dict]]:
+    """Run one worker (a site), sampling its ranks' peak RSS into `run`; returns (exit code, its events).
+    `stop_after_round`: SIGTERM the site once rank 0 has finished that round (to test a resume)."""
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_file)
+        stop = threading.Event()
+        sampler = threading.Thread(target=_sample, args=(proc, run, stop), daemon=True) if run is not None else None
+        if sampler is not None:
+            sampler.start()
+        try:
+            deadline = time.monotonic() + timeout_s
+            while proc.poll() is None and time.monotonic() < deadline:
+                if stop_after_round is not None and _finished_round(log_path, stop_after_round):
+                    proc.send_signal(signal.SIGTERM)
+                    stop_after_round = None
+                time.sleep(0.2)
+            if proc.poll() is None:
+                proc.kill()
+            rc = proc.wait()
+        finally:
+            stop.set()
+            if sampler is not None:
+                sampler.join(timeout=5)
+    text = log_path.read_text()
+    return rc, [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def _finished_round(log_path: pathlib.Path, round_: int) -> bool:
+    for line in log_path.read_text().splitlines():
+        if line.startswith("{") and '"round_done"' in line:
+            event = json.loads(line)
+            if event.get("round") == round_ and event.get("rank", 0) == 0:
+                return True
+    return False
+
+
+def layout_flags(run: LayoutRun, device: str = "cpu") -> list[str]:
+    layout = ["--pp", str(run.pp), "--dp", str(run.dp)]
+    if run.dp_replicate > 1:
+        layout += ["--dp-replicate", str(run.dp_replicate)]
+    return [*layout, "--microbatches", str(run.microbatches), "--rounds", str(run.rounds), "--inner-steps", str(run.inner_steps),
+            "--inner-batch-size", str(run.batch_size), "--eval-batches", "1", "--device", device, *run.model_flags, *run.extra]  # fmt: skip
+
+
+def run_layout(run: LayoutRun, workdir: pathlib.Path, threads: int = 1, timeout_s: float = 900.0, device: str = "cpu") -> LayoutRun:
+    """Start the shards and one site of `run`'s layout, wait for the site to finish, collect its events."""
+    run_id = f"layout-{run.pp}x{run.dp}x{run.dp_replicate}"
+    with shard_processes(run.shards, run_id, workdir) as addresses:
+        cmd = _cli("worker", "--servers", ",".join(addresses), "--run-id", run_id, "--insecure", "--log-format", "json",
+                   "--threads", str(threads), *layout_flags(run, device))  # fmt: skip
+        log_path = workdir / f"{run_id}.log"
+        rc, run.events = run_worker(cmd, log_path, run, timeout_s)
+    if rc != 0:
+        raise RuntimeError(f"worker {run_id} exited {rc}: {log_path.read_text()[-3000:]}")
+    return run
 
 
 def summarize(run: LayoutRun) -> dict:
@@ -164,6 +201,10 @@ def summarize(run: LayoutRun) -> dict:
         "peak_rss_mb_per_rank": rss,
         "params_held_m": [round(held[r] / 1e6, 2) for r in sorted(held)],
     }
+    device = {e.get("rank", 0): e["peak_allocated_mb"] for e in run.events if e.get("event") == "device_memory"}
+    if device:
+        row["device_peak_mb_per_rank"] = [device[r] for r in sorted(device)]
+    row["replay_mismatches"] = sum(1 for e in run.events if e.get("event") == "replay_mismatch")
     if memory:
         row["exchange_bytes_per_held_param"] = [memory[r]["bytes_per_held_param"] for r in sorted(memory)]
     if phases:
@@ -171,11 +212,11 @@ def summarize(run: LayoutRun) -> dict:
     return row
 
 
-def measure_layouts(layouts: list[tuple[int, int, int]], threads: int = 1, **options) -> list[dict]:
+def measure_layouts(layouts: list[tuple[int, int, int]], threads: int = 1, device: str = "cpu", **options) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="dilocox-layouts-") as tmp:
         for pp, dp, replicate in layouts:
-            run = run_layout(LayoutRun(pp, dp, replicate, **options), pathlib.Path(tmp), threads)
+            run = run_layout(LayoutRun(pp, dp, replicate, **options), pathlib.Path(tmp), threads, device=device)
             rows.append(summarize(run))
             print(json.dumps(rows[-1]), file=sys.stderr)
     return rows

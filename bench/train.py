@@ -19,6 +19,9 @@ import tempfile
 import time
 
 DEFAULT_ROWS = "gpt:byte,llama-tiny:byte,llama-20m:bpe:8192"
+DEFAULT_LAYOUTS = "1x1,1x2,2x1,2x2,1x2x2"
+# Wide and short: parameters (what a layout divides) dominate the activations (what it does not).
+DEFAULT_LAYOUT_MODEL = "--n-layer 4 --n-embd 1024 --block-size 64"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-mb", type=int, default=512,
                         help="size of the large prepared token file for the streaming memory rows (default 512; 0 skips them)")
     parser.add_argument("--data", help="text to train on (default: the bundled tinyshakespeare)")
+    parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                        help=f"sites of pp×dp[×replicate] ranks against real shards, on the CPU (default {DEFAULT_LAYOUTS}; '' skips them)")
+    parser.add_argument("--layout-model", default=DEFAULT_LAYOUT_MODEL,
+                        help=f"model flags of the layout rows (default '{DEFAULT_LAYOUT_MODEL}', batch 2 per replica)")
 
 
 def _child(spec: dict) -> dict:
@@ -130,11 +137,31 @@ def run(args: argparse.Namespace, out_dir) -> str:
 
         notes += markdown_table(stream_rows, ["token_file_mb", "corpus_tokens", "streamed", "tokens_per_s", "peak_rss_mb", "prepare_s"])
         notes += f"\n\nPeak RSS with the {stream_rows[-1]['token_file_mb']} MB file minus the 1 MB file: {delta} MB.\n"
+    layout_rows = _layout_rows(args)
+    if layout_rows:
+        from dilocox.bench.report import markdown_table
+
+        notes += ("\n## Sites of pp × dp ranks\n\nOne site (torchrun, gloo, 1 thread per rank) against 2 real shards, "
+                  f"`{args.layout_model}`, batch 2 per replica, 3 rounds × 3 steps; steady rounds (after the first). "
+                  "Boundary: a round's wall time minus its inner steps (eval included).\n\n")  # fmt: skip
+        notes += markdown_table(layout_rows, ["layout", "ranks", "params_held_m", "tokens_per_s", "boundary_s", "peak_rss_mb_per_rank",
+                                              "exchange_bytes_per_held_param", "replay_mismatches"]) + "\n"  # fmt: skip
     columns = ["model", "tokenizer", "precision", "params_m", "vocab", "device", "tokens_per_s", "peak_rss_mb", "cuda_peak_mb", "loss"]
     if any("error" in r for r in rows):
         columns.append("error")
     return write_report(out_dir, "train", "Trainer throughput and memory per model and precision", rows, columns, notes,
-                        {"args": vars(args), "stream": stream_rows})  # fmt: skip
+                        {"args": vars(args), "stream": stream_rows, "layouts": layout_rows})  # fmt: skip
+
+
+def _layout_rows(args: argparse.Namespace) -> list[dict]:
+    specs = [tuple(int(v) for v in item.split("x")) for item in args.layouts.split(",") if item.strip()]
+    if not specs:
+        return []
+    from dilocox.bench.site_layouts import measure_layouts
+
+    layouts = [(s[0], s[1], s[2] if len(s) > 2 else 1) for s in specs]
+    return measure_layouts(layouts, threads=1, model_flags=tuple(args.layout_model.split()), rounds=3, inner_steps=3,
+                           batch_size=2, microbatches=2)  # fmt: skip
 
 
 if __name__ == "__main__":

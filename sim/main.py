@@ -100,6 +100,7 @@ class Simulation:
         self._final: dict[tuple[str, int], dict] = {}
         self._flushes: dict[tuple[str, int], dict] = {}  # the end-of-run flush of each rank's residuals
         self.round_lines: list[dict] = []
+        self.replay_mismatches = 0  # a cluster's replica of the shards' weights differed (worker/exchange/replay_check.py)
 
     # ------------------------------------------------------------------ processes
     def start_shards(self) -> list[str]:
@@ -189,6 +190,8 @@ class Simulation:
                 self._final[source] = event
             elif kind == "residuals_flushed":
                 self._flushes[source] = event
+            elif kind == "replay_mismatch":
+                self.replay_mismatches += 1
             elif kind == "round_done":
                 per_round = self._rounds[event["round"]]
                 per_round[source] = event
@@ -252,6 +255,7 @@ class Simulation:
                 sum(line["idle_s"] for line in self.round_lines) / max(1e-9, sum(line["seconds"] for line in self.round_lines)), 4
             ),
             "delay": self.config.delay,
+            "replay_mismatches": self.replay_mismatches,
             "wall_s": round(wall, 1),
             "log_dir": str(self.log_dir),
             "model_dir": model_dir,

@@ -42,6 +42,7 @@ FORBIDDEN = [
     ("dilocox.worker.exchange", "dilocox.worker.models", "the exchange side is model-agnostic"),
     ("dilocox.worker.exchange", "dilocox.worker.data", "the exchange side is model-agnostic"),
     ("dilocox.worker.exchange", "dilocox.worker.train", "the exchange side is model-agnostic"),
+    ("dilocox.worker.exchange", "dilocox.worker.site", "the exchange side is model-agnostic"),
     ("dilocox.worker.models", "dilocox.worker.train", "models do not know their trainers"),
     ("dilocox.worker.models", "dilocox.worker.exchange", "models do not know the exchange"),
     ("dilocox.worker.data", "dilocox.worker.train", "data does not know its trainers"),

@@ -43,7 +43,10 @@ def test_replay_mismatch_of_one_ulp_is_caught_in_the_same_round_and_resynced_onc
         _rounds(clients, shards, (1, 2))
         key = next(k for k in b.held if b.held[k].numel() > 1)
         off = b.held[key].clone()
-        off.view(-1)[0] = torch.nextafter(off.view(-1)[0], torch.tensor(float("inf")))  # one ulp, one element
+        # One ulp of one element: the largest, whose ulp the next step's subtraction cannot round away (an
+        # element much smaller than its update loses its last bit in `θ − η·step`; the test flaked on that).
+        i = int(off.view(-1).abs().argmax())
+        off.view(-1)[i] = torch.nextafter(off.view(-1)[i], torch.tensor(float("inf")))
         b.held[key] = off
         assert b.replay_check.mismatches == 0
         _rounds(clients, shards, (3,))  # the replay of round 3 starts from the wrong copy: caught now

@@ -249,3 +249,50 @@ def resume_on_one_process(parts: list[dict], tmp_path) -> None:
     assert sorted(str(k) for k in compressor.state) == sorted(parts[0]["compressor_keys"] + parts[1]["compressor_keys"])
     assert trainer.step == 2 and trainer.sampler.state_dict()["batches_drawn"] == 0
     assert set(trainer.optimizer.state_dict()["state"]) == set(range(len(names)))
+
+
+# ---------------------------------------------------------------------- layouts the hardware cannot run
+
+
+class _GPUs:
+    """Stands in for the CUDA devices of a machine (count and compute capability) in `torch.cuda`'s
+    query functions, so the assignment rules can be checked where no GPU is."""
+
+    def __init__(self, monkeypatch, count: int, capability: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def test_layouts_that_cannot_run_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="schedule 1f1b needs at least as many microbatches as stages: --pp 8 with --microbatches 4"):
+        ParallelConfig(pp=8, dp=1)  # the default 4 micro-batches
+    ParallelConfig(pp=8, microbatches=8)
+    ParallelConfig(pp=8, schedule="gpipe")  # GPipe runs with fewer micro-batches than stages
+    with pytest.raises(ValueError, match=r"--device cuda:1 would put all 4 ranks of this site on one GPU"):
+        ParallelConfig(pp=2, dp=2, device="cuda:1")
+    with pytest.raises(ValueError, match="dp_replicate must be ≥ 1 and divide dp"):
+        ParallelConfig(dp=4, dp_replicate=3)
+
+
+def test_device_assignment_under_torchrun(monkeypatch):
+    from dilocox.worker.train.device import DeviceError, resolve_compute
+
+    _GPUs(monkeypatch, count=2, capability=(9, 0))
+    compute = resolve_compute(ParallelConfig(dp=2, device="cuda"), local_rank=1, local_world_size=2)
+    assert compute.device == torch.device("cuda", 1) and compute.bf16  # its LOCAL_RANK's GPU; auto → bf16 natively
+    with pytest.raises(DeviceError, match=r"this node runs 4 ranks of the site but has 2 GPU\(s\); two ranks cannot share one GPU"):
+        resolve_compute(ParallelConfig(dp=4, device="cuda"), local_rank=0, local_world_size=4)
+    with pytest.raises(DeviceError, match=r"--device cuda:0 would put all 2 ranks on this node on one GPU"):
+        resolve_compute(ParallelConfig(device="cuda:0"), local_rank=0, local_world_size=2)
+
+
+def test_auto_precision_is_fp32_where_bf16_is_only_emulated(monkeypatch):
+    from dilocox.worker.train.device import resolve_compute
+
+    _GPUs(monkeypatch, count=1, capability=(7, 0))  # a V100: bf16 emulated
+    assert not resolve_compute(ParallelConfig(device="cuda")).bf16
+    assert resolve_compute(ParallelConfig(device="cuda", precision="bf16")).bf16  # asked for: given, with a warning
+    _GPUs(monkeypatch, count=1, capability=(8, 0))
+    assert resolve_compute(ParallelConfig(device="cuda")).bf16
+    assert not resolve_compute(ParallelConfig(device="cpu")).bf16

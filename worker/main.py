@@ -24,7 +24,6 @@ from dilocox.worker.data.token_data import add_data_arguments, load_run_data
 from dilocox.worker.data.tokenizer import TokenizerError
 from dilocox.worker.models.build import model_param_specs
 from dilocox.worker.models.spec import ModelSpecError
-from dilocox.worker.checkpoint import SiteCheckpoint
 from dilocox.worker.exchange.access import LocalAccess
 from dilocox.worker.site.launch import relaunch_with_torchrun, under_torchrun
 from dilocox.worker.train.device import DeviceError
@@ -118,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("dilocox worker: --resume needs --checkpoint-dir")
     if args.checkpoint_dir:
+        from dilocox.worker.checkpoint import SiteCheckpoint
+
         try:
             extra["checkpoint"] = SiteCheckpoint(args.checkpoint_dir, cluster, args.checkpoint_every, args.checkpoint_keep,
                                                  rank=mesh.rank if mesh else 0, replica=mesh.replica if mesh else 0,
@@ -154,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
         log.error("run_finished" if isinstance(error, RunFinished) else "late_join_refused", cluster=cluster, reason=str(error))
         return 3
     finally:
+        if compute.is_cuda:  # what a GPU needs for this layout: `dilocox bench gpu` reads it
+            log.info("device_memory", device=str(compute.device), peak_allocated_mb=round(torch.cuda.max_memory_allocated() / 2**20),
+                     peak_reserved_mb=round(torch.cuda.max_memory_reserved() / 2**20))  # fmt: skip
         if metrics_server is not None:
             metrics_server.close()
         if progress is not None:

@@ -14,9 +14,12 @@ import time
 from collections import defaultdict
 from typing import Iterator
 
+import structlog
 import torch
 
 from dilocox.worker.exchange.host_buffers import HostBuffers
+
+log = structlog.get_logger()
 
 
 class BoundaryTimer:
@@ -53,3 +56,10 @@ def exchange_bytes(client, buffers: HostBuffers) -> dict[str, int]:  # noqa: ANN
     parts = {"buffer_bytes": buffers.nbytes, "replica_bytes": replica, "momentum_bytes": momentum,
              "compressor_bytes": compressor, "own_push_bytes": own}  # fmt: skip
     return {**parts, "total_bytes": sum(parts.values())}
+
+
+def log_exchange_memory(client, buffers: HostBuffers, params_held: int) -> None:  # noqa: ANN001
+    """The `exchange_memory` line: each part's bytes and the total per parameter this rank holds."""
+    held = exchange_bytes(client, buffers)
+    log.info("exchange_memory", cluster=client.cluster, params_held=params_held, params_owned=buffers.numel, **held,
+             bytes_per_held_param=round(held["total_bytes"] / max(1, params_held), 2))  # fmt: skip

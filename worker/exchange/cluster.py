@@ -23,11 +23,10 @@ re-learns the dropped part in the next round nor counts it twice when error feed
 The first cluster to reach an uninitialised shard seeds it with its initial weights (round 0), so every
 cluster starts from the same θ_0.
 
-The loop works on the parameters this rank exchanges (`access.names`: all of them in one process, the
-rank's share of its stage in a site), in two host buffers (`host_buffers.HostBuffers`): s_t and the
-exchange buffer that holds θ, then Δ. In a site every rank runs this loop in step with the others: the
-same rounds, the same collectives at every boundary (read, write, eval), and the decisions that could
-differ per rank — the round to train, a rejoin — agreed over the site first (`access.agree_*`).
+The loop works on the parameters this rank exchanges (`access.names`: all in one process, the rank's
+share of its stage in a site) in two host buffers (`host_buffers`): s_t, and θ turned into Δ. A site's
+ranks run it in step: the same rounds and collectives, and what could differ per rank (the round to
+train, a rejoin) agreed over the site first (`access.agree_*`).
 """
 
 
@@ -35,7 +34,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import grpc
 import structlog
@@ -44,16 +43,17 @@ import torch
 from dilocox.common.config.run import final_version_of
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
-from dilocox.worker.checkpoint import SiteCheckpoint
 from dilocox.worker.exchange.access import LocalAccess, ParameterAccess
 from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.worker.exchange.boundary import BoundaryTimer, exchange_bytes
+from dilocox.worker.exchange.boundary import BoundaryTimer, log_exchange_memory
 from dilocox.worker.exchange.communicator import Communicator, RoundExchange
 from dilocox.worker.exchange.delayed_start import check_rule, next_start
 from dilocox.worker.exchange.host_buffers import HostBuffers
 from dilocox.worker.exchange.round_report import RoundReport
 
+if TYPE_CHECKING:  # torch.distributed.checkpoint: a heavy import, only where a run checkpoints
+    from dilocox.worker.checkpoint import SiteCheckpoint
 log = structlog.get_logger()
 
 
@@ -79,7 +79,7 @@ class LateJoin(RuntimeError):
 
 
 def _refused_elsewhere() -> AggregatorError:
-    return AggregatorError("site", grpc.StatusCode.FAILED_PRECONDITION, "another rank of this site was refused: the site rejoins")
+    return AggregatorError("site", grpc.StatusCode.FAILED_PRECONDITION, "another rank of this site was refused: it rejoins")
 
 
 class DilocoCluster:
@@ -105,7 +105,7 @@ class DilocoCluster:
         trainer's, in this process; a site rank passes `worker.site.access.SiteAccess`).
         `allow_late_join=False`: a cluster new to the run refuses to start once rounds have closed
         (it would train fewer rounds than asked for); a cluster rejoining, or resumed, always may.
-        `on_round(report, inner_steps, version)`: called after every round, e.g. to update metrics.
+        `on_round(report, inner_steps, version)`: called after every round (metrics, progress).
         `sync_rounds`: with the delay, the first rounds run synchronously; `delayed_start` ("own" or
         "eager", worker/exchange/delayed_start.py) and `num_clusters` (this cluster's share 1/M of a
         round's mean) decide where a delayed round's successor starts."""
@@ -138,7 +138,7 @@ class DilocoCluster:
         self._last_weight = 1.0  # tokens of the last round: the flush round's weight
         self._adopt_held = False  # the last round was synchronous: its θ_T is in the client's copy
         self.flush: dict | None = None  # what the end-of-run flush sent and cost, once it ran
-        self._memory_logged = False
+        self._memory_logged = False  # `exchange_memory` is logged once the exchange's state is all there
 
     # ------------------------------------------------------------------ parameters
     def current(self) -> dict[str, torch.Tensor]:
@@ -197,7 +197,7 @@ class DilocoCluster:
         self.access.read(self.buffers.work)  # θ here: what an uninitialised shard is seeded with
         if info.needs_init:
             shards = sorted({s.shard for s in self.slices if s.shard in info.needs_init})
-            init = {key: t for key, t in self._slices_of(self.buffers.work).items() if key in {s.key for s in self.slices if s.shard in shards}}
+            init = {s.key: s.view(self.buffers.work[s.name]) for s in self.slices if s.shard in shards}
             sent = self.client.push(0, 1.0, init, shards=shards)
             log.info("initialised_shards", shards=shards, bytes_up=sent)
         version, _, received = self.client.pull(min_version=0, names=self.names)
@@ -205,8 +205,7 @@ class DilocoCluster:
         self._start_from_held(keep_unsent=False)
         self.access.write(self.buffers.start)
         self.initial_eval_loss = self.trainer.evaluate()
-        log.info("rank_share", cluster=self.client.cluster, names=self.names, params_held=self.access.params_held,
-                 params_owned=self.buffers.numel)  # fmt: skip
+        log.info("rank_share", cluster=self.client.cluster, names=self.names, params_held=self.access.params_held, params_owned=self.buffers.numel)
         log.info("cluster_started", cluster=self.client.cluster, version=self.version, delay=self.delay,
                  num_shards=info.num_shards, slices=len(self.slices), eval_loss=round(self.initial_eval_loss, 4),
                  bytes_down=received)  # fmt: skip
@@ -259,14 +258,14 @@ class DilocoCluster:
         with timer("eval"):
             eval_loss = self.trainer.evaluate() if self.evaluate_every_round or round_ == self.rounds else float("nan")
         comm_s = exchange.comm_s if exchange else 0.0
-        report = RoundReport(
+        report = RoundReport(  # fmt: skip
             round=round_, train_loss=round(train_loss, 4), eval_loss=round(eval_loss, 4), tokens=tokens,
             bytes_up=exchange.bytes_up if exchange else 0, bytes_down=exchange.bytes_down if exchange else 0,
             compute_s=round(compute_s, 3), comm_s=round(comm_s, 3), idle_s=round(idle, 3),
             seconds=round(time.perf_counter() - began, 3),
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
             residual_norm=round(self.client.compressor.residual_norm(), 4) if self.client.compressor else 0.0,
-        )  # fmt: skip
+        )
         log.info("round_done", cluster=self.client.cluster, delay=delay, inner_steps=self.inner_steps, **asdict(report))
         log.info("boundary_done", round=round_, **timer.seconds())
         if not self._memory_logged and round_ > 1:
@@ -279,10 +278,7 @@ class DilocoCluster:
 
     def _log_memory(self) -> None:
         self._memory_logged = True
-        held = exchange_bytes(self.client, self.buffers)
-        log.info("exchange_memory", cluster=self.client.cluster, params_held=self.access.params_held,
-                 params_owned=self.buffers.numel, **held,
-                 bytes_per_held_param=round(held["total_bytes"] / max(1, self.access.params_held), 2))  # fmt: skip
+        log_exchange_memory(self.client, self.buffers, self.access.params_held)
 
     def _collect(self, round_: int, tokens: int) -> tuple[RoundExchange | None, float, AggregatorError | None]:
         """Collect the exchange in flight. A refusal (FAILED_PRECONDITION: the shards went on without us)
@@ -396,17 +392,9 @@ class DilocoCluster:
                 self.checkpoint.close()
         self.final_eval_loss = self.trainer.evaluate() if self.reports else self.initial_eval_loss
         self._log_memory()
-        log.info(
-            "cluster_done",
-            cluster=self.client.cluster,
-            delay=self.delay,
-            rounds=len(self.reports),
-            version=self.version,
-            initial_eval_loss=round(self.initial_eval_loss or float("nan"), 4),
-            final_eval_loss=round(self.final_eval_loss, 4) if self.final_eval_loss is not None else None,
-            idle_s=round(sum(r.idle_s for r in self.reports), 3),
-            compute_s=round(sum(r.compute_s for r in self.reports), 3),
-            bytes_up=self.client.traffic.bytes_up,
-            bytes_down=self.client.traffic.bytes_down,
-        )
+        log.info("cluster_done", cluster=self.client.cluster, delay=self.delay, rounds=len(self.reports), version=self.version,
+                 initial_eval_loss=round(self.initial_eval_loss or float("nan"), 4),
+                 final_eval_loss=round(self.final_eval_loss, 4) if self.final_eval_loss is not None else None,
+                 idle_s=round(sum(r.idle_s for r in self.reports), 3), compute_s=round(sum(r.compute_s for r in self.reports), 3),
+                 bytes_up=self.client.traffic.bytes_up, bytes_down=self.client.traffic.bytes_down)  # fmt: skip
         return self.reports

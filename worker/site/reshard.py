@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -132,6 +133,7 @@ class Resharder:
         self.group = group
         self.device = device
         self.local: dict[str, torch.Tensor] = {}
+        self._buffers = [torch.empty(0, device=device), torch.empty(0, device=device)]  # send, receive
 
     def check(self, local: dict[str, torch.Tensor]) -> None:
         """`local`: this rank's part of each parameter (`parallelize.local_part`) must hold the rows the
@@ -153,31 +155,39 @@ class Resharder:
         held_start, _ = self.plan.rows_of(piece.name, self.plan.replica)
         return self._rows(self.local[piece.name], piece.name, piece.start, piece.stop, held_start)
 
-    def _exchange(self, pieces: list[Piece], fill_send) -> tuple[torch.Tensor, list[tuple[Piece, int]]]:
-        """One all_to_all_single of `pieces`; returns the received buffer and (piece, offset) in it."""
+    def _buffer(self, which: int, numel: int) -> torch.Tensor:
+        """One of two flat buffers on the device, kept between batches and boundaries (on the CPU this
+        spares the page faults of a fresh allocation; on a GPU the caching allocator would keep it anyway)."""
+        if self._buffers[which].numel() < numel:
+            self._buffers[which] = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return self._buffers[which][:numel]
+
+    def _exchange(self, pieces: list[Piece], read: Callable[[Piece], torch.Tensor], write: Callable[[Piece], torch.Tensor]) -> None:
+        """Move `pieces`: each from `read(piece)` on its source to `write(piece)` on its destination (both
+        flat views). Pieces that stay on this rank are copied directly; the rest go through one
+        all_to_all_single over the stage's group."""
         me, dp = self.plan.replica, self.plan.shape.dp
         numel = lambda p: (p.stop - p.start) * self.plan.row_numel[p.name]  # noqa: E731
-        outgoing = [p for p in pieces if p.src == me]
-        incoming = [p for p in pieces if p.dst == me]
-        outgoing.sort(key=lambda p: p.dst)  # stable: within a destination, the plan's order
-        incoming.sort(key=lambda p: p.src)
-        send = torch.empty(sum(numel(p) for p in outgoing), dtype=torch.float32, device=self.device)
+        for p in pieces:
+            if p.src == me and p.dst == me:
+                write(p).copy_(read(p), non_blocking=True)
+        if dp == 1:
+            return
+        outgoing = sorted((p for p in pieces if p.src == me and p.dst != me), key=lambda p: p.dst)  # stable: plan order
+        incoming = sorted((p for p in pieces if p.dst == me and p.src != me), key=lambda p: p.src)
+        send = self._buffer(0, sum(numel(p) for p in outgoing))
         offset = 0
         for p in outgoing:
-            fill_send(p, send[offset : offset + numel(p)])
+            send[offset : offset + numel(p)].copy_(read(p), non_blocking=True)
             offset += numel(p)
-        recv = torch.empty(sum(numel(p) for p in incoming), dtype=torch.float32, device=self.device)
-        if dp == 1:
-            recv.copy_(send)
-        else:
-            send_splits = [sum(numel(p) for p in outgoing if p.dst == d) for d in range(dp)]
-            recv_splits = [sum(numel(p) for p in incoming if p.src == d) for d in range(dp)]
-            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
-        placed, offset = [], 0
+        recv = self._buffer(1, sum(numel(p) for p in incoming))
+        send_splits = [sum(numel(p) for p in outgoing if p.dst == d) for d in range(dp)]
+        recv_splits = [sum(numel(p) for p in incoming if p.src == d) for d in range(dp)]
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        offset = 0
         for p in incoming:
-            placed.append((p, offset))
+            write(p).copy_(recv[offset : offset + numel(p)], non_blocking=True)
             offset += numel(p)
-        return recv, placed
 
     @torch.no_grad()
     def gather(self, local: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
@@ -185,10 +195,7 @@ class Resharder:
         `local` rows."""
         self.local = local
         for pieces in self.plan.gather_pieces:
-            recv, placed = self._exchange(pieces, lambda p, dst: dst.copy_(self._local_rows(p)))
-            for p, offset in placed:
-                n = (p.stop - p.start) * self.plan.row_numel[p.name]
-                self._rows(out[p.name], p.name, p.start, p.stop).copy_(recv[offset : offset + n], non_blocking=True)
+            self._exchange(pieces, self._local_rows, lambda p: self._rows(out[p.name], p.name, p.start, p.stop))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host reads `out` next
 
@@ -197,10 +204,6 @@ class Resharder:
         """The owned parameters' new `values` (host) into every rank's `local` rows of them."""
         self.local = local
         for pieces in self.plan.scatter_pieces:
-            fill = lambda p, dst: dst.copy_(self._rows(values[p.name], p.name, p.start, p.stop), non_blocking=True)  # noqa: E731
-            recv, placed = self._exchange(pieces, fill)
-            for p, offset in placed:
-                n = (p.stop - p.start) * self.plan.row_numel[p.name]
-                self._local_rows(p).copy_(recv[offset : offset + n])
+            self._exchange(pieces, lambda p: self._rows(values[p.name], p.name, p.start, p.stop), self._local_rows)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host may change `values` next

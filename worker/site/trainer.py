@@ -63,7 +63,7 @@ class SiteTrainer:
         self.module = module.to(self.device)
         self.sharded = mesh.fsdp_mesh is not None
         if self.sharded:
-            shard_stage(self.module, mesh.fsdp_mesh, self.compute.bf16)
+            shard_stage(self.module, mesh.fsdp_mesh, self.compute.bf16, pipelined=shape.pp > 1)
         # bf16 without FSDP is autocast; with FSDP its mixed-precision policy does it.
         self._autocast = (lambda: contextlib.nullcontext()) if self.sharded else self.compute.autocast
         self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, config.seed,

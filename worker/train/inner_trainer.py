@@ -37,37 +37,11 @@ def make_inner_optimizer(config: RunConfig, params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
 
 
-class CheckpointableTrainer:
-    """What a local trainer saves and restores across a restart: weights, AdamW state, data position.
-
-    Shared by the single-process `InnerTrainer` and the per-rank `PipelineTrainer`, which differ only in
-    which module they train (`trained_module`)."""
-
-    optimizer: torch.optim.Optimizer
-    sampler: BatchSampler
-    step: int
-    tokens_seen: int
-
-    @property
-    def trained_module(self) -> torch.nn.Module:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict:
-        return {"model": self.trained_module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "sampler": self.sampler.state_dict(), "step": self.step, "tokens_seen": self.tokens_seen}  # fmt: skip
-
-    def load_state_dict(self, state: dict) -> None:
-        self.trained_module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
-
-
-class InnerTrainer(CheckpointableTrainer):
+class InnerTrainer:
     """One process: the whole model on one device (`--device`), bf16 autocast where asked
     (`--precision`), `grad_accum` micro-batches per inner step. Takes a corpus as bytes (byte-level)
-    or the run's `TokenData` (any tokenizer, in memory or streamed from a prepared file)."""
+    or the run's `TokenData` (any tokenizer, in memory or streamed from a prepared file). Its checkpoint
+    (worker/checkpoint.py) reads `trained_module`, `optimizer`, `sampler`, `step` and `tokens_seen`."""
 
     def __init__(self, config: RunConfig, corpus: bytes | TokenData, cluster_index: int = 0, num_clusters: int = 1,
                  compute: Compute | None = None) -> None:  # fmt: skip
