@@ -55,7 +55,8 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its ranks in sessions of their own: no process group holds them)."""
     found, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -82,7 +83,7 @@ def _hwm_kb(pid: int) -> int:
 def _sample(proc: subprocess.Popen, run: LayoutRun, stop: threading.Event) -> None:
     """Peak RSS per rank: VmHWM of every descendant that torchrun gave a RANK, read until it exits."""
     while not stop.is_set():
-        for pid in _descendants(proc.pid) + [proc.pid]:
+        for pid in descendants(proc.pid) + [proc.pid]:
             rank = _rank_of(pid)
             if rank is None and pid == proc.pid and run.pp * run.dp == 1:
                 rank = 0

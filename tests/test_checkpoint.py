@@ -266,20 +266,12 @@ def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process below it, children first found, all before any is reaped."""
+    """SIGKILL `pid` and every process below it, all found before any is killed."""
     import os
-    import pathlib
 
-    found, todo = [pid], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            children = [int(c) for c in pathlib.Path(f"/proc/{parent}/task/{parent}/children").read_text().split()]
-        except OSError:
-            continue
-        found += children
-        todo += children
-    for p in found:
+    from dilocox.bench.site_layouts import descendants
+
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

@@ -29,7 +29,6 @@ ranks run it in step: the same rounds and collectives, and what could differ per
 train, a rejoin) agreed over the site first (`access.agree_*`).
 """
 
-
 from __future__ import annotations
 
 import time
@@ -54,6 +53,7 @@ from dilocox.worker.exchange.round_report import RoundReport
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint: a heavy import, only where a run checkpoints
     from dilocox.worker.checkpoint import SiteCheckpoint
+
 log = structlog.get_logger()
 
 
@@ -222,7 +222,8 @@ class DilocoCluster:
         refused: AggregatorError | None = None
         if self.communicator.in_flight is not None:  # the previous round's exchange (delayed rounds)
             with timer("collect"):
-                exchange, idle, refused = self._collect(round_, tokens)
+                exchange, idle, refused = self._collect()
+        self._check_refusal(round_, refused, tokens)
         work, start = self.buffers.work, self.buffers.start
         with timer("read"):
             self.access.read(work)
@@ -231,18 +232,16 @@ class DilocoCluster:
                 torch.sub(start[name], work[name], out=work[name])  # Δ_t = s_t − θ_local, in place
         deltas = self._slices_of(work)
         if delay == 0:
-            self._check_refusal(refused, tokens)
             self._capture(round_, timer)
             self.communicator.submit(round_, float(tokens), deltas)
             with timer("collect"):
-                exchange, waited, refused = self._collect(round_, tokens)
+                exchange, waited, refused = self._collect()
             idle += waited
-            self._check_refusal(refused, tokens)
+            self._check_refusal(round_, refused, tokens)
             self._commit(round_)
             with timer("start"):
                 self._start_from_held(keep_unsent=True)
         else:
-            self._check_refusal(refused, tokens)
             if exchange is not None:
                 self._commit(exchange.round)
             with timer("start"):
@@ -280,11 +279,11 @@ class DilocoCluster:
         self._memory_logged = True
         log_exchange_memory(self.client, self.buffers, self.access.params_held)
 
-    def _collect(self, round_: int, tokens: int) -> tuple[RoundExchange | None, float, AggregatorError | None]:
+    def _collect(self) -> tuple[RoundExchange | None, float, AggregatorError | None]:
         """Collect the exchange in flight. A refusal (FAILED_PRECONDITION: the shards went on without us)
-        is returned, not raised, so that the site can agree on it first; round `round_`, trained on top of
-        the refused one, is then discarded (counted and logged: no computed round disappears silently).
-        What the refusing shard lacked is carried into the next push by the client."""
+        is returned, not raised, so that the site can agree on it first (`_check_refusal`), which then
+        discards the round trained on top of it. What the refusing shard lacked is carried into the next
+        push by the client."""
         try:
             exchange, idle = self.communicator.collect()
             return exchange, idle, None
@@ -293,14 +292,14 @@ class DilocoCluster:
                 raise
             return None, 0.0, error
 
-    def _check_refusal(self, refused: AggregatorError | None, tokens: int) -> None:
+    def _check_refusal(self, round_: int, refused: AggregatorError | None, tokens: int) -> None:
         """Raise the refusal on every rank of the site if any rank had one (they rejoin together); the
         round just trained is dropped."""
         if not self.access.agree_any(refused is not None):
             return
         self.client.traffic.dropped_rounds += 1
         self.client.traffic.dropped_tokens += int(tokens)
-        log.warning("local_round_dropped", cluster=self.client.cluster, tokens=int(tokens),
+        log.warning("local_round_dropped", cluster=self.client.cluster, round=round_, tokens=int(tokens),
                     reason=refused.details if refused else "another rank of the site was refused")  # fmt: skip
         raise refused or _refused_elsewhere()
 

@@ -54,16 +54,11 @@ def eager_start(
     return base - step * lr
 
 
-def own_start(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """s_{t+1} = θ_{t-1} − Δ_t: the merged model with the round's own progress on top."""
-    return base - delta
-
-
 def next_start(rule: str, out: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor | None,
                outer: OuterNesterov | None, share: float) -> None:
     """s_{t+1} of one slice into `out` (which may be `base` itself) from θ_{t-1} = `base`, by `rule`.
     `momentum`: the slice's v_{t-1} in the cluster's replica of the outer step (None before it has one)."""
-    if check_rule(rule) == "own":
+    if check_rule(rule) == "own":  # s_{t+1} = θ_{t-1} − Δ_t: the merged model, this round's progress on top
         torch.sub(base, delta, out=out)
         return
     lr, mu = (outer.lr, outer.momentum) if outer is not None else (1.0, 0.0)

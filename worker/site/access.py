@@ -8,7 +8,6 @@ small all-reduce over the site, on the device as NCCL requires.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -36,7 +35,6 @@ class SiteAccess:
         self.names = list(self.plan.owned)
         self.shapes = {n: self.plan.shapes[n] for n in self.names}
         self.params_held = sum(local_part(p).numel() for p in params.values())
-        self.stage_params = sum(math.prod(s) for s in self.plan.shapes.values())
         self.pinned = mesh.compute.is_cuda
 
     def _local(self) -> dict[str, torch.Tensor]:
@@ -50,12 +48,13 @@ class SiteAccess:
     def write(self, values: dict[str, torch.Tensor]) -> None:
         self.resharder.scatter(self._local(), values)
 
-    def agree_min(self, value: int) -> int:
+    def _over_site(self, value: int, op: dist.ReduceOp) -> int:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        dist.all_reduce(t, op=op)
         return int(t.item())
 
+    def agree_min(self, value: int) -> int:
+        return self._over_site(value, dist.ReduceOp.MIN)
+
     def agree_any(self, flag: bool) -> bool:
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return bool(self._over_site(int(flag), dist.ReduceOp.MAX))

@@ -132,7 +132,6 @@ class Resharder:
         self.plan = plan
         self.group = group
         self.device = device
-        self.local: dict[str, torch.Tensor] = {}
         self._buffers = [torch.empty(0, device=device), torch.empty(0, device=device)]  # send, receive
 
     def check(self, local: dict[str, torch.Tensor]) -> None:
@@ -145,15 +144,16 @@ class Resharder:
                 raise RuntimeError(f"{name}: this rank holds {rows} rows, the reshard plan expects {stop - start} "
                                    f"(rows {start}–{stop}); FSDP's sharding is not torch.chunk's")  # fmt: skip
 
-    def _rows(self, tensor: torch.Tensor, name: str, start: int, stop: int, offset: int = 0) -> torch.Tensor:
-        """Rows [start, stop) of a tensor whose first row is row `offset` of `name`, flattened."""
+    @staticmethod
+    def _rows(tensor: torch.Tensor, piece: Piece, offset: int = 0) -> torch.Tensor:
+        """The piece's rows of a tensor whose first row is its parameter's row `offset`, flattened (a view)."""
         if tensor.dim() == 0:
             return tensor.reshape(1)
-        return tensor[start - offset : stop - offset].reshape(-1)
+        return tensor[piece.start - offset : piece.stop - offset].reshape(-1)
 
-    def _local_rows(self, piece: Piece) -> torch.Tensor:
-        held_start, _ = self.plan.rows_of(piece.name, self.plan.replica)
-        return self._rows(self.local[piece.name], piece.name, piece.start, piece.stop, held_start)
+    def _local_rows(self, local: dict[str, torch.Tensor], piece: Piece) -> torch.Tensor:
+        """The piece's rows of this rank's part of its parameter."""
+        return self._rows(local[piece.name], piece, self.plan.rows_of(piece.name, self.plan.replica)[0])
 
     def _buffer(self, which: int, numel: int) -> torch.Tensor:
         """One of two flat buffers on the device, kept between batches and boundaries (on the CPU this
@@ -193,17 +193,15 @@ class Resharder:
     def gather(self, local: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> None:
         """Every owned parameter, whole, into `out` (host tensors of the full shapes), from every rank's
         `local` rows."""
-        self.local = local
         for pieces in self.plan.gather_pieces:
-            self._exchange(pieces, self._local_rows, lambda p: self._rows(out[p.name], p.name, p.start, p.stop))
+            self._exchange(pieces, lambda p: self._local_rows(local, p), lambda p: self._rows(out[p.name], p))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host reads `out` next
 
     @torch.no_grad()
     def scatter(self, local: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
         """The owned parameters' new `values` (host) into every rank's `local` rows of them."""
-        self.local = local
         for pieces in self.plan.scatter_pieces:
-            self._exchange(pieces, lambda p: self._rows(values[p.name], p.name, p.start, p.stop), self._local_rows)
+            self._exchange(pieces, lambda p: self._rows(values[p.name], p), lambda p: self._local_rows(local, p))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host may change `values` next

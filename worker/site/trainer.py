@@ -128,15 +128,21 @@ class SiteTrainer:
             loss.backward()
             losses.append(loss.detach())
             return
-        step_losses: list[torch.Tensor] = []  # the schedule empties the list it is given at every step()
         with self._autocast():
-            if self.mesh.is_first_stage:
-                self.schedule.step(x, return_outputs=False)
-            elif self.mesh.is_last_stage:
-                self.schedule.step(target=y, losses=step_losses, return_outputs=False)
-            else:
-                self.schedule.step(return_outputs=False)
-        losses.extend(loss.detach() for loss in step_losses)
+            losses.extend(loss.detach() for loss in self._through_pipeline(self.schedule.step, x, y))
+
+    def _through_pipeline(self, run, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:  # noqa: ANN001
+        """One batch through the schedule's `step` or `eval`, each stage given what it needs (the first
+        the inputs, the last the targets); returns the micro-batches' losses on the last stage (none
+        elsewhere). A fresh list each call: the schedule empties the one it is given."""
+        losses: list[torch.Tensor] = []
+        if self.mesh.is_first_stage:
+            run(x, return_outputs=False)
+        elif self.mesh.is_last_stage:
+            run(target=y, losses=losses, return_outputs=False)
+        else:
+            run(return_outputs=False)
+        return losses
 
     def _scale_grads(self, factor: float) -> None:
         if factor != 1.0:
@@ -196,11 +202,5 @@ class SiteTrainer:
         with self._autocast():
             if self.schedule is None:
                 return causal_lm_loss(logits_of(self.module(x)), y).float()
-            losses: list[torch.Tensor] = []
-            if self.mesh.is_first_stage:
-                self.schedule.eval(x, return_outputs=False)
-            elif self.mesh.is_last_stage:
-                self.schedule.eval(target=y, losses=losses, return_outputs=False)
-            else:
-                self.schedule.eval(return_outputs=False)
+            losses = self._through_pipeline(self.schedule.eval, x, y)
         return torch.stack(losses).mean().float() if losses else torch.zeros((), device=self.device)
