@@ -5,6 +5,7 @@ the GPUs — and passes only if it trains to the end with no replay mismatch (ev
 shards' weights bit-identical to theirs, on CUDA arithmetic):
 
 * ``sim``    — the default simulation with its clusters on CUDA against CPU shards;
+* ``pp1``    — one rank on one GPU, the worker as torchrun starts it (the figures a 1-GPU machine can give);
 * ``pp2``    — a site of 2 pipeline stages (NCCL between them);
 * ``dp2``    — 2 data-parallel ranks, FSDP2 (bf16 mixed precision where the GPU has it natively);
 * ``pp2dp2`` — both, 4 ranks;
@@ -28,8 +29,8 @@ import tempfile
 
 from dilocox.bench.site_layouts import LayoutRun, _cli, layout_flags, run_worker, shard_processes, summarize
 
-CHECKS = ("sim", "pp2", "dp2", "pp2dp2", "accum", "resume")
-LAYOUTS = {"pp2": (2, 1, ()), "dp2": (1, 2, ()), "pp2dp2": (2, 2, ()), "accum": (2, 1, ("--inner-grad-accum", "2"))}
+CHECKS = ("sim", "pp1", "pp2", "dp2", "pp2dp2", "accum", "resume")
+LAYOUTS = {"pp1": (1, 1, ()), "pp2": (2, 1, ()), "dp2": (1, 2, ()), "pp2dp2": (2, 2, ()), "accum": (2, 1, ("--inner-grad-accum", "2"))}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
