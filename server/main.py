@@ -15,7 +15,8 @@ from dilocox.common.config.run import OuterConfig, WireConfig
 from dilocox.common.logs import configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
-from dilocox.server import checkpoint
+from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, CheckpointError, shard_files
+from dilocox.server import checkpoint, resume
 from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import Shard
 
@@ -56,11 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_security_arguments(parser, "server")
 
 
-def _describe(path: pathlib.Path) -> str:
+def _describe(path: pathlib.Path, shard: Shard) -> str:
     try:
         state = checkpoint.load(path)
-    except Exception as error:  # noqa: BLE001 - unreadable: still not ours to overwrite
-        return f"a checkpoint that cannot be read ({error})"
+    except CheckpointCorrupt:  # damaged: say what --resume would fall back to
+        return resume.describe_refusal(path.parent, shard.shard_index, {})
+    except ValueError as error:  # unreadable for another reason: still not ours to overwrite
+        return f"a checkpoint that cannot be used ({error})"
     version = state["snapshot"]["version"] if state.get("snapshot") else -1
     return f"run {state.get('run_id')!r} at version {version}"
 
@@ -90,19 +93,23 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("dilocox server: --resume and --fresh exclude each other")
     if args.checkpoint_dir:
         path = checkpoint.checkpoint_path(args.checkpoint_dir, args.shard_index)
-        if path.is_file() and not args.resume:
+        held = shard_files(args.checkpoint_dir).get(args.shard_index, [])  # shard-<i>.pt, or only kept versions
+        if held and not args.resume:
             if not args.fresh:
-                raise SystemExit(f"dilocox server: {path} holds {_describe(path)}: restart with --resume to continue it, or "
+                raise SystemExit(f"dilocox server: {held[0]} holds {_describe(held[0], shard)}: restart with --resume to continue it, or "
                                  "--fresh to move it aside and start a new run (starting empty would overwrite it)")  # fmt: skip
             log.warning("checkpoints_moved_aside", shard=args.shard_index, to=str(checkpoint.move_aside(args.checkpoint_dir, args.shard_index)))
         if args.resume:
-            if not path.is_file():
-                raise SystemExit(f"dilocox server: --resume: no checkpoint at {path}")
             started = time.perf_counter()
-            try:
-                checkpoint.restore(shard, checkpoint.load(path))
-            except (ValueError, KeyError) as error:
-                raise SystemExit(f"dilocox server: cannot resume from {path}: {error}") from None
+            expect = {"run_id": shard.run_id, "shard_index": shard.shard_index, "num_shards": shard.num_shards}
+            try:  # the newest intact checkpoint: a damaged newer one is moved aside (resume.py says why that is safe)
+                path, state = resume.load_for_resume(args.checkpoint_dir, args.shard_index, expect)
+                checkpoint.restore(shard, state)
+            except CheckpointError as error:
+                raise SystemExit(f"dilocox server: {error}") from None
+            except (ValueError, KeyError, TypeError) as error:  # a verified file this build cannot restore
+                raise SystemExit(f"dilocox server: cannot resume from {path}: {error!r}") from None
+            del state
             log.info("checkpoint_loaded", shard=args.shard_index, path=str(path), bytes=path.stat().st_size,
                      seconds=round(time.perf_counter() - started, 3))  # fmt: skip
         try:

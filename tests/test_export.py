@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
-from dilocox.common.wire.checkpoint_format import checkpoint_path
+from dilocox.common.wire.checkpoint_format import checkpoint_path, save_state
 from dilocox.server import checkpoint
 from dilocox.sim.inprocess import run_in_process
 from dilocox.worker.export import ExportError, evaluate_export, from_checkpoints, from_servers, write_export
@@ -83,16 +83,16 @@ def test_export_refuses_a_missing_shard_a_missing_slice_and_mixed_versions(tmp_p
         from_checkpoints([files[0]])
     state = checkpoint.load(files[1])
     older = dict(state, snapshot=dict(state["snapshot"], version=state["snapshot"]["version"] - 1))
-    torch.save(older, tmp_path / "older.pt")
+    save_state(older, tmp_path / "older.pt")
     with pytest.raises(ExportError, match="different versions"):
         from_checkpoints([files[0], tmp_path / "older.pt"])
     tensors = dict(state["snapshot"]["tensors"])
     dropped = sorted(tensors)[0]
     del tensors[dropped]
-    torch.save(dict(state, snapshot=dict(state["snapshot"], tensors=tensors)), tmp_path / "holed.pt")
+    save_state(dict(state, snapshot=dict(state["snapshot"], tensors=tensors)), tmp_path / "holed.pt")
     with pytest.raises(ExportError, match=rf"slice {dropped[0]}\[.*\] of shard 1 is missing"):
         from_checkpoints([files[0], tmp_path / "holed.pt"])
-    torch.save(dict(state, run_id="another-run"), tmp_path / "other.pt")
+    save_state(dict(state, run_id="another-run"), tmp_path / "other.pt")
     with pytest.raises(ExportError, match="from another run"):
         from_checkpoints([files[0], tmp_path / "other.pt"])
     write_export(from_checkpoints(files), tmp_path / "done")

@@ -17,6 +17,13 @@ checkpoint is *committed* — a `COMMITTED` file next to DCP's `.metadata` — o
 pseudo-gradient is on the shards (one round later under the delay), so a resume never starts from a
 round the shards have not got. `--resume` takes the newest committed one; older ones are pruned.
 
+`COMMITTED` carries the checkpoint's integrity (issue 32): a JSON manifest of every file's size and
+SHA-256, hashed by rank 0 after every rank's part is written (in a thread of its own, so the site does not
+wait for a pass over gigabytes). `--resume` checks it before loading; a damaged newest checkpoint is moved
+aside (`round-NNNNNN.refused-<date>`) and the next intact committed one is used, with a warning — where the
+site would be had it been stopped a round or two earlier: the shards tell it which round to train. A
+`COMMITTED` from before the manifest (the round number, or nothing) is taken as unverified.
+
 A resume with the same layout restores every rank's state bit for bit. With another layout (other
 --pp, --dp or --dp-replicate), DCP reshards the weights and optimiser state, and the compressor state
 follows its parameters to their new owners (it is keyed by parameter, not by rank); only the data
@@ -27,12 +34,15 @@ system across nodes), as DCP requires.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 import pathlib
 import re
 import shutil
-from concurrent.futures import Future
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
 import torch
@@ -46,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.wire.compression import TensorCompressor
 
 log = structlog.get_logger()
@@ -55,7 +66,48 @@ log = structlog.get_logger()
 # one key DCP would keep only one stage's (torchtitan flattens for the same reason).
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMMITTED = "COMMITTED"
+MANIFEST_FORMAT = "dilocox-site-checkpoint/1"
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
+_LEGACY_COMMITTED = re.compile(r"^\s*\d*\s*$")  # before the manifest: the round number, or nothing
+
+
+def _sha256(path: pathlib.Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def manifest(folder: pathlib.Path, round_: int) -> dict:
+    """Size and SHA-256 of every file of a checkpoint folder (but `COMMITTED`), by relative path."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMMITTED)
+    listed = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    return {"format": MANIFEST_FORMAT, "round": round_, "files": listed}
+
+
+def verify(folder: pathlib.Path, round_: int) -> tuple[bool, str | None]:
+    """(whether a manifest was checked, what is wrong or None). A legacy `COMMITTED` checks nothing."""
+    try:
+        text = (folder / COMMITTED).read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        return True, f"{COMMITTED} unreadable ({error})"
+    if _LEGACY_COMMITTED.match(text):
+        return False, None
+    try:
+        record = json.loads(text)
+        files, found_round = record["files"], record["round"]
+        assert record["format"] == MANIFEST_FORMAT and isinstance(files, dict)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return True, f"{COMMITTED} is not a manifest this build reads"
+    if found_round != round_:
+        return True, f"{COMMITTED} is round {found_round}'s"
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            return True, f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return True, f"{name} holds {path.stat().st_size} bytes, not {want['bytes']}"
+        if _sha256(path) != want["sha256"]:
+            return True, f"{name} does not match its SHA-256"
+    return True, None
 
 
 def _pack(obj: object) -> bytes:
@@ -84,6 +136,8 @@ class SiteCheckpoint:
         self.replica = replica
         self.group = group
         self._pending: dict[int, Future] = {}
+        self._sealer: ThreadPoolExecutor | None = None  # rank 0: hashes and commits off the training thread
+        self._sealing: list[Future] = []
 
     def path_of(self, round_: int) -> pathlib.Path:
         return self.root / f"round-{round_:06d}"
@@ -128,9 +182,28 @@ class SiteCheckpoint:
             return
         future.result()  # on rank 0: every rank's part and DCP's metadata are written
         if self.rank == 0:
-            (self.path_of(round_) / COMMITTED).write_text(f"{round_}\n")
+            self._sealer = self._sealer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
+            self._sealing.append(self._sealer.submit(self._seal, round_))
+
+    def _seal(self, round_: int) -> None:
+        """Rank 0, in the sealer thread: hash the folder's files into `COMMITTED` (atomically), then prune."""
+        started = time.perf_counter()
+        path = self.path_of(round_)
+        try:
+            record = manifest(path, round_)
+            write_text_atomic(path / COMMITTED, json.dumps(record, indent=1) + "\n")
             self._prune(round_)
-        log.info("worker_checkpoint_saved", round=round_, path=str(self.path_of(round_)))
+        except OSError as error:  # stays uncommitted: a resume takes the one before
+            log.warning("worker_checkpoint_commit_failed", round=round_, path=str(path), error=str(error))
+            return
+        log.info("worker_checkpoint_saved", round=round_, path=str(path), files=len(record["files"]),
+                 bytes=sum(f["bytes"] for f in record["files"].values()),
+                 hash_seconds=round(time.perf_counter() - started, 3))  # fmt: skip
+
+    def _wait_sealed(self) -> None:
+        for future in self._sealing:
+            future.result()
+        self._sealing.clear()
 
     def _wait_all(self) -> None:
         for round_ in list(self._pending):
@@ -141,9 +214,13 @@ class SiteCheckpoint:
                 self._pending.pop(round_)
 
     def close(self) -> None:
-        """Finish the writes in flight (they stay uncommitted unless `commit` ran for them)."""
+        """Finish the writes in flight (they stay uncommitted unless `commit` ran for them) and the commits."""
         self._wait_all()
         self._pending.clear()
+        self._wait_sealed()
+        if self._sealer is not None:
+            self._sealer.shutdown()
+            self._sealer = None
 
     def _prune(self, newest: int) -> None:
         rounds = self.rounds()
@@ -162,15 +239,55 @@ class SiteCheckpoint:
         return committed[-1] if committed else None
 
     # ------------------------------------------------------------------ restore
+    def _newest_intact(self) -> tuple[str, int | str | None]:
+        """Rank 0: ("ok", round) of the newest committed checkpoint whose manifest checks out, damaged newer
+        ones moved aside with a warning; ("damaged", reasons) when none is intact (nothing moved);
+        ("missing", None) when none is committed."""
+        committed = [r for r in self.rounds() if (self.path_of(r) / COMMITTED).exists()]
+        refused: list[tuple[int, str]] = []
+        for round_ in reversed(committed):
+            checked, problem = verify(self.path_of(round_), round_)
+            if problem is None:
+                break
+            refused.append((round_, problem))
+        else:
+            if not refused:
+                return "missing", None
+            return "damaged", "; ".join(f"{self.path_of(r).name}: {p}" for r, p in refused)
+        if not checked:
+            log.warning("worker_checkpoint_unverified", round=round_, path=str(self.path_of(round_)),
+                        reason=f"its {COMMITTED} predates the manifest: nothing to check it against")  # fmt: skip
+        for bad, problem in refused:
+            folder = self.path_of(bad)
+            aside = folder.with_name(f"{folder.name}.refused-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(folder, aside)
+            log.warning("worker_checkpoint_fallback", refused=str(folder), reason=problem, moved_to=str(aside), used=round_,
+                        path=str(self.path_of(round_)),
+                        note="an older round, as if stopped earlier: the shards say which round to train")  # fmt: skip
+        return "ok", round_
+
     def restore(self, trainer, compressor: TensorCompressor | None, names: list[str]) -> int:  # noqa: ANN001
         """Load the newest committed checkpoint into `trainer` and `compressor` (this rank's `names`);
-        returns its round. Collective in a site."""
-        round_ = self.newest_committed()
-        if round_ is None:
+        returns its round. Collective in a site: rank 0 checks the manifests and tells the others."""
+        self._wait_sealed()  # a commit of this process still being hashed
+        chosen = None
+        if self.rank == 0:
+            try:
+                chosen = self._newest_intact()
+            except OSError as error:  # the other ranks wait on the answer: give them one
+                chosen = ("damaged", f"cannot check or move the checkpoints: {error}")
+        if self.group is not None:
+            box = [chosen]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            chosen = box[0]
+        kind, round_ = chosen
+        if kind == "missing":
             legacy = sorted(self.root.parent.glob(f"worker-{self.root.name}-rank*.pt")) if self.root.parent.is_dir() else []
             hint = (f"; {legacy[0].name} was written by an older dilocox and cannot be resumed: start without --resume"
                     if legacy else "")  # fmt: skip
             raise FileNotFoundError(f"no committed worker checkpoint under {self.root}{hint}")
+        if kind == "damaged":
+            raise ValueError(f"no intact committed worker checkpoint under {self.root}: {round_}")
         path = self.path_of(round_)
         saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         module, optimizer = trainer.trained_module, trainer.optimizer
