@@ -7,7 +7,8 @@ the open round's contributions — clusters re-push after a restart (pushes are 
 client re-pushes while it waits).
 
 Writes are atomic: a temporary file in the same folder, fsync, then rename; a crash mid-write leaves the
-previous checkpoint intact.
+previous checkpoint intact. Every file carries a digest of its content, checked on load: a damaged file
+is refused, and `--resume` falls back to the newest intact kept version (server/resume.py).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import time
 
 import structlog
 
-from dilocox.common.atomic_file import atomic_torch_save
 from dilocox.common.wire.checkpoint_format import (
     FORMAT_VERSION,
     checkpoint_path,
     key_tuple,
     load_state,
     loaded_payload,
+    save_state,
     saved_payload,
     slice_key,
 )
@@ -49,6 +50,8 @@ def shard_state(shard: Shard) -> dict:
         "digest": shard.digest,
         "param_specs": shard.param_specs,
         "run_config_json": shard.run_config_json,
+        "tokenizer_digest": shard.tokenizer_digest,
+        "tokenizer_json": shard.tokenizer_json,
         "members": dict(shard.members),
         "known": sorted(shard.known),
         "initialiser": shard.initialiser,
@@ -71,18 +74,19 @@ def shard_state(shard: Shard) -> dict:
 
 
 def save(shard: Shard, directory: str | os.PathLike) -> pathlib.Path:
-    """Atomically write the shard's checkpoint; returns its path."""
+    """Atomically write the shard's checkpoint, sealed with its digest; returns its path."""
     started = time.perf_counter()
     state = shard_state(shard)
-    path = atomic_torch_save(state, checkpoint_path(directory, shard.shard_index))
+    path = save_state(state, checkpoint_path(directory, shard.shard_index))
     version = state["snapshot"]["version"] if state["snapshot"] else -1
     log.info("checkpoint_saved", shard=shard.shard_index, version=version, path=str(path),
              seconds=round(time.perf_counter() - started, 3), bytes=path.stat().st_size)  # fmt: skip
     return path
 
 
-def load(path: str | os.PathLike) -> dict:
-    return load_state(path)
+def load(path: str | os.PathLike, expect: dict | None = None) -> dict:
+    """The checkpoint's state, its digest checked (`CheckpointCorrupt`, `CheckpointError`: one line)."""
+    return load_state(path, expect)
 
 
 def restore(shard: Shard, state: dict) -> None:
@@ -95,6 +99,8 @@ def restore(shard: Shard, state: dict) -> None:
     if shard.param_specs:
         shard.use_assignment(shard.param_specs)
     shard.run_config_json = state["run_config_json"]
+    shard.tokenizer_digest = state.get("tokenizer_digest", "")  # checkpoints from before the field: recorded at the next join
+    shard.tokenizer_json = state.get("tokenizer_json", "")
     shard.members = dict(state["members"])
     shard.known = set(state.get("known", shard.members))  # checkpoints from before the field: the members
     shard.initialiser = state["initialiser"]
@@ -164,9 +170,11 @@ class Checkpointer:
 
 
 def move_aside(directory: str | os.PathLike, shard_index: int) -> pathlib.Path:
-    """`--fresh`: this shard's checkpoints (current and kept versions) into a dated folder beside them."""
+    """`--fresh`: this shard's checkpoints (current, kept versions and refused ones) into a dated folder
+    beside them."""
     folder = pathlib.Path(directory) / time.strftime(f"replaced-shard-{shard_index}-%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=False)
-    for file in pathlib.Path(directory).glob(f"shard-{shard_index}.*pt"):
+    directory = pathlib.Path(directory)
+    for file in [*directory.glob(f"shard-{shard_index}.*pt"), *directory.glob(f"shard-{shard_index}.*pt.refused-*")]:
         os.replace(file, folder / file.name)
     return folder

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep serving after the run's end (default: exit once every cluster has pulled the final version)")
     parser.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept: this version and earlier ones (default 3)")
     parser.add_argument("--resume", action="store_true", help="restart from the checkpoint in --checkpoint-dir")
+    parser.add_argument("--rounds", type=int,
+                        help="with --resume: raise the run's rounds to this (train a finished run longer, keeping its weights "
+                             "and outer momentum; then start the sites with --resume --rounds N; docs/deploy.md)")  # fmt: skip
     parser.add_argument("--fresh", action="store_true",
                         help="start a new run over a --checkpoint-dir that holds one: move the old checkpoints aside first")
     parser.add_argument(
@@ -89,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
     checkpointer = None
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("dilocox server: --resume needs --checkpoint-dir")
+    if args.rounds is not None and not args.resume:
+        raise SystemExit("dilocox server: --rounds extends a run from its checkpoint and needs --resume (a new run's "
+                         "rounds come from its sites)")  # fmt: skip
     if args.resume and args.fresh:
         raise SystemExit("dilocox server: --resume and --fresh exclude each other")
     if args.checkpoint_dir:
@@ -110,6 +116,11 @@ def run(args: argparse.Namespace) -> int:
             except (ValueError, KeyError, TypeError) as error:  # a verified file this build cannot restore
                 raise SystemExit(f"dilocox server: cannot resume from {path}: {error!r}") from None
             del state
+            if args.rounds is not None:
+                try:
+                    shard.extend_rounds(args.rounds)
+                except ValueError as error:
+                    raise SystemExit(f"dilocox server: {error}") from None
             log.info("checkpoint_loaded", shard=args.shard_index, path=str(path), bytes=path.stat().st_size,
                      seconds=round(time.perf_counter() - started, 3))  # fmt: skip
         try:

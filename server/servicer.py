@@ -45,7 +45,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 result = self.shard.describe(request.run_id)
             else:
                 params = [(p.name, tuple(p.shape)) for p in request.params]
-                result = self.shard.join(request.run_id, request.cluster, request.model_digest, params, request.run_config_json)
+                result = self.shard.join(request.run_id, request.cluster, request.model_digest, params, request.run_config_json,
+                                         request.tokenizer_digest, request.tokenizer_json)  # fmt: skip
         except DilocoxError as error:
             _abort(context, error)
         return pb.JoinReply(
@@ -62,6 +63,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             outer_lr=self.shard.optimizer.lr,
             outer_momentum=self.shard.optimizer.momentum,
             rejoin=result.rejoin,
+            tokenizer_digest=result.tokenizer_digest,
+            tokenizer_json=result.tokenizer_json,
         )
 
     def Push(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:

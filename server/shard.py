@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from dilocox.common.wire import codecs
-from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices, model_digest, slices_of_shard
+from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices, model_digest, slices_of_shard, tokenizer_digest_of
 from dilocox.common.config.run import final_version_of
 from dilocox.common.wire.errors import (
     InvalidFrame,
@@ -31,8 +31,10 @@ from dilocox.common.wire.errors import (
     NotJoined,
     NotReady,
     RoundNotOpen,
+    RunOver,
     ShuttingDown,
     ShapeMismatch,
+    TokenizerMismatch,
     UnknownSlice,
     WrongRun,
 )
@@ -52,6 +54,8 @@ class JoinResult:
     assignment: list[ParamSlice]
     run_config_json: str
     rejoin: bool = False
+    tokenizer_digest: str = ""
+    tokenizer_json: str = ""  # filled for observers (export) only
 
 
 @dataclass
@@ -119,6 +123,8 @@ class Shard:
         self._cond = threading.Condition()
         # Fixed by the first join:
         self.digest: str | None = None
+        self.tokenizer_digest = ""  # the run's tokenizer ("byte" or "sha256:…"), recorded at the first join
+        self.tokenizer_json = ""
         self.param_specs: list[tuple[str, tuple[int, ...]]] = []
         self.assignment: list[ParamSlice] = []
         self.owned: dict[SliceKey, ParamSlice] = {}
@@ -150,7 +156,8 @@ class Shard:
 
     # ------------------------------------------------------------------ membership
     def join(
-        self, run_id: str, cluster: str, digest: str, params: Sequence[tuple[str, Sequence[int]]], run_config_json: str = ""
+        self, run_id: str, cluster: str, digest: str, params: Sequence[tuple[str, Sequence[int]]], run_config_json: str = "",
+        tokenizer_digest: str = "", tokenizer_json: str = "",
     ) -> JoinResult:
         self._check_run(run_id)
         if not cluster:
@@ -168,6 +175,7 @@ class Shard:
                     f"model digest {digest[:12]}… does not match this run's {self.digest[:12]}…: "
                     "the cluster's model has different parameter names or shapes"
                 )
+            self._check_tokenizer(cluster, tokenizer_digest, tokenizer_json)
             rejoin = cluster in self.members or cluster in self.known
             self.members[cluster] = time.time()
             self.known.add(cluster)
@@ -177,7 +185,24 @@ class Shard:
             version = self.snapshot.version if self.snapshot else -1
             log.info("cluster_joined", shard=self.shard_index, cluster=cluster, rejoin=rejoin, version=version, initialiser=needs_init)
             self._cond.notify_all()
-            return JoinResult(cluster, version, needs_init, list(self.assignment), self.run_config_json, rejoin)
+            return JoinResult(cluster, version, needs_init, list(self.assignment), self.run_config_json, rejoin, self.tokenizer_digest)
+
+    def _check_tokenizer(self, cluster: str, digest: str, definition: str) -> None:
+        """The first joiner's tokenizer becomes the run's (call under the lock). Refused: another digest,
+        or a definition that is not the digest's. A join without one (an older client) is not checked."""
+        if not digest:
+            return
+        if definition and digest != tokenizer_digest_of(definition):
+            raise InvalidFrame(f"tokenizer digest {digest[:19]}… does not match the tokenizer.json sent with it")
+        if not self.tokenizer_digest:
+            self.tokenizer_digest, self.tokenizer_json = digest, definition
+            log.info("run_tokenizer_recorded", shard=self.shard_index, cluster=cluster, tokenizer=digest[:19])
+        elif digest != self.tokenizer_digest:
+            raise TokenizerMismatch(
+                f"cluster {cluster!r} tokenizes with {digest}, this run with {self.tokenizer_digest}: its token ids "
+                "would mean other text in the same model. Give every site the run's tokenizer.json (--tokenizer "
+                "PATH, or data prepared with it; docs/deploy.md, \"Your data at each site\")"
+            )
 
     def describe(self, run_id: str) -> JoinResult:
         """What a read-only observer (`dilocox export`) needs: the slice map, the run's config and the
@@ -186,7 +211,8 @@ class Shard:
         with self._cond:
             if self.digest is None:
                 raise NotReady(f"shard {self.shard_index} holds no model yet: no cluster has joined run {self.run_id!r}")
-            return JoinResult("", self.version, False, list(self.assignment), self.run_config_json)
+            return JoinResult("", self.version, False, list(self.assignment), self.run_config_json, False,
+                              self.tokenizer_digest, self.tokenizer_json)  # fmt: skip
 
     # ------------------------------------------------------------------ pushes
     @property
@@ -461,6 +487,24 @@ class Shard:
             self._final_version, self._final_for = final_version_of(self.run_config_json), self.run_config_json
         return self._final_version
 
+    def extend_rounds(self, rounds: int) -> None:
+        """Raise the run's rounds (and so its final version) to `rounds`: `dilocox server --resume --rounds N`.
+        Everything else of the run stays: weights, outer momentum, membership. Refuses to shorten a run."""
+        with self._cond:
+            try:
+                recorded = json.loads(self.run_config_json or "{}")
+            except ValueError:
+                recorded = {}
+            if "rounds" not in recorded:
+                raise ValueError(f"shard {self.shard_index} has no recorded run configuration to extend (no cluster joined yet)")
+            before, final_before = int(recorded["rounds"]), self.final_version
+            if rounds < before:
+                raise ValueError(f"--rounds {rounds}: the run already has {before} rounds; a run can be extended, not shortened")
+            recorded["rounds"] = rounds
+            self.run_config_json = json.dumps(recorded)
+            log.info("run_extended", shard=self.shard_index, rounds_before=before, rounds=rounds, final_version_before=final_before,
+                     final_version=self.final_version, version=self.version)  # fmt: skip
+
     def status(self) -> dict:
         with self._cond:
             acc = self.accumulator if self.accumulator and self.accumulator.round == self.open_round else None
@@ -502,6 +546,10 @@ class Shard:
             return
         if self.snapshot is None:
             raise RoundNotOpen(f"shard {self.shard_index} is waiting for its initial weights (round 0), got a push for round {round_}")
+        final = self.final_version
+        if final is not None and round_ > final:
+            raise RunOver(f"run {self.run_id!r} ends at version {final}: round {round_} is past it. To train longer, restart "
+                          "every shard with --resume --rounds N first (docs/deploy.md, \"Train longer\")")  # fmt: skip
         if round_ != self.open_round:
             when = "closed" if round_ < self.open_round else "not open yet"
             raise RoundNotOpen(f"round {round_} is {when}; the open round is {self.open_round}")

@@ -75,23 +75,38 @@ def test_worked_example_runs_on_localhost(tmp_path):
         "DILOCOX_INNER_STEPS": "10", "DILOCOX_EVAL_BATCHES": "2", "OMP_NUM_THREADS": "1",
     }  # fmt: skip
 
-    def shell(step: str, **kwargs) -> subprocess.Popen:
-        log = open(tmp_path / f"{step}.log", "w")
-        return subprocess.Popen(["bash", "-c", localised(step)], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
+    def shell(step: str, extra: str = "", name: str | None = None, **kwargs) -> subprocess.Popen:
+        """Run a step as written; `extra`: flags the guide says to add to its command (step 6)."""
+        log = open(tmp_path / f"{name or step}.log", "w")
+        command = localised(step).rstrip() + extra
+        return subprocess.Popen(["bash", "-c", command], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, **kwargs)  # fmt: skip
 
     def output(step: str) -> str:
         return (tmp_path / f"{step}.log").read_text()
 
+    def stop(procs: list) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def wait_listening(*steps: str) -> None:
+        for port in (grpc0, grpc1):
+            deadline = time.monotonic() + 60
+            while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+                assert time.monotonic() < deadline, "".join(output(s) for s in steps)
+                time.sleep(0.2)
+
     assert shell("certs").wait(timeout=60) == 0, output("certs")
     shards = [shell("shard-0"), shell("shard-1")]
     sites = []
     try:
-        for port in (grpc0, grpc1):
-            deadline = time.monotonic() + 60
-            while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-                assert time.monotonic() < deadline, output("shard-0") + output("shard-1")
-                time.sleep(0.2)
+        wait_listening("shard-0", "shard-1")
         sites = [shell("site-a"), shell("site-b")]
         for name, proc in zip(("site-a", "site-b"), sites):
             assert proc.wait(timeout=240) == 0, output(name)[-4000:]
@@ -104,14 +119,50 @@ def test_worked_example_runs_on_localhost(tmp_path):
         assert shell("export").wait(timeout=120) == 0, output("export")
         exported = json.loads((tmp_path / "model" / "export.json").read_text())
         assert exported["run_id"] == "doc-run" and exported["version"] == 3 and (tmp_path / "model" / "model.safetensors").is_file()
+        # 6. Train longer. A site asking for more rounds than the shards record is refused at once (no hang) ...
+        env["ROUNDS"] = "4"
+        early = shell("site-a", " --resume", name="site-a-early")
+        assert early.wait(timeout=120) != 0, output("site-a-early")[-3000:]  # its ranks exit 3; torchrun reports a failure
+        assert "restart every shard with --resume --rounds 4" in output("site-a-early")
+        stop(shards)
+        assert [p.returncode for p in shards] == [0, 0], output("shard-0")[-2000:] + output("shard-1")[-2000:]
+        # ... the offline export reads the stopped shards' folders (kept versions beside the newest) ...
+        assert shell("export-offline").wait(timeout=120) == 0, output("export-offline")
+        assert "shard 1: state/shard-1/shard-1.pt (version 3)" in output("export-offline"), output("export-offline")
+        # ... then the shards and sites restarted as the guide says go on with all their state.
+        shards = [shell("shard-0", ' --resume --rounds "$ROUNDS"', name="shard-0-longer"),
+                  shell("shard-1", ' --resume --rounds "$ROUNDS"', name="shard-1-longer")]  # fmt: skip
+        wait_listening("shard-0-longer", "shard-1-longer")
+        sites = [shell("site-a", " --resume", name="site-a-longer"), shell("site-b", " --resume", name="site-b-longer")]
+        for name, proc in zip(("site-a-longer", "site-b-longer"), sites):
+            assert proc.wait(timeout=240) == 0, output(name)[-4000:]
+        events = [json.loads(line) for line in output("site-a-longer").splitlines() if line.startswith("{")]
+        restored = [e for e in events if e.get("event") == "worker_checkpoint_restored"]
+        assert restored and {e["round"] for e in restored} == {3} and {e["step"] for e in restored} == {20}  # 2 rounds × 10 steps
+        done = [e for e in events if e.get("event") == "cluster_done"]
+        assert done and {e["version"] for e in done} == {5} and {e["rounds"] for e in done} == {1}  # round 4, then the flush (5)
     finally:
-        for proc in [*sites, *shards]:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in [*sites, *shards]:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert [p.returncode for p in shards] == [0, 0], output("shard-0")[-2000:] + output("shard-1")[-2000:]
+        stop([*sites, *shards])
+    assert [p.returncode for p in shards] == [0, 0], output("shard-0-longer")[-2000:] + output("shard-1-longer")[-2000:]
     assert (tmp_path / "state" / "shard-0").is_dir() and any((tmp_path / "state" / "shard-0").iterdir())
+
+
+def test_your_data_at_each_site_prepares_one_tokenizer_for_every_site(tmp_path):
+    """The guide's "Your data at each site": the tokenizer trained once and shipped, each site's data
+    prepared with it; the workers' flags are checked by the parse test above."""
+    pytest.importorskip("tokenizers")
+    from dilocox.worker.data.sources import default_corpus_path
+    from dilocox.worker.data.tokenizer import load_tokenizer_file
+
+    text = default_corpus_path().read_text()
+    (tmp_path / "corpus-a.txt").write_text(text[: len(text) // 2])
+    (tmp_path / "corpus-b.txt").write_text(text[len(text) // 2 :])
+    steps = doc_steps()
+    env = {**os.environ, "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "SITE_A_DATA": str(tmp_path / "corpus-a.txt"), "SITE_B_DATA": str(tmp_path / "corpus-b.txt"),
+           "DILOCOX_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip
+    for step in ("data-site-a", "data-site-b"):
+        done = subprocess.run(["bash", "-ec", steps[step]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    a, b = (json.loads((tmp_path / f"prepared-{x}" / "manifest.json").read_text()) for x in "ab")
+    assert a["tokenizer_digest"] == b["tokenizer_digest"] == load_tokenizer_file(tmp_path / "tokenizer.json").digest

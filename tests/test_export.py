@@ -3,6 +3,7 @@ checked whole and at one version, written as files the project's model and Huggi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -112,3 +113,38 @@ def test_export_command_errors_are_clear(tmp_path, shard_set):
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert wrong.returncode == 1 and "PERMISSION_DENIED" in wrong.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_readmes_export_commands_work_as_written_with_and_without_the_shards_running(tmp_path):
+    """README.md's two `dilocox export` lines, only the shards' addresses and `$W` replaced: live while
+    the shards serve, and offline from the one folder both shards checkpoint into once they stopped."""
+    import pathlib
+    import re
+    import shlex
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    live_line, offline_line = (next(line for line in readme.splitlines() if line.startswith(f"dilocox export --{source}"))
+                               for source in ("servers", "checkpoints"))  # fmt: skip
+    config = dataclasses.replace(_config(), run_id=RunConfig().run_id)  # the README's commands name no run id
+    done = {}
+
+    def run_line(line: str, addresses: list[str] | None = None) -> subprocess.CompletedProcess:
+        if addresses:
+            line = re.sub(r"agg\.example\.org:5005(\d)", lambda m: addresses[int(m[1]) - 1], line)
+        argv = shlex.split(line.replace("$W", "--insecure"), comments=True)
+        return subprocess.run([sys.executable, "-m", "dilocox.common.cli", *argv[1:]], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    def before_stop(addresses):
+        done["live"] = run_line(live_line, addresses)
+
+    result = run_in_process(config, num_clusters=2, num_shards=2, before_stop=before_stop, timeout_s=300)
+    for shard in result.shards:  # the one folder both of README's servers checkpoint into
+        checkpoint.save(shard, tmp_path / "ckpt")
+    offline = run_line(offline_line)
+    for name, outcome in [*done.items(), ("offline", offline)]:
+        assert outcome.returncode == 0, (name, outcome.stdout[-2000:], outcome.stderr[-2000:])
+    versions = {json.loads((tmp_path / folder / "export.json").read_text())["version"]
+                for folder in ("model", "model-offline")}  # fmt: skip
+    assert versions == {config.final_version}
+    assert "shard 0:" in offline.stdout and "shard 1:" in offline.stdout

@@ -158,10 +158,12 @@ class SiteCheckpoint:
             "exchange": exchange,
         }
 
-    def capture(self, round_: int, trainer, compressor: TensorCompressor | None, names: list[str]) -> None:  # noqa: ANN001
-        """Start saving the state round `round_` ends with (every `every` rounds); collective in a site.
-        Returns once the state is staged in host memory; the write goes on in the background."""
-        if round_ % self.every:
+    def capture(self, round_: int, trainer, compressor: TensorCompressor | None, names: list[str],  # noqa: ANN001
+                always: bool = False) -> None:  # fmt: skip
+        """Start saving the state round `round_` ends with (every `every` rounds, or `always`: the end-of-run
+        flush's, which a run extended later resumes from); collective in a site. Returns once the state
+        is staged in host memory; the write goes on in the background."""
+        if round_ % self.every and not always:
             return
         self._wait_all()  # one write at a time: the previous one is finished before this one stages
         path = self.path_of(round_)

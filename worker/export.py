@@ -23,7 +23,7 @@ import json
 import pathlib
 import sys
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import grpc
 import torch
@@ -34,12 +34,13 @@ from dilocox.common.security import (TlsFiles, add_security_arguments, explain_h
                                      open_channel, security_from_args)
 from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices
-from dilocox.common.wire.checkpoint_format import load_state, slice_key
+from dilocox.common.wire.checkpoint_format import CheckpointError, slice_key, snapshot_version, verified
 from dilocox.common.wire.errors import DilocoxError
 from dilocox.common.wire.framing import SliceKey, assemble_units
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.data.token_data import add_data_arguments
+from dilocox.worker.export_checkpoints import gather, pick_versions
 
 EXPORT_FORMAT = "dilocox-export"
 
@@ -54,6 +55,8 @@ class GlobalModel:
     version: int
     run_config_json: str
     tensors: dict[str, torch.Tensor]  # full parameters by name, in the run's parameter order
+    tokenizer_digest: str = ""  # the run's tokenizer as the shards recorded it ("" = not recorded)
+    tokenizer_json: str = ""
 
     @property
     def num_params(self) -> int:
@@ -93,34 +96,32 @@ def assemble(run_id: str, assignment: list[ParamSlice], parts: dict[int, tuple[i
     return GlobalModel(run_id, version, run_config_json, tensors)
 
 
-def from_checkpoints(locations: Iterable[str | pathlib.Path]) -> GlobalModel:
-    """Offline: the shards' checkpoint files (`shard-<i>.pt`), or folders holding them."""
-    files: list[pathlib.Path] = []
-    for location in map(pathlib.Path, locations):
-        found = sorted(location.glob("shard-*.pt")) if location.is_dir() else [location]
-        if not found or not all(f.is_file() for f in found):
-            raise ExportError(f"no shard checkpoint at {location} (expected shard-<index>.pt files)")
-        files += found
-    states = []
-    for file in files:
-        try:
-            states.append(load_state(file))
-        except (ValueError, OSError, RuntimeError) as error:
-            raise ExportError(f"{file}: not a readable shard checkpoint: {error}") from None
-    first = states[0]
-    for file, state in zip(files, states):
+def from_checkpoints(locations: Iterable[str | pathlib.Path], report: Callable[[str], None] | None = None) -> GlobalModel:
+    """Offline: the shards' checkpoint files (one per shard), or folders holding them. In a folder a shard
+    has its newest `shard-<i>.pt` and the versions kept before it (`shard-<i>.v<N>.pt`): the newest
+    version every shard has intact (its digest checked) is used, damaged newer files are skipped
+    (worker/export_checkpoints.py). `report` gets one line per shard naming the file and version used,
+    and one per file skipped."""
+    report = report or (lambda line: None)
+    try:
+        chosen = pick_versions(*gather(locations), report)
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
+    first = next(iter(chosen.values()))[1]
+    for file, state in chosen.values():
         for field in ("run_id", "num_shards", "digest"):
             if state[field] != first[field]:
                 raise ExportError(f"{file} is from another run ({field} {state[field]!r}, not {first[field]!r})")
     parts: dict[int, tuple[int, dict[SliceKey, torch.Tensor]]] = {}
-    for file, state in zip(files, states):
-        if state["shard_index"] in parts:
-            raise ExportError(f"two checkpoints of shard {state['shard_index']} ({file} and another): give one per shard")
-        snap = state["snapshot"]
-        held = {} if snap is None else {slice_key(k): t for k, t in snap["tensors"].items()}
-        parts[state["shard_index"]] = (-1 if snap is None else snap["version"], held)
+    for index, (file, state) in sorted(chosen.items()):
+        snap, version = state["snapshot"], snapshot_version(state)
+        parts[index] = (version, {} if snap is None else {slice_key(k): t for k, t in snap["tensors"].items()})
+        report(f"shard {index}: {file} (version {version}{'' if verified(state) else ', format 1: unverified'})")
     assignment = assign_slices(first["param_specs"], first["num_shards"])
-    return assemble(first["run_id"], assignment, parts, first["run_config_json"], first["num_shards"])
+    model = assemble(first["run_id"], assignment, parts, first["run_config_json"], first["num_shards"])
+    tokenizers = [(st.get("tokenizer_digest", ""), st.get("tokenizer_json", "")) for _, st in chosen.values()]
+    model.tokenizer_digest, model.tokenizer_json = max(tokenizers, key=lambda t: (len(t[1]), len(t[0])))  # as from_servers
+    return model
 
 
 def _rpc_error(address: str, error: grpc.RpcError) -> ExportError:
@@ -139,6 +140,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
     parts: dict[int, tuple[int, dict[SliceKey, torch.Tensor]]] = {}
     assignment: list[ParamSlice] = []
     run_config_json, num_shards = "", len(addresses)
+    tokenizer = ("", "")
     for address in addresses:
         channel = open_channel(address, options, tls, token)
         try:
@@ -146,6 +148,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
             reply = stub.Join(pb.JoinRequest(run_id=run_id, observer=True), timeout=timeout)
             assignment = [ParamSlice(s.name, tuple(s.shape), s.row_start, s.row_stop, s.shard) for s in reply.assignment]
             run_config_json, num_shards = reply.run_config_json, reply.num_shards
+            tokenizer = max(tokenizer, (reply.tokenizer_digest, reply.tokenizer_json), key=lambda t: (len(t[1]), len(t[0])))
             slice_map = SliceMap.of(assignment)
             expected = {s.key: s for s in assignment if s.shard == reply.shard_index}
 
@@ -166,7 +169,9 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
         if len(versions) > 1:
             raise ExportError(f"shard at {address} sent slices of versions {sorted(versions)} in one pull")
         parts[reply.shard_index] = (versions.pop() if versions else reply.version, {u.key: u.decode() for u in units})
-    return assemble(run_id, assignment, parts, run_config_json, num_shards)
+    model = assemble(run_id, assignment, parts, run_config_json, num_shards)
+    model.tokenizer_digest, model.tokenizer_json = tokenizer
+    return model
 
 
 # --------------------------------------------------------------------------- writing
@@ -195,26 +200,64 @@ def _hf_config(config: RunConfig, tensors: dict[str, torch.Tensor]):
     return hf_config(spec, config.model.block_size, vocab)
 
 
-def _tokenizer_files(config: RunConfig, data: str | None, text_field: str, folder: pathlib.Path) -> str:
-    """Copy the run's tokenizer into the export where it can be found; returns what happened, for the record."""
-    from dilocox.worker.data.tokenizer import HFTokenizer, TokenizerError, resolve_tokenizer
+def run_tokenizer(model: GlobalModel, config: RunConfig, data: str | None, text_field: str = "text",
+                  tokenizer_path: str | None = None):  # fmt: skip
+    """The tokenizer the run trained with — never a new one: the shards' record of it, or the one from
+    `--tokenizer`/`--data` checked against the recorded digest. None for byte-level runs."""
+    from dilocox.worker.data.tokenizer import HFTokenizer, TokenizerError, load_tokenizer_text, resolve_tokenizer
 
-    if config.tokenizer == "byte":
+    recorded = model.tokenizer_digest
+    if config.tokenizer == "byte" and recorded in ("", "byte") and not tokenizer_path:
+        return None
+    given = None
+    if tokenizer_path or data is not None:
+        try:
+            given = resolve_tokenizer(tokenizer_path or config.tokenizer, data, text_field)
+        except (TokenizerError, ValueError, OSError) as error:
+            raise ExportError(f"the run's tokenizer from {tokenizer_path or data}: {error}") from None
+        if recorded and given.digest != recorded:
+            raise ExportError(f"the tokenizer from {tokenizer_path or data} ({given.digest[:19]}…) is not the run's "
+                              f"({recorded[:19]}…, as its shards recorded it): the model would be shipped with other ids")  # fmt: skip
+    if model.tokenizer_json:
+        return load_tokenizer_text(model.tokenizer_json, config.tokenizer)
+    if recorded == "byte" or (given is not None and given.digest == "byte"):
+        return None
+    if not isinstance(given, HFTokenizer):
+        raise ExportError(f"the run's tokenizer ({config.tokenizer}) was not recorded by its shards (a run started before "
+                          "dilocox recorded it): pass --tokenizer with its tokenizer.json, or --data with the run's data")  # fmt: skip
+    return given
+
+
+def special_token_ids(tokenizer) -> dict[str, int | None]:  # noqa: ANN001
+    """bos/eos/pad ids for the exported config, from the tokenizer itself: its end-of-text token ends a
+    generation and pads a batch (a byte-level BPE has no other special token)."""
+    from dilocox.worker.data.tokenizer import END_OF_TEXT
+
+    if tokenizer is None:
+        return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}  # bytes: no special tokens
+    eos = next((tokenizer.tokenizer.token_to_id(t) for t in (END_OF_TEXT, "</s>", "<|end_of_text|>", "<eos>")
+                if tokenizer.tokenizer.token_to_id(t) is not None), None)  # fmt: skip
+    bos = next((tokenizer.tokenizer.token_to_id(t) for t in ("<s>", "<|begin_of_text|>", "<bos>")
+                if tokenizer.tokenizer.token_to_id(t) is not None), eos)  # fmt: skip
+    pad = tokenizer.tokenizer.token_to_id("<pad>")
+    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos if pad is None else pad}
+
+
+def _write_tokenizer(tokenizer, config: RunConfig, folder: pathlib.Path) -> str:  # noqa: ANN001
+    """The run's tokenizer beside the weights; returns what was written, for the record."""
+    if tokenizer is None:
         return "byte-level: token ids are the text's bytes, no tokenizer file"
-    try:
-        tokenizer = resolve_tokenizer(config.tokenizer, data, text_field)
-    except (TokenizerError, ValueError, OSError) as error:
-        return f"not included ({error}); pass --data with the run's data to include it"
-    assert isinstance(tokenizer, HFTokenizer)
     tokenizer.save(folder / "tokenizer.json")
+    ids = special_token_ids(tokenizer)
+    names = {key.replace("_id", ""): tokenizer.tokenizer.id_to_token(i) for key, i in ids.items() if i is not None}
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": config.model.block_size,
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.model.block_size, **names,
     }, indent=2) + "\n")  # fmt: skip
     return f"{tokenizer.spec} ({tokenizer.digest})"
 
 
 def write_export(model: GlobalModel, out: str | pathlib.Path, data: str | None = None, text_field: str = "text",
-                 model_override: str | None = None) -> pathlib.Path:  # fmt: skip
+                 model_override: str | None = None, tokenizer_path: str | None = None) -> pathlib.Path:  # fmt: skip
     """Write the export folder whole or not at all; returns its path."""
     from safetensors.torch import save_file
 
@@ -222,13 +265,17 @@ def write_export(model: GlobalModel, out: str | pathlib.Path, data: str | None =
     if model_override:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=model_override))
     hf = _hf_config(config, model.tensors)
+    tokenizer = run_tokenizer(model, config, data, text_field, tokenizer_path)
+    if hf is not None:
+        for key, value in special_token_ids(tokenizer).items():
+            setattr(hf, key, value)
     out = pathlib.Path(out)
     with atomic_folder(out) as folder:
         save_file({name: t.contiguous() for name, t in model.tensors.items()}, str(folder / "model.safetensors"),
                   metadata={"format": "pt", "run_id": model.run_id, "version": str(model.version)})  # fmt: skip
         if hf is not None:
             hf.save_pretrained(str(folder))
-        tokenizer_note = _tokenizer_files(config, data, text_field, folder)
+        tokenizer_note = _write_tokenizer(tokenizer, config, folder)
         record = {"format": EXPORT_FORMAT, "run_id": model.run_id, "version": model.version, "num_params": model.num_params,
                   "model": config.model.model, "huggingface": hf is not None, "tokenizer": tokenizer_note,
                   "run_config": dataclasses.asdict(config)}  # fmt: skip
@@ -245,7 +292,8 @@ def evaluate_export(folder: str | pathlib.Path, data: str | None = None, text_fi
     folder = pathlib.Path(folder)
     record = json.loads((folder / "export.json").read_text())
     config = from_dict(record["run_config"])
-    tokens = load_run_data(config.tokenizer, data, text_field)
+    shipped = folder / "tokenizer.json"  # the run's own (export never trains one)
+    tokens = load_run_data(str(shipped) if shipped.is_file() else config.tokenizer, data, text_field)
     model = build_model(dataclasses.replace(config.model, weights=str(folder / "model.safetensors")), tokens.vocab_size, config.seed)
     return evaluate(model, tokens.eval, config.model.block_size, config.inner.batch_size, config.eval_batches)
 
@@ -258,7 +306,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--checkpoints", help="comma-separated shard checkpoint files or folders (offline)")
     parser.add_argument("--run-id", default=RunConfig().run_id, help=f"the run's id, for --servers (default {RunConfig().run_id})")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per shard call (default 120)")
-    add_data_arguments(parser, "the run's data: finds its BPE tokenizer to include, and the eval split for --eval")
+    add_data_arguments(parser, "the run's data: the eval split for --eval (and, for a run whose shards did not record "
+                       "its tokenizer, where to find it; checked against the shards' record where there is one)")  # fmt: skip
+    parser.add_argument("--tokenizer", dest="tokenizer_path", metavar="TOKENIZER_JSON",
+                        help="the run's tokenizer.json, checked against the one the shards recorded (needed only for "
+                             "runs whose shards did not record one)")  # fmt: skip
     parser.add_argument("--model", help="where the run's --model (a config.json path) is on this machine, if elsewhere")
     parser.add_argument("--eval", action="store_true", help="then report the exported model's loss on the run's eval split")
     add_security_arguments(parser, "worker")
@@ -275,8 +327,8 @@ def run(args: argparse.Namespace) -> int:
             addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
             model = from_servers(addresses, args.run_id, tls, token, args.timeout)
         else:
-            model = from_checkpoints([c.strip() for c in args.checkpoints.split(",") if c.strip()])
-        out = write_export(model, args.out, args.data, args.text_field, args.model)
+            model = from_checkpoints([c.strip() for c in args.checkpoints.split(",") if c.strip()], report=print)
+        out = write_export(model, args.out, args.data, args.text_field, args.model, args.tokenizer_path)
         print(f"exported run {model.run_id} version {model.version}: {model.num_params:,} parameters to {out}")
         if args.eval:
             print(f"eval loss {evaluate_export(out, args.data, args.text_field):.4f}")

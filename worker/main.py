@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import json
 import signal
@@ -18,9 +19,9 @@ from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.worker.exchange.cluster import DilocoCluster, LateJoin, RunFinished
+from dilocox.worker.exchange.cluster import DilocoCluster, LateJoin, RunFinished, RunLengthMismatch
 from dilocox.worker.data.sources import CorpusError
-from dilocox.worker.data.token_data import add_data_arguments, load_run_data
+from dilocox.worker.data.token_data import add_data_arguments, load_run_data, run_tokenizer_spec
 from dilocox.worker.data.tokenizer import TokenizerError
 from dilocox.worker.models.build import model_param_specs
 from dilocox.worker.models.spec import ModelSpecError
@@ -72,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dilocox worker: {error}") from None
     if not 0 <= args.cluster_index < args.num_clusters:
         raise SystemExit(f"dilocox worker: --cluster-index {args.cluster_index} outside [0, {args.num_clusters})")
+    adopted = run_tokenizer_spec(config.tokenizer, args.data)
+    if adopted != config.tokenizer:
+        log.info("tokenizer_from_data", data=args.data, tokenizer=adopted)
+        config = dataclasses.replace(config, tokenizer=adopted)
     parallel = config.parallel.world_size > 1
     try:
         check_splittable(config.model, config.parallel.pp)  # before a torchrun job is started for nothing
@@ -130,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     metrics_server, progress = None, None
     try:
         with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor, tls=tls, token=token,
-                              shard_wait_s=args.shard_wait_s) as client:
+                              shard_wait_s=args.shard_wait_s, tokenizer=(data.tokenizer_digest, data.tokenizer_json)) as client:
             if args.metrics_port and (mesh is None or mesh.rank == 0):
                 from dilocox.worker.metrics import WorkerMetrics
 
@@ -152,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
         return 2
     except (RunFinished, LateJoin) as error:
-        log.error("run_finished" if isinstance(error, RunFinished) else "late_join_refused", cluster=cluster, reason=str(error))
+        event = "run_length_refused" if isinstance(error, RunLengthMismatch) else "run_finished" if isinstance(error, RunFinished) else "late_join_refused"
+        log.error(event, cluster=cluster, reason=str(error))
         return 3
     finally:
         if compute.is_cuda:  # what a GPU needs for this layout: `dilocox bench gpu` reads it

@@ -154,7 +154,8 @@ class ParallelConfig:
         return self.dp // self.dp_replicate
 
 
-DATA_SPLITS = ("interleaved", "contiguous")  # worker/data/corpus.py, BatchSampler
+# worker/data/corpus.py, data_part: "own" = every site's --data is its own, trained on whole by that site
+DATA_SPLITS = ("interleaved", "contiguous", "own")
 DELAYED_STARTS = ("own", "eager")  # worker/exchange/delayed_start.py
 
 
@@ -183,7 +184,8 @@ class RunConfig:
     # Which part of the training tokens each cluster (and each replica inside one) samples from:
     # "interleaved" (round-robin chunks: a sample of the whole corpus, as when one corpus is split across
     # sites) or "contiguous" (its own stretch: non-IID on one text); worker/data/corpus.py, BatchSampler;
-    # docs/decisions.md, "Splitting one corpus across clusters".
+    # docs/decisions.md, "Splitting one corpus across clusters". "own": each site's --data is its own
+    # (the data already lives at each site), so the site trains on all of it, its replicas interleaved.
     data_split: str = "interleaved"
     model: ModelConfig = field(default_factory=ModelConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
@@ -206,7 +208,7 @@ class RunConfig:
         if self.sync_rounds < 0:
             raise ValueError(f"sync_rounds must be ≥ 0, got {self.sync_rounds}")
         if self.data_split not in DATA_SPLITS:
-            raise ValueError(f"data_split must be 'interleaved' or 'contiguous', got {self.data_split!r}")
+            raise ValueError(f"data_split must be one of {', '.join(DATA_SPLITS)}, got {self.data_split!r}")
         if self.delayed_start not in DELAYED_STARTS:
             raise ValueError(f"delayed_start must be 'own' or 'eager', got {self.delayed_start!r}")
         if self.rounds < 1:

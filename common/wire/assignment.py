@@ -70,6 +70,12 @@ def model_digest(params: Iterable[tuple[str, Sequence[int]]]) -> str:
     return h.hexdigest()
 
 
+def tokenizer_digest_of(definition: str) -> str:
+    """A tokenizer's identity, over its Hugging Face `tokenizer.json` text ("byte" has no file and is
+    its own identity): workers record it in prepared data, shards record and check it at every join."""
+    return "sha256:" + hashlib.sha256(definition.encode()).hexdigest()
+
+
 def assign_slices(params: Sequence[tuple[str, Sequence[int]]], num_shards: int) -> list[ParamSlice]:
     """Split and place every parameter; returns slices ordered by (parameter order, row_start)."""
     if num_shards < 1:

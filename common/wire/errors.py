@@ -50,6 +50,10 @@ class ModelMismatch(DilocoxError):
     status = "INVALID_ARGUMENT"
 
 
+class TokenizerMismatch(ModelMismatch):
+    """A cluster's tokenizer differs from the run's: the same ids would mean different text in one model."""
+
+
 class WrongRun(DilocoxError):
     """The request names a run this shard is not serving."""
 
@@ -66,6 +70,12 @@ class RoundNotOpen(DilocoxError):
     """A push for a round that is not the open one (late, early, or already initialised)."""
 
     status = "FAILED_PRECONDITION"
+
+
+class RunOver(DilocoxError):
+    """A push for a round past the run's final version: the run has ended (raise its rounds to go on)."""
+
+    status = "OUT_OF_RANGE"
 
 
 class NotReady(DilocoxError):

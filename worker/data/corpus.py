@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import pathlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from dilocox.common.config.run import DATA_SPLITS
 from dilocox.worker.data.sources import CorpusError, default_corpus_path, input_files
 from dilocox.worker.data.token_file import TokenFile
 from dilocox.worker.models.contract import lm_loss
@@ -109,7 +109,26 @@ def gather_windows(tokens: np.ndarray | TokenFile, starts: np.ndarray, length: i
     return torch.from_numpy(rows.astype(np.int64))
 
 
-SPLITS = DATA_SPLITS
+SPLITS = ("interleaved", "contiguous")  # how BatchSampler cuts its part out of the tokens it is given
+OWN_DATA_SEED_STRIDE = 7919  # "own": sites' samplers differ even if two sites were given the same data
+
+
+@dataclass(frozen=True)
+class DataPart:
+    """Which part of its --data one replica of one site samples from, by the run's `data_split`."""
+
+    index: int
+    count: int
+    split: str
+    seed: int
+
+
+def data_part(data_split: str, seed: int, cluster_index: int, num_clusters: int, replica: int = 0, replicas: int = 1) -> DataPart:
+    """"interleaved"/"contiguous": the sites share one corpus, each replica of each site a 1/(M·dp) part;
+    "own": each site's data is its own, its replicas split all of it (interleaved)."""
+    if data_split == "own":
+        return DataPart(replica, replicas, "interleaved", seed + OWN_DATA_SEED_STRIDE * cluster_index)
+    return DataPart(cluster_index * replicas + replica, num_clusters * replicas, data_split, seed)
 INTERLEAVE_TOKENS = 4096  # chunk of the interleaved split (smaller only where a shard would not get one)
 
 

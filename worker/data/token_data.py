@@ -33,6 +33,7 @@ class TokenData:
     tokenizer_digest: str
     source: str
     streamed: bool = False  # read window by window from a prepared token file
+    tokenizer_json: str = ""  # the tokenizer's definition ("" for byte): the shards keep the run's for export
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +45,8 @@ class TokenData:
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         split = len(tokens) - int(len(tokens) * eval_fraction)
-        return cls(tokens[:split], tokens[split:], tokenizer.vocab_size, tokenizer.digest, source)
+        return cls(tokens[:split], tokens[split:], tokenizer.vocab_size, tokenizer.digest, source,
+                   tokenizer_json=getattr(tokenizer, "definition", ""))  # fmt: skip
 
     @classmethod
     def from_bytes(cls, data: bytes, eval_fraction: float = EVAL_FRACTION) -> "TokenData":
@@ -81,7 +83,8 @@ def open_prepared(path: str | os.PathLike, tokenizer: Tokenizer) -> TokenData:
         raise TokenizerError(f"the data in {folder} holds ids up to {manifest.vocab_size - 1}, beyond the tokenizer's vocabulary")
     tokens = TokenFile(folder / TOKENS_FILE, np.dtype(manifest.dtype))
     split = manifest.train_tokens
-    return TokenData(tokens[:split], tokens[split:], tokenizer.vocab_size, tokenizer.digest, str(folder), streamed=True)
+    return TokenData(tokens[:split], tokens[split:], tokenizer.vocab_size, tokenizer.digest, str(folder), streamed=True,
+                     tokenizer_json=getattr(tokenizer, "definition", ""))  # fmt: skip
 
 
 def load_token_data(path: str | os.PathLike | None, tokenizer: Tokenizer, text_field: str = "text") -> TokenData:
@@ -94,6 +97,18 @@ def load_token_data(path: str | os.PathLike | None, tokenizer: Tokenizer, text_f
     if len(tokens) == 0:
         raise CorpusError(f"corpus at {source} holds no text")
     return TokenData.from_tokens(tokens, tokenizer, str(source))
+
+
+def run_tokenizer_spec(spec: str, path: str | os.PathLike | None) -> str:
+    """The run's tokenizer: `spec` — or, where that is the default (byte) and `path` is a folder that
+    `dilocox data prepare` made with another tokenizer, that folder's own (a site given prepared data
+    needs no --tokenizer; the shards then check that every site's is the same)."""
+    if spec != "byte" or path is None or not is_prepared(path):
+        return spec
+    manifest = read_manifest(path)
+    if manifest.tokenizer_digest == "byte":
+        return spec
+    return manifest.tokenizer_spec if manifest.tokenizer_spec.startswith("bpe:") else str(pathlib.Path(path) / "tokenizer.json")
 
 
 def load_run_data(tokenizer_spec: str, path: str | os.PathLike | None, text_field: str = "text") -> TokenData:

@@ -19,6 +19,7 @@ from typing import Iterable, Protocol
 import numpy as np
 
 from dilocox.common.atomic_file import write_text_atomic
+from dilocox.common.wire.assignment import tokenizer_digest_of
 from dilocox.worker.data.manifest import is_prepared, read_manifest
 from dilocox.worker.data.sources import default_corpus_path, input_files, sample_text
 
@@ -74,7 +75,7 @@ class HFTokenizer:
         self.spec = spec
         self.definition = tokenizer.to_str()
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.digest = "sha256:" + hashlib.sha256(self.definition.encode()).hexdigest()
+        self.digest = tokenizer_digest_of(self.definition)
         self.dtype = token_dtype(self.vocab_size)
         eot = tokenizer.token_to_id(END_OF_TEXT)
         self.separator = np.array([] if eot is None else [eot], dtype=self.dtype)
@@ -120,12 +121,17 @@ def load_tokenizer_file(path: str | os.PathLike, spec: str | None = None) -> HFT
         p = p / "tokenizer.json"
     if not p.is_file():
         raise TokenizerError(f"tokenizer file does not exist: {p}")
+    return load_tokenizer_text(p.read_text(), spec or str(path), where=str(p))
+
+
+def load_tokenizer_text(definition: str, spec: str, where: str = "the tokenizer") -> HFTokenizer:
+    """A tokenizer from its `tokenizer.json` text (a file's, or the one a run's shards recorded)."""
     tokenizers = _tokenizers()
     try:
-        tokenizer = tokenizers.Tokenizer.from_str(p.read_text())
+        tokenizer = tokenizers.Tokenizer.from_str(definition)
     except Exception as error:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file
-        raise TokenizerError(f"{p} is not a Hugging Face tokenizer.json: {error}") from None
-    return HFTokenizer(tokenizer, spec or str(path))
+        raise TokenizerError(f"{where} is not a Hugging Face tokenizer.json: {error}") from None
+    return HFTokenizer(tokenizer, spec)
 
 
 def cache_dir() -> pathlib.Path:

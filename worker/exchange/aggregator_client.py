@@ -76,7 +76,10 @@ class AggregatorClient:
         shard_wait_s: float = 1800.0,
         tls: TlsFiles | None = None,
         token: str | None = None,
+        tokenizer: tuple[str, str] = ("", ""),
     ) -> None:
+        """`tokenizer`: (digest, tokenizer.json) of this cluster's tokenizer, recorded and checked by the
+        shards at the join ("byte" and "" for bytes; ("", "") sends none, e.g. a bare test client)."""
         if not addresses:
             raise ValueError("at least one shard address is needed")
         self.addresses = list(addresses)
@@ -86,6 +89,7 @@ class AggregatorClient:
         self.connect_timeout = connect_timeout
         self.rpc_timeout = rpc_timeout
         self.shard_wait_s = shard_wait_s
+        self.tokenizer = tokenizer
         options = [
             ("grpc.max_receive_message_length", self.wire.max_message_bytes),
             ("grpc.max_send_message_length", self.wire.max_message_bytes),
@@ -139,6 +143,8 @@ class AggregatorClient:
             model_digest=model_digest(params),
             params=[pb.ParamSpec(name=n, shape=list(s)) for n, s in params],
             run_config_json=run_config_json,
+            tokenizer_digest=self.tokenizer[0],
+            tokenizer_json=self.tokenizer[1],
         )
 
         def join_one(i: int) -> pb.JoinReply:

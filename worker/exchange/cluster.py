@@ -74,6 +74,11 @@ class RunFinished(RuntimeError):
     """The shards already hold the run's final version: a cluster that starts now has nothing to train."""
 
 
+class RunLengthMismatch(RunFinished):
+    """The site was started to end at another version than the run's shards record: it would train past
+    the run's end (and wait for rounds no shard closes), or stop short of it."""
+
+
 class LateJoin(RuntimeError):
     """A cluster new to the run arrives after rounds have closed: it would train fewer than it asked for."""
 
@@ -186,6 +191,14 @@ class DilocoCluster:
                 f"({final} = its rounds and the end-of-run flush), so this cluster would train nothing. Get the model "
                 "with `dilocox export`, or start a new run (another --run-id, fresh shards)"
             )
+        mine = final_version_of(self.run_config_json)
+        if self.access.agree_any(final is not None and mine is not None and mine != final):
+            raise RunLengthMismatch(
+                f"this site was started to end run {self.client.run_id!r} at version {mine} ({self.rounds} rounds), its "
+                f"shards end it at version {final}: " + ("to train longer, restart every shard with --resume --rounds "
+                f"{self.rounds} first, then this site with --resume (docs/deploy.md, \"Train longer\")" if mine > final
+                else "start it with the run's --rounds")
+            )  # fmt: skip
         if self.access.agree_any(not self.allow_late_join and not info.rejoin and fresh and held > 0):
             raise LateJoin(
                 f"run {self.client.run_id!r} is at version {held}: its first {min(held, self.rounds)} rounds have closed, so "
@@ -326,13 +339,19 @@ class DilocoCluster:
             adopt = True
             log.info("last_round_collected", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3),
                      bytes_up=exchange.bytes_up, bytes_down=exchange.bytes_down)  # fmt: skip
-        if self._flush_residuals() is not None:
+        flushed = self._flush_residuals()
+        if flushed is not None:
             adopt = True
         if self.access.agree_any(adopt):  # every rank writes, or none (the write is collective)
             if adopt:
                 self._start_from_held(keep_unsent=False)
             self.access.write(self.buffers.start)
             log.info("final_weights_adopted", cluster=self.client.cluster, version=self.version)
+        if self.checkpoint is not None and not self.access.agree_any(flushed is None):
+            # The state after the flush (residuals sent, so none kept): what a run extended with more
+            # rounds resumes from, so nothing the flush sent is sent again (docs/deploy.md, "Train longer").
+            self.checkpoint.capture(flushed.round, self.trainer, self.client.compressor, self.names, always=True)
+            self._commit(flushed.round)
 
     def _flush_residuals(self) -> RoundExchange | None:
         """Round `rounds + 1` without inner steps: a zero pseudo-gradient pushed with the dense flush

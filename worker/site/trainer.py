@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from dilocox.common.config.run import RunConfig
-from dilocox.worker.data.corpus import BatchSampler, as_token_array, check_split, eval_windows, gather_windows
+from dilocox.worker.data.corpus import BatchSampler, as_token_array, check_split, data_part, eval_windows, gather_windows
 from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import causal_lm_loss, logits_of
@@ -51,7 +51,8 @@ class SiteTrainer:
         self.device = mesh.device
         shape = mesh.shape
         data = data if isinstance(data, TokenData) else TokenData.from_bytes(data, EVAL_FRACTION)
-        check_split(len(data.train), len(data.eval), config.model.block_size, num_clusters * shape.dp)
+        part = data_part(config.data_split, config.seed, cluster_index, num_clusters, mesh.replica, shape.dp)
+        check_split(len(data.train), len(data.eval), config.model.block_size, part.count)
         self.eval_data = as_token_array(data.eval)
         self.vocab_size = data.vocab_size
         # The full model is built on the CPU from the run's seed (bit-identical to one process), the stage
@@ -66,8 +67,8 @@ class SiteTrainer:
             shard_stage(self.module, mesh.fsdp_mesh, self.compute.bf16, pipelined=shape.pp > 1)
         # bf16 without FSDP is autocast; with FSDP its mixed-precision policy does it.
         self._autocast = (lambda: contextlib.nullcontext()) if self.sharded else self.compute.autocast
-        self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, config.seed,
-                                    cluster_index * shape.dp + mesh.replica, num_clusters * shape.dp, split=config.data_split)  # fmt: skip
+        self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index,
+                                    part.count, split=part.split)  # fmt: skip
         self.schedule = None
         if shape.pp > 1:
             stage = PipelineStage(self.module, mesh.stage, shape.pp, self.device, group=mesh.pp_group)

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from dilocox.common.config.run import RunConfig
-from dilocox.worker.data.corpus import BatchSampler, check_split, evaluate
+from dilocox.worker.data.corpus import BatchSampler, check_split, data_part, evaluate
 from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import lm_loss
@@ -47,15 +47,14 @@ class InnerTrainer:
                  compute: Compute | None = None) -> None:  # fmt: skip
         self.config = config
         self.data = corpus if isinstance(corpus, TokenData) else TokenData.from_bytes(corpus, EVAL_FRACTION)
-        check_split(len(self.data.train), len(self.data.eval), config.model.block_size, num_clusters)
+        part = data_part(config.data_split, config.seed, cluster_index, num_clusters)
+        check_split(len(self.data.train), len(self.data.eval), config.model.block_size, part.count)
         self.eval_data = self.data.eval
         self.compute = compute or resolve_compute(config.parallel)
         # Every cluster builds the same initial model (same seed, on the CPU); only the data differs.
         self.model = build_model(config.model, self.data.vocab_size, config.seed).to(self.compute.device)
-        self.sampler = BatchSampler(
-            self.data.train, config.model.block_size, config.inner.batch_size, config.seed, cluster_index, num_clusters,
-            split=config.data_split,
-        )
+        self.sampler = BatchSampler(self.data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index,
+                                    part.count, split=part.split)  # fmt: skip
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
         self.step = 0
         self.tokens_seen = 0
