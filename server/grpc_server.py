@@ -73,6 +73,7 @@ def start_server(
     options = [
         ("grpc.max_receive_message_length", wire.max_message_bytes),
         ("grpc.max_send_message_length", wire.max_message_bytes),
+        *wire.keepalive_options(server=True),
     ]
     interceptors = [TokenInterceptor(token)] if token else None
     server = grpc.server(

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import pathlib
 import json
+import os
 import signal
 import sys
 
@@ -13,7 +14,7 @@ import structlog
 import torch
 
 from dilocox.common.wire.compression import TensorCompressor
-from dilocox.common.config.run import add_config_arguments, as_dict, config_from_args
+from dilocox.common.config.run import ParallelConfig, add_config_arguments, as_dict, config_from_args
 from dilocox.common.logs import configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
@@ -23,6 +24,7 @@ from dilocox.worker.exchange.cluster import DilocoCluster, LateJoin, RunFinished
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments, load_run_data, run_tokenizer_spec
 from dilocox.worker.data.tokenizer import TokenizerError
+from dilocox.worker.models.bounds import check_model_size
 from dilocox.worker.models.build import model_param_specs
 from dilocox.worker.models.spec import ModelSpecError
 from dilocox.worker.exchange.access import LocalAccess
@@ -61,6 +63,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
+def check_world_size(parallel: ParallelConfig) -> None:
+    """A torchrun job whose size is not --pp × --dp is refused on every rank at once: two processes of a
+    pp1 × dp1 site would both join as the same cluster, and one would wait for the other half an hour."""
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != parallel.world_size:
+        world = int(os.environ["WORLD_SIZE"])
+        raise SystemExit(f"dilocox worker: this torchrun job has {world} processes, but --pp {parallel.pp} × --dp {parallel.dp} "
+                         f"= {parallel.world_size}: give the layout of its {world} processes, or start {parallel.world_size}")  # fmt: skip
+
+
+def _local_processes(parallel: ParallelConfig) -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, or all of them where the worker starts the job itself."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun() else parallel.world_size
+
+
+def _device_bytes(parallel: ParallelConfig) -> int | None:
+    """One GPU's memory where the ranks train on GPUs (None: training state lives in host memory)."""
+    if parallel.device == "cpu" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     try:
@@ -78,8 +101,11 @@ def run(args: argparse.Namespace) -> int:
         log.info("tokenizer_from_data", data=args.data, tokenizer=adopted)
         config = dataclasses.replace(config, tokenizer=adopted)
     parallel = config.parallel.world_size > 1
-    try:
-        check_splittable(config.model, config.parallel.pp)  # before a torchrun job is started for nothing
+    check_world_size(config.parallel)
+    try:  # before a torchrun job is started, or any weight built, for nothing
+        check_model_size(config.model, config.model.vocab_size, config.parallel, _local_processes(config.parallel),
+                         _device_bytes(config.parallel))  # fmt: skip
+        check_splittable(config.model, config.parallel.pp)
     except (ModelSpecError, PipelineSplitError) as error:
         raise SystemExit(f"dilocox worker: {error}") from None
     if parallel and not under_torchrun():
@@ -95,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
 
             mesh = SiteMesh(config.parallel, collective_timeout_s=args.shard_wait_s + 600)
         data = load_run_data(config.tokenizer, args.data, args.text_field)
+        if data.vocab_size != config.model.vocab_size:  # the tokenizer's vocabulary sizes the model: check again
+            check_model_size(config.model, data.vocab_size, config.parallel, _local_processes(config.parallel),
+                             _device_bytes(config.parallel))  # fmt: skip
         if mesh is None:
             trainer = InnerTrainer(config, data, args.cluster_index, args.num_clusters)
             access = LocalAccess(trainer.named_parameters())

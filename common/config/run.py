@@ -98,6 +98,25 @@ class WireConfig:
     # Compare each replayed outer step with the shard's state digest (32 bytes per shard and round) and
     # pull in full on a mismatch; off only to talk to shards from before the check.
     replay_check: bool = True
+    # gRPC keepalive: a connection silent this long is pinged, and one whose ping goes unanswered for as
+    # long again is dropped, so a half-open connection (a partition that lost a reply or a reset) fails
+    # its call in ≤ 2× this and the site's outage path retries it (worker/exchange/shard_wait.py). 30 s
+    # is far above a WAN's round trip and well below NAT/firewall idle timeouts (often ≥ 60 s).
+    keepalive_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.keepalive_s > 0:
+            raise ValueError(f"wire keepalive_s must be positive, got {self.keepalive_s}")
+
+    def keepalive_options(self, server: bool = False) -> list[tuple[str, int]]:
+        """gRPC channel/server options for `keepalive_s`. The server also accepts pings as often as a
+        client may send them (its default refuses pings more often than every 5 min with GOAWAY)."""
+        ms = int(self.keepalive_s * 1000)
+        options = [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.keepalive_permit_without_calls", 1),
+                   ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.min_ping_interval_without_data_ms", ms), ("grpc.http2.ping_timeout_ms", ms)]  # fmt: skip
+        if server:
+            options += [("grpc.http2.min_recv_ping_interval_without_data_ms", min(ms, 1000)), ("grpc.http2.max_ping_strikes", 0)]
+        return options
 
 
 @dataclass(frozen=True)

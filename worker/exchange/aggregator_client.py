@@ -35,7 +35,7 @@ from dilocox.common.security import TlsFiles, open_channel
 from dilocox.worker.exchange.carry import UndeliveredCarry
 from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions
 from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
-from dilocox.worker.exchange.shard_wait import RECONNECT_OPTIONS, AggregatorError, call_waiting, why_unreachable
+from dilocox.worker.exchange.shard_wait import RECONNECT_OPTIONS, WAITED_FOR, AggregatorError, call_waiting, why_unreachable
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 
@@ -94,6 +94,7 @@ class AggregatorClient:
             ("grpc.max_receive_message_length", self.wire.max_message_bytes),
             ("grpc.max_send_message_length", self.wire.max_message_bytes),
             *RECONNECT_OPTIONS,
+            *self.wire.keepalive_options(),
         ]
         self._channels = [open_channel(a, options, tls, token) for a in self.addresses]
         self._channel_of = dict(zip(self.addresses, self._channels))
@@ -151,7 +152,9 @@ class AggregatorClient:
             try:
                 # A first join fails fast on a wrong address (connect_timeout); a rejoin (after a missed
                 # deadline, or during a shard's restart) waits as long as any other call does.
-                timeout = self.shard_wait_s if self._stubs else self.connect_timeout
+                # --shard-wait-s bounds the first connection too (a shorter wait than connect_timeout).
+                first = min(self.connect_timeout, self.shard_wait_s) if self.shard_wait_s > 0 else self.connect_timeout
+                timeout = self.shard_wait_s if self._stubs else first
                 return self._call(
                     self.addresses[i],
                     lambda: self._stubs_by_address[i].Join(request, timeout=max(timeout, 1.0), wait_for_ready=True),
@@ -257,7 +260,9 @@ class AggregatorClient:
         chunks = frame_slices(items, self.slice_map.index, self.wire.chunk_bytes, self.wire.zstd_level)
         messages += [pb.PushMessage(chunk=chunk) for chunk in chunks]
         push = lambda: stub.Push(iter(messages), timeout=self.rpc_timeout)  # noqa: E731
-        self._call(address, push, call="push", wait_s=None if wait else 0.0)
+        # A push is idempotent (a retry is answered as duplicates): its own deadline running out (a reply
+        # lost on a half-open connection) is waited out like an outage.
+        self._call(address, push, call="push", wait_s=None if wait else 0.0, deadline_is_outage=True)
         return sum(m.ByteSize() for m in messages)
 
     def _repush_after_outage(self, shard: int, round_: int) -> None:
@@ -397,8 +402,10 @@ class AggregatorClient:
                 replies.append(error)
         return replies
 
-    def _call(self, address: str, fn, on_reconnect=None, call: str = "call", wait_s: float | None = None):
+    def _call(self, address: str, fn, on_reconnect=None, call: str = "call", wait_s: float | None = None,
+              deadline_is_outage: bool = False):  # fmt: skip
         """Run one idempotent call, waiting out an unreachable shard for `wait_s` (default `shard_wait_s`;
         0: one try) — see `shard_wait.call_waiting`."""
         wait_s = self.shard_wait_s if wait_s is None else wait_s
-        return call_waiting(fn, address, self._channel_of[address], wait_s, on_reconnect, call)
+        waited = WAITED_FOR + (grpc.StatusCode.DEADLINE_EXCEEDED,) if deadline_is_outage else WAITED_FOR
+        return call_waiting(fn, address, self._channel_of[address], wait_s, on_reconnect, call, waited)

@@ -1,0 +1,84 @@
+"""Bad launches are refused before they cost anything (issue 33): a model's sizes checked field by field
+and its memory against the machine before any weight is built; a torchrun job of the wrong world size;
+a first connection bounded by --shard-wait-s."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dilocox.common.config.run import ModelConfig, ParallelConfig
+from dilocox.worker.models.bounds import check_model_size
+from dilocox.worker.models.spec import ModelSpecError
+
+GB = 10**9
+
+
+def _config_json(tmp_path, **fields) -> str:
+    base = json.loads((__import__("dilocox.worker.models.spec", fromlist=["presets_dir"]).presets_dir() / "llama-tiny.json").read_text())
+    base.update(fields)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(base))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"hidden_size": 0}, "hidden_size = 0 is outside"),
+     ({"hidden_size": 66}, "hidden_size 66 is not divisible by num_attention_heads 4"),
+     ({"hidden_size": "big"}, "hidden_size must be a whole number"),
+     ({"num_hidden_layers": -1}, "num_hidden_layers = -1 is outside"),
+     ({"num_hidden_layers": 10**6}, "num_hidden_layers = 1000000 is outside"),
+     ({"vocab_size": 10**9}, "vocab_size = 1000000000 is outside"),
+     ({"num_key_value_heads": 3}, "not divisible by num_key_value_heads 3")],
+)  # fmt: skip
+def test_each_malformed_field_is_one_line_naming_it(tmp_path, fields, message):
+    pytest.importorskip("transformers")
+    started = time.perf_counter()
+    with pytest.raises(ModelSpecError, match=message):
+        check_model_size(ModelConfig(model=_config_json(tmp_path, **fields)), 256, ParallelConfig())
+    assert time.perf_counter() - started < 30  # nothing was built (a generous bound: a shared CI core)
+
+
+def test_a_model_larger_than_the_machine_is_refused_with_its_size_before_it_is_built(tmp_path):
+    pytest.importorskip("transformers")
+    big = ModelConfig(model=_config_json(tmp_path, hidden_size=16384, intermediate_size=65536, num_hidden_layers=64,
+                                         num_attention_heads=128, num_key_value_heads=8))  # fmt: skip
+    with pytest.raises(ModelSpecError, match=r"B parameters need about .* of host memory here .* and 8.0 GB is available"):
+        check_model_size(big, 256, ParallelConfig(), host_bytes=8 * GB)
+    with pytest.raises(ModelSpecError, match="per GPU .* raise --pp"):
+        check_model_size(big, 256, ParallelConfig(), host_bytes=10_000 * GB, device_bytes=80 * GB)
+    sharded = check_model_size(big, 256, ParallelConfig(pp=8, dp=8, microbatches=8), local_processes=8, host_bytes=10_000 * GB, device_bytes=80 * GB)
+    assert sharded.params > 200e9 and sharded.train_bytes_per_rank < 80 * GB  # the same model fits 64 GPUs
+    small = check_model_size(ModelConfig(), 256, ParallelConfig())
+    assert 0 < small.params < 10**6
+
+
+def test_builtin_gpt_sizes_are_bounded_by_flag_name():
+    with pytest.raises(ModelSpecError, match="--n-layer = 1000000 is outside"):
+        check_model_size(ModelConfig(n_layer=10**6), 256, ParallelConfig())
+
+
+def _worker(tmp_path, *flags: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dilocox.common.cli", "worker", "--insecure", *flags], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=tmp_path)  # fmt: skip
+
+
+def test_the_worker_refuses_a_huge_model_and_a_wrong_world_size_at_once(tmp_path):
+    huge = _worker(tmp_path, "--servers", "127.0.0.1:1", "--n-layer", "64", "--n-embd", "65536", "--n-head", "64")
+    assert huge.returncode != 0 and "of host memory here" in huge.stderr, huge.stderr[-2000:]
+    # Two processes of a torchrun job started with the default --pp 1 --dp 1: both refuse, naming it.
+    wrong = _worker(tmp_path, "--servers", "127.0.0.1:1", env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
+    assert wrong.returncode != 0 and "2 processes" in wrong.stderr and "--pp 1 × --dp 1" in wrong.stderr, wrong.stderr[-2000:]
+
+
+def test_shard_wait_bounds_the_first_connection(tmp_path):
+    started = time.monotonic()
+    done = _worker(tmp_path, "--servers", "127.0.0.1:1", "--shard-wait-s", "3", "--rounds", "1", "--inner-steps", "1")
+    took = time.monotonic() - started
+    assert done.returncode == 2 and took < 45, (took, done.stderr[-2000:])
