@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from dilocox.common.wire import codecs
-from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices, model_digest, slices_of_shard, tokenizer_digest_of
+from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices, model_digest, slices_of_shard
 from dilocox.common.config.run import final_version_of
 from dilocox.common.wire.errors import (
     InvalidFrame,
@@ -34,7 +34,6 @@ from dilocox.common.wire.errors import (
     RunOver,
     ShuttingDown,
     ShapeMismatch,
-    TokenizerMismatch,
     UnknownSlice,
     WrongRun,
 )
@@ -42,6 +41,7 @@ from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.replica_digest import combined_digest, slice_digest
 from dilocox.server.round_state import Contribution, RoundAccumulator
+from dilocox.server.run_record import admit_tokenizer, extended_run_config
 
 log = structlog.get_logger("dilocox.shard")
 
@@ -175,7 +175,10 @@ class Shard:
                     f"model digest {digest[:12]}… does not match this run's {self.digest[:12]}…: "
                     "the cluster's model has different parameter names or shapes"
                 )
-            self._check_tokenizer(cluster, tokenizer_digest, tokenizer_json)
+            recorded = (self.tokenizer_digest, self.tokenizer_json)
+            self.tokenizer_digest, self.tokenizer_json = admit_tokenizer(recorded, cluster, tokenizer_digest, tokenizer_json)
+            if not recorded[0] and self.tokenizer_digest:
+                log.info("run_tokenizer_recorded", shard=self.shard_index, cluster=cluster, tokenizer=self.tokenizer_digest[:19])
             rejoin = cluster in self.members or cluster in self.known
             self.members[cluster] = time.time()
             self.known.add(cluster)
@@ -186,23 +189,6 @@ class Shard:
             log.info("cluster_joined", shard=self.shard_index, cluster=cluster, rejoin=rejoin, version=version, initialiser=needs_init)
             self._cond.notify_all()
             return JoinResult(cluster, version, needs_init, list(self.assignment), self.run_config_json, rejoin, self.tokenizer_digest)
-
-    def _check_tokenizer(self, cluster: str, digest: str, definition: str) -> None:
-        """The first joiner's tokenizer becomes the run's (call under the lock). Refused: another digest,
-        or a definition that is not the digest's. A join without one (an older client) is not checked."""
-        if not digest:
-            return
-        if definition and digest != tokenizer_digest_of(definition):
-            raise InvalidFrame(f"tokenizer digest {digest[:19]}… does not match the tokenizer.json sent with it")
-        if not self.tokenizer_digest:
-            self.tokenizer_digest, self.tokenizer_json = digest, definition
-            log.info("run_tokenizer_recorded", shard=self.shard_index, cluster=cluster, tokenizer=digest[:19])
-        elif digest != self.tokenizer_digest:
-            raise TokenizerMismatch(
-                f"cluster {cluster!r} tokenizes with {digest}, this run with {self.tokenizer_digest}: its token ids "
-                "would mean other text in the same model. Give every site the run's tokenizer.json (--tokenizer "
-                "PATH, or data prepared with it; docs/deploy.md, \"Your data at each site\")"
-            )
 
     def describe(self, run_id: str) -> JoinResult:
         """What a read-only observer (`dilocox export`) needs: the slice map, the run's config and the
@@ -491,17 +477,11 @@ class Shard:
         """Raise the run's rounds (and so its final version) to `rounds`: `dilocox server --resume --rounds N`.
         Everything else of the run stays: weights, outer momentum, membership. Refuses to shorten a run."""
         with self._cond:
+            final_before = self.final_version
             try:
-                recorded = json.loads(self.run_config_json or "{}")
-            except ValueError:
-                recorded = {}
-            if "rounds" not in recorded:
-                raise ValueError(f"shard {self.shard_index} has no recorded run configuration to extend (no cluster joined yet)")
-            before, final_before = int(recorded["rounds"]), self.final_version
-            if rounds < before:
-                raise ValueError(f"--rounds {rounds}: the run already has {before} rounds; a run can be extended, not shortened")
-            recorded["rounds"] = rounds
-            self.run_config_json = json.dumps(recorded)
+                self.run_config_json, before = extended_run_config(self.run_config_json, rounds)
+            except ValueError as error:
+                raise ValueError(f"shard {self.shard_index}: {error}") from None
             log.info("run_extended", shard=self.shard_index, rounds_before=before, rounds=rounds, final_version_before=final_before,
                      final_version=self.final_version, version=self.version)  # fmt: skip
 

@@ -20,7 +20,8 @@ from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.worker.exchange.cluster import DilocoCluster, LateJoin, RunFinished, RunLengthMismatch
+from dilocox.worker.exchange.admission import LateJoin, RunFinished, RunLengthMismatch
+from dilocox.worker.exchange.cluster import DilocoCluster
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments, load_run_data, run_tokenizer_spec
 from dilocox.worker.data.tokenizer import TokenizerError
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
         return 2
     except (RunFinished, LateJoin) as error:
-        event = "run_length_refused" if isinstance(error, RunLengthMismatch) else "run_finished" if isinstance(error, RunFinished) else "late_join_refused"
+        event = {RunLengthMismatch: "run_length_refused", RunFinished: "run_finished", LateJoin: "late_join_refused"}[type(error)]
         log.error(event, cluster=cluster, reason=str(error))
         return 3
     finally:

@@ -39,11 +39,11 @@ import grpc
 import structlog
 import torch
 
-from dilocox.common.config.run import final_version_of
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.access import LocalAccess, ParameterAccess
 from dilocox.worker.exchange.adaptive_steps import StepsController
+from dilocox.worker.exchange.admission import admission_checks
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.exchange.boundary import BoundaryTimer, log_exchange_memory
 from dilocox.worker.exchange.communicator import Communicator, RoundExchange
@@ -68,19 +68,6 @@ class LocalTrainer(Protocol):
 def slice_tensors(slices: list[ParamSlice], full: dict[str, torch.Tensor]) -> dict[SliceKey, torch.Tensor]:
     """Cut full tensors into the assignment's slices (views, no copies)."""
     return HostBuffers.slices_of(full, slices)
-
-
-class RunFinished(RuntimeError):
-    """The shards already hold the run's final version: a cluster that starts now has nothing to train."""
-
-
-class RunLengthMismatch(RunFinished):
-    """The site was started to end at another version than the run's shards record: it would train past
-    the run's end (and wait for rounds no shard closes), or stop short of it."""
-
-
-class LateJoin(RuntimeError):
-    """A cluster new to the run arrives after rounds have closed: it would train fewer than it asked for."""
 
 
 def _refused_elsewhere() -> AggregatorError:
@@ -182,29 +169,11 @@ class DilocoCluster:
     def start(self) -> int:
         """Join, seed uninitialised shards, adopt the current global weights; returns the first round to train."""
         info = self.client.join(self.access.model_specs, self.run_config_json)
-        final = final_version_of(info.run_config_json)
-        fresh = getattr(self.trainer, "step", 0) == 0
-        held = min(info.versions)
-        if self.access.agree_any(final is not None and held >= final and fresh):
-            raise RunFinished(
-                f"run {self.client.run_id!r} has finished: the shards hold its final version {held} "
-                f"({final} = its rounds and the end-of-run flush), so this cluster would train nothing. Get the model "
-                "with `dilocox export`, or start a new run (another --run-id, fresh shards)"
-            )
-        mine = final_version_of(self.run_config_json)
-        if self.access.agree_any(final is not None and mine is not None and mine != final):
-            raise RunLengthMismatch(
-                f"this site was started to end run {self.client.run_id!r} at version {mine} ({self.rounds} rounds), its "
-                f"shards end it at version {final}: " + ("to train longer, restart every shard with --resume --rounds "
-                f"{self.rounds} first, then this site with --resume (docs/deploy.md, \"Train longer\")" if mine > final
-                else "start it with the run's --rounds")
-            )  # fmt: skip
-        if self.access.agree_any(not self.allow_late_join and not info.rejoin and fresh and held > 0):
-            raise LateJoin(
-                f"run {self.client.run_id!r} is at version {held}: its first {min(held, self.rounds)} rounds have closed, so "
-                f"this site would train {max(0, self.rounds - held)} of its {self.rounds} rounds. Start every site together "
-                "(shards first, --min-clusters = the number of sites), or pass --join-late to join anyway"
-            )
+        checks = admission_checks(self.client.run_id, self.rounds, self.run_config_json, info.run_config_json,
+                                  min(info.versions), getattr(self.trainer, "step", 0) == 0, info.rejoin, self.allow_late_join)  # fmt: skip
+        for refused, error in checks:
+            if self.access.agree_any(refused):  # every rank of the site refuses alike
+                raise error
         owned = set(self.names)
         self.slices = [s for s in info.assignment if s.name in owned]
         self.access.read(self.buffers.work)  # θ here: what an uninitialised shard is seeded with
