@@ -82,3 +82,9 @@ def test_shard_wait_bounds_the_first_connection(tmp_path):
     done = _worker(tmp_path, "--servers", "127.0.0.1:1", "--shard-wait-s", "3", "--rounds", "1", "--inner-steps", "1")
     took = time.monotonic() - started
     assert done.returncode == 2 and took < 45, (took, done.stderr[-2000:])
+
+
+def test_server_rounds_needs_resume(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "server", "--rounds", "5", "--port", "0", "--insecure"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    assert done.returncode != 0 and "--rounds extends a run from its checkpoint and needs --resume" in done.stderr
