@@ -15,6 +15,7 @@ BENCHMARKS = {
     "shard": ("dilocox.bench.shard_throughput", "MB/s of pseudo-gradients decoded and applied per shard vs memory bandwidth"),
     "scale": ("dilocox.bench.scale", "the aggregation service at model size: time and memory per round against parameters, clusters and shards"),
     "gpu": ("dilocox.bench.gpu", "the first thing to run on a GPU machine: a site (sim, pp, FSDP2 dp, accumulation, resume) on its GPUs"),
+    "load": ("dilocox.bench.load", "many clusters (32 to 256) against 2 shards: rounds/s, round latency, shard RSS and CPU, refusals"),
     "projection": ("dilocox.bench.projection", "DiLoCoX at OPT-1.3B and 107B over 1 Gbit/s, projected from a `bench scale` report"),
 }
 

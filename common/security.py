@@ -53,31 +53,26 @@ def channel_credentials(files: TlsFiles) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every call whose `authorization: Bearer <token>` metadata is not the run's token."""
+class AsyncTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call whose `authorization: Bearer <token>` metadata is not the run's token (UNAUTHENTICATED),
+    on the shards' grpc.aio server; health probes pass (they carry no secrets, and health reveals nothing)."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-        def deny(request, context):  # noqa: ANN001 - gRPC handler signature
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
+        async def deny(request, context):  # noqa: ANN001 - gRPC handler signature
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
 
+        self._deny = {"Push": grpc.stream_unary_rpc_method_handler(deny), "Pull": grpc.unary_stream_rpc_method_handler(deny)}
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream_in = grpc.stream_unary_rpc_method_handler(deny)
-        self._deny_stream_out = grpc.unary_stream_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001
+    async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001
         if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
-            return continuation(handler_call_details)  # probes carry no secrets; health reveals nothing
+            return await continuation(handler_call_details)
         presented = dict(handler_call_details.invocation_metadata or ()).get(TOKEN_HEADER, "")
         if hmac.compare_digest(presented.encode(), self._expected):
-            return continuation(handler_call_details)
-        method = handler_call_details.method
-        if method.endswith("/Push"):
-            return self._deny_stream_in
-        if method.endswith("/Pull"):
-            return self._deny_stream_out
-        return self._deny_unary
+            return await continuation(handler_call_details)
+        return self._deny.get(handler_call_details.method.rsplit("/", 1)[-1], self._deny_unary)
 
 
 class _TokenClientInterceptor(

@@ -1,56 +1,58 @@
-"""Start a shard's gRPC server: the aggregator servicer (with user-space latency if asked), the health
-service, TLS and the run token, the round-deadline timer, and a stop that turns health NOT_SERVING first.
-
-Apart from `servicer.py` so that the servicer and its latency variant (`latency.py`) sit below the one
-module that chooses between them.
+"""Start a shard's gRPC server: grpc.aio on its own event-loop thread (waiting pulls park on the loop,
+server/aio_servicer.py), the health service, TLS and the run token, the round-deadline timer, and a stop
+that turns health NOT_SERVING first.
 """
 
 from __future__ import annotations
 
-from concurrent import futures
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
 
 from dilocox.common.config.run import WireConfig
-from dilocox.common.security import TlsFiles, TokenInterceptor, server_credentials
+from dilocox.common.security import AsyncTokenInterceptor, TlsFiles, server_credentials
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-from dilocox.server.health import add_health_service, mark_serving, mark_shutting_down
-from dilocox.server.latency import LatencyServicer
+from dilocox.server.aio_servicer import AsyncAggregatorServicer
+from dilocox.server.health import add_health_service, mark_serving
 from dilocox.server.servicer import AggregatorServicer
 from dilocox.server.shard import Shard
 
 log = structlog.get_logger()
 
 
-def _fail_cut_streams() -> None:
-    """Make a request stream that gRPC cut off (a message over the receive limit) raise, not end.
+class ServerHandle:
+    """A `grpc.aio` server on its own event-loop thread, with the blocking API the rest of the project uses
+    (`stop(grace)` returning an event to wait on), so that the shard's core, its checkpointer and its
+    command stay plain threads."""
 
-    gRPC Python ignores a failed receive's `success` flag and ends the request iterator as if the client
-    had half-closed (see grpc/grpc#33038), so a push cut by an oversize message looked complete and its
-    first slices were committed, even closing the round, while the client got RESOURCE_EXHAUSTED. Marking the call
-    cancelled on a failed receive makes the iterator raise instead, and nothing of the push is applied.
-    Patches a private hook once per process; a no-op if a grpc release renames it.
-    """
-    from grpc import _server
+    def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+                 pool: ThreadPoolExecutor, on_stop) -> None:  # noqa: ANN001  # fmt: skip
+        self._server, self._loop, self._thread, self._pool, self._on_stop = server, loop, thread, pool, on_stop
+        self._stopped: threading.Event | None = None
 
-    original = getattr(_server, "_receive_message", None)
-    if original is None or getattr(original, "fails_cut_streams", False) or not hasattr(_server, "_CANCELLED"):
-        return
+    def stop(self, grace: float | None) -> threading.Event:
+        """Health turns NOT_SERVING, held pulls are answered (UNAVAILABLE), calls in flight get `grace`
+        seconds; the returned event is set once the server, its loop and its pool are down."""
+        if self._stopped is not None:
+            return self._stopped
+        self._stopped = done = threading.Event()
 
-    def receive_message(state, call, request_deserializer):
-        on_event = original(state, call, request_deserializer)
+        async def shutdown() -> None:
+            await self._on_stop()
+            await self._server.stop(grace)
 
-        def receive(event):
-            if not event.success:
-                with state.condition:
-                    state.client = _server._CANCELLED
-            return on_event(event)
+        def finish(_future) -> None:  # noqa: ANN001
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            done.set()
 
-        return receive
-
-    receive_message.fails_cut_streams = True  # type: ignore[attr-defined]
-    _server._receive_message = receive_message
+        future = asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
+        future.add_done_callback(lambda f: threading.Thread(target=finish, args=(f,), daemon=True).start())
+        return done
 
 
 def start_server(
@@ -62,49 +64,54 @@ def start_server(
     added_latency_s: float = 0.0,
     tls: TlsFiles | None = None,
     token: str | None = None,
-) -> tuple[grpc.Server, int]:
+) -> tuple[ServerHandle, int]:
     """Start serving `shard`; returns the server and the bound port (useful with port=0).
 
-    `added_latency_s` > 0 delays every push and pull (user-space WAN latency, see server/latency.py).
-    `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls without the run's token.
+    `max_workers`: threads for the work of calls (decoding pushes, framing pulls); waiting pulls hold
+    none (server/aio_servicer.py). `added_latency_s` > 0 delays every push and pull (user-space WAN
+    latency, see server/latency.py). `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls
+    without the run's token.
     """
     wire = wire or WireConfig()
-    _fail_cut_streams()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name=f"shard-{shard.shard_index}-grpc", daemon=True)
+    thread.start()
+    pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc")
+    try:
+        server, bound, health_service, servicer = asyncio.run_coroutine_threadsafe(
+            _serve(shard, host, port, wire, pool, loop, added_latency_s, tls, token), loop).result(timeout=60)
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        pool.shutdown(wait=False)
+        raise
+    stop_timer = shard.start_deadline_timer()
+
+    async def on_stop() -> None:  # health turns NOT_SERVING first, held pulls are answered, the deadline timer ends
+        await health_service.enter_graceful_shutdown()
+        shard.close()
+        stop_timer.set()
+        shard.version_listeners.remove(servicer.signal.notify)  # the shard may be served again (tests restart one)
+
+    log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id,
+             tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"), token=bool(token))  # fmt: skip
+    return ServerHandle(server, loop, thread, pool, on_stop), bound
+
+
+async def _serve(shard: Shard, host: str, port: int, wire: WireConfig, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop,
+                 added_latency_s: float, tls: TlsFiles | None, token: str | None):  # noqa: ANN202  # fmt: skip
     options = [
         ("grpc.max_receive_message_length", wire.max_message_bytes),
         ("grpc.max_send_message_length", wire.max_message_bytes),
         *wire.keepalive_options(server=True),
     ]
-    interceptors = [TokenInterceptor(token)] if token else None
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc"), options=options, interceptors=interceptors
-    )
-    if added_latency_s > 0:
-        servicer: AggregatorServicer = LatencyServicer(shard, added_latency_s, wire)
-    else:
-        servicer = AggregatorServicer(shard, wire)
+    server = grpc.aio.server(options=options, interceptors=[AsyncTokenInterceptor(token)] if token else None)
+    servicer = AsyncAggregatorServicer(AggregatorServicer(shard, wire), pool, loop, added_latency_s)
     pb_grpc.add_AggregatorServicer_to_server(servicer, server)
-    health_service = add_health_service(server)
-    if tls is not None:
-        bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls))
-    else:
-        bound = server.add_insecure_port(f"{host}:{port}")
+    health_service = await add_health_service(server)
+    bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls)) if tls is not None else server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     shard.closing = False  # a shard served again after a stop (tests restart one in-process)
-    server.start()
-    stop_timer = shard.start_deadline_timer()
-    mark_serving(health_service)  # listening, and any resumed state is already restored
-    server_stop = server.stop
-
-    def stop(grace):  # health turns NOT_SERVING first, held pulls are answered, the deadline timer ends
-        mark_shutting_down(health_service)
-        shard.close()
-        stop_timer.set()
-        return server_stop(grace)
-
-    server.stop = stop  # type: ignore[method-assign]
-    log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id,
-             tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"), token=bool(token))  # fmt: skip
-    return server, bound
-
+    await server.start()
+    await mark_serving(health_service)  # listening, and any resumed state is already restored
+    return server, bound, health_service, servicer

@@ -25,23 +25,20 @@ SERVICE = "dilocox.v1.Aggregator"
 _NAMES = ("", SERVICE)
 
 
-def add_health_service(server: grpc.Server) -> health.HealthServicer:
-    """Register grpc.health.v1 on `server` (before it starts), reporting NOT_SERVING until `mark_serving`."""
-    servicer = health.HealthServicer()
+async def add_health_service(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """Register grpc.health.v1 on `server` (before it starts), reporting NOT_SERVING until `mark_serving`.
+    A shard serves on grpc.aio (server/grpc_server.py), so this is the stock service's asyncio form;
+    `enter_graceful_shutdown()` on it turns every service NOT_SERVING for good."""
+    servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     for name in _NAMES:
-        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return servicer
 
 
-def mark_serving(servicer: health.HealthServicer) -> None:
+async def mark_serving(servicer: health.aio.HealthServicer) -> None:
     for name in _NAMES:
-        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-
-def mark_shutting_down(servicer: health.HealthServicer) -> None:
-    """NOT_SERVING for every service, and no later `set` can flip it back."""
-    servicer.enter_graceful_shutdown()
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
 def check(address: str, timeout: float = 5.0, tls: TlsFiles | None = None, token: str | None = None,

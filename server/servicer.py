@@ -1,7 +1,9 @@
 """gRPC adapter over `Shard`: parse messages, call the core, map `DilocoxError.status` onto the call.
 
 Nothing here decides anything about rounds or weights; a refused request is refused by the core, and
-this layer only turns the exception into a precise status code and message.
+this layer only turns the exception into a precise status code and message. Its methods are blocking
+and run on worker threads; `server/aio_servicer.py` serves them on grpc.aio (and parks a pull's wait
+for its version on the event loop before `stream` sends it).
 """
 
 from __future__ import annotations
@@ -15,13 +17,12 @@ from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.errors import DilocoxError, InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, assemble_units, frame_slices, own_contribution_digest
 from dilocox.proto import dilocox_pb2 as pb
-from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.server.shard import Shard, Snapshot
 
 log = structlog.get_logger()
 
 
-def _abort(context: grpc.ServicerContext, error: DilocoxError) -> None:
+def refuse(context: grpc.ServicerContext, error: DilocoxError) -> None:
     log.warning("request_refused", status=error.status, reason=str(error))
     context.abort(grpc.StatusCode[error.status], str(error))
 
@@ -34,7 +35,9 @@ def _refuse_pull_fields(chunk: pb.TensorChunk) -> None:
         raise InvalidFrame(f"{chunk.name}: pushed chunks must not set pull-only fields {used}")
 
 
-class AggregatorServicer(pb_grpc.AggregatorServicer):
+class AggregatorServicer:
+    """The blocking half of the shard's gRPC methods (Join, Push, Status, and a pull's `stream`)."""
+
     def __init__(self, shard: Shard, wire: WireConfig | None = None) -> None:
         self.shard = shard
         self.wire = wire or WireConfig()
@@ -48,7 +51,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 result = self.shard.join(request.run_id, request.cluster, request.model_digest, params, request.run_config_json,
                                          request.tokenizer_digest, request.tokenizer_json)  # fmt: skip
         except DilocoxError as error:
-            _abort(context, error)
+            refuse(context, error)
         return pb.JoinReply(
             cluster=result.cluster,
             shard_index=self.shard.shard_index,
@@ -77,11 +80,19 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             received += first.ByteSize()
             self.shard.check_push(header.run_id, header.cluster, header.round, header.weight)
 
+            if header.chunks < 1:
+                raise InvalidFrame("a push must carry at least one slice after its PushHeader, and its header must say how "
+                                   f"many chunk messages follow (chunks ≥ 1, got {header.chunks})")  # fmt: skip
+            count = 0
+
             def chunks() -> Iterator[pb.TensorChunk]:
-                nonlocal received
+                nonlocal received, count
                 for message in request_iterator:
                     if message.WhichOneof("body") != "chunk":
                         raise InvalidFrame("only TensorChunks may follow the PushHeader")
+                    count += 1
+                    if count > header.chunks:
+                        raise InvalidFrame(f"the push sent more chunk messages than the {header.chunks} its header declared")
                     _refuse_pull_fields(message.chunk)
                     received += message.ByteSize()
                     yield message.chunk
@@ -93,11 +104,14 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), u.payload)  # the assembler's buffer, handed over
                 for u in assemble_units(chunks(), vet, self.shard.slice_map.entries)
             ]
+            if count < header.chunks:  # nothing of a cut stream is applied
+                raise InvalidFrame(f"the push stream ended after {count} of the {header.chunks} chunk messages its header "
+                                   "declared (cut: a message over the size limit, or the connection lost)")  # fmt: skip
             if not pushed:
                 raise InvalidFrame("a push must carry at least one slice after its PushHeader")
             result = self.shard.commit_push(header.cluster, header.round, header.weight, pushed, bytes_in=received)
         except DilocoxError as error:
-            _abort(context, error)
+            refuse(context, error)
         return pb.PushReply(
             round=result.round,
             slices_accepted=result.accepted,
@@ -106,19 +120,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             bytes_received=received,
         )
 
-    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
-        try:
-            wait = max(0.0, min(request.wait_seconds, 3600.0))
-            snapshot = self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, wait, request.observer,
-                                                   hold=True)  # fmt: skip
-        except DilocoxError as error:
-            _abort(context, error)
-        try:
-            yield from self._stream(snapshot, request)
-        finally:  # also when the client goes away mid-stream: gRPC closes this generator
-            self.shard.release(snapshot)
-
-    def _stream(self, snapshot: Snapshot, request: pb.PullRequest) -> Iterator[pb.TensorChunk]:
+    def stream(self, snapshot: Snapshot, request: pb.PullRequest) -> Iterator[pb.TensorChunk]:
+        """A pull's chunks of `snapshot` (held by the caller until the stream ends): the round's
+        contributions to replay, or the weights and momentum in full, or the weights alone for an observer.
+        Run on a worker thread chunk by chunk (server/aio_servicer.py parks the wait for the version)."""
         if not request.observer:
             self.shard.note_replay_mismatches(request.cluster, request.replay_mismatches)
         names = set(request.names)

@@ -143,6 +143,9 @@ class Shard:
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None
         self.closing = False  # set by close(): held pulls return at once
+        # Called (from any thread) whenever waiting pulls should look again: a publish, a join, a close.
+        # The grpc.aio server parks its pulls on these instead of a thread each (server/aio_servicer.py).
+        self.version_listeners: list[Callable[[], None]] = []
         self.known: set[str] = set()  # every cluster that ever joined (members drop the inactive ones)
         self._final_for: str | None = None  # the run configuration `_final_version` was parsed from
         self._final_version: int | None = None
@@ -187,7 +190,7 @@ class Shard:
             needs_init = self.snapshot is None and self.initialiser == cluster
             version = self.snapshot.version if self.snapshot else -1
             log.info("cluster_joined", shard=self.shard_index, cluster=cluster, rejoin=rejoin, version=version, initialiser=needs_init)
-            self._cond.notify_all()
+            self._notify_waiters()
             return JoinResult(cluster, version, needs_init, list(self.assignment), self.run_config_json, rejoin, self.tokenizer_digest)
 
     def describe(self, run_id: str) -> JoinResult:
@@ -290,7 +293,7 @@ class Shard:
             self._init_staging = {}
             closed = True
             log.info("initialised", shard=self.shard_index, by=cluster, elements=self.num_elements)
-            self._cond.notify_all()
+            self._notify_waiters()
         return PushResult(0, len(fresh), len(slices) - len(fresh), closed)
 
     def _included_in_published(self, cluster: str, round_: int, keys: Sequence[SliceKey] | None = None) -> bool:
@@ -314,6 +317,12 @@ class Shard:
         self.snapshot = snapshot
         if self.on_publish is not None:
             self.on_publish(snapshot)
+
+    def _notify_waiters(self) -> None:
+        """Wake every waiting pull (call under the lock): the condition's, and the listeners'."""
+        self._cond.notify_all()
+        for listener in self.version_listeners:
+            listener()
 
     def start_deadline_timer(self) -> threading.Event:
         """Tick in a daemon thread while the deadline is set; set the returned event to stop it."""
@@ -379,7 +388,7 @@ class Shard:
             latency_s=round(latency_s, 3),
         )
         self.accumulator = None
-        self._cond.notify_all()
+        self._notify_waiters()
         return True
 
     # ------------------------------------------------------------------ pulls
@@ -458,7 +467,7 @@ class Shard:
         end of its wait, so SIGTERM does not keep the process alive for a pull's 30 s."""
         with self._cond:
             self.closing = True
-            self._cond.notify_all()
+            self._notify_waiters()
 
     # ------------------------------------------------------------------ status
     @property

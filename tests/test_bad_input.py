@@ -124,6 +124,17 @@ def header(run_id: str = RUN, cluster: str = "other", round_: int = 1, weight: f
     return pb.PushMessage(header=pb.PushHeader(run_id=run_id, cluster=cluster, round=round_, weight=weight))
 
 
+def declared(messages) -> list[pb.PushMessage]:
+    """The stream as a client sends it: a leading header declares how many chunk messages follow."""
+    messages = list(messages)
+    if messages and messages[0].WhichOneof("body") == "header" and not messages[0].header.chunks:
+        first = pb.PushMessage()
+        first.CopyFrom(messages[0])
+        first.header.chunks = sum(1 for m in messages[1:] if m.WhichOneof("body") == "chunk")
+        messages[0] = first
+    return messages
+
+
 def as_messages(chunks) -> list[pb.PushMessage]:
     return [pb.PushMessage(chunk=c) for c in chunks]
 
@@ -154,7 +165,7 @@ def refuse(scene: Scene, messages, code: grpc.StatusCode, fragment: str, referen
     on which the round still completes cleanly."""
     before = full_state(scene.shard)
     with pytest.raises(grpc.RpcError) as info:
-        scene.stub.Push(iter(messages), timeout=30)
+        scene.stub.Push(iter(declared(messages)), timeout=30)
     assert info.value.code() == code, info.value.details()
     assert fragment in info.value.details()
     assert_unchanged(before, scene.shard)
@@ -220,7 +231,7 @@ def test_wrong_dtype_inside_a_bundle_is_invalid_argument(scene, reference_round_
 
 
 def test_a_whole_push_in_one_bundle_is_applied_exactly(scene, reference_round_1):
-    scene.stub.Push(iter(bundled_push(scene)), timeout=30)
+    scene.stub.Push(iter(declared(bundled_push(scene))), timeout=30)
     snapshot = scene.shard.snapshot
     assert snapshot.version == 1
     for key, tensor in reference_round_1.tensors.items():
@@ -401,13 +412,24 @@ def test_oversize_message_after_a_complete_push_applies_none_of_it(shard_set, re
         before = full_state(scene.shard)
         for _ in range(10):
             with pytest.raises(grpc.RpcError) as info:
-                scene.stub.Push(iter(messages), timeout=30)
+                scene.stub.Push(iter(declared(messages)), timeout=30)
             assert info.value.code() == Code.RESOURCE_EXHAUSTED
             assert_unchanged(before, scene.shard)
         assert_round_completes(scene, reference_round_1)
     finally:
         for client in clients:
             client.close()
+
+
+def test_a_push_that_ends_before_its_declared_chunks_applies_none_of_it(scene, reference_round_1):
+    """The asyncio server cannot tell a cut stream from a complete one; the header's count can."""
+    messages = good_messages(scene)
+    head = header()
+    head.header.chunks = len(messages) + 1
+    refuse(scene, [head, *messages], Code.INVALID_ARGUMENT, f"ended after {len(messages)} of the {len(messages) + 1} chunk messages",
+           reference_round_1)  # fmt: skip
+    head.header.chunks = len(messages) - 1
+    refuse(scene, [head, *messages], Code.INVALID_ARGUMENT, f"more chunk messages than the {len(messages) - 1}", reference_round_1)
 
 
 # ----------------------------------------------------------------------------- stream structure
@@ -438,7 +460,7 @@ def test_bad_weight_is_invalid_argument(scene, reference_round_1, weight):
 def test_weight_changing_within_a_round_is_invalid_argument(scene, reference_round_1):
     """`other` delivers one slice with its weight, then tries the rest with another weight."""
     first = scene.keys[0]
-    scene.stub.Push(iter([header(), *as_messages(encode_slice(first, scene.deltas[first]))]), timeout=30)
+    scene.stub.Push(iter(declared([header(), *as_messages(encode_slice(first, scene.deltas[first]))])), timeout=30)
     messages = [header(weight=OTHER_WEIGHT * 2), *good_messages(scene, without=first)]
     refuse(scene, messages, Code.INVALID_ARGUMENT, f"already pushed round 1 with weight {OTHER_WEIGHT}", reference_round_1)
 

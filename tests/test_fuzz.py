@@ -36,6 +36,7 @@ from test_bad_input import (
     as_messages,
     assert_round_completes,
     assert_unchanged,
+    declared,
     full_state,
     good_messages,
     header,
@@ -356,7 +357,7 @@ GRPC_PUSHES = 300
 
 def _server_outcome(scene, messages) -> tuple[grpc.StatusCode, str] | None:
     try:
-        scene.stub.Push(iter(messages), timeout=10)
+        scene.stub.Push(iter(declared(messages)), timeout=10)
     except grpc.RpcError as error:
         return error.code(), error.details()
     return None

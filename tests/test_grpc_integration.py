@@ -106,12 +106,9 @@ def test_bad_requests_get_distinct_codes_and_change_nothing(shard_set):
         assert "model digest" in info.value.details() and "different parameter names or shapes" in info.value.details()
 
         def push(round_: int, key: SliceKey, tensor: torch.Tensor, cluster: str = "other"):
-            def messages():
-                yield pb.PushMessage(header=pb.PushHeader(run_id=RUN, cluster=cluster, round=round_, weight=10.0))
-                for chunk in encode_slice(key, tensor):
-                    yield pb.PushMessage(chunk=chunk)
-
-            return stub.Push(messages(), timeout=10)
+            chunks = [pb.PushMessage(chunk=chunk) for chunk in encode_slice(key, tensor)]
+            head = pb.PushHeader(run_id=RUN, cluster=cluster, round=round_, weight=10.0, chunks=len(chunks))
+            return stub.Push(iter([pb.PushMessage(header=head), *chunks]), timeout=10)
 
         owned = next(iter(shard.owned.values()))
         good_tensor = torch.zeros(owned.slice_shape)

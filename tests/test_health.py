@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
-from concurrent import futures
+import threading
 
 import grpc
 
@@ -34,20 +35,32 @@ def test_shard_reports_serving_and_stops_answering_after_stop(shard_set):
 
 
 def test_not_serving_before_start_and_after_shutdown_begins():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    servicer = health.add_health_service(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coroutine):  # noqa: ANN001, ANN202
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=30)
+
+    async def started():  # noqa: ANN202
+        server = grpc.aio.server()
+        servicer = await health.add_health_service(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, servicer, port
+
+    server, servicer, port = on_loop(started())
     try:
         address = f"127.0.0.1:{port}"
         assert health.check(address, timeout=5) == (False, f"{address} NOT_SERVING")
-        health.mark_serving(servicer)
+        on_loop(health.mark_serving(servicer))
         assert health.check(address, timeout=5)[0]
-        health.mark_shutting_down(servicer)
-        health.mark_serving(servicer)  # ignored once shutting down
+        on_loop(servicer.enter_graceful_shutdown())
+        on_loop(health.mark_serving(servicer))  # ignored once shutting down
         assert health.check(address, timeout=5) == (False, f"{address} NOT_SERVING")
     finally:
-        server.stop(None)
+        on_loop(server.stop(None))
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def test_health_needs_no_run_token():

@@ -117,3 +117,45 @@ def test_keepalive_options_are_accepted_by_a_shard_at_any_client_rate():
             assert shard.digest == model_digest(PARAMS)
     finally:
         server.stop(0)
+
+
+def test_a_site_finishes_its_run_through_a_half_open_link(tmp_path):
+    """A real worker process and a real shard process, the shard's replies lost mid-run on every
+    connection open at that moment (which stay open): the site finishes the run, every round applied
+    once (its replica of the global weights is checked against the shard's digest each round)."""
+    import json
+    import subprocess
+    import sys
+
+    import grpc
+
+    from dilocox.bench.site_layouts import shard_processes
+    from dilocox.proto import dilocox_pb2 as pb
+    from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+
+    run_id, rounds = "partition-site", 6
+    with shard_processes(1, run_id, tmp_path) as addresses:
+        proxy = HalfOpenProxy(int(addresses[0].rsplit(":", 1)[1]))
+        log = open(tmp_path / "worker.log", "w")
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", f"127.0.0.1:{proxy.port}", "--run-id", run_id,
+             "--insecure", "--log-format", "json", "--wire-keepalive-s", "1", "--rounds", str(rounds), "--inner-steps", "20",
+             "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--eval-batches", "1", "--threads", "1"],
+            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            with grpc.insecure_channel(addresses[0]) as channel:  # straight to the shard, around the proxy
+                stub, deadline = pb_grpc.AggregatorStub(channel), time.monotonic() + 120
+                while stub.Status(pb.StatusRequest(), timeout=5).version < 2:
+                    assert time.monotonic() < deadline and worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+                    time.sleep(0.05)
+            proxy.cut_replies()
+            assert worker.wait(timeout=240) == 0, (tmp_path / "worker.log").read_text()[-4000:]
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+            proxy.close()
+    events = [json.loads(line) for line in (tmp_path / "worker.log").read_text().splitlines() if line.startswith("{")]
+    done = [e for e in events if e.get("event") == "cluster_done"]
+    assert done and done[0]["version"] == rounds + 1 and done[0]["rounds"] == rounds  # every round, then the flush
+    assert not [e for e in events if e.get("event") == "replay_mismatch"]  # no round applied twice or lost
+    assert proxy.dropped_bytes > 0 and proxy.cut  # the link really went half-open under it

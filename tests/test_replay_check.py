@@ -68,8 +68,8 @@ class _DigestTampering(AggregatorServicer):
 
     mode = "drop"
 
-    def Pull(self, request, context):
-        for chunk in super().Pull(request, context):
+    def stream(self, snapshot, request):
+        for chunk in super().stream(snapshot, request):
             if is_state_digest(chunk):
                 if self.mode == "drop":
                     continue

@@ -256,9 +256,10 @@ class AggregatorClient:
     def _send(self, shard: int, round_: int, weight: float, items: list[EncodedSlice], wait: bool = True) -> int:
         """One push stream to one shard; `wait=False`: one try, no waiting for an unreachable shard."""
         address, stub = self._stubs[shard]
-        messages = [pb.PushMessage(header=pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight))]
-        chunks = frame_slices(items, self.slice_map.index, self.wire.chunk_bytes, self.wire.zstd_level)
-        messages += [pb.PushMessage(chunk=chunk) for chunk in chunks]
+        chunks = [pb.PushMessage(chunk=chunk) for chunk in frame_slices(items, self.slice_map.index, self.wire.chunk_bytes,
+                                                                         self.wire.zstd_level)]  # fmt: skip
+        header = pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight, chunks=len(chunks))
+        messages = [pb.PushMessage(header=header), *chunks]
         push = lambda: stub.Push(iter(messages), timeout=self.rpc_timeout)  # noqa: E731
         # A push is idempotent (a retry is answered as duplicates): its own deadline running out (a reply
         # lost on a half-open connection) is waited out like an outage.

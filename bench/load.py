@@ -1,0 +1,114 @@
+"""`dilocox bench load`: many clusters against 2 real shard processes — does a round still close with
+every cluster, and how does its latency grow (issue 33)?
+
+Each cluster is a raw `AggregatorClient` in a thread of this process (a tiny model: the shards' work per
+round is negligible, so what is measured is the service's handling of many concurrent calls): per
+round every cluster pushes, then long-polls its pull until the round's version exists. Per row: rounds
+per second, the median and worst round latency (first push sent → last pull answered), the shards' RSS
+and CPU seconds per round (from /proc), and refused calls. With the old thread-pool server, a round
+stalled for a pull's whole wait once more than 32 pulls were waiting (48 clusters: 10 s per round;
+64: 60 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from dilocox.bench.site_layouts import shard_processes
+from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
+
+PARAMS = [("w", (64, 16)), ("b", (64,))]
+RUN = "bench-load"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clusters", default="32,64,128,256", help="comma-separated cluster counts (default 32,64,128,256)")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per count, after one warm-up (default 10)")
+    parser.add_argument("--pull-wait-s", type=float, default=30.0, help="each pull's long-poll wait (default 30)")
+
+
+def _proc(pid: int) -> tuple[float, float]:
+    """(RSS in MB, CPU seconds) of one process."""
+    rss = next((int(line.split()[1]) / 1024 for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmRSS:")), 0.0)  # fmt: skip
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return rss, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(clusters: int, rounds: int, pull_wait_s: float) -> dict:
+    refused = 0
+    with tempfile.TemporaryDirectory(prefix="dilocox-load-") as tmp, shard_processes(2, RUN, pathlib.Path(tmp)) as addresses:
+        pids = [int(pid) for pid in _shard_pids(addresses)]
+        clients = [AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(clusters)]
+        pool = ThreadPoolExecutor(max_workers=clusters)
+        try:
+            clients[0].join(PARAMS)  # the initialiser: the first to join
+            list(pool.map(lambda c: c.join(PARAMS), clients[1:]))
+            theta = {s.key: torch.zeros(s.slice_shape) for s in clients[0].assignment}
+            clients[0].push(0, 1.0, theta)
+            list(pool.map(lambda c: c.pull(0, wait_seconds=pull_wait_s), clients))
+            latencies = []
+            cpu_before = None
+            for round_ in range(1, rounds + 2):
+                if round_ == 2:
+                    cpu_before, started_all = [_proc(p)[1] for p in pids], time.perf_counter()
+                started = time.perf_counter()
+
+                def one(c: AggregatorClient, round_=round_) -> int:
+                    try:
+                        c.push(round_, 1.0, {k: torch.full_like(t, 0.001) for k, t in theta.items()})
+                        c.pull(round_, wait_seconds=pull_wait_s)
+                        return 0
+                    except AggregatorError:
+                        return 1
+
+                refused += sum(pool.map(one, clients))
+                if round_ >= 2:
+                    latencies.append(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started_all
+            usage = [_proc(p) for p in pids]
+        finally:
+            pool.shutdown()
+            for c in clients:
+                c.close()
+    cpu = sum(u[1] - b for u, b in zip(usage, cpu_before or [0.0] * len(usage)))
+    return {"clusters": clusters, "rounds_per_s": round(rounds / elapsed, 2), "round_latency_median_s": round(statistics.median(latencies), 3),
+            "round_latency_max_s": round(max(latencies), 3), "shard_rss_mb": [round(u[0]) for u in usage],
+            "shard_cpu_s_per_round": round(cpu / rounds, 4), "refused_calls": refused}  # fmt: skip
+
+
+def _shard_pids(addresses: list[str]) -> list[str]:
+    """The shard processes listening on these ports (this benchmark's children)."""
+    ports = {a.rsplit(":", 1)[1] for a in addresses}
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"server" in cmd and b"--port-file" in cmd and entry.name != str(os.getpid()):
+                port_file = pathlib.Path(cmd[cmd.index(b"--port-file") + 1].decode())
+                if port_file.exists() and port_file.read_text().strip() in ports:
+                    found.append(entry.name)
+    return found
+
+
+def run(args: argparse.Namespace, out_dir) -> str:
+    from dilocox.bench.report import write_report
+
+    rows = [measure(int(n), args.rounds, args.pull_wait_s) for n in args.clusters.split(",") if n.strip()]
+    notes = (f"2 shard processes on localhost; every cluster an AggregatorClient thread in one process (a tiny model); "
+             f"{args.rounds} timed rounds after a warm-up; pulls long-poll up to {args.pull_wait_s:g} s; {os.cpu_count()} CPU cores. "
+             "Round latency: from the round's first push to its last pull's answer.\n")  # fmt: skip
+    columns = ["clusters", "rounds_per_s", "round_latency_median_s", "round_latency_max_s", "shard_rss_mb", "shard_cpu_s_per_round",
+               "refused_calls"]  # fmt: skip
+    return write_report(out_dir, "load", "Many clusters against 2 shards", rows, columns, notes, {"args": vars(args)})

@@ -1,0 +1,151 @@
+"""The shard's gRPC methods on `grpc.aio`: a waiting pull is parked on the event loop, not on a thread.
+
+Why (issue 33): with the thread-pool server every long-polling pull held one of its 32 threads for the
+whole round, so a 33rd puller queued — and so did the pushes that would have closed the round: 48
+clusters took 10 s a round, 64 took 60 s, every round waiting out a pull's timeout. Pullers are ranks,
+not sites, so three sites of 16 ranks were enough. Here a pull that waits for a version awaits an
+`asyncio.Event` the shard sets on every publish (and on close), and holds nothing else; only work runs
+on the bounded thread pool: a push's decode and commit, a pull's framing of each chunk, a join. A push
+thus never queues behind waiting pulls, and the number of pullers is bounded by sockets, not threads.
+
+The work itself is the thread-pool servicer's own code (`servicer.py`), called from pool threads: one
+set of rules for parsing, refusing and streaming. Its `context.abort` becomes an exception that the
+async method turns into the call's status; a push's request stream is read from the event loop on the
+worker thread's behalf. gRPC's asyncio server ends a request stream cut by an over-size message as if
+it were complete (it merges a failed read with the end of the stream), so every push header declares how
+many chunks follow, and a push that ends before them is refused whole (servicer.py).
+
+`latency_s`: user-space WAN latency, every push and pull waits that long (on the loop) before it is
+served. This kernel has no `netem`, so tests and benchmarks put a slow link between clusters and shards
+on one machine this way (`dilocox server --added-latency-ms`); bandwidth limits still come from `tc`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable
+
+import grpc
+import structlog
+
+from dilocox.common.wire.errors import DilocoxError, NotReady
+from dilocox.proto import dilocox_pb2 as pb
+from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+from dilocox.server.servicer import AggregatorServicer, refuse
+
+log = structlog.get_logger()
+_END = object()
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _ThreadContext:
+    """What the thread-pool servicer's code uses of its context, for a call served from a pool thread."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+class _RequestStream:
+    """A push's async request stream as the blocking iterator the servicer's Push reads (on a pool thread)."""
+
+    def __init__(self, stream: AsyncIterator, loop: asyncio.AbstractEventLoop) -> None:
+        self.stream, self.loop = stream, loop
+
+    def __iter__(self) -> "_RequestStream":
+        return self
+
+    def __next__(self):  # noqa: ANN204
+        try:
+            return asyncio.run_coroutine_threadsafe(self.stream.__anext__(), self.loop).result()
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+
+class VersionSignal:
+    """Wakes every parked pull when the shard publishes or closes (set from any thread)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+
+    def notify(self) -> None:
+        self.loop.call_soon_threadsafe(self._fire)
+
+    def _fire(self) -> None:
+        event, self.event = self.event, asyncio.Event()
+        event.set()
+
+
+class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
+    def __init__(self, servicer: AggregatorServicer, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop,
+                 latency_s: float = 0.0) -> None:  # fmt: skip
+        self.servicer, self.shard, self.pool, self.loop = servicer, servicer.shard, pool, loop
+        self.latency_s = latency_s
+        self.signal = VersionSignal(loop)
+        self.shard.version_listeners.append(self.signal.notify)
+
+    async def _in_pool(self, fn: Callable, *args):  # noqa: ANN202
+        return await self.loop.run_in_executor(self.pool, functools.partial(fn, *args))
+
+    async def _served(self, method: Callable, request, context: grpc.aio.ServicerContext):  # noqa: ANN001, ANN202
+        try:
+            return await self._in_pool(method, request, _ThreadContext())
+        except _Aborted as aborted:
+            await context.abort(aborted.code, aborted.details)
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        return await self._served(self.servicer.Join, request, context)
+
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
+        return await self._served(self.servicer.Status, request, context)
+
+    async def Push(self, request_iterator: AsyncIterator[pb.PushMessage], context: grpc.aio.ServicerContext) -> pb.PushReply:
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        return await self._served(self.servicer.Push, _RequestStream(request_iterator, self.loop), context)
+
+    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TensorChunk]:
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        try:
+            snapshot = await self._parked_until_published(request)
+        except DilocoxError as error:
+            try:
+                refuse(_ThreadContext(), error)
+            except _Aborted as aborted:
+                await context.abort(aborted.code, aborted.details)
+        chunks = self.servicer.stream(snapshot, request)
+        try:
+            while (chunk := await self._in_pool(next, chunks, _END)) is not _END:
+                yield chunk
+        finally:  # also when the client goes away mid-stream
+            await self._in_pool(chunks.close)
+            self.shard.release(snapshot)
+
+    async def _parked_until_published(self, request: pb.PullRequest):  # noqa: ANN202
+        """The snapshot of at least `min_version` (held for streaming), waiting on the loop for it: each
+        look at the shard is a pool task (it takes the shard's lock, which a closing round holds)."""
+        wait = max(0.0, min(request.wait_seconds, 3600.0))
+        deadline = self.loop.time() + wait
+        look = functools.partial(self.shard.wait_for_version, request.run_id, request.cluster, request.min_version, 0.0,
+                                 request.observer, hold=True)  # fmt: skip
+        while True:
+            event = self.signal.event  # before looking: a publish after the look still wakes us
+            try:
+                return await self._in_pool(look)
+            except NotReady:
+                remaining = deadline - self.loop.time()
+                if remaining <= 0:
+                    raise NotReady(f"shard {self.shard.shard_index} holds version {self.shard.version}, not "
+                                   f"{request.min_version}, after waiting {wait:.1f}s") from None  # fmt: skip
+            try:
+                await asyncio.wait_for(event.wait(), timeout=remaining)
+            except TimeoutError:
+                pass
