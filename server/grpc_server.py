@@ -69,7 +69,7 @@ def start_server(
 
     `max_workers`: threads for the work of calls (decoding pushes, framing pulls); waiting pulls hold
     none (server/aio_servicer.py). `added_latency_s` > 0 delays every push and pull (user-space WAN
-    latency, see server/latency.py). `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls
+    latency, see server/aio_servicer.py). `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls
     without the run's token.
     """
     wire = wire or WireConfig()

@@ -119,9 +119,15 @@ def from_checkpoints(locations: Iterable[str | pathlib.Path], report: Callable[[
         report(f"shard {index}: {file} (version {version}{'' if verified(state) else ', format 1: unverified'})")
     assignment = assign_slices(first["param_specs"], first["num_shards"])
     model = assemble(first["run_id"], assignment, parts, first["run_config_json"], first["num_shards"])
-    tokenizers = [(st.get("tokenizer_digest", ""), st.get("tokenizer_json", "")) for _, st in chosen.values()]
-    model.tokenizer_digest, model.tokenizer_json = max(tokenizers, key=lambda t: (len(t[1]), len(t[0])))  # as from_servers
+    model.tokenizer_digest, model.tokenizer_json = _recorded_tokenizer(
+        (st.get("tokenizer_digest", ""), st.get("tokenizer_json", "")) for _, st in chosen.values())  # fmt: skip
     return model
+
+
+def _recorded_tokenizer(records: Iterable[tuple[str, str]]) -> tuple[str, str]:
+    """The run's tokenizer (digest, tokenizer.json) from every shard's record: the fullest one (a shard
+    restored from a checkpoint older than the record has none; every shard that has one has the same)."""
+    return max(records, key=lambda t: (len(t[1]), len(t[0])), default=("", ""))
 
 
 def _rpc_error(address: str, error: grpc.RpcError) -> ExportError:
@@ -140,7 +146,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
     parts: dict[int, tuple[int, dict[SliceKey, torch.Tensor]]] = {}
     assignment: list[ParamSlice] = []
     run_config_json, num_shards = "", len(addresses)
-    tokenizer = ("", "")
+    records: list[tuple[str, str]] = []
     for address in addresses:
         channel = open_channel(address, options, tls, token)
         try:
@@ -148,7 +154,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
             reply = stub.Join(pb.JoinRequest(run_id=run_id, observer=True), timeout=timeout)
             assignment = [ParamSlice(s.name, tuple(s.shape), s.row_start, s.row_stop, s.shard) for s in reply.assignment]
             run_config_json, num_shards = reply.run_config_json, reply.num_shards
-            tokenizer = max(tokenizer, (reply.tokenizer_digest, reply.tokenizer_json), key=lambda t: (len(t[1]), len(t[0])))
+            records.append((reply.tokenizer_digest, reply.tokenizer_json))
             slice_map = SliceMap.of(assignment)
             expected = {s.key: s for s in assignment if s.shard == reply.shard_index}
 
@@ -170,7 +176,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
             raise ExportError(f"shard at {address} sent slices of versions {sorted(versions)} in one pull")
         parts[reply.shard_index] = (versions.pop() if versions else reply.version, {u.key: u.decode() for u in units})
     model = assemble(run_id, assignment, parts, run_config_json, num_shards)
-    model.tokenizer_digest, model.tokenizer_json = tokenizer
+    model.tokenizer_digest, model.tokenizer_json = _recorded_tokenizer(records)
     return model
 
 
@@ -235,12 +241,13 @@ def special_token_ids(tokenizer) -> dict[str, int | None]:  # noqa: ANN001
 
     if tokenizer is None:
         return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}  # bytes: no special tokens
-    eos = next((tokenizer.tokenizer.token_to_id(t) for t in (END_OF_TEXT, "</s>", "<|end_of_text|>", "<eos>")
-                if tokenizer.tokenizer.token_to_id(t) is not None), None)  # fmt: skip
-    bos = next((tokenizer.tokenizer.token_to_id(t) for t in ("<s>", "<|begin_of_text|>", "<bos>")
-                if tokenizer.tokenizer.token_to_id(t) is not None), eos)  # fmt: skip
-    pad = tokenizer.tokenizer.token_to_id("<pad>")
-    return {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos if pad is None else pad}
+    def first_id(names: tuple[str, ...], default: int | None) -> int | None:
+        ids = (tokenizer.tokenizer.token_to_id(name) for name in names)
+        return next((i for i in ids if i is not None), default)
+
+    eos = first_id((END_OF_TEXT, "</s>", "<|end_of_text|>", "<eos>"), None)
+    return {"bos_token_id": first_id(("<s>", "<|begin_of_text|>", "<bos>"), eos), "eos_token_id": eos,
+            "pad_token_id": first_id(("<pad>",), eos)}  # fmt: skip
 
 
 def _write_tokenizer(tokenizer, config: RunConfig, folder: pathlib.Path) -> str:  # noqa: ANN001
