@@ -58,8 +58,8 @@ class RecordingCluster(DilocoCluster):
         super().__init__(*args, **kwargs)
         self.after_boundary: list[dict[str, torch.Tensor]] = []
 
-    def run_round(self, round_):
-        report = super().run_round(round_)
+    def close_round(self, *args):
+        report = super().close_round(*args)
         self.after_boundary.append({k: p.detach().clone() for k, p in self.params.items()})
         return report
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-import json
 import os
 import signal
 import sys
@@ -13,15 +12,14 @@ import sys
 import structlog
 import torch
 
-from dilocox.common.wire.compression import TensorCompressor
-from dilocox.common.config.run import ParallelConfig, add_config_arguments, as_dict, config_from_args
+from dilocox.common.config.run import ParallelConfig, add_config_arguments, config_from_args
 from dilocox.common.logs import configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.exchange.adaptive_steps import StepsController
-from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.exchange.aggregator_client import AggregatorError
 from dilocox.worker.exchange.admission import LateJoin, RunFinished, RunLengthMismatch
-from dilocox.worker.exchange.cluster import DilocoCluster
+from dilocox.site import BuiltinTrainer, DiLoCoX
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments, load_run_data, run_tokenizer_spec
 from dilocox.worker.data.tokenizer import TokenizerError
@@ -143,12 +141,10 @@ def run(args: argparse.Namespace) -> int:
         if mesh is not None:
             mesh.close()
         raise SystemExit(f"dilocox worker: {error}") from None
-    addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
     compute = mesh.compute if mesh is not None else trainer.compute
-    log.info("worker_starting", cluster=cluster, servers=addresses, model=config.model.model, params_held=access.params_held,
+    log.info("worker_starting", cluster=cluster, servers=args.servers, model=config.model.model, params_held=access.params_held,
              tokenizer=config.tokenizer, vocab=data.vocab_size, tokens=data.num_tokens, streamed=data.streamed,
              device=str(compute.device), precision=compute.precision)  # fmt: skip
-    compressor = TensorCompressor(config.compress, seed=config.seed, name="uplink") if config.compress.codec != "fp32" else None
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("dilocox worker: --resume needs --checkpoint-dir")
     if args.checkpoint_dir:
@@ -158,31 +154,33 @@ def run(args: argparse.Namespace) -> int:
             extra["checkpoint"] = SiteCheckpoint(args.checkpoint_dir, cluster, args.checkpoint_every, args.checkpoint_keep,
                                                  rank=mesh.rank if mesh else 0, replica=mesh.replica if mesh else 0,
                                                  group=mesh.checkpoint_group if mesh else None)  # fmt: skip
-            if args.resume:
-                extra["checkpoint"].restore(trainer, compressor, access.names)
-        except (ValueError, FileNotFoundError) as error:
+        except ValueError as error:
             raise SystemExit(f"dilocox worker: {error}") from None
+    # The same site object a user's own loop makes (dilocox.DiLoCoX), over the built-in trainer.
+    dx = DiLoCoX(None, servers=args.servers, config=config, cluster=cluster, num_clusters=args.num_clusters, tls=tls,
+                 token=token, tokenizer=(data.tokenizer_digest, data.tokenizer_json), shard_wait_s=args.shard_wait_s,
+                 join_late=args.join_late, builtin=BuiltinTrainer(trainer, access, **extra))  # fmt: skip
     metrics_server, progress = None, None
     try:
-        with AggregatorClient(addresses, config.run_id, cluster, config.wire, compressor=compressor, tls=tls, token=token,
-                              shard_wait_s=args.shard_wait_s, tokenizer=(data.tokenizer_digest, data.tokenizer_json)) as client:
-            if args.metrics_port and (mesh is None or mesh.rank == 0):
-                from dilocox.worker.metrics import WorkerMetrics
+        if args.resume:
+            try:
+                extra["checkpoint"].restore(trainer, dx.compressor, access.names)
+            except (ValueError, FileNotFoundError) as error:
+                raise SystemExit(f"dilocox worker: {error}") from None
+        on_round = None
+        if args.metrics_port and (mesh is None or mesh.rank == 0):
+            from dilocox.worker.metrics import WorkerMetrics
 
-                metrics = WorkerMetrics(client)
-                metrics_server = serve_metrics(metrics.registry, args.metrics_port, args.metrics_host, role=cluster,
-                                               command="dilocox worker")  # fmt: skip
-                extra["on_round"] = metrics.observe_round
-            if mesh is None or mesh.rank == 0:
-                progress = progress_for(config.rounds, cluster, args.log_format)
-                if progress is not None:
-                    configure_logging(args.log_format, stream=progress.log_stream())
-                extra["on_round"] = chain(extra.get("on_round"), progress)
-            DilocoCluster(
-                trainer, client, config.rounds, config.inner.steps, config.delay, json.dumps(as_dict(config)),
-                allow_late_join=args.join_late, sync_rounds=config.sync_rounds, delayed_start=config.delayed_start,
-                num_clusters=args.num_clusters, access=access, **extra,
-            ).run()
+            metrics = WorkerMetrics(dx.client)
+            metrics_server = serve_metrics(metrics.registry, args.metrics_port, args.metrics_host, role=cluster, command="dilocox worker")
+            on_round = metrics.observe_round
+        if mesh is None or mesh.rank == 0:
+            progress = progress_for(config.rounds, cluster, args.log_format)
+            if progress is not None:
+                configure_logging(args.log_format, stream=progress.log_stream())
+            on_round = chain(on_round, progress)
+        dx.cluster.on_round = on_round
+        dx.run_builtin()
     except AggregatorError as error:
         log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
         return 2
@@ -191,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         log.error(event, cluster=cluster, reason=str(error))
         return 3
     finally:
+        dx.close()
         if compute.is_cuda:  # what a GPU needs for this layout: `dilocox bench gpu` reads it
             log.info("device_memory", device=str(compute.device), peak_allocated_mb=round(torch.cuda.max_memory_allocated() / 2**20),
                      peak_reserved_mb=round(torch.cuda.max_memory_reserved() / 2**20))  # fmt: skip

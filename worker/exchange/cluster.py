@@ -114,8 +114,8 @@ class DilocoCluster:
         self.share = 1.0 / max(1, num_clusters)
         self.run_config_json = run_config_json
         self.evaluate_every_round = evaluate_every_round
-        self.params = dict(trainer.named_parameters())
-        self.access = access or LocalAccess(list(self.params.items()))
+        self.access = access or LocalAccess(trainer.named_parameters())
+        self.params = getattr(self.access, "params", {})  # one process's parameters by name (tests read them)
         self.names = list(self.access.names)
         self.buffers = HostBuffers(self.access.shapes, pinned=self.access.pinned)
         self.checkpoint = checkpoint
@@ -131,6 +131,10 @@ class DilocoCluster:
         self._adopt_held = False  # the last round was synchronous: its θ_T is in the client's copy
         self.flush: dict | None = None  # what the end-of-run flush sent and cost, once it ran
         self._memory_logged = False  # `exchange_memory` is logged once the exchange's state is all there
+        self.round = 0  # the round being trained (set by `begin`)
+        self.done = False  # the last round and the end of the run are in
+        self._closed = False
+        self._reset_round()
 
     # ------------------------------------------------------------------ parameters
     def current(self) -> dict[str, torch.Tensor]:
@@ -193,10 +197,10 @@ class DilocoCluster:
                  bytes_down=received)  # fmt: skip
         return self.version + 1
 
-    def run_round(self, round_: int) -> RoundReport:
-        """Train one round from s_t (the start buffer, as the model holds it) and fold in the network."""
-        began = time.perf_counter()
-        train_loss, tokens, compute_s = self.trainer.train_steps(self.inner_steps)
+    def close_round(self, round_: int, train_loss: float, tokens: int, compute_s: float) -> RoundReport:
+        """Round `round_` has been trained (from s_t, the start buffer, as the model held it): fold in the
+        network. `tokens`: what the whole site trained this round (the weight of its pseudo-gradient)."""
+        began = time.perf_counter() - compute_s
         timer = BoundaryTimer()
         delay = 0 if round_ <= self.sync_rounds else self.delay
         exchange: RoundExchange | None = None
@@ -350,33 +354,63 @@ class DilocoCluster:
         log.info("residuals_flushed", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3), **self.flush)
         return exchange
 
-    def run(self) -> list[RoundReport]:
+    # ------------------------------------------------------------------ step-driven
+    @property
+    def steps_to_sync(self) -> int:
+        """Inner steps left in the round being trained (0 once the run is done)."""
+        return 0 if self.done else self.inner_steps - self._steps
+
+    def begin(self) -> None:
+        """Join and adopt the global model; the first round to train is `self.round`."""
+        self.round = self.start()
+        self._reset_round()
+        if self.round > self.rounds:  # resumed after the last round: only the end is left
+            self._complete()
+
+    def _reset_round(self) -> None:
+        self._steps, self._tokens, self._loss_sum = 0, 0, 0.0
+        self._round_began = time.perf_counter()
+
+    def after_steps(self, steps: int, tokens: int, loss: float | torch.Tensor | None = None,
+                    compute_s: float | None = None) -> RoundReport | None:  # fmt: skip
+        """`steps` inner steps were taken (of `steps_to_sync` left), training `tokens` tokens with mean loss
+        `loss`; at the round's last step the round closes. Returns its report then, else None (also when
+        the site had to rejoin: the shards went on without it, and the model now holds their weights).
+        `compute_s`: the round's compute time (default: wall time since the round began)."""
+        if self.done:
+            raise RuntimeError("the run is over: no more inner steps to take")
+        if not 0 < steps <= self.steps_to_sync:
+            raise ValueError(f"{steps} steps given, but {self.steps_to_sync} are left before the next sync")
+        self._steps += steps
+        self._tokens += int(tokens)
+        if loss is not None:  # a device tensor stays one until the round closes: no sync per step
+            self._loss_sum = self._loss_sum + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss)) * steps
+        if self._steps < self.inner_steps:
+            return None
+        compute_s = time.perf_counter() - self._round_began if compute_s is None else compute_s
         try:
-            round_ = self.start()
-            while round_ <= self.rounds:
-                try:
-                    report = self.run_round(round_)
-                except AggregatorError as error:
-                    if error.code != grpc.StatusCode.FAILED_PRECONDITION:
-                        raise
-                    # The shards went on without us (a missed deadline made us inactive, or our round
-                    # closed): rejoin, adopt the current global weights and carry on from there.
-                    log.warning("cluster_rejoining", cluster=self.client.cluster, round=round_, reason=error.details)
-                    self.communicator.close(timeout=0)
-                    self.communicator = Communicator(self.client, pull_names=tuple(self.names))
-                    round_ = self.start()
-                    continue
-                self.reports.append(report)
-                round_ += 1
-            self.finish()
-        finally:
-            pending = self.communicator.in_flight
-            outcome = self.communicator.close()
-            log.info("communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending)
-            if outcome == "completed" and pending is not None:
-                self._commit(pending)  # its exchange made it: that round is durable now
-            if self.checkpoint is not None:
-                self.checkpoint.close()
+            report = self.close_round(self.round, float(self._loss_sum) / self._steps, self._tokens, compute_s)
+        except AggregatorError as error:
+            if error.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            # The shards went on without us (a missed deadline made us inactive, or our round closed):
+            # rejoin, adopt the current global weights and carry on from there.
+            log.warning("cluster_rejoining", cluster=self.client.cluster, round=self.round, reason=error.details)
+            self.communicator.close(timeout=0)
+            self.communicator = Communicator(self.client, pull_names=tuple(self.names))
+            self.begin()
+            return None
+        self.reports.append(report)
+        self.round += 1
+        self._reset_round()
+        if self.round > self.rounds:
+            self._complete()
+        return report
+
+    def _complete(self) -> None:
+        """The last round is in: end on the global model (`finish`), evaluate it, log the run's totals."""
+        self.finish()
+        self.done = True
         self.final_eval_loss = self.trainer.evaluate() if self.reports else self.initial_eval_loss
         self._log_memory()
         log.info("cluster_done", cluster=self.client.cluster, delay=self.delay, rounds=len(self.reports), version=self.version,
@@ -384,4 +418,29 @@ class DilocoCluster:
                  final_eval_loss=round(self.final_eval_loss, 4) if self.final_eval_loss is not None else None,
                  idle_s=round(sum(r.idle_s for r in self.reports), 3), compute_s=round(sum(r.compute_s for r in self.reports), 3),
                  bytes_up=self.client.traffic.bytes_up, bytes_down=self.client.traffic.bytes_down)  # fmt: skip
+
+    def close(self) -> None:
+        """Finish or abandon the exchange in flight and the checkpoint writes (idempotent). A round whose
+        exchange completes here is on the shards: its checkpoint is committed."""
+        if self._closed:
+            return
+        self._closed = True
+        pending = self.communicator.in_flight
+        outcome = self.communicator.close()
+        log.info("communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending)
+        if outcome == "completed" and pending is not None:
+            self._commit(pending)  # its exchange made it: that round is durable now
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+
+    def run(self) -> list[RoundReport]:
+        """Drive a `LocalTrainer` through the whole run: the same steps as a user's loop over `dilocox.DiLoCoX`."""
+        try:
+            self.begin()
+            while not self.done:
+                steps = self.steps_to_sync
+                train_loss, tokens, compute_s = self.trainer.train_steps(steps)
+                self.after_steps(steps, tokens, train_loss, compute_s)
+        finally:
+            self.close()
         return self.reports

@@ -54,6 +54,8 @@ class Communicator:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="communicator")
         self._in_flight: tuple[int, Future] | None = None
         self._lock = threading.Lock()
+        self._pushed = threading.Event()  # the round in flight has been pushed (or its push failed)
+        self._pushed.set()
 
     @property
     def in_flight(self) -> int | None:
@@ -66,7 +68,13 @@ class Communicator:
         with self._lock:
             if self._in_flight is not None:
                 raise RuntimeError(f"round {self._in_flight[0]} is still in flight; collect it before submitting {round_}")
-            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices, codec))
+            self._pushed = threading.Event()
+            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices, codec, self._pushed))
+
+    def wait_pushed(self) -> None:
+        """Return once the round in flight (if any) has been pushed — its compression done, so the
+        compressor's state is settled — without waiting for the round's result."""
+        self._pushed.wait()
 
     def collect(self, timeout: float | None = None) -> tuple[RoundExchange, float]:
         """Wait for the in-flight round; returns (its exchange, seconds this call blocked)."""
@@ -116,9 +124,13 @@ class Communicator:
         self._executor.shutdown(wait=False, cancel_futures=True)
         return outcome
 
-    def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None) -> RoundExchange:
+    def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None,
+                  push_done: threading.Event) -> RoundExchange:  # fmt: skip
         started = time.perf_counter()
-        bytes_up = self.client.push(round_, weight, slices, codec=codec)
+        try:
+            bytes_up = self.client.push(round_, weight, slices, codec=codec)
+        finally:
+            push_done.set()
         pushed = time.perf_counter()
         give_up = time.monotonic() + self.pull_wait_s
         while True:

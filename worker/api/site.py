@@ -1,0 +1,295 @@
+"""`dilocox.DiLoCoX`: one site of a run, driven by the user's own training loop.
+
+The user keeps their model, inner optimizer, schedule, loss and data order; after every inner step they
+call `step(tokens=…)`. Every `config.inner.steps` (H) steps that call closes a round exactly as
+`dilocox worker` does — the CLI's worker is this same object over its built-in trainer — so the delay,
+compression, replay, replay check, carry and rejoin are the same code:
+
+    with DiLoCoX(model, servers="10.0.0.5:50051", config=config, cluster="site-a") as dx:
+        while not dx.done:
+            loss = train_one_step(model, optimizer, batch)      # the user's step
+            dx.step(tokens=batch.numel(), loss=loss)
+
+Why an explicit call per step rather than a hook on the optimizer's `step()` (torchft's way): the round's
+pseudo-gradient is weighted by the tokens the site trained, which only the loop knows; a skipped AMP
+step or gradient accumulation changes what a "step" is; and a visible call is where the model's weights
+may change (at a sync). `hook(optimizer, tokens_per_step)` is there for loops where a fixed count holds.
+
+A model in one process is read and written directly; a site of several ranks (FSDP2-sharded, pipeline
+stages, under torchrun) passes its `SiteMesh`, and each rank exchanges the parameters it owns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dilocox.common.config.run import RunConfig, as_dict
+from dilocox.common.security import TlsFiles
+from dilocox.common.wire.assignment import tokenizer_digest_of
+from dilocox.common.wire.compression import TensorCompressor
+from dilocox.worker.exchange.access import LocalAccess, ParameterAccess
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import DilocoCluster
+from dilocox.worker.exchange.round_report import RoundReport
+
+log = structlog.get_logger()
+
+STATE_FORMAT = "dilocox-site-state/1"
+
+
+@dataclass
+class BuiltinTrainer:
+    """What `dilocox worker` adds for its own trainer (not part of the stable API): the trainer (its
+    `train_steps` and `evaluate`, and the state its DCP checkpoint saves), the parameter access it built,
+    that checkpoint and adaptive H. `DiLoCoX.run_builtin` drives it."""
+
+    trainer: object
+    access: ParameterAccess
+    checkpoint: object | None = None
+    steps_controller: object | None = None
+
+
+class _UserLoop:
+    """The `LocalTrainer` side of a user's loop: their eval (if any) and whether the site has trained yet."""
+
+    def __init__(self, evaluate: Callable[[], float] | None) -> None:
+        self._evaluate = evaluate
+        self.step = 0  # > 0 once a state_dict is loaded: the site is not new to its run
+
+    def evaluate(self) -> float:
+        return float(self._evaluate()) if self._evaluate is not None else float("nan")
+
+
+def tokenizer_identity(tokenizer: object) -> tuple[str, str]:
+    """(digest, tokenizer.json) the shards record and check: None → nothing sent; "byte" → bytes as tokens;
+    a (digest, tokenizer.json) pair as this returns; a path to a tokenizer.json (or its folder); or a Hugging Face tokenizer object (`tokenizers.Tokenizer`
+    or a fast `transformers` tokenizer)."""
+    if tokenizer is None:
+        return "", ""
+    if isinstance(tokenizer, tuple):  # already (digest, definition)
+        return tokenizer
+    if tokenizer == "byte":
+        return "byte", ""
+    if isinstance(tokenizer, (str, os.PathLike)):
+        path = os.fspath(tokenizer)
+        path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        with open(path, encoding="utf-8") as f:
+            definition = f.read()
+    else:
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        if not hasattr(backend, "to_str"):
+            raise TypeError(f"tokenizer must be None, 'byte', a tokenizer.json path or a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+        definition = backend.to_str()
+    return tokenizer_digest_of(definition), definition
+
+
+def _site_model_specs(mesh, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
+    """The whole model's (name, full shape) over a site's pipeline stages, in stage order: each stage's
+    own parameters (a DTensor's shape is the full one), gathered from every rank."""
+    mine = (mesh.stage, [(n, tuple(p.shape)) for n, p in named])
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    specs: list[tuple[str, tuple[int, ...]]] = []
+    seen: set[str] = set()
+    for _stage, stage_specs in sorted(every, key=lambda item: item[0]):
+        for name, shape in stage_specs:
+            if name not in seen:
+                seen.add(name)
+                specs.append((name, shape))
+    return specs
+
+
+class DiLoCoX:
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        *,
+        servers: str | Sequence[str],
+        config: RunConfig | None = None,
+        cluster: str = "cluster-0",
+        num_clusters: int = 1,
+        mesh: object | None = None,
+        evaluate: Callable[[], float] | None = None,
+        tokenizer: object = None,
+        tls: TlsFiles | None = None,
+        token: str | None = None,
+        shard_wait_s: float = 1800.0,
+        join_late: bool = False,
+        on_round: Callable[[RoundReport], None] | None = None,
+        builtin: BuiltinTrainer | None = None,
+    ) -> None:
+        """`model`: the site's model on this rank — a plain module, or (with `mesh`) an FSDP2-sharded one or
+        a pipeline stage; its parameters are what the site exchanges. `servers`: the shards' host:port
+        (a comma-separated string or a list). `config`: the run's configuration (`RunConfig`, or
+        `load_run_config("run.toml")`; the same as the CLI's — rounds, H = `inner.steps`, delay,
+        compression, the wire); every site of a run must give the same. `cluster`: this site's name,
+        unique in the run. `num_clusters`: how many sites the run has (the delayed start's share 1/M).
+        `mesh`: a `SiteMesh` when this rank is one of a torchrun site's. `evaluate`: returns the model's
+        eval loss (called after joining, after each round and at the end; optional). `tokenizer`: what
+        the shards check every site tokenizes with (see `tokenizer_identity`). `tls`, `token`: as the
+        CLI's `--tls-*` and `--token`. `shard_wait_s`: how long an unreachable shard is waited for.
+        `join_late`: join a run whose first rounds have closed. `on_round(report)`: after each round.
+        `builtin`: used by `dilocox worker` for its own trainer; not for user code."""
+        self.config = config or RunConfig()
+        self.cluster_name = cluster
+        self.mesh = mesh
+        addresses = [a.strip() for a in servers.split(",")] if isinstance(servers, str) else [a.strip() for a in servers]
+        addresses = [a for a in addresses if a]
+        if not addresses:
+            raise ValueError("servers: give the host:port of every shard")
+        if builtin is None:
+            if model is None:
+                raise ValueError("model: give the module this site trains")
+            trainer: object = _UserLoop(evaluate)
+            access = self._access_for(model)
+        else:
+            trainer, access = builtin.trainer, builtin.access
+        self.access = access
+        compress = self.config.compress
+        self.compressor = TensorCompressor(compress, seed=self.config.seed, name="uplink") if compress.codec != "fp32" else None
+        self.client = AggregatorClient(addresses, self.config.run_id, cluster, self.config.wire, compressor=self.compressor,
+                                       tls=tls, token=token, shard_wait_s=shard_wait_s, tokenizer=tokenizer_identity(tokenizer))  # fmt: skip
+        self.cluster = DilocoCluster(
+            trainer, self.client, self.config.rounds, self.config.inner.steps, self.config.delay, json.dumps(as_dict(self.config)),
+            access=access, allow_late_join=join_late, sync_rounds=self.config.sync_rounds, delayed_start=self.config.delayed_start,
+            num_clusters=num_clusters, on_round=(lambda report, _h, _v: on_round(report)) if on_round else None,
+            checkpoint=builtin.checkpoint if builtin else None, steps_controller=builtin.steps_controller if builtin else None,
+        )  # fmt: skip
+        self._started = False
+        self._closed = False
+        self._hooks: list = []
+
+    def _access_for(self, model: torch.nn.Module) -> ParameterAccess:
+        named = list(model.named_parameters())
+        if self.mesh is None:
+            if any(isinstance(p, DTensor) for _, p in named):
+                raise ValueError("the model is sharded (DTensor parameters): pass the site's mesh (dilocox.SiteMesh)")
+            return LocalAccess(named)
+        from dilocox.worker.site.access import SiteAccess
+        from dilocox.worker.site.parallelize import reshard_all
+
+        def current() -> list[tuple[str, torch.nn.Parameter]]:
+            reshard_all(model)  # an eval's forward leaves the root gathered: the exchange wants the shards
+            return list(model.named_parameters())
+
+        return SiteAccess(self.mesh, current, _site_model_specs(self.mesh, current()))
+
+    # ------------------------------------------------------------------ the loop
+    def start(self) -> "DiLoCoX":
+        """Join the run and load the global model into `model` (first round: every site starts from the same
+        θ_0, seeded by the first site to arrive). Called by `with` and by the first `step` if not before."""
+        if not self._started:
+            self._started = True
+            self.cluster.begin()
+        return self
+
+    def step(self, tokens: int, loss: float | torch.Tensor | None = None, steps: int = 1) -> RoundReport | None:
+        """`steps` inner steps (optimizer steps) were just taken, on `tokens` tokens across this site
+        (every rank of a site passes the same); `loss` their mean training loss (optional; a tensor is
+        read only at the sync). At the round's last step the site syncs: the model's weights change to
+        the next round's start, and the round's report is returned (None otherwise)."""
+        self.start()
+        return self.cluster.after_steps(steps, tokens, loss)
+
+    def run_builtin(self) -> list[RoundReport]:
+        """`dilocox worker`: drive the built-in trainer H steps at a time through the same rounds as `step`."""
+        self._started = True
+        try:
+            return self.cluster.run()
+        finally:
+            self.close()
+
+    def hook(self, optimizer: torch.optim.Optimizer, tokens_per_step: int) -> None:
+        """Call `step(tokens_per_step)` after every `optimizer.step()` (for loops with a fixed batch)."""
+        self._hooks.append(optimizer.register_step_post_hook(lambda *_: None if self.done else self.step(tokens_per_step)))
+
+    @property
+    def done(self) -> bool:
+        """The last round and the end of the run are in: `model` holds the run's final global weights."""
+        return self.cluster.done
+
+    @property
+    def steps_to_sync(self) -> int:
+        """Inner steps left before the next sync."""
+        return self.cluster.steps_to_sync
+
+    @property
+    def round(self) -> int:
+        """The round being trained (1-based; valid after `start`)."""
+        return self.cluster.round
+
+    @property
+    def reports(self) -> list[RoundReport]:
+        return self.cluster.reports
+
+    @property
+    def final_eval_loss(self) -> float | None:
+        return self.cluster.final_eval_loss
+
+    def close(self) -> None:
+        """Finish (or abandon, after 30 s) the exchange in flight and release the connections. A site that
+        stops before `done` resumes later from its `state_dict()` (or rejoins fresh)."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        try:
+            self.cluster.close()
+        finally:
+            self.client.close()
+
+    def __enter__(self) -> "DiLoCoX":
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The DiLoCoX side of a checkpoint, to save beside the model and optimizer: the error-feedback
+        residuals (and the compressor's warm starts) of the parameters this rank exchanges, the round and
+        the site's position in it. Waits for the pseudo-gradient in flight to be sent (not for its
+        round's result), so the residuals match what the shards have. The global-model replica is not
+        in it: a resumed site pulls the shards' current model whole, checked by the replay check."""
+        self.cluster.communicator.wait_pushed()
+        owned = set(self.cluster.names)
+        exchange = {}
+        if self.compressor is not None:
+            for key, value in self.compressor.state_dict().items():
+                if key.name in owned:
+                    exchange[key] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
+        return {"format": STATE_FORMAT, "run_id": self.config.run_id, "cluster": self.cluster_name, "round": self.cluster.round,
+                "version": self.cluster.version, "steps_in_round": self.cluster.inner_steps - self.cluster.steps_to_sync,
+                "exchange": exchange}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()` (before `start`). The site rejoins as itself: the shards say which
+        round to train and the model gets their global weights (inner steps taken since the last sync are
+        trained again); its residuals carry on where they were."""
+        if self._started:
+            raise RuntimeError("load_state_dict must come before start() (or the with-block, or the first step)")
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a DiLoCoX site state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
+        if state.get("run_id") != self.config.run_id:
+            raise ValueError(f"this state is run {state.get('run_id')!r}'s, not {self.config.run_id!r}'s")
+        if self.compressor is not None:
+            owned = set(self.cluster.names)
+            self.compressor.load_state_dict({k: v for k, v in state["exchange"].items() if k.name in owned})
+        if isinstance(self.cluster.trainer, _UserLoop):
+            self.cluster.trainer.step = max(1, int(state.get("round", 1)))
+        log.info("site_state_loaded", cluster=self.cluster_name, round=state.get("round"), residuals=len(state["exchange"]))
+
