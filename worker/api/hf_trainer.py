@@ -8,6 +8,7 @@ least rounds × H steps (`max_steps`); fewer, and the site stops short, with a w
 
 Tokens per step, which weigh the site's pseudo-gradient: the `Trainer`'s own count when
 `include_num_input_tokens_seen` is on (every token of every process), else a fixed `tokens_per_step`.
+The `Trainer` hands its callbacks no loss, so the rounds' reports carry none (nan); its own logs have it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ class DiLoCoXCallback(TrainerCallback):
         self.site = site
         self.tokens_per_step = tokens_per_step
         self._tokens_seen = 0
-        self._last_loss: float | None = None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         counted = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
@@ -37,17 +37,13 @@ class DiLoCoXCallback(TrainerCallback):
         self._tokens_seen = state.num_input_tokens_seen
         self.site.start()  # join; the model now holds the run's global weights
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs) -> None:  # noqa: ANN001
-        if logs and "loss" in logs:
-            self._last_loss = float(logs["loss"])
-
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if self.site.done:
             control.should_training_stop = True
             return
         tokens = state.num_input_tokens_seen - self._tokens_seen
         self._tokens_seen = state.num_input_tokens_seen
-        self.site.step(tokens=tokens if tokens > 0 else int(self.tokens_per_step or 0), loss=self._last_loss)
+        self.site.step(tokens=tokens if tokens > 0 else int(self.tokens_per_step or 0))
         if self.site.done:
             control.should_training_stop = True
 

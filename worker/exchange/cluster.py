@@ -368,7 +368,7 @@ class DilocoCluster:
             self._complete()
 
     def _reset_round(self) -> None:
-        self._steps, self._tokens, self._loss_sum = 0, 0, 0.0
+        self._steps, self._tokens, self._loss_sum, self._loss_steps = 0, 0, 0.0, 0
         self._round_began = time.perf_counter()
 
     def after_steps(self, steps: int, tokens: int, loss: float | torch.Tensor | None = None,
@@ -385,11 +385,13 @@ class DilocoCluster:
         self._tokens += int(tokens)
         if loss is not None:  # a device tensor stays one until the round closes: no sync per step
             self._loss_sum = self._loss_sum + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss)) * steps
+            self._loss_steps += steps
         if self._steps < self.inner_steps:
             return None
         compute_s = time.perf_counter() - self._round_began if compute_s is None else compute_s
         try:
-            report = self.close_round(self.round, float(self._loss_sum) / self._steps, self._tokens, compute_s)
+            train_loss = float(self._loss_sum) / self._loss_steps if self._loss_steps else float("nan")  # nan: no loss given
+            report = self.close_round(self.round, train_loss, self._tokens, compute_s)
         except AggregatorError as error:
             if error.code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
