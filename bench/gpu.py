@@ -38,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cuda (default; skipped where there is none) or cpu (the same checks on gloo)")  # fmt: skip
     parser.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated checks (default all: {','.join(CHECKS)})")
     parser.add_argument("--quick", action="store_true", help="a small model and 3 rounds (CI and trying it out)")
-    parser.add_argument("--n-layer", type=int, default=8)
-    parser.add_argument("--n-embd", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--n-layer", type=int, default=8, help="layers of the GPT the checks train (default 8)")
+    parser.add_argument("--n-embd", type=int, default=512, help="its width (default 512)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per check (default 4; --quick: 3)")
 
 
 def _model_flags(args: argparse.Namespace) -> tuple[str, ...]:

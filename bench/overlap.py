@@ -17,8 +17,8 @@ from dilocox.sim.inprocess import run_in_process
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-ms", type=float, default=300.0, help="added to every push and pull (default 300)")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per mode (default 6)")
+    parser.add_argument("--inner-steps", type=int, default=20, help="H: inner steps per round (default 20)")
 
 
 def run(args: argparse.Namespace, out_dir) -> str:

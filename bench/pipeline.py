@@ -24,8 +24,8 @@ from dilocox.worker.train.inner_trainer import InnerTrainer
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed inner steps (default 30, after 3 warm-up)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per inner step (default 16)")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per step through the pipeline (default 4)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
 
 

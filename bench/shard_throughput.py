@@ -38,7 +38,7 @@ CODECS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-layer", type=int, default=4, help="layers of the synthetic GPT whose pseudo-gradients travel (default 4)")
     parser.add_argument("--n-embd", type=int, default=512, help="its width (default 512: 12.9M parameters)")
-    parser.add_argument("--clusters", type=int, default=2)
+    parser.add_argument("--clusters", type=int, default=2, help="clusters pushing each round (default 2)")
     parser.add_argument("--shards", type=int, default=2, help="the model is split over this many shards; shard 0 is timed")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per codec, after one warm-up round (default 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, for the shard and the reference (default 1)")

@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated precisions per model (default fp32,bf16)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     parser.add_argument("--steps", type=int, default=8, help="timed inner steps per row (default 8, after 2 warm-up)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per child (default: torch's choice)")
     parser.add_argument("--stream-mb", type=int, default=512,
                         help="size of the large prepared token file for the streaming memory rows (default 512; 0 skips them)")

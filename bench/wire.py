@@ -33,7 +33,7 @@ CONFIGS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds per configuration (default 5)")
     parser.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
-    parser.add_argument("--clusters", type=int, default=2)
+    parser.add_argument("--clusters", type=int, default=2, help="clusters pushing each round (default 2)")
 
 
 def run(args: argparse.Namespace, out_dir) -> str:

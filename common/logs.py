@@ -9,6 +9,12 @@ from typing import TextIO
 import structlog
 
 
+def add_log_format_argument(parser) -> None:  # noqa: ANN001
+    """`--log-format`, the same on every command that logs."""
+    parser.add_argument("--log-format", choices=("kv", "json"), default="kv",
+                        help="kv: key=value lines for people (default); json: one JSON object per line, for log shippers")
+
+
 def configure_logging(fmt: str = "kv", level: str = "info", stream: TextIO | None = None) -> None:
     """Route every `structlog.get_logger()` call of this process to `stream` (stderr by default).
 

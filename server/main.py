@@ -12,7 +12,7 @@ import structlog
 
 from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.config.run import OuterConfig, WireConfig
-from dilocox.common.logs import configure_logging
+from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, CheckpointError, shard_files
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--added-latency-ms", type=float, default=0.0,
         help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
     )  # fmt: skip
-    parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_log_format_argument(parser)
     add_metrics_arguments(parser, default_host=None)
     add_security_arguments(parser, "server")
 

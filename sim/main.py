@@ -23,7 +23,7 @@ from collections import defaultdict
 import structlog
 
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_flags, config_from_args
-from dilocox.common.logs import configure_logging
+from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.deploy.certs import make_dev_certificates
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shards close a round this long after its first push with the clusters that made it (default 120)",
     )  # fmt: skip
     parser.add_argument("--summary-json", type=pathlib.Path, help="also write the final summary here as JSON")
-    parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_log_format_argument(parser)
     parser.add_argument(
         "--tls", action="store_true", help="run with mTLS and a run token (dev certificates made in the log dir)"
     )
@@ -56,7 +56,8 @@ def _cli(*args: str) -> list[str]:
 
 
 class _ClusterLogReader(threading.Thread):
-    """Tees a cluster's stderr into its log file and hands its JSON events to `on_event`."""
+    """Tees a cluster's stderr into its log file and hands its JSON events to `on_event`; remembers the
+    last thing the cluster said was wrong (`reason`), for the summary when it fails."""
 
     def __init__(self, name: str, proc: subprocess.Popen, log_path: pathlib.Path, on_event) -> None:
         super().__init__(daemon=True, name=f"log-{name}")
@@ -64,6 +65,8 @@ class _ClusterLogReader(threading.Thread):
         self.proc = proc
         self.log_path = log_path
         self.on_event = on_event
+        self._error_event: str | None = None  # its last error-level log event
+        self._last_text: str | None = None  # its last plain line: a SystemExit message, a traceback's last line
 
     def run(self) -> None:
         assert self.proc.stderr is not None
@@ -74,9 +77,19 @@ class _ClusterLogReader(threading.Thread):
                 try:
                     event = json.loads(line)
                 except json.JSONDecodeError:
+                    if line.strip():
+                        self._last_text = line.strip()
                     continue
                 if isinstance(event, dict):
+                    if event.get("level") in ("error", "critical"):
+                        details = {k: v for k, v in event.items() if k not in ("event", "level", "timestamp", "logger")}
+                        self._error_event = f"{event.get('event')}: " + ", ".join(f"{k}={v}" for k, v in details.items())
                     self.on_event(self.cluster, event)
+
+    def reason(self) -> str:
+        """Why the cluster failed, as it said last (call after it exited and its stderr is read)."""
+        self.join(timeout=5)
+        return self._error_event or self._last_text or "it exited without saying why"
 
 
 class Simulation:
@@ -94,6 +107,7 @@ class Simulation:
                                     "--tls-key", str(certs["client-key"]), "--token", token]  # fmt: skip
         self.shards: list[subprocess.Popen] = []
         self.workers: dict[str, subprocess.Popen] = {}
+        self.readers: dict[str, _ClusterLogReader] = {}
         self._lock = threading.Lock()
         self._rounds: dict[int, dict[str, dict]] = defaultdict(dict)
         self._initial: dict[str, float] = {}
@@ -163,7 +177,9 @@ class Simulation:
             )  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
             self.workers[name] = proc
-            _ClusterLogReader(name, proc, self.log_dir / f"{name}.log", self._on_event).start()
+            reader = _ClusterLogReader(name, proc, self.log_dir / f"{name}.log", self._on_event)
+            reader.start()
+            self.readers[name] = reader
         log.info("sim_clusters_started", clusters=len(self.workers))
 
     def stop_all(self) -> None:
@@ -231,7 +247,9 @@ class Simulation:
                 except subprocess.TimeoutExpired:
                     raise TimeoutError(f"the simulation did not finish within {self.args.timeout:.0f}s") from None
                 if code != 0:
-                    failed[name] = code
+                    reader = self.readers[name]
+                    failed[name] = {"exit_code": code, "reason": reader.reason(), "log": str(reader.log_path)}
+                    log.error("sim_cluster_failed", cluster=name, **failed[name])
             model_dir = None if failed else self.export_model(addresses)
         finally:
             self.stop_all()

@@ -236,3 +236,24 @@ def test_missing_config_file_raises(tmp_path):
 def test_invalid_values_raise(data):
     with pytest.raises(ValueError):
         from_dict(data)
+
+
+def test_every_flag_of_every_command_says_what_it_does():
+    """Issue 34, item 5: no `--help` line is only a type and a default (the run configuration's ~55 flags
+    take theirs from common/config/field_help.py); every command's help renders."""
+    from dilocox.common.config.field_help import FIELD_HELP
+    from dilocox.common.config.run import flag_dests
+    from dilocox.common.config.sources import subparsers_of
+
+    assert set(FIELD_HELP) == flag_dests()
+    bare = []
+    for name in cli.SUBCOMMANDS:
+        top = subparsers_of(cli.build_parser([name]))[name]
+        for label, parser in [(name, top), *((f"{name} {k}", p) for k, p in subparsers_of(top).items())]:
+            parser.format_help()
+            for action in parser._actions:
+                if action.option_strings and not isinstance(action, argparse._HelpAction):
+                    text = (action.help or "").strip()
+                    if not text or text.startswith("(default"):
+                        bare.append(f"{label} {action.option_strings[0]}")
+    assert bare == []

@@ -88,3 +88,33 @@ def test_server_rounds_needs_resume(tmp_path):
     done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "server", "--rounds", "5", "--port", "0", "--insecure"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
     assert done.returncode != 0 and "--rounds extends a run from its checkpoint and needs --resume" in done.stderr
+
+
+def test_sigterm_of_a_torchrun_site_stops_it_cleanly_without_a_traceback(shard_set):
+    """Issue 34, item 5: `dilocox worker --dp 2` runs its torchrun job in-process; a SIGTERM reaches every
+    rank (each finishes its round in flight), and the launcher ends with one line and exit 143."""
+    import signal
+
+    shards = shard_set(1, "sigterm-run")
+    cmd = [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "sigterm-run",
+           "--insecure", "--dp", "2", "--rounds", "100000", "--inner-steps", "5", "--n-layer", "1", "--n-embd", "32",
+           "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1", "--log-format", "json"]  # fmt: skip
+    site = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any('"round_done"' in line for line in lines):
+            line = site.stderr.readline()
+            if not line and site.poll() is not None:
+                break
+            lines.append(line)
+        assert any('"round_done"' in line for line in lines), "".join(lines)[-3000:]
+        site.send_signal(signal.SIGTERM)
+        _, rest = site.communicate(timeout=90)
+    finally:
+        if site.poll() is None:
+            site.kill()
+    err = "".join(lines) + rest
+    assert site.returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert '"site_stopped"' in err and err.count('"communicator_closed"') == 2  # each rank took its graceful path

@@ -97,3 +97,16 @@ def test_sim_compressed_converges_like_uncompressed_synchronous(sim_of):
     assert default["bytes_up"] < dense["bytes_up"] / 3  # totals include the dense initial weights (round 0)
     assert default["flush_bytes_up"] > 0 and dense["flush_bytes_up"] == 0  # fp32 holds nothing back
     assert default["final_eval_loss"] < 1.08 * dense["final_eval_loss"], (dense, default)
+
+
+def test_sim_says_why_a_cluster_failed(tmp_path):
+    """Issue 34, item 5: a failed cluster is reported with its exit code, its own last error and its log."""
+    summary_path = tmp_path / "summary.json"
+    cmd = [sys.executable, "-m", "dilocox.common.cli", "sim", *SMALL, "--model", "no-such-model", "--clusters", "1",
+           "--log-dir", str(tmp_path / "logs"), "--summary-json", str(summary_path), "--timeout", "120"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    failed = json.loads(summary_path.read_text())["failed_clusters"]["cluster-0"]
+    assert failed["exit_code"] == 1 and "'no-such-model' is not a known model" in failed["reason"], failed
+    assert pathlib.Path(failed["log"]).is_file()
+    assert "sim_cluster_failed" in proc.stdout and "is not a known model" in proc.stdout

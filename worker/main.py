@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from dilocox.common.config.run import ParallelConfig, add_config_arguments, config_from_args
-from dilocox.common.logs import configure_logging
+from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.exchange.adaptive_steps import StepsController
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-clusters", type=int, default=1, help="how many data shards the corpus is cut into (default 1)")
     add_data_arguments(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_log_format_argument(parser)
     parser.add_argument("--checkpoint-dir", type=pathlib.Path,
                         help="save the site's local state here after rounds (torch.distributed.checkpoint, one folder per "
                              "round under <dir>/<cluster>; every rank of the site must see the same folder)")  # fmt: skip

@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from dilocox.common.config.field_help import FIELD_HELP
 from dilocox.common.wire.compression import CompressionConfig
 from dilocox.common.config.sources import CONFIG_HELP, GROUP_FLAG_PREFIXES, load_file, parse_bool
 
@@ -275,7 +276,9 @@ def add_field_argument(group, flag: str, dest: str, default: object) -> None:
     """One flag for one config field, typed like its default; booleans take true/false."""
     kind = type(default)
     parse = parse_bool if kind is bool else kind
-    group.add_argument(flag, dest=dest, type=parse, default=None, metavar=kind.__name__.upper(), help=f"(default {default})")
+    what = FIELD_HELP.get(dest, "")
+    metavar = "BOOL" if kind is bool else kind.__name__.upper()
+    group.add_argument(flag, dest=dest, type=parse, default=None, metavar=metavar, help=f"{what} (default {default})".lstrip())
 
 
 def from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:

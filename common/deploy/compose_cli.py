@@ -22,7 +22,7 @@ import structlog
 from dilocox.common.deploy.compose_check import CheckFailed, ComposeRun, check
 from dilocox.common.deploy.compose_file import render
 from dilocox.common.deploy.compose_images import BASE_IMAGE, IMAGE, EngineUnavailable, build_image, ensure_engine
-from dilocox.common.logs import configure_logging
+from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.deploy.topology import Topology
 
 log = structlog.get_logger()
@@ -31,7 +31,7 @@ log = structlog.get_logger()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--project-dir", type=pathlib.Path, default=pathlib.Path.cwd(),
                         help="repository root holding Dockerfile and docker-compose.yml (default: .)")  # fmt: skip
-    parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_log_format_argument(parser)
     actions = parser.add_subparsers(dest="action", metavar="action", required=True)
     render_cmd = actions.add_parser("render", help="write docker-compose.yml from the topology")
     render_cmd.add_argument("--check", action="store_true", help="only verify the file is current (exit 1 if not)")

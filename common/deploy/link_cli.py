@@ -14,13 +14,13 @@ import structlog
 
 from dilocox.common.deploy.link_probe import send_probe, serve_sink
 from dilocox.common.deploy.link_shaping import ShapingError, TokenBucket, device_towards, egress_qdisc, shape_egress
-from dilocox.common.logs import configure_logging
+from dilocox.common.logs import add_log_format_argument, configure_logging
 
 log = structlog.get_logger()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-format", choices=("kv", "json"), default="kv")
+    add_log_format_argument(parser)
     actions = parser.add_subparsers(dest="action", metavar="action", required=True)
     shape = actions.add_parser("shape", help="rate-limit egress towards a host with tc tbf (needs NET_ADMIN)")
     shape.add_argument("--towards", required=True, help="host (name or address) whose route's device is shaped")
