@@ -75,6 +75,10 @@ def test_export_of_a_tiny_llama_loads_with_from_pretrained(tmp_path):
     with torch.no_grad():
         assert loaded(x).logits.shape == (2, 16, 256)
     assert evaluate_export(out) == pytest.approx(result.clusters[0].final_eval_loss, abs=1e-4)
+    # Its record holds the model's own fields, not the built-in GPT's shape (issue 34, item 5).
+    model_fields = json.loads((out / "export.json").read_text())["run_config"]["model"]
+    assert model_fields["model"] == "llama-tiny" and "block_size" in model_fields
+    assert not {"n_layer", "n_head", "n_embd", "dropout", "vocab_size"} & set(model_fields)
 
 
 def test_export_refuses_a_missing_shard_a_missing_slice_and_mixed_versions(tmp_path):

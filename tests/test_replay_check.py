@@ -4,7 +4,6 @@ that replays without a valid digest is refused before anything is applied. Real 
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 

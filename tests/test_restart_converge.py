@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
-import time
 
 from dilocox.server import checkpoint
 from tests.test_faults import finish, kill_all, wait_for

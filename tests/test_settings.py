@@ -142,3 +142,14 @@ def test_config_show_for_a_command_applies_its_own_table_and_environment(tmp_pat
     assert cli.main(["config", "show", "--command", "server", "--config", str(path)]) == 0
     server = tomllib.loads(capsys.readouterr().out)
     assert server["server"]["num-shards"] == 3 and "parallel" not in server
+
+
+def test_config_show_leaves_out_the_gpt_shape_for_a_hugging_face_model(capsys):
+    """Issue 34, item 5: a preset or config.json has its own shape; n_layer & co. would only mislead."""
+    assert cli.main(["config", "show", "--model", "llama-tiny", "--n-layer", "9"]) == 0
+    text = capsys.readouterr().out
+    model = tomllib.loads(text)["model"]
+    assert model["model"] == "llama-tiny" and "block_size" in model and "n_layer" not in model and "vocab_size" not in model
+    assert from_dict(tomllib.loads(text)).model.model == "llama-tiny"  # still a --config file
+    assert cli.main(["config", "show", "--model", "gpt", "--n-layer", "9"]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["model"]["n_layer"] == 9

@@ -11,7 +11,6 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 

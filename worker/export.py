@@ -29,7 +29,7 @@ import grpc
 import torch
 
 from dilocox.common.atomic_file import atomic_folder
-from dilocox.common.config.run import RunConfig, WireConfig, from_dict
+from dilocox.common.config.run import RunConfig, WireConfig, from_dict, in_use
 from dilocox.common.security import (TlsFiles, add_security_arguments, explain_hostname_mismatch, is_hostname_mismatch,
                                      open_channel, security_from_args)
 from dilocox.common.wire import codecs
@@ -285,7 +285,7 @@ def write_export(model: GlobalModel, out: str | pathlib.Path, data: str | None =
         tokenizer_note = _write_tokenizer(tokenizer, config, folder)
         record = {"format": EXPORT_FORMAT, "run_id": model.run_id, "version": model.version, "num_params": model.num_params,
                   "model": config.model.model, "huggingface": hf is not None, "tokenizer": tokenizer_note,
-                  "run_config": dataclasses.asdict(config)}  # fmt: skip
+                  "run_config": in_use(config)}  # fmt: skip
         (folder / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     return out
 

@@ -47,6 +47,21 @@ class ModelConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+# The built-in GPT's shape: a Hugging Face model (a preset or a config.json) has its own in its
+# configuration, so records of such a run leave these out (`in_use`).
+GPT_SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "dropout")
+
+
+def in_use(config: "RunConfig") -> dict:
+    """`config` as a dict without the fields its model ignores: a Hugging Face model's run carries no
+    GPT shape (the built-in GPT and `module:function` models, which are handed the ModelConfig, keep it)."""
+    data = as_dict(config)
+    model = config.model.model
+    if model != "gpt" and ":" not in model:
+        data["model"] = {k: v for k, v in data["model"].items() if k not in GPT_SHAPE_FIELDS}
+    return data
+
+
 @dataclass(frozen=True)
 class InnerConfig:
     """The inner (local) optimiser: AdamW for `steps` (H) steps per round."""
@@ -341,17 +356,17 @@ def flag_dests() -> set[str]:
     return {dest for _flag, dest, _grp, _f in _flag_fields()}
 
 
-def to_toml(config: RunConfig) -> str:
-    """`config` as a TOML file that `--config` (and `from_dict`) read back to an equal RunConfig."""
-    value = toml_value
+def to_toml(config: RunConfig, only_in_use: bool = False) -> str:
+    """`config` as a TOML file that `--config` (and `from_dict`) read back to an equal RunConfig;
+    `only_in_use`: without the fields its model ignores (`in_use`), for people to read."""
+    data = in_use(config) if only_in_use else as_dict(config)
     top, tables = [], []
-    for f in dataclasses.fields(config):
-        v = getattr(config, f.name)
-        if dataclasses.is_dataclass(v):
-            tables.append(f"\n[{f.name}]")
-            tables += [f"{g.name} = {value(getattr(v, g.name))}" for g in dataclasses.fields(v)]
+    for key, v in data.items():
+        if isinstance(v, dict):
+            tables.append(f"\n[{key}]")
+            tables += [f"{name} = {toml_value(x)}" for name, x in v.items()]
         else:
-            top.append(f"{f.name} = {value(v)}")
+            top.append(f"{key} = {toml_value(v)}")
     return "\n".join(top + tables) + "\n"
 
 

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command:
             config, others = command_settings(args.command, args.config, os.environ)
-            text = (to_toml(config) + "\n") if config is not None else ""
+            text = (to_toml(config, only_in_use=True) + "\n") if config is not None else ""
             text += f"[{args.command}]\n" + "".join(_line(key, value) for key, value in others.items())
             sys.stdout.write(text)
             return 0
@@ -63,5 +63,5 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, SettingsError) as error:
         print(f"dilocox config show: bad configuration: {error}", file=sys.stderr)
         return 1
-    sys.stdout.write(to_toml(config))
+    sys.stdout.write(to_toml(config, only_in_use=True))
     return 0
