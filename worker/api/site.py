@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import structlog
 import torch
@@ -39,6 +39,9 @@ from dilocox.worker.exchange.access import LocalAccess, ParameterAccess
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster
 from dilocox.worker.exchange.round_report import RoundReport
+
+if TYPE_CHECKING:  # torch.distributed's mesh: imported where a site of several ranks makes one
+    from dilocox.worker.site.mesh import SiteMesh
 
 log = structlog.get_logger()
 
@@ -91,7 +94,7 @@ def tokenizer_identity(tokenizer: object) -> tuple[str, str]:
     return tokenizer_digest_of(definition), definition
 
 
-def _site_model_specs(mesh, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...]]]:  # noqa: ANN001
+def _site_model_specs(mesh: SiteMesh, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...]]]:
     """The whole model's (name, full shape) over a site's pipeline stages, in stage order: each stage's
     own parameters (a DTensor's shape is the full one), gathered from every rank."""
     mine = (mesh.stage, [(n, tuple(p.shape)) for n, p in named])
@@ -108,6 +111,9 @@ def _site_model_specs(mesh, named: list[tuple[str, torch.Tensor]]) -> list[tuple
 
 
 class DiLoCoX:
+    """One site of a DiLoCoX run on this rank, driven by the caller's loop (see the module docstring and
+    docs/api.md)."""
+
     def __init__(
         self,
         model: torch.nn.Module | None,
@@ -116,7 +122,7 @@ class DiLoCoX:
         config: RunConfig | None = None,
         cluster: str = "cluster-0",
         num_clusters: int = 1,
-        mesh: object | None = None,
+        mesh: SiteMesh | None = None,
         evaluate: Callable[[], float] | None = None,
         tokenizer: object = None,
         tls: TlsFiles | None = None,
