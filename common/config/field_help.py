@@ -43,6 +43,8 @@ FIELD_HELP = {
     "wire__zstd_level": "zstd level of every payload (1: fastest)",
     "wire__max_message_bytes": "the largest gRPC message either side accepts",
     "wire__replay_check": "check each replayed outer step against the shard's state digest, and pull in full on a mismatch",
+    "wire__exchange_threads": "torch CPU threads of this rank's exchange (compression, replay, replay check); 0: the cores "
+    "this rank may use, shared by the node's ranks, less the training's own threads (at least 1)",
     "wire__keepalive_s": "ping a connection silent this long; drop it if the ping goes unanswered as long again",
     "compress__codec": "uplink pseudo-gradients: lowrank (adaptive rank + quantised factors), int4, int8, bf16, fp16 or fp32 (none)",
     "compress__factor_bits": "bits of the quantised low-rank factors and of small tensors: 4, 8 or 32",

@@ -119,8 +119,13 @@ class WireConfig:
     # its call in ≤ 2× this and the site's outage path retries it (worker/exchange/shard_wait.py). 30 s
     # is far above a WAN's round trip and well below NAT/firewall idle timeouts (often ≥ 60 s).
     keepalive_s: float = 30.0
+    # torch threads for a rank's exchange, apart from the training thread's own count (torchrun's
+    # OMP_NUM_THREADS=1 otherwise leaves the exchange one core); 0: automatic (worker/exchange/threads.py).
+    exchange_threads: int = 0
 
     def __post_init__(self) -> None:
+        if self.exchange_threads < 0:
+            raise ValueError(f"wire exchange_threads must be ≥ 0 (0: automatic), got {self.exchange_threads}")
         if not self.keepalive_s > 0:
             raise ValueError(f"wire keepalive_s must be positive, got {self.keepalive_s}")
 

@@ -36,6 +36,7 @@ from dilocox.worker.exchange.carry import UndeliveredCarry
 from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions
 from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
 from dilocox.worker.exchange.shard_wait import RECONNECT_OPTIONS, WAITED_FOR, AggregatorError, call_waiting, why_unreachable
+from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 
@@ -100,7 +101,12 @@ class AggregatorClient:
         self._channel_of = dict(zip(self.addresses, self._channels))
         self._stubs_by_address = [pb_grpc.AggregatorStub(c) for c in self._channels]
         self._stubs: dict[int, tuple[str, pb_grpc.AggregatorStub]] = {}  # shard index -> (address, stub)
-        self._pool = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)), thread_name_prefix="agg-client")
+        # The push and pull threads (one per shard) compress, replay and digest: they share the exchange's
+        # thread budget, apart from the training thread's count (worker/exchange/threads.py).
+        workers = max(2, len(self.addresses))
+        self.exchange_threads = exchange_thread_budget(self.wire.exchange_threads)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agg-client", initializer=use_exchange_threads,
+                                        initargs=(max(1, self.exchange_threads // len(self.addresses)),))  # fmt: skip
         self.traffic = Traffic()
         self.assignment: list[ParamSlice] = []
         self.slice_map = SliceMap.of([])
@@ -325,6 +331,7 @@ class AggregatorClient:
                     names=list(names),
                     have_version=have,
                     check_replay=self.replay_check.enabled,
+                    replay_digest=self.replay_check.digest,
                     replay_mismatches=self.replay_check.mismatches,
                 )
 

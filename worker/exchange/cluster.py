@@ -193,7 +193,8 @@ class DilocoCluster:
         self.initial_eval_loss = self.trainer.evaluate()
         log.info("rank_share", cluster=self.client.cluster, names=self.names, params_held=self.access.params_held, params_owned=self.buffers.numel)
         log.info("cluster_started", cluster=self.client.cluster, version=self.version, delay=self.delay,
-                 num_shards=info.num_shards, slices=len(self.slices), eval_loss=round(self.initial_eval_loss, 4),
+                 num_shards=info.num_shards, slices=len(self.slices), exchange_threads=self.client.exchange_threads,
+                 eval_loss=round(self.initial_eval_loss, 4),
                  bytes_down=received)  # fmt: skip
         return self.version + 1
 
