@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dilocox.common.wire.aggregation import apply_round, decode_to_views
+from dilocox.common.wire.aggregation import apply_round, decode_by_blocks
 from dilocox.common.wire.errors import InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
@@ -74,9 +74,9 @@ class RoundAccumulator:
 
     def apply(self, key: SliceKey, optimizer: OuterNesterov, param: torch.Tensor, in_place: bool) -> torch.Tensor | None:
         """The slice's outer step on the weighted mean of its contributions, or None if nobody
-        delivered it. fp32 payloads decode to views of their bytes: they are decoded together and the
-        mean is fused into the step (see `aggregation.apply_round`)."""
+        delivered it. fp32 payloads decode to views of their bytes and low-rank ones to their factors: they
+        are taken together and the mean is fused into the step (see `aggregation.apply_round`)."""
         per_cluster = self.contributions.get(key, {}).values()
-        together = decode_to_views(c.slice.codec for c in per_cluster)
-        items = [(c.cluster, c.weight, c.slice.decode) for c in per_cluster]
+        together = decode_by_blocks(c.slice.codec for c in per_cluster)
+        items = [(c.cluster, c.weight, c.slice.decode_lazy) for c in per_cluster]
         return apply_round(items, optimizer, key, param, in_place=in_place, decode_together=together)

@@ -12,9 +12,10 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
+from dilocox.common.wire.lowrank import OrderedProduct
 from dilocox.common.wire.outer_optimizer import BLOCK_ELEMENTS, OuterNesterov
 
-Contribution = tuple[str, float, Callable[[], torch.Tensor]]  # (cluster, weight, decode)
+Contribution = tuple[str, float, Callable[[], "torch.Tensor | OrderedProduct"]]  # (cluster, weight, decode)
 
 
 def weighted_mean(contributions: Iterable[Contribution]) -> torch.Tensor | None:
@@ -25,11 +26,11 @@ def weighted_mean(contributions: Iterable[Contribution]) -> torch.Tensor | None:
     acc: torch.Tensor | None = None
     scratch = torch.empty(0)
     for _, weight, decode in sorted(contributions, key=lambda c: c[0]):
-        delta = decode().to(torch.float32)
+        delta = _dense(decode())
         flat = delta.reshape(-1)
         n = flat.numel()
         # A multiply, then an add: `add_(delta, alpha=w)` may fuse into one FMA on some CPUs and not on
-        # others, and shards and clusters must round alike (see lowrank.ordered_product).
+        # others, and shards and clusters must round alike (see lowrank.OrderedProduct).
         if acc is None:
             acc = torch.empty_like(flat)
             for start in range(0, n, BLOCK_ELEMENTS):
@@ -51,10 +52,37 @@ def weighted_mean(contributions: Iterable[Contribution]) -> torch.Tensor | None:
     return acc.div_(total).view(shape)
 
 
-def decode_to_views(codecs: Iterable[str]) -> bool:
-    """Whether contributions in these codecs decode to views of their payload bytes (fp32), so that
-    `apply_round` can decode them all at once for free and fuse the mean into the step."""
-    return all(codec == "fp32" for codec in codecs)
+def _dense(decoded: torch.Tensor | OrderedProduct) -> torch.Tensor:
+    return (decoded.dense() if isinstance(decoded, OrderedProduct) else decoded).to(torch.float32)
+
+
+def decode_by_blocks(codecs: Iterable[str]) -> bool:
+    """Whether contributions in these codecs can all be held at once for free and read block by block:
+    fp32 payloads decode to views of their bytes, low-rank ones to their factors (`OrderedProduct`), so
+    `apply_round` fuses the mean into the step and no contribution is ever dense. Other codecs (int8,
+    int4, fp16, bf16) decode whole, one at a time."""
+    return all(codec in ("fp32", "lowrank") for codec in codecs)
+
+
+class _BlockReader:
+    """Elements [start, stop) of one decoded contribution: a view of a dense one, or the rows of a
+    low-rank one built into shared scratch (read before the next reader is asked)."""
+
+    def __init__(self, decoded: torch.Tensor | OrderedProduct, scratch: torch.Tensor) -> None:
+        self.product = decoded if isinstance(decoded, OrderedProduct) else None
+        self.flat = None if self.product is not None else decoded.to(torch.float32).reshape(-1)
+        self.scratch = scratch
+
+    @property
+    def numel(self) -> int:
+        return self.product.rows * self.product.cols if self.product is not None else self.flat.numel()
+
+    def read(self, start: int, stop: int) -> torch.Tensor:
+        if self.product is None:
+            return self.flat[start:stop]
+        cols = self.product.cols  # blocks are whole rows (`apply_round` aligns them)
+        out = self.scratch[: stop - start].view(-1, cols)
+        return self.product.rows_into(start // cols, stop // cols, out).reshape(-1)
 
 
 def apply_round(
@@ -66,13 +94,14 @@ def apply_round(
     decode_together: bool = True,
 ) -> torch.Tensor | None:
     """The round's outer step on one slice: `optimizer.step(key, param, weighted_mean(contributions))`,
-    with the same bits, block by block; None if nobody contributed to the slice.
+    with the same bits, block by block; None if nobody contributed to the slice. A contribution's
+    decode returns a tensor or, for a low-rank payload, its `OrderedProduct` (`codecs.decode_lazy`).
 
-    `decode_together`: decode every contribution first and fuse the weighted mean into the step's
-    blocks, so no slice-sized temporary exists at all — right when decoding is free (fp32 payloads
-    decode to views of their bytes) or already done (a cluster's replay). Otherwise the mean is built
-    one decoded contribution at a time (one slice-sized temporary, whatever the number of clusters)
-    and only the step runs by blocks."""
+    `decode_together`: take every contribution at once and fuse the weighted mean into the step's
+    blocks, so no slice-sized temporary exists at all — right when holding them is free (fp32 views,
+    low-rank factors: `decode_by_blocks`) or already done. Otherwise the mean is built one decoded
+    contribution at a time (one slice-sized temporary, whatever the number of clusters) and only the
+    step runs by blocks."""
     items = sorted(contributions, key=lambda c: c[0])
     if not items:
         return None
@@ -80,21 +109,30 @@ def apply_round(
         grad = weighted_mean(items)
         assert grad is not None
         return optimizer.step(key, param, grad, in_place=in_place)
-    flats = [(decode().to(torch.float32).reshape(-1), weight) for _, weight, decode in items]
-    if any(flat.numel() != param.numel() for flat, _ in flats):
-        raise ValueError(f"{key}: contributions of {[f.numel() for f, _ in flats]} elements for {param.numel()}")
+    decoded = [(decode(), weight) for _, weight, decode in items]
+    cols = {d.cols for d, _ in decoded if isinstance(d, OrderedProduct)}
+    if len(cols) > 1:
+        raise ValueError(f"{key}: low-rank contributions of {sorted(cols)} columns")
+    # Blocks of whole rows where a low-rank contribution is built by rows (any blocking gives the same
+    # bits: every operation is elementwise).
+    block = max(1, BLOCK_ELEMENTS // max(cols)) * max(cols) if cols else BLOCK_ELEMENTS
+    size = min(param.numel(), block)
+    scratch = torch.empty(size) if cols else torch.empty(0)
+    readers = [(_BlockReader(d, scratch), weight) for d, weight in decoded]
+    if any(r.numel != param.numel() for r, _ in readers):
+        raise ValueError(f"{key}: contributions of {[r.numel for r, _ in readers]} elements for {param.numel()}")
     total = 0.0
-    for _, weight in flats:
+    for _, weight in readers:
         total += weight  # the same order of additions as weighted_mean
-    size = min(param.numel(), BLOCK_ELEMENTS)
     acc, scaled = torch.empty(size), torch.empty(size)
 
     def mean_block(start: int, stop: int) -> torch.Tensor:
         # weighted_mean's operations on elements [start, stop): a multiply, then an add, per contribution
-        block = acc[: stop - start]
-        torch.mul(flats[0][0][start:stop], flats[0][1], out=block)
-        for flat, weight in flats[1:]:
-            block.add_(torch.mul(flat[start:stop], weight, out=scaled[: stop - start]))
-        return block.div_(total)
+        out = acc[: stop - start]
+        first, weight = readers[0]
+        torch.mul(first.read(start, stop), weight, out=out)
+        for reader, weight in readers[1:]:
+            out.add_(torch.mul(reader.read(start, stop), weight, out=scaled[: stop - start]))
+        return out.div_(total)
 
-    return optimizer.step_by_block(key, param, mean_block, in_place=in_place)
+    return optimizer.step_by_block(key, param, mean_block, in_place=in_place, block_elements=block)

@@ -17,6 +17,7 @@ import torch
 from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
 from dilocox.common.wire.finite import all_finite
 from dilocox.common.wire.lowrank import (
+    OrderedProduct,
     as_matrix_shape,
     decode_lowrank,
     encode_lowrank,
@@ -24,6 +25,7 @@ from dilocox.common.wire.lowrank import (
     max_lowrank_bytes,
     power_iteration,
     vet_lowrank,
+    vetted_factors,
 )
 from dilocox.common.wire.quantize import decode_quantized, encode_quantized, quantized_nbytes
 
@@ -145,9 +147,20 @@ def decode(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> 
     if any(d < 0 for d in shape):
         raise InvalidFrame(f"negative dimension in shape {list(shape)}")
     tensor = check_known(name).decode(buffer, dtype, shape)
-    if not all_finite(tensor):
+    if name != "lowrank" and not all_finite(tensor):  # a low-rank decode is vetted on its factors first
         raise InvalidFrame(f"{name} payload holds NaN or Inf values")
     return tensor
+
+
+def decode_lazy(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor | OrderedProduct:
+    """`decode`, except that a low-rank payload comes back as its `OrderedProduct` (vetted, the factors
+    only): the round's mean builds it block by block, never as a dense tensor (`aggregation.apply_round`)."""
+    if name != "lowrank":
+        return decode(name, buffer, dtype, shape)
+    if any(d < 0 for d in shape):
+        raise InvalidFrame(f"negative dimension in shape {list(shape)}")
+    _check_lowrank_frame(buffer, dtype, shape)
+    return OrderedProduct(*vetted_factors(buffer))
 
 
 def vet(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> None:

@@ -26,7 +26,15 @@ import structlog
 import torch
 
 from dilocox.common.wire import codecs
-from dilocox.common.wire.lowrank import as_matrix_shape, encode_lowrank, ordered_factors, power_iteration
+from dilocox.common.wire.finite import all_finite
+from dilocox.common.wire.lowrank import (
+    as_matrix_shape,
+    encode_lowrank,
+    OrderedProduct,
+    lowrank_factors,
+    ordered_factors,
+    power_iteration,
+)
 
 log = structlog.get_logger()
 
@@ -147,27 +155,57 @@ class TensorCompressor:
 
     def compress(self, key: Hashable, delta: torch.Tensor, codec: str | None = None) -> Encoded:
         """C(Δ + e) with the configured codec, or with the dense `codec` given for this one message
-        (the end-of-run flush: compress a zero Δ and error feedback sends exactly the residual)."""
+        (the end-of-run flush: compress a zero Δ and error feedback sends exactly the residual).
+
+        With error feedback, Δ + e is formed in the residual's own buffer and what the payload delivers
+        is subtracted from it there, block by block (`OrderedProduct.subtract_from` for low rank): the same
+        bits as `e ← (Δ + e) − D(C(Δ + e))` without a model-sized temporary. The residual is settled
+        when this returns (a checkpoint or a local start reads it between rounds, never during one)."""
         state = self.state.setdefault(key, _TensorState())
         given = delta.detach().to(torch.float32)
-        target = given
-        if self.config.error_feedback and state.error is not None:
+        feedback = self.config.error_feedback
+        in_place = feedback and state.error is not None and self.config.error_decay == 1
+        if in_place:
+            if not all_finite(given):  # before the residual is touched: a refused Δ leaves it as it was
+                raise ValueError(f"pseudo-gradient of {key} holds NaN or Inf")
+            target = state.error.add_(given.reshape(state.error.shape))
+        elif feedback and state.error is not None:
             target = given + self.config.error_decay * state.error
-        if codec is not None:
-            encoded = self._stateless(codec, target)
-        elif self.config.codec != "lowrank":
-            encoded = self._stateless(self.config.codec, target)
-        elif self.uses_lowrank(tuple(target.shape)):
-            encoded = self._lowrank(key, state, target)
         else:
-            encoded = self._stateless(self.config.small_tensor_codec, target)
-        if self.config.error_feedback:
-            state.error = target - encoded.decoded
+            target = given.clone() if feedback else given
+        try:
+            encoded = self._encode(key, state, target, codec)
+        except Exception:
+            if in_place:  # the residual as it was, to within rounding
+                target.sub_(given.reshape(target.shape))
+            raise
+        if feedback:
+            if isinstance(encoded.payload, memoryview):  # fp32 payloads view their tensor: the residual's buffer
+                encoded.payload = bytes(encoded.payload)
+            self._subtract_delivered(target, encoded)
+            state.error = target
         if self.deficit is not None:
             self.input_sum[key] = self.input_sum[key] + given if key in self.input_sum else given.clone()
             withheld = given - encoded.decoded
             self.deficit[key] = self.deficit[key] + withheld if key in self.deficit else withheld
         return encoded
+
+    def _encode(self, key: Hashable, state: _TensorState, target: torch.Tensor, codec: str | None) -> Encoded:
+        if codec is not None:
+            return self._stateless(codec, target)
+        if self.config.codec != "lowrank":
+            return self._stateless(self.config.codec, target)
+        if self.uses_lowrank(tuple(target.shape)):
+            return self._lowrank(key, state, target)
+        return self._stateless(self.config.small_tensor_codec, target)
+
+    @staticmethod
+    def _subtract_delivered(target: torch.Tensor, encoded: Encoded) -> None:
+        """target −= what the receiver decodes from `encoded`, with the receiver's bits."""
+        if encoded.codec == "lowrank":
+            OrderedProduct(*lowrank_factors(encoded.payload)).subtract_from(target)
+        else:
+            target.sub_(encoded.decoded.reshape(target.shape))
 
     def state_dict(self) -> dict:
         """Error-feedback residuals, warm-start Q and rank history per key (for a worker checkpoint)."""
@@ -226,7 +264,8 @@ class TensorCompressor:
         p, q = power_iteration(matrix, state.q)
         state.q = q / q.norm(dim=0).clamp_min(1e-30)  # warm start for next round (scale-free)
         p, q, singular = ordered_factors(p, q)
-        rank = self._choose_rank(key, state, singular, float(matrix.square().sum()), width)
+        flat = matrix.reshape(-1)
+        rank = self._choose_rank(key, state, singular, float(torch.dot(flat, flat)), width)
         p, q = p[:, :rank].contiguous(), q[:, :rank].contiguous()
         return Encoded("lowrank", "float32", encode_lowrank(p, q, cfg.factor_bits), tuple(target.shape), rank)
 

@@ -66,6 +66,11 @@ class EncodedSlice:
         buffer = self.payload if isinstance(self.payload, bytearray) else bytearray(self.payload)
         return codecs.decode(self.codec, buffer, self.dtype, self.shape)
 
+    def decode_lazy(self) -> torch.Tensor | codecs.OrderedProduct:
+        """`decode`, a low-rank payload as its factors (`codecs.decode_lazy`)."""
+        buffer = self.payload if isinstance(self.payload, bytearray) else bytearray(self.payload)
+        return codecs.decode_lazy(self.codec, buffer, self.dtype, self.shape)
+
     @property
     def sha256(self) -> bytes:
         return hashlib.sha256(self.payload).digest()
@@ -311,6 +316,10 @@ class Assembled:
         """The payload decoded (an fp32 payload decodes to a view of it); not kept: a holder of many units
         decodes each when it reaches it, so that never all of them are dense at once."""
         return codecs.decode(self.meta.codec, self.payload, self.meta.dtype, tuple(self.meta.shape))
+
+    def decode_lazy(self) -> torch.Tensor | codecs.OrderedProduct:
+        """`decode`, a low-rank payload as its factors (`codecs.decode_lazy`)."""
+        return codecs.decode_lazy(self.meta.codec, self.payload, self.meta.dtype, tuple(self.meta.shape))
 
 
 def unit_of(chunk: pb.TensorChunk) -> tuple:

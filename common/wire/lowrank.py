@@ -16,13 +16,21 @@ that measured less quantisation error in P·Qᵀ for fewer bytes after zstd (doc
 from __future__ import annotations
 
 import math
+import os
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
 from dilocox.common.wire.finite import all_finite
 from dilocox.common.wire.quantize import decode_quantized, encode_quantized, quantized_nbytes
+
+try:  # the compiled decode (setup.py builds it where a C compiler is there); else the torch form
+    from dilocox.common.wire import _kernels
+except ImportError:  # pragma: no cover - depends on the install
+    _kernels = None
 
 LOWRANK_VERSION = 2  # what this build writes
 DECODED_VERSIONS = (1, 2)
@@ -33,10 +41,15 @@ MAX_COMPONENT_BLOCK = 1024  # longer components are quantised in blocks of 256
 
 
 def power_iteration(matrix: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One power iteration from warm start `q` (m×k): P = orth(M Q), Q' = Mᵀ P. Returns (P, Q')."""
-    p = matrix @ q
+    """One power iteration from warm start `q` (m×k): P = orth(M Q), Q' = Mᵀ P. Returns (P, Q').
+
+    Both products are taken with the thin factor on the left, (Qᵀ Mᵀ)ᵀ and (Pᵀ M)ᵀ: the same sums, but
+    CPU BLAS (MKL on AMD in particular) runs a skinny M Q at a fifth and Mᵀ P at a tenth of that
+    layout's speed (docs/benchmarks.md, `dilocox bench exchange`). The encoder need not be bit-exact
+    anywhere: what it sends is decoded by one exact rule."""
+    p = (q.T @ matrix.T).T
     p, _ = torch.linalg.qr(p, mode="reduced")
-    return p, matrix.T @ p
+    return p, (p.T @ matrix).T
 
 
 def ordered_factors(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -89,8 +102,9 @@ def encode_lowrank(p: torch.Tensor, q: torch.Tensor, factor_bits: int = 4) -> by
 
 
 def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
-    """The dense n×m reconstruction P Qᵀ of a low-rank payload (one dense tensor, in a fixed order)."""
-    return ordered_product(*lowrank_factors(buffer))
+    """The dense n×m reconstruction P Qᵀ of a low-rank payload (one dense tensor, in a fixed order),
+    refused (`InvalidFrame`) where `vet_lowrank` refuses it."""
+    return OrderedProduct(*vetted_factors(buffer)).dense()
 
 
 # Largest |P Qᵀ| bound a payload may have: below it, every partial sum of the ordered product is finite
@@ -98,8 +112,8 @@ def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
 _SAFE_BOUND = 2.0**120
 
 
-def vet_lowrank(buffer: bytes | bytearray | memoryview) -> None:
-    """Refuse a payload whose decode would not be finite, without decoding it: its factors must be
+def vetted_factors(buffer: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Pᵀ, Qᵀ) of a payload whose decode is finite, checked without decoding it: its factors must be
     finite and Σₖ max|pₖ|·max|qₖ| (a bound on every element of P Qᵀ and on every partial sum of the
     ordered product) below 2^120. A real pseudo-gradient is some 30 orders of magnitude below that."""
     p_t, q_t = lowrank_factors(buffer)
@@ -109,6 +123,12 @@ def vet_lowrank(buffer: bytes | bytearray | memoryview) -> None:
         bound = float((p_t.abs().amax(dim=1).double() * q_t.abs().amax(dim=1).double()).sum())
         if not bound < _SAFE_BOUND:
             raise InvalidFrame(f"low-rank payload would overflow fp32 (|P Qᵀ| up to {bound:.3g})")
+    return p_t, q_t
+
+
+def vet_lowrank(buffer: bytes | bytearray | memoryview) -> None:
+    """Refuse a payload whose decode would not be finite, without decoding it (`vetted_factors`)."""
+    vetted_factors(buffer)
 
 
 def lowrank_factors(buffer: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,31 +153,100 @@ def lowrank_factors(buffer: bytes | bytearray | memoryview) -> tuple[torch.Tenso
     return p.reshape(rank, rows), q.reshape(rank, cols)
 
 
-_ROW_BLOCK = 64  # rows of the product built at once: the block stays in cache across the rank-1 terms
+# Elements of the product built per step: a step's torch calls cost little next to their arithmetic, and
+# the step's sum and one term's scratch stay in a core's L2 cache.
+PRODUCT_STEP_ELEMENTS = 1 << 17
 
 
-def ordered_product(p_t: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
-    """P Qᵀ (P: n×r, Q: m×r, given as their r×n and r×m transposes) as the sum of its rank-1 terms in
-    order, p₀q₀ᵀ + p₁q₁ᵀ + …, each term and each addition one rounded fp32 operation.
+class OrderedProduct:
+    """P Qᵀ (P: n×r, Q: m×r, given as their r×n and r×m transposes), built on demand by rows as the sum
+    of its rank-1 terms in order, p₀q₀ᵀ + p₁q₁ᵀ + …, each product and each addition one rounded fp32
+    operation.
 
     A BLAS matmul sums the r products in an order (and with fused multiply-adds) that depends on the
     CPU's vector width and the library, so a shard and a cluster on different machines — or a cluster
     on a GPU — would decode the same payload to tensors that differ in the last bit, and the replayed
-    outer step would drift. Elementwise IEEE multiplies and adds round the same everywhere. Built in
-    blocks of rows, it costs about one to two matmuls (docs/decisions.md, "Replay check")."""
-    rank, rows = p_t.shape
-    cols = q_t.shape[1]
-    p_t, q_t = p_t.to(torch.float32), q_t.to(torch.float32).contiguous()
-    out = torch.zeros(rows, cols, dtype=torch.float32)
-    if rank == 0:
+    outer step would drift. Elementwise IEEE multiplies and adds round the same everywhere.
+
+    Two forms with the same bits: the compiled kernel (`_kernels.c`: the partial sums stay in registers,
+    no GIL held, rows split over the calling thread's torch thread count), and, where it was not built,
+    torch — per step of rows, a multiply for the first term, then a multiply into scratch and an
+    in-place add for each next one. No product-sized tensor unless the caller asks for one
+    (docs/decisions.md, "Replay check" and "A compiled decode")."""
+
+    def __init__(self, p_t: torch.Tensor, q_t: torch.Tensor, compiled: bool = True) -> None:
+        self.rank, self.rows = p_t.shape
+        self.cols = q_t.shape[1]
+        self._p = p_t.to(torch.float32).T.contiguous()  # rows × rank
+        self._q = q_t.to(torch.float32).contiguous()
+        self.step_rows = max(1, PRODUCT_STEP_ELEMENTS // max(1, self.cols))
+        self.compiled = compiled and _kernels is not None and self.rank > 0
+        self._term = torch.empty(0)
+
+    def rows_into(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows [start, stop) of the product written into `out` ((stop − start) × cols); returns it."""
+        if self.rank == 0:
+            return out.zero_()
+        if self.compiled and out.is_contiguous():
+            self._kernel(start, stop, out, subtract=False)
+            return out
+        if self._term.numel() < min(self.step_rows, stop - start) * self.cols:
+            self._term = torch.empty(min(self.step_rows, stop - start) * self.cols)
+        for first in range(start, stop, self.step_rows):
+            last = min(stop, first + self.step_rows)
+            block = out[first - start : last - start]
+            term = self._term[: (last - first) * self.cols].view(last - first, self.cols)
+            torch.mul(self._p[first:last, 0:1], self._q[0], out=block)
+            for i in range(1, self.rank):
+                block.add_(torch.mul(self._p[first:last, i : i + 1], self._q[i], out=term))
         return out
-    for start in range(0, rows, _ROW_BLOCK):
-        block = out[start : start + _ROW_BLOCK]
-        p_block = p_t[:, start : start + _ROW_BLOCK].T  # rows × rank
-        torch.mul(p_block[:, 0:1], q_t[0], out=block)
-        for i in range(1, rank):
-            block.add_(p_block[:, i : i + 1] * q_t[i])
-    return out
+
+    def _kernel(self, start: int, stop: int, out: torch.Tensor, subtract: bool) -> None:
+        """The compiled form over rows [start, stop) into `out` (contiguous), split over this thread's
+        torch thread count where the rows are many: the kernel holds no GIL, so Python threads run it
+        side by side."""
+        p, q, target = self._p.numpy(), self._q.numpy(), out.numpy()
+        parts = min(torch.get_num_threads(), max(1, (stop - start) * self.cols // PRODUCT_STEP_ELEMENTS), stop - start)
+        bounds = [start + (stop - start) * i // parts for i in range(parts + 1)]
+        run = lambda a, b: _kernels.ordered_rows(p, q, self.rank, self.cols, a, b, target[a - start : b - start], subtract)  # noqa: E731
+        others = [_pool().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if parts > 1 else []
+        run(bounds[0], bounds[1])
+        for future in others:
+            future.result()
+
+    def dense(self) -> torch.Tensor:
+        """The whole product as one rows × cols tensor."""
+        return self.rows_into(0, self.rows, torch.empty(self.rows, self.cols))
+
+    def subtract_from(self, target: torch.Tensor) -> None:
+        """`target −= P Qᵀ` in place, with the bits of `target − self.dense()`: each step of the product
+        is subtracted while it is in cache (the compiled form: as it is summed)."""
+        matrix = target.view(self.rows, self.cols)
+        if self.compiled and matrix.is_contiguous():
+            self._kernel(0, self.rows, matrix, subtract=True)
+            return
+        scratch = torch.empty(min(self.step_rows, self.rows), self.cols)
+        for start in range(0, self.rows, self.step_rows):
+            stop = min(self.rows, start + self.step_rows)
+            matrix[start:stop].sub_(self.rows_into(start, stop, scratch[: stop - start]))
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads that run parts of a compiled decode beside the calling thread: one per core at most."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="lowrank-decode")
+        return _POOL
+
+
+def ordered_product(p_t: torch.Tensor, q_t: torch.Tensor) -> torch.Tensor:
+    """P Qᵀ as the ordered sum of its rank-1 terms (`OrderedProduct`), as one tensor."""
+    return OrderedProduct(p_t, q_t).dense()
 
 
 def lowrank_header_shape(buffer) -> tuple[int, int]:

@@ -40,11 +40,17 @@ class OuterNesterov:
         return self.step_by_block(key, param, lambda start, stop: flat[start:stop], in_place)
 
     def step_by_block(
-        self, key: Hashable, param: torch.Tensor, grad_block: Callable[[int, int], torch.Tensor], in_place: bool = False
+        self,
+        key: Hashable,
+        param: torch.Tensor,
+        grad_block: Callable[[int, int], torch.Tensor],
+        in_place: bool = False,
+        block_elements: int = BLOCK_ELEMENTS,
     ) -> torch.Tensor:
         """`step`, with the pseudo-gradient given block by block: `grad_block(start, stop)` returns its
         flat elements [start, stop) (it may reuse one scratch tensor; each block is used before the next
-        is asked for).
+        is asked for). `block_elements`: the blocks' size (`BLOCK_ELEMENTS` unless the gradient is built
+        by rows: then a whole number of them).
 
         Why blocks: every operation below is one pass over its operands, and a slice of 100M elements
         passed through whole makes each pass go out to memory. Blocks of `BLOCK_ELEMENTS` stay in the
@@ -62,9 +68,9 @@ class OuterNesterov:
         old_flat = None if old is None else old.reshape(-1)
         buf = old_flat if in_place and old_flat is not None else torch.empty_like(flat_param)
         out = flat_param if in_place else torch.empty_like(flat_param)
-        update = torch.empty(min(n, BLOCK_ELEMENTS), dtype=flat_param.dtype)
-        for start in range(0, n, BLOCK_ELEMENTS):
-            stop = min(n, start + BLOCK_ELEMENTS)
+        update = torch.empty(min(n, block_elements), dtype=flat_param.dtype)
+        for start in range(0, n, block_elements):
+            stop = min(n, start + block_elements)
             g, v, u = grad_block(start, stop), buf[start:stop], update[: stop - start]
             if old_flat is None:
                 v.copy_(g)  # v starts at g
