@@ -30,7 +30,8 @@ from typing import AsyncIterator, Callable
 import grpc
 import structlog
 
-from dilocox.common.wire.errors import DilocoxError, NotReady
+from dilocox.common.wire.errors import DilocoxError, NotReady, UnknownCodec
+from dilocox.common.wire.replica_digest import DIGESTS
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.server.servicer import AggregatorServicer, refuse
@@ -132,6 +133,9 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
     async def _parked_until_published(self, request: pb.PullRequest):  # noqa: ANN202
         """The snapshot of at least `min_version` (held for streaming), waiting on the loop for it: each
         look at the shard is a pool task (it takes the shard's lock, which a closing round holds)."""
+        if request.replay_digest not in DIGESTS:  # refused before any wait: nothing to stream it with
+            raise UnknownCodec(f"state digest {request.replay_digest!r} is not one this shard computes "
+                               f"({sorted(d or 'sha256 (empty)' for d in DIGESTS)})")  # fmt: skip
         wait = max(0.0, min(request.wait_seconds, 3600.0))
         deadline = self.loop.time() + wait
         look = functools.partial(self.shard.wait_for_version, request.run_id, request.cluster, request.min_version, 0.0,

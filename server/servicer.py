@@ -133,7 +133,7 @@ class AggregatorServicer:
             weights = (EncodedSlice.exact(key, snapshot.tensors[key]) for key in keys)
             chunks = frame_slices(weights, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version)
         elif self._forward_contributions(snapshot, keys, request):
-            chunks = self._contribution_chunks(snapshot, keys, request.cluster, request.check_replay)
+            chunks = self._contribution_chunks(snapshot, keys, request.cluster, request.check_replay, request.replay_digest)
         else:
             chunks = self._full_chunks(snapshot, keys)
         sent = 0
@@ -157,11 +157,12 @@ class AggregatorServicer:
         full = sum(4 * snapshot.tensors[k].numel() * (2 if k in snapshot.momentum else 1) for k in keys)
         return forwarded <= full
 
-    def _contribution_chunks(self, snapshot: Snapshot, keys: list, requester: str, check: bool) -> Iterator[pb.TensorChunk]:
+    def _contribution_chunks(self, snapshot: Snapshot, keys: list, requester: str, check: bool,
+                             digest: str = "") -> Iterator[pb.TensorChunk]:  # fmt: skip
         """The other clusters' payloads, cluster by cluster (small slices bundled: a cluster's weight is
         the same on all its slices); the requester's own slices (it holds their bytes) as one nameless
         summary chunk: their combined digest and count; and, if asked (`check`), the state digest of
-        `keys` last, for the cluster to check its replay against."""
+        `keys` last (each slice hashed by `digest`), for the cluster to check its replay against."""
         wire, index = self.wire, self.shard.slice_map.index
         by_cluster: dict[str, list] = {}
         for key in keys:
@@ -179,7 +180,7 @@ class AggregatorServicer:
                                  contributor=requester, weight=mine[0].weight, own=True, own_slices=len(own),
                                  payload_sha256=own_contribution_digest(own))  # fmt: skip
         if check:
-            yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=self.shard.state_digest(snapshot, keys))
+            yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=self.shard.state_digest(snapshot, keys, digest))
 
     def _full_chunks(self, snapshot: Snapshot, keys: list) -> Iterator[pb.TensorChunk]:
         """The weights, then the outer momentum, of `keys` (small slices bundled)."""

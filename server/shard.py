@@ -80,7 +80,7 @@ class Snapshot:
     tensors: dict[SliceKey, torch.Tensor]
     momentum: dict[SliceKey, torch.Tensor] = field(default_factory=dict)
     contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
-    digests: dict[SliceKey, bytes] = field(default_factory=dict)  # per-slice state digests, filled on first ask
+    digests: dict[tuple[str, SliceKey], bytes] = field(default_factory=dict)  # (function, slice) -> state digest, filled on first ask
 
 
 @dataclass(frozen=True)
@@ -434,14 +434,15 @@ class Shard:
             else:
                 self._readers.pop(id(snapshot), None)
 
-    def state_digest(self, snapshot: Snapshot, keys: Sequence[SliceKey]) -> bytes:
-        """The digest of `keys`' weights and momentum at `snapshot` (common/wire/replica_digest.py); each
-        slice is hashed once per version, when a cluster first asks (≈ 1.7 GB/s on one core)."""
+    def state_digest(self, snapshot: Snapshot, keys: Sequence[SliceKey], digest: str = "") -> bytes:
+        """The digest of `keys`' weights and momentum at `snapshot`, each slice hashed by `digest`
+        (common/wire/replica_digest.py); each slice is hashed once per version and function, when a
+        cluster first asks (xxh3-128 ≈ 10× sha256's ≈ 1.7 GB/s on one core)."""
         with self._digest_lock:
             for key in keys:
-                if key not in snapshot.digests:
-                    snapshot.digests[key] = slice_digest(key, snapshot.tensors[key], snapshot.momentum.get(key))
-            return combined_digest({key: snapshot.digests[key] for key in keys})
+                if (digest, key) not in snapshot.digests:
+                    snapshot.digests[digest, key] = slice_digest(key, snapshot.tensors[key], snapshot.momentum.get(key), digest)
+            return combined_digest({key: snapshot.digests[digest, key] for key in keys})
 
     def note_replay_mismatches(self, cluster: str, count: int) -> None:
         if count > 0:

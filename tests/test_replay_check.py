@@ -138,3 +138,62 @@ def test_replay_check_lowrank_decode_is_an_ordered_sum_of_rank_one_terms(rows, c
     product = ordered_product(p.T.contiguous(), q.T.contiguous())
     assert torch.equal(product, plain)
     torch.testing.assert_close(product, p @ q.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cluster_from_before_the_named_digest_still_gets_sha256_and_checks_clean(shard_set):
+    """The pull names the digest's hash (xxh3-128 by default); a pull that names none — a cluster built
+    before the choice existed — gets sha256's, and both check clean against the same replay."""
+    from dilocox.common.wire.replica_digest import SHA256, XXH3_128
+
+    shards = shard_set(1, "run-downlink", min_clusters=2)
+    a, b = clients = _start(shards)
+    try:
+        assert a.replay_check.digest == XXH3_128
+        b.replay_check.digest = SHA256
+        _rounds(clients, shards, (1, 2, 3))
+        assert a.replay_check.checked >= 3 and b.replay_check.checked >= 3
+        assert a.replay_check.mismatches == 0 and b.replay_check.mismatches == 0
+        assert_replica_equals_shards(b, shards)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_pull_naming_an_unknown_digest_is_refused_before_anything_streams(shard_set):
+    import grpc
+
+    from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+
+    shards = shard_set(1, "run-downlink", min_clusters=1)
+    a = client(shards.addresses, "a")
+    try:
+        a.join(PARAMS)
+        version = shards.shards[0].status()["version"]
+        with grpc.insecure_channel(shards.addresses[0]) as channel:
+            request = pb.PullRequest(run_id="run-downlink", cluster="a", min_version=0, wait_seconds=1,
+                                     have_version=-1, check_replay=True, replay_digest="md5")  # fmt: skip
+            with pytest.raises(grpc.RpcError) as refused:
+                list(pb_grpc.AggregatorStub(channel).Pull(request, timeout=10))
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED and "md5" in refused.value.details()
+        assert shards.shards[0].status()["version"] == version  # the shard carries on, nothing changed
+        assert a.status_each()[0].run_id == "run-downlink"  # and still answers
+    finally:
+        a.close()
+
+
+def test_slice_digests_differ_by_function_and_by_one_ulp():
+    from dilocox.common.wire.framing import SliceKey
+    from dilocox.common.wire.replica_digest import SHA256, XXH3_128, slice_digest, state_digest
+
+    key = SliceKey("w", 0, 4)
+    w, v = torch.randn(4, 3), torch.randn(4, 3)
+    assert slice_digest(key, w, v, XXH3_128) != slice_digest(key, w, v, SHA256)
+    off = w.clone()
+    off[0, 0] = torch.nextafter(off[0, 0], torch.tensor(float("inf")))
+    for digest in (SHA256, XXH3_128):
+        assert slice_digest(key, w, v, digest) == slice_digest(key, w.clone(), v.clone(), digest)
+        assert slice_digest(key, off, v, digest) != slice_digest(key, w, v, digest)
+        assert slice_digest(key, w, None, digest) != slice_digest(key, w, v, digest)
+        assert len(state_digest([key], {key: w}, {key: v}, digest)) == 32
+    with pytest.raises(ValueError, match="unknown state digest"):
+        slice_digest(key, w, v, "md5")

@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from dilocox.common.wire.framing import SliceKey
-from dilocox.common.wire.replica_digest import DIGEST_BYTES, state_digest
+from dilocox.common.wire.replica_digest import DIGEST_BYTES, XXH3_128, state_digest
 from dilocox.proto import dilocox_pb2 as pb
 
 log = structlog.get_logger()
@@ -30,6 +30,7 @@ class ReplayCheck:
     def __init__(self, enabled: bool = True, cluster: str = "") -> None:
         self.enabled = enabled
         self.cluster = cluster
+        self.digest = XXH3_128  # how the shard is asked to hash each slice (common/wire/replica_digest.py)
         self.mismatches = 0  # over the run: what the Prometheus counter and `dilocox status` show
         self.checked = 0
         self._streak: dict[int, int] = {}  # shard -> consecutive mismatching versions
@@ -54,7 +55,7 @@ class ReplayCheck:
         """Compare our replayed state of `keys` with the shard's digest; raises ReplayMismatch (after
         keeping our copy, to report how far it was off) when they differ."""
         self.checked += 1
-        if state_digest(keys, held, momentum) == expected:
+        if state_digest(keys, held, momentum, self.digest) == expected:
             self._streak.pop(shard, None)
             return
         self.mismatches += 1
