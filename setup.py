@@ -1,4 +1,4 @@
-"""The one compiled piece: the fused low-rank decode (common/wire/_kernels.c), optional.
+"""The one compiled piece: the fused low-rank decode and round update (common/wire/_kernels.c), optional.
 
 Everything else is in pyproject.toml. The extension is built with IEEE arithmetic kept exactly as
 written (-ffp-contract=off: no fused multiply-add; no -ffast-math): its results must equal the torch

@@ -151,6 +151,7 @@ def test_lowrank_factors_of_own_payload_subtract_like_the_receivers_decode():
 
 
 def test_the_exchange_threads_count_is_its_own():
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
     seen = {}
 
@@ -158,10 +159,13 @@ def test_the_exchange_threads_count_is_its_own():
         use_exchange_threads(2)
         seen["exchange"] = torch.get_num_threads()
 
-    thread = threading.Thread(target=exchange)
-    thread.start()
-    thread.join()
-    assert seen["exchange"] == 2 and torch.get_num_threads() == 1
+    try:
+        thread = threading.Thread(target=exchange)
+        thread.start()
+        thread.join()
+        assert seen["exchange"] == 2 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)  # the process's count as it was, for the tests after this one
 
 
 def test_exchange_thread_budget(monkeypatch):
@@ -175,3 +179,42 @@ def test_exchange_thread_budget(monkeypatch):
     assert exchange_thread_budget(0, training_threads=1) == 7  # torchrun's ranks on this node
     with pytest.raises(ValueError):
         exchange_thread_budget(-1)
+
+
+@pytest.mark.parametrize("momentum_state", ["none", "in_place", "new"])
+def test_the_fused_round_update_has_the_bits_of_torchs_operations(monkeypatch, momentum_state):
+    """The compiled mean + Nesterov step (where built) against the same operations in torch, one rounded
+    operation each, with weights, lr and μ that are not exact in fp32."""
+    from dilocox.common.wire import outer_optimizer
+
+    g = torch.Generator().manual_seed(11)
+    n = (1 << 18) + 1234  # more than one block, and a partial one
+    sources = [torch.randn(n, generator=g) * 1e-3 for _ in range(3)]
+    weights = [1000.3, 977.7, 1013.1]
+    param, old = torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-3
+
+    def update(compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if not compiled:
+            monkeypatch.setattr(outer_optimizer, "_kernels", None)
+        outer = OuterNesterov(lr=0.7, momentum=0.9)
+        if momentum_state != "none":
+            outer.buffers["k"] = old.clone()
+        items = [(f"c{i}", w, lambda s=s: s) for i, (s, w) in enumerate(zip(sources, weights))]
+        new = apply_round(items, outer, "k", param.clone(), in_place=momentum_state == "in_place")
+        monkeypatch.undo()
+        return new, outer.buffers["k"]
+
+    torch_form = update(compiled=False)
+    # the formula, written out in torch: g = ((s₀w₀ + s₁w₁) + s₂w₂) / Σw; v = vμ + g; θ − ((vμ + g)·lr)
+    mean = sources[0] * weights[0]
+    for s, w in zip(sources[1:], weights[1:]):
+        mean = mean + s * w
+    total = 0.0
+    for w in weights:
+        total += w
+    mean = mean / total
+    v = mean if momentum_state == "none" else old * 0.9 + mean
+    assert torch.equal(torch_form[1], v) and torch.equal(torch_form[0], param - (v * 0.9 + mean) * 0.7)
+    if outer_optimizer._kernels is not None:
+        compiled = update(compiled=True)
+        assert torch.equal(compiled[0], torch_form[0]) and torch.equal(compiled[1], torch_form[1])

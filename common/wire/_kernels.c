@@ -1,5 +1,7 @@
 /*
- * The low-rank decode's hot loop, fused: rows of P Qᵀ as the ordered sum of its rank-1 terms.
+ * The exchange's two hot loops, fused, with the bits of their torch forms: the low-rank decode (rows of
+ * P Qᵀ as the ordered sum of its rank-1 terms) and the round update (a block's weighted mean of the
+ * contributions and the outer Nesterov step, `mean_step` below).
  *
  * `common/wire/lowrank.py` (OrderedProduct) defines the rule every shard and cluster decodes by: element
  * (i, j) is p[i,0]·q[0,j], then + p[i,1]·q[1,j], then + …, each product and each addition one rounded
@@ -12,7 +14,8 @@
  * subtraction of the `subtract` mode is one more rounded operation, as `target − product` is in torch.
  * tests/test_exchange_kernels.py compares it with the torch form bit for bit.
  *
- * Optional at install (setup.py): where it cannot be compiled, OrderedProduct runs the torch form.
+ * Optional at install (setup.py): where it cannot be compiled, OrderedProduct and OuterNesterov run the
+ * torch forms.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -102,8 +105,108 @@ static PyObject *py_ordered_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The round's weighted mean and outer Nesterov step on one block, with the operations and roundings of
+ * `aggregation.apply_round` and `OuterNesterov.step_by_block` in torch (a float scalar enters each
+ * operation rounded to fp32, as torch's CPU kernels take it):
+ *   g  = ((s₀·w₀ + s₁·w₁) + …) / total
+ *   v' = first ? g : v·μ + g;   u = (v'·μ + g)·lr;   θ' = θ − u
+ * `v_in` may be v_out and `theta_in` theta_out (in place): every element is read before it is written. */
+#define STEP_TILE 256 /* elements per pass: the tile's mean stays in L1 between the passes */
+
+MULTIVERSION
+static void mean_step(const float **src, const float *w, Py_ssize_t m, float total, const float *v_in, float *v_out,
+                      const float *theta_in, float *theta_out, Py_ssize_t n, float lr, float mu) {
+    float g[STEP_TILE];
+    for (Py_ssize_t j0 = 0; j0 < n; j0 += STEP_TILE) {
+        Py_ssize_t len = n - j0 < STEP_TILE ? n - j0 : STEP_TILE;
+        const float *s0 = src[0] + j0;
+        const float w0 = w[0];
+        for (Py_ssize_t t = 0; t < len; t++) g[t] = s0[t] * w0;
+        for (Py_ssize_t c = 1; c < m; c++) {
+            const float *sc = src[c] + j0;
+            const float wc = w[c];
+            for (Py_ssize_t t = 0; t < len; t++) g[t] = g[t] + sc[t] * wc;
+        }
+        for (Py_ssize_t t = 0; t < len; t++) g[t] = g[t] / total;
+        float *vo = v_out + j0, *to = theta_out + j0;
+        const float *ti = theta_in + j0;
+        if (v_in) {
+            const float *vi = v_in + j0;
+            for (Py_ssize_t t = 0; t < len; t++) {
+                float v = vi[t] * mu + g[t];
+                vo[t] = v;
+                to[t] = ti[t] - (v * mu + g[t]) * lr;
+            }
+        } else {
+            for (Py_ssize_t t = 0; t < len; t++) {
+                vo[t] = g[t];
+                to[t] = ti[t] - (g[t] * mu + g[t]) * lr;
+            }
+        }
+    }
+}
+
+#define MAX_SOURCES 256
+
+/* mean_step(sources, weights, total, v_in or None, v_out, theta_in, theta_out, lr, mu): every buffer a
+ * contiguous float32 one of the same length. */
+static PyObject *py_mean_step(PyObject *self, PyObject *args) {
+    PyObject *sources, *weights, *v_in_obj, *v_out_obj, *theta_in_obj, *theta_out_obj;
+    double total, lr, mu;
+    if (!PyArg_ParseTuple(args, "OOdOOOOdd", &sources, &weights, &total, &v_in_obj, &v_out_obj, &theta_in_obj,
+                          &theta_out_obj, &lr, &mu))
+        return NULL;
+    if (!PyTuple_Check(sources) || !PyTuple_Check(weights) || PyTuple_GET_SIZE(sources) != PyTuple_GET_SIZE(weights)) {
+        PyErr_SetString(PyExc_TypeError, "sources and weights must be tuples of one length");
+        return NULL;
+    }
+    Py_ssize_t m = PyTuple_GET_SIZE(sources);
+    if (m < 1 || m > MAX_SOURCES) {
+        PyErr_SetString(PyExc_ValueError, "between 1 and 256 sources");
+        return NULL;
+    }
+    Py_buffer views[MAX_SOURCES + 4];
+    int held = 0;
+    const float *src[MAX_SOURCES];
+    float w[MAX_SOURCES];
+    const char *error = NULL;
+    Py_ssize_t n = -1;
+    PyObject *outputs[4] = {v_in_obj, v_out_obj, theta_in_obj, theta_out_obj};
+    float *bufs[4] = {NULL, NULL, NULL, NULL};
+    for (Py_ssize_t c = 0; c < m && error == NULL; c++) {
+        if (float_buffer(PyTuple_GET_ITEM(sources, c), &views[held], 0, "a source") < 0) goto fail;
+        src[c] = (const float *)views[held].buf;
+        if (n < 0) n = views[held].len / 4;
+        else if (views[held].len / 4 != n) error = "sources of different lengths";
+        held++;
+        w[c] = (float)PyFloat_AsDouble(PyTuple_GET_ITEM(weights, c));
+        if (PyErr_Occurred()) goto fail;
+    }
+    for (int b = 0; b < 4 && error == NULL; b++) {
+        if (b == 0 && outputs[b] == Py_None) continue;
+        if (float_buffer(outputs[b], &views[held], b == 1 || b == 3, "a state buffer") < 0) goto fail;
+        bufs[b] = (float *)views[held].buf;
+        if (views[held].len / 4 != n) error = "state buffers and sources of different lengths";
+        held++;
+    }
+    if (error == NULL) {
+        Py_BEGIN_ALLOW_THREADS mean_step(src, w, m, (float)total, bufs[0], bufs[1], bufs[2], bufs[3], n, (float)lr, (float)mu);
+        Py_END_ALLOW_THREADS
+    }
+    for (int h = 0; h < held; h++) PyBuffer_Release(&views[h]);
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+fail:
+    for (int h = 0; h < held; h++) PyBuffer_Release(&views[h]);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"ordered_rows", py_ordered_rows, METH_VARARGS, "Rows of P Qᵀ as the ordered sum of rank-1 terms (see lowrank.py)."},
+    {"mean_step", py_mean_step, METH_VARARGS, "A block's weighted mean and outer Nesterov step (see aggregation.py)."},
     {NULL, NULL, 0, NULL},
 };
 

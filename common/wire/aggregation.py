@@ -13,7 +13,7 @@ from typing import Callable, Hashable, Iterable
 import torch
 
 from dilocox.common.wire.lowrank import OrderedProduct
-from dilocox.common.wire.outer_optimizer import BLOCK_ELEMENTS, OuterNesterov
+from dilocox.common.wire.outer_optimizer import BLOCK_ELEMENTS, MeanOf, OuterNesterov
 
 Contribution = tuple[str, float, Callable[[], "torch.Tensor | OrderedProduct"]]  # (cluster, weight, decode)
 
@@ -66,12 +66,12 @@ def decode_by_blocks(codecs: Iterable[str]) -> bool:
 
 class _BlockReader:
     """Elements [start, stop) of one decoded contribution: a view of a dense one, or the rows of a
-    low-rank one built into shared scratch (read before the next reader is asked)."""
+    low-rank one built into its own block of scratch (valid until its next read)."""
 
-    def __init__(self, decoded: torch.Tensor | OrderedProduct, scratch: torch.Tensor) -> None:
+    def __init__(self, decoded: torch.Tensor | OrderedProduct, block: int) -> None:
         self.product = decoded if isinstance(decoded, OrderedProduct) else None
         self.flat = None if self.product is not None else decoded.to(torch.float32).reshape(-1)
-        self.scratch = scratch
+        self.scratch = torch.empty(block) if self.product is not None else None
 
     @property
     def numel(self) -> int:
@@ -117,8 +117,7 @@ def apply_round(
     # bits: every operation is elementwise).
     block = max(1, BLOCK_ELEMENTS // max(cols)) * max(cols) if cols else BLOCK_ELEMENTS
     size = min(param.numel(), block)
-    scratch = torch.empty(size) if cols else torch.empty(0)
-    readers = [(_BlockReader(d, scratch), weight) for d, weight in decoded]
+    readers = [(_BlockReader(d, size), weight) for d, weight in decoded]
     if any(r.numel != param.numel() for r, _ in readers):
         raise ValueError(f"{key}: contributions of {[r.numel for r, _ in readers]} elements for {param.numel()}")
     total = 0.0
@@ -135,4 +134,6 @@ def apply_round(
             out.add_(torch.mul(reader.read(start, stop), weight, out=scaled[: stop - start]))
         return out.div_(total)
 
-    return optimizer.step_by_block(key, param, mean_block, in_place=in_place, block_elements=block)
+    mean_of = MeanOf(lambda start, stop: tuple(r.read(start, stop).numpy() for r, _ in readers),
+                     tuple(weight for _, weight in readers), total)  # fmt: skip
+    return optimizer.step_by_block(key, param, mean_block, in_place=in_place, block_elements=block, mean_of=mean_of)

@@ -14,11 +14,27 @@ same code on their copy when the downlink forwards a round's contributions, so b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Hashable
 
 import torch
 
 BLOCK_ELEMENTS = 1 << 18  # 1 MiB of fp32 per operand: a few operands fit a core's L2 cache
+
+try:  # the compiled round update (setup.py builds it where a C compiler is there); else torch's operations
+    from dilocox.common.wire import _kernels
+except ImportError:  # pragma: no cover - depends on the install
+    _kernels = None
+
+
+@dataclass(frozen=True)
+class MeanOf:
+    """A round's pseudo-gradient as Σ wᵢ·sᵢ / total: `sources(start, stop)` gives each source's elements
+    [start, stop) as contiguous fp32 arrays (in the order of the sum), `weights` their weights."""
+
+    sources: Callable[[int, int], tuple]
+    weights: tuple[float, ...]
+    total: float
 
 
 class OuterNesterov:
@@ -46,6 +62,7 @@ class OuterNesterov:
         grad_block: Callable[[int, int], torch.Tensor],
         in_place: bool = False,
         block_elements: int = BLOCK_ELEMENTS,
+        mean_of: MeanOf | None = None,
     ) -> torch.Tensor:
         """`step`, with the pseudo-gradient given block by block: `grad_block(start, stop)` returns its
         flat elements [start, stop) (it may reuse one scratch tensor; each block is used before the next
@@ -59,7 +76,11 @@ class OuterNesterov:
         arithmetic: every operation is elementwise, so the bits are those of the whole-tensor form.
 
         One rounded operation at a time (no `alpha=`, which may fuse into an FMA on one machine and not
-        on another): the clusters' replay must round exactly as the shard does."""
+        on another): the clusters' replay must round exactly as the shard does.
+
+        `mean_of`: the gradient as the weighted mean of sources (`MeanOf`), which the compiled kernel
+        (common/wire/_kernels.c, where it was built) folds into the step in one pass per block, with the
+        bits of `grad_block` and the operations below."""
         old = self.buffers.get(key)
         if not param.is_contiguous() or (old is not None and not old.is_contiguous()):
             in_place = False  # a flat view would be a copy: updating it would not update them
@@ -69,8 +90,15 @@ class OuterNesterov:
         buf = old_flat if in_place and old_flat is not None else torch.empty_like(flat_param)
         out = flat_param if in_place else torch.empty_like(flat_param)
         update = torch.empty(min(n, block_elements), dtype=flat_param.dtype)
+        fused = mean_of is not None and _kernels is not None and flat_param.dtype == buf.dtype == torch.float32
         for start in range(0, n, block_elements):
             stop = min(n, start + block_elements)
+            if fused:
+                assert mean_of is not None
+                _kernels.mean_step(mean_of.sources(start, stop), mean_of.weights, mean_of.total,
+                                   None if old_flat is None else old_flat[start:stop].numpy(), buf[start:stop].numpy(),
+                                   flat_param[start:stop].numpy(), out[start:stop].numpy(), self.lr, self.momentum)  # fmt: skip
+                continue
             g, v, u = grad_block(start, stop), buf[start:stop], update[: stop - start]
             if old_flat is None:
                 v.copy_(g)  # v starts at g
