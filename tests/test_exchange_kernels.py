@@ -218,3 +218,15 @@ def test_the_fused_round_update_has_the_bits_of_torchs_operations(monkeypatch, m
     if outer_optimizer._kernels is not None:
         compiled = update(compiled=True)
         assert torch.equal(compiled[0], torch_form[0]) and torch.equal(compiled[1], torch_form[1])
+
+
+def test_a_round_of_more_contributions_than_the_kernel_takes_falls_back_to_torch(monkeypatch):
+    from dilocox.common.wire import outer_optimizer
+
+    monkeypatch.setattr(outer_optimizer, "FUSED_MAX_SOURCES", 2)  # as if 3 were over the kernel's bound
+    g = torch.Generator().manual_seed(2)
+    sources = [torch.randn(1000, generator=g) for _ in range(3)]
+    items = [(f"c{i}", 10.0 + i, lambda s=s: s) for i, s in enumerate(sources)]
+    over = apply_round(items, OuterNesterov(0.7, 0.9), "k", torch.zeros(1000))
+    monkeypatch.setattr(outer_optimizer, "FUSED_MAX_SOURCES", 256)
+    assert torch.equal(over, apply_round(items, OuterNesterov(0.7, 0.9), "k", torch.zeros(1000)))

@@ -27,6 +27,9 @@ except ImportError:  # pragma: no cover - depends on the install
     _kernels = None
 
 
+FUSED_MAX_SOURCES = 256  # the kernel's bound on contributions (MAX_SOURCES in _kernels.c); above it, torch
+
+
 @dataclass(frozen=True)
 class MeanOf:
     """A round's pseudo-gradient as Σ wᵢ·sᵢ / total: `sources(start, stop)` gives each source's elements
@@ -90,7 +93,8 @@ class OuterNesterov:
         buf = old_flat if in_place and old_flat is not None else torch.empty_like(flat_param)
         out = flat_param if in_place else torch.empty_like(flat_param)
         update = torch.empty(min(n, block_elements), dtype=flat_param.dtype)
-        fused = mean_of is not None and _kernels is not None and flat_param.dtype == buf.dtype == torch.float32
+        fused = (mean_of is not None and _kernels is not None and len(mean_of.weights) <= FUSED_MAX_SOURCES
+                 and flat_param.dtype == buf.dtype == torch.float32)  # fmt: skip
         for start in range(0, n, block_elements):
             stop = min(n, start + block_elements)
             if fused:
