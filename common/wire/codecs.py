@@ -24,7 +24,6 @@ from dilocox.common.wire.lowrank import (
     lowrank_header_shape,
     max_lowrank_bytes,
     power_iteration,
-    vet_lowrank,
     vetted_factors,
 )
 from dilocox.common.wire.quantize import decode_quantized, encode_quantized, quantized_nbytes
@@ -143,9 +142,13 @@ def encode(name: str, tensor: torch.Tensor) -> tuple[bytes | memoryview, str]:
     return check_known(name).encode(tensor)
 
 
-def decode(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def _check_shape(shape: tuple[int, ...]) -> None:
     if any(d < 0 for d in shape):
         raise InvalidFrame(f"negative dimension in shape {list(shape)}")
+
+
+def decode(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    _check_shape(shape)
     tensor = check_known(name).decode(buffer, dtype, shape)
     if name != "lowrank" and not all_finite(tensor):  # a low-rank decode is vetted on its factors first
         raise InvalidFrame(f"{name} payload holds NaN or Inf values")
@@ -157,24 +160,17 @@ def decode_lazy(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]
     only): the round's mean builds it block by block, never as a dense tensor (`aggregation.apply_round`)."""
     if name != "lowrank":
         return decode(name, buffer, dtype, shape)
-    if any(d < 0 for d in shape):
-        raise InvalidFrame(f"negative dimension in shape {list(shape)}")
+    _check_shape(shape)
     _check_lowrank_frame(buffer, dtype, shape)
     return OrderedProduct(*vetted_factors(buffer))
 
 
 def vet(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> None:
     """Refuse exactly what `decode` would refuse, as cheaply as the codec allows: a low-rank payload is
-    checked on its factors (a bound on the product, see `lowrank.vet_lowrank`), not decoded — on a shard
-    and on every cluster that is a dense decode per contribution per round saved; other codecs decode
-    (an fp32 payload to a view) and drop the result."""
-    if name != "lowrank":
-        decode(name, buffer, dtype, shape)
-        return
-    if any(d < 0 for d in shape):
-        raise InvalidFrame(f"negative dimension in shape {list(shape)}")
-    _check_lowrank_frame(buffer, dtype, shape)
-    vet_lowrank(buffer)
+    checked on its factors (a bound on the product, see `lowrank.vetted_factors`), not decoded — on a
+    shard and on every cluster that is a dense decode per contribution per round saved; other codecs
+    decode (an fp32 payload to a view) and drop the result. Both are `decode_lazy`, result dropped."""
+    decode_lazy(name, buffer, dtype, shape)
 
 
 def max_payload_bytes(name: str, shape: tuple[int, ...]) -> int:

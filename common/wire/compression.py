@@ -28,9 +28,9 @@ import torch
 from dilocox.common.wire import codecs
 from dilocox.common.wire.finite import all_finite
 from dilocox.common.wire.lowrank import (
+    OrderedProduct,
     as_matrix_shape,
     encode_lowrank,
-    OrderedProduct,
     lowrank_factors,
     ordered_factors,
     power_iteration,

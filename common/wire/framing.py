@@ -63,13 +63,14 @@ class EncodedSlice:
         return cls(key, "fp32", dtype, tuple(tensor.shape), bytearray(payload))
 
     def decode(self) -> torch.Tensor:
-        buffer = self.payload if isinstance(self.payload, bytearray) else bytearray(self.payload)
-        return codecs.decode(self.codec, buffer, self.dtype, self.shape)
+        return codecs.decode(self.codec, self._buffer(), self.dtype, self.shape)
 
     def decode_lazy(self) -> torch.Tensor | codecs.OrderedProduct:
         """`decode`, a low-rank payload as its factors (`codecs.decode_lazy`)."""
-        buffer = self.payload if isinstance(self.payload, bytearray) else bytearray(self.payload)
-        return codecs.decode_lazy(self.codec, buffer, self.dtype, self.shape)
+        return codecs.decode_lazy(self.codec, self._buffer(), self.dtype, self.shape)
+
+    def _buffer(self) -> bytearray:
+        return self.payload if isinstance(self.payload, bytearray) else bytearray(self.payload)
 
     @property
     def sha256(self) -> bytes:
