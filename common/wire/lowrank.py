@@ -103,7 +103,7 @@ def encode_lowrank(p: torch.Tensor, q: torch.Tensor, factor_bits: int = 4) -> by
 
 def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
     """The dense n×m reconstruction P Qᵀ of a low-rank payload (one dense tensor, in a fixed order),
-    refused (`InvalidFrame`) where `vet_lowrank` refuses it."""
+    refused (`InvalidFrame`) where `vetted_factors` refuses it."""
     return OrderedProduct(*vetted_factors(buffer)).dense()
 
 
@@ -124,11 +124,6 @@ def vetted_factors(buffer: bytes | bytearray | memoryview) -> tuple[torch.Tensor
         if not bound < _SAFE_BOUND:
             raise InvalidFrame(f"low-rank payload would overflow fp32 (|P Qᵀ| up to {bound:.3g})")
     return p_t, q_t
-
-
-def vet_lowrank(buffer: bytes | bytearray | memoryview) -> None:
-    """Refuse a payload whose decode would not be finite, without decoding it (`vetted_factors`)."""
-    vetted_factors(buffer)
 
 
 def lowrank_factors(buffer: bytes | bytearray | memoryview) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +167,7 @@ class OrderedProduct:
     no GIL held, rows split over the calling thread's torch thread count), and, where it was not built,
     torch — per step of rows, a multiply for the first term, then a multiply into scratch and an
     in-place add for each next one. No product-sized tensor unless the caller asks for one
-    (docs/decisions.md, "Replay check" and "A compiled decode")."""
+    (docs/decisions.md, "Replay check", and "The exchange at the hardware's speed": "A compiled decode")."""
 
     def __init__(self, p_t: torch.Tensor, q_t: torch.Tensor, compiled: bool = True) -> None:
         self.rank, self.rows = p_t.shape

@@ -24,7 +24,8 @@ DIGEST_BYTES = 32  # what travels: sha256 over the per-slice digests, whatever h
 # How the slices' bytes are hashed. "xxh3-128" (what this build asks for): XXH3's 128-bit hash, ~10× the
 # speed of sha256 on a core. The check guards against a replay that rounded differently, not against an
 # adversary (the connection is authenticated), so a non-cryptographic 128-bit hash is enough; sha256
-# stays for clusters from before, whose pull names no function (docs/decisions.md, "Replay check digest").
+# stays for clusters from before, whose pull names no function (docs/decisions.md, "The exchange at the
+# hardware's speed").
 SHA256, XXH3_128 = "", "xxh3-128"
 DIGESTS: dict[str, Callable[[], object]] = {SHA256: hashlib.sha256, XXH3_128: xxhash.xxh3_128}
 _NO_MOMENTUM = b"no-momentum"
