@@ -102,6 +102,7 @@ def restore(shard: Shard, state: dict) -> None:
     shard.tokenizer_digest = state.get("tokenizer_digest", "")  # checkpoints from before the field: recorded at the next join
     shard.tokenizer_json = state.get("tokenizer_json", "")
     shard.members = dict(state["members"])
+    shard.last_seen = {cluster: time.monotonic() for cluster in shard.members}  # a restart counts as seen: the deadline runs anew
     shard.known = set(state.get("known", shard.members))  # checkpoints from before the field: the members
     shard.initialiser = state["initialiser"]
     counters = state.get("counters", {})  # checkpoints from before the field start at 0

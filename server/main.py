@@ -18,6 +18,7 @@ from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, CheckpointError, shard_files
 from dilocox.server import checkpoint, resume
 from dilocox.server.grpc_server import start_server
+from dilocox.server.grace import GraceWindow
 from dilocox.server.shard import Shard
 
 log = structlog.get_logger()
@@ -40,6 +41,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="close a round this long after its first contribution with the clusters that completed it "
         "(≥ --min-clusters); the rest are marked inactive and must rejoin (default 300; 0 = wait forever)",
     )  # fmt: skip
+    parser.add_argument(
+        "--grace-s", type=float, default=0.0,
+        help="close a round on a quorum: once --min-clusters have delivered, wait at most this long for the rest "
+        "(adapted to how far apart sites arrive lately), then close without them; a late site stays in the run and its "
+        "part goes with its next push. With it, --round-deadline-s only marks a site gone that pushed nothing for that "
+        "long (default 0 = off: wait for every site, up to --round-deadline-s)",
+    )  # fmt: skip
+    parser.add_argument("--grace-min-s", type=float, default=0.0,
+                        help="with --grace-s: the shortest grace window the adaptation may choose (default 0)")
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="write shard-<index>.pt here (atomically)")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every k published versions (default 1)")
     parser.add_argument("--keep-serving", action="store_true",
@@ -86,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             outer_momentum=args.outer_momentum,
             min_clusters=args.min_clusters,
             round_deadline_s=args.round_deadline_s or None,
+            grace=GraceWindow(args.grace_min_s, args.grace_s) if args.grace_s > 0 else None,
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None

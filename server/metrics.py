@@ -45,10 +45,29 @@ class _ShardStateCollector(Collector):
         yield CounterMetricFamily("dilocox_bytes_sent", "Bytes of pulls sent (gRPC message bytes)", value=status["bytes_out"])
         yield CounterMetricFamily("dilocox_dropped_bytes", "Payload bytes of partial contributions a deadline discarded "
                                   "(their clusters deliver them the next round)", value=self.shard.dropped_bytes)  # fmt: skip
+        yield from _site_families(status["sites"])
         yield GaugeMetricFamily(
             "dilocox_last_round_close_timestamp_seconds", "Unix time the last round closed (0: none since start)",
             value=status["last_round_closed_at"],
         )  # fmt: skip
+
+
+def _site_families(sites: list[dict]):  # noqa: ANN202 - metric families
+    """Per site, as this shard saw its rounds (issue 36): made, late, and what its last push said."""
+    families = {
+        "rounds_made": CounterMetricFamily("dilocox_site_rounds_made", "Rounds closed with the site's contribution", labels=["cluster"]),
+        "rounds_late": CounterMetricFamily("dilocox_site_rounds_late", "Rounds closed without the site while it stayed in "
+                                           "(quorum + grace; its part came with its next push)", labels=["cluster"]),  # fmt: skip
+        "last_tokens": GaugeMetricFamily("dilocox_site_tokens", "The site's weight (tokens) in the last round it made", labels=["cluster"]),
+        "inner_steps": GaugeMetricFamily("dilocox_site_inner_steps", "H of the site's last push, as it said", labels=["cluster"]),
+        "idle_s": GaugeMetricFamily("dilocox_site_idle_seconds", "The site trainer's idle seconds at its last push's boundary",
+                                    labels=["cluster"]),  # fmt: skip
+        "member": GaugeMetricFamily("dilocox_site_member", "1 while the site is in the run, 0 once marked inactive", labels=["cluster"]),
+    }
+    for site in sites:
+        for field, family in families.items():
+            family.add_metric([site["cluster"]], float(site[field]))
+    yield from families.values()
 
 
 class ShardMetrics:

@@ -35,6 +35,8 @@ class RoundAccumulator:
     cluster_weights: dict[str, float] = field(default_factory=dict)
     bytes_in: int = 0
     first_push_at: float | None = None  # monotonic time of the round's first contribution: starts the deadline
+    quorum_at: float | None = None  # monotonic time `min_clusters` had completed: starts the grace window
+    complete_at: dict[str, float] = field(default_factory=dict)  # cluster -> when it completed (as first seen)
 
     def check_weight(self, cluster: str, weight: float) -> None:
         """A cluster's weight (tokens this round) must be positive and the same on all its streams."""
@@ -61,6 +63,11 @@ class RoundAccumulator:
             for cluster in self.contributions.get(key, {}):
                 delivered[cluster] = delivered.get(cluster, 0) + 1
         return {c for c, n in delivered.items() if n == len(owned)}
+
+    def partial_clusters(self, owned: set[SliceKey]) -> set[str]:
+        """Clusters with part of their slices in: a delivery under way."""
+        started = {cluster for key in owned for cluster in self.contributions.get(key, {})}
+        return started - self.complete_clusters(owned)
 
     def keep_only(self, clusters: set[str]) -> int:
         """Drop the partial contributions of clusters that did not complete the round; returns the payload

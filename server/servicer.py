@@ -109,7 +109,8 @@ class AggregatorServicer:
                                    "declared (cut: a message over the size limit, or the connection lost)")  # fmt: skip
             if not pushed:
                 raise InvalidFrame("a push must carry at least one slice after its PushHeader")
-            result = self.shard.commit_push(header.cluster, header.round, header.weight, pushed, bytes_in=received)
+            result = self.shard.commit_push(header.cluster, header.round, header.weight, pushed, bytes_in=received,
+                                            inner_steps=header.inner_steps, idle_s=header.idle_s)  # fmt: skip
         except DilocoxError as error:
             refuse(context, error)
         return pb.PushReply(

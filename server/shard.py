@@ -40,6 +40,8 @@ from dilocox.common.wire.errors import (
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.replica_digest import combined_digest, slice_digest
+from dilocox.server.grace import GraceWindow
+from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide
 from dilocox.server.round_state import Contribution, RoundAccumulator
 from dilocox.server.run_record import admit_tokenizer, extended_run_config
 
@@ -93,6 +95,9 @@ class RoundStats:
     update_s: float  # decoding the contributions, their mean and the outer step (one fused pass)
     latency_s: float  # first contribution in → version published
     closed_at: float  # wall clock (time.time())
+    late: tuple[str, ...] = ()  # members it closed without (quorum + grace): their part comes next round
+    tokens: tuple[tuple[str, float], ...] = ()  # (cluster, weight) of those who made it
+    grace_s: float | None = None  # the grace window it was given (quorum + grace only)
 
 
 class Shard:
@@ -105,9 +110,12 @@ class Shard:
         outer_momentum: float = 0.9,
         min_clusters: int = 1,
         round_deadline_s: float | None = None,
+        grace: GraceWindow | None = None,
     ) -> None:
         """`round_deadline_s`: once a round's first contribution is in, close it after this long with the
-        clusters that completed (at least `min_clusters`); the others are marked inactive."""
+        clusters that completed (at least `min_clusters`); the others are marked inactive.
+        `grace`: close on a quorum instead — `min_clusters` complete, then the grace window — keeping
+        late members (server/round_close.py); the deadline then only marks silent members gone."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
         if min_clusters < 1:
@@ -119,6 +127,7 @@ class Shard:
         if round_deadline_s is not None and round_deadline_s <= 0:
             raise ValueError(f"round deadline must be positive, got {round_deadline_s}")
         self.round_deadline_s = round_deadline_s
+        self.grace = grace
         self.optimizer = OuterNesterov(outer_lr, outer_momentum)
         self._cond = threading.Condition()
         # Fixed by the first join:
@@ -132,6 +141,8 @@ class Shard:
         self.run_config_json = ""
         # Membership and rounds:
         self.members: dict[str, float] = {}  # cluster -> time of (re)join
+        self.last_seen: dict[str, float] = {}  # cluster -> monotonic time of its last join or accepted push
+        self.sites: dict[str, SiteRecord] = {}  # cluster -> its rounds as this shard saw them
         self.initialiser: str | None = None
         self._init_staging: dict[SliceKey, torch.Tensor] = {}
         self.snapshot: Snapshot | None = None
@@ -184,6 +195,7 @@ class Shard:
                 log.info("run_tokenizer_recorded", shard=self.shard_index, cluster=cluster, tokenizer=self.tokenizer_digest[:19])
             rejoin = cluster in self.members or cluster in self.known
             self.members[cluster] = time.time()
+            self.last_seen[cluster] = time.monotonic()
             self.known.add(cluster)
             if self.snapshot is None and self.initialiser is None:
                 self.initialiser = cluster
@@ -251,11 +263,14 @@ class Shard:
         weight: float,
         slices: Iterable[EncodedSlice | tuple[SliceKey, torch.Tensor]],
         bytes_in: int = 0,
+        inner_steps: int = 0,
+        idle_s: float = 0.0,
     ) -> PushResult:
         """Apply a fully decoded and vetted push atomically: all of it, or (on an error) nothing.
 
         `slices` are the encoded slices as they travelled (or plain (key, tensor) pairs, taken as exact
-        fp32); each must decode to a finite tensor of the owned shape.
+        fp32); each must decode to a finite tensor of the owned shape. `inner_steps`, `idle_s`: what the
+        site says of the round (kept for `dilocox status`).
         """
         encoded = [s if isinstance(s, EncodedSlice) else EncodedSlice.exact(*s) for s in slices]
         for item in encoded:
@@ -274,6 +289,8 @@ class Shard:
             fresh = [item for item in encoded if not acc.is_duplicate(cluster, item.key)]
             for item in fresh:
                 acc.add(cluster, weight, item)
+            self.last_seen[cluster] = time.monotonic()
+            self.sites.setdefault(cluster, SiteRecord()).said(inner_steps, idle_s)
             acc.bytes_in += bytes_in
             log.info("push_accepted", shard=self.shard_index, cluster=cluster, round=round_, slices=len(fresh),
                      duplicates=len(encoded) - len(fresh), bytes_in=bytes_in)  # fmt: skip
@@ -327,8 +344,9 @@ class Shard:
     def start_deadline_timer(self) -> threading.Event:
         """Tick in a daemon thread while the deadline is set; set the returned event to stop it."""
         stop = threading.Event()
-        if self.round_deadline_s is not None:
-            interval = min(0.2, self.round_deadline_s / 10)
+        if self.round_deadline_s is not None or self.grace is not None:
+            bound = self.grace.min_s if self.grace is not None and self.grace.min_s > 0 else (self.round_deadline_s or 2.0)
+            interval = max(0.01, min(0.2, bound / 10))
 
             def loop() -> None:
                 while not stop.wait(interval):
@@ -338,7 +356,8 @@ class Shard:
         return stop
 
     def tick(self, now: float | None = None) -> bool:
-        """Close the open round if its deadline has passed with enough contributions (called periodically)."""
+        """Close the open round if its deadline or grace window has passed with enough contributions
+        (called periodically)."""
         with self._cond:
             return self._maybe_close_round(now)
 
@@ -346,24 +365,13 @@ class Shard:
         acc = self.accumulator
         if acc is None or self.snapshot is None or acc.round != self.open_round:
             return False
-        complete = acc.complete_clusters(set(self.owned))
-        if len(complete) < self.min_clusters:
+        now = time.monotonic() if now is None else now
+        decision = decide(acc, self.members, set(self.owned), self.min_clusters, now, self.round_deadline_s, self.grace, self.last_seen)
+        if decision is None:
             return False
-        dropped = sorted(set(self.members) - complete)
-        if dropped:
-            now = time.monotonic() if now is None else now
-            expired = (
-                self.round_deadline_s is not None
-                and acc.first_push_at is not None
-                and now - acc.first_push_at >= self.round_deadline_s
-            )
-            if not expired:
-                return False
-            for cluster in dropped:
-                del self.members[cluster]
-                log.warning("cluster_inactive", shard=self.shard_index, cluster=cluster, round=acc.round,
-                            reason=f"no complete contribution within the {self.round_deadline_s}s deadline")  # fmt: skip
-            self.dropped_bytes += acc.keep_only(complete)
+        self._settle_membership(acc, decision)
+        complete = decision.include
+        dropped = decision.dropped
         in_place = not self._readers.get(id(self.snapshot))  # no pull streams the current version
         new = {}
         started = time.perf_counter()
@@ -375,7 +383,11 @@ class Shard:
         # the version they belong to.
         momentum = dict(self.optimizer.buffers)
         latency_s = time.monotonic() - acc.first_push_at if acc.first_push_at is not None else 0.0
-        self.last_round = RoundStats(acc.round, tuple(sorted(complete)), tuple(dropped), update_s, latency_s, time.time())
+        tokens = tuple(sorted(acc.cluster_weights.items()))
+        self.last_round = RoundStats(acc.round, tuple(sorted(complete)), tuple(dropped), update_s, latency_s, time.time(),
+                                     decision.late, tokens, decision.grace_s)  # fmt: skip
+        for cluster, weight in tokens:
+            self.sites.setdefault(cluster, SiteRecord()).made(acc.round, weight)
         self._publish(Snapshot(acc.round, new, momentum, acc.contributions))
         log.info(
             "round_closed",
@@ -386,10 +398,28 @@ class Shard:
             bytes_in=acc.bytes_in,
             update_s=round(update_s, 4),
             latency_s=round(latency_s, 3),
+            **({"late": list(decision.late), "grace_s": round(decision.grace_s, 3)} if decision.grace_s is not None else {}),
         )
         self.accumulator = None
         self._notify_waiters()
         return True
+
+    def _settle_membership(self, acc: RoundAccumulator, decision: CloseDecision) -> None:
+        """Before a close: mark the dropped inactive (their partial parts are discarded: they carry them),
+        count the late, and let the grace window learn the round's arrival spread."""
+        for cluster in decision.dropped:
+            del self.members[cluster]
+            log.warning("cluster_inactive", shard=self.shard_index, cluster=cluster, round=acc.round,
+                        reason=f"no complete contribution within the {self.round_deadline_s}s deadline" if self.grace is None
+                        else "part of its contribution in when the grace window ended, or silent past the deadline")  # fmt: skip
+        if decision.dropped:
+            self.dropped_bytes += acc.keep_only(set(decision.include))
+        for cluster in decision.late:
+            self.sites.setdefault(cluster, SiteRecord()).missed()
+            log.info("cluster_late", shard=self.shard_index, cluster=cluster, round=acc.round, grace_s=round(decision.grace_s or 0, 3),
+                     reason="not in when the grace window ended: its part goes with its next push")  # fmt: skip
+        if self.grace is not None:
+            self.grace.observe(arrival_spread(acc, decision))
 
     # ------------------------------------------------------------------ pulls
     def wait_for_version(
@@ -518,7 +548,14 @@ class Shard:
                 "last_round_closed_at": self.last_round.closed_at if self.last_round else 0.0,
                 "final_version": -1 if final is None else final,
                 "replay_mismatches": sum(self.replay_mismatches.values()),
+                "sites": [self._site_state(cluster) for cluster in sorted(self.known)],
             }
+
+    def _site_state(self, cluster: str) -> dict:
+        record = self.sites.get(cluster, SiteRecord())
+        return {"cluster": cluster, "member": cluster in self.members, "rounds_made": record.rounds_made, "rounds_late": record.rounds_late,
+                "last_round": record.last_round, "last_tokens": record.last_tokens, "inner_steps": record.inner_steps,
+                "idle_s": record.idle_s}  # fmt: skip
 
     def add_bytes_out(self, n: int) -> None:
         with self._cond:

@@ -13,7 +13,7 @@ import torch
 from dilocox.common import cli
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
-from dilocox.worker.status import COLUMNS
+from dilocox.worker.status import COLUMNS, SITE_COLUMNS
 
 RUN = "run-status"
 PARAMS = [("w", (16, 4)), ("b", (4,))]
@@ -60,12 +60,15 @@ def test_status_table_and_json(shard_set, capsys):
     assert cli.main(["status", "--servers", servers, "--insecure"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == [w for c in COLUMNS for w in c.split()]
-    assert len(lines) == 3
-    for index, (line, address) in enumerate(zip(lines[1:], shards.addresses)):
+    assert len(lines) == 3 + 1 + 3  # the shards, a blank line, the sites
+    for index, (line, address) in enumerate(zip(lines[1:3], shards.addresses)):
         cells = line.split()
         assert cells[:6] == [f"{index}/2", address, "collecting", "1", "2", "2"]
         assert "1/2" in cells and "ago" in cells
         assert len(re.findall(r"\b\d+(?:\.\d+)? (?:B|KiB|MiB)\b", line)) == 2, line  # bytes in and out
+    assert lines[3] == "" and lines[4].split() == [w for c in SITE_COLUMNS for w in c.split()]
+    # Per site: in the run, 1 round made, none late, last round 1 with 10 tokens; H and idle not said.
+    assert [line.split() for line in lines[5:]] == [[site, "yes", "1", "0", "1", "10", "-", "-"] for site in ("a", "b")]
 
     assert cli.main(["status", "--servers", servers, "--insecure", "--json"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -75,6 +78,8 @@ def test_status_table_and_json(shard_set, capsys):
         assert r["clusters"] == ["a", "b"] and r["contributed"] == ["a"] and r["run_id"] == RUN
         assert r["bytes_in"] > 0 and r["bytes_out"] > 0 and r["last_round_closed_at"] > 0
         assert 0 <= r["last_round_seconds"] < 30
+        assert [(x["cluster"], x["member"], x["rounds_made"], x["rounds_late"], x["last_tokens"]) for x in r["sites"]] == \
+            [("a", True, 1, 0, 10.0), ("b", True, 1, 0, 10.0)]
 
 
 def test_status_marks_an_unreachable_shard_and_fails(shard_set, capsys):

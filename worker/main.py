@@ -16,7 +16,8 @@ from dilocox.common.config.run import ParallelConfig, add_config_arguments, conf
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
-from dilocox.worker.exchange.adaptive_steps import StepsController
+from dilocox.worker.exchange.adaptive_steps import steps_controller_for
+from dilocox.worker.train.slowdown import SlowedTrainer
 from dilocox.worker.exchange.aggregator_client import AggregatorError
 from dilocox.worker.exchange.admission import LateJoin, RunFinished, RunLengthMismatch
 from dilocox.site import BuiltinTrainer, DiLoCoX
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-clusters", type=int, default=1, help="how many data shards the corpus is cut into (default 1)")
     add_data_arguments(parser)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--simulate-slowdown", type=float, default=1.0, metavar="F",
+                        help="benchmarks of uneven sites: train at 1/F of this site's speed (each round's steps are "
+                             "followed by a sleep of F-1 times their duration; default 1: full speed)")  # fmt: skip
     add_log_format_argument(parser)
     parser.add_argument("--checkpoint-dir", type=pathlib.Path,
                         help="save the site's local state here after rounds (torch.distributed.checkpoint, one folder per "
@@ -93,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         tls, token = security_from_args(args, "worker")
     except ValueError as error:
         raise SystemExit(f"dilocox worker: {error}") from None
+    if not args.simulate_slowdown >= 1:
+        raise SystemExit(f"dilocox worker: --simulate-slowdown must be ≥ 1 (1: full speed), got {args.simulate_slowdown}")
     if not 0 <= args.cluster_index < args.num_clusters:
         raise SystemExit(f"dilocox worker: --cluster-index {args.cluster_index} outside [0, {args.num_clusters})")
     adopted = run_tokenizer_spec(config.tokenizer, args.data)
@@ -125,18 +131,18 @@ def run(args: argparse.Namespace) -> int:
                              _device_bytes(config.parallel))  # fmt: skip
         if mesh is None:
             trainer = InnerTrainer(config, data, args.cluster_index, args.num_clusters)
+            if args.simulate_slowdown != 1.0:
+                trainer = SlowedTrainer(trainer, args.simulate_slowdown)
             access = LocalAccess(trainer.named_parameters())
-            inner = config.inner
-            extra: dict = {
-                "steps_controller": StepsController(inner.steps, max(inner.steps, inner.max_steps), enabled=inner.adaptive_steps)
-            }
+            extra: dict = {"steps_controller": steps_controller_for(config.inner, single_process=True)}
         else:
             from dilocox.worker.site.access import SiteAccess
             from dilocox.worker.site.trainer import SiteTrainer
 
             trainer = SiteTrainer(config, data, mesh, args.cluster_index, args.num_clusters)
             access = SiteAccess(mesh, trainer.named_parameters, model_param_specs(config.model, data.vocab_size))
-            extra = {}  # adaptive H decides per rank, and a site's ranks must train the same steps: off
+            # Adaptive H decides per rank (off here); a time box's H is agreed over the site's ranks.
+            extra = {"steps_controller": steps_controller_for(config.inner, single_process=False)}
     except (CorpusError, TokenizerError, ModelSpecError, PipelineSplitError, DeviceError) as error:
         if mesh is not None:
             mesh.close()

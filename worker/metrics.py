@@ -60,6 +60,9 @@ class WorkerMetrics:
         self.compute_seconds = Counter("dilocox_compute_seconds", "Seconds spent in inner steps", registry=r)
         self.idle_seconds = Counter("dilocox_idle_seconds", "Seconds the trainer blocked waiting for the network", registry=r)
         self.comm_seconds = Counter("dilocox_exchange_seconds", "Seconds the rounds' push and pull took (hidden or not)", registry=r)
+        self.round_inner_steps = Gauge("dilocox_round_inner_steps", "H of the last round (time-boxed rounds set it per site)", registry=r)
+        self.late_rounds = Counter("dilocox_late_rounds", "Rounds a shard closed without this site's push (quorum + grace): "
+                                   "that part went with the next push", registry=r)  # fmt: skip
         self.residual_norm = Gauge("dilocox_error_feedback_residual_norm",
                                    "L2 norm of what compression still holds back (error-feedback residuals)", registry=r)  # fmt: skip
         self.train_loss.set(math.nan)
@@ -70,6 +73,9 @@ class WorkerMetrics:
     def observe_round(self, report: "RoundReport", inner_steps: int, version: int) -> None:
         self.rounds.inc()
         self.inner_steps.inc(inner_steps)
+        self.round_inner_steps.set(inner_steps)
+        if report.late:
+            self.late_rounds.inc()
         self.tokens.inc(report.tokens)
         self.round.set(report.round)
         self.version.set(version)

@@ -48,7 +48,36 @@ def shard_record(address: str, reply) -> dict:  # noqa: ANN001 - a StatusReply o
         "bytes_out": reply.bytes_out,
         "final_version": reply.final_version if reply.final_version >= 0 else None,
         "replay_mismatches": reply.replay_mismatches,
+        "sites": [{"cluster": s.cluster, "member": s.member, "rounds_made": s.rounds_made, "rounds_late": s.rounds_late,
+                   "last_round": s.last_round, "last_tokens": s.last_tokens, "inner_steps": s.inner_steps, "idle_s": s.idle_s}
+                  for s in reply.sites],  # fmt: skip
     }
+
+
+SITE_COLUMNS = ("SITE", "IN RUN", "ROUNDS MADE", "LATE", "LAST ROUND", "TOKENS", "H", "IDLE")
+
+
+def site_rows(records: list[dict]) -> list[tuple[str, ...]]:
+    """One row per site over all shards: a site is in the run where every shard has it, has made a round
+    where every shard closed it with its part (the fewest over shards), and was late as often as the
+    shard that saw it late most; tokens, H and idle are of its last round, as the shards report them."""
+    by_site: dict[str, list[dict]] = {}
+    for record in records:
+        for site in record.get("sites", []):
+            by_site.setdefault(site["cluster"], []).append(site)
+    rows = []
+    for name, seen in sorted(by_site.items()):
+        last = max(seen, key=lambda s: s["last_round"])
+        rows.append((name, "yes" if all(s["member"] for s in seen) else "no", str(min(s["rounds_made"] for s in seen)),
+                     str(max(s["rounds_late"] for s in seen)), str(last["last_round"]) if last["last_round"] else "-",
+                     f"{last['last_tokens']:.0f}", str(last["inner_steps"]) if last["inner_steps"] else "-",
+                     f"{last['idle_s']:.1f}s" if last["inner_steps"] else "-"))  # fmt: skip
+    return rows
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
 def human_bytes(n: int) -> str:
@@ -80,9 +109,10 @@ def table_row(record: dict, now: float) -> tuple[str, ...]:
 
 def format_table(records: list[dict], now: float | None = None) -> str:
     now = time.time() if now is None else now
-    rows = [COLUMNS, *(table_row(r, now) for r in records)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = _aligned([COLUMNS, *(table_row(r, now) for r in records)])
+    sites = site_rows(records)
+    if sites:
+        lines += ["", *_aligned([SITE_COLUMNS, *sites])]
     lines += [f"{r['address']}: {r['error']}: {r['details']}" for r in records if r["state"] == "unreachable"]
     runs = sorted({r["run_id"] for r in records if "run_id" in r})
     if len(runs) > 1:

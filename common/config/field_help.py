@@ -35,6 +35,8 @@ FIELD_HELP = {
     "inner__beta2": "inner AdamW β2",
     "inner__grad_clip": "clip the gradient's global norm to this (0: no clipping)",
     "inner__warmup_steps": "inner steps of linear learning-rate warm-up",
+    "inner__round_time_s": "time-boxed rounds: each site trains about this many seconds per round, its H set from its measured step time (0 = fixed H, the default)",
+    "inner__min_steps": "with --inner-round-time-s: the fewest inner steps a round may have",
     "inner__adaptive_steps": "grow H (up to --inner-max-steps) when a round's exchange outlasts its compute; single-process sites only",
     "inner__max_steps": "the most inner steps per round --inner-adaptive-steps may grow H to",
     "outer__lr": "the shards' outer Nesterov learning rate (on the mean pseudo-gradient)",

@@ -80,10 +80,19 @@ class InnerConfig:
     # the exchange time includes waiting for the slowest cluster, and runs compare at equal tokens.
     adaptive_steps: bool = False
     max_steps: int = 200
+    # Time-boxed rounds (issue 36): > 0 makes every site train about this many seconds per round, setting
+    # its own H from its measured step time (within min_steps..max_steps), so uneven sites deliver
+    # together; its pseudo-gradient carries its true tokens. 0: every site trains H = `steps` (the paper).
+    round_time_s: float = 0.0
+    min_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1:
             raise ValueError(f"grad_accum must be ≥ 1, got {self.grad_accum}")
+        if self.round_time_s < 0:
+            raise ValueError(f"inner round_time_s must be ≥ 0 (0: fixed H), got {self.round_time_s}")
+        if not 1 <= self.min_steps <= max(self.steps, self.max_steps):
+            raise ValueError(f"inner min_steps must be in [1, max(steps, max_steps)], got {self.min_steps}")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from dilocox.common.security import TlsFiles
 from dilocox.common.wire.assignment import tokenizer_digest_of
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.worker.exchange.access import LocalAccess, ParameterAccess
+from dilocox.worker.exchange.adaptive_steps import steps_controller_for
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster
 from dilocox.worker.exchange.round_report import RoundReport
@@ -167,7 +168,7 @@ class DiLoCoX:
             trainer, self.client, self.config.rounds, self.config.inner.steps, self.config.delay, json.dumps(as_dict(self.config)),
             access=access, allow_late_join=join_late, sync_rounds=self.config.sync_rounds, delayed_start=self.config.delayed_start,
             num_clusters=num_clusters, on_round=(lambda report, _h, _v: on_round(report)) if on_round else None,
-            checkpoint=builtin.checkpoint if builtin else None, steps_controller=builtin.steps_controller if builtin else None,
+            checkpoint=builtin.checkpoint if builtin else None, steps_controller=builtin.steps_controller if builtin else steps_controller_for(self.config.inner, single_process=False),
         )  # fmt: skip
         self._started = False
         self._closed = False

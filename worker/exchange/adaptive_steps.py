@@ -45,3 +45,46 @@ class StepsController:
                      reason=f"exchange took {comm_s:.3f}s, a step {per_step:.4f}s: {needed} steps cover it at {self.target:.0%}")  # fmt: skip
             self.steps = new
         return self.steps
+
+
+class RoundTimeBox:
+    """Time-boxed rounds (issue 36): every site trains about `seconds` of wall time per round, whatever
+    its speed, so uneven sites deliver together and none waits for another. H for the next round is the
+    budget over this round's measured seconds per step, within [`min_steps`, `max_steps`]; the first
+    round trains the configured H (nothing is measured yet). A site's pseudo-gradient carries its true
+    token count, and the shards average by tokens, so a slower site weighs what it trained.
+
+    The same `update` as `StepsController`; a site's ranks agree on the smallest H (the cluster does it),
+    since its slowest rank sets its round's time."""
+
+    def __init__(self, base_steps: int, seconds: float, min_steps: int = 1, max_steps: int = 10_000) -> None:
+        if not seconds > 0:
+            raise ValueError(f"the round's time budget must be positive, got {seconds}")
+        if not 1 <= min_steps <= max_steps:
+            raise ValueError(f"need 1 ≤ min steps ≤ max steps, got {min_steps} and {max_steps}")
+        self.seconds = seconds
+        self.min = min_steps
+        self.max = max_steps
+        self.steps = min(max(base_steps, min_steps), max_steps)
+
+    def update(self, round_: int, compute_s: float, comm_s: float = 0.0) -> int:
+        """The H for the next round, from this round's compute seconds (at `self.steps` steps)."""
+        if compute_s <= 0:
+            return self.steps
+        per_step = compute_s / self.steps
+        new = min(self.max, max(self.min, round(self.seconds / per_step)))
+        if new != self.steps:
+            log.info("inner_steps_time_boxed", round=round_, steps=new, previous=self.steps, step_s=round(per_step, 4),
+                     budget_s=self.seconds)  # fmt: skip
+            self.steps = new
+        return self.steps
+
+
+def steps_controller_for(inner, single_process: bool) -> StepsController | RoundTimeBox | None:  # noqa: ANN001 - InnerConfig
+    """How a site sets H each round: time-boxed where the run asks for it (`inner.round_time_s`), else
+    adaptive H where asked and the site is one process (a pipeline's ranks keep H fixed), else fixed."""
+    if inner.round_time_s > 0:
+        return RoundTimeBox(inner.steps, inner.round_time_s, inner.min_steps, max(inner.steps, inner.max_steps))
+    if single_process:
+        return StepsController(inner.steps, max(inner.steps, inner.max_steps), enabled=inner.adaptive_steps)
+    return None

@@ -124,6 +124,11 @@ class AggregatorClient:
         self.replay_check = ReplayCheck(self.wire.replay_check, cluster)
         self.carry = UndeliveredCarry()  # what a shard closed its round without, for the next push
         self._push_generation = 0  # counts encoded pushes: a re-push of the same bytes is the same one
+        # Tokens of carried parts, per shard: they go with the part, as weight of the next push there.
+        self._push_weights: dict[int, float] = {}  # shard -> the weight the last push gave it
+        self._carried_tokens: dict[int, float] = {}
+        self._tokens_carried_for: set[tuple[int, int]] = set()  # (push generation, shard) already counted
+        self._push_facts: tuple[int, float] = (0, 0.0)  # (inner steps, idle s) the last push told the shards
 
     @property
     def own_payload_bytes(self) -> int:
@@ -206,12 +211,14 @@ class AggregatorClient:
         shards: Iterable[int] | None = None,
         reencode: bool = True,
         codec: str | None = None,
+        facts: tuple[int, float] = (0, 0.0),
     ) -> int:
         """Send slices (keyed by SliceKey) to their owning shards in parallel; returns bytes sent.
 
         `reencode=False` resends the bytes of this round's last push (a re-push after a shard restart)
         instead of compressing again, which would advance the compressor's state a second time.
-        `codec`: a dense codec for this push instead of the compressor's own (the end-of-run flush)."""
+        `codec`: a dense codec for this push instead of the compressor's own (the end-of-run flush).
+        `facts`: (inner steps, idle seconds) of the round, told to the shards for `dilocox status`."""
         owner = {s.key: s.shard for s in self.assignment}
         by_shard: dict[int, list[SliceKey]] = {}
         for key in tensors:
@@ -221,7 +228,10 @@ class AggregatorClient:
             if reencode:
                 self._push_generation += 1
                 tensors = self.carry.add_to(tensors)
+                self._push_weights = {shard: weight + self._carried_tokens.pop(shard, 0.0) for shard in by_shard}
+                self._push_facts = facts
             self._last_push = (round_, weight, by_shard)
+        weights = {shard: self._push_weights.get(shard, weight) if round_ > 0 else weight for shard in targets}
 
         def push_one(shard: int) -> int:
             # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
@@ -229,7 +239,7 @@ class AggregatorClient:
                 self._own[key] if not reencode and key in self._own else self._encode(round_, key, tensors[key], codec)
                 for key in by_shard.get(shard, [])
             ]
-            return self._send(shard, round_, weight, items)
+            return self._send(shard, round_, weights[shard], items)
 
         running = {shard: self._pool.submit(push_one, shard) for shard in targets}
         sent_per_shard, refused = {}, {}
@@ -254,9 +264,15 @@ class AggregatorClient:
         (see `carry.UndeliveredCarry`)."""
         before = self.carry.elements
         kept = self.carry.keep(self._push_generation, {key: self._own[key].decode() for key in keys if key in self._own})
+        owner = {s.key: s.shard for s in self.assignment}
+        for shard in sorted({owner[key] for key in kept}):
+            if (self._push_generation, shard) not in self._tokens_carried_for:
+                self._tokens_carried_for.add((self._push_generation, shard))
+                self._carried_tokens[shard] = self._carried_tokens.get(shard, 0.0) + self._push_weights.get(shard, 0.0)
+        self._tokens_carried_for = {done for done in self._tokens_carried_for if done[0] >= self._push_generation - 1}
         if kept:
             log.warning("pseudo_gradient_carried", cluster=self.cluster, round=round_, slices=len(kept),
-                        elements=self.carry.elements - before,
+                        elements=self.carry.elements - before, tokens_by_shard=dict(self._carried_tokens),
                         reason="a shard closed the round without them: they go with the next round")  # fmt: skip
 
     def _send(self, shard: int, round_: int, weight: float, items: list[EncodedSlice], wait: bool = True) -> int:
@@ -264,7 +280,8 @@ class AggregatorClient:
         address, stub = self._stubs[shard]
         chunks = [pb.PushMessage(chunk=chunk) for chunk in frame_slices(items, self.slice_map.index, self.wire.chunk_bytes,
                                                                          self.wire.zstd_level)]  # fmt: skip
-        header = pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight, chunks=len(chunks))
+        header = pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight, chunks=len(chunks),
+                               inner_steps=self._push_facts[0] if round_ > 0 else 0, idle_s=self._push_facts[1] if round_ > 0 else 0.0)  # fmt: skip
         messages = [pb.PushMessage(header=header), *chunks]
         push = lambda: stub.Push(iter(messages), timeout=self.rpc_timeout)  # noqa: E731
         # A push is idempotent (a retry is answered as duplicates): its own deadline running out (a reply
@@ -279,6 +296,7 @@ class AggregatorClient:
         if self._last_push is None or self._last_push[0] != round_:
             return
         _, weight, by_shard = self._last_push
+        weight = self._push_weights.get(shard, weight)
         items = [self._own[key] for key in by_shard.get(shard, []) if key in self._own]
         if not items:
             return

@@ -218,9 +218,11 @@ class DilocoCluster:
             for name in self.names:
                 torch.sub(start[name], work[name], out=work[name])  # Δ_t = s_t − θ_local, in place
         deltas = self._slices_of(work)
+        trained = round_
+        round_ = self._round_to_push(round_, exchange)
         if delay == 0:
             self._capture(round_, timer)
-            self.communicator.submit(round_, float(tokens), deltas)
+            self.communicator.submit(round_, float(tokens), deltas, facts=(self.inner_steps, idle))
             with timer("collect"):
                 exchange, waited, refused = self._collect()
             idle += waited
@@ -234,7 +236,7 @@ class DilocoCluster:
             with timer("start"):
                 self._delayed_start(from_held=exchange is not None)
             self._capture(round_, timer)
-            self.communicator.submit(round_, float(tokens), deltas)
+            self.communicator.submit(round_, float(tokens), deltas, facts=(self.inner_steps, idle))
         if exchange is not None:
             self.version = exchange.version
         self._adopt_held = delay == 0 and round_ == self.rounds
@@ -251,16 +253,27 @@ class DilocoCluster:
             seconds=round(time.perf_counter() - began, 3),
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
             residual_norm=round(self.client.compressor.residual_norm(), 4) if self.client.compressor else 0.0,
+            inner_steps=self.inner_steps, late=bool(exchange and exchange.late),
         )
-        log.info("round_done", cluster=self.client.cluster, delay=delay, inner_steps=self.inner_steps, **asdict(report))
+        log.info("round_done", cluster=self.client.cluster, delay=delay, **asdict(report))
         log.info("boundary_done", round=round_, **timer.seconds())
         if not self._memory_logged and round_ > 1:
             self._log_memory()
         if self.on_round is not None:
             self.on_round(report, self.inner_steps, self.version)
-        if self.steps_controller is not None and exchange is not None:
-            self.inner_steps = self.steps_controller.update(round_, compute_s, exchange.comm_s)
+        if self.steps_controller is not None:  # the same H on every rank of a site: the slowest rank's
+            self.inner_steps = self.access.agree_min(self.steps_controller.update(round_, compute_s, comm_s))
+        if round_ != trained:
+            log.warning("round_caught_up", cluster=self.client.cluster, trained=trained, pushed=round_, version=self.version,
+                        reason="the shards closed the rounds in between without this site: its work goes to the open round")  # fmt: skip
         return report
+
+    def _round_to_push(self, round_: int, exchange: RoundExchange | None) -> int:
+        """The round this boundary's pseudo-gradient goes to: the one trained, unless the shards have
+        already closed it (a late site under quorum + grace: shard/round_close.py), then the open one —
+        never past the run's last round, whose refusal the carry keeps for the end-of-run flush."""
+        version = exchange.version if exchange is not None else self.version
+        return max(round_, min(version + 1, self.rounds))
 
     def _log_memory(self) -> None:
         self._memory_logged = True
@@ -404,7 +417,7 @@ class DilocoCluster:
             self.begin()
             return None
         self.reports.append(report)
-        self.round += 1
+        self.round = report.round + 1
         self._reset_round()
         if self.round > self.rounds:
             self._complete()

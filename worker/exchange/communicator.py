@@ -35,6 +35,7 @@ class RoundExchange:
     bytes_down: int
     push_s: float
     pull_s: float
+    late: bool = False  # a shard had closed the round without our push: the client carries that part
 
     @property
     def comm_s(self) -> float:
@@ -62,14 +63,16 @@ class Communicator:
         """The round whose exchange has not been collected yet, if any."""
         return self._in_flight[0] if self._in_flight else None
 
-    def submit(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None = None) -> None:
+    def submit(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None = None,
+               facts: tuple[int, float] = (0, 0.0)) -> None:  # fmt: skip
         """Start pushing round `round_` and pulling its result; `slices` must not change afterwards.
-        `codec`: a dense codec for this round's push instead of the compressor's (the end-of-run flush)."""
+        `codec`: a dense codec for this round's push instead of the compressor's (the end-of-run flush).
+        `facts`: (inner steps, idle seconds) of the round, for the shards' status."""
         with self._lock:
             if self._in_flight is not None:
                 raise RuntimeError(f"round {self._in_flight[0]} is still in flight; collect it before submitting {round_}")
             self._pushed = threading.Event()
-            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices, codec, self._pushed))
+            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices, codec, self._pushed, facts))
 
     def wait_pushed(self) -> None:
         """Return once the round in flight (if any) has been pushed — its compression done, so the
@@ -125,14 +128,23 @@ class Communicator:
         return outcome
 
     def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None,
-                  push_done: threading.Event) -> RoundExchange:  # fmt: skip
+                  push_done: threading.Event, facts: tuple[int, float] = (0, 0.0)) -> RoundExchange:  # fmt: skip
         started = time.perf_counter()
+        result = None  # the round's result, when a refused push found it published already
         try:
-            bytes_up = self.client.push(round_, weight, slices, codec=codec)
+            bytes_up = self.client.push(round_, weight, slices, codec=codec, facts=facts)
+        except AggregatorError as error:
+            result = self._closed_without_us(round_) if error.code == grpc.StatusCode.FAILED_PRECONDITION else None
+            if result is None:
+                raise
+            bytes_up = 0
         finally:
             push_done.set()
         pushed = time.perf_counter()
         give_up = time.monotonic() + self.pull_wait_s
+        if result is not None:
+            version, weights, bytes_down = result
+            return RoundExchange(round_, version, weights, bytes_up, bytes_down, pushed - started, 0.0, late=True)
         while True:
             wait = max(0.1, min(self.repush_after_s, give_up - time.monotonic()))
             try:
@@ -147,3 +159,18 @@ class Communicator:
             # makes the cluster rejoin. (A round closed *with* our push answers the re-push as duplicates.)
             self.client.push(round_, weight, slices, reencode=False)
         return RoundExchange(round_, version, weights, bytes_up, bytes_down, pushed - started, time.perf_counter() - pushed)
+
+    def _closed_without_us(self, round_: int) -> tuple[int, dict, int] | None:
+        """After a refused push: whether the round is published and we are still in the run — a shard
+        closed it on a quorum without us (server/round_close.py). Our part is in the client's carry then,
+        and the round's result (returned, as `client.pull` gives it) is what the pull brought. Any other
+        refusal (dropped from the run, a shard gone back, the run over) stays the push's error: the site
+        rejoins."""
+        try:
+            # Shards that took our part may still be in their grace window: wait for them a while.
+            result = self.client.pull(round_, names=self.pull_names, wait_seconds=max(0.5, self.repush_after_s))
+        except AggregatorError:
+            return None
+        log.warning("round_closed_without_us", round=round_, version=result[0],
+                    reason="a shard closed the round on its quorum before our push: it goes with our next push")  # fmt: skip
+        return result

@@ -21,3 +21,7 @@ class RoundReport:
     # ‖e‖ of this rank's error-feedback residuals after the round (what compression still holds back;
     # bounded when error feedback works); 0 without error feedback. With the delay it may lag a round.
     residual_norm: float = 0.0
+    inner_steps: int = 0  # H this round trained
+    # A shard closed the round this boundary collected without our part (quorum + grace): that part, with
+    # its tokens, went with this round's push instead.
+    late: bool = False

@@ -1,0 +1,110 @@
+"""Whether a shard closes its open round now, and with whom: the rule, apart from the shard's locking and
+publishing (`Shard._maybe_close_round` applies what `decide` returns).
+
+Three ways a round closes once `min_clusters` clusters have delivered every slice the shard owns:
+
+* every member has delivered: at once, in every mode;
+* **deadline** (no grace window): `deadline_s` after the round's first contribution, with the clusters
+  that completed it; the others are marked inactive and rejoin (their refused part is carried);
+* **quorum + grace** (issue 36): `grace.seconds()` after the quorum was reached. A member with nothing in
+  by then stays a member: it is *late*, its push for the closed round is refused and its client folds it,
+  with its tokens, into its next push (worker/exchange/carry.py). A member whose delivery is under way
+  (part of its slices in: a pipeline's ranks push their shares apart) gets up to `grace.max_s` more,
+  and is marked inactive only if it is still partial then, since part of its round would be applied
+  and part carried. With a deadline too, a member that has pushed nothing for `deadline_s` is taken
+  for gone and marked inactive, so a crashed site does not stay a member for ever.
+
+A shard decides alone, on its own clock: two shards may close the same round with different clusters.
+That split is what the carry already handles (per slice, per shard), so no shard-to-shard agreement is
+needed (docs/decisions.md, "Uneven sites").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from dilocox.server.grace import GraceWindow
+from dilocox.server.round_state import RoundAccumulator
+
+
+@dataclass(frozen=True)
+class CloseDecision:
+    include: frozenset[str]  # complete clusters: their contributions make the round
+    late: tuple[str, ...] = ()  # members with nothing in: they stay, their part comes with their next push
+    dropped: tuple[str, ...] = ()  # marked inactive: they rejoin (deadline, gone, or a partial delivery)
+    grace_s: float | None = None  # the grace window this round was given (quorum + grace only)
+
+
+def decide(
+    acc: RoundAccumulator,
+    members: Mapping[str, float],
+    owned: set,
+    min_clusters: int,
+    now: float,
+    deadline_s: float | None = None,
+    grace: GraceWindow | None = None,
+    last_seen: Mapping[str, float] | None = None,
+) -> CloseDecision | None:
+    """The close of `acc`'s round at monotonic time `now`, or None to keep it open. Records when each
+    cluster completed and when the quorum was reached on `acc` (the grace window is measured from it)."""
+    complete = acc.complete_clusters(owned)
+    for cluster in complete:
+        acc.complete_at.setdefault(cluster, now)
+    if len(complete) < min_clusters:
+        return None
+    if acc.quorum_at is None:
+        acc.quorum_at = now
+    missing = set(members) - complete
+    if not missing:
+        return CloseDecision(frozenset(complete))
+    if grace is None:
+        if deadline_s is None or acc.first_push_at is None or now - acc.first_push_at < deadline_s:
+            return None
+        return CloseDecision(frozenset(complete), dropped=tuple(sorted(missing)))
+    window = grace.seconds()
+    waited = now - acc.quorum_at
+    partial = acc.partial_clusters(owned) & missing
+    if waited < window or (partial and waited < window + grace.max_s):
+        return None
+    seen = last_seen or {}
+    gone = {c for c in missing - partial if deadline_s is not None and now - seen.get(c, now) >= deadline_s}
+    late = missing - partial - gone
+    return CloseDecision(frozenset(complete), tuple(sorted(late)), tuple(sorted(partial | gone)), window)
+
+
+def arrival_spread(acc: RoundAccumulator, decision: CloseDecision) -> float:
+    """What the grace window learns from a close: the quorum → last complete delivery time, or the window
+    given when someone missed it (the spread was at least that)."""
+    if decision.late or decision.dropped:
+        return decision.grace_s or 0.0
+    if acc.quorum_at is None:
+        return 0.0
+    return max((acc.complete_at[c] for c in decision.include if c in acc.complete_at), default=acc.quorum_at) - acc.quorum_at
+
+
+@dataclass
+class SiteRecord:
+    """One cluster's rounds as this shard saw them: `dilocox status` and the metrics show it."""
+
+    rounds_made: int = 0  # rounds closed with its contribution
+    rounds_late: int = 0  # rounds closed without it while it stayed a member (its part came later)
+    last_round: int = 0  # the last round it made
+    last_tokens: float = 0.0  # its weight (tokens) in that round: a carried part adds its round's tokens
+    tokens: float = 0.0  # summed over the rounds it made
+    late_streak: int = 0  # rounds missed in a row, now
+    inner_steps: int = 0  # H of its last accepted push, as its header said (0: not said)
+    idle_s: float = 0.0  # its trainer's idle seconds at the boundary that pushed it, as said
+
+    def made(self, round_: int, tokens: float) -> None:
+        self.rounds_made += 1
+        self.last_round, self.last_tokens, self.late_streak = round_, tokens, 0
+        self.tokens += tokens
+
+    def said(self, inner_steps: int, idle_s: float) -> None:
+        if inner_steps > 0:
+            self.inner_steps, self.idle_s = int(inner_steps), max(0.0, float(idle_s))
+
+    def missed(self) -> None:
+        self.rounds_late += 1
+        self.late_streak += 1

@@ -1,0 +1,336 @@
+"""Uneven sites (issue 36): time-boxed rounds, and a shard closing on a quorum plus a grace window.
+
+Real shards over localhost gRPC; exact fp32 pushes, so what the shards hold can be replayed bit for bit
+from what went over the wire (each client records every push a shard accepted)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from dilocox.common.wire.aggregation import weighted_mean
+from dilocox.common.wire.framing import EncodedSlice
+from dilocox.common.wire.outer_optimizer import OuterNesterov
+from dilocox.server.grace import GraceWindow
+from dilocox.server.metrics import ShardMetrics
+from dilocox.server.round_close import decide
+from dilocox.server.round_state import RoundAccumulator
+from dilocox.worker.exchange.adaptive_steps import RoundTimeBox
+from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.exchange.cluster import DilocoCluster, slice_tensors
+from dilocox.worker.exchange.communicator import Communicator
+
+RUN = "uneven-run"
+LR, MOMENTUM = 0.7, 0.9
+PARAMS = [("w", (16, 8)), ("b", (8,))]
+
+
+class RecordingClient(AggregatorClient):
+    """Records every push stream a shard accepted: (shard, round, weight, {key: fp32 tensor}), and every
+    pseudo-gradient handed to `push` as computed (before any carried part is added)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.accepted: list[tuple[int, int, float, dict]] = []
+        self.computed: list[tuple[int, float, dict]] = []
+        self._record_lock = threading.Lock()
+
+    def push(self, round_, weight, tensors, shards=None, reencode=True, codec=None, facts=(0, 0.0)):
+        if round_ > 0 and reencode:
+            with self._record_lock:
+                self.computed.append((round_, weight, {k: t.clone() for k, t in tensors.items()}))
+        return super().push(round_, weight, tensors, shards, reencode, codec, facts)
+
+    def _send(self, shard, round_, weight, items, wait=True):
+        sent = super()._send(shard, round_, weight, items, wait)
+        with self._record_lock:
+            self.accepted.append((shard, round_, weight, {item.key: item.decode().clone() for item in items}))
+        return sent
+
+
+def replay(clients: list[RecordingClient], shard_index: int, rounds: int) -> dict:
+    """The shard's weights after `rounds`, from the accepted pushes alone: θ0 from round 0, then per round
+    the token-weighted mean of each cluster's part (a retried stream counted once) and the outer step."""
+    theta: dict = {}
+    by_round: dict[int, dict[str, tuple[float, dict]]] = {}
+    for client in clients:
+        for shard, round_, weight, tensors in client.accepted:
+            if shard != shard_index:
+                continue
+            if round_ == 0:
+                theta.update(tensors)
+                continue
+            _, parts = by_round.setdefault(round_, {}).setdefault(client.cluster, (weight, {}))
+            for key, tensor in tensors.items():
+                parts.setdefault(key, tensor)
+    outer = OuterNesterov(LR, MOMENTUM)
+    for round_ in range(1, rounds + 1):
+        contributions = by_round.get(round_, {})
+        for key in theta:
+            items = [(c, w, (lambda t=parts[key]: t)) for c, (w, parts) in contributions.items() if key in parts]
+            if items:
+                theta[key] = outer.step(key, theta[key], weighted_mean(items))
+    return theta
+
+
+class SleepyTrainer:
+    """Linear regression with a per-step sleep standing in for compute: `step_s` sets the site's speed."""
+
+    def __init__(self, seed: int, step_s: float) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.y = torch.randn(32, 8, generator=g), torch.randn(32, 16, generator=g)
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(8, 16)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.02)
+        self.step_s = step_s
+
+    def named_parameters(self):
+        return list(self.model.named_parameters())
+
+    def train_steps(self, n: int):
+        started = time.perf_counter()
+        total = 0.0
+        for _ in range(n):
+            loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            total += float(loss.detach())
+            time.sleep(self.step_s)
+        return total / n, n * len(self.x), time.perf_counter() - started
+
+    def evaluate(self) -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.mse_loss(self.model(self.x), self.y))
+
+
+def _run_sites(clusters: list[DilocoCluster]) -> None:
+    errors: list[BaseException] = []
+
+    def run(cluster: DilocoCluster) -> None:
+        try:
+            cluster.run()
+        except Exception as error:  # noqa: BLE001 - surfaced below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in clusters]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a site hung"
+    assert not errors, errors
+
+
+def test_time_boxed_sites_of_unequal_speed_deliver_every_round_and_the_shards_equal_a_replay(shard_set):
+    rounds, budget_s = 5, 0.24
+    shards = shard_set(2, RUN, min_clusters=2, outer_lr=LR, outer_momentum=MOMENTUM)
+    speeds = {"fast": 0.01, "slow": 0.04}  # the slow site is 4× slower per step
+    clusters = []
+    for seed, (name, step_s) in enumerate(speeds.items()):
+        client = RecordingClient(shards.addresses, RUN, name, connect_timeout=10, rpc_timeout=30)
+        clusters.append(DilocoCluster(SleepyTrainer(seed, step_s), client, rounds, inner_steps=8, delay=1, num_clusters=2,
+                                      steps_controller=RoundTimeBox(8, budget_s, min_steps=1, max_steps=64)))  # fmt: skip
+    try:
+        _run_sites(clusters)
+    finally:
+        for cluster in clusters:
+            cluster.client.close()
+    fast, slow = clusters
+    assert [r.round for r in fast.reports] == [r.round for r in slow.reports] == list(range(1, rounds + 1))
+    assert not any(r.late for c in clusters for r in c.reports)
+    # After the first round (the configured H, nothing measured yet), H follows each site's speed.
+    later = range(2, rounds)
+    assert all(fast.reports[i].inner_steps > 2 * slow.reports[i].inner_steps for i in later), \
+        ([r.inner_steps for r in fast.reports], [r.inner_steps for r in slow.reports])
+    assert all(fast.reports[i].tokens > slow.reports[i].tokens for i in later)
+    for index, shard in enumerate(shards.shards):
+        assert {name: record.rounds_made for name, record in shard.sites.items()} == {"fast": rounds, "slow": rounds}
+        assert shard.last_round.tokens == (("fast", float(fast.reports[-1].tokens)), ("slow", float(slow.reports[-1].tokens)))
+        # What each site said of its last round (H, idle) is in the shard's status and metrics.
+        said = {site["cluster"]: site for site in shard.status()["sites"]}
+        assert said["fast"]["inner_steps"] == fast.reports[-1].inner_steps and said["slow"]["inner_steps"] == slow.reports[-1].inner_steps
+        exposition = generate_latest(ShardMetrics(shard).registry).decode()
+        assert f'dilocox_site_rounds_made_total{{cluster="slow"}} {float(rounds)}' in exposition
+        assert f'dilocox_site_inner_steps{{cluster="fast"}} {float(fast.reports[-1].inner_steps)}' in exposition
+        expected = replay([c.client for c in clusters], index, rounds)
+        assert expected.keys() == shard.snapshot.tensors.keys()
+        for key, tensor in shard.snapshot.tensors.items():
+            assert torch.equal(tensor, expected[key]), key
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in PARAMS}
+
+
+def _wait_version(shard, version: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while shard.version < version:
+        assert time.monotonic() < deadline, f"shard {shard.shard_index} stuck at version {shard.version}"
+        time.sleep(0.01)
+
+
+def test_a_site_that_misses_the_grace_window_stays_and_its_part_is_applied_next_round_exactly_once(shard_set):
+    shards = shard_set(2, RUN, min_clusters=1, outer_lr=LR, outer_momentum=MOMENTUM, grace_s=(0.2, 0.2))
+    a = RecordingClient(shards.addresses, RUN, "a", shard_wait_s=0)
+    late = RecordingClient(shards.addresses, RUN, "late", shard_wait_s=0)
+    try:
+        a.join(PARAMS)
+        late.join(PARAMS)
+        a.push(0, 1.0, slice_tensors(a.assignment, _tensors(0)))
+        for client in (a, late):
+            client.pull(min_version=0)
+        deltas = {(name, r): _tensors(10 * r + i) for r in (1, 2, 3) for i, name in enumerate(("a", "late"))}
+        tokens = {"a": 30.0, "late": 10.0}
+
+        def push(client, round_):
+            return client.push(round_, tokens[client.cluster], slice_tensors(client.assignment, deltas[client.cluster, round_]))
+
+        # Round 1: both in time: it closes at once, with both.
+        push(a, 1)
+        push(late, 1)
+        for shard in shards.shards:
+            _wait_version(shard, 1)
+            assert shard.last_round.clusters == ("a", "late") and shard.last_round.late == ()
+        for client in (a, late):
+            client.pull(min_version=1)
+
+        # Round 2: `late` misses the grace window. The shards close without it and keep it in the run; its
+        # push is refused, and the same exchange then pulls the round's result (it is still a member).
+        push(a, 2)
+        for shard in shards.shards:
+            _wait_version(shard, 2)
+            assert shard.last_round.clusters == ("a",) and shard.last_round.late == ("late",)
+            assert "late" in shard.members and shard.sites["late"].rounds_late == 1
+        communicator = Communicator(late)
+        communicator.submit(2, tokens["late"], slice_tensors(late.assignment, deltas["late", 2]))
+        exchange, _ = communicator.collect(timeout=30)
+        communicator.close()
+        assert exchange.late and exchange.version == 2
+        assert late.carry.elements == sum(numel for _, shape in PARAMS for numel in [torch.Size(shape).numel()])
+        a.pull(min_version=2)
+
+        # Round 3: its push brings round 2's part and round 2's tokens along (40 + its 10 of round 2).
+        push(a, 3)
+        push(late, 3)
+        for client in (a, late):
+            client.pull(min_version=3)
+        for shard in shards.shards:
+            assert shard.last_round.clusters == ("a", "late")
+            assert dict(shard.last_round.tokens) == {"a": 30.0, "late": 20.0}
+            assert shard.sites["late"].rounds_made == 2 and shard.sites["late"].rounds_late == 1
+
+        # Exactly once: what the shards accepted from `late` sums to what it computed, tokens and values.
+        accepted = {}
+        for shard, round_, weight, parts in late.accepted:
+            if round_ > 0:
+                for key, tensor in parts.items():
+                    accepted[key] = accepted.get(key, 0) + tensor
+        computed = {}
+        for round_, weight, parts in late.computed:
+            for key, tensor in parts.items():
+                computed[key] = computed.get(key, 0) + tensor
+        assert accepted.keys() == computed.keys()
+        for key in accepted:
+            torch.testing.assert_close(accepted[key], computed[key], rtol=0, atol=1e-6)
+        assert sum(w for _, r, w, _ in late.accepted if r > 0) == len(shards.shards) * sum(w for _, w, _ in late.computed)
+
+        # And the shards' weights (and both replicas) are a replay of the accepted pushes.
+        for index, shard in enumerate(shards.shards):
+            expected = replay([a, late], index, 3)
+            for key, tensor in shard.snapshot.tensors.items():
+                assert torch.equal(tensor, expected[key]), key
+                assert torch.equal(a.held[key], tensor) and torch.equal(late.held[key], tensor)
+    finally:
+        a.close()
+        late.close()
+
+
+def test_a_refusal_that_is_not_a_closed_round_still_makes_the_site_rejoin(shard_set):
+    """Dropped from the run (a deadline, no grace): the refused push's pull is refused too, and the
+    exchange fails as before — the site rejoins; nothing is taken for a late round."""
+    shards = shard_set(1, RUN, round_deadline_s=0.2)
+    a = AggregatorClient(shards.addresses, RUN, "a", shard_wait_s=0)
+    dropped = AggregatorClient(shards.addresses, RUN, "dropped", shard_wait_s=0)
+    try:
+        a.join(PARAMS)
+        dropped.join(PARAMS)
+        a.push(0, 1.0, slice_tensors(a.assignment, _tensors(0)))
+        dropped.pull(min_version=0)
+        a.push(1, 1.0, slice_tensors(a.assignment, _tensors(1)))
+        _wait_version(shards.shards[0], 1)
+        assert "dropped" not in shards.shards[0].members
+        communicator = Communicator(dropped, repush_after_s=1.0)
+        communicator.submit(1, 1.0, slice_tensors(dropped.assignment, _tensors(2)))
+        with pytest.raises(AggregatorError) as refused:
+            communicator.collect(timeout=30)
+        communicator.close()
+        assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        a.close()
+        dropped.close()
+
+
+# ---------------------------------------------------------------------- the rules, without sockets
+
+
+def _accumulator(round_: int, delivered: dict[str, list[str]]) -> RoundAccumulator:
+    acc = RoundAccumulator(round_)
+    for cluster, keys in delivered.items():
+        for key in keys:
+            acc.add(cluster, 1.0, EncodedSlice.exact(key, torch.zeros(2)))
+    return acc
+
+
+def test_quorum_and_grace_decide_who_is_in_late_or_dropped():
+    owned = {"k0", "k1"}
+    members = {"a": 0.0, "b": 0.0, "c": 0.0}
+    grace = GraceWindow(1.0, 1.0)
+    acc = _accumulator(3, {"a": ["k0", "k1"], "c": ["k0"]})  # a complete, c part-way, b nothing
+    assert decide(acc, members, owned, 2, now=10.0, grace=grace) is None  # no quorum of 2
+    assert decide(acc, members, owned, 1, now=10.0, grace=grace) is None  # quorum: the window starts
+    assert acc.quorum_at == 10.0
+    assert decide(acc, members, owned, 1, now=10.9, grace=grace) is None
+    assert decide(acc, members, owned, 1, now=11.5, grace=grace) is None  # c's delivery is under way: it gets longer
+    decision = decide(acc, members, owned, 1, now=12.0, grace=grace)
+    assert decision.include == {"a"} and decision.late == ("b",) and decision.dropped == ("c",)
+    # With a deadline, a member silent for that long is gone rather than late.
+    acc = _accumulator(4, {"a": ["k0", "k1"]})
+    decision = decide(acc, members, owned, 1, now=20.0, deadline_s=5.0, grace=GraceWindow(0.0, 0.0), last_seen={"b": 19.0, "c": 2.0})
+    assert decision.late == ("b",) and decision.dropped == ("c",)
+    # Every member in: closed at once, whatever the window.
+    acc = _accumulator(5, {m: ["k0", "k1"] for m in members})
+    assert decide(acc, members, owned, 1, now=0.0, grace=GraceWindow(9.0, 9.0)).include == set(members)
+
+
+def test_the_grace_window_follows_recent_arrival_spreads_within_its_bounds():
+    window = GraceWindow(0.5, 8.0, factor=2.0, history=3)
+    assert window.seconds() == 8.0  # nothing seen yet: the upper bound
+    window.observe(1.0)
+    assert window.seconds() == 2.0
+    window.observe(0.1)
+    assert window.seconds() == 2.0  # the widest recent spread counts
+    for _ in range(3):
+        window.observe(0.1)
+    assert window.seconds() == 0.5  # the lower bound
+    for expected in (1.0, 2.0, 4.0, 8.0, 8.0):  # sites missing the window: it doubles back up to the bound
+        window.observe(window.seconds())
+        assert window.seconds() == expected
+    with pytest.raises(ValueError):
+        GraceWindow(2.0, 1.0)
+
+
+def test_time_box_sets_h_from_the_measured_step_time_within_bounds():
+    box = RoundTimeBox(10, seconds=2.0, min_steps=2, max_steps=50)
+    assert box.steps == 10
+    assert box.update(1, compute_s=1.0) == 20  # 0.1 s a step: 20 steps fill 2 s
+    assert box.update(2, compute_s=20 * 0.5) == 4  # slowed to 0.5 s a step
+    assert box.update(3, compute_s=4 * 4.0) == 2  # the lower bound
+    assert box.update(4, compute_s=2 * 0.001) == 50  # the upper bound
+    assert box.update(5, compute_s=0.0) == 50  # nothing measured: unchanged
