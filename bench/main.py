@@ -17,6 +17,7 @@ BENCHMARKS = {
     "gpu": ("dilocox.bench.gpu", "the first thing to run on a GPU machine: a site (sim, pp, FSDP2 dp, accumulation, resume) on its GPUs"),
     "load": ("dilocox.bench.load", "many clusters (32 to 256) against 2 shards: rounds/s, round latency, shard RSS and CPU, refusals"),
     "exchange": ("dilocox.bench.exchange", "CPU cost of a round's exchange per stage (ns/parameter) against same-run rooflines, and training beside it"),
+    "uneven": ("dilocox.bench.uneven", "one site 2×/4× slower: fixed H vs time-boxed rounds vs quorum + grace (idle share, tokens/s, loss curves)"),
     "projection": ("dilocox.bench.projection", "DiLoCoX at OPT-1.3B and 107B over 1 Gbit/s, projected from a `bench scale` report"),
 }
 

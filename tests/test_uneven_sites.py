@@ -5,6 +5,9 @@ from what went over the wire (each client records every push a shard accepted)."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -334,3 +337,59 @@ def test_time_box_sets_h_from_the_measured_step_time_within_bounds():
     assert box.update(3, compute_s=4 * 4.0) == 2  # the lower bound
     assert box.update(4, compute_s=2 * 0.001) == 50  # the upper bound
     assert box.update(5, compute_s=0.0) == 50  # nothing measured: unchanged
+
+
+def _start_shards(tmp_path, count: int, *flags: str) -> tuple[list[subprocess.Popen], list[str]]:
+    procs, addresses = [], []
+    for index in range(count):
+        port_file = tmp_path / f"shard{index}.port"
+        argv = [sys.executable, "-m", "dilocox.common.cli", "server", "--num-shards", str(count), "--shard-index", str(index),
+                "--port", "0", "--port-file", str(port_file), "--run-id", RUN, "--outer-lr", str(LR), "--outer-momentum",
+                str(MOMENTUM), "--keep-serving", "--insecure", "--log-format", "json", *flags]  # fmt: skip
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(tmp_path / f"shard{index}.log").open("w"),
+                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert procs[-1].poll() is None and time.monotonic() < deadline, (tmp_path / f"shard{index}.log").read_text()
+            time.sleep(0.05)
+        addresses.append(f"127.0.0.1:{port_file.read_text()}")
+    return procs, addresses
+
+
+def test_shard_processes_on_a_quorum_keep_a_4x_slower_fixed_h_site_in_and_equal_a_replay(tmp_path):
+    """`dilocox server --min-clusters 1 --grace-s …` processes, two sites at fixed H, one 4× slower: the
+    fast site never waits for it, the slow one is late or pushes to the open round, is never dropped,
+    and the shards' weights are a replay of what they accepted."""
+    rounds = 6
+    procs, addresses = _start_shards(tmp_path, 2, "--min-clusters", "1", "--grace-s", "0.1", "--round-deadline-s", "0")
+    clusters = []
+    try:
+        for seed, (name, step_s) in enumerate((("fast", 0.01), ("slow", 0.04))):
+            client = RecordingClient(addresses, RUN, name, connect_timeout=30, rpc_timeout=30, shard_wait_s=30)
+            clusters.append(DilocoCluster(SleepyTrainer(seed, step_s), client, rounds, inner_steps=6, delay=1, num_clusters=2))
+        try:
+            _run_sites(clusters)
+        finally:
+            for cluster in clusters:
+                cluster.client.close()
+        fast, slow = clusters
+        assert [r.round for r in fast.reports] == list(range(1, rounds + 1))
+        assert slow.reports and all(a.round < b.round for a, b in zip(slow.reports, slow.reports[1:]))
+        assert len(slow.reports) < rounds or any(r.late for r in slow.reports)  # it could not keep up, and did not stop the run
+        assert slow.client.traffic.dropped_rounds == 0 and fast.client.traffic.dropped_rounds == 0  # nobody rejoined
+        observer = AggregatorClient(addresses, RUN, "observer", connect_timeout=30, rpc_timeout=30, shard_wait_s=30)
+        try:
+            observer.join([(name, tuple(p.shape)) for name, p in fast.trainer.named_parameters()])
+            version, weights, _ = observer.pull(min_version=rounds)
+            assert version == rounds
+            for index in range(2):
+                expected = replay([fast.client, slow.client], index, rounds)
+                for key in [s.key for s in observer.assignment if s.shard == index]:
+                    assert torch.equal(weights[key], expected[key]), key
+        finally:
+            observer.close()
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)

@@ -220,7 +220,10 @@ class DilocoCluster:
         deltas = self._slices_of(work)
         trained = round_
         round_ = self._round_to_push(round_, exchange)
-        if delay == 0:
+        over = self._run_over_without(trained, tokens, exchange)
+        if over:
+            round_ = self.rounds
+        if delay == 0 and not over:
             self._capture(round_, timer)
             self.communicator.submit(round_, float(tokens), deltas, facts=(self.inner_steps, idle))
             with timer("collect"):
@@ -235,11 +238,12 @@ class DilocoCluster:
                 self._commit(exchange.round)
             with timer("start"):
                 self._delayed_start(from_held=exchange is not None)
-            self._capture(round_, timer)
-            self.communicator.submit(round_, float(tokens), deltas, facts=(self.inner_steps, idle))
+            if not over:
+                self._capture(round_, timer)
+                self.communicator.submit(round_, float(tokens), deltas, facts=(self.inner_steps, idle))
         if exchange is not None:
             self.version = exchange.version
-        self._adopt_held = delay == 0 and round_ == self.rounds
+        self._adopt_held = over or (delay == 0 and round_ == self.rounds)
         self._last_weight = float(tokens)
         with timer("write"):
             self.access.write(start)
@@ -267,6 +271,25 @@ class DilocoCluster:
             log.warning("round_caught_up", cluster=self.client.cluster, trained=trained, pushed=round_, version=self.version,
                         reason="the shards closed the rounds in between without this site: its work goes to the open round")  # fmt: skip
         return report
+
+    @property
+    def final_version(self) -> int:
+        """The run's last version on the shards: its rounds, and the end-of-run flush where there is one."""
+        compressor = self.client.compressor
+        return self.rounds + (1 if compressor is not None and compressor.flushes else 0)
+
+    def _run_over_without(self, trained: int, tokens: int, exchange: RoundExchange | None) -> bool:
+        """Whether the shards have published the run's final version already (a late site under quorum +
+        grace can collect it while it still trains): then round `trained` can go nowhere, and the site ends
+        on the shards' model. Counted like a round dropped at a rejoin."""
+        version = exchange.version if exchange is not None else self.version
+        if version < self.final_version:
+            return False
+        self.client.traffic.dropped_rounds += 1
+        self.client.traffic.dropped_tokens += int(tokens)
+        log.warning("late_work_not_delivered", cluster=self.client.cluster, round=trained, tokens=int(tokens), version=version,
+                    reason="the shards closed the run's last round without this site")  # fmt: skip
+        return True
 
     def _round_to_push(self, round_: int, exchange: RoundExchange | None) -> int:
         """The round this boundary's pseudo-gradient goes to: the one trained, unless the shards have
@@ -351,6 +374,13 @@ class DilocoCluster:
             return None
         round_ = self.rounds + 1
         held_back = compressor.residual_norm()
+        if self.version >= round_:
+            # A late site (quorum + grace) can collect the flush round itself: the shards closed it without
+            # us and the run is over on them, so nothing of ours can go anywhere any more.
+            log.warning("residuals_not_flushed", cluster=self.client.cluster, round=round_, version=self.version,
+                        residual_norm=round(held_back, 4), carried_slices=len(list(self.client.carry.pending_keys())),
+                        reason="the shards closed the run's last round without this site")  # fmt: skip
+            return None
         work = self._slices_of(self.buffers.work)
         for tensor in work.values():
             tensor.zero_()
