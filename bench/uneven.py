@@ -175,7 +175,7 @@ def _plots(out_dir: pathlib.Path, runs: list[UnevenRun]) -> list[str]:
         group = [r for r in runs if r.sites == sites and r.slowdown in (1, slowdown)]
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
         for run in group:
-            points = run.curve()
+            points = run.curve()[1:]  # from the first round on: the initial loss would flatten the rest
             style = "--" if run.slowdown == 1 else "-"
             axes[0].plot([p[1] for p in points], [p[2] for p in points], style, marker="o", markersize=2, label=run.label)
             axes[1].plot([p[0] for p in points], [p[2] for p in points], style, marker="o", markersize=2, label=run.label)

@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--round-deadline-s", type=float, default=120.0,
         help="shards close a round this long after its first push with the clusters that made it (default 120)",
     )  # fmt: skip
+    parser.add_argument("--grace-s", type=float, default=0.0,
+                        help="uneven sites: shards close a round once all clusters but one have delivered, plus at most this "
+                             "grace window (docs/deploy.md, \"Uneven sites\"; default 0: wait for every cluster)")  # fmt: skip
+    parser.add_argument("--slow-cluster", type=float, default=1.0, metavar="F",
+                        help="uneven sites: the last cluster trains at 1/F of its speed (dilocox worker --simulate-slowdown; default 1)")
     parser.add_argument("--summary-json", type=pathlib.Path, help="also write the final summary here as JSON")
     add_log_format_argument(parser)
     parser.add_argument(
@@ -97,6 +102,8 @@ class Simulation:
         self.args = args
         self.config = config
         self.log_dir = log_dir
+        # With a grace window the shards close on all clusters but one (the one that may fall behind).
+        self._min_clusters = max(1, args.clusters - 1) if args.grace_s > 0 else args.clusters
         self.server_security, self.worker_security = ["--insecure"], ["--insecure"]
         if args.tls:
             certs = make_dev_certificates(log_dir / "certs")
@@ -126,7 +133,8 @@ class Simulation:
                 "server", "--num-shards", str(self.args.shards), "--shard-index", str(i), "--port", "0",
                 "--port-file", str(port_file), "--run-id", self.config.run_id,
                 "--outer-lr", str(self.config.outer.lr), "--outer-momentum", str(self.config.outer.momentum),
-                "--min-clusters", str(self.args.clusters), "--round-deadline-s", str(self.args.round_deadline_s),
+                "--min-clusters", str(self._min_clusters), "--round-deadline-s", str(self.args.round_deadline_s),
+                *(["--grace-s", f"{self.args.grace_s:g}"] if self.args.grace_s > 0 else []),
                 "--keep-serving", "--log-format", "json", *self.server_security,  # the sim exports, then stops them
             )  # fmt: skip
             with (self.log_dir / f"shard-{i}.log").open("w") as out:
@@ -174,6 +182,7 @@ class Simulation:
                 "--num-clusters", str(self.args.clusters), "--threads", str(self.args.threads), "--log-format", "json",
                 *(["--data", self.args.data] if self.args.data else []), "--text-field", self.args.text_field,
                 *config_flags(self.config), *self.worker_security,
+                *(["--simulate-slowdown", f"{self.args.slow_cluster:g}"] if j == self.args.clusters - 1 and self.args.slow_cluster != 1 else []),
             )  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
             self.workers[name] = proc

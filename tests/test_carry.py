@@ -33,3 +33,16 @@ def test_other_slices_stay_pending_until_pushed():
     carry.keep(1, {"a": torch.ones(2), "b": torch.ones(2)})
     carry.add_to({"a": torch.zeros(2)})
     assert list(carry.pending_keys()) == ["b"]
+
+
+def test_a_kept_part_is_weighted_by_its_own_tokens_in_the_next_push():
+    """Pushed with 10 tokens, refused, then added to a push of 40: scaled by 10/40, so that the shard's
+    mean (Σ w·Δ / Σ w) gets 10·Δ for it, as on time; with equal weights it is added unscaled."""
+    carry = UndeliveredCarry()
+    late = torch.tensor([4.0, 8.0])
+    carry.keep(1, {"a": late}, weight=10.0)
+    pushed = carry.add_to({"a": torch.ones(2)}, weight=40.0)
+    assert torch.equal(pushed["a"], torch.ones(2) + late * (10.0 / 40.0))
+    assert torch.equal(40.0 * (pushed["a"] - 1), 10.0 * late)
+    carry.keep(2, {"a": late}, weight=40.0)
+    assert torch.equal(carry.add_to({"a": torch.ones(2)}, weight=40.0)["a"], torch.ones(2) + late)

@@ -77,7 +77,7 @@ def test_late_cluster_part_refused_by_one_shard_arrives_next_round_and_matches_a
                                                         ("da2", da2[s.name]), ("dl2", dl2[s.name]))}  # fmt: skip
                 round1 = [("a", 30.0, lambda: cut["da1"])] + ([] if index == 0 else [("late", 10.0, lambda: cut["dl1"])])
                 late2 = cut["dl2"] + cut["dl1"] if index == 0 else cut["dl2"]
-                late2_tokens = 20.0 if index == 0 else 10.0  # a carried part brings its round's tokens
+                late2_tokens = 10.0  # the carried part was pushed with the same weight: added unscaled
                 theta1 = outer.step(s.key, cut["theta"], weighted_mean(round1))
                 theta2 = outer.step(s.key, theta1, weighted_mean([("a", 30.0, lambda: cut["da2"]), ("late", late2_tokens, lambda: late2)]))
                 assert torch.equal(shard.snapshot.tensors[s.key], theta2), (index, s.key)

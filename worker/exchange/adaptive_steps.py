@@ -52,7 +52,10 @@ class RoundTimeBox:
     its speed, so uneven sites deliver together and none waits for another. H for the next round is the
     budget over this round's measured seconds per step, within [`min_steps`, `max_steps`]; the first
     round trains the configured H (nothing is measured yet). A site's pseudo-gradient carries its true
-    token count, and the shards average by tokens, so a slower site weighs what it trained.
+    token count, and the shards average by tokens, so a slower site weighs what it trained. In the first
+    round nothing is measured yet: the site trains `probe_steps` steps, sets that round's H from them
+    (`from_probe`), and goes on; without the probe a slow site's first round would train the configured
+    H and every other site would wait for it once.
 
     The same `update` as `StepsController`; a site's ranks agree on the smallest H (the cluster does it),
     since its slowest rank sets its round's time."""
@@ -66,13 +69,29 @@ class RoundTimeBox:
         self.min = min_steps
         self.max = max_steps
         self.steps = min(max(base_steps, min_steps), max_steps)
+        self.probe_steps = min(3, self.steps)
+        self.needs_probe = True
+
+    def _fit(self, per_step: float) -> int:
+        return min(self.max, max(self.min, round(self.seconds / per_step))) if per_step > 0 else self.steps
+
+    def from_probe(self, steps: int, seconds: float) -> int:
+        """The first round's H, from its first `steps` steps having taken `seconds`."""
+        self.needs_probe = False
+        new = self._fit(seconds / steps)
+        if new != self.steps:
+            log.info("inner_steps_time_boxed", round=1, steps=new, previous=self.steps, step_s=round(seconds / steps, 4),
+                     budget_s=self.seconds, probe_steps=steps)  # fmt: skip
+            self.steps = new
+        return self.steps
 
     def update(self, round_: int, compute_s: float, comm_s: float = 0.0) -> int:
         """The H for the next round, from this round's compute seconds (at `self.steps` steps)."""
+        self.needs_probe = False
         if compute_s <= 0:
             return self.steps
         per_step = compute_s / self.steps
-        new = min(self.max, max(self.min, round(self.seconds / per_step)))
+        new = self._fit(per_step)
         if new != self.steps:
             log.info("inner_steps_time_boxed", round=round_, steps=new, previous=self.steps, step_s=round(per_step, 4),
                      budget_s=self.seconds)  # fmt: skip

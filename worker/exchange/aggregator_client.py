@@ -124,10 +124,6 @@ class AggregatorClient:
         self.replay_check = ReplayCheck(self.wire.replay_check, cluster)
         self.carry = UndeliveredCarry()  # what a shard closed its round without, for the next push
         self._push_generation = 0  # counts encoded pushes: a re-push of the same bytes is the same one
-        # Tokens of carried parts, per shard: they go with the part, as weight of the next push there.
-        self._push_weights: dict[int, float] = {}  # shard -> the weight the last push gave it
-        self._carried_tokens: dict[int, float] = {}
-        self._tokens_carried_for: set[tuple[int, int]] = set()  # (push generation, shard) already counted
         self._push_facts: tuple[int, float] = (0, 0.0)  # (inner steps, idle s) the last push told the shards
 
     @property
@@ -227,11 +223,9 @@ class AggregatorClient:
         if round_ > 0:
             if reencode:
                 self._push_generation += 1
-                tensors = self.carry.add_to(tensors)
-                self._push_weights = {shard: weight + self._carried_tokens.pop(shard, 0.0) for shard in by_shard}
+                tensors = self.carry.add_to(tensors, weight)
                 self._push_facts = facts
             self._last_push = (round_, weight, by_shard)
-        weights = {shard: self._push_weights.get(shard, weight) if round_ > 0 else weight for shard in targets}
 
         def push_one(shard: int) -> int:
             # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
@@ -239,7 +233,7 @@ class AggregatorClient:
                 self._own[key] if not reencode and key in self._own else self._encode(round_, key, tensors[key], codec)
                 for key in by_shard.get(shard, [])
             ]
-            return self._send(shard, round_, weights[shard], items)
+            return self._send(shard, round_, weight, items)
 
         running = {shard: self._pool.submit(push_one, shard) for shard in targets}
         sent_per_shard, refused = {}, {}
@@ -255,24 +249,18 @@ class AggregatorClient:
         if refused:
             closed = [s for s, e in refused.items() if e.code == grpc.StatusCode.FAILED_PRECONDITION]
             if round_ > 0:
-                self.carry_undelivered(round_, [key for s in closed for key in by_shard.get(s, [])])
+                self.carry_undelivered(round_, [key for s in closed for key in by_shard.get(s, [])], weight)
             raise next(iter(refused.values()))
         return total
 
-    def carry_undelivered(self, round_: int, keys: Iterable[SliceKey]) -> None:
-        """A shard closed round `round_` without these slices of ours: deliver them with the next push
-        (see `carry.UndeliveredCarry`)."""
+    def carry_undelivered(self, round_: int, keys: Iterable[SliceKey], weight: float) -> None:
+        """A shard closed round `round_` without these slices of ours, pushed with `weight`: deliver them
+        with the next push, weighted by their own tokens (see `carry.UndeliveredCarry`)."""
         before = self.carry.elements
-        kept = self.carry.keep(self._push_generation, {key: self._own[key].decode() for key in keys if key in self._own})
-        owner = {s.key: s.shard for s in self.assignment}
-        for shard in sorted({owner[key] for key in kept}):
-            if (self._push_generation, shard) not in self._tokens_carried_for:
-                self._tokens_carried_for.add((self._push_generation, shard))
-                self._carried_tokens[shard] = self._carried_tokens.get(shard, 0.0) + self._push_weights.get(shard, 0.0)
-        self._tokens_carried_for = {done for done in self._tokens_carried_for if done[0] >= self._push_generation - 1}
+        kept = self.carry.keep(self._push_generation, {key: self._own[key].decode() for key in keys if key in self._own}, weight)
         if kept:
             log.warning("pseudo_gradient_carried", cluster=self.cluster, round=round_, slices=len(kept),
-                        elements=self.carry.elements - before, tokens_by_shard=dict(self._carried_tokens),
+                        elements=self.carry.elements - before, tokens=weight,
                         reason="a shard closed the round without them: they go with the next round")  # fmt: skip
 
     def _send(self, shard: int, round_: int, weight: float, items: list[EncodedSlice], wait: bool = True) -> int:
@@ -296,7 +284,6 @@ class AggregatorClient:
         if self._last_push is None or self._last_push[0] != round_:
             return
         _, weight, by_shard = self._last_push
-        weight = self._push_weights.get(shard, weight)
         items = [self._own[key] for key in by_shard.get(shard, []) if key in self._own]
         if not items:
             return
@@ -405,7 +392,7 @@ class AggregatorClient:
                 # shares in): the push we made was accepted, then discarded. Deliver it next round.
                 last = self._last_push
                 if error.code == grpc.StatusCode.FAILED_PRECONDITION and last is not None and last[0] == min_version:
-                    self.carry_undelivered(min_version, last[2].get(shard, []))
+                    self.carry_undelivered(min_version, last[2].get(shard, []), last[1])
                 raise
             return received
 

@@ -9,6 +9,14 @@ lost, and nothing is delivered twice: a shard answers a retry of a push it did i
 and each push's slice is kept at most once however often its bytes are refused (a push is one
 *generation*: a retry or re-push of the same bytes is the same generation; a new encoding, which may
 already hold earlier kept values, is a new one).
+
+**Tokens.** A shard averages a round by tokens: Σ w_i Δ_i / Σ w_i. A kept part remembers the weight w_g
+it was pushed with, and is added to the next push (weight w) scaled by w_g / w, so that the shard's
+numerator gets w_g Δ_g — exactly what it would have had on time — while the denominator counts the
+round's own tokens only. Summing the tokens into the next push's weight instead would give the late
+part a larger share of the mean than it ever had (2/3 instead of 1/2 for two equal sites), and the
+bench of uneven sites showed the loss jump when it did (docs/decisions.md, "Uneven sites"). With equal
+weights (fixed H) nothing is scaled: the kept values are added as they are, bit for bit as before.
 """
 
 from __future__ import annotations
@@ -21,30 +29,34 @@ import torch
 
 class UndeliveredCarry:
     def __init__(self) -> None:
-        self._pending: dict[Hashable, torch.Tensor] = {}
+        self._pending: dict[Hashable, list[tuple[float, torch.Tensor]]] = {}  # key -> (weight pushed with, values)
         self._kept: set[tuple[int, Hashable]] = set()  # (push generation, slice) already kept
         self._lock = threading.Lock()  # pushes to several shards run on their own threads
         self.elements = 0  # kept so far, over the run
 
-    def keep(self, generation: int, values: Mapping[Hashable, torch.Tensor]) -> list[Hashable]:
-        """Keep push `generation`'s undelivered `values` (what it carried, decoded); returns the keys newly
-        kept (a key already kept for this generation is skipped)."""
+    def keep(self, generation: int, values: Mapping[Hashable, torch.Tensor], weight: float = 1.0) -> list[Hashable]:
+        """Keep push `generation`'s undelivered `values` (what it carried, decoded, pushed with `weight`);
+        returns the keys newly kept (a key already kept for this generation is skipped)."""
         with self._lock:
             fresh = [key for key in values if (generation, key) not in self._kept]
             self._kept = {done for done in self._kept if done[0] >= generation - 1} | {(generation, key) for key in fresh}
             for key in fresh:
-                value = values[key]
-                self._pending[key] = self._pending[key] + value if key in self._pending else value.clone()
-                self.elements += value.numel()
+                self._pending.setdefault(key, []).append((float(weight), values[key].clone()))
+                self.elements += values[key].numel()
             return fresh
 
-    def add_to(self, tensors: Mapping[Hashable, torch.Tensor]) -> Mapping[Hashable, torch.Tensor]:
-        """`tensors` with what is pending for their keys added (and no longer pending)."""
+    def add_to(self, tensors: Mapping[Hashable, torch.Tensor], weight: float = 1.0) -> Mapping[Hashable, torch.Tensor]:
+        """`tensors` (to be pushed with `weight`) with what is pending for their keys added, each part
+        scaled by its own weight over `weight` (and no longer pending)."""
         with self._lock:
             carried = {key: self._pending.pop(key) for key in list(self._pending) if key in tensors}
         if not carried:
             return tensors
-        return {key: tensors[key] + carried[key] if key in carried else tensors[key] for key in tensors}
+        out = dict(tensors)
+        for key, parts in carried.items():
+            for kept_weight, values in parts:
+                out[key] = out[key] + (values if kept_weight == weight else values * (kept_weight / weight))
+        return out
 
     def pending_keys(self) -> Iterable[Hashable]:
         with self._lock:

@@ -266,6 +266,7 @@ class DilocoCluster:
         if self.on_round is not None:
             self.on_round(report, self.inner_steps, self.version)
         if self.steps_controller is not None:  # the same H on every rank of a site: the slowest rank's
+            self.steps_controller.steps = self.inner_steps  # what was trained (agreed), which the rate is over
             self.inner_steps = self.access.agree_min(self.steps_controller.update(round_, compute_s, comm_s))
         if round_ != trained:
             log.warning("round_caught_up", cluster=self.client.cluster, trained=trained, pushed=round_, version=self.version,
@@ -400,6 +401,11 @@ class DilocoCluster:
 
     # ------------------------------------------------------------------ step-driven
     @property
+    def _probing(self) -> bool:
+        """A time box that has measured nothing yet (worker/exchange/adaptive_steps.py, `RoundTimeBox`)."""
+        return getattr(self.steps_controller, "needs_probe", False)
+
+    @property
     def steps_to_sync(self) -> int:
         """Inner steps left in the round being trained (0 once the run is done)."""
         return 0 if self.done else self.inner_steps - self._steps
@@ -413,6 +419,7 @@ class DilocoCluster:
 
     def _reset_round(self) -> None:
         self._steps, self._tokens, self._loss_sum, self._loss_steps = 0, 0, 0.0, 0
+        self._compute_s: float | None = None  # summed over the calls that said it
         self._round_began = time.perf_counter()
 
     def after_steps(self, steps: int, tokens: int, loss: float | torch.Tensor | None = None,
@@ -420,7 +427,7 @@ class DilocoCluster:
         """`steps` inner steps were taken (of `steps_to_sync` left), training `tokens` tokens with mean loss
         `loss`; at the round's last step the round closes. Returns its report then, else None (also when
         the site had to rejoin: the shards went on without it, and the model now holds their weights).
-        `compute_s`: the round's compute time (default: wall time since the round began)."""
+        `compute_s`: these steps' compute time (default: the round's is the wall time since it began)."""
         if self.done:
             raise RuntimeError("the run is over: no more inner steps to take")
         if not 0 < steps <= self.steps_to_sync:
@@ -430,9 +437,15 @@ class DilocoCluster:
         if loss is not None:  # a device tensor stays one until the round closes: no sync per step
             self._loss_sum = self._loss_sum + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss)) * steps
             self._loss_steps += steps
+        if compute_s is not None:
+            self._compute_s = (self._compute_s or 0.0) + compute_s
+        if self._probing and self._steps >= self.steps_controller.probe_steps:
+            # A time-boxed run's first round: H from the steps just measured, not the configured guess.
+            seconds = self._compute_s if self._compute_s is not None else time.perf_counter() - self._round_began
+            self.inner_steps = self.access.agree_min(max(self._steps, self.steps_controller.from_probe(self._steps, seconds)))
         if self._steps < self.inner_steps:
             return None
-        compute_s = time.perf_counter() - self._round_began if compute_s is None else compute_s
+        compute_s = time.perf_counter() - self._round_began if self._compute_s is None else self._compute_s
         try:
             train_loss = float(self._loss_sum) / self._loss_steps if self._loss_steps else float("nan")  # nan: no loss given
             report = self.close_round(self.round, train_loss, self._tokens, compute_s)
@@ -485,6 +498,8 @@ class DilocoCluster:
             self.begin()
             while not self.done:
                 steps = self.steps_to_sync
+                if self._probing:  # a few steps first, to measure the step time
+                    steps = min(steps, max(1, self.steps_controller.probe_steps - self._steps))
                 train_loss, tokens, compute_s = self.trainer.train_steps(steps)
                 self.after_steps(steps, tokens, train_loss, compute_s)
         finally:
