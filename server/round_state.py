@@ -64,10 +64,9 @@ class RoundAccumulator:
                 delivered[cluster] = delivered.get(cluster, 0) + 1
         return {c for c, n in delivered.items() if n == len(owned)}
 
-    def partial_clusters(self, owned: set[SliceKey]) -> set[str]:
-        """Clusters with part of their slices in: a delivery under way."""
-        started = {cluster for key in owned for cluster in self.contributions.get(key, {})}
-        return started - self.complete_clusters(owned)
+    def partial_clusters(self, owned: set[SliceKey], complete: set[str]) -> set[str]:
+        """Clusters with part of their slices in (a delivery under way), given the `complete` ones."""
+        return {cluster for key in owned for cluster in self.contributions.get(key, {})} - complete
 
     def keep_only(self, clusters: set[str]) -> int:
         """Drop the partial contributions of clusters that did not complete the round; returns the payload
