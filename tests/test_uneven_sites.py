@@ -148,41 +148,63 @@ def _run_sites(clusters: list[DilocoCluster]) -> None:
     assert not errors, errors
 
 
-def test_time_boxed_sites_of_unequal_speed_deliver_every_round_and_the_shards_equal_a_replay(shard_set):
+def test_time_boxed_sites_of_unequal_speed_deliver_every_round_and_the_shards_equal_a_replay(tmp_path):
+    """`dilocox server` processes that wait for both sites; two time-boxed sites, one 4× slower per step:
+    both make every round with their own H and tokens, the shards say so, and their weights are a replay
+    of the token-weighted steps they accepted."""
     rounds, budget_s = 5, 0.24
-    shards = shard_set(2, RUN, min_clusters=2, outer_lr=LR, outer_momentum=MOMENTUM)
+    procs, addresses = _start_shards(tmp_path, 2, "--min-clusters", "2", "--round-deadline-s", "0")
     speeds = {"fast": 0.01, "slow": 0.04}  # the slow site is 4× slower per step
     clusters = []
-    for seed, (name, step_s) in enumerate(speeds.items()):
-        client = RecordingClient(shards.addresses, RUN, name, connect_timeout=10, rpc_timeout=30)
-        clusters.append(DilocoCluster(SleepyTrainer(seed, step_s), client, rounds, inner_steps=8, delay=1, num_clusters=2,
-                                      steps_controller=RoundTimeBox(8, budget_s, min_steps=1, max_steps=64)))  # fmt: skip
     try:
-        _run_sites(clusters)
+        for seed, (name, step_s) in enumerate(speeds.items()):
+            client = RecordingClient(addresses, RUN, name, connect_timeout=30, rpc_timeout=30, shard_wait_s=30)
+            clusters.append(DilocoCluster(SleepyTrainer(seed, step_s), client, rounds, inner_steps=8, delay=1, num_clusters=2,
+                                          steps_controller=RoundTimeBox(8, budget_s, min_steps=1, max_steps=64)))  # fmt: skip
+        try:
+            _run_sites(clusters)
+        finally:
+            for cluster in clusters:
+                cluster.client.close()
+        fast, slow = clusters
+        assert [r.round for r in fast.reports] == [r.round for r in slow.reports] == list(range(1, rounds + 1))
+        assert not any(r.late for c in clusters for r in c.reports)
+        # H follows each site's speed (from the first round on: it measures 3 steps, then sets that round's H).
+        assert all(f.inner_steps > s.inner_steps for f, s in zip(fast.reports, slow.reports)), \
+            ([r.inner_steps for r in fast.reports], [r.inner_steps for r in slow.reports])
+        assert all(f.tokens > s.tokens for f, s in zip(fast.reports, slow.reports))
+        weights, statuses = _observe(addresses, fast.trainer, rounds)
+        for index, status in enumerate(statuses):
+            # What each site made and said of its last round (tokens, H) is in every shard's status.
+            said = {site.cluster: site for site in status.sites}
+            for name, cluster in (("fast", fast), ("slow", slow)):
+                assert (said[name].member, said[name].rounds_made, said[name].rounds_late) == (True, rounds, 0)
+                assert (said[name].last_tokens, said[name].inner_steps) == (cluster.reports[-1].tokens, cluster.reports[-1].inner_steps)
+            expected = replay([c.client for c in clusters], index, rounds)
+            for key in [k for k in weights if k in expected]:
+                assert torch.equal(weights[key], expected[key]), key
+            assert any(k in expected for k in weights)
     finally:
-        for cluster in clusters:
-            cluster.client.close()
-    fast, slow = clusters
-    assert [r.round for r in fast.reports] == [r.round for r in slow.reports] == list(range(1, rounds + 1))
-    assert not any(r.late for c in clusters for r in c.reports)
-    # After the first round (the configured H, nothing measured yet), H follows each site's speed.
-    later = range(2, rounds)
-    assert all(fast.reports[i].inner_steps > slow.reports[i].inner_steps for i in later), \
-        ([r.inner_steps for r in fast.reports], [r.inner_steps for r in slow.reports])
-    assert all(fast.reports[i].tokens > slow.reports[i].tokens for i in later)
-    for index, shard in enumerate(shards.shards):
-        assert {name: record.rounds_made for name, record in shard.sites.items()} == {"fast": rounds, "slow": rounds}
-        assert shard.last_round.tokens == (("fast", float(fast.reports[-1].tokens)), ("slow", float(slow.reports[-1].tokens)))
-        # What each site said of its last round (H, idle) is in the shard's status and metrics.
-        said = {site["cluster"]: site for site in shard.status()["sites"]}
-        assert said["fast"]["inner_steps"] == fast.reports[-1].inner_steps and said["slow"]["inner_steps"] == slow.reports[-1].inner_steps
-        exposition = generate_latest(ShardMetrics(shard).registry).decode()
-        assert f'dilocox_site_rounds_made_total{{cluster="slow"}} {float(rounds)}' in exposition
-        assert f'dilocox_site_inner_steps{{cluster="fast"}} {float(fast.reports[-1].inner_steps)}' in exposition
-        expected = replay([c.client for c in clusters], index, rounds)
-        assert expected.keys() == shard.snapshot.tensors.keys()
-        for key, tensor in shard.snapshot.tensors.items():
-            assert torch.equal(tensor, expected[key]), key
+        _stop(procs)
+
+
+def _observe(addresses: list[str], trainer, version: int):
+    """The shards' weights at `version` in full (a new client's pull), and every shard's status."""
+    observer = AggregatorClient(addresses, RUN, "observer", connect_timeout=30, rpc_timeout=30, shard_wait_s=30)
+    try:
+        observer.join([(name, tuple(p.shape)) for name, p in trainer.named_parameters()])
+        got, weights, _ = observer.pull(min_version=version)
+        assert got == version
+        return weights, observer.status_each()
+    finally:
+        observer.close()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait(timeout=30)
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -246,6 +268,9 @@ def test_a_site_that_misses_the_grace_window_stays_and_its_part_is_applied_next_
             assert shard.last_round.clusters == ("a", "late")
             assert dict(shard.last_round.tokens) == {"a": 30.0, "late": 10.0}
             assert shard.sites["late"].rounds_made == 2 and shard.sites["late"].rounds_late == 1
+            exposition = generate_latest(ShardMetrics(shard).registry).decode()
+            assert 'dilocox_site_rounds_late_total{cluster="late"} 1.0' in exposition
+            assert 'dilocox_site_rounds_made_total{cluster="late"} 2.0' in exposition
 
         # Exactly once: the token-weighted progress the shards accepted from `late` (Σ w·Δ, the means'
         # numerators) is what it computed.
@@ -389,19 +414,11 @@ def test_shard_processes_on_a_quorum_keep_a_4x_slower_fixed_h_site_in_and_equal_
         assert slow.reports and all(a.round < b.round for a, b in zip(slow.reports, slow.reports[1:]))
         assert len(slow.reports) < rounds or any(r.late for r in slow.reports)  # it could not keep up, and did not stop the run
         assert slow.client.traffic.dropped_rounds == 0 and fast.client.traffic.dropped_rounds == 0  # nobody rejoined
-        observer = AggregatorClient(addresses, RUN, "observer", connect_timeout=30, rpc_timeout=30, shard_wait_s=30)
-        try:
-            observer.join([(name, tuple(p.shape)) for name, p in fast.trainer.named_parameters()])
-            version, weights, _ = observer.pull(min_version=rounds)
-            assert version == rounds
-            for index in range(2):
-                expected = replay([fast.client, slow.client], index, rounds)
-                for key in [s.key for s in observer.assignment if s.shard == index]:
-                    assert torch.equal(weights[key], expected[key]), key
-        finally:
-            observer.close()
+        weights, statuses = _observe(addresses, fast.trainer, rounds)
+        assert all(site.member for status in statuses for site in status.sites)  # nobody was dropped
+        for index in range(2):
+            expected = replay([fast.client, slow.client], index, rounds)
+            for key in [k for k in weights if k in expected]:
+                assert torch.equal(weights[key], expected[key]), key
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=30)
+        _stop(procs)
