@@ -413,7 +413,10 @@ def test_shard_processes_on_a_quorum_keep_a_4x_slower_fixed_h_site_in_and_equal_
         assert [r.round for r in fast.reports] == list(range(1, rounds + 1))
         assert slow.reports and all(a.round < b.round for a, b in zip(slow.reports, slow.reports[1:]))
         assert len(slow.reports) < rounds or any(r.late for r in slow.reports)  # it could not keep up, and did not stop the run
-        assert slow.client.traffic.dropped_rounds == 0 and fast.client.traffic.dropped_rounds == 0  # nobody rejoined
+        assert fast.client.traffic.dropped_rounds == 0
+        # The slow site may still be training when the shards publish the last version: that one round can go
+        # nowhere (`late_work_not_delivered`). Nothing else of it is dropped.
+        assert slow.client.traffic.dropped_rounds <= 1
         weights, statuses = _observe(addresses, fast.trainer, rounds)
         assert all(site.member for status in statuses for site in status.sites)  # nobody was dropped
         for index in range(2):
