@@ -342,11 +342,12 @@ class Shard:
             listener()
 
     def start_deadline_timer(self) -> threading.Event:
-        """Tick in a daemon thread while the deadline is set; set the returned event to stop it."""
+        """Tick in a daemon thread while a deadline or a grace window is set; set the returned event to stop it."""
         stop = threading.Event()
         if self.round_deadline_s is not None or self.grace is not None:
-            bound = self.grace.min_s if self.grace is not None and self.grace.min_s > 0 else (self.round_deadline_s or 2.0)
-            interval = max(0.01, min(0.2, bound / 10))
+            # A tenth of the shortest time that can end a round: a close is at most that late.
+            bounds = [b for b in (self.round_deadline_s, self.grace and self.grace.min_s, self.grace and self.grace.max_s) if b]
+            interval = max(0.01, min(0.2, min(bounds, default=0.1) / 10))
 
             def loop() -> None:
                 while not stop.wait(interval):
