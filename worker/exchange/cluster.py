@@ -294,7 +294,7 @@ class DilocoCluster:
 
     def _round_to_push(self, round_: int, exchange: RoundExchange | None) -> int:
         """The round this boundary's pseudo-gradient goes to: the one trained, unless the shards have
-        already closed it (a late site under quorum + grace: shard/round_close.py), then the open one —
+        already closed it (a late site under quorum + grace: server/round_close.py), then the open one —
         never past the run's last round, whose refusal the carry keeps for the end-of-run flush."""
         version = exchange.version if exchange is not None else self.version
         return max(round_, min(version + 1, self.rounds))
