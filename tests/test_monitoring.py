@@ -1,0 +1,80 @@
+"""The shipped Prometheus alert rules and Grafana dashboard (common/deploy/monitoring/) name only metrics
+that a shard and a site really export, and the rules pass `promtool check rules` where it is installed."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dilocox.common.wire.assignment import model_digest
+from dilocox.common.wire.framing import EncodedSlice
+from dilocox.server.metrics import ShardMetrics
+from dilocox.server.shard import Shard
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.round_report import RoundReport
+from dilocox.worker.metrics import WorkerMetrics
+
+MONITORING = pathlib.Path(__file__).resolve().parents[1] / "common" / "deploy" / "monitoring"
+RULES = MONITORING / "dilocox-alerts.yml"
+DASHBOARD = MONITORING / "dilocox-grafana.json"
+METRIC = re.compile(r"\bdilocox_[a-z_]+\b")
+
+
+def _exported_sample_names() -> set[str]:
+    """Every sample name a shard (after a closed round) and a site (after a round) expose."""
+    shard = Shard(0, 1, "run-monitoring", min_clusters=1)
+    metrics = ShardMetrics(shard).attach()
+    params = [("w", (4, 2))]
+    for cluster in ("a", "b"):
+        shard.join("run-monitoring", cluster, model_digest(params), params)
+    def whole(value: float) -> list[EncodedSlice]:
+        return [EncodedSlice.exact(key, torch.full(owned.slice_shape, value)) for key, owned in shard.owned.items()]
+
+    shard.commit_push("a", 0, 1.0, whole(0.0))
+    for cluster in ("a", "b"):
+        shard.commit_push(cluster, 1, 10.0, whole(1.0), inner_steps=8, idle_s=0.5)
+    assert shard.version == 1
+    client = AggregatorClient(["127.0.0.1:1"], "run-monitoring", "a")  # never connects: its counters are read
+    try:
+        worker = WorkerMetrics(client)
+        worker.observe_round(RoundReport(round=1, train_loss=2.0, eval_loss=2.1, tokens=512, bytes_up=1, bytes_down=1, compute_s=1.0,
+                                         comm_s=0.5, idle_s=0.1, seconds=1.2, overlap=0.8, inner_steps=8), 8, 1)  # fmt: skip
+        text = generate_latest(metrics.registry).decode() + generate_latest(worker.registry).decode()
+    finally:
+        client.close()
+    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def _named(exprs: list[str]) -> set[str]:
+    return {name for expr in exprs for name in METRIC.findall(expr)}
+
+
+def test_every_metric_the_rules_and_the_dashboard_name_is_exported():
+    rules = yaml.safe_load(RULES.read_text())
+    exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
+    assert {"DilocoxRunStalled", "DilocoxSiteGone", "DilocoxRoundOverDeadline", "DilocoxReplayMismatch"} <= alerts
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs += [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    named = _named(exprs)
+    assert len(named) >= 15, named
+    missing = named - _exported_sample_names()
+    assert not missing, f"named by the rules or the dashboard but not exported: {sorted(missing)}"
+
+
+def test_promtool_checks_the_rules():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian's prometheus package has it): the rules were not checked by it")
+    done = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
