@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from dilocox.common.config.run import WireConfig
@@ -25,6 +27,14 @@ class ShardSet:
             server, port = start_server(shard, "127.0.0.1", 0, wire, added_latency_s=added_latency_s)
             self.servers.append(server)
             self.addresses.append(f"127.0.0.1:{port}")
+
+    def wait_version(self, version: int, timeout: float = 30) -> None:
+        """Wait until every shard has published `version` (a deadline or a grace window closes on its own)."""
+        deadline = time.monotonic() + timeout
+        for shard in self.shards:
+            while shard.version < version:
+                assert time.monotonic() < deadline, f"shard {shard.shard_index} stuck at version {shard.version}"
+                time.sleep(0.01)
 
     def stop(self) -> None:
         for server in self.servers:

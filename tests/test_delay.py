@@ -21,7 +21,9 @@ LR, MOMENTUM = 0.7, 0.9
 class ToyTrainer:
     """Linear regression on a fixed per-cluster data set, AdamW inner steps: tiny and deterministic."""
 
-    def __init__(self, seed: int, compute_s: float = 0.0) -> None:
+    def __init__(self, seed: int, compute_s: float = 0.0, step_s: float = 0.0) -> None:
+        """`compute_s`: a sleep per call standing in for a round's compute; `step_s`: one per step (a site's
+        speed, which a time box measures)."""
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(32, 6, generator=g)
         self.y = torch.randn(32, 3, generator=g)
@@ -29,6 +31,7 @@ class ToyTrainer:
         self.model = torch.nn.Linear(6, 3)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.05)
         self.compute_s = compute_s
+        self.step_s = step_s
 
     def named_parameters(self):
         return list(self.model.named_parameters())
@@ -42,6 +45,8 @@ class ToyTrainer:
             loss.backward()
             self.optimizer.step()
             total += float(loss.detach())
+            if self.step_s:
+                time.sleep(self.step_s)
         if self.compute_s:
             time.sleep(self.compute_s)  # stands in for a round of real compute
         return total / n, n * len(self.x), time.perf_counter() - started

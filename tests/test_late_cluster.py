@@ -5,8 +5,6 @@ delivered twice. Real shards over localhost gRPC, exact fp32 pushes so the repla
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 import torch
@@ -26,13 +24,6 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g) for n, s in PARAMS}
 
 
-def _wait_version(shard, version: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while shard.version < version:
-        assert time.monotonic() < deadline, f"shard {shard.shard_index} stuck at version {shard.version}"
-        time.sleep(0.02)
-
-
 def test_late_cluster_part_refused_by_one_shard_arrives_next_round_and_matches_a_replay(shard_set):
     shards = shard_set(2, RUN, round_deadline_s=DEADLINE_S)
     a = AggregatorClient(shards.addresses, RUN, "a", shard_wait_s=0)
@@ -50,8 +41,7 @@ def test_late_cluster_part_refused_by_one_shard_arrives_next_round_and_matches_a
         # Round 1: `late` reaches shard 1 in time, shard 0 only after its deadline closed round 1 without it.
         late.push(1, 10.0, slice_tensors(late.assignment, dl1), shards=[1])
         a.push(1, 30.0, slice_tensors(a.assignment, da1))
-        _wait_version(shards.shards[0], 1)
-        _wait_version(shards.shards[1], 1)
+        shards.wait_version(1)
         with pytest.raises(AggregatorError) as refused:
             late.push(1, 10.0, slice_tensors(late.assignment, dl1), shards=[0])
         assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -27,6 +27,7 @@ from dilocox.worker.exchange.adaptive_steps import RoundTimeBox
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.exchange.cluster import DilocoCluster, slice_tensors
 from dilocox.worker.exchange.communicator import Communicator
+from tests.test_delay import ToyTrainer, run_concurrently
 
 RUN = "uneven-run"
 LR, MOMENTUM = 0.7, 0.9
@@ -99,74 +100,15 @@ def replay(clients: list[RecordingClient], shard_index: int, rounds: int) -> dic
     return theta
 
 
-class SleepyTrainer:
-    """Linear regression with a per-step sleep standing in for compute: `step_s` sets the site's speed."""
-
-    def __init__(self, seed: int, step_s: float) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.x, self.y = torch.randn(32, 8, generator=g), torch.randn(32, 16, generator=g)
-        torch.manual_seed(0)
-        self.model = torch.nn.Linear(8, 16)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.02)
-        self.step_s = step_s
-
-    def named_parameters(self):
-        return list(self.model.named_parameters())
-
-    def train_steps(self, n: int):
-        started = time.perf_counter()
-        total = 0.0
-        for _ in range(n):
-            loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
-            self.optimizer.zero_grad()
-            loss.backward()
-            self.optimizer.step()
-            total += float(loss.detach())
-            time.sleep(self.step_s)
-        return total / n, n * len(self.x), time.perf_counter() - started
-
-    def evaluate(self) -> float:
-        with torch.no_grad():
-            return float(torch.nn.functional.mse_loss(self.model(self.x), self.y))
-
-
-def _run_sites(clusters: list[DilocoCluster]) -> None:
-    errors: list[BaseException] = []
-
-    def run(cluster: DilocoCluster) -> None:
-        try:
-            cluster.run()
-        except Exception as error:  # noqa: BLE001 - surfaced below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(c,)) for c in clusters]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a site hung"
-    assert not errors, errors
-
-
 def test_time_boxed_sites_of_unequal_speed_deliver_every_round_and_the_shards_equal_a_replay(tmp_path):
     """`dilocox server` processes that wait for both sites; two time-boxed sites, one 4× slower per step:
     both make every round with their own H and tokens, the shards say so, and their weights are a replay
     of the token-weighted steps they accepted."""
     rounds, budget_s = 5, 0.24
     procs, addresses = _start_shards(tmp_path, 2, "--min-clusters", "2", "--round-deadline-s", "0")
-    speeds = {"fast": 0.01, "slow": 0.04}  # the slow site is 4× slower per step
-    clusters = []
     try:
-        for seed, (name, step_s) in enumerate(speeds.items()):
-            client = RecordingClient(addresses, RUN, name, connect_timeout=30, rpc_timeout=30, shard_wait_s=30)
-            clusters.append(DilocoCluster(SleepyTrainer(seed, step_s), client, rounds, inner_steps=8, delay=1, num_clusters=2,
-                                          steps_controller=RoundTimeBox(8, budget_s, min_steps=1, max_steps=64)))  # fmt: skip
-        try:
-            _run_sites(clusters)
-        finally:
-            for cluster in clusters:
-                cluster.client.close()
-        fast, slow = clusters
+        fast, slow = _sites_to_their_end(addresses, rounds, 8, lambda: RoundTimeBox(8, budget_s, min_steps=1, max_steps=64))
+        clusters = [fast, slow]
         assert [r.round for r in fast.reports] == [r.round for r in slow.reports] == list(range(1, rounds + 1))
         assert not any(r.late for c in clusters for r in c.reports)
         # H follows each site's speed (from the first round on: it measures 3 steps, then sets that round's H).
@@ -186,6 +128,18 @@ def test_time_boxed_sites_of_unequal_speed_deliver_every_round_and_the_shards_eq
             assert any(k in expected for k in weights)
     finally:
         _stop(procs)
+
+
+def _sites_to_their_end(addresses: list[str], rounds: int, inner_steps: int, controller=None) -> list[DilocoCluster]:
+    """A fast site and one 4× slower per step ("fast", "slow"), recording what the shards accepted, run
+    to their end against `addresses`; `controller()` makes each one's steps controller."""
+    clusters = []
+    for seed, (name, step_s) in enumerate((("fast", 0.01), ("slow", 0.04))):
+        client = RecordingClient(addresses, RUN, name, connect_timeout=30, rpc_timeout=30, shard_wait_s=30)
+        clusters.append(DilocoCluster(ToyTrainer(seed, step_s=step_s), client, rounds, inner_steps=inner_steps, delay=1, num_clusters=2,
+                                      steps_controller=controller() if controller else None))  # fmt: skip
+    run_concurrently(clusters)  # closes their clients
+    return clusters
 
 
 def _observe(addresses: list[str], trainer, version: int):
@@ -212,23 +166,21 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g) for n, s in PARAMS}
 
 
-def _wait_version(shard, version: int, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while shard.version < version:
-        assert time.monotonic() < deadline, f"shard {shard.shard_index} stuck at version {shard.version}"
-        time.sleep(0.01)
+def _started(addresses: list[str], names: tuple[str, ...]) -> list[RecordingClient]:
+    """Clients joined to the run, the first having pushed θ0 (round 0), all holding version 0."""
+    clients = [RecordingClient(addresses, RUN, name, shard_wait_s=0) for name in names]
+    for client in clients:
+        client.join(PARAMS)
+    clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, _tensors(0)))
+    for client in clients:
+        client.pull(min_version=0)
+    return clients
 
 
 def test_a_site_that_misses_the_grace_window_stays_and_its_part_is_applied_next_round_exactly_once(shard_set):
     shards = shard_set(2, RUN, min_clusters=1, outer_lr=LR, outer_momentum=MOMENTUM, grace_s=(0.2, 0.2))
-    a = RecordingClient(shards.addresses, RUN, "a", shard_wait_s=0)
-    late = RecordingClient(shards.addresses, RUN, "late", shard_wait_s=0)
+    a, late = _started(shards.addresses, ("a", "late"))
     try:
-        a.join(PARAMS)
-        late.join(PARAMS)
-        a.push(0, 1.0, slice_tensors(a.assignment, _tensors(0)))
-        for client in (a, late):
-            client.pull(min_version=0)
         deltas = {(name, r): _tensors(10 * r + i) for r in (1, 2, 3) for i, name in enumerate(("a", "late"))}
         tokens = {"a": 30.0, "late": 10.0}
 
@@ -238,8 +190,8 @@ def test_a_site_that_misses_the_grace_window_stays_and_its_part_is_applied_next_
         # Round 1: both in time: it closes at once, with both.
         push(a, 1)
         push(late, 1)
+        shards.wait_version(1)
         for shard in shards.shards:
-            _wait_version(shard, 1)
             assert shard.last_round.clusters == ("a", "late") and shard.last_round.late == ()
         for client in (a, late):
             client.pull(min_version=1)
@@ -247,8 +199,8 @@ def test_a_site_that_misses_the_grace_window_stays_and_its_part_is_applied_next_
         # Round 2: `late` misses the grace window. The shards close without it and keep it in the run; its
         # push is refused, and the same exchange then pulls the round's result (it is still a member).
         push(a, 2)
+        shards.wait_version(2)
         for shard in shards.shards:
-            _wait_version(shard, 2)
             assert shard.last_round.clusters == ("a",) and shard.last_round.late == ("late",)
             assert "late" in shard.members and shard.sites["late"].rounds_late == 1
         communicator = Communicator(late)
@@ -293,15 +245,10 @@ def test_a_refusal_that_is_not_a_closed_round_still_makes_the_site_rejoin(shard_
     """Dropped from the run (a deadline, no grace): the refused push's pull is refused too, and the
     exchange fails as before — the site rejoins; nothing is taken for a late round."""
     shards = shard_set(1, RUN, round_deadline_s=0.2)
-    a = AggregatorClient(shards.addresses, RUN, "a", shard_wait_s=0)
-    dropped = AggregatorClient(shards.addresses, RUN, "dropped", shard_wait_s=0)
+    a, dropped = _started(shards.addresses, ("a", "dropped"))
     try:
-        a.join(PARAMS)
-        dropped.join(PARAMS)
-        a.push(0, 1.0, slice_tensors(a.assignment, _tensors(0)))
-        dropped.pull(min_version=0)
         a.push(1, 1.0, slice_tensors(a.assignment, _tensors(1)))
-        _wait_version(shards.shards[0], 1)
+        shards.wait_version(1)
         assert "dropped" not in shards.shards[0].members
         communicator = Communicator(dropped, repush_after_s=1.0)
         communicator.submit(1, 1.0, slice_tensors(dropped.assignment, _tensors(2)))
@@ -399,17 +346,8 @@ def test_shard_processes_on_a_quorum_keep_a_4x_slower_fixed_h_site_in_and_equal_
     and the shards' weights are a replay of what they accepted."""
     rounds = 6
     procs, addresses = _start_shards(tmp_path, 2, "--min-clusters", "1", "--grace-s", "0.1", "--round-deadline-s", "0")
-    clusters = []
     try:
-        for seed, (name, step_s) in enumerate((("fast", 0.01), ("slow", 0.04))):
-            client = RecordingClient(addresses, RUN, name, connect_timeout=30, rpc_timeout=30, shard_wait_s=30)
-            clusters.append(DilocoCluster(SleepyTrainer(seed, step_s), client, rounds, inner_steps=6, delay=1, num_clusters=2))
-        try:
-            _run_sites(clusters)
-        finally:
-            for cluster in clusters:
-                cluster.client.close()
-        fast, slow = clusters
+        fast, slow = _sites_to_their_end(addresses, rounds, 6)
         assert [r.round for r in fast.reports] == list(range(1, rounds + 1))
         assert slow.reports and all(a.round < b.round for a, b in zip(slow.reports, slow.reports[1:]))
         assert len(slow.reports) < rounds or any(r.late for r in slow.reports)  # it could not keep up, and did not stop the run
