@@ -90,16 +90,13 @@ class SiteRecord:
     rounds_made: int = 0  # rounds closed with its contribution
     rounds_late: int = 0  # rounds closed without it while it stayed a member (its part came later)
     last_round: int = 0  # the last round it made
-    last_tokens: float = 0.0  # its weight (tokens) in that round: a carried part adds its round's tokens
-    tokens: float = 0.0  # summed over the rounds it made
-    late_streak: int = 0  # rounds missed in a row, now
+    last_tokens: float = 0.0  # its weight (tokens) in that round
     inner_steps: int = 0  # H of its last accepted push, as its header said (0: not said)
     idle_s: float = 0.0  # its trainer's idle seconds at the boundary that pushed it, as said
 
     def made(self, round_: int, tokens: float) -> None:
         self.rounds_made += 1
-        self.last_round, self.last_tokens, self.late_streak = round_, tokens, 0
-        self.tokens += tokens
+        self.last_round, self.last_tokens = round_, tokens
 
     def said(self, inner_steps: int, idle_s: float) -> None:
         if inner_steps > 0:
@@ -107,4 +104,3 @@ class SiteRecord:
 
     def missed(self) -> None:
         self.rounds_late += 1
-        self.late_streak += 1

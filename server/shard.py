@@ -13,6 +13,7 @@ tensors, so a pull streaming version t is never torn by the close of round t+1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -553,10 +554,7 @@ class Shard:
             }
 
     def _site_state(self, cluster: str) -> dict:
-        record = self.sites.get(cluster, SiteRecord())
-        return {"cluster": cluster, "member": cluster in self.members, "rounds_made": record.rounds_made, "rounds_late": record.rounds_late,
-                "last_round": record.last_round, "last_tokens": record.last_tokens, "inner_steps": record.inner_steps,
-                "idle_s": record.idle_s}  # fmt: skip
+        return {"cluster": cluster, "member": cluster in self.members, **dataclasses.asdict(self.sites.get(cluster, SiteRecord()))}
 
     def add_bytes_out(self, n: int) -> None:
         with self._cond:

@@ -219,10 +219,9 @@ class DilocoCluster:
                 torch.sub(start[name], work[name], out=work[name])  # Δ_t = s_t − θ_local, in place
         deltas = self._slices_of(work)
         trained = round_
-        round_ = self._round_to_push(round_, exchange)
-        over = self._run_over_without(trained, tokens, exchange)
-        if over:
-            round_ = self.rounds
+        held = exchange.version if exchange is not None else self.version  # the newest version we know of
+        over = self._run_over_without(trained, tokens, held)
+        round_ = self.rounds if over else self._round_to_push(round_, held)
         if delay == 0 and not over:
             self._capture(round_, timer)
             self.communicator.submit(round_, float(tokens), deltas, facts=(self.inner_steps, idle))
@@ -279,11 +278,10 @@ class DilocoCluster:
         compressor = self.client.compressor
         return self.rounds + (1 if compressor is not None and compressor.flushes else 0)
 
-    def _run_over_without(self, trained: int, tokens: int, exchange: RoundExchange | None) -> bool:
+    def _run_over_without(self, trained: int, tokens: int, version: int) -> bool:
         """Whether the shards have published the run's final version already (a late site under quorum +
         grace can collect it while it still trains): then round `trained` can go nowhere, and the site ends
         on the shards' model. Counted like a round dropped at a rejoin."""
-        version = exchange.version if exchange is not None else self.version
         if version < self.final_version:
             return False
         self.client.traffic.dropped_rounds += 1
@@ -292,11 +290,11 @@ class DilocoCluster:
                     reason="the shards closed the run's last round without this site")  # fmt: skip
         return True
 
-    def _round_to_push(self, round_: int, exchange: RoundExchange | None) -> int:
+    def _round_to_push(self, round_: int, version: int) -> int:
         """The round this boundary's pseudo-gradient goes to: the one trained, unless the shards have
         already closed it (a late site under quorum + grace: server/round_close.py), then the open one —
-        never past the run's last round, whose refusal the carry keeps for the end-of-run flush."""
-        version = exchange.version if exchange is not None else self.version
+        never past the run's last round, whose refusal the carry keeps for the end-of-run flush.
+        `version`: the newest the site holds."""
         return max(round_, min(version + 1, self.rounds))
 
     def _log_memory(self) -> None:
