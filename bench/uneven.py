@@ -111,7 +111,8 @@ def run_one(args: argparse.Namespace, out_dir: pathlib.Path, sites: int, slowdow
     logs = out_dir / "logs"
     logs.mkdir(exist_ok=True)
     # A grace window well inside a round: with the delay, the fast sites wait for a close only past it.
-    grace = ["--min-clusters", str(sites - 1), "--grace-s", f"{0.25 * round_time_s:.3g}"] if mode == "quorum" else []
+    # Every site in round 1 (--expect-clusters): a site slower to start is not left out as a late joiner.
+    grace = ["--min-clusters", str(sites - 1), "--expect-clusters", str(sites), "--grace-s", f"{0.25 * round_time_s:.3g}"] if mode == "quorum" else []
     done: dict[str, dict] = {}
 
     def on_event(name: str, event: dict, arrived: float) -> None:

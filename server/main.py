@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-clusters", type=int, default=1, help="contributions a round needs before it may close (default 1)"
     )
     parser.add_argument(
+        "--expect-clusters", type=int,
+        help="the run's sites: its first round does not close before this many have joined (default: --min-clusters). "
+        "Give it the number of sites when --min-clusters is lower (a quorum), so a site that starts slower than the "
+        "others' first round is not refused as a late joiner; with --round-deadline-s, round 1 closes without a site "
+        "that has not joined that long after its first push",
+    )  # fmt: skip
+    parser.add_argument(
         "--round-deadline-s", type=float, default=300.0,
         help="close a round this long after its first contribution with the clusters that completed it "
         "(≥ --min-clusters); the rest are marked inactive and must rejoin (default 300; 0 = wait forever)",
@@ -95,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             min_clusters=args.min_clusters,
+            expect_clusters=args.expect_clusters,
             round_deadline_s=args.round_deadline_s or None,
             grace=GraceWindow(args.grace_min_s, args.grace_s) if args.grace_s > 0 else None,
         )

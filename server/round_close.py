@@ -73,6 +73,20 @@ def decide(
     return CloseDecision(frozenset(complete), tuple(sorted(late)), tuple(sorted(partial | gone)), window)
 
 
+def first_round_waits(round_: int, joined: int, expect: int, first_push_at: float | None, now: float,
+                      deadline_s: float | None) -> bool:
+    """Whether the run's first round must stay open for sites that have not joined yet: until `expect`
+    clusters have joined, or (with a deadline) `deadline_s` after its first contribution.
+
+    Why: a quorum (`min_clusters` below the number of sites) would otherwise let the sites that start
+    first close round 1 before a slower-starting one has even joined; that one is then refused as a late
+    joiner (it would train fewer rounds than the run has). Only round 1: a site that joins later is a
+    rejoin, which the quorum and the carry already handle."""
+    if round_ != 1 or joined >= expect:
+        return False
+    return deadline_s is None or first_push_at is None or now - first_push_at < deadline_s
+
+
 def arrival_spread(acc: RoundAccumulator, decision: CloseDecision) -> float:
     """What the grace window learns from a close: the quorum → last complete delivery time, or the window
     given when someone missed it (the spread was at least that)."""

@@ -42,7 +42,7 @@ from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.replica_digest import combined_digest, slice_digest
 from dilocox.server.grace import GraceWindow
-from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide
+from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
 from dilocox.server.round_state import Contribution, RoundAccumulator
 from dilocox.server.run_record import admit_tokenizer, extended_run_config
 
@@ -112,11 +112,14 @@ class Shard:
         min_clusters: int = 1,
         round_deadline_s: float | None = None,
         grace: GraceWindow | None = None,
+        expect_clusters: int | None = None,
     ) -> None:
         """`round_deadline_s`: once a round's first contribution is in, close it after this long with the
         clusters that completed (at least `min_clusters`); the others are marked inactive.
         `grace`: close on a quorum instead — `min_clusters` complete, then the grace window — keeping
-        late members (server/round_close.py); the deadline then only marks silent members gone."""
+        late members (server/round_close.py); the deadline then only marks silent members gone.
+        `expect_clusters` (default `min_clusters`): the run's first round does not close before this many
+        clusters have joined (`round_close.first_round_waits`)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
         if min_clusters < 1:
@@ -125,6 +128,9 @@ class Shard:
         self.num_shards = num_shards
         self.run_id = run_id
         self.min_clusters = min_clusters
+        self.expect_clusters = min_clusters if expect_clusters is None else expect_clusters
+        if self.expect_clusters < min_clusters:
+            raise ValueError(f"expect_clusters ({self.expect_clusters}) must be ≥ min_clusters ({min_clusters})")
         if round_deadline_s is not None and round_deadline_s <= 0:
             raise ValueError(f"round deadline must be positive, got {round_deadline_s}")
         self.round_deadline_s = round_deadline_s
@@ -368,6 +374,8 @@ class Shard:
         if acc is None or self.snapshot is None or acc.round != self.open_round:
             return False
         now = time.monotonic() if now is None else now
+        if first_round_waits(acc.round, len(self.known), self.expect_clusters, acc.first_push_at, now, self.round_deadline_s):
+            return False
         decision = decide(acc, self.members, set(self.owned), self.min_clusters, now, self.round_deadline_s, self.grace, self.last_seen)
         if decision is None:
             return False

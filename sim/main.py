@@ -133,7 +133,8 @@ class Simulation:
                 "server", "--num-shards", str(self.args.shards), "--shard-index", str(i), "--port", "0",
                 "--port-file", str(port_file), "--run-id", self.config.run_id,
                 "--outer-lr", str(self.config.outer.lr), "--outer-momentum", str(self.config.outer.momentum),
-                "--min-clusters", str(self._min_clusters), "--round-deadline-s", str(self.args.round_deadline_s),
+                "--min-clusters", str(self._min_clusters), "--expect-clusters", str(self.args.clusters),
+                "--round-deadline-s", str(self.args.round_deadline_s),
                 *(["--grace-s", f"{self.args.grace_s:g}"] if self.args.grace_s > 0 else []),
                 "--keep-serving", "--log-format", "json", *self.server_security,  # the sim exports, then stops them
             )  # fmt: skip

@@ -17,12 +17,14 @@ import torch
 from prometheus_client import generate_latest
 
 from dilocox.common.wire.aggregation import weighted_mean
+from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.framing import EncodedSlice
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.server.grace import GraceWindow
 from dilocox.server.metrics import ShardMetrics
-from dilocox.server.round_close import decide
+from dilocox.server.round_close import decide, first_round_waits
 from dilocox.server.round_state import RoundAccumulator
+from dilocox.server.shard import Shard
 from dilocox.worker.exchange.adaptive_steps import RoundTimeBox
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.exchange.cluster import DilocoCluster, slice_tensors
@@ -291,6 +293,26 @@ def test_quorum_and_grace_decide_who_is_in_late_or_dropped():
     # Every member in: closed at once, whatever the window.
     acc = _accumulator(5, {m: ["k0", "k1"] for m in members})
     assert decide(acc, members, owned, 1, now=0.0, grace=GraceWindow(9.0, 9.0)).include == set(members)
+
+
+def test_a_quorum_run_s_first_round_waits_for_every_expected_site_to_join():
+    """With --min-clusters 1 of 2 sites, the site that starts first must not close round 1 before the
+    other has joined (that one would then be refused as a late joiner: CI saw it when a process started
+    slowly); with a deadline, round 1 gives up on a site that never comes."""
+    params = [("w", (4,))]
+    shard = Shard(0, 1, RUN, LR, MOMENTUM, min_clusters=1, grace=GraceWindow(0.5, 0.5), expect_clusters=2)
+    shard.join(RUN, "a", model_digest(params), params)
+    shard.commit_push("a", 0, 1.0, [(key, s.view(torch.zeros(4)).clone()) for key, s in shard.owned.items()])
+    shard.commit_push("a", 1, 1.0, [(key, s.view(torch.ones(4)).clone()) for key, s in shard.owned.items()])
+    first = shard.accumulator.first_push_at
+    assert not shard.tick(now=first + 60.0) and shard.version == 0  # b has not joined: round 1 stays open
+    shard.join(RUN, "b", model_digest(params), params)
+    assert not shard.tick(now=first + 61.0)  # now the quorum's grace window starts
+    assert shard.tick(now=first + 61.5) and shard.version == 1 and shard.last_round.late == ("b",)
+    assert not first_round_waits(2, 1, 2, first, first + 1e6, None)  # only round 1 waits for joins
+    assert first_round_waits(1, 1, 2, first, first + 9.9, 10.0) and not first_round_waits(1, 1, 2, first, first + 10.0, 10.0)
+    with pytest.raises(ValueError):
+        Shard(0, 1, RUN, min_clusters=2, expect_clusters=1)
 
 
 def test_the_grace_window_follows_recent_arrival_spreads_within_its_bounds():
