@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep serving after the run's end (default: exit once every cluster has pulled the final version)")
     parser.add_argument("--checkpoint-keep", type=int, default=3, help="checkpoints kept: this version and earlier ones (default 3)")
     parser.add_argument("--resume", action="store_true", help="restart from the checkpoint in --checkpoint-dir")
+    parser.add_argument("--resume-if-present", action="store_true",
+                        help="--resume when --checkpoint-dir holds a checkpoint of this shard, else start the run: for "
+                             "orchestrators that start a shard the same way over its volume, first empty (Kubernetes)")  # fmt: skip
     parser.add_argument("--rounds", type=int,
                         help="with --resume: raise the run's rounds to this (train a finished run longer, keeping its weights "
                              "and outer momentum; then start the sites with --resume --rounds N; docs/deploy.md)")  # fmt: skip
@@ -109,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None
     checkpointer = None
+    if args.resume_if_present:
+        if not args.checkpoint_dir:
+            raise SystemExit("dilocox server: --resume-if-present needs --checkpoint-dir")
+        args.resume = args.resume or bool(shard_files(args.checkpoint_dir).get(args.shard_index))
     if args.resume and not args.checkpoint_dir:
         raise SystemExit("dilocox server: --resume needs --checkpoint-dir")
     if args.rounds is not None and not args.resume:

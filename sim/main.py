@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from dilocox.common.deploy.certs import make_dev_certificates
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments
 from dilocox.worker.data.tokenizer import TokenizerError, resolve_tokenizer
+from dilocox.worker.tracking import tensorboard_available
 
 log = structlog.get_logger()
 
@@ -49,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-cluster", type=float, default=1.0, metavar="F",
                         help="uneven sites: the last cluster trains at 1/F of its speed (dilocox worker --simulate-slowdown; default 1)")
     parser.add_argument("--summary-json", type=pathlib.Path, help="also write the final summary here as JSON")
+    parser.add_argument("--no-tensorboard", action="store_true",
+                        help="do not write the clusters' per-round TensorBoard scalars (default: under <log-dir>/tensorboard "
+                             "when the tensorboard package is installed)")  # fmt: skip
     add_log_format_argument(parser)
     parser.add_argument(
         "--tls", action="store_true", help="run with mTLS and a run token (dev certificates made in the log dir)"
@@ -98,10 +103,12 @@ class _ClusterLogReader(threading.Thread):
 
 
 class Simulation:
-    def __init__(self, args: argparse.Namespace, config: RunConfig, log_dir: pathlib.Path) -> None:
+    def __init__(self, args: argparse.Namespace, config: RunConfig, log_dir: pathlib.Path,
+                 tensorboard_dir: pathlib.Path | None = None) -> None:  # fmt: skip
         self.args = args
         self.config = config
         self.log_dir = log_dir
+        self.tensorboard_dir = tensorboard_dir  # every cluster writes its scalars under <dir>/<cluster>
         # With a grace window the shards close on all clusters but one (the one that may fall behind).
         self._min_clusters = max(1, args.clusters - 1) if args.grace_s > 0 else args.clusters
         self.server_security, self.worker_security = ["--insecure"], ["--insecure"]
@@ -183,6 +190,7 @@ class Simulation:
                 "--num-clusters", str(self.args.clusters), "--threads", str(self.args.threads), "--log-format", "json",
                 *(["--data", self.args.data] if self.args.data else []), "--text-field", self.args.text_field,
                 *config_flags(self.config), *self.worker_security,
+                *(["--tensorboard-dir", str(self.tensorboard_dir)] if self.tensorboard_dir else []),
                 *(["--simulate-slowdown", f"{self.args.slow_cluster:g}"] if j == self.args.clusters - 1 and self.args.slow_cluster != 1 else []),
             )  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -287,9 +295,29 @@ class Simulation:
             "wall_s": round(wall, 1),
             "log_dir": str(self.log_dir),
             "model_dir": model_dir,
+            "tensorboard_dir": str(self.tensorboard_dir) if self.tensorboard_dir else None,
         }
         log.info("sim_summary", **summary)
+        _log_tensorboard_command(self.tensorboard_dir)
         return summary
+
+
+def _tensorboard_dir(args: argparse.Namespace, log_dir: pathlib.Path) -> pathlib.Path | None:
+    """Where the clusters write their TensorBoard scalars: on by default, so every sim leaves its curves;
+    without the tensorboard package the sim says so once and runs without them rather than failing."""
+    if args.no_tensorboard:
+        return None
+    if not tensorboard_available():
+        log.warning("sim_tensorboard_off", reason="the tensorboard package is not installed",
+                    fix="pip install 'dilocox[tracking]'")  # fmt: skip
+        return None
+    return log_dir / "tensorboard"
+
+
+def _log_tensorboard_command(tensorboard_dir: pathlib.Path | None) -> None:
+    """The command that shows the run's curves (the clusters' event files appear as one run each)."""
+    if tensorboard_dir is not None:
+        log.info("sim_tensorboard", command=f"tensorboard --logdir {shlex.quote(str(tensorboard_dir))}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -304,8 +332,10 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     log.info("sim_starting", shards=args.shards, clusters=args.clusters, rounds=config.rounds,
              inner_steps=config.inner.steps, log_dir=str(log_dir), pid=os.getpid())  # fmt: skip
+    tensorboard_dir = _tensorboard_dir(args, log_dir)
+    _log_tensorboard_command(tensorboard_dir)  # to watch the curves while the run goes on
     try:
-        summary = Simulation(args, config, log_dir).run()
+        summary = Simulation(args, config, log_dir, tensorboard_dir).run()
     except (TokenizerError, CorpusError) as error:
         raise SystemExit(f"dilocox sim: {error}") from None
     if args.summary_json:

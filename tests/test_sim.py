@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -63,6 +64,31 @@ def test_sim_delay_one_converges_like_delay_zero(sim_of):
     assert delayed["idle_fraction"] <= sync["idle_fraction"]
 
 
+def test_sim_writes_tensorboard_scalars_one_point_per_round(sim_of):
+    """Issue 37, item 3: every cluster's rank 0 leaves one TensorBoard run under <log dir>/tensorboard/<cluster>
+    with one point per round for each scalar, the values of its `round_done` lines; the sim says how to view them."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from dilocox.worker.exchange.round_report import RoundReport
+    from dilocox.worker.tracking import round_scalars
+
+    proc, summary = sim_of()
+    logdir = pathlib.Path(summary["log_dir"]) / "tensorboard"
+    assert summary["tensorboard_dir"] == str(logdir)
+    assert f"command='tensorboard --logdir {logdir}'" in proc.stdout.splitlines()[-1]
+    fields = {f.name for f in dataclasses.fields(RoundReport)}
+    for cluster in ("cluster-0", "cluster-1"):
+        log_lines = (pathlib.Path(summary["log_dir"]) / f"{cluster}.log").read_text().splitlines()
+        done = [json.loads(line) for line in log_lines if '"round_done"' in line]
+        expected = [round_scalars(RoundReport(**{k: v for k, v in e.items() if k in fields}), e["inner_steps"]) for e in done]
+        events = event_accumulator.EventAccumulator(str(logdir / cluster), size_guidance={"scalars": 0})
+        events.Reload()
+        assert sorted(events.Tags()["scalars"]) == sorted(expected[0]) and len(expected[0]) == 15
+        for tag in expected[0]:
+            assert [e.step for e in events.Scalars(tag)] == [1, 2, 3, 4], (cluster, tag)
+            assert [e.value for e in events.Scalars(tag)] == pytest.approx([x[tag] for x in expected], rel=1e-6), (cluster, tag)
+        assert all(0 < e.value <= 8 for e in events.Scalars("exchange/rank"))  # the default low-rank codec, rank_max 8
+
+
 def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
     """A site of pp=2 × dp=2 ranks (FSDP2 inside each stage, gloo) with the default delay and compression
     converges like one process on the same global batch, and every rank's replica of the shards' weights
@@ -83,6 +109,8 @@ def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
     assert all(e["params_held"] < 0.5 * model and e["params_owned"] < 0.5 * model for e in shares.values())
     assert sum(e["params_held"] for e in shares.values()) <= model + 4 * 256  # sharded, not replicated (+ rounding rows)
     assert {e["rank"] for e in events if e["event"] == "exchange_memory"} == {0, 1, 2, 3}
+    if site["tensorboard_dir"]:  # the site's rank 0 alone tracks the run: one event file for its four ranks
+        assert len(list(pathlib.Path(site["tensorboard_dir"], "cluster-0").glob("events.out.tfevents.*"))) == 1
 
 
 def test_sim_compressed_converges_like_uncompressed_synchronous(sim_of):

@@ -33,6 +33,7 @@ from dilocox.worker.train.device import DeviceError
 from dilocox.worker.train.inner_trainer import InnerTrainer
 from dilocox.worker.train.pipeline_stage import PipelineSplitError, check_splittable
 from dilocox.worker.progress import chain, progress_for
+from dilocox.worker.tracking import add_tracking_arguments, check_tracking_args, tracker_from_args
 
 log = structlog.get_logger()
 
@@ -56,12 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=1, help="save every k rounds (default 1)")
     parser.add_argument("--checkpoint-keep", type=int, default=2, help="committed checkpoints kept (default 2)")
     parser.add_argument("--resume", action="store_true", help="restore the newest committed state from --checkpoint-dir first")
+    parser.add_argument("--resume-if-present", action="store_true",
+                        help="--resume when --checkpoint-dir holds a committed checkpoint of this site, else start afresh: "
+                             "for a job a scheduler may restart (Slurm requeue, a Kubernetes pod) with the same command")  # fmt: skip
     parser.add_argument("--shard-wait-s", type=float, default=1800.0,
                         help="how long to wait for an unreachable shard (restarting, link down) before giving up, "
                              "retrying as soon as it serves again (default 1800 = 30 min)")  # fmt: skip
     parser.add_argument("--join-late", action="store_true",
                         help="join a run whose first rounds have closed, training only the rounds left (default: refuse, exit 3)")
     add_metrics_arguments(parser, default_host="0.0.0.0")  # served by the cluster's rank 0 only
+    add_tracking_arguments(parser)  # written by the cluster's rank 0 only
     add_security_arguments(parser, "worker")
     add_config_arguments(parser)
 
@@ -101,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dilocox worker: --simulate-slowdown must be ≥ 1 (1: full speed), got {args.simulate_slowdown}")
     if not 0 <= args.cluster_index < args.num_clusters:
         raise SystemExit(f"dilocox worker: --cluster-index {args.cluster_index} outside [0, {args.num_clusters})")
+    check_tracking_args(args)
     adopted = run_tokenizer_spec(config.tokenizer, args.data)
     if adopted != config.tokenizer:
         log.info("tokenizer_from_data", data=args.data, tokenizer=adopted)
@@ -162,11 +168,16 @@ def run(args: argparse.Namespace) -> int:
                                                  group=mesh.checkpoint_group if mesh else None)  # fmt: skip
         except ValueError as error:
             raise SystemExit(f"dilocox worker: {error}") from None
+        if args.resume_if_present and not args.resume:
+            args.resume = extra["checkpoint"].newest_committed() is not None
+            log.info("resume_if_present", cluster=cluster, resume=args.resume, checkpoint_dir=str(args.checkpoint_dir))
+    elif args.resume_if_present:
+        raise SystemExit("dilocox worker: --resume-if-present needs --checkpoint-dir")
     # The same site object a user's own loop makes (dilocox.DiLoCoX), over the built-in trainer.
     dx = DiLoCoX(None, servers=args.servers, config=config, cluster=cluster, num_clusters=args.num_clusters, tls=tls,
                  token=token, tokenizer=(data.tokenizer_digest, data.tokenizer_json), shard_wait_s=args.shard_wait_s,
                  join_late=args.join_late, builtin=BuiltinTrainer(trainer, access, **extra))  # fmt: skip
-    metrics_server, progress = None, None
+    metrics_server, progress, tracker = None, None, None
     try:
         if args.resume:
             try:
@@ -184,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
             progress = progress_for(config.rounds, cluster, args.log_format)
             if progress is not None:
                 configure_logging(args.log_format, stream=progress.log_stream())
-            on_round = chain(on_round, progress)
+            tracker = tracker_from_args(args, cluster)
+            on_round = chain(on_round, progress, tracker)
         dx.cluster.on_round = on_round
         dx.run_builtin()
     except AggregatorError as error:
@@ -203,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
             metrics_server.close()
         if progress is not None:
             progress.close()
+        if tracker is not None:
+            tracker.close()
         if mesh is not None:
             mesh.close()
     return 0

@@ -10,11 +10,13 @@ WAN egress is shaped) or as plain processes on localhost (tests).
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 SHARD_PORT = 50051
 METRICS_PORT = 9100
 CHECKPOINT_DIR = "/var/lib/dilocox/checkpoints"
+INSECURE = ("--insecure",)  # the simulation's transport; a launcher with certificates passes --tls-* flags instead
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,9 @@ class Topology:
     host_port_base: int = 57051
     host_metrics_base: int = 59100
     extra_worker_flags: tuple[str, ...] = field(default=())
+    # The simulation's worker flags (its small GPT's shape, one thread per rank, --join-late). A real run's
+    # launch files (`dilocox deploy`) leave them out: its model and data come from extra_worker_flags.
+    simulation: bool = True
 
     def shard_names(self) -> list[str]:
         return [f"shard-{i}" for i in range(self.num_shards)]
@@ -74,32 +79,41 @@ class Placement:
     def metrics_port(self, topology: Topology, process: int) -> int:
         return METRICS_PORT if self.compose else topology.host_metrics_base + process
 
+    def listen_host(self) -> str:
+        """What a shard binds: every interface in a container, loopback for processes on this host."""
+        return "0.0.0.0" if self.compose else "127.0.0.1"
+
 
 COMPOSE = Placement(compose=True)
 LOCALHOST = Placement(compose=False)
 
 
-def shard_command(topology: Topology, index: int, placement: Placement, checkpoint_dir: str | None = None) -> list[str]:
+def shard_command(topology: Topology, index: int, placement: Placement, checkpoint_dir: str | None = None, *,
+                  keep_serving: bool = True, security: Sequence[str] = INSECURE, extra: Sequence[str] = ()) -> list[str]:
+    """One shard's argv. The keywords are for launchers of real runs (deploy/kubernetes.py, deploy/slurm.py): a shard
+    that exits at the run's end, TLS flags in place of --insecure, more flags (e.g. --resume-if-present)."""
     command = [
         "dilocox", "server",
         "--num-shards", str(topology.num_shards), "--shard-index", str(index),
-        "--host", "0.0.0.0" if placement.compose else "127.0.0.1",
+        "--host", placement.listen_host(),
         "--port", str(placement.shard_port(topology, index)),
         "--run-id", topology.run_id,
         "--min-clusters", str(topology.min_clusters), "--round-deadline-s", f"{topology.round_deadline_s:g}",
         "--added-latency-ms", f"{topology.wan_latency_ms:g}",
         "--metrics-port", str(placement.metrics_port(topology, index)),
-        "--keep-serving",  # the compose check and the plain-process run read the shards after the sites end
-        "--log-format", "json", "--insecure",
+        # the compose check and the plain-process run read the shards after the sites end
+        *(["--keep-serving"] if keep_serving else []),
+        "--log-format", "json", *security,
     ]  # fmt: skip
     directory = CHECKPOINT_DIR if placement.compose else checkpoint_dir
     if directory:
         command += ["--checkpoint-dir", directory]
-    return command
+    return command + list(extra)
 
 
-def site_commands(topology: Topology, index: int, placement: Placement) -> list[list[str]]:
-    """The steps a site runs, in order: in compose, first shape its WAN egress, then the worker."""
+def site_commands(topology: Topology, index: int, placement: Placement, *, security: Sequence[str] = INSECURE) -> list[list[str]]:
+    """The steps a site runs, in order: in compose, first shape its WAN egress, then the worker. `security`:
+    the worker's transport flags (--tls-* for a real run)."""
     site = topology.sites[index]
     servers = ",".join(placement.shard_address(topology, i) for i in range(topology.num_shards))
     worker = [
@@ -107,17 +121,22 @@ def site_commands(topology: Topology, index: int, placement: Placement) -> list[
         "--cluster", site.name, "--cluster-index", str(index), "--num-clusters", str(len(topology.sites)),
         "--pp", str(site.pp), "--dp", str(site.dp),
         "--rounds", str(topology.rounds), "--inner-steps", str(topology.inner_steps),
-        "--n-layer", str(topology.n_layer), "--n-embd", str(topology.n_embd),
-        "--block-size", str(topology.block_size), "--inner-batch-size", str(topology.inner_batch_size),
-        "--threads", "1", "--metrics-port", str(placement.metrics_port(topology, topology.num_shards + index)),
-        "--log-format", "json", "--insecure",
-        "--join-late",  # with --min-clusters 1 the first site up may close rounds before the other joins
+        *(_simulation_flags(topology) if topology.simulation else []),
+        "--metrics-port", str(placement.metrics_port(topology, topology.num_shards + index)),
+        "--log-format", "json", *security,
+        # with --min-clusters 1 the first site up may close rounds before the other joins
+        *(["--join-late"] if topology.simulation else []),
         *topology.extra_worker_flags,
     ]  # fmt: skip
     if not placement.compose:
         return [worker]
     shape = ["dilocox", "link", "shape", "--towards", "shard-0", "--rate-mbit", f"{topology.wan_rate_mbit:g}"]
     return [shape, worker]
+
+
+def _simulation_flags(topology: Topology) -> list[str]:
+    return ["--n-layer", str(topology.n_layer), "--n-embd", str(topology.n_embd), "--block-size", str(topology.block_size),
+            "--inner-batch-size", str(topology.inner_batch_size), "--threads", "1"]  # fmt: skip
 
 
 def as_shell(steps: list[list[str]]) -> str:

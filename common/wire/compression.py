@@ -235,6 +235,12 @@ class TensorCompressor:
         states = list(self.state.values())  # with the delay the background sender may add keys meanwhile
         return math.sqrt(sum(float(s.error.square().sum()) for s in states if s.error is not None))
 
+    def mean_rank(self) -> float:
+        """Mean rank of the low-rank tensors' latest messages (0.0 before any, or with no low-rank tensor):
+        where the adaptive rank has settled between rank_min and rank_max, for run tracking."""
+        ranks = [s.rank for s in list(self.state.values()) if s.rank > 0]  # the background sender may add keys
+        return sum(ranks) / len(ranks) if ranks else 0.0
+
     def deficit_norm(self) -> float:
         """‖Σ inputs − Σ decoded‖ over all tensors (needs `track_deficit`): bounded by the residual with
         error feedback (decay 1), growing with the rounds without it."""
@@ -265,7 +271,7 @@ class TensorCompressor:
         state.q = q / q.norm(dim=0).clamp_min(1e-30)  # warm start for next round (scale-free)
         p, q, singular = ordered_factors(p, q)
         flat = matrix.reshape(-1)
-        rank = self._choose_rank(key, state, singular, float(torch.dot(flat, flat)), width)
+        rank = state.rank = self._choose_rank(key, state, singular, float(torch.dot(flat, flat)), width)
         p, q = p[:, :rank].contiguous(), q[:, :rank].contiguous()
         return Encoded("lowrank", "float32", encode_lowrank(p, q, cfg.factor_bits), tuple(target.shape), rank)
 

@@ -256,6 +256,7 @@ class DilocoCluster:
             seconds=round(time.perf_counter() - began, 3),
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
             residual_norm=round(self.client.compressor.residual_norm(), 4) if self.client.compressor else 0.0,
+            compress_rank=round(self.client.compressor.mean_rank(), 2) if self.client.compressor else 0.0,
             inner_steps=self.inner_steps, late=bool(exchange and exchange.late),
         )
         log.info("round_done", cluster=self.client.cluster, delay=delay, **asdict(report))

@@ -25,3 +25,6 @@ class RoundReport:
     # A shard closed the round this boundary collected without our part (quorum + grace): that part, with
     # its tokens, went with this round's push instead.
     late: bool = False
+    # Mean rank of this rank's low-rank tensors in its latest compressed push (0.0 without a low-rank codec);
+    # like residual_norm, with the delay it may lag a round.
+    compress_rank: float = 0.0

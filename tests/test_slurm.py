@@ -1,0 +1,128 @@
+"""`dilocox deploy slurm` for real: a single-node Slurm (Debian's slurm-wlm, started by the test) runs
+the rendered sbatch scripts — 2 shards and 2 CPU sites, one a 2-rank pipeline under torchrun — to the
+run's end, and a site requeued mid-run (`scontrol requeue`) resumes from its checkpoint.
+
+Skipped, with the reason, where Slurm cannot be installed or started (not root, no apt-get)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dilocox.common.deploy.deploy_cli import parse_sites
+from dilocox.common.deploy.slurm import SlurmOptions, site_script
+from dilocox.common.deploy.topology import Topology
+from tests.local_slurm import LocalSlurm, SlurmUnavailable
+
+ROUNDS = 4
+
+
+@pytest.fixture
+def slurm(tmp_path_factory):
+    try:
+        cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
+    except SlurmUnavailable as error:
+        pytest.skip(f"Slurm: {error}")
+    yield cluster
+    cluster.stop()
+
+
+def _free_base(count: int) -> int:
+    """A port p with p … p + count − 1 all free now (the jobs bind them a few seconds later)."""
+    for _ in range(50):
+        base = random.randrange(20000, 60000)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+def _events(path: pathlib.Path) -> list[dict]:
+    events = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return events
+
+
+def _wait(condition, timeout: float, what: str, slurm: LocalSlurm, out: pathlib.Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(1)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(out.glob("*.out")))
+    raise AssertionError(f"{what} within {timeout:g}s; squeue:\n{slurm.run('squeue', check=False).stdout}\n{logs}")
+
+
+def test_sbatch_scripts_run_shards_and_sites_to_the_end_and_a_requeued_site_resumes(slurm, tmp_path):
+    out = tmp_path / "jobs"
+    rendered = subprocess.run(
+        [sys.executable, "-m", "dilocox.common.cli", "deploy", "slurm", "--out", str(out), "--run-id", "slurm-test",
+         "--shards", "2", "--sites", "site-a:1x1,site-b:2x1", "--rounds", str(ROUNDS), "--inner-steps", "8",
+         "--gpus-per-node", "0", "--cpus-per-rank", "1", "--insecure", "--shard-port", str(_free_base(2)),
+         "--metrics-port", str(_free_base(4)), "--rdzv-port", str(_free_base(2)),
+         "--state-dir", str(tmp_path / "state"), "--setup", f"export PATH={pathlib.Path(sys.executable).parent}:$PATH",
+         "--worker-flags", "--device cpu --eval-batches 2 --n-layer 2 --n-embd 64 --block-size 64 --inner-batch-size 8 --threads 1"],
+        capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["shards.sbatch", "site-site-a.sbatch", "site-site-b.sbatch"]
+    assert "sbatch --dependency=after:$shards" in rendered.stdout
+
+    shards = slurm.sbatch(out / "shards.sbatch")
+    sites = {name: slurm.sbatch(out / f"site-{name}.sbatch", f"--dependency=after:{shards}") for name in ("site-a", "site-b")}
+    b_log = out / f"slurm-test-site-b-{sites['site-b']}.out"
+
+    def b_made(rounds: int) -> bool:
+        return sum(1 for e in _events(b_log) if e.get("event") == "round_done") >= rounds
+
+    _wait(lambda: b_made(2), 240, "site-b made 2 rounds", slurm, out)
+    slurm.run("scontrol", "requeue", sites["site-b"])  # Slurm stops it and starts the same script again
+    jobs = [shards, *sites.values()]
+    _wait(lambda: all(slurm.state(j) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "") for j in jobs),
+          300, "every job ended", slurm, out)  # fmt: skip
+    states = {j: slurm.state(j) for j in jobs}
+    assert set(states.values()) == {"COMPLETED"}, states
+
+    # site-b ran twice (same job, appended log) and the second start resumed from its checkpoint.
+    text = b_log.read_text()
+    assert "site site-b job" in text and " start 2 " in text, text[-2000:]
+    resumed = [e for e in _events(b_log) if e.get("event") == "resume_if_present"]
+    assert [e["resume"] for e in resumed][:1] == [False] and True in [e["resume"] for e in resumed], resumed
+    for name, job in sites.items():
+        events = _events(out / f"slurm-test-{name}-{job}.out")
+        done = [e for e in events if e.get("event") == "cluster_done"]
+        assert done, f"{name} did not finish"
+        assert max(e["round"] for e in events if e.get("event") == "round_done") == ROUNDS
+    # Both shards ran to the run's end (they stop by themselves once every site has the final version).
+    shard_events = _events(out / f"slurm-test-shards-{shards}.out")
+    finished = [e for e in shard_events if e.get("event") == "run_finished"]
+    # The final version is rounds + 1: with the one-step delay the sites flush their last round's work.
+    assert sorted(e["shard"] for e in finished) == [0, 1] and all(e["version"] == ROUNDS + 1 for e in finished), finished
+
+
+def test_a_multi_node_site_runs_one_torchrun_per_node_with_the_rendezvous_on_the_first():
+    """Rendering only (one node here): a 2×4 site on 4-GPU nodes is 2 nodes of 4 ranks."""
+    topology = Topology(run_id="big", sites=parse_sites("hpc:2x4"), num_shards=2)
+    options = SlurmOptions(gpus_per_node=4, servers="agg0.example:50051,agg1.example:50051", tls_dir="/shared/tls")
+    script = site_script(topology, 0, options)
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=4" in script and "#SBATCH --requeue" in script
+    assert "--nnodes=2" in script and "--nproc-per-node=4" in script and '--node-rank="$SLURM_NODEID"' in script
+    assert 'DILOCOX_SERVERS="agg0.example:50051,agg1.example:50051"' in script and "addresses" not in script
+    assert "--tls-ca /shared/tls/ca.pem" in script and "--insecure" not in script and "--resume-if-present" in script
+    with pytest.raises(SystemExit, match="ranks per node"):
+        site_script(Topology(sites=parse_sites("odd:3x1")), 0, SlurmOptions(gpus_per_node=2))
