@@ -26,6 +26,7 @@ import structlog
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_flags, config_from_args
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.deploy.certs import make_dev_certificates
+from dilocox.common.deploy import prometheus_config
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments
 from dilocox.worker.data.tokenizer import TokenizerError, resolve_tokenizer
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slow-cluster", type=float, default=1.0, metavar="F",
                         help="uneven sites: the last cluster trains at 1/F of its speed (dilocox worker --simulate-slowdown; default 1)")
     parser.add_argument("--summary-json", type=pathlib.Path, help="also write the final summary here as JSON")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="P",
+                        help="serve Prometheus metrics on 127.0.0.1: shard i on P+i, cluster j on P+shards+j, and write "
+                             "<log-dir>/prometheus.yml scraping them with the shipped alert rules (default 0: off)")  # fmt: skip
     parser.add_argument("--no-tensorboard", action="store_true",
                         help="do not write the clusters' per-round TensorBoard scalars (default: under <log-dir>/tensorboard "
                              "when the tensorboard package is installed)")  # fmt: skip
@@ -144,6 +148,7 @@ class Simulation:
                 "--round-deadline-s", str(self.args.round_deadline_s),
                 *(["--grace-s", f"{self.args.grace_s:g}"] if self.args.grace_s > 0 else []),
                 "--keep-serving", "--log-format", "json", *self.server_security,  # the sim exports, then stops them
+                *self._metrics_flags(i),
             )  # fmt: skip
             with (self.log_dir / f"shard-{i}.log").open("w") as out:
                 self.shards.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
@@ -182,6 +187,22 @@ class Simulation:
         log.info("sim_model_exported", path=str(out))
         return str(out)
 
+    def _metrics_flags(self, process: int) -> list[str]:
+        """Process `process` (shards first, then clusters) serves metrics on --metrics-port + process."""
+        if not self.args.metrics_port:
+            return []
+        return ["--metrics-port", str(self.args.metrics_port + process), "--metrics-host", "127.0.0.1"]
+
+    def write_prometheus_config(self) -> pathlib.Path | None:
+        if not self.args.metrics_port:
+            return None
+        path = self.log_dir / "prometheus.yml"
+        path.write_text(prometheus_config.render(prometheus_config.sim_targets(self.args.metrics_port, self.args.shards,
+                                                                               self.args.clusters)))  # fmt: skip
+        log.info("sim_prometheus", config=str(path), command=f"prometheus --config.file {shlex.quote(str(path))}",
+                 dashboard=str(prometheus_config.shipped(prometheus_config.DASHBOARD)))  # fmt: skip
+        return path
+
     def start_clusters(self, addresses: list[str]) -> None:
         for j in range(self.args.clusters):
             name = f"cluster-{j}"
@@ -191,6 +212,7 @@ class Simulation:
                 *(["--data", self.args.data] if self.args.data else []), "--text-field", self.args.text_field,
                 *config_flags(self.config), *self.worker_security,
                 *(["--tensorboard-dir", str(self.tensorboard_dir)] if self.tensorboard_dir else []),
+                *self._metrics_flags(self.args.shards + j),
                 *(["--simulate-slowdown", f"{self.args.slow_cluster:g}"] if j == self.args.clusters - 1 and self.args.slow_cluster != 1 else []),
             )  # fmt: skip
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
@@ -255,6 +277,7 @@ class Simulation:
         model_dir = None
         try:
             self.prepare_tokenizer()
+            self.write_prometheus_config()
             addresses = self.start_shards()
             self.start_clusters(addresses)
             deadline = started + self.args.timeout

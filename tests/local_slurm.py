@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import signal
 import socket
 import subprocess
 import time
+
+from tests.debian_packages import PackageUnavailable, ensure
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
@@ -28,17 +29,10 @@ def _free_port() -> int:
 
 
 def ensure_installed() -> None:
-    if all(shutil.which(d) or os.path.exists(f"/usr/sbin/{d}") for d in DAEMONS) and shutil.which("sbatch"):
-        return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        raise SlurmUnavailable("slurm-wlm is not installed and this is not root with apt-get to install it")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(["apt-get", "install", "-y", "-q", "slurm-wlm"], capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode != 0:  # the package lists may be missing on a new machine
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600, env=env)
-        done = subprocess.run(["apt-get", "install", "-y", "-q", "slurm-wlm"], capture_output=True, text=True, env=env, timeout=600)
-    if done.returncode != 0:
-        raise SlurmUnavailable(f"apt-get install slurm-wlm failed: {done.stderr.strip()[-300:]}")
+    try:
+        ensure("slurm-wlm", (*DAEMONS, "sbatch"))
+    except PackageUnavailable as error:
+        raise SlurmUnavailable(str(error)) from None
 
 
 class LocalSlurm:
