@@ -2,9 +2,10 @@
 
 Nothing here trains or sends anything. Bytes per round are exact: the default compressor's payload sizes
 (low rank at the rank error feedback keeps it at, int4 factors; small and 1-D tensors int4) for every
-slice of the model's parameter list as the service would cut it. Times come from a `dilocox bench scale`
-report (per-parameter costs of the largest default-compression row whose clusters all replay) and from
-the assumptions printed with the table: sites, link rate, one inner step's time T, and the cores a
+slice of the model's parameter list as the service would cut it. Times come from a `dilocox bench
+exchange` report (each stage's CPU per parameter on one thread: what a rank spends on its own share) or
+a `dilocox bench scale` report (the wall times of its largest default-compression row whose clusters all
+replay, contended by everything else on the machine) and from the assumptions printed with the table: sites, link rate, one inner step's time T, and the cores a
 cluster and a shard give to the exchange.
 
 The comparison is the paper's: AllReduce sends every step's fp32 gradients across the WAN (a ring over
@@ -91,6 +92,26 @@ def measured_costs(report: pathlib.Path) -> dict:
     }
 
 
+def exchange_costs(report: pathlib.Path, rss_vs_owned: float) -> dict:
+    """Per-parameter costs from a `dilocox bench exchange` report, one thread: a cluster's compress side
+    (Δ, compress with error feedback, frame) and its replay side (vet, replay of the M contributions,
+    replay check), and the shard's fused close of M fp32 contributions, as contribution bytes per second.
+    The shard's memory is not in that report: `rss_vs_owned` (bench scale's figure) stands for it."""
+    data = json.loads(report.read_text())
+    ns = {row["stage"]: row["ns_per_param"] for row in data["rows"] if row["threads"] == 1}
+    missing = [s for s in ("pseudo_gradient", "compress_ef", "frame_zstd", "vet", "replay", "replay_check", "shard_close") if s not in ns]
+    if missing:
+        raise SystemExit(f"{report}: no one-thread figures for {missing} (run `dilocox bench exchange --threads 1,…`)")
+    m = int(data.get("meta", {}).get("clusters", 2))  # contributions in the timed replay and close
+    return {
+        "from": f"bench exchange, one thread, M={m}",
+        "compress_s_per_param": (ns["pseudo_gradient"] + ns["compress_ef"] + ns["frame_zstd"]) * 1e-9,
+        "replay_s_per_param": (ns["vet"] + ns["replay"] + ns["replay_check"]) * 1e-9,
+        "shard_dense_bytes_per_s": 4 * m / (ns["shard_close"] * 1e-9),
+        "shard_rss_vs_owned": rss_vs_owned,
+    }
+
+
 def project(name: str, specs, step_s: float, costs: dict, args: argparse.Namespace) -> dict:
     params = sum(math.prod(s) for _, s in specs)
     fp32 = 4 * params
@@ -126,7 +147,14 @@ def project(name: str, specs, step_s: float, costs: dict, args: argparse.Namespa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scale-report", type=pathlib.Path, required=True, help="scale.json written by `dilocox bench scale`")
+    parser.add_argument("--scale-report", type=pathlib.Path, help="scale.json written by `dilocox bench scale`: the costs "
+                        "of its largest default-compression row, and the shard's peak memory per owned byte")  # fmt: skip
+    parser.add_argument("--exchange-report", type=pathlib.Path,
+                        help="exchange.json written by `dilocox bench exchange`: per-stage costs on one thread, which "
+                             "replace the scale report's (its memory figure is kept where given)")  # fmt: skip
+    parser.add_argument("--shard-rss-vs-owned", type=float, default=3.6,
+                        help="with --exchange-report alone: a shard's peak memory per owned fp32 byte (default 3.6, "
+                             "bench scale's llama-350m row)")  # fmt: skip
     parser.add_argument("--step-s", default="opt-1.3b=4,dense-107b=10",
                         help="assumed seconds of one inner step per model (default opt-1.3b=4,dense-107b=10)")  # fmt: skip
     parser.add_argument("--sites", type=int, default=2, help="clusters (sites), one per WAN link (default 2)")
@@ -138,11 +166,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out_dir) -> str:
-    costs = measured_costs(args.scale_report)
+    if args.scale_report is None and args.exchange_report is None:
+        raise SystemExit("dilocox bench projection: give --exchange-report (bench exchange) or --scale-report (bench scale)")
+    rss = measured_costs(args.scale_report)["shard_rss_vs_owned"] if args.scale_report else args.shard_rss_vs_owned
+    costs = exchange_costs(args.exchange_report, rss) if args.exchange_report else measured_costs(args.scale_report)
+    source = args.exchange_report or args.scale_report
     steps = dict((k, float(v)) for k, v in (item.split("=") for item in args.step_s.split(",")))
     rows = [project(name, MODELS[name](), steps[name], costs, args) for name in MODELS if name in steps]
     notes = (
-        f"Measured costs from {costs['from']} (`{args.scale_report}`), one core each on a shared 2-core machine: "
+        f"Measured costs from {costs['from']} (`{source}`), one core each on a shared 2-core machine: "
         f"compress {costs['compress_s_per_param'] * 1e9:.1f} ns and pull + replay {costs['replay_s_per_param'] * 1e9:.1f} ns per "
         f"parameter per cluster; a shard decodes and applies {costs['shard_dense_bytes_per_s'] / 1e6:.0f} MB/s of dense fp32 "
         f"contributions; shard peak RSS {costs['shard_rss_vs_owned']}× owned. Assumed: {args.sites} sites, {args.link_gbit} Gbit/s "

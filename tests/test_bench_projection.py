@@ -7,9 +7,10 @@ import argparse
 import json
 import math
 
+import pytest
 import torch
 
-from dilocox.bench.projection import MODELS, compressed_bytes, measured_costs, project
+from dilocox.bench.projection import MODELS, compressed_bytes, exchange_costs, measured_costs, project
 from dilocox.common.wire.assignment import assign_slices
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 
@@ -45,3 +46,17 @@ def test_projection_arithmetic(tmp_path):
     allreduce_s = 4 * params / 125e6  # 2 sites: a ring moves the whole fp32 model through each link per step
     assert math.isclose(out["ratio_vs_allreduce"], round((2.0 + allreduce_s) / 2.0, 1))
     assert out["H_hides"] == 1 and out["up_MB"] == out["down_MB"]  # tiny: one step covers it; 2 sites forward one push
+
+
+def test_projection_from_an_exchange_report_takes_its_one_thread_stage_costs(tmp_path):
+    stages = {"pseudo_gradient": 0.5, "compress_ef": 2.5, "frame_zstd": 0.0, "vet": 0.1, "decode": 0.7, "replay": 1.5,
+              "replay_check": 0.3, "shard_close": 0.8}  # fmt: skip
+    rows = [{"threads": t, "stage": s, "ns_per_param": ns * (1 if t == 1 else 9)} for t in (1, 2) for s, ns in stages.items()]
+    report = tmp_path / "exchange.json"
+    report.write_text(json.dumps({"rows": rows, "meta": {"clusters": 2}}))
+    costs = exchange_costs(report, rss_vs_owned=3.5)
+    assert math.isclose(costs["compress_s_per_param"], 3.0e-9) and math.isclose(costs["replay_s_per_param"], 1.9e-9)
+    assert math.isclose(costs["shard_dense_bytes_per_s"], 8 / 0.8e-9) and costs["shard_rss_vs_owned"] == 3.5
+    report.write_text(json.dumps({"rows": [r for r in rows if r["stage"] != "replay_check" or r["threads"] != 1]}))
+    with pytest.raises(SystemExit, match="replay_check"):
+        exchange_costs(report, 3.5)
