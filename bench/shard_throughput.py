@@ -15,6 +15,7 @@ shard's Python + torch path gets to the memory bandwidth that bounds it.
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import numpy as np
@@ -67,6 +68,32 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
+class StatusProbe:
+    """Asks the shard its status back to back from another thread while a push closes a round; the
+    longest answer is how long the close kept the shard's lock (joins, status and pulls of other
+    versions wait that long)."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard, self.longest_s = shard, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._probe, daemon=True)
+
+    def _probe(self) -> None:
+        while not self._stop.is_set():
+            asked = time.perf_counter()
+            self.shard.status()
+            self.longest_s = max(self.longest_s, time.perf_counter() - asked)
+            time.sleep(0.001)
+
+    def __enter__(self) -> StatusProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _encode_push(compressor: TensorCompressor | None, slices, deltas: dict) -> list:
     chunks = []
     for s in slices:
@@ -90,7 +117,7 @@ def measure_codec(specs, compress: CompressionConfig, args: argparse.Namespace) 
     shard.commit_push(clusters[0], 0, 1.0, list(weights.items()))
     compressors = [TensorCompressor(compress, seed=i) if compress.codec != "fp32" else None for i in range(args.clusters)]
     elements = sum(s.numel for s in owned)
-    timed_s, wire = 0.0, 0
+    timed_s, wire, status_wait = 0.0, 0, 0.0
     for round_ in range(1, args.rounds + 2):
         pushes = []
         for compressor in compressors:
@@ -108,14 +135,20 @@ def measure_codec(specs, compress: CompressionConfig, args: argparse.Namespace) 
         for cluster, chunks in zip(clusters, pushes):
             units = assemble_units(iter(chunks), lambda key, chunk: shard.vet_slice(key, chunk.codec, tuple(chunk.shape)))
             encoded = [EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), bytes(u.payload)) for u in units]
-            result = shard.commit_push(cluster, round_, 1000.0, encoded)
+            if cluster == clusters[-1]:  # this push closes the round: how long does a status call wait meanwhile?
+                with StatusProbe(shard) as probe:
+                    result = shard.commit_push(cluster, round_, 1000.0, encoded)
+                if round_ > 1:
+                    status_wait = max(status_wait, probe.longest_s)
+            else:
+                result = shard.commit_push(cluster, round_, 1000.0, encoded)
         elapsed = time.perf_counter() - started
         assert result.round_closed, "the round must close at the last cluster's push"
         if round_ > 1:  # round 1 is the warm-up
             timed_s += elapsed
             wire += sum(c.ByteSize() for chunks in pushes for c in chunks)
     dense = 4 * elements * args.clusters * args.rounds
-    return {"elements": elements, "dense_MB": dense / 1e6, "wire_MB": wire / 1e6, "seconds": timed_s,
+    return {"elements": elements, "dense_MB": dense / 1e6, "wire_MB": wire / 1e6, "seconds": timed_s, "status_wait_s": status_wait,
             "dense_MB_per_s": dense / timed_s / 1e6, "wire_MB_per_s": wire / timed_s / 1e6}  # fmt: skip
 
 
@@ -135,13 +168,16 @@ def run(args: argparse.Namespace, out_dir) -> str:
             "wire_MB_per_s": round(m["wire_MB_per_s"], 1),
             "vs_memory_bandwidth": round(m["dense_MB_per_s"] / best_reference, 3),
             "round_close_s": round(m["seconds"] / args.rounds, 4),
+            "status_wait_max_s": round(m["status_wait_s"], 4),
         })  # fmt: skip
     notes = (
         f"Synthetic GPT ({args.n_layer} layers × {args.n_embd} wide, {params:,} parameters) split over {args.shards} shards; shard 0 "
         f"timed with {args.clusters} clusters, {args.rounds} rounds per codec after a warm-up, {args.threads} torch thread(s). "
         "Timed per round: reassembling + zstd-decompressing the pushed chunks, vetting and recording them, and closing the "
         "round (decode every contribution, weighted mean, outer Nesterov). `dense_MB_per_s`: fp32 pseudo-gradient bytes "
-        "(clusters × elements × 4) per second; `wire_MB_per_s`: serialized chunk bytes per second.\n\n"
+        "(clusters × elements × 4) per second; `wire_MB_per_s`: serialized chunk bytes per second. "
+        "`status_wait_max_s`: the longest a status call from another thread waited while the last push closed a round "
+        "(the time the close held the shard's lock; the step itself runs outside it).\n\n"
         f"Memory-bandwidth reference, same run, same threads (copy of {args.reference_mb} MB, read + write; add: its inputs; best of 5): "
         + ", ".join(f"{k} {v:,.0f} MB/s" for k, v in reference.items())
         + f". `vs_memory_bandwidth` = dense MB/s / {best_reference:,.0f} MB/s (the faster copy).\n"

@@ -151,6 +151,7 @@ class Checkpointer:
 
     def save_now(self) -> None:
         with self.shard._cond:
+            self.shard.wait_until_published()  # a close stepping in place: its version is not whole yet
             self._write()
 
     def _write(self) -> None:

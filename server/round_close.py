@@ -1,5 +1,5 @@
 """Whether a shard closes its open round now, and with whom: the rule, apart from the shard's locking and
-publishing (`Shard._maybe_close_round` applies what `decide` returns).
+publishing (`Shard._close_if_due` applies what `decide` returns).
 
 Three ways a round closes once `min_clusters` clusters have delivered every slice the shard owns:
 

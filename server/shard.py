@@ -101,6 +101,16 @@ class RoundStats:
     grace_s: float | None = None  # the grace window it was given (quorum + grace only)
 
 
+@dataclass(frozen=True)
+class _Closing:
+    """A round sealed for its close: its contributions, who is in, the version it steps from."""
+
+    acc: RoundAccumulator
+    decision: CloseDecision
+    snapshot: Snapshot
+    in_place: bool
+
+
 class Shard:
     def __init__(
         self,
@@ -154,6 +164,7 @@ class Shard:
         self._init_staging: dict[SliceKey, torch.Tensor] = {}
         self.snapshot: Snapshot | None = None
         self.accumulator: RoundAccumulator | None = None
+        self._round_closing: _Closing | None = None  # a round sealed and being stepped outside the lock
         self.bytes_in = 0
         self.bytes_out = 0
         self.dropped_bytes = 0  # partial contributions discarded when a deadline closed a round without them
@@ -301,8 +312,8 @@ class Shard:
             acc.bytes_in += bytes_in
             log.info("push_accepted", shard=self.shard_index, cluster=cluster, round=round_, slices=len(fresh),
                      duplicates=len(encoded) - len(fresh), bytes_in=bytes_in)  # fmt: skip
-            closed = self._maybe_close_round()
-            return PushResult(round_, len(fresh), len(encoded) - len(fresh), closed)
+        closed = self._close_if_due()  # the reply waits for the publish, as a pull of this round would
+        return PushResult(round_, len(fresh), len(encoded) - len(fresh), closed)
 
     def _commit_init(self, cluster: str, slices: list[EncodedSlice]) -> PushResult:
         if self.initialiser != cluster:
@@ -325,12 +336,16 @@ class Shard:
         every one of `keys`, if given). A push whose reply was lost is retried after the round closed;
         it must be told "duplicate", not "round closed", because a cluster keeps a refused contribution
         to deliver it next round, and would then deliver it twice."""
-        snapshot = self.snapshot
-        if round_ < 1 or snapshot is None or snapshot.version != round_:
+        snapshot, closing = self.snapshot, self._round_closing
+        if closing is not None and closing.acc.round == round_:
+            contributions = closing.acc.contributions  # sealed: what the version being stepped is made of
+        elif round_ >= 1 and snapshot is not None and snapshot.version == round_:
+            contributions = snapshot.contributions
+        else:
             return False
         if keys is None:
-            return any(cluster in per_key for per_key in snapshot.contributions.values())
-        return bool(keys) and all(cluster in snapshot.contributions.get(key, {}) for key in keys)
+            return any(cluster in per_key for per_key in contributions.values())
+        return bool(keys) and all(cluster in contributions.get(key, {}) for key in keys)
 
     def _open_accumulator(self) -> RoundAccumulator:
         if self.accumulator is None or self.accumulator.round != self.open_round:
@@ -365,54 +380,85 @@ class Shard:
 
     def tick(self, now: float | None = None) -> bool:
         """Close the open round if its deadline or grace window has passed with enough contributions
-        (called periodically)."""
-        with self._cond:
-            return self._maybe_close_round(now)
+        (called periodically; never with the lock held)."""
+        return self._close_if_due(now)
 
-    def _maybe_close_round(self, now: float | None = None) -> bool:
-        acc = self.accumulator
-        if acc is None or self.snapshot is None or acc.round != self.open_round:
+    def _close_if_due(self, now: float | None = None) -> bool:
+        """Close the open round if `decide` says so: decided and sealed under the lock, the weighted mean
+        and outer step computed outside it, published under it again. Why outside: at model size the
+        step takes seconds per shard, and joins, status, and pulls of other versions need not wait for
+        it. While it runs the round is closed to pushes (a retry of an included push is a duplicate) and,
+        when it updates in place, the version it updates is handed to no new pull. Call without the lock."""
+        with self._cond:
+            closing = self._begin_close(now)
+        if closing is None:
             return False
+        try:
+            new, update_s = self._step_round(closing)
+        except BaseException:
+            with self._cond:  # nothing published: the round stays open with what it had
+                self.accumulator, self._round_closing = closing.acc, None
+                self._notify_waiters()
+            raise
+        with self._cond:
+            self._finish_close(closing, new, update_s)
+        return True
+
+    def _begin_close(self, now: float | None) -> _Closing | None:
+        acc = self.accumulator
+        if acc is None or self.snapshot is None or acc.round != self.open_round or self._round_closing is not None:
+            return None
         now = time.monotonic() if now is None else now
         if first_round_waits(acc.round, len(self.known), self.expect_clusters, acc.first_push_at, now, self.round_deadline_s):
-            return False
+            return None
         decision = decide(acc, self.members, set(self.owned), self.min_clusters, now, self.round_deadline_s, self.grace, self.last_seen)
         if decision is None:
-            return False
+            return None
         self._settle_membership(acc, decision)
-        complete = decision.include
-        dropped = decision.dropped
-        in_place = not self._readers.get(id(self.snapshot))  # no pull streams the current version
+        # In place only when no pull streams the current version; none is handed out until the publish.
+        closing = _Closing(acc, decision, self.snapshot, in_place=not self._readers.get(id(self.snapshot)))
+        self.accumulator, self._round_closing = None, closing
+        return closing
+
+    def _step_round(self, closing: _Closing) -> tuple[dict, float]:
+        """The outer step of every owned slice on the round's weighted mean (no lock held: only this
+        thread touches the sealed accumulator, the optimiser and, in place, the sealed version)."""
         new = {}
         started = time.perf_counter()
-        for key, param in self.snapshot.tensors.items():
-            stepped = acc.apply(key, self.optimizer, param, in_place)
+        for key, param in closing.snapshot.tensors.items():
+            stepped = closing.acc.apply(key, self.optimizer, param, closing.in_place)
             new[key] = param if stepped is None else stepped
-        update_s = time.perf_counter() - started
+        return new, time.perf_counter() - started
+
+    def _finish_close(self, closing: _Closing, new: dict, update_s: float) -> None:
+        acc, decision = closing.acc, closing.decision
         # No copy: the optimiser replaces the buffers, or updates them in place only when no pull holds
         # the version they belong to.
         momentum = dict(self.optimizer.buffers)
         latency_s = time.monotonic() - acc.first_push_at if acc.first_push_at is not None else 0.0
         tokens = tuple(sorted(acc.cluster_weights.items()))
-        self.last_round = RoundStats(acc.round, tuple(sorted(complete)), tuple(dropped), update_s, latency_s, time.time(),
-                                     decision.late, tokens, decision.grace_s)  # fmt: skip
+        self.last_round = RoundStats(acc.round, tuple(sorted(decision.include)), tuple(decision.dropped), update_s, latency_s,
+                                     time.time(), decision.late, tokens, decision.grace_s)  # fmt: skip
         for cluster, weight in tokens:
             self.sites.setdefault(cluster, SiteRecord()).made(acc.round, weight)
+        self._round_closing = None
         self._publish(Snapshot(acc.round, new, momentum, acc.contributions))
         log.info(
             "round_closed",
             shard=self.shard_index,
             round=acc.round,
-            clusters=len(complete),
+            clusters=len(decision.include),
             tokens=sum(acc.cluster_weights.values()),
             bytes_in=acc.bytes_in,
             update_s=round(update_s, 4),
             latency_s=round(latency_s, 3),
             **({"late": list(decision.late), "grace_s": round(decision.grace_s, 3)} if decision.grace_s is not None else {}),
         )
-        self.accumulator = None
         self._notify_waiters()
-        return True
+
+    def wait_until_published(self) -> None:
+        """(Under the lock.) Until a close in progress has published: its version is not yet whole."""
+        self._cond.wait_for(lambda: self._round_closing is None)
 
     def _settle_membership(self, acc: RoundAccumulator, decision: CloseDecision) -> None:
         """Before a close: mark the dropped inactive (their partial parts are discarded: they carry them),
@@ -451,6 +497,8 @@ class Shard:
                 )
 
             def have() -> bool:
+                if self._round_closing is not None and self._round_closing.in_place:
+                    return False  # the current version is being updated in place: the next one comes soon
                 return self.snapshot is not None and self.snapshot.version >= min_version
 
             ready = self._cond.wait_for(lambda: have() or self.closing, timeout)
@@ -584,6 +632,8 @@ class Shard:
         if final is not None and round_ > final:
             raise RunOver(f"run {self.run_id!r} ends at version {final}: round {round_} is past it. To train longer, restart "
                           "every shard with --resume --rounds N first (docs/deploy.md, \"Train longer\")")  # fmt: skip
+        if self._round_closing is not None and round_ == self._round_closing.acc.round:
+            raise RoundNotOpen(f"round {round_} is closed (its version is being computed); the open round is {round_ + 1}")
         if round_ != self.open_round:
             when = "closed" if round_ < self.open_round else "not open yet"
             raise RoundNotOpen(f"round {round_} is {when}; the open round is {self.open_round}")

@@ -269,3 +269,60 @@ def test_a_published_version_never_changes_while_a_pull_holds_it():
         assert torch.equal(shard.snapshot.tensors[k], twin.snapshot.tensors[k])
         if k in shard.snapshot.momentum:
             assert torch.equal(shard.snapshot.momentum[k], twin.snapshot.momentum[k])
+
+
+def test_a_round_is_stepped_outside_the_lock_and_nothing_sees_it_half_done(tmp_path):
+    """The close decides and seals the round under the lock, steps it outside (at model size that takes
+    seconds) and publishes under the lock. While it steps: status and joins are answered, the round is
+    closed to pushes (a retry of an included push is a duplicate), the version being updated in place is
+    handed to no pull and written by no checkpoint; the published bits are those of a shard that closed
+    the same round with nobody else around."""
+    from dilocox.server.checkpoint import Checkpointer
+
+    shard = Shard(0, 1, RUN, 0.7, 0.9, min_clusters=1, round_deadline_s=5.0)
+    init(shard, ["a", "b"], full_tensors(0))
+    started, go = threading.Event(), threading.Event()
+    real_step = shard._step_round
+
+    def slow_step(closing):  # the step parks until the test has looked around
+        started.set()
+        assert go.wait(30)
+        return real_step(closing)
+
+    shard._step_round = slow_step
+    shard.commit_push("a", 1, 2.0, slices_for(shard, full_tensors(1)))
+    first = shard.accumulator.first_push_at
+    closer = threading.Thread(target=shard.tick, kwargs={"now": first + 5.0})  # deadline: closes with a alone
+    closer.start()
+    assert started.wait(30)
+    try:
+        assert shard.status()["version"] == 0  # answered: the lock is free while the round is stepped
+        assert shard.commit_push("a", 1, 2.0, slices_for(shard, full_tensors(1))).duplicate == len(shard.owned)
+        shard.check_push(RUN, "a", 1, 2.0)  # a's retry is let through, to be answered as duplicates
+        shard.join(RUN, "c", model_digest(PARAMS), PARAMS)  # a join is answered too
+        with pytest.raises(RoundNotOpen, match="closed"):
+            shard.check_push(RUN, "c", 1, 2.0)  # nothing new enters the round being stepped
+        with pytest.raises(NotReady):  # version 0 is being updated in place: no pull gets it half done
+            shard.wait_for_version(RUN, "c", 0, timeout=0.2, hold=True)
+        saved = threading.Thread(target=Checkpointer(shard, tmp_path).save_now)
+        saved.start()
+        saved.join(0.3)
+        assert saved.is_alive()  # the checkpoint waits for the publish
+    finally:
+        go.set()
+    closer.join(30)
+    saved.join(30)
+    assert shard.version == 1 and shard.last_round.clusters == ("a",)
+    from dilocox.server import checkpoint
+
+    assert checkpoint.load(checkpoint.checkpoint_path(tmp_path, 0))["snapshot"]["version"] == 1
+    held = shard.wait_for_version(RUN, "c", 0, timeout=1, hold=True)
+    assert held.version == 1
+    shard.release(held)
+    twin = Shard(0, 1, RUN, 0.7, 0.9, min_clusters=1, round_deadline_s=5.0)
+    init(twin, ["a", "b"], full_tensors(0))
+    twin.commit_push("a", 1, 2.0, slices_for(twin, full_tensors(1)))
+    assert twin.tick(now=twin.accumulator.first_push_at + 5.0)
+    for key in shard.snapshot.tensors:
+        assert torch.equal(shard.snapshot.tensors[key], twin.snapshot.tensors[key])
+        assert torch.equal(shard.snapshot.momentum[key], twin.snapshot.momentum[key])
