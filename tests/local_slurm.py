@@ -14,18 +14,13 @@ import subprocess
 import time
 
 from tests.debian_packages import PackageUnavailable, ensure
+from tests.ports import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
 class SlurmUnavailable(RuntimeError):
     pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ensure_installed() -> None:
@@ -61,9 +56,9 @@ class LocalSlurm:
         self.conf.write_text("\n".join([
             "ClusterName=dilocoxtest",
             f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             # cred_expire: a requeued job waits this long before it may start again (default 120 s)
-            f"AuthType=auth/munge", f"AuthInfo=socket={munge}/sock,cred_expire=5", "CredType=cred/munge",
+            "AuthType=auth/munge", f"AuthInfo=socket={munge}/sock,cred_expire=5", "CredType=cred/munge",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={self.root}/state", f"SlurmdSpoolDir={self.root}/spool",
             f"SlurmctldPidFile={self.root}/slurmctld.pid", f"SlurmdPidFile={self.root}/slurmd.pid",

@@ -25,6 +25,7 @@ from dilocox.common.cli import build_parser
 from dilocox.common.deploy import kubernetes
 from dilocox.common.deploy.deploy_cli import add_topology_arguments, topology_from_args
 from dilocox.server import checkpoint
+from tests.ports import free_port
 from dilocox.server.shard import Shard
 
 VERSIONS = ("1.30", kubernetes_validate.latest_version())
@@ -259,15 +260,9 @@ def test_the_cli_writes_the_manifest_and_says_what_to_run_next(tmp_path):
 RUN = "k8s-resume"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_once(ckpt_dir: pathlib.Path, *extra: str) -> str:
     """Start a shard, wait until it listens, stop it with SIGTERM; its stderr (the JSON log)."""
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "dilocox.common.cli", "server", "--port", str(port), "--run-id", RUN, "--insecure",
                "--log-format", "json", "--checkpoint-dir", str(ckpt_dir), *extra]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -19,22 +17,10 @@ import pytest
 
 from dilocox.common.deploy import prometheus_config
 from tests.debian_packages import PackageUnavailable, ensure
+from tests.ports import free_port_range
 from tests.test_monitoring import DASHBOARD, RULES, _named
 
 SHARDS, CLUSTERS = 2, 2
-
-
-def _free_range(count: int) -> int:
-    for _ in range(50):
-        base = random.randrange(20000, 60000)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 def _get(url: str) -> dict:
@@ -68,7 +54,7 @@ def prometheus_binary():
 
 
 def test_prometheus_scrapes_a_running_sim_and_finds_every_metric_the_rules_and_dashboard_name(prometheus_binary, tmp_path):
-    metrics_port, web_port = _free_range(SHARDS + CLUSTERS), _free_range(1)
+    metrics_port, web_port = free_port_range(SHARDS + CLUSTERS), free_port_range(1)
     log_dir = tmp_path / "sim"
     log_dir.mkdir()
     # The configuration the sim writes, made here first: Prometheus is up (and retrying the targets) before

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ from dilocox.common.deploy.deploy_cli import parse_sites
 from dilocox.common.deploy.slurm import SlurmOptions, site_script
 from dilocox.common.deploy.topology import Topology
 from tests.local_slurm import LocalSlurm, SlurmUnavailable
+from tests.ports import free_port_range
 
 ROUNDS = 4
 
@@ -32,20 +31,6 @@ def slurm(tmp_path_factory):
         pytest.skip(f"Slurm: {error}")
     yield cluster
     cluster.stop()
-
-
-def _free_base(count: int) -> int:
-    """A port p with p … p + count − 1 all free now (the jobs bind them a few seconds later)."""
-    for _ in range(50):
-        base = random.randrange(20000, 60000)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 def _events(path: pathlib.Path) -> list[dict]:
@@ -74,8 +59,8 @@ def test_sbatch_scripts_run_shards_and_sites_to_the_end_and_a_requeued_site_resu
     rendered = subprocess.run(
         [sys.executable, "-m", "dilocox.common.cli", "deploy", "slurm", "--out", str(out), "--run-id", "slurm-test",
          "--shards", "2", "--sites", "site-a:1x1,site-b:2x1", "--rounds", str(ROUNDS), "--inner-steps", "8",
-         "--gpus-per-node", "0", "--cpus-per-rank", "1", "--insecure", "--shard-port", str(_free_base(2)),
-         "--metrics-port", str(_free_base(4)), "--rdzv-port", str(_free_base(2)),
+         "--gpus-per-node", "0", "--cpus-per-rank", "1", "--insecure", "--shard-port", str(free_port_range(2)),
+         "--metrics-port", str(free_port_range(4)), "--rdzv-port", str(free_port_range(2)),
          "--state-dir", str(tmp_path / "state"), "--setup", f"export PATH={pathlib.Path(sys.executable).parent}:$PATH",
          "--worker-flags", "--device cpu --eval-batches 2 --n-layer 2 --n-embd 64 --block-size 64 --inner-batch-size 8 --threads 1"],
         capture_output=True, text=True, timeout=60)  # fmt: skip

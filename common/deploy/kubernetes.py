@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import structlog
 
 from dilocox.common.deploy.topology import (
-    CHECKPOINT_DIR, INSECURE, METRICS_PORT, SHARD_PORT, Placement, Site, Topology, shard_command, site_commands,
+    CHECKPOINT_DIR, INSECURE, METRICS_PORT, SHARD_PORT, Placement, Site, Topology, shard_command, site_commands, tls_flags,
 )  # fmt: skip
 
 log = structlog.get_logger()
@@ -54,8 +54,8 @@ SITE_CHECKPOINT_DIR = "/var/lib/dilocox/site"
 RDZV_PORT = 29500
 SERVER_FILES = ("ca.pem", "server.pem", "server-key.pem", "client.pem", "client-key.pem")  # client: the exec probe
 CLIENT_FILES = ("ca.pem", "client.pem", "client-key.pem")
-SERVER_TLS = ("--tls-cert", f"{TLS_DIR}/server.pem", "--tls-key", f"{TLS_DIR}/server-key.pem", "--tls-ca", f"{TLS_DIR}/ca.pem")
-CLIENT_TLS = ("--tls-ca", f"{TLS_DIR}/ca.pem", "--tls-cert", f"{TLS_DIR}/client.pem", "--tls-key", f"{TLS_DIR}/client-key.pem")
+SERVER_TLS = tls_flags(TLS_DIR, "server")
+CLIENT_TLS = tls_flags(TLS_DIR, "client")
 FINAL_EXIT_CODE = 3  # worker/main.py: the run is over, or refuses this site; no rerun changes that
 
 

@@ -23,7 +23,9 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
-from dilocox.common.deploy.topology import METRICS_PORT, SHARD_PORT, Placement, Site, Topology, shard_command, site_commands
+from dilocox.common.deploy.topology import (
+    METRICS_PORT, SHARD_PORT, Placement, Site, Topology, shard_command, site_commands, tls_flags,
+)  # fmt: skip
 
 NAME = "slurm"
 HELP = "sbatch scripts: one job for the shards, one per site (torchrun across its nodes), requeue-safe"
@@ -112,13 +114,8 @@ class SlurmPlacement(Placement):
         return "0.0.0.0"
 
 
-def tls_flags(options: SlurmOptions, role: str) -> list[str]:
-    if not options.tls_dir:
-        return ["--insecure"]
-    d = options.tls_dir.rstrip("/")
-    if role == "server":
-        return ["--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server-key.pem", "--tls-ca", f"{d}/ca.pem"]
-    return ["--tls-ca", f"{d}/ca.pem", "--tls-cert", f"{d}/client.pem", "--tls-key", f"{d}/client-key.pem"]
+def transport_flags(options: SlurmOptions, role: str) -> list[str]:
+    return list(tls_flags(options.tls_dir, role)) if options.tls_dir else ["--insecure"]
 
 
 def shell(argv: list[str], raw: dict[str, str]) -> str:
@@ -144,7 +141,7 @@ def _prologue(topology: Topology, options: SlurmOptions) -> list[str]:
 
 def shards_script(topology: Topology, options: SlurmOptions) -> str:
     placement = SlurmPlacement(shard_port_base=options.shard_port, metrics_port_base=options.metrics_port)
-    argv = shard_command(topology, 0, placement, "$STATE/shards", keep_serving=False, security=tls_flags(options, "server"),
+    argv = shard_command(topology, 0, placement, "$STATE/shards", keep_serving=False, security=transport_flags(options, "server"),
                          extra=["--resume-if-present"])  # fmt: skip
     index = argv.index("--shard-index") + 1
     argv[index] = "$i"
@@ -187,7 +184,7 @@ def site_script(topology: Topology, index: int, options: SlurmOptions) -> str:
     site = topology.sites[index]
     nodes, per_node = options.nodes(site), options.ranks_on_a_node(site)
     worker = site_commands(topology, index, SlurmPlacement(shard_port_base=options.shard_port, metrics_port_base=options.metrics_port),
-                           security=tls_flags(options, "client"))[-1]  # fmt: skip
+                           security=transport_flags(options, "client"))[-1]  # fmt: skip
     worker = worker[1:] + ["--checkpoint-dir", "$STATE/sites", "--resume-if-present"]  # "dilocox" → python -m …
     worker[worker.index("--servers") + 1] = f"${SERVERS_VAR}"  # every shard's address, known when the job runs
     rdzv = options.rdzv_port + index

@@ -19,6 +19,15 @@ CHECKPOINT_DIR = "/var/lib/dilocox/checkpoints"
 INSECURE = ("--insecure",)  # the simulation's transport; a launcher with certificates passes --tls-* flags instead
 
 
+def tls_flags(directory: str, role: str) -> tuple[str, ...]:
+    """The --tls-* flags of a shard (`role` "server": its certificate, key, and the CA its clients' are
+    signed by) or a site ("client") whose files `dilocox certs` wrote into `directory`."""
+    d = directory.rstrip("/")
+    if role == "server":
+        return ("--tls-cert", f"{d}/server.pem", "--tls-key", f"{d}/server-key.pem", "--tls-ca", f"{d}/ca.pem")
+    return ("--tls-ca", f"{d}/ca.pem", "--tls-cert", f"{d}/client.pem", "--tls-key", f"{d}/client-key.pem")
+
+
 @dataclass(frozen=True)
 class Site:
     """One cluster: a torchrun job of pp × dp ranks in one container (or on one host)."""
