@@ -6,9 +6,14 @@ which the test turns into a SKIPPED line saying why."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
+
+
+LOCK_FILE = os.path.join(tempfile.gettempdir(), "dilocox-tests-apt.lock")
 
 
 class PackageUnavailable(RuntimeError):
@@ -26,10 +31,17 @@ def ensure(package: str, programs: tuple[str, ...], timeout: float = 600) -> Non
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise PackageUnavailable(f"{package} is not installed and this is not root with apt-get to install it")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
-    if done.returncode != 0:  # the package lists may be missing on a new machine
-        subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=timeout, env=env)
+    # Tests run in parallel (pytest-xdist): two installs at once would meet on dpkg's lock, and the loser
+    # would skip its test. One install at a time, and apt waits for a lock held by anything else.
+    wait = ["-o", f"DPkg::Lock::Timeout={int(timeout)}"]
+    command = ["apt-get", *wait, "install", "-y", "-q", "--no-install-recommends", package]
+    with open(LOCK_FILE, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _present(programs):  # installed by the test that held the lock before us
+            return
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+        if done.returncode != 0:  # the package lists may be missing on a new machine
+            subprocess.run(["apt-get", *wait, "update", "-q"], capture_output=True, timeout=timeout, env=env)
+            done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     if done.returncode != 0 or not _present(programs):
         raise PackageUnavailable(f"apt-get install {package} failed: {(done.stderr or done.stdout).strip()[-300:]}")
