@@ -6,7 +6,6 @@ Skipped, with the reason, where Slurm cannot be installed or started (not root, 
 
 from __future__ import annotations
 
-import json
 import pathlib
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from dilocox.common.deploy.deploy_cli import parse_sites
 from dilocox.common.deploy.slurm import SlurmOptions, site_script
 from dilocox.common.deploy.topology import Topology
 from tests.local_slurm import LocalSlurm, SlurmUnavailable
+from tests.json_logs import json_events
 from tests.ports import free_port_range
 
 ROUNDS = 4
@@ -31,17 +31,6 @@ def slurm(tmp_path_factory):
         pytest.skip(f"Slurm: {error}")
     yield cluster
     cluster.stop()
-
-
-def _events(path: pathlib.Path) -> list[dict]:
-    events = []
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        if line.startswith("{"):
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return events
 
 
 def _wait(condition, timeout: float, what: str, slurm: LocalSlurm, out: pathlib.Path) -> None:
@@ -73,7 +62,7 @@ def test_sbatch_scripts_run_shards_and_sites_to_the_end_and_a_requeued_site_resu
     b_log = out / f"slurm-test-site-b-{sites['site-b']}.out"
 
     def b_made(rounds: int) -> bool:
-        return sum(1 for e in _events(b_log) if e.get("event") == "round_done") >= rounds
+        return sum(1 for e in json_events(b_log) if e.get("event") == "round_done") >= rounds
 
     _wait(lambda: b_made(2), 240, "site-b made 2 rounds", slurm, out)
     slurm.run("scontrol", "requeue", sites["site-b"])  # Slurm stops it and starts the same script again
@@ -86,15 +75,15 @@ def test_sbatch_scripts_run_shards_and_sites_to_the_end_and_a_requeued_site_resu
     # site-b ran twice (same job, appended log) and the second start resumed from its checkpoint.
     text = b_log.read_text()
     assert "site site-b job" in text and " start 2 " in text, text[-2000:]
-    resumed = [e for e in _events(b_log) if e.get("event") == "resume_if_present"]
+    resumed = [e for e in json_events(b_log) if e.get("event") == "resume_if_present"]
     assert [e["resume"] for e in resumed][:1] == [False] and True in [e["resume"] for e in resumed], resumed
     for name, job in sites.items():
-        events = _events(out / f"slurm-test-{name}-{job}.out")
+        events = json_events(out / f"slurm-test-{name}-{job}.out")
         done = [e for e in events if e.get("event") == "cluster_done"]
         assert done, f"{name} did not finish"
         assert max(e["round"] for e in events if e.get("event") == "round_done") == ROUNDS
     # Both shards ran to the run's end (they stop by themselves once every site has the final version).
-    shard_events = _events(out / f"slurm-test-shards-{shards}.out")
+    shard_events = json_events(out / f"slurm-test-shards-{shards}.out")
     finished = [e for e in shard_events if e.get("event") == "run_finished"]
     # The final version is rounds + 1: with the one-step delay the sites flush their last round's work.
     assert sorted(e["shard"] for e in finished) == [0, 1] and all(e["version"] == ROUNDS + 1 for e in finished), finished

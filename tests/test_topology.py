@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import shlex
-import socket
 import subprocess
 import sys
 
@@ -17,6 +15,8 @@ import pytest
 from dilocox.common.cli import build_parser
 from dilocox.common.deploy.compose_file import compose_document, render, to_yaml
 from dilocox.common.deploy.topology import COMPOSE, LOCALHOST, Topology, all_commands, as_shell
+from tests.json_logs import json_events
+from tests.ports import free_port_range
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -77,46 +77,12 @@ def test_yaml_emitter_round_trips_through_json_scalars():
     assert text == 'a:\n  b: ["x y", 1, true]\n  c: {}\nd:\n  - e: "f"'
 
 
-def _free_port_run(count: int) -> int:
-    """A base port with `count` consecutive free ports after it."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count > 65000:
-            continue
-        try:
-            held = []
-            for port in range(base, base + count):
-                s = socket.socket()
-                s.bind(("127.0.0.1", port))
-                held.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
-def _json_events(path: pathlib.Path) -> list[dict]:
-    events = []
-    for line in path.read_text().splitlines():
-        if line.startswith("{"):
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return events
-
-
 @pytest.mark.timeout(300)
 def test_topology_trains_as_plain_processes(tmp_path):
     """The compose topology's own commands (localhost placement), shortened to 3 rounds."""
     base = Topology()
-    ports = _free_port_run(base.num_shards)
-    metrics = _free_port_run(base.num_shards + len(base.sites))
+    ports = free_port_range(base.num_shards, host="127.0.0.1")
+    metrics = free_port_range(base.num_shards + len(base.sites), host="127.0.0.1")
     # min_clusters=2: with the compose default (1) a site that starts first may close round 1 alone.
     topology = dataclasses.replace(base, rounds=3, inner_steps=10, min_clusters=2, host_port_base=ports, host_metrics_base=metrics)
     procs: dict[str, subprocess.Popen] = {}
@@ -137,10 +103,10 @@ def test_topology_trains_as_plain_processes(tmp_path):
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    closed = [e for e in _json_events(tmp_path / "shard-0.log") if e.get("event") == "round_closed"]
+    closed = [e for e in json_events(tmp_path / "shard-0.log") if e.get("event") == "round_closed"]
     assert [e["round"] for e in closed] == [1, 2, 3, 4]  # 3 rounds, then the end-of-run flush
     assert all(e["clusters"] == len(topology.sites) for e in closed)
     for site in topology.sites:
-        done = [e for e in _json_events(tmp_path / f"{site.name}.log") if e.get("event") == "cluster_done"]
+        done = [e for e in json_events(tmp_path / f"{site.name}.log") if e.get("event") == "cluster_done"]
         assert len(done) == site.ranks  # every rank of the torchrun job finished
         assert all(e["final_eval_loss"] < e["initial_eval_loss"] for e in done)
