@@ -26,6 +26,7 @@ import structlog
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_flags, config_from_args
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.deploy.certs import make_dev_certificates
+from dilocox.common.deploy.topology import tls_flags
 from dilocox.common.deploy import prometheus_config
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments
@@ -117,12 +118,10 @@ class Simulation:
         self._min_clusters = max(1, args.clusters - 1) if args.grace_s > 0 else args.clusters
         self.server_security, self.worker_security = ["--insecure"], ["--insecure"]
         if args.tls:
-            certs = make_dev_certificates(log_dir / "certs")
+            make_dev_certificates(log_dir / "certs")  # ca.pem, server.pem, client.pem and keys: tls_flags' names
             token = secrets.token_hex(16)
-            self.server_security = ["--tls-cert", str(certs["server"]), "--tls-key", str(certs["server-key"]),
-                                    "--tls-ca", str(certs["ca"]), "--token", token]  # fmt: skip
-            self.worker_security = ["--tls-ca", str(certs["ca"]), "--tls-cert", str(certs["client"]),
-                                    "--tls-key", str(certs["client-key"]), "--token", token]  # fmt: skip
+            self.server_security = [*tls_flags(str(log_dir / "certs"), "server"), "--token", token]
+            self.worker_security = [*tls_flags(str(log_dir / "certs"), "client"), "--token", token]
         self.shards: list[subprocess.Popen] = []
         self.workers: dict[str, subprocess.Popen] = {}
         self.readers: dict[str, _ClusterLogReader] = {}

@@ -58,14 +58,20 @@ def _named(exprs: list[str]) -> set[str]:
     return {name for expr in exprs for name in METRIC.findall(expr)}
 
 
-def test_every_metric_the_rules_and_the_dashboard_name_is_exported():
-    rules = yaml.safe_load(RULES.read_text())
+def named_by_rules_and_dashboard(rules_path: pathlib.Path = RULES) -> set[str]:
+    """Every metric the alert rules at `rules_path` and the shipped dashboard's panels name."""
+    rules = yaml.safe_load(rules_path.read_text())
     exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
-    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
-    assert {"DilocoxRunStalled", "DilocoxSiteGone", "DilocoxRoundOverDeadline", "DilocoxReplayMismatch"} <= alerts
     dashboard = json.loads(DASHBOARD.read_text())
     exprs += [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
-    named = _named(exprs)
+    return _named(exprs)
+
+
+def test_every_metric_the_rules_and_the_dashboard_name_is_exported():
+    rules = yaml.safe_load(RULES.read_text())
+    alerts = {rule["alert"] for group in rules["groups"] for rule in group["rules"]}
+    assert {"DilocoxRunStalled", "DilocoxSiteGone", "DilocoxRoundOverDeadline", "DilocoxReplayMismatch"} <= alerts
+    named = named_by_rules_and_dashboard()
     assert len(named) >= 15, named
     missing = named - _exported_sample_names()
     assert not missing, f"named by the rules or the dashboard but not exported: {sorted(missing)}"

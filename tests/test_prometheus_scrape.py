@@ -18,7 +18,7 @@ import pytest
 from dilocox.common.deploy import prometheus_config
 from tests.debian_packages import PackageUnavailable, ensure
 from tests.ports import free_port_range
-from tests.test_monitoring import DASHBOARD, RULES, _named
+from tests.test_monitoring import RULES, named_by_rules_and_dashboard
 
 SHARDS, CLUSTERS = 2, 2
 
@@ -86,11 +86,7 @@ def test_prometheus_scrapes_a_running_sim_and_finds_every_metric_the_rules_and_d
         # Every metric the shipped rules and dashboard name is in the scrape.
         scraped = set(_get(f"{url}/api/v1/label/__name__/values"))
         rules = prometheus_config.shipped(prometheus_config.ALERT_RULES)
-        import yaml
-
-        exprs = [r["expr"] for g in yaml.safe_load(rules.read_text())["groups"] for r in g["rules"]]
-        exprs += [t["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for t in panel["targets"]]
-        named = _named(exprs)
+        named = named_by_rules_and_dashboard(rules)
         assert len(named) >= 15, named
         missing = sorted(named - scraped)
         assert not missing, f"named by the rules or the dashboard, absent from the scrape of a running sim: {missing}"
