@@ -20,7 +20,7 @@ from tests.local_slurm import LocalSlurm, SlurmUnavailable
 from tests.json_logs import json_events
 from tests.ports import free_port_range
 
-ROUNDS = 4
+ROUNDS = 6  # rounds take ~0.4 s here: enough left after the requeue point that the site is still running
 
 
 @pytest.fixture
@@ -38,7 +38,7 @@ def _wait(condition, timeout: float, what: str, slurm: LocalSlurm, out: pathlib.
     while time.monotonic() < deadline:
         if condition():
             return
-        time.sleep(1)
+        time.sleep(0.2)
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}" for p in sorted(out.glob("*.out")))
     raise AssertionError(f"{what} within {timeout:g}s; squeue:\n{slurm.run('squeue', check=False).stdout}\n{logs}")
 
@@ -64,7 +64,10 @@ def test_sbatch_scripts_run_shards_and_sites_to_the_end_and_a_requeued_site_resu
     def b_made(rounds: int) -> bool:
         return sum(1 for e in json_events(b_log) if e.get("event") == "round_done") >= rounds
 
-    _wait(lambda: b_made(2), 240, "site-b made 2 rounds", slurm, out)
+    def b_committed() -> bool:  # a checkpoint is committed once its round is on the shards, sealed in the background
+        return any(e.get("event") == "worker_checkpoint_saved" for e in json_events(b_log))
+
+    _wait(lambda: b_made(2) and b_committed(), 240, "site-b made 2 rounds and committed a checkpoint", slurm, out)
     slurm.run("scontrol", "requeue", sites["site-b"])  # Slurm stops it and starts the same script again
     jobs = [shards, *sites.values()]
     _wait(lambda: all(slurm.state(j) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "") for j in jobs),
