@@ -15,7 +15,8 @@ reference that bounds it, measured in the same run and with the same threads:
 | decode | `codecs.decode_lazy` into a buffer (the ordered product, bit-exact everywhere) | an add |
 | replay | `aggregation.apply_round` of M contributions, as a cluster's replay runs it | an add |
 | replay check | `replica_digest.state_digest` over weights and momentum, hashed as a cluster asks | sha256 of the same bytes |
-| shard close | `apply_round` of M dense fp32 contributions in place, as a shard closes | an add |
+| shard vet | `codecs.vet` of M dense fp32 payloads, as a shard vets each push on arrival (the finiteness pass) | an add |
+| shard close | `apply_round` of M dense fp32 contributions in place, as a shard closes (vetted: views of their bytes) | an add |
 
 for 1 thread, 2 threads and all cores. Then the training thread's tokens/s with the exchange running
 beside it, continuously, against the same training alone: the GIL and core contention figure.
@@ -43,11 +44,11 @@ from dilocox.common.wire.replica_digest import state_digest
 from dilocox.worker.exchange.replay_check import ReplayCheck
 from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
 
-STAGES = ("pseudo_gradient", "compress_ef", "frame_zstd", "vet", "decode", "replay", "replay_check", "shard_close")
+STAGES = ("pseudo_gradient", "compress_ef", "frame_zstd", "vet", "decode", "replay", "replay_check", "shard_vet", "shard_close")
 REFERENCE = {"pseudo_gradient": "copy", "compress_ef": "matmul", "decode": "add", "replay": "add",
-             "replay_check": "sha256", "shard_close": "add"}  # fmt: skip
+             "replay_check": "sha256", "shard_vet": "add", "shard_close": "add"}  # fmt: skip
 # A cluster's per-round exchange: its own Δ and push, the M − 1 forwarded payloads it vets, the replay of
-# the M contributions, and the replay check. The shard close is the shard's, not the cluster's.
+# the M contributions, and the replay check. The shard's vet and close are the shard's, not the cluster's.
 CLUSTER_STAGES = ("pseudo_gradient", "compress_ef", "frame_zstd", "vet", "replay", "replay_check")
 
 
@@ -115,7 +116,9 @@ class LayerExchange:
         # The round's contributions as the wire delivered them (built once: reassembly is the push's cost).
         self.lowrank_slices = {k: [EncodedSlice(k, e.codec, e.dtype, e.shape, bytearray(e.payload)) for e in (p[k] for p in self.payloads)]
                                for k in self.keys}  # fmt: skip
-        self.dense_slices = {k: [EncodedSlice(k, "fp32", "float32", self.shapes[k], bytearray(d[k])) for d in self.dense] for k in self.keys}
+        # As the shard holds them: each vetted as its push arrived (`shard_vet`), so the close decodes views.
+        self.dense_slices = {k: [EncodedSlice(k, "fp32", "float32", self.shapes[k], bytearray(d[k]), vetted=True) for d in self.dense]
+                             for k in self.keys}  # fmt: skip
         self.decoded = {k: torch.empty(self.shapes[k]) for k in self.keys}
         self.shard_outer = OuterNesterov(lr=0.7, momentum=0.9)
         self.shard_outer.buffers = {k: v.clone() for k, v in self.outer.buffers.items()}
@@ -167,6 +170,11 @@ class LayerExchange:
     def _replay_check(self) -> None:
         state_digest(self.keys, self.replica, self.outer.buffers, ReplayCheck().digest)
 
+    def _shard_vet(self) -> None:
+        for k in self.keys:  # as server/servicer.py's assembly vets each pushed slice (codecs.vet)
+            for s in self.dense_slices[k]:
+                codecs.vet(s.codec, s.payload, s.dtype, s.shape)
+
     def _shard_close(self) -> None:
         for k in self.keys:  # as server/round_state.py closes a dense fp32 round with no pull holding the version
             items, names = self._contributions(k, dense=True)
@@ -175,7 +183,7 @@ class LayerExchange:
     def stage(self, name: str) -> Callable[[], None]:
         return {"pseudo_gradient": self._form_delta, "compress_ef": self._compress, "frame_zstd": self._frame,
                 "vet": self._vet, "decode": self._decode, "replay": self._replay, "replay_check": self._replay_check,
-                "shard_close": self._shard_close}[name]  # fmt: skip
+                "shard_vet": self._shard_vet, "shard_close": self._shard_close}[name]  # fmt: skip
 
     def round_of_cluster(self) -> None:
         """One cluster's whole per-round exchange, in order (what runs beside training)."""

@@ -101,7 +101,7 @@ class AggregatorServicer:
                 return self.shard.vet_slice(key, chunk.codec, tuple(chunk.shape))
 
             pushed = [
-                EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), u.payload)  # the assembler's buffer, handed over
+                EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), u.payload, vetted=True)  # the assembler's buffer, handed over
                 for u in assemble_units(chunks(), vet, self.shard.slice_map.entries)
             ]
             if count < header.chunks:  # nothing of a cut stream is applied

@@ -96,6 +96,8 @@ def test_bad_requests_get_distinct_codes_and_change_nothing(shard_set):
         good.push(1, 100.0, slice_tensors(good.assignment, random_tensors(1)))  # round 1 half-collected
         shard = shards.shards[0]
         before = _state(shard)
+        # Kept as vetted on arrival (codecs.vet, by the assembly): the close decodes them without a second pass.
+        assert all(c.slice.vetted for per in shard.accumulator.contributions.values() for c in per.values())
         stub = _stub(shards.addresses[0])
 
         wrong_model = [("tok_emb", (65, 16))] + PARAMS[1:]

@@ -147,19 +147,23 @@ def _check_shape(shape: tuple[int, ...]) -> None:
         raise InvalidFrame(f"negative dimension in shape {list(shape)}")
 
 
-def decode(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+def decode(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...], vetted: bool = False) -> torch.Tensor:
+    """The payload's values; refused (InvalidFrame) unless every one is finite. `vetted`: this very
+    buffer passed `vet` and nothing has written to it since, so the finiteness pass (a read of every
+    value: for fp32 the whole cost of a decode to a view) is not run again."""
     _check_shape(shape)
     tensor = check_known(name).decode(buffer, dtype, shape)
-    if name != "lowrank" and not all_finite(tensor):  # a low-rank decode is vetted on its factors first
+    if name != "lowrank" and not vetted and not all_finite(tensor):  # a low-rank decode is vetted on its factors first
         raise InvalidFrame(f"{name} payload holds NaN or Inf values")
     return tensor
 
 
-def decode_lazy(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor | OrderedProduct:
+def decode_lazy(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...], vetted: bool = False) -> torch.Tensor | OrderedProduct:
     """`decode`, except that a low-rank payload comes back as its `OrderedProduct` (vetted, the factors
-    only): the round's mean builds it block by block, never as a dense tensor (`aggregation.apply_round`)."""
+    only): the round's mean builds it block by block, never as a dense tensor (`aggregation.apply_round`).
+    Factors are re-checked even when `vetted`: that costs a pass over the factors, not the product."""
     if name != "lowrank":
-        return decode(name, buffer, dtype, shape)
+        return decode(name, buffer, dtype, shape, vetted)
     _check_shape(shape)
     _check_lowrank_frame(buffer, dtype, shape)
     return OrderedProduct(*vetted_factors(buffer))

@@ -13,7 +13,7 @@ moves bytes. Frames are protobuf `TensorChunk` messages (plain data, no gRPC).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -62,12 +62,16 @@ class EncodedSlice:
         payload, dtype = codecs.encode("fp32", tensor)
         return cls(key, "fp32", dtype, tuple(tensor.shape), bytearray(payload))
 
+    vetted: bool = field(default=False, compare=False)
+    """The payload passed `codecs.vet` as it arrived (an `Assembled` unit's buffer, handed over): its
+    decodes skip the finiteness pass. False for anything else (read from a checkpoint, built locally)."""
+
     def decode(self) -> torch.Tensor:
-        return codecs.decode(self.codec, self._buffer(), self.dtype, self.shape)
+        return codecs.decode(self.codec, self._buffer(), self.dtype, self.shape, self.vetted)
 
     def decode_lazy(self) -> torch.Tensor | codecs.OrderedProduct:
         """`decode`, a low-rank payload as its factors (`codecs.decode_lazy`)."""
-        return codecs.decode_lazy(self.codec, self._buffer(), self.dtype, self.shape)
+        return codecs.decode_lazy(self.codec, self._buffer(), self.dtype, self.shape, self.vetted)
 
     def _buffer(self) -> bytearray:
         return self.payload if isinstance(self.payload, bytearray) else bytearray(self.payload)
@@ -316,11 +320,11 @@ class Assembled:
     def decode(self) -> torch.Tensor:
         """The payload decoded (an fp32 payload decodes to a view of it); not kept: a holder of many units
         decodes each when it reaches it, so that never all of them are dense at once."""
-        return codecs.decode(self.meta.codec, self.payload, self.meta.dtype, tuple(self.meta.shape))
+        return codecs.decode(self.meta.codec, self.payload, self.meta.dtype, tuple(self.meta.shape), vetted=True)
 
     def decode_lazy(self) -> torch.Tensor | codecs.OrderedProduct:
         """`decode`, a low-rank payload as its factors (`codecs.decode_lazy`)."""
-        return codecs.decode_lazy(self.meta.codec, self.payload, self.meta.dtype, tuple(self.meta.shape))
+        return codecs.decode_lazy(self.meta.codec, self.payload, self.meta.dtype, tuple(self.meta.shape), vetted=True)
 
 
 def unit_of(chunk: pb.TensorChunk) -> tuple:
