@@ -31,7 +31,8 @@ from dilocox.common.wire.checkpoint_format import (
 )
 from dilocox.common.wire.framing import EncodedSlice
 from dilocox.server.round_state import Contribution
-from dilocox.server.shard import Shard, Snapshot
+from dilocox.server.shard import Shard
+from dilocox.server.shard_records import Snapshot
 
 log = structlog.get_logger()
 

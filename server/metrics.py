@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dilocox.server.shard import Shard, Snapshot
+from dilocox.server.shard import Shard
+from dilocox.server.shard_records import Snapshot
 
 # Seconds: per-round CPU work is milliseconds to seconds; a round over a WAN is seconds to an hour.
 _WORK_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))

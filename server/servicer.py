@@ -17,7 +17,8 @@ from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.errors import DilocoxError, InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, assemble_units, frame_slices, own_contribution_digest
 from dilocox.proto import dilocox_pb2 as pb
-from dilocox.server.shard import Shard, Snapshot
+from dilocox.server.shard import Shard
+from dilocox.server.shard_records import Snapshot
 
 log = structlog.get_logger()
 

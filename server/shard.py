@@ -17,7 +17,6 @@ import dataclasses
 import json
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import structlog
@@ -42,76 +41,16 @@ from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.replica_digest import combined_digest, slice_digest
 from dilocox.server.grace import GraceWindow
-from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
-from dilocox.server.round_state import Contribution, RoundAccumulator
+from dilocox.server.round_close import SiteRecord
+from dilocox.server.round_state import RoundAccumulator
 from dilocox.server.run_record import admit_tokenizer, extended_run_config
+from dilocox.server.shard_close import RoundClosing
+from dilocox.server.shard_records import JoinResult, PushResult, RoundStats, SealedRound, Snapshot
 
 log = structlog.get_logger("dilocox.shard")
 
 
-@dataclass
-class JoinResult:
-    cluster: str
-    version: int
-    needs_init: bool
-    assignment: list[ParamSlice]
-    run_config_json: str
-    rejoin: bool = False
-    tokenizer_digest: str = ""
-    tokenizer_json: str = ""  # filled for observers (export) only
-
-
-@dataclass
-class PushResult:
-    round: int
-    accepted: int
-    duplicate: int
-    round_closed: bool
-
-
-@dataclass
-class Snapshot:
-    """One published version: θ_v, the outer momentum after it, and the contributions that made it.
-
-    Nothing here is modified while a pull holds it (`Shard.wait_for_version(hold=True)`), so a pull
-    streaming version v is never torn by the close of round v+1; a close with no such pull updates the
-    weights and momentum in place, so a shard needs one copy of them, not two. `contributions` is what
-    a cluster holding version v−1 needs to replay the step itself — the compressed downlink.
-    """
-
-    version: int
-    tensors: dict[SliceKey, torch.Tensor]
-    momentum: dict[SliceKey, torch.Tensor] = field(default_factory=dict)
-    contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
-    digests: dict[tuple[str, SliceKey], bytes] = field(default_factory=dict)  # (function, slice) -> state digest, filled on first ask
-
-
-@dataclass(frozen=True)
-class RoundStats:
-    """How the last round closed, kept for metrics (`on_publish` reads it) and `dilocox status`."""
-
-    round: int
-    clusters: tuple[str, ...]  # whose contributions made it
-    dropped: tuple[str, ...]  # marked inactive at this close (missed the deadline)
-    update_s: float  # decoding the contributions, their mean and the outer step (one fused pass)
-    latency_s: float  # first contribution in → version published
-    closed_at: float  # wall clock (time.time())
-    late: tuple[str, ...] = ()  # members it closed without (quorum + grace): their part comes next round
-    tokens: tuple[tuple[str, float], ...] = ()  # (cluster, weight) of those who made it
-    grace_s: float | None = None  # the grace window it was given (quorum + grace only)
-
-
-@dataclass(frozen=True)
-class _Closing:
-    """A round sealed for its close: its contributions, who is in, the version it steps from."""
-
-    acc: RoundAccumulator
-    decision: CloseDecision
-    snapshot: Snapshot
-    in_place: bool
-
-
-class Shard:
+class Shard(RoundClosing):
     def __init__(
         self,
         shard_index: int,
@@ -164,7 +103,7 @@ class Shard:
         self._init_staging: dict[SliceKey, torch.Tensor] = {}
         self.snapshot: Snapshot | None = None
         self.accumulator: RoundAccumulator | None = None
-        self._round_closing: _Closing | None = None  # a round sealed and being stepped outside the lock
+        self._round_closing: SealedRound | None = None  # a round sealed and being stepped outside the lock
         self.bytes_in = 0
         self.bytes_out = 0
         self.dropped_bytes = 0  # partial contributions discarded when a deadline closed a round without them
@@ -362,120 +301,6 @@ class Shard:
         self._cond.notify_all()
         for listener in self.version_listeners:
             listener()
-
-    def start_deadline_timer(self) -> threading.Event:
-        """Tick in a daemon thread while a deadline or a grace window is set; set the returned event to stop it."""
-        stop = threading.Event()
-        if self.round_deadline_s is not None or self.grace is not None:
-            # A tenth of the shortest time that can end a round: a close is at most that late.
-            bounds = [b for b in (self.round_deadline_s, self.grace and self.grace.min_s, self.grace and self.grace.max_s) if b]
-            interval = max(0.01, min(0.2, min(bounds, default=0.1) / 10))
-
-            def loop() -> None:
-                while not stop.wait(interval):
-                    self.tick()
-
-            threading.Thread(target=loop, name=f"shard-{self.shard_index}-deadline", daemon=True).start()
-        return stop
-
-    def tick(self, now: float | None = None) -> bool:
-        """Close the open round if its deadline or grace window has passed with enough contributions
-        (called periodically; never with the lock held)."""
-        return self._close_if_due(now)
-
-    def _close_if_due(self, now: float | None = None) -> bool:
-        """Close the open round if `decide` says so: decided and sealed under the lock, the weighted mean
-        and outer step computed outside it, published under it again. Why outside: at model size the
-        step takes seconds per shard, and joins, status, and pulls of other versions need not wait for
-        it. While it runs the round is closed to pushes (a retry of an included push is a duplicate) and,
-        when it updates in place, the version it updates is handed to no new pull. Call without the lock."""
-        with self._cond:
-            closing = self._begin_close(now)
-        if closing is None:
-            return False
-        try:
-            new, update_s = self._step_round(closing)
-        except BaseException:
-            with self._cond:  # nothing published: the round stays open with what it had
-                self.accumulator, self._round_closing = closing.acc, None
-                self._notify_waiters()
-            raise
-        with self._cond:
-            self._finish_close(closing, new, update_s)
-        return True
-
-    def _begin_close(self, now: float | None) -> _Closing | None:
-        acc = self.accumulator
-        if acc is None or self.snapshot is None or acc.round != self.open_round or self._round_closing is not None:
-            return None
-        now = time.monotonic() if now is None else now
-        if first_round_waits(acc.round, len(self.known), self.expect_clusters, acc.first_push_at, now, self.round_deadline_s):
-            return None
-        decision = decide(acc, self.members, set(self.owned), self.min_clusters, now, self.round_deadline_s, self.grace, self.last_seen)
-        if decision is None:
-            return None
-        self._settle_membership(acc, decision)
-        # In place only when no pull streams the current version; none is handed out until the publish.
-        closing = _Closing(acc, decision, self.snapshot, in_place=not self._readers.get(id(self.snapshot)))
-        self.accumulator, self._round_closing = None, closing
-        return closing
-
-    def _step_round(self, closing: _Closing) -> tuple[dict, float]:
-        """The outer step of every owned slice on the round's weighted mean (no lock held: only this
-        thread touches the sealed accumulator, the optimiser and, in place, the sealed version)."""
-        new = {}
-        started = time.perf_counter()
-        for key, param in closing.snapshot.tensors.items():
-            stepped = closing.acc.apply(key, self.optimizer, param, closing.in_place)
-            new[key] = param if stepped is None else stepped
-        return new, time.perf_counter() - started
-
-    def _finish_close(self, closing: _Closing, new: dict, update_s: float) -> None:
-        acc, decision = closing.acc, closing.decision
-        # No copy: the optimiser replaces the buffers, or updates them in place only when no pull holds
-        # the version they belong to.
-        momentum = dict(self.optimizer.buffers)
-        latency_s = time.monotonic() - acc.first_push_at if acc.first_push_at is not None else 0.0
-        tokens = tuple(sorted(acc.cluster_weights.items()))
-        self.last_round = RoundStats(acc.round, tuple(sorted(decision.include)), tuple(decision.dropped), update_s, latency_s,
-                                     time.time(), decision.late, tokens, decision.grace_s)  # fmt: skip
-        for cluster, weight in tokens:
-            self.sites.setdefault(cluster, SiteRecord()).made(acc.round, weight)
-        self._round_closing = None
-        self._publish(Snapshot(acc.round, new, momentum, acc.contributions))
-        log.info(
-            "round_closed",
-            shard=self.shard_index,
-            round=acc.round,
-            clusters=len(decision.include),
-            tokens=sum(acc.cluster_weights.values()),
-            bytes_in=acc.bytes_in,
-            update_s=round(update_s, 4),
-            latency_s=round(latency_s, 3),
-            **({"late": list(decision.late), "grace_s": round(decision.grace_s, 3)} if decision.grace_s is not None else {}),
-        )
-        self._notify_waiters()
-
-    def wait_until_published(self) -> None:
-        """(Under the lock.) Until a close in progress has published: its version is not yet whole."""
-        self._cond.wait_for(lambda: self._round_closing is None)
-
-    def _settle_membership(self, acc: RoundAccumulator, decision: CloseDecision) -> None:
-        """Before a close: mark the dropped inactive (their partial parts are discarded: they carry them),
-        count the late, and let the grace window learn the round's arrival spread."""
-        for cluster in decision.dropped:
-            del self.members[cluster]
-            log.warning("cluster_inactive", shard=self.shard_index, cluster=cluster, round=acc.round,
-                        reason=f"no complete contribution within the {self.round_deadline_s}s deadline" if self.grace is None
-                        else "part of its contribution in when the grace window ended, or silent past the deadline")  # fmt: skip
-        if decision.dropped:
-            self.dropped_bytes += acc.keep_only(set(decision.include))
-        for cluster in decision.late:
-            self.sites.setdefault(cluster, SiteRecord()).missed()
-            log.info("cluster_late", shard=self.shard_index, cluster=cluster, round=acc.round, grace_s=round(decision.grace_s or 0, 3),
-                     reason="not in when the grace window ended: its part goes with its next push")  # fmt: skip
-        if self.grace is not None:
-            self.grace.observe(arrival_spread(acc, decision))
 
     # ------------------------------------------------------------------ pulls
     def wait_for_version(

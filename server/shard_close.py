@@ -1,0 +1,138 @@
+"""How a shard closes a round (the half of `Shard` that turns an open round into a published version).
+
+A close is decided and sealed under the shard's lock, stepped outside it, and published under it again
+(docs/decisions.md, "The shard steps a round outside its lock"): at model size the weighted mean and outer
+step take seconds per shard, and joins, status and pulls of other versions need not wait for them. The
+deadline timer and `tick` drive closes that no push triggers (a deadline, a grace window)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import structlog
+
+from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
+from dilocox.server.round_state import RoundAccumulator
+from dilocox.server.shard_records import RoundStats, SealedRound, Snapshot
+
+log = structlog.get_logger("dilocox.shard")
+
+
+class RoundClosing:
+    """Mixed into `Shard`: the close and the timer that ticks it. Uses the shard's state and lock
+    (`_cond`, `accumulator`, `snapshot`, `members`, `optimizer`, …), defined in `Shard.__init__`."""
+
+    def start_deadline_timer(self) -> threading.Event:
+        """Tick in a daemon thread while a deadline or a grace window is set; set the returned event to stop it."""
+        stop = threading.Event()
+        if self.round_deadline_s is not None or self.grace is not None:
+            # A tenth of the shortest time that can end a round: a close is at most that late.
+            bounds = [b for b in (self.round_deadline_s, self.grace and self.grace.min_s, self.grace and self.grace.max_s) if b]
+            interval = max(0.01, min(0.2, min(bounds, default=0.1) / 10))
+
+            def loop() -> None:
+                while not stop.wait(interval):
+                    self.tick()
+
+            threading.Thread(target=loop, name=f"shard-{self.shard_index}-deadline", daemon=True).start()
+        return stop
+
+    def tick(self, now: float | None = None) -> bool:
+        """Close the open round if its deadline or grace window has passed with enough contributions
+        (called periodically; never with the lock held)."""
+        return self._close_if_due(now)
+
+    def _close_if_due(self, now: float | None = None) -> bool:
+        """Close the open round if `decide` says so: decided and sealed under the lock, the weighted mean
+        and outer step computed outside it, published under it again. Why outside: at model size the
+        step takes seconds per shard, and joins, status, and pulls of other versions need not wait for
+        it. While it runs the round is closed to pushes (a retry of an included push is a duplicate) and,
+        when it updates in place, the version it updates is handed to no new pull. Call without the lock."""
+        with self._cond:
+            closing = self._begin_close(now)
+        if closing is None:
+            return False
+        try:
+            new, update_s = self._step_round(closing)
+        except BaseException:
+            with self._cond:  # nothing published: the round stays open with what it had
+                self.accumulator, self._round_closing = closing.acc, None
+                self._notify_waiters()
+            raise
+        with self._cond:
+            self._finish_close(closing, new, update_s)
+        return True
+
+    def _begin_close(self, now: float | None) -> SealedRound | None:
+        acc = self.accumulator
+        if acc is None or self.snapshot is None or acc.round != self.open_round or self._round_closing is not None:
+            return None
+        now = time.monotonic() if now is None else now
+        if first_round_waits(acc.round, len(self.known), self.expect_clusters, acc.first_push_at, now, self.round_deadline_s):
+            return None
+        decision = decide(acc, self.members, set(self.owned), self.min_clusters, now, self.round_deadline_s, self.grace, self.last_seen)
+        if decision is None:
+            return None
+        self._settle_membership(acc, decision)
+        # In place only when no pull streams the current version; none is handed out until the publish.
+        closing = SealedRound(acc, decision, self.snapshot, in_place=not self._readers.get(id(self.snapshot)))
+        self.accumulator, self._round_closing = None, closing
+        return closing
+
+    def _step_round(self, closing: SealedRound) -> tuple[dict, float]:
+        """The outer step of every owned slice on the round's weighted mean (no lock held: only this
+        thread touches the sealed accumulator, the optimiser and, in place, the sealed version)."""
+        new = {}
+        started = time.perf_counter()
+        for key, param in closing.snapshot.tensors.items():
+            stepped = closing.acc.apply(key, self.optimizer, param, closing.in_place)
+            new[key] = param if stepped is None else stepped
+        return new, time.perf_counter() - started
+
+    def _finish_close(self, closing: SealedRound, new: dict, update_s: float) -> None:
+        acc, decision = closing.acc, closing.decision
+        # No copy: the optimiser replaces the buffers, or updates them in place only when no pull holds
+        # the version they belong to.
+        momentum = dict(self.optimizer.buffers)
+        latency_s = time.monotonic() - acc.first_push_at if acc.first_push_at is not None else 0.0
+        tokens = tuple(sorted(acc.cluster_weights.items()))
+        self.last_round = RoundStats(acc.round, tuple(sorted(decision.include)), tuple(decision.dropped), update_s, latency_s,
+                                     time.time(), decision.late, tokens, decision.grace_s)  # fmt: skip
+        for cluster, weight in tokens:
+            self.sites.setdefault(cluster, SiteRecord()).made(acc.round, weight)
+        self._round_closing = None
+        self._publish(Snapshot(acc.round, new, momentum, acc.contributions))
+        log.info(
+            "round_closed",
+            shard=self.shard_index,
+            round=acc.round,
+            clusters=len(decision.include),
+            tokens=sum(acc.cluster_weights.values()),
+            bytes_in=acc.bytes_in,
+            update_s=round(update_s, 4),
+            latency_s=round(latency_s, 3),
+            **({"late": list(decision.late), "grace_s": round(decision.grace_s, 3)} if decision.grace_s is not None else {}),
+        )
+        self._notify_waiters()
+
+    def wait_until_published(self) -> None:
+        """(Under the lock.) Until a close in progress has published: its version is not yet whole."""
+        self._cond.wait_for(lambda: self._round_closing is None)
+
+    def _settle_membership(self, acc: RoundAccumulator, decision: CloseDecision) -> None:
+        """Before a close: mark the dropped inactive (their partial parts are discarded: they carry them),
+        count the late, and let the grace window learn the round's arrival spread."""
+        for cluster in decision.dropped:
+            del self.members[cluster]
+            log.warning("cluster_inactive", shard=self.shard_index, cluster=cluster, round=acc.round,
+                        reason=f"no complete contribution within the {self.round_deadline_s}s deadline" if self.grace is None
+                        else "part of its contribution in when the grace window ended, or silent past the deadline")  # fmt: skip
+        if decision.dropped:
+            self.dropped_bytes += acc.keep_only(set(decision.include))
+        for cluster in decision.late:
+            self.sites.setdefault(cluster, SiteRecord()).missed()
+            log.info("cluster_late", shard=self.shard_index, cluster=cluster, round=acc.round, grace_s=round(decision.grace_s or 0, 3),
+                     reason="not in when the grace window ended: its part goes with its next push")  # fmt: skip
+        if self.grace is not None:
+            self.grace.observe(arrival_spread(acc, decision))
