@@ -243,6 +243,30 @@ def test_a_site_that_misses_the_grace_window_stays_and_its_part_is_applied_next_
         late.close()
 
 
+
+def test_a_round_one_shard_closed_without_the_site_reports_the_bytes_the_other_shard_took(shard_set):
+    """A late exchange whose push only some shards refused: the round's report counts what the others
+    took (their answer to a retry of an included part is duplicates, whose bytes went over the wire too),
+    not 0 as if nothing had been sent."""
+    shards = shard_set(2, RUN, min_clusters=1, outer_lr=LR, outer_momentum=MOMENTUM, grace_s=(0.2, 0.2))
+    a, late = _started(shards.addresses, ("a", "late"))
+    try:
+        deltas = {name: _tensors(20 + i) for i, name in enumerate(("a", "late"))}
+        late.push(1, 10.0, slice_tensors(late.assignment, deltas["late"]), shards=[0])  # shard 0 only, in time
+        a.push(1, 30.0, slice_tensors(a.assignment, deltas["a"]))
+        shards.wait_version(1)
+        assert [s.last_round.clusters for s in shards.shards] == [("a", "late"), ("a",)]
+        communicator = Communicator(late)
+        communicator.submit(1, 10.0, slice_tensors(late.assignment, deltas["late"]))
+        exchange, _ = communicator.collect(timeout=30)
+        communicator.close()
+        assert exchange.late and exchange.version == 1
+        took = late.traffic.per_shard_up[0]
+        assert exchange.bytes_up > 0 and late.traffic.per_shard_up.get(1, 0) == 0 and took >= exchange.bytes_up
+    finally:
+        a.close()
+        late.close()
+
 def test_a_refusal_that_is_not_a_closed_round_still_makes_the_site_rejoin(shard_set):
     """Dropped from the run (a deadline, no grace): the refused push's pull is refused too, and the
     exchange fails as before — the site rejoins; nothing is taken for a late round."""

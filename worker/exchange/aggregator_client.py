@@ -8,7 +8,6 @@ framing.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -250,7 +249,9 @@ class AggregatorClient:
             closed = [s for s, e in refused.items() if e.code == grpc.StatusCode.FAILED_PRECONDITION]
             if round_ > 0:
                 self.carry_undelivered(round_, [key for s in closed for key in by_shard.get(s, [])], weight)
-            raise next(iter(refused.values()))
+            error = next(iter(refused.values()))
+            error.bytes_sent = total  # what the other shards took: counted in the traffic, and in the round's report
+            raise error
         return total
 
     def carry_undelivered(self, round_: int, keys: Iterable[SliceKey], weight: float) -> None:

@@ -137,7 +137,7 @@ class Communicator:
             result = self._closed_without_us(round_) if error.code == grpc.StatusCode.FAILED_PRECONDITION else None
             if result is None:
                 raise
-            bytes_up = 0
+            bytes_up = error.bytes_sent  # the shards that still took this round's part (all refused: 0)
         finally:
             push_done.set()
         pushed = time.perf_counter()

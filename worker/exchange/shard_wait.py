@@ -44,6 +44,7 @@ class AggregatorError(RuntimeError):
         self.address = address
         self.code = code
         self.details = details
+        self.bytes_sent = 0  # a push refused by some shards: the bytes the others accepted (AggregatorClient.push)
 
 
 def call_waiting(
