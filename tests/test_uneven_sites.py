@@ -243,7 +243,6 @@ def test_a_site_that_misses_the_grace_window_stays_and_its_part_is_applied_next_
         late.close()
 
 
-
 def test_a_round_one_shard_closed_without_the_site_reports_the_bytes_the_other_shard_took(shard_set):
     """A late exchange whose push only some shards refused: the round's report counts what the others
     took (their answer to a retry of an included part is duplicates, whose bytes went over the wire too),
@@ -266,6 +265,7 @@ def test_a_round_one_shard_closed_without_the_site_reports_the_bytes_the_other_s
     finally:
         a.close()
         late.close()
+
 
 def test_a_refusal_that_is_not_a_closed_round_still_makes_the_site_rejoin(shard_set):
     """Dropped from the run (a deadline, no grace): the refused push's pull is refused too, and the

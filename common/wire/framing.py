@@ -55,16 +55,15 @@ class EncodedSlice:
     dtype: str
     shape: tuple[int, ...]
     payload: bytes | bytearray
+    vetted: bool = field(default=False, compare=False)
+    """The payload passed `codecs.vet` as it arrived (an `Assembled` unit's buffer, handed over): its
+    decodes skip the finiteness pass. False for anything else (read from a checkpoint, built locally)."""
 
     @classmethod
     def exact(cls, key: SliceKey, tensor: torch.Tensor) -> "EncodedSlice":
         """An uncompressed (fp32) slice, for callers that hold plain tensors."""
         payload, dtype = codecs.encode("fp32", tensor)
         return cls(key, "fp32", dtype, tuple(tensor.shape), bytearray(payload))
-
-    vetted: bool = field(default=False, compare=False)
-    """The payload passed `codecs.vet` as it arrived (an `Assembled` unit's buffer, handed over): its
-    decodes skip the finiteness pass. False for anything else (read from a checkpoint, built locally)."""
 
     def decode(self) -> torch.Tensor:
         return codecs.decode(self.codec, self._buffer(), self.dtype, self.shape, self.vetted)
