@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+import dilocox
 from dilocox import DiLoCoX, InnerConfig, ParallelConfig, RunConfig, SiteMesh
 
 parser = argparse.ArgumentParser()
@@ -39,11 +40,12 @@ class ByteNet(nn.Module):  # your model: next byte from each byte, through resid
         return F.cross_entropy(self.head(h).flatten(0, 1), x[:, 1:].flatten())
 
 
-torch.manual_seed(0)
-model = ByteNet().to(mesh.device)
+with dilocox.parameters_on_meta():  # built sharded: no rank ever holds the whole model
+    model = ByteNet()
 for block in model.blocks:  # FSDP2 as torchtitan applies it: each block a unit, then the root
     fully_shard(block, mesh=mesh.fsdp_mesh)
 fully_shard(model, mesh=mesh.fsdp_mesh)
+dilocox.materialize(model, mesh.device, seed=0)  # this rank's rows, the same bits in any layout
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 text = importlib.resources.files("dilocox.common").joinpath("data/tinyshakespeare.txt").read_bytes()
 data = torch.tensor(list(text), dtype=torch.long)[: len(text) // 33 * 33].view(-1, 33)

@@ -41,6 +41,10 @@ _HOMES = {
     "TlsFiles": "dilocox.common.security",
     "WireConfig": "dilocox.common.config.run",
     "load_run_config": "dilocox.common.config.load",
+    "MaterializeError": "dilocox.worker.models.materialize",
+    "materialize": "dilocox.worker.models.materialize",
+    "meta_skeleton": "dilocox.worker.models.materialize",
+    "parameters_on_meta": "dilocox.worker.models.materialize",
     "tokenizer_identity": "dilocox.site",
 }
 __all__ = sorted(_HOMES)
@@ -54,6 +58,7 @@ if TYPE_CHECKING:
     from dilocox.worker.exchange.admission import LateJoin, RunFinished, RunLengthMismatch
     from dilocox.worker.exchange.aggregator_client import AggregatorError
     from dilocox.worker.exchange.round_report import RoundReport
+    from dilocox.worker.models.materialize import MaterializeError, materialize, meta_skeleton, parameters_on_meta
     from dilocox.worker.site.mesh import SiteMesh
 
 

@@ -93,7 +93,8 @@ class GPT(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         """GPT-2 init. Residual projections are scaled by 1/sqrt(2*n_layer) because each block adds
         two of them to the residual stream; without it the stream's variance grows with depth.
-        Module construction order is fixed, so the init is deterministic under `torch.manual_seed`."""
+        Every parameter is set here (LayerNorms too), so the init of one module is complete on its own:
+        worker/models/materialize.py draws each module's values from a seed of its own this way."""
         if isinstance(module, nn.Linear):
             std = 0.02
             if getattr(module, "is_residual_proj", False):
@@ -103,6 +104,9 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings: the first pipeline stage. [B, T] int64 -> [B, T, n_embd]."""

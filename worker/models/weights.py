@@ -1,5 +1,6 @@
 """Continue pre-training from local weights: a `.safetensors` file (as `dilocox export` or Hugging Face's
-`save_pretrained` write it) loaded into the freshly built model, every parameter checked by name and shape."""
+`save_pretrained` write it) loaded into the freshly built model, every parameter checked by name and shape.
+A sharded model reads only its own rows of each tensor: no rank holds the file's whole model."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import pathlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from dilocox.worker.models.materialize import local_rows
 from dilocox.worker.models.spec import ModelSpecError
 
 
@@ -18,21 +21,30 @@ def load_weights(model: nn.Module, path: str) -> None:
     if not file.is_file():
         raise ModelSpecError(f"--weights {path}: {file} does not exist")
     try:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
     except ImportError:
         raise ModelSpecError("--weights needs the safetensors package: pip install safetensors") from None
     try:
-        state = load_file(str(file))
+        reader = safe_open(str(file), framework="pt")
     except Exception as error:  # noqa: BLE001 - safetensors raises its own error types for a bad header
         raise ModelSpecError(f"--weights {file}: not a readable safetensors file: {error}") from None
-    params = dict(model.named_parameters())
-    missing = [name for name in params if name not in state]
-    if missing:
-        raise ModelSpecError(f"--weights {file}: no tensor for {len(missing)} of the model's {len(params)} parameters, "
-                             f"e.g. {', '.join(missing[:3])}")  # fmt: skip
-    wrong = [f"{n} {tuple(state[n].shape)} vs {tuple(p.shape)}" for n, p in params.items() if tuple(state[n].shape) != tuple(p.shape)]
-    if wrong:
-        raise ModelSpecError(f"--weights {file}: shapes differ from the model's: {'; '.join(wrong[:3])}")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(state[name].to(torch.float32))
+    with reader:
+        stored = set(reader.keys())
+        params = dict(model.named_parameters())
+        missing = [name for name in params if name not in stored]
+        if missing:
+            raise ModelSpecError(f"--weights {file}: no tensor for {len(missing)} of the model's {len(params)} parameters, "
+                                 f"e.g. {', '.join(missing[:3])}")  # fmt: skip
+        shapes = {n: tuple(reader.get_slice(n).get_shape()) for n in params}
+        wrong = [f"{n} {shapes[n]} vs {tuple(p.shape)}" for n, p in params.items() if shapes[n] != tuple(p.shape)]
+        if wrong:
+            raise ModelSpecError(f"--weights {file}: shapes differ from the model's: {'; '.join(wrong[:3])}")
+        with torch.no_grad():
+            for name, p in params.items():
+                # Only the rows this rank holds are read (a sharded parameter's Shard(0) chunk).
+                local = p.to_local() if isinstance(p, DTensor) else p
+                if p.dim() == 0:
+                    local.copy_(reader.get_tensor(name).to(torch.float32))
+                    continue
+                rows = local_rows(p)
+                local.copy_(reader.get_slice(name)[rows.start : rows.stop].to(torch.float32))

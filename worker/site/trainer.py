@@ -33,14 +33,35 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from dilocox.common.config.run import RunConfig
 from dilocox.worker.data.corpus import BatchSampler, as_token_array, check_split, data_part, eval_windows, gather_windows
 from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
-from dilocox.worker.models.build import build_model
+from dilocox.worker.models.build import blueprint
 from dilocox.worker.models.contract import causal_lm_loss, logits_of
 from dilocox.worker.site.mesh import SiteMesh
 from dilocox.worker.site.parallelize import local_part, reshard_all, shard_stage
 from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
-from dilocox.worker.train.pipeline_stage import build_stage
+from dilocox.worker.models.materialize import materialize
+from dilocox.worker.models.weights import load_weights
+from dilocox.worker.train.pipeline_stage import split_model
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def build_site_module(config: RunConfig, vocab_size: int, mesh: SiteMesh) -> torch.nn.Module:
+    """This rank's part of the run's initial model, built sharded: the model's meta blueprint, cut to this
+    rank's stage, FSDP2-sharded while still on meta, then only this rank's rows are made on its device —
+    from the run's seed, bit-identical to one process (worker/models/materialize.py), or read from
+    `--weights`. A `module:function` model (its init its own code's) is built whole and then sharded."""
+    plan = blueprint(config.model, vocab_size, config.seed)
+    module = plan.module if mesh.shape.pp == 1 else split_model(plan.module, mesh.stage, mesh.shape.pp)
+    if plan.built:
+        module = module.to(mesh.device)
+    if mesh.fsdp_mesh is not None:
+        shard_stage(module, mesh.fsdp_mesh, mesh.compute.bf16, pipelined=mesh.shape.pp > 1)
+    if not plan.built:
+        materialize(module, mesh.device, config.seed, plan.init_fn, plan.skeleton, fill=not config.model.weights)
+        torch.manual_seed(config.seed)  # what draws next (dropout) starts from the seed, as in one process
+    if config.model.weights:
+        load_weights(module, config.model.weights)
+    return module
 
 
 class SiteTrainer:
@@ -55,16 +76,8 @@ class SiteTrainer:
         check_split(len(data.train), len(data.eval), config.model.block_size, part.count)
         self.eval_data = as_token_array(data.eval)
         self.vocab_size = data.vocab_size
-        # The full model is built on the CPU from the run's seed (bit-identical to one process), the stage
-        # keeps its own modules, and only those move to the device.
-        if shape.pp == 1:
-            module = build_model(config.model, data.vocab_size, config.seed)
-        else:
-            module = build_stage(config.model, data.vocab_size, config.seed, mesh.stage, shape.pp)
-        self.module = module.to(self.device)
         self.sharded = mesh.fsdp_mesh is not None
-        if self.sharded:
-            shard_stage(self.module, mesh.fsdp_mesh, self.compute.bf16, pipelined=shape.pp > 1)
+        self.module = build_site_module(config, data.vocab_size, mesh)
         # bf16 without FSDP is autocast; with FSDP its mixed-precision policy does it.
         self._autocast = (lambda: contextlib.nullcontext()) if self.sharded else self.compute.autocast
         self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index,

@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from dilocox.common.config.run import ModelConfig
-from dilocox.worker.models.build import build_model, meta_model
+from dilocox.worker.models.build import blueprint, meta_model
 from dilocox.worker.models.gpt import GPT
 from dilocox.worker.models.hf import ties_embeddings
+from dilocox.worker.models.materialize import materialize
+from dilocox.worker.models.weights import load_weights
 
 
 class PipelineSplitError(ValueError):
@@ -140,12 +142,16 @@ def split_model(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
 
 
 def build_stage(config: ModelConfig, vocab_size: int, seed: int, stage: int, num_stages: int) -> nn.Module:
-    """The stage of the model every cluster builds from `seed`, identical to the single-process init.
-
-    The full model is built once (so the initialisation is bit-identical to one process under the same
-    seed), the stage keeps its own modules, and the rest is dropped before training starts.
-    """
-    return split_model(build_model(config, vocab_size, seed), stage, num_stages)
+    """The stage of the model every cluster builds from `seed`, on the CPU, bit-identical to the same
+    parameters of the single-process model: cut from the model's meta blueprint, then only the stage's
+    parameters are made (worker/models/materialize.py)."""
+    plan = blueprint(config, vocab_size, seed)
+    module = split_model(plan.module, stage, num_stages)
+    if not plan.built:
+        materialize(module, "cpu", seed, plan.init_fn, plan.skeleton, fill=not config.weights)
+    if config.weights:
+        load_weights(module, config.weights)
+    return module
 
 
 def check_splittable(config: ModelConfig, num_stages: int) -> None:
