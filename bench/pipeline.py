@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 import time
 
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 
 from dilocox.bench.report import write_report
 from dilocox.common.config.run import InnerConfig, ParallelConfig, RunConfig
+from dilocox.common.subprocesses import free_local_port
 from dilocox.worker.data.corpus import load_corpus
 from dilocox.worker.train.inner_trainer import InnerTrainer
 
@@ -64,9 +64,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
     _, tokens, seconds = single.train_steps(args.steps)
     rows = [{"pp": 1, "schedule": "-", "backend": "-", "tokens_per_s": round(tokens / seconds), "vs_pp1": 1.0}]
     for schedule in ("gpipe", "1f1b"):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_local_port()
         out = os.path.join(tempfile.mkdtemp(), "rate")
         started = time.perf_counter()
         mp.spawn(_rank, args=(port, args, schedule, out), nprocs=2, join=True)

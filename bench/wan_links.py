@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import pathlib
-import socket
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from dilocox.bench.netns import Topology
 from dilocox.bench.wan_procs import ChildProcess, child_env, python_module, stop_all, wait_for_file
+from dilocox.common.subprocesses import free_local_port
 
 
 @dataclass(frozen=True)
@@ -111,9 +111,7 @@ class LoopbackLinks:
         return "lo"
 
     def free_port(self, site: int) -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+        return free_local_port()
 
     def counters(self, site: int) -> dict[str, int] | None:
         return None

@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "compose": ("dilocox.common.deploy.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),
     "deploy": ("dilocox.common.deploy.deploy_cli", "render a run's launch files for Slurm (sbatch) or Kubernetes (manifests)"),
     "link": ("dilocox.common.deploy.link_cli", "shape this host's WAN egress (tc) and measure a link's bulk rate"),
+    "plan": ("dilocox.worker.site.plan_cli", "what a site's layout needs per GPU and per rank, and which layouts fit, before anything is built"),
     "config": ("dilocox.common.config.show", "print the effective run configuration (flags > env > --config file) as TOML"),
 }
 

@@ -5,6 +5,7 @@ then SIGKILL if it has not exited within the grace period."""
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 
 
@@ -17,3 +18,10 @@ def stop_gracefully(proc: subprocess.Popen, grace_s: float) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait()
+
+
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's pick), for a process group or server started next."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     check_world_size(config.parallel)
     try:  # before a torchrun job is started, or any weight built, for nothing
         check_model_size(config.model, config.model.vocab_size, config.parallel, _local_processes(config.parallel),
-                         _device_bytes(config.parallel))  # fmt: skip
+                         _device_bytes(config.parallel), inner=config.inner)  # fmt: skip
         check_splittable(config.model, config.parallel.pp)
     except (ModelSpecError, PipelineSplitError) as error:
         raise SystemExit(f"dilocox worker: {error}") from None
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         data = load_run_data(config.tokenizer, args.data, args.text_field)
         if data.vocab_size != config.model.vocab_size:  # the tokenizer's vocabulary sizes the model: check again
             check_model_size(config.model, data.vocab_size, config.parallel, _local_processes(config.parallel),
-                             _device_bytes(config.parallel))  # fmt: skip
+                             _device_bytes(config.parallel), inner=config.inner)  # fmt: skip
         if mesh is None:
             trainer = InnerTrainer(config, data, args.cluster_index, args.num_clusters)
             if args.simulate_slowdown != 1.0:

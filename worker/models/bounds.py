@@ -5,8 +5,8 @@ Why before: building is where a bad size costs. A vocabulary of 10⁹ asked torc
 with a traceback; 10⁶ layers grew to 11.8 GB of RSS over 83 s before the allocator gave up (on a smaller
 machine the OOM killer ends it, and maybe its neighbours). Even the meta device builds one Python module
 per layer, so the fields are bounded first, then an analytic estimate of the parameters, and only then is
-the structure built on the meta device for the exact count. Every rank of a node builds the whole model
-on the CPU once at start (worker/models/build.py), so that is what host memory must hold first.
+the structure built on the meta device for the exact count; the bytes a layout needs come from the memory
+plan (worker/site/memory_plan.py), the same that `dilocox plan` prints.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dilocox.common.config.run import ModelConfig, ParallelConfig
+from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig
 from dilocox.worker.models.spec import ModelSpec, ModelSpecError, resolve_model
 
 # Far beyond any model trained today, short of sizes whose structure alone would take minutes to build.
@@ -24,8 +24,6 @@ MAX_HEADS = 4096
 MAX_VOCAB = 1 << 23
 MAX_POSITIONS = 1 << 22
 MAX_PARAMS = 10**13
-TRAIN_BYTES_PER_PARAM = 16  # fp32 weights, gradients, AdamW's two moments
-BUILD_BYTES_PER_PARAM = 4  # the whole model, fp32, built once on the CPU by every rank
 
 _HF_FIELDS = {  # config.json key -> (what it is, bound, may be absent/None)
     "vocab_size": ("vocabulary", MAX_VOCAB, False),
@@ -46,8 +44,8 @@ _HF_FIELDS = {  # config.json key -> (what it is, bound, may be absent/None)
 @dataclass(frozen=True)
 class ModelSize:
     params: int
-    build_bytes_per_process: int  # host memory to build the whole model once
-    train_bytes_per_rank: int  # weights + gradients + AdamW state of one rank's share
+    build_bytes_per_process: int  # host memory to make a rank's shard: one whole parameter at a time
+    train_bytes_per_rank: int  # the fullest rank's planned device bytes (weights … activations, reshard)
 
     def describe(self) -> str:
         return f"{_count(self.params)} parameters"
@@ -124,11 +122,13 @@ def available_host_bytes() -> int | None:
 
 
 def check_model_size(config: ModelConfig, vocab: int, parallel: ParallelConfig, local_processes: int = 1,
-                     device_bytes: int | None = None, host_bytes: int | None = None) -> ModelSize:  # fmt: skip
+                     device_bytes: int | None = None, host_bytes: int | None = None, inner: InnerConfig | None = None) -> ModelSize:  # fmt: skip
     """Refuse, with one line, a model that is malformed, absurd, or larger than this machine can build
-    or train in the given layout; returns its size. `local_processes`: ranks on this node (each builds the
-    whole model on the CPU); `device_bytes`: one GPU's memory (None on the CPU: training state is host
-    memory then); `host_bytes`: memory available here (default: /proc/meminfo's MemAvailable)."""
+    or train in the given layout; returns its size. The bytes are the memory plan's
+    (worker/site/memory_plan.py, what `dilocox plan` prints): one model of memory for the guard and the
+    plan. `local_processes`: ranks on this node; `device_bytes`: one GPU's memory (None on the CPU:
+    training state is host memory then); `host_bytes`: memory available here (default: /proc/meminfo's
+    MemAvailable); `inner`: the batch sizes the activations are planned for."""
     spec = resolve_model(config.model)
     sizes = check_fields(spec, config)
     estimate = estimate_params(sizes, vocab)
@@ -145,20 +145,26 @@ def check_model_size(config: ModelConfig, vocab: int, parallel: ParallelConfig, 
         raise ModelSpecError(f"--model {spec.label}: cannot be built from its configuration: {error}") from None
     if params > MAX_PARAMS:
         raise ModelSpecError(f"--model {spec.label}: {_count(params)} parameters, beyond the {_count(MAX_PARAMS)} this project builds")
-    per_rank = parallel.pp * parallel.dp_shard
-    size = ModelSize(params, BUILD_BYTES_PER_PARAM * params, math.ceil(TRAIN_BYTES_PER_PARAM * params / per_rank))
+    from dilocox.common.config.run import InnerConfig, RunConfig
+    from dilocox.worker.site.memory_plan import plan_memory, planned_precision
+
+    run = planned_precision(RunConfig(model=config, parallel=parallel, inner=inner or InnerConfig()), on_gpu=bool(device_bytes))
+    plan = plan_memory(run, vocab, device_bytes, fused_attention=bool(device_bytes))
+    worst = plan.peak_device
+    size = ModelSize(params, max(r.host["build"] for r in plan.ranks), worst.device_total)
     host = available_host_bytes() if host_bytes is None else host_bytes
-    need_host = local_processes * size.build_bytes_per_process + (0 if device_bytes else local_processes * size.train_bytes_per_rank)
+    per_process = max(r.host_peak for r in plan.ranks) + (0 if device_bytes else worst.device_total)
+    need_host = local_processes * per_process
     if host is not None and need_host > host:
         raise ModelSpecError(
             f"--model {spec.label}: {size.describe()} need about {_gb(need_host)} of host memory here ({local_processes} "
-            f"process(es) on this node, each building the whole model once{'' if device_bytes else ' and training its share'}), "
-            f"and {_gb(host)} is available"
+            f"process(es) on this node, each making its shard{'' if device_bytes else ', training it'} and keeping the "
+            f"exchange's buffers; `dilocox plan` itemises it), and {_gb(host)} is available"
         )  # fmt: skip
-    if device_bytes and size.train_bytes_per_rank > device_bytes:
+    if device_bytes and not plan.fits():
         raise ModelSpecError(
-            f"--model {spec.label}: {size.describe()} need about {_gb(size.train_bytes_per_rank)} per GPU for weights, gradients "
-            f"and AdamW state at --pp {parallel.pp} × --dp {parallel.dp} (FSDP shards {parallel.dp_shard}), and a GPU here has "
-            f"{_gb(device_bytes)}: raise --pp or the FSDP shards"
+            f"--model {spec.label}: {size.describe()} need about {_gb(worst.device_total)} per GPU at --pp {parallel.pp} × "
+            f"--dp {parallel.dp} (FSDP shards {parallel.dp_shard}), most of it {plan.binding()}, and a GPU here has "
+            f"{_gb(device_bytes)}: raise --pp or the FSDP shards (`dilocox plan --gpus N` lists the layouts that fit)"
         )  # fmt: skip
     return size

@@ -1,0 +1,239 @@
+"""What a site's layout needs, per rank, before anything is built: the one model of memory that `dilocox
+plan`, the worker's size guard and the API's use.
+
+Everything is counted from the model's structure on the meta device (exact parameter counts per stage and
+per rank, FSDP2's row chunks) and the layout; the terms follow what torch's engines allocate, as read in
+their code and measured on gloo (`dilocox plan --measure`, tests/test_memory_plan.py):
+
+Device, per GPU (on the CPU the same bytes are host memory):
+* `weights`, `grads`, `optimizer`: FSDP2's sharded fp32 parameters, their sharded gradients and AdamW's two
+  moments — 4 + 4 + 8 B per element this rank holds (its Shard(0) rows; all rows unsharded).
+* `gathered`: parameters FSDP2 has all-gathered for compute (bf16 or fp32). Unpipelined: the root unit
+  (embeddings, head, final norm) and two blocks (the one computing and the next, prefetched). Pipelined
+  (--pp > 1): every block of the stage stays gathered from its first forward to the end of the step's
+  backward (worker/site/parallelize.py) — the whole stage.
+* `grad_accumulators`: unsharded fp32 gradients before FSDP's reduce-scatter. Pipelined: torch's schedule
+  turns gradient sync off for every microbatch but the last, so FSDP2 keeps the whole stage's unsharded
+  gradients through the step. Unpipelined: one block's and the root's, transiently.
+* `activations`: what autograd saves per token and layer (`ACTIVATION_ELEMENTS`), times the microbatches
+  in flight (GPipe: all of them; 1F1B: pp − stage + 1, as the next forward runs before the oldest backward; unpipelined: the rank's whole batch), in the compute
+  dtype; plus the attention matrix where attention is not fused (the CPU's math kernel).
+* `logits`: the last stage's fp32 logits, one set per microbatch in flight plus the loss's two transients.
+* `reshard`: the two flat buffers the round boundary's all_to_all keeps (worker/site/reshard.py), sized by
+  its own planner for this rank.
+* `optimizer_step`: AdamW's transient (its foreach path on a GPU copies the second moments once; the
+  per-tensor path on the CPU one tensor at a time).
+
+Host, per rank: `build` (one whole parameter while materialising, worker/models/materialize.py), `exchange`
+(the round's flat buffers, replica, momentum and residual per owned parameter: worker/exchange/), and
+`checkpoint` (the DCP staging copy of weights and AdamW state, and the residuals) — the last only while a
+checkpoint is staged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from dilocox.common.config.run import RunConfig
+from dilocox.worker.site.mesh import SiteShape
+from dilocox.worker.site.reshard import BATCH_ELEMENTS, StageResharder, held_rows
+
+GB = 1e9
+# Per token and layer, the elements autograd keeps for a pre-norm transformer block, counted from the
+# saved tensors of the built-in GPT and a Llama layer (norm inputs and outputs, q/k/v, attention output,
+# projections' inputs, the MLP's hidden activations): ~ 12·width + 4·mlp_width. Calibrated against
+# measured peaks on gloo (tests/test_memory_plan.py).
+ACTIVATION_WIDTH_FACTOR = 12
+ACTIVATION_MLP_FACTOR = 4
+# Exchange bytes per owned parameter today: start 4, work 4, replica 4, momentum 4, residual 4
+# (worker/exchange/host_buffers.py, docs/decisions.md); the low-rank warm starts are counted apart.
+EXCHANGE_BYTES_PER_PARAM = 20
+CHECKPOINT_BYTES_PER_HELD = 12  # fp32 weights + AdamW's two moments, staged by DCP
+CHECKPOINT_BYTES_PER_OWNED = 4  # the residuals
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model: every parameter's (name, shape) by stage, and its sizes."""
+
+    stages: list[list[tuple[str, tuple[int, ...]]]]  # per stage, in order
+    blocks: list[list[int]]  # per stage, the element count of each transformer block
+    width: int
+    mlp: int
+    heads: int
+    vocab: int
+
+    @property
+    def params(self) -> int:
+        return sum(math.prod(shape) for stage in self.stages for _, shape in stage)
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    stage: int
+    replica: int
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    held: int = 0  # parameter elements this rank holds (its shard)
+    owned: int = 0  # parameter elements whose exchange this rank runs
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_steady(self) -> int:
+        return self.host["exchange"]
+
+    @property
+    def host_peak(self) -> int:
+        return max(self.host["build"], self.host["exchange"] + self.host["checkpoint"])
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    params: int
+    shape: SiteShape
+    ranks: list[RankPlan]
+    gpu_bytes: int | None
+    bf16: bool
+    pipelined_gathered: bool
+
+    @property
+    def peak_device(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.device_total)
+
+    def fits(self) -> bool:
+        return self.gpu_bytes is None or self.peak_device.device_total <= self.gpu_bytes
+
+    def binding(self) -> str:
+        """The largest term of the fullest GPU: what to change first."""
+        worst = self.peak_device
+        term = max(worst.device, key=worst.device.get)
+        return f"{term} ({worst.device[term] / GB:.1f} GB on rank {worst.rank}, stage {worst.stage})"
+
+
+def planned_precision(config: RunConfig, on_gpu: bool) -> RunConfig:
+    """`auto` planned as the worker resolves it: bf16 on GPUs (compute capability ≥ 8 is assumed), fp32
+    on the CPU."""
+    par = config.parallel
+    if par.precision != "auto":
+        return config
+    return dataclasses.replace(config, parallel=dataclasses.replace(par, precision="bf16" if on_gpu else "fp32"))
+
+
+def model_shape(config: RunConfig, vocab: int) -> ModelShape:
+    """The model's stages and sizes from its meta structure (no memory)."""
+    from dilocox.worker.models.bounds import check_fields
+    from dilocox.worker.models.build import meta_model
+    from dilocox.worker.models.spec import resolve_model
+    from dilocox.worker.site.parallelize import transformer_blocks
+    from dilocox.worker.train.pipeline_stage import split_model
+
+    model = meta_model(config.model, vocab)
+    sizes = check_fields(resolve_model(config.model.model), config.model)
+    pp = config.parallel.pp
+    stages = [model] if pp == 1 else [split_model(model, s, pp) for s in range(pp)]
+    specs = [[(n, tuple(p.shape)) for n, p in stage.named_parameters()] for stage in stages]
+    blocks = [[sum(p.numel() for p in block.parameters()) for block in transformer_blocks(stage)] for stage in stages]
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None) or config.model.n_head
+    width = sizes.get("width") or config.model.n_embd
+    return ModelShape(specs, blocks, width, sizes.get("mlp") or 4 * width, int(heads), vocab)
+
+
+def _held(shapes: dict[str, tuple[int, ...]], shard: int, shards: int) -> int:
+    total = 0
+    for shape in shapes.values():
+        rows = shape[0] if shape else 1
+        start, stop = held_rows(rows, shard, shards)
+        total += (stop - start) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
+    return total
+
+
+def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fused_attention: bool = True,
+                model: ModelShape | None = None, batch_elements: int = BATCH_ELEMENTS) -> MemoryPlan:  # fmt: skip
+    """Every rank's planned bytes for `config`'s layout (see the module docstring). `fused_attention`:
+    SDPA's flash/memory-efficient kernels (GPUs) keep no attention matrix; the CPU's math kernel does."""
+    model = model or model_shape(config, vocab)
+    par, inner, block = config.parallel, config.inner, config.model.block_size
+    shape = SiteShape.of(par)
+    bf16 = par.precision == "bf16"
+    param_bytes = 2 if bf16 else 4
+    act_bytes = 2 if bf16 else 4
+    sharded = shape.dp > 1  # FSDP2 applied (mesh.fsdp_mesh is not None)
+    pipelined = shape.pp > 1
+    cuda = par.device != "cpu"
+    ranks = []
+    resharders = [StageResharder(dict(specs), shape, 0, sharded, batch_elements) for specs in model.stages]
+    buffers = [_reshard_buffers(r) for r in resharders]
+    for rank in range(shape.world_size):
+        stage, replica = shape.stage_of(rank), shape.replica_of(rank)
+        shapes = dict(model.stages[stage])
+        stage_params = sum(math.prod(s) for s in shapes.values())
+        blocks = model.blocks[stage]
+        root = stage_params - sum(blocks)
+        held = _held(shapes, shape.shard_coordinate(replica), shape.dp_shard) if sharded else stage_params
+        plan = RankPlan(rank, stage, replica, held=held)
+        d = plan.device
+        d["weights"], d["grads"], d["optimizer"] = 4 * held, 4 * held, 8 * held
+        largest_block = max(blocks, default=0)
+        if not sharded:
+            d["gathered"], d["grad_accumulators"] = 0, 0
+        elif pipelined:
+            d["gathered"], d["grad_accumulators"] = param_bytes * stage_params, 4 * stage_params
+        else:
+            d["gathered"] = param_bytes * (root + 2 * largest_block)
+            d["grad_accumulators"] = 4 * (root + largest_block)
+        micro = par.microbatches if pipelined else 1
+        tokens = inner.batch_size // micro * block
+        if not pipelined:
+            in_flight = 1
+        elif par.schedule == "gpipe":
+            in_flight = micro
+        else:  # the next microbatch's forward runs before the oldest one's backward: one more than in flight
+            in_flight = min(shape.pp - stage + 1, micro)
+        per_token_layer = ACTIVATION_WIDTH_FACTOR * model.width + ACTIVATION_MLP_FACTOR * model.mlp
+        if not fused_attention:
+            per_token_layer += 2 * model.heads * block  # the attention probabilities and their dropout/softmax copy
+        d["activations"] = in_flight * tokens * len(blocks) * per_token_layer * act_bytes
+        last = stage == shape.pp - 1
+        last_in_flight = 1 if not pipelined or par.schedule == "1f1b" else micro
+        d["logits"] = tokens * model.vocab * 4 * (last_in_flight + 2) if last else 0
+        resharder = resharders[stage]
+        d["reshard"] = 4 * buffers[stage][replica] if shape.dp > 1 else 0
+        largest_local = max((math.prod(s) for s in shapes.values()), default=0) // (shape.dp_shard if sharded else 1)
+        d["optimizer_step"] = 4 * (held if cuda else largest_local)
+        owned_names = [n for n in shapes if resharder.owner[n] == replica]
+        owned = sum(math.prod(shapes[n]) for n in owned_names)
+        plan.owned = owned
+        warm = sum(shapes[n][1] * config.compress.rank_max * 4 for n in owned_names if len(shapes[n]) == 2)
+        largest = max((math.prod(s) for s in shapes.values()), default=0)
+        plan.host = {
+            "build": 5 * largest,  # the whole parameter drawn, and its NaN check's mask
+            "exchange": EXCHANGE_BYTES_PER_PARAM * owned + warm,
+            "checkpoint": CHECKPOINT_BYTES_PER_HELD * held + CHECKPOINT_BYTES_PER_OWNED * owned,
+        }
+        ranks.append(plan)
+    return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, pipelined and sharded)
+
+
+def _reshard_buffers(plan: StageResharder) -> list[int]:
+    """Per replica of the stage, elements of the send + receive buffers its resharder keeps: the largest
+    of each over its batches, gathers and scatters (it grows them and never shrinks). One pass over the
+    plan's pieces, which are the same on every replica."""
+    dp = plan.shape.dp
+    send, recv = [0] * dp, [0] * dp
+    for pieces in plan.gather_pieces + plan.scatter_pieces:
+        out, into = [0] * dp, [0] * dp
+        for p in pieces:
+            if p.src != p.dst:
+                n = (p.stop - p.start) * plan.row_numel[p.name]
+                out[p.src] += n
+                into[p.dst] += n
+        send = [max(a, b) for a, b in zip(send, out)]
+        recv = [max(a, b) for a, b in zip(recv, into)]
+    return [s + r for s, r in zip(send, recv)]

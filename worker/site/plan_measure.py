@@ -1,0 +1,95 @@
+"""`dilocox plan --measure`: run a layout's ranks on this machine's CPU (gloo, one process per rank) and
+compare each rank's measured memory with the plan.
+
+A rank's measurement is its resident set above what it held before the model was built (Python, torch,
+the process group): after materialising its shard (`init`), and — unless `--init-only` — the peak over
+one inner step of the real `SiteTrainer` (forward, backward, clipping, AdamW). On the CPU, device memory
+*is* host memory, so the planned figure is the device plan of that moment (the round boundary's reshard
+buffers excluded: no exchange runs here) — plus, at init, the whole parameter a rank holds while making it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+from dilocox.common.config.run import RunConfig
+from dilocox.worker.site.memory_plan import MemoryPlan
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclasses.dataclass
+class RankMeasure:
+    rank: int
+    init: int  # bytes above the baseline once the shard is made (peak during the making)
+    step: int | None  # peak bytes above the baseline over one inner step
+
+
+def planned_init(plan: MemoryPlan, rank: int) -> int:
+    r = plan.ranks[rank]
+    return r.device["weights"] + r.host["build"]
+
+
+def planned_step(plan: MemoryPlan, rank: int) -> int:
+    r = plan.ranks[rank]
+    return r.device_total - r.device["reshard"]
+
+
+def _rank(rank: int, world: int, port: int, config: RunConfig, init_only: bool, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    torch.set_num_threads(1)
+    from dilocox.worker.data.corpus import load_corpus
+    from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
+    from dilocox.worker.site.mesh import SiteMesh
+    from dilocox.worker.site.trainer import SiteTrainer
+
+    from dilocox.worker.models.build import meta_model
+
+    data = TokenData.from_bytes(load_corpus(None), EVAL_FRACTION)
+    mesh = SiteMesh(config.parallel, collective_timeout_s=600)
+    try:
+        meta_model(config.model, data.vocab_size)  # the model's code imported (transformers), nothing allocated
+        torch.distributed.barrier()
+        baseline = rss_bytes()
+        if init_only:
+            from dilocox.worker.site.trainer import build_site_module
+
+            build_site_module(config, data.vocab_size, mesh)
+            init = peak_rss_bytes() - baseline
+            step = None
+        else:
+            trainer = SiteTrainer(config, data, mesh)
+            init = peak_rss_bytes() - baseline
+            trainer.train_steps(1)
+            step = peak_rss_bytes() - baseline
+        torch.distributed.barrier()
+        torch.save(RankMeasure(rank, init, step), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        mesh.close()
+
+
+def measure(config: RunConfig, init_only: bool = False) -> list[RankMeasure]:
+    """Each rank's measured bytes for `config`'s layout on the CPU (gloo)."""
+    from dilocox.common.subprocesses import free_local_port
+
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cpu", precision="fp32"))
+    world = config.parallel.world_size
+    with tempfile.TemporaryDirectory(prefix="dilocox-plan-") as out:
+        mp.spawn(_rank, args=(world, free_local_port(), config, init_only, out), nprocs=world, join=True)
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
