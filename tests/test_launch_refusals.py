@@ -15,7 +15,7 @@ import time
 import pytest
 
 from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig
-from dilocox.worker.models.bounds import check_model_size
+from dilocox.worker.site.size_guard import check_model_size
 from dilocox.worker.models.spec import ModelSpecError
 
 GB = 10**9

@@ -24,7 +24,7 @@ from dilocox.site import BuiltinTrainer, DiLoCoX
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments, load_run_data, run_tokenizer_spec
 from dilocox.worker.data.tokenizer import TokenizerError
-from dilocox.worker.models.bounds import check_model_size
+from dilocox.worker.site.size_guard import check_model_size
 from dilocox.worker.models.build import model_param_specs
 from dilocox.worker.models.spec import ModelSpecError
 from dilocox.worker.exchange.access import LocalAccess

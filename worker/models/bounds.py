@@ -1,5 +1,6 @@
-"""Refuse a model before building it (issue 33): every size field checked by name, then the parameter
-count and the bytes a rank needs, from the configuration alone, against sane bounds and this machine.
+"""Refuse a malformed or absurd model before building it: every size field checked by name, then an
+analytic estimate of its parameters, from the configuration alone (the bytes a layout needs are the
+memory plan's: worker/site/size_guard.py).
 
 Why before: building is where a bad size costs. A vocabulary of 10⁹ asked torch for 256 GB and died
 with a traceback; 10⁶ layers grew to 11.8 GB of RSS over 83 s before the allocator gave up (on a smaller
@@ -11,11 +12,9 @@ plan (worker/site/memory_plan.py), the same that `dilocox plan` prints.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 
-from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig
-from dilocox.worker.models.spec import ModelSpec, ModelSpecError, resolve_model
+from dilocox.common.config.run import ModelConfig
+from dilocox.worker.models.spec import ModelSpec, ModelSpecError
 
 # Far beyond any model trained today, short of sizes whose structure alone would take minutes to build.
 MAX_LAYERS = 2048
@@ -41,24 +40,14 @@ _HF_FIELDS = {  # config.json key -> (what it is, bound, may be absent/None)
 }
 
 
-@dataclass(frozen=True)
-class ModelSize:
-    params: int
-    build_bytes_per_process: int  # host memory to make a rank's shard: one whole parameter at a time
-    train_bytes_per_rank: int  # the fullest rank's planned device bytes (weights … activations, reshard)
-
-    def describe(self) -> str:
-        return f"{_count(self.params)} parameters"
-
-
-def _count(n: float) -> str:
+def count_text(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return str(int(n))
 
 
-def _gb(n: float) -> str:
+def gb_text(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
@@ -119,52 +108,3 @@ def available_host_bytes() -> int | None:
     except OSError:
         pass
     return None
-
-
-def check_model_size(config: ModelConfig, vocab: int, parallel: ParallelConfig, local_processes: int = 1,
-                     device_bytes: int | None = None, host_bytes: int | None = None, inner: InnerConfig | None = None) -> ModelSize:  # fmt: skip
-    """Refuse, with one line, a model that is malformed, absurd, or larger than this machine can build
-    or train in the given layout; returns its size. The bytes are the memory plan's
-    (worker/site/memory_plan.py, what `dilocox plan` prints): one model of memory for the guard and the
-    plan. `local_processes`: ranks on this node; `device_bytes`: one GPU's memory (None on the CPU:
-    training state is host memory then); `host_bytes`: memory available here (default: /proc/meminfo's
-    MemAvailable); `inner`: the batch sizes the activations are planned for."""
-    spec = resolve_model(config.model)
-    sizes = check_fields(spec, config)
-    estimate = estimate_params(sizes, vocab)
-    if estimate > MAX_PARAMS:
-        raise ModelSpecError(f"--model {spec.label}: about {_count(estimate)} parameters, beyond the {_count(MAX_PARAMS)} "
-                             "this project builds; check its sizes")  # fmt: skip
-    from dilocox.worker.models.build import model_param_specs
-
-    try:
-        params = sum(math.prod(shape) for _, shape in model_param_specs(config, vocab))
-    except ModelSpecError:
-        raise
-    except (ValueError, TypeError, AttributeError, KeyError, RuntimeError) as error:
-        raise ModelSpecError(f"--model {spec.label}: cannot be built from its configuration: {error}") from None
-    if params > MAX_PARAMS:
-        raise ModelSpecError(f"--model {spec.label}: {_count(params)} parameters, beyond the {_count(MAX_PARAMS)} this project builds")
-    from dilocox.common.config.run import InnerConfig, RunConfig
-    from dilocox.worker.site.memory_plan import plan_memory, planned_precision
-
-    run = planned_precision(RunConfig(model=config, parallel=parallel, inner=inner or InnerConfig()), on_gpu=bool(device_bytes))
-    plan = plan_memory(run, vocab, device_bytes, fused_attention=bool(device_bytes))
-    worst = plan.peak_device
-    size = ModelSize(params, max(r.host["build"] for r in plan.ranks), worst.device_total)
-    host = available_host_bytes() if host_bytes is None else host_bytes
-    per_process = max(r.host_peak for r in plan.ranks) + (0 if device_bytes else worst.device_total)
-    need_host = local_processes * per_process
-    if host is not None and need_host > host:
-        raise ModelSpecError(
-            f"--model {spec.label}: {size.describe()} need about {_gb(need_host)} of host memory here ({local_processes} "
-            f"process(es) on this node, each making its shard{'' if device_bytes else ', training it'} and keeping the "
-            f"exchange's buffers; `dilocox plan` itemises it), and {_gb(host)} is available"
-        )  # fmt: skip
-    if device_bytes and not plan.fits():
-        raise ModelSpecError(
-            f"--model {spec.label}: {size.describe()} need about {_gb(worst.device_total)} per GPU at --pp {parallel.pp} × "
-            f"--dp {parallel.dp} (FSDP shards {parallel.dp_shard}), most of it {plan.binding()}, and a GPU here has "
-            f"{_gb(device_bytes)}: raise --pp or the FSDP shards (`dilocox plan --gpus N` lists the layouts that fit)"
-        )  # fmt: skip
-    return size
