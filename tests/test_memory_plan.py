@@ -20,10 +20,10 @@ from dilocox.worker.site.plan_measure import measure, planned_init, planned_step
 MB = 2**20
 
 
-def gpt(pp: int, dp: int, replicate: int = 1, schedule: str = "1f1b") -> RunConfig:
-    return RunConfig(model=ModelConfig(n_embd=512, n_layer=4, n_head=8, block_size=128), inner=InnerConfig(batch_size=8),
+def gpt(pp: int, dp: int, replicate: int = 1, schedule: str = "1f1b", checkpoint: str = "none", model: str = "gpt") -> RunConfig:
+    return RunConfig(model=ModelConfig(model=model, n_embd=512, n_layer=4, n_head=8, block_size=128), inner=InnerConfig(batch_size=8),
                      parallel=ParallelConfig(pp=pp, dp=dp, dp_replicate=replicate, microbatches=2, schedule=schedule,
-                                             device="cpu", precision="fp32"))  # fmt: skip
+                                             device="cpu", precision="fp32", activation_checkpoint=checkpoint))  # fmt: skip
 
 
 def test_a_stage_is_held_once_over_its_shards_and_replicated_over_replicas():
@@ -74,14 +74,26 @@ def _within(planned: int, measured: int, share: float, slack: int) -> bool:
     return abs(measured - planned) <= share * planned + slack
 
 
-@pytest.mark.parametrize("layout", [(1, 2, 1), (1, 4, 2), (2, 2, 1)], ids=["fsdp-dp2", "hsdp-2x2", "pp2-fsdp-dp2"])
-def test_planned_and_measured_agree_after_a_step(layout):
-    """Every rank's peak over one inner step, above its baseline, within 25 % + 40 MB of the plan (measured
-    here: within about 20 %; the CPU allocator's arenas are the slack)."""
-    config = gpt(*layout)
+MEASURED = [((1, 2, 1), "none", "gpt"), ((1, 2, 1), "full", "gpt"), ((1, 4, 2), "none", "gpt"), ((2, 2, 1), "none", "gpt"),
+            ((2, 2, 1), "full", "llama")]  # fmt: skip
+
+
+@pytest.mark.parametrize("layout,checkpoint,family", MEASURED, ids=["fsdp-dp2", "fsdp-dp2-ac", "hsdp-2x2", "pp2-fsdp-dp2", "llama-pp2-dp2-ac"])
+def test_planned_and_measured_agree_after_a_step(layout, checkpoint, family, tmp_path):
+    """Every rank's peak over two inner steps (the second steady: AdamW's state exists), above its
+    baseline, within 15 % + 24 MB of the plan (measured: within 12 %; resident memory follows live memory
+    because plan_measure fixes glibc's mmap threshold)."""
+    model = "gpt"
+    if family == "llama":
+        pytest.importorskip("transformers")
+        model = str(tmp_path / "config.json")
+        (tmp_path / "config.json").write_text(json.dumps({
+            "model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
+            "num_key_value_heads": 8, "vocab_size": 256, "max_position_embeddings": 256, "tie_word_embeddings": False}))  # fmt: skip
+    config = gpt(*layout, checkpoint=checkpoint, model=model)
     plan = plan_memory(config, 256, fused_attention=False)
     for m in measure(config):
-        assert _within(planned_step(plan, m.rank), m.step, 0.25, 40 * MB), (m, planned_step(plan, m.rank))
+        assert _within(planned_step(plan, m.rank), m.step, 0.15, 24 * MB), (m, planned_step(plan, m.rank))
 
 
 def test_a_model_four_copies_of_which_exceed_this_machine_starts_sharded_within_its_plan(tmp_path):

@@ -166,12 +166,17 @@ class ParallelConfig:
     # auto: bf16 on GPUs that compute in it natively (compute capability ≥ 8), fp32 elsewhere. Weights,
     # AdamW state and everything sent to the shards stay fp32 either way (worker/train/device.py).
     precision: str = "auto"  # auto | fp32 | bf16
+    # none | full: recompute each transformer block's forward in the backward (torch.utils.checkpoint), so a
+    # block keeps only its input per token instead of every intermediate: what makes 70B fit at long blocks.
+    activation_checkpoint: str = "none"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.activation_checkpoint not in ("none", "full"):
+            raise ValueError(f"activation_checkpoint must be none or full, got {self.activation_checkpoint!r}")
         if self.pp < 1 or self.dp < 1:
             raise ValueError(f"pp and dp must be ≥ 1, got pp={self.pp} dp={self.dp}")
         if self.dp_replicate < 1 or self.dp % self.dp_replicate:

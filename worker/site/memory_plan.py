@@ -15,9 +15,11 @@ Device, per GPU (on the CPU the same bytes are host memory):
 * `grad_accumulators`: unsharded fp32 gradients before FSDP's reduce-scatter. Pipelined: torch's schedule
   turns gradient sync off for every microbatch but the last, so FSDP2 keeps the whole stage's unsharded
   gradients through the step. Unpipelined: one block's and the root's, transiently.
-* `activations`: what autograd saves per token and layer (`ACTIVATION_ELEMENTS`), times the microbatches
+* `activations`: what autograd saves per token and layer (`ACTIVATION_FACTORS`), times the microbatches
   in flight (GPipe: all of them; 1F1B: pp − stage + 1, as the next forward runs before the oldest backward; unpipelined: the rank's whole batch), in the compute
-  dtype; plus the attention matrix where attention is not fused (the CPU's math kernel).
+  dtype; plus the attention matrix where attention is not fused (the CPU's math kernel). With
+  `--activation-checkpoint full` a block keeps only its input per token, and one block's intermediates
+  exist at a time while it is recomputed.
 * `logits`: the last stage's fp32 logits, one set per microbatch in flight plus the loss's two transients.
 * `reshard`: the two flat buffers the round boundary's all_to_all keeps (worker/site/reshard.py), sized by
   its own planner for this rank.
@@ -41,12 +43,11 @@ from dilocox.worker.site.mesh import SiteShape
 from dilocox.worker.site.reshard import BATCH_ELEMENTS, StageResharder, held_rows
 
 GB = 1e9
-# Per token and layer, the elements autograd keeps for a pre-norm transformer block, counted from the
-# saved tensors of the built-in GPT and a Llama layer (norm inputs and outputs, q/k/v, attention output,
-# projections' inputs, the MLP's hidden activations): ~ 12·width + 4·mlp_width. Calibrated against
-# measured peaks on gloo (tests/test_memory_plan.py).
-ACTIVATION_WIDTH_FACTOR = 12
-ACTIVATION_MLP_FACTOR = 4
+# Per token and layer, the elements autograd keeps for a pre-norm transformer block (norm outputs, q/k/v,
+# attention output, the projections' inputs, the MLP's hidden activations), as (× width, × MLP width):
+# measured after a forward of the built-in GPT (GELU MLP) and of a Llama layer (gated SiLU MLP: gate, up,
+# their product and the activation), fp32 on the CPU, within 4 % (tests/test_memory_plan.py).
+ACTIVATION_FACTORS = {False: (4, 2), True: (7, 4)}  # gated MLP? -> (width, mlp)
 # Exchange bytes per owned parameter today: start 4, work 4, replica 4, momentum 4, residual 4
 # (worker/exchange/host_buffers.py, docs/decisions.md); the low-rank warm starts are counted apart.
 EXCHANGE_BYTES_PER_PARAM = 20
@@ -64,6 +65,7 @@ class ModelShape:
     mlp: int
     heads: int
     vocab: int
+    gated: bool = False  # a gated MLP (Llama's gate_proj/up_proj): four hidden tensors per token, not two
 
     @property
     def params(self) -> int:
@@ -142,7 +144,8 @@ def model_shape(config: RunConfig, vocab: int) -> ModelShape:
     blocks = [[sum(p.numel() for p in block.parameters()) for block in transformer_blocks(stage)] for stage in stages]
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None) or config.model.n_head
     width = sizes.get("width") or config.model.n_embd
-    return ModelShape(specs, blocks, width, sizes.get("mlp") or 4 * width, int(heads), vocab)
+    gated = any(name.endswith("gate_proj.weight") for stage in specs for name, _ in stage)
+    return ModelShape(specs, blocks, width, sizes.get("mlp") or 4 * width, int(heads), vocab, gated)
 
 
 def _held(shapes: dict[str, tuple[int, ...]], shard: int, shards: int) -> int:
@@ -196,10 +199,14 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
             in_flight = micro
         else:  # the next microbatch's forward runs before the oldest one's backward: one more than in flight
             in_flight = min(shape.pp - stage + 1, micro)
-        per_token_layer = ACTIVATION_WIDTH_FACTOR * model.width + ACTIVATION_MLP_FACTOR * model.mlp
+        width_factor, mlp_factor = ACTIVATION_FACTORS[model.gated]
+        per_token_layer = width_factor * model.width + mlp_factor * model.mlp
         if not fused_attention:
             per_token_layer += 2 * model.heads * block  # the attention probabilities and their dropout/softmax copy
-        d["activations"] = in_flight * tokens * len(blocks) * per_token_layer * act_bytes
+        if par.activation_checkpoint == "full":  # each block keeps its input; one block's intermediates are rebuilt at a time
+            d["activations"] = (in_flight * tokens * len(blocks) * model.width + tokens * per_token_layer * min(1, len(blocks))) * act_bytes
+        else:
+            d["activations"] = in_flight * tokens * len(blocks) * per_token_layer * act_bytes
         last = stage == shape.pp - 1
         last_in_flight = 1 if not pipelined or par.schedule == "1f1b" else micro
         d["logits"] = tokens * model.vocab * 4 * (last_in_flight + 2) if last else 0

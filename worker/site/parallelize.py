@@ -15,11 +15,14 @@ without FSDP.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 BLOCK_LIST_NAMES = ("blocks", "layers", "h")  # the built-in GPT, Llama-family HF models, GPT-2-style models
 
@@ -31,6 +34,22 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and name.rsplit(".", 1)[-1] in BLOCK_LIST_NAMES:
             blocks.extend(child.values() if isinstance(child, nn.ModuleDict) else child)
     return blocks
+
+
+def checkpoint_blocks(module: nn.Module) -> int:
+    """Activation checkpointing (`--activation-checkpoint full`): every transformer block of `module`
+    runs its forward under `torch.utils.checkpoint` (non-reentrant), so autograd keeps only the block's
+    input and recomputes the rest in the backward. Applied before FSDP, as torchtitan does; the block's
+    forward is wrapped in place rather than the block in a wrapper module, so parameter names — what the
+    shards see — stay the same. Returns the number of blocks wrapped."""
+    blocks = transformer_blocks(module)
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block.forward)
+    return len(blocks)
+
+
+def _checkpointed(forward, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def shard_stage(module: nn.Module, mesh: DeviceMesh, bf16: bool, pipelined: bool = False) -> nn.Module:

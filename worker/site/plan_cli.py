@@ -130,6 +130,6 @@ def run(args: argparse.Namespace) -> int:
         for m in measured:
             row = f"  rank {m.rank}: init {_gb(planned_init(cpu_plan, m.rank))} / {_gb(m.init)}"
             if m.step is not None:
-                row += f"; one step {_gb(planned_step(cpu_plan, m.rank))} / {_gb(m.step)}"
+                row += f"; steady step {_gb(planned_step(cpu_plan, m.rank))} / {_gb(m.step)}"
             print(row)
     return 0 if plan.fits() else 1

@@ -3,7 +3,8 @@ compare each rank's measured memory with the plan.
 
 A rank's measurement is its resident set above what it held before the model was built (Python, torch,
 the process group): after materialising its shard (`init`), and — unless `--init-only` — the peak over
-one inner step of the real `SiteTrainer` (forward, backward, clipping, AdamW). On the CPU, device memory
+two inner steps of the real `SiteTrainer` (forward, backward, clipping, AdamW; the second is the steady
+one, AdamW's state allocated by the first). On the CPU, device memory
 *is* host memory, so the planned figure is the device plan of that moment (the round boundary's reshard
 buffers excluded: no exchange runs here) — plus, at init, the whole parameter a rank holds while making it.
 """
@@ -22,6 +23,7 @@ from dilocox.common.config.run import RunConfig
 from dilocox.worker.site.memory_plan import MemoryPlan
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+MALLOC_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
 
 
 def rss_bytes() -> int:
@@ -37,7 +39,7 @@ def peak_rss_bytes() -> int:
 class RankMeasure:
     rank: int
     init: int  # bytes above the baseline once the shard is made (peak during the making)
-    step: int | None  # peak bytes above the baseline over one inner step
+    step: int | None  # peak bytes above the baseline over two inner steps (the second one steady)
 
 
 def planned_init(plan: MemoryPlan, rank: int) -> int:
@@ -76,7 +78,7 @@ def _rank(rank: int, world: int, port: int, config: RunConfig, init_only: bool, 
         else:
             trainer = SiteTrainer(config, data, mesh)
             init = peak_rss_bytes() - baseline
-            trainer.train_steps(1)
+            trainer.train_steps(2)  # the second step is the steady one: AdamW's state exists from the first on
             step = peak_rss_bytes() - baseline
         torch.distributed.barrier()
         torch.save(RankMeasure(rank, init, step), os.path.join(out_dir, f"rank{rank}.pt"))
@@ -90,6 +92,16 @@ def measure(config: RunConfig, init_only: bool = False) -> list[RankMeasure]:
 
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cpu", precision="fp32"))
     world = config.parallel.world_size
-    with tempfile.TemporaryDirectory(prefix="dilocox-plan-") as out:
-        mp.spawn(_rank, args=(world, free_local_port(), config, init_only, out), nprocs=world, join=True)
-        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    # glibc raises its mmap threshold as large blocks are freed, after which freed memory stays resident:
+    # a fixed threshold returns every large block at its free, so the resident set follows live memory.
+    before = os.environ.get(MALLOC_THRESHOLD)
+    os.environ[MALLOC_THRESHOLD] = str(1 << 16)
+    try:
+        with tempfile.TemporaryDirectory(prefix="dilocox-plan-") as out:
+            mp.spawn(_rank, args=(world, free_local_port(), config, init_only, out), nprocs=world, join=True)
+            return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    finally:
+        if before is None:
+            os.environ.pop(MALLOC_THRESHOLD, None)
+        else:
+            os.environ[MALLOC_THRESHOLD] = before

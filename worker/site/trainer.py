@@ -36,7 +36,7 @@ from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import blueprint
 from dilocox.worker.models.contract import causal_lm_loss, logits_of
 from dilocox.worker.site.mesh import SiteMesh
-from dilocox.worker.site.parallelize import local_part, reshard_all, shard_stage
+from dilocox.worker.site.parallelize import checkpoint_blocks, local_part, reshard_all, shard_stage
 from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
 from dilocox.worker.models.materialize import materialize
 from dilocox.worker.models.weights import load_weights
@@ -54,6 +54,8 @@ def build_site_module(config: RunConfig, vocab_size: int, mesh: SiteMesh) -> tor
     module = plan.module if mesh.shape.pp == 1 else split_model(plan.module, mesh.stage, mesh.shape.pp)
     if plan.built:
         module = module.to(mesh.device)
+    if config.parallel.activation_checkpoint == "full":
+        checkpoint_blocks(module)
     if mesh.fsdp_mesh is not None:
         shard_stage(module, mesh.fsdp_mesh, mesh.compute.bf16, pipelined=mesh.shape.pp > 1)
     if not plan.built:

@@ -18,6 +18,7 @@ from dilocox.common.config.run import RunConfig
 from dilocox.worker.data.corpus import BatchSampler, check_split, data_part, evaluate
 from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import build_model
+from dilocox.worker.site.parallelize import checkpoint_blocks
 from dilocox.worker.models.contract import lm_loss
 from dilocox.worker.train.device import Compute, resolve_compute
 
@@ -53,6 +54,8 @@ class InnerTrainer:
         self.compute = compute or resolve_compute(config.parallel)
         # Every cluster builds the same initial model (same seed, on the CPU); only the data differs.
         self.model = build_model(config.model, self.data.vocab_size, config.seed).to(self.compute.device)
+        if config.parallel.activation_checkpoint == "full":
+            checkpoint_blocks(self.model)
         self.sampler = BatchSampler(self.data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index,
                                     part.count, split=part.split)  # fmt: skip
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
