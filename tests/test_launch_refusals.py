@@ -55,11 +55,13 @@ def test_a_model_larger_than_the_machine_is_refused_with_its_size_before_it_is_b
         check_model_size(big, 256, ParallelConfig(), host_bytes=8 * GB)
     with pytest.raises(ModelSpecError, match="per GPU .* raise --pp"):
         check_model_size(big, 256, ParallelConfig(), host_bytes=10_000 * GB, device_bytes=80 * GB)
-    # Pipelined, torch's schedule keeps each stage's blocks gathered and their gradients unsharded through
-    # the step (worker/site/memory_plan.py): at pp 8 × dp 8 that alone is 6 B × 29B per GPU, and the guard
-    # says so; FSDP over 256 GPUs without stages, one short sequence per GPU, fits.
+    # Pipelined with --pipeline-reshard step, torch's schedule keeps each stage's blocks gathered and their
+    # gradients unsharded through the step (worker/site/memory_plan.py): at pp 8 × dp 8 that alone is
+    # 6 B × 29B per GPU, and the guard says so; FSDP over 256 GPUs without stages, one short sequence per
+    # GPU, fits.
     with pytest.raises(ModelSpecError, match=r"most of it grad_accumulators .* raise --pp"):
-        check_model_size(big, 256, ParallelConfig(pp=8, dp=8, microbatches=8), local_processes=8, host_bytes=10_000 * GB, device_bytes=80 * GB)
+        check_model_size(big, 256, ParallelConfig(pp=8, dp=8, microbatches=8, pipeline_reshard="step"), local_processes=8,
+                         host_bytes=10_000 * GB, device_bytes=80 * GB)  # fmt: skip
     one_sequence = InnerConfig(batch_size=1)  # no activation checkpointing yet: 59 MB per token at this size
     sharded = check_model_size(dataclasses.replace(big, block_size=64), 256, ParallelConfig(dp=256), local_processes=8,
                                host_bytes=10_000 * GB, device_bytes=80 * GB, inner=one_sequence)  # fmt: skip

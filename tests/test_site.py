@@ -24,10 +24,10 @@ BATCH = 4  # per replica and accumulated batch
 BLOCK = 16
 
 
-def config(pp: int, dp: int, replicate: int = 1, accum: int = 1, clip: float = 1.0) -> RunConfig:
+def config(pp: int, dp: int, replicate: int = 1, accum: int = 1, clip: float = 1.0, reshard: str = "auto") -> RunConfig:
     return RunConfig(rounds=1, model=ModelConfig(model="llama-tiny", block_size=BLOCK),
                      inner=InnerConfig(steps=STEPS, batch_size=BATCH, warmup_steps=1, grad_accum=accum, grad_clip=clip),
-                     parallel=ParallelConfig(pp=pp, dp=dp, dp_replicate=replicate, microbatches=2, device="cpu"))  # fmt: skip
+                     parallel=ParallelConfig(pp=pp, dp=dp, dp_replicate=replicate, microbatches=2, device="cpu", pipeline_reshard=reshard))  # fmt: skip
 
 
 def data() -> TokenData:
@@ -71,7 +71,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _site(rank: int, world: int, port: int, layout: tuple[int, int, int], out_dir: str) -> None:
+def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None:
     """One rank: train on fixed batches (its replica's part of each global batch), record gradients of
     the first step, losses and weights; reshard round trip; checkpoint, restore, compare."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -83,12 +83,13 @@ def _site(rank: int, world: int, port: int, layout: tuple[int, int, int], out_di
     from dilocox.worker.site.mesh import SiteMesh
     from dilocox.worker.site.trainer import SiteTrainer
 
-    pp, dp, replicate = layout
+    pp, dp, replicate, *mode = layout
+    reshard = mode[0] if mode else "auto"
     mesh = SiteMesh(config(pp, dp, replicate).parallel, collective_timeout_s=120)
     result: dict = {}
     try:
         for accum in (1, 2) if pp > 1 else (1,):
-            cfg = config(pp, dp, replicate, accum=accum)
+            cfg = config(pp, dp, replicate, accum=accum, reshard=reshard)
             trainer = SiteTrainer(cfg, data(), mesh)
             batches = global_batches(STEPS * accum, BATCH * dp)
             mine = [(x[mesh.replica * BATCH : (mesh.replica + 1) * BATCH], y[mesh.replica * BATCH : (mesh.replica + 1) * BATCH]) for x, y in batches]
@@ -119,7 +120,7 @@ def _site(rank: int, world: int, port: int, layout: tuple[int, int, int], out_di
 
         # Checkpoint (real samplers, an uplink compressor with state for the owned slices), then restore
         # into a fresh trainer of the same layout: bit for bit.
-        first = SiteTrainer(config(pp, dp, replicate), data(), mesh)
+        first = SiteTrainer(config(pp, dp, replicate, reshard=reshard), data(), mesh)
         first.train_steps(2)
         compressor = TensorCompressor(CompressionConfig(), seed=1)
         g = torch.Generator().manual_seed(100 + rank)
@@ -129,7 +130,7 @@ def _site(rank: int, world: int, port: int, layout: tuple[int, int, int], out_di
         checkpoint = SiteCheckpoint(os.path.join(out_dir, "ckpt"), "c", rank=mesh.rank, replica=mesh.replica, group=mesh.checkpoint_group)
         checkpoint.capture(1, first, compressor, access.names)
         checkpoint.commit(1)
-        second = SiteTrainer(config(pp, dp, replicate), data(), mesh)
+        second = SiteTrainer(config(pp, dp, replicate, reshard=reshard), data(), mesh)
         restored = TensorCompressor(CompressionConfig(), seed=1)
         assert checkpoint.restore(second, restored, access.names) == 1
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
@@ -184,7 +185,8 @@ def merged_ranks(parts: list[dict], key: str, sub: str | None = None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout", [(1, 2, 1), (2, 2, 1), (1, 2, 2)], ids=["fsdp-dp2", "pp2-fsdp-dp2", "replicate-dp2"])
+@pytest.mark.parametrize("layout", [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 1, "microbatch")],
+                         ids=["fsdp-dp2", "pp2-fsdp-dp2", "replicate-dp2", "pp2-fsdp-dp2-reshard-per-microbatch"])  # fmt: skip
 def test_site_trains_like_one_process_on_the_same_global_batch(layout, tmp_path):
     """FSDP2 dp=2, pp=2 × dp=2 and plain replication train as one process on the same global batch, to
     fp32 tolerance: the first step's gradients to 1e-6 relative (measured ~2e-7: only the order of the
@@ -193,7 +195,7 @@ def test_site_trains_like_one_process_on_the_same_global_batch(layout, tmp_path)
     so where a gradient is rounding noise around zero the two runs step apart, and that grows — the
     same happens between one process and itself with a different micro-batching. With pp=2, gradient
     accumulation over 2 batches gives the gradient of the doubled batch."""
-    pp, dp, replicate = layout
+    pp, dp, replicate = layout[:3]
     world = pp * dp
     mp.spawn(_site, args=(world, free_port(), layout, str(tmp_path)), nprocs=world, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]

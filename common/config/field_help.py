@@ -67,5 +67,6 @@ FIELD_HELP = {
     "parallel__schedule": "pipeline schedule: 1f1b or gpipe",
     "parallel__device": "auto (CUDA where there is one), cpu, cuda (each rank its LOCAL_RANK's GPU) or cuda:N (one process)",
     "parallel__activation_checkpoint": "none, or full: recompute every transformer block's forward in the backward (activations: its input per token and layer, not every intermediate)",
+    "parallel__pipeline_reshard": "with --pp > 1 and FSDP: step (blocks stay gathered through the step: fewer collectives, ~6 B per stage parameter per GPU), microbatch (reshard and reduce every microbatch: unpipelined FSDP's memory) or auto (step where the memory plan says it fits)",
     "parallel__precision": "auto (bf16 on GPUs that compute in it natively, else fp32), fp32 or bf16; weights and exchange stay fp32",
 }

@@ -169,12 +169,20 @@ class ParallelConfig:
     # none | full: recompute each transformer block's forward in the backward (torch.utils.checkpoint), so a
     # block keeps only its input per token instead of every intermediate: what makes 70B fit at long blocks.
     activation_checkpoint: str = "none"
+    # With --pp > 1 and FSDP: "step" keeps each block gathered, and its gradients unsharded, from its first
+    # microbatch to the end of the step (one all-gather and one reduce-scatter per block and step: torch's
+    # pipelining default, ~6 B per stage parameter on every GPU); "microbatch" reshards after every
+    # microbatch's forward and backward and reduces each microbatch's gradients (the memory of unpipelined
+    # FSDP, microbatches × the collectives); "auto": "step" where the memory plan says it fits the GPU.
+    pipeline_reshard: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.pipeline_reshard not in ("auto", "step", "microbatch"):
+            raise ValueError(f"pipeline_reshard must be auto, step or microbatch, got {self.pipeline_reshard!r}")
         if self.activation_checkpoint not in ("none", "full"):
             raise ValueError(f"activation_checkpoint must be none or full, got {self.activation_checkpoint!r}")
         if self.pp < 1 or self.dp < 1:

@@ -8,13 +8,13 @@ their code and measured on gloo (`dilocox plan --measure`, tests/test_memory_pla
 Device, per GPU (on the CPU the same bytes are host memory):
 * `weights`, `grads`, `optimizer`: FSDP2's sharded fp32 parameters, their sharded gradients and AdamW's two
   moments — 4 + 4 + 8 B per element this rank holds (its Shard(0) rows; all rows unsharded).
-* `gathered`: parameters FSDP2 has all-gathered for compute (bf16 or fp32). Unpipelined: the root unit
-  (embeddings, head, final norm) and two blocks (the one computing and the next, prefetched). Pipelined
-  (--pp > 1): every block of the stage stays gathered from its first forward to the end of the step's
-  backward (worker/site/parallelize.py) — the whole stage.
-* `grad_accumulators`: unsharded fp32 gradients before FSDP's reduce-scatter. Pipelined: torch's schedule
-  turns gradient sync off for every microbatch but the last, so FSDP2 keeps the whole stage's unsharded
-  gradients through the step. Unpipelined: one block's and the root's, transiently.
+* `gathered`: parameters FSDP2 has all-gathered for compute (bf16 or fp32). Unpipelined, or pipelined with
+  `--pipeline-reshard microbatch`: the root unit (embeddings, head, final norm) and two blocks (the one
+  computing and the next, prefetched). Pipelined with `step`: every block of the stage stays gathered
+  from its first forward to the end of the step's backward (worker/site/parallelize.py) — the whole stage.
+* `grad_accumulators`: unsharded fp32 gradients before FSDP's reduce-scatter. Pipelined with `step`:
+  torch's schedule turns gradient sync off for every microbatch but the last, so FSDP2 keeps the whole
+  stage's unsharded gradients through the step. Otherwise one block's and the root's, transiently.
 * `activations`: what autograd saves per token and layer (`ACTIVATION_FACTORS`), times the microbatches
   in flight (GPipe: all of them; 1F1B: pp − stage + 1, as the next forward runs before the oldest backward; unpipelined: the rank's whole batch), in the compute
   dtype; plus the attention matrix where attention is not fused (the CPU's math kernel). With
@@ -103,7 +103,7 @@ class MemoryPlan:
     ranks: list[RankPlan]
     gpu_bytes: int | None
     bf16: bool
-    pipelined_gathered: bool
+    pipeline_reshard: str  # "step" or "microbatch" (auto resolved)
 
     @property
     def peak_device(self) -> RankPlan:
@@ -157,11 +157,26 @@ def _held(shapes: dict[str, tuple[int, ...]], shard: int, shards: int) -> int:
     return total
 
 
+def resolve_pipeline_reshard(config: RunConfig, vocab: int, gpu_bytes: int | None, fused_attention: bool = True,
+                             model: ModelShape | None = None) -> RunConfig:  # fmt: skip
+    """`--pipeline-reshard auto` made concrete: "step" (fewest collectives) unless the plan says the
+    stage's gathered blocks and gradients do not fit the GPU, then "microbatch". Without a GPU size (the
+    CPU) or without pipelined FSDP, "step"."""
+    par = config.parallel
+    if par.pipeline_reshard != "auto":
+        return config
+    step = dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="step"))
+    if gpu_bytes is None or par.pp == 1 or par.dp == 1 or plan_memory(step, vocab, gpu_bytes, fused_attention, model).fits():
+        return step
+    return dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="microbatch"))
+
+
 def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fused_attention: bool = True,
                 model: ModelShape | None = None, batch_elements: int = BATCH_ELEMENTS) -> MemoryPlan:  # fmt: skip
     """Every rank's planned bytes for `config`'s layout (see the module docstring). `fused_attention`:
     SDPA's flash/memory-efficient kernels (GPUs) keep no attention matrix; the CPU's math kernel does."""
     model = model or model_shape(config, vocab)
+    config = resolve_pipeline_reshard(config, vocab, gpu_bytes, fused_attention, model)
     par, inner, block = config.parallel, config.inner, config.model.block_size
     shape = SiteShape.of(par)
     bf16 = par.precision == "bf16"
@@ -186,7 +201,7 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         largest_block = max(blocks, default=0)
         if not sharded:
             d["gathered"], d["grad_accumulators"] = 0, 0
-        elif pipelined:
+        elif pipelined and par.pipeline_reshard == "step":
             d["gathered"], d["grad_accumulators"] = param_bytes * stage_params, 4 * stage_params
         else:
             d["gathered"] = param_bytes * (root + 2 * largest_block)
@@ -225,7 +240,7 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
             "checkpoint": CHECKPOINT_BYTES_PER_HELD * held + CHECKPOINT_BYTES_PER_OWNED * owned,
         }
         ranks.append(plan)
-    return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, pipelined and sharded)
+    return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard)
 
 
 def _reshard_buffers(plan: StageResharder) -> list[int]:

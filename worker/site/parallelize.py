@@ -52,18 +52,19 @@ def _checkpointed(forward, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def shard_stage(module: nn.Module, mesh: DeviceMesh, bf16: bool, pipelined: bool = False) -> nn.Module:
+def shard_stage(module: nn.Module, mesh: DeviceMesh, bf16: bool, keep_gathered: bool = False) -> nn.Module:
     """Apply FSDP2 to `module` in place (blocks first, then the root); returns it.
 
-    `pipelined`: the stage runs several micro-batches per step, so its blocks stay gathered from their
-    first forward to the end of the step's backward instead of being gathered again for every
-    micro-batch (torchtitan's default with pipelining: one gather per block and step, for the memory of
-    the stage's gathered parameters during the step)."""
+    `keep_gathered` (`--pipeline-reshard step` under pipelining): the stage runs several micro-batches per
+    step, so its blocks stay gathered from their first forward to the end of the step's backward instead
+    of being gathered again for every micro-batch (torchtitan's default with pipelining: one gather per
+    block and step, for the memory of the stage's gathered parameters during the step). Otherwise each
+    block reshards after its forward (`--pipeline-reshard microbatch`: worker/site/pipeline_fsdp.py)."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     blocks = transformer_blocks(module)
     for i, block in enumerate(blocks):
         # The last block is gathered again at once by the backward: keep it (torchtitan does the same).
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not pipelined and i < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered and i < len(blocks) - 1)
     fully_shard(module, mesh=mesh, mp_policy=policy)
     return module
 

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_from_args
-from dilocox.worker.site.memory_plan import GB, MemoryPlan, plan_memory, planned_precision
+from dilocox.worker.site.memory_plan import GB, MemoryPlan, model_shape, plan_memory, planned_precision
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,8 @@ def _gb(n: float) -> str:
 def render(plan: MemoryPlan) -> str:
     s = plan.shape
     lines = [f"{plan.model}: {plan.params / 1e9:.3f}B parameters; --pp {s.pp} × --dp {s.dp} (dp_replicate {s.dp_replicate}, "
-             f"FSDP shards {s.dp_shard}); {'bf16' if plan.bf16 else 'fp32'} compute; per GPU, GB:"]  # fmt: skip
+             f"FSDP shards {s.dp_shard}); {'bf16' if plan.bf16 else 'fp32'} compute"
+             + (f"; --pipeline-reshard {plan.pipeline_reshard}" if s.pp > 1 and s.dp > 1 else "") + "; per GPU, GB:"]  # fmt: skip
     terms = list(plan.ranks[0].device)
     ranks = _distinct(plan)
     lines.append("rank stage " + " ".join(f"{t:>11}" for t in terms) + f" {'total':>9}")
@@ -110,14 +111,18 @@ def run(args: argparse.Namespace) -> int:
     print(render(plan))
     if args.gpus:
         print(f"layouts of {args.gpus} GPUs ({args.gpu_memory:.0f} GB each) that fit, fewest stages first:")
-        fitting = 0
+        fitting, shapes = 0, {}
         for candidate in candidate_layouts(config, args.gpus):
-            p = plan_memory(candidate, vocab, gpu_bytes, fused_attention=fused)
+            pp = candidate.parallel.pp
+            shapes[pp] = shapes.get(pp) or model_shape(candidate, vocab)  # one meta build per stage count
+            p = plan_memory(candidate, vocab, gpu_bytes, fused_attention=fused, model=shapes[pp])
             if p.fits():
                 fitting += 1
                 c = candidate.parallel
-                print(f"  --pp {c.pp} --dp {c.dp} --dp-replicate {c.dp_replicate} --microbatches {c.microbatches}: "
-                      f"fullest GPU {_gb(p.peak_device.device_total)} GB, host {_gb(max(r.host_peak for r in p.ranks))} GB per rank")  # fmt: skip
+                mode = f" --pipeline-reshard {p.pipeline_reshard}" if c.pp > 1 and c.dp > 1 else ""
+                print(f"  --pp {c.pp} --dp {c.dp} --dp-replicate {c.dp_replicate} --microbatches {c.microbatches}{mode}: "
+                      f"fullest GPU {_gb(p.peak_device.device_total)} GB (most: {p.binding()}), host {_gb(max(r.host_peak for r in p.ranks))} "
+                      "GB per rank")  # fmt: skip
         if not fitting:
             print("  none: more GPUs, a shorter --block-size or a smaller --batch-size")
     if args.measure:

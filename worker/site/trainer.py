@@ -36,6 +36,7 @@ from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import blueprint
 from dilocox.worker.models.contract import causal_lm_loss, logits_of
 from dilocox.worker.site.mesh import SiteMesh
+from dilocox.worker.site.pipeline_fsdp import MicrobatchReshardStage
 from dilocox.worker.site.parallelize import checkpoint_blocks, local_part, reshard_all, shard_stage
 from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
 from dilocox.worker.models.materialize import materialize
@@ -45,7 +46,19 @@ from dilocox.worker.train.pipeline_stage import split_model
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-def build_site_module(config: RunConfig, vocab_size: int, mesh: SiteMesh) -> torch.nn.Module:
+def pipeline_reshard_of(config: RunConfig, vocab_size: int, mesh: SiteMesh) -> str:
+    """This site's `--pipeline-reshard`, `auto` resolved by the memory plan against this GPU's memory
+    (the same on every rank: same plan, same GPUs); "step" on the CPU."""
+    if config.parallel.pipeline_reshard != "auto" or mesh.shape.pp == 1 or mesh.shape.dp == 1 or not mesh.compute.is_cuda:
+        return "step" if config.parallel.pipeline_reshard == "auto" else config.parallel.pipeline_reshard
+    from dilocox.worker.site.memory_plan import planned_precision, resolve_pipeline_reshard
+
+    gpu = torch.cuda.get_device_properties(mesh.device).total_memory
+    planned = planned_precision(config, on_gpu=True)
+    return resolve_pipeline_reshard(planned, vocab_size, gpu).parallel.pipeline_reshard
+
+
+def build_site_module(config: RunConfig, vocab_size: int, mesh: SiteMesh, pipeline_reshard: str = "step") -> torch.nn.Module:
     """This rank's part of the run's initial model, built sharded: the model's meta blueprint, cut to this
     rank's stage, FSDP2-sharded while still on meta, then only this rank's rows are made on its device —
     from the run's seed, bit-identical to one process (worker/models/materialize.py), or read from
@@ -57,7 +70,7 @@ def build_site_module(config: RunConfig, vocab_size: int, mesh: SiteMesh) -> tor
     if config.parallel.activation_checkpoint == "full":
         checkpoint_blocks(module)
     if mesh.fsdp_mesh is not None:
-        shard_stage(module, mesh.fsdp_mesh, mesh.compute.bf16, pipelined=mesh.shape.pp > 1)
+        shard_stage(module, mesh.fsdp_mesh, mesh.compute.bf16, keep_gathered=mesh.shape.pp > 1 and pipeline_reshard == "step")
     if not plan.built:
         materialize(module, mesh.device, config.seed, plan.init_fn, plan.skeleton, fill=not config.model.weights)
         torch.manual_seed(config.seed)  # what draws next (dropout) starts from the seed, as in one process
@@ -79,14 +92,16 @@ class SiteTrainer:
         self.eval_data = as_token_array(data.eval)
         self.vocab_size = data.vocab_size
         self.sharded = mesh.fsdp_mesh is not None
-        self.module = build_site_module(config, data.vocab_size, mesh)
+        self.pipeline_reshard = pipeline_reshard_of(config, data.vocab_size, mesh)
+        self.module = build_site_module(config, data.vocab_size, mesh, self.pipeline_reshard)
         # bf16 without FSDP is autocast; with FSDP its mixed-precision policy does it.
         self._autocast = (lambda: contextlib.nullcontext()) if self.sharded else self.compute.autocast
         self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index,
                                     part.count, split=part.split)  # fmt: skip
         self.schedule = None
         if shape.pp > 1:
-            stage = PipelineStage(self.module, mesh.stage, shape.pp, self.device, group=mesh.pp_group)
+            stage_class = MicrobatchReshardStage if self.pipeline_reshard == "microbatch" else PipelineStage
+            stage = stage_class(self.module, mesh.stage, shape.pp, self.device, group=mesh.pp_group)
             self.schedule = SCHEDULES[config.parallel.schedule](stage, config.parallel.microbatches, loss_fn=causal_lm_loss,
                                                                 scale_grads=False)  # fmt: skip
         self.optimizer = make_inner_optimizer(config, self.module.parameters())
