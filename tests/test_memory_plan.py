@@ -128,3 +128,15 @@ def test_a_model_four_copies_of_which_exceed_this_machine_starts_sharded_within_
         assert m.step is None
         assert _within(planned_init(plan, m.rank), m.init, 0.15, 64 * MB), (m, planned_init(plan, m.rank))
         assert m.init < full_fp32 / 3  # never the whole model on a rank
+
+
+def test_the_reshard_buffers_are_bounded_by_the_batch_limit_whatever_the_largest_parameter():
+    """The embedding (65M elements) is cut by rows: no rank's send + receive buffers exceed 2 × the limit,
+    in FSDP, HSDP and plain replication (whose scatter fans out to every replica)."""
+    limit = 1 << 20
+    for dp, replicate in ((8, 1), (8, 2), (4, 4)):
+        config = RunConfig(model=ModelConfig(model="llama-1b", block_size=256), inner=InnerConfig(batch_size=4),
+                           parallel=ParallelConfig(dp=dp, dp_replicate=replicate, precision="bf16"))  # fmt: skip
+        plan = plan_memory(config, 32000, batch_elements=limit)
+        assert max(r.device["reshard"] for r in plan.ranks) <= 2 * 4 * limit
+        assert max(math.prod(s) for _, s in model_shape(config, 32000).stages[0]) > 60 * limit

@@ -9,8 +9,9 @@ factors, its bytes on the wire and its replay do not depend on the site's layout
 At a round boundary `gather` brings each owned parameter's rows from the ranks holding them into the
 owner's host buffer, and `scatter` sends the owner's new values back to every rank holding rows of them
 (in HSDP or plain replication, to each replica). Both are `all_to_all_single` over the stage's dp group
-on the device (NVLink/InfiniBand inside a site), in batches of at most `batch_elements` elements so no
-model-sized buffer ever exists on the device; on the host the owner only ever holds its own parameters.
+on the device (NVLink/InfiniBand inside a site), in batches of at most `batch_elements` elements (a larger
+parameter cut by rows), so no model-sized or parameter-sized buffer exists on the device, and the two
+buffers are released after each gather and scatter; on the host the owner only ever holds its own parameters.
 """
 
 from __future__ import annotations
@@ -71,7 +72,10 @@ class StageResharder:
         self.row_numel = {n: math.prod(s[1:]) if len(s) > 1 else 1 for n, s in self.shapes.items()}
         self.owner = owners_by_size({n: math.prod(s) for n, s in self.shapes.items()}, shape.dp)
         self.owned = [n for n in self.shapes if self.owner[n] == replica]
-        self.batches = self._batches(batch_elements)
+        # A scatter sends the owner's rows to every replica holding them: batches are cut so that even
+        # that fan-out stays within the limit.
+        fan_out = self.shape.dp_replicate if sharded else self.shape.dp
+        self.batches = self._batches(max(1, batch_elements // fan_out))
         self.gather_pieces = [self._gather_pieces(batch) for batch in self.batches]
         self.scatter_pieces = [self._scatter_pieces(batch) for batch in self.batches]
 
@@ -81,15 +85,24 @@ class StageResharder:
             return 0, rows
         return held_rows(rows, self.shape.shard_coordinate(replica), self.shape.dp_shard)
 
-    def _batches(self, limit: int) -> list[list[str]]:
-        batches, current, size = [], [], 0
-        for name in self.shapes:
-            numel = math.prod(self.shapes[name])
-            if current and size + numel > limit:
-                batches.append(current)
-                current, size = [], 0
-            current.append(name)
-            size += numel
+    def _batches(self, limit: int) -> list[list[tuple[str, int, int]]]:
+        """Rows [start, stop) of the stage's parameters, in order, cut into batches of at most `limit`
+        elements: a parameter larger than the limit is cut by rows (at least one row a segment), so no
+        all_to_all moves more than the batch limit into or out of a rank."""
+        batches: list[list[tuple[str, int, int]]] = []
+        current: list[tuple[str, int, int]] = []
+        size = 0
+        for name, shape in self.shapes.items():
+            rows, per_row = (shape[0] if shape else 1), self.row_numel[name]
+            start = 0
+            while start < rows:
+                if current and limit - size < per_row:
+                    batches.append(current)
+                    current, size = [], 0
+                take = min(rows - start, max(1, (limit - size) // per_row))
+                current.append((name, start, start + take))
+                size += take * per_row
+                start += take
         if current:
             batches.append(current)
         return batches
@@ -101,24 +114,29 @@ class StageResharder:
         chunks = [(k, *held_rows(rows, k, shards)) for k in range(shards)]
         return [c for c in chunks if c[2] > c[1]]
 
-    def _gather_pieces(self, batch: list[str]) -> list[Piece]:
+    def _chunks_in(self, name: str, first: int, last: int) -> list[tuple[int, int, int]]:
+        """(shard coordinate, start, stop) of the row chunks of `name` within rows [first, last)."""
+        cut = [(k, max(start, first), min(stop, last)) for k, start, stop in self._row_chunks(name)]
+        return [c for c in cut if c[2] > c[1]]
+
+    def _gather_pieces(self, batch: list[tuple[str, int, int]]) -> list[Piece]:
         """Each row chunk goes to the parameter's owner from the replica that holds it and shares the
         owner's replicate coordinate (the owner itself, where it holds those rows)."""
         pieces = []
-        for name in batch:
+        for name, first, last in batch:
             owner = self.owner[name]
             replicate = self.shape.replicate_coordinate(owner)
-            for k, start, stop in self._row_chunks(name):
+            for k, start, stop in self._chunks_in(name, first, last):
                 src = self.shape.replica_with(replicate, k) if self.sharded else owner
                 pieces.append(Piece(name, start, stop, src, owner))
         return pieces
 
-    def _scatter_pieces(self, batch: list[str]) -> list[Piece]:
+    def _scatter_pieces(self, batch: list[tuple[str, int, int]]) -> list[Piece]:
         """The owner sends every row chunk to every replica holding it."""
         pieces = []
-        for name in batch:
+        for name, first, last in batch:
             owner = self.owner[name]
-            for k, start, stop in self._row_chunks(name):
+            for k, start, stop in self._chunks_in(name, first, last):
                 for replicate in range(self.shape.dp_replicate if self.sharded else self.shape.dp):
                     dst = self.shape.replica_with(replicate, k) if self.sharded else replicate
                     pieces.append(Piece(name, start, stop, owner, dst))
@@ -156,8 +174,8 @@ class Resharder:
         return self._rows(local[piece.name], piece, self.plan.rows_of(piece.name, self.plan.replica)[0])
 
     def _buffer(self, which: int, numel: int) -> torch.Tensor:
-        """One of two flat buffers on the device, kept between batches and boundaries (on the CPU this
-        spares the page faults of a fresh allocation; on a GPU the caching allocator would keep it anyway)."""
+        """One of two flat buffers on the device, kept between the batches of one gather or scatter (at
+        most the batch limit each) and released at its end."""
         if self._buffers[which].numel() < numel:
             self._buffers[which] = torch.empty(numel, dtype=torch.float32, device=self.device)
         return self._buffers[which][:numel]
@@ -197,6 +215,7 @@ class Resharder:
             self._exchange(pieces, lambda p: self._local_rows(local, p), lambda p: self._rows(out[p.name], p))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host reads `out` next
+        self._release()
 
     @torch.no_grad()
     def scatter(self, local: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> None:
@@ -205,3 +224,8 @@ class Resharder:
             self._exchange(pieces, lambda p: self._rows(values[p.name], p), lambda p: self._local_rows(local, p))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host may change `values` next
+        self._release()
+
+    def _release(self) -> None:
+        """The boundary's buffers go back to the device between boundaries: training needs the memory."""
+        self._buffers = [torch.empty(0, device=self.device), torch.empty(0, device=self.device)]
