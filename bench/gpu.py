@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from dilocox.bench.site_layouts import LayoutRun, _cli, layout_flags, run_worker, shard_processes, summarize
+from dilocox.bench.site_layouts import LayoutRun, _cli, layout_flags, planned_device_mb, run_worker, shard_processes, summarize
 
 CHECKS = ("sim", "pp1", "pp2", "dp2", "pp2dp2", "accum", "resume")
 LAYOUTS = {"pp1": (1, 1, ()), "pp2": (2, 1, ()), "dp2": (1, 2, ()), "pp2dp2": (2, 2, ()), "accum": (2, 1, ("--inner-grad-accum", "2"))}
@@ -64,6 +64,8 @@ def _layout_check(name: str, args: argparse.Namespace, workdir: pathlib.Path) ->
                    *layout_flags(run, args.device))  # fmt: skip
         rc, run.events = run_worker(cmd, workdir / f"{name}.log", run, timeout_s=900)
     row = summarize(run) if rc == 0 else {}
+    if row:
+        row["planned_device_mb_per_rank"] = planned_device_mb(run, args.device)
     ok = rc == 0 and row.get("replay_mismatches", 1) == 0
     return {"check": name, "status": "ok" if ok else f"FAILED (exit {rc}; {workdir / f'{name}.log'})", **row}
 
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
         device = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (gloo)"
         notes = (f"Device: {gpus} × {device}; torch {torch.__version__}. Shards run on the CPU. "
                  f"{'All checks passed.' if not failed else 'FAILED: ' + ', '.join(failed) + ' (logs were in the temp dir)'}\n")  # fmt: skip
-        columns = ["check", "status", "layout", "tokens_per_s", "device_peak_mb_per_rank", "boundary_phases_s",
+        columns = ["check", "status", "layout", "tokens_per_s", "device_peak_mb_per_rank", "planned_device_mb_per_rank", "boundary_phases_s",
                    "exchange_bytes_per_held_param", "replay_mismatches", "eval_loss", "resumed_from_round"]  # fmt: skip
         text = write_report(out_dir, "gpu", "GPU check: a site on this machine's GPUs", rows, columns, notes, {"args": vars(args)})
     if failed:

@@ -165,6 +165,22 @@ def layout_flags(run: LayoutRun, device: str = "cpu") -> list[str]:
             "--inner-batch-size", str(run.batch_size), "--eval-batches", "1", "--device", device, *run.model_flags, *run.extra]  # fmt: skip
 
 
+def planned_device_mb(run: LayoutRun, device: str = "cpu") -> list[int]:
+    """The memory plan's bytes per rank (worker/site/memory_plan.py, what `dilocox plan` prints) for the
+    worker flags this layout runs with, in MB: what a GPU's `device_peak_mb_per_rank` is set against."""
+    import argparse
+
+    from dilocox.common.config.run import add_config_arguments, config_from_args
+    from dilocox.worker.site.memory_plan import plan_memory, planned_precision
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    config, _ = parser.parse_known_args(layout_flags(run, device))
+    config = planned_precision(config_from_args(config), on_gpu=device != "cpu")
+    plan = plan_memory(config, config.model.vocab_size, fused_attention=device != "cpu")
+    return [round(r.device_total / 2**20) for r in plan.ranks]
+
+
 def run_layout(run: LayoutRun, workdir: pathlib.Path, threads: int = 1, timeout_s: float = 900.0, device: str = "cpu") -> LayoutRun:
     """Start the shards and one site of `run`'s layout, wait for the site to finish, collect its events."""
     run_id = f"layout-{run.pp}x{run.dp}x{run.dp_replicate}"

@@ -27,4 +27,5 @@ def test_gpu_check_runs_on_the_cpu(tmp_path):
     (row,) = json.loads((tmp_path / "gpu.json").read_text())["rows"]
     assert row["check"] == "accum" and row["status"] == "ok" and row["replay_mismatches"] == 0
     assert row["tokens_per_s"] > 0 and len(row["exchange_bytes_per_held_param"]) == 2
+    assert len(row["planned_device_mb_per_rank"]) == 2 and min(row["planned_device_mb_per_rank"]) > 0  # the plan, beside the measured peak
     assert {"read_s", "write_s", "eval_s"} <= set(row["boundary_phases_s"])
