@@ -58,7 +58,7 @@ def test_auto_keeps_stages_gathered_only_where_that_fits():
     config = RunConfig(model=ModelConfig(model="llama-3-8b", block_size=1024), inner=InnerConfig(batch_size=4),
                        parallel=ParallelConfig(pp=4, dp=2, microbatches=4, precision="bf16", activation_checkpoint="full"))  # fmt: skip
     assert plan_memory(config, 128256, gpu_bytes=int(80 * GB)).pipeline_reshard == "step"
-    tight = plan_memory(config, 128256, gpu_bytes=int(40 * GB))  # "step" needs 40.3 GB, "microbatch" 31.6
+    tight = plan_memory(config, 128256, gpu_bytes=int(35 * GB))  # "step" needs 38.8 GB, "microbatch" 30.0
     assert tight.pipeline_reshard == "microbatch" and tight.fits()
     assert plan_memory(config, 128256).pipeline_reshard == "step"  # no GPU size (the CPU): the fewest collectives
 
