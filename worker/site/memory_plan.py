@@ -208,6 +208,7 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
             d["grad_accumulators"] = 4 * (root + largest_block)
         micro = par.microbatches if pipelined else 1
         tokens = inner.batch_size // micro * block
+        micro *= inner.grad_accum if pipelined else 1  # a step's accumulated batches go through one schedule step
         if not pipelined:
             in_flight = 1
         elif par.schedule == "gpipe":

@@ -6,7 +6,8 @@ care how the site computes. One inner step:
 
 * every replica's pipeline draws its own batch (each stage of a pipeline the same one: the first needs
   the inputs, the last the targets) — `grad_accum` batches per step, each split into `microbatches`;
-* pp > 1: torch's schedule (GPipe or 1F1B) runs the micro-batches. Its own gradient scaling is off
+* pp > 1: torch's schedule (GPipe or 1F1B) runs the micro-batches, all `grad_accum · microbatches` of a
+  step in one schedule step (one gather and one reduce of each block per step, not per batch). Its own gradient scaling is off
   (`scale_grads=False`): it would divide *all* of `.grad` by the micro-batch count at every `step()`,
   so a second accumulated batch would divide the first again. The gradient of the whole step's batch is
   taken once, at the end: ÷ (grad_accum · microbatches);
@@ -98,12 +99,19 @@ class SiteTrainer:
         self._autocast = (lambda: contextlib.nullcontext()) if self.sharded else self.compute.autocast
         self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index,
                                     part.count, split=part.split)  # fmt: skip
-        self.schedule = None
+        self.schedule = self.eval_schedule = None
         if shape.pp > 1:
+            # One schedule step per inner step: the accumulated batches' microbatches all go through one
+            # schedule (m·A of them), so FSDP gathers and reduces a block once per step, not once per batch.
             stage_class = MicrobatchReshardStage if self.pipeline_reshard == "microbatch" else PipelineStage
             stage = stage_class(self.module, mesh.stage, shape.pp, self.device, group=mesh.pp_group)
-            self.schedule = SCHEDULES[config.parallel.schedule](stage, config.parallel.microbatches, loss_fn=causal_lm_loss,
+            micro = config.parallel.microbatches
+            self.schedule = SCHEDULES[config.parallel.schedule](stage, micro * config.inner.grad_accum, loss_fn=causal_lm_loss,
                                                                 scale_grads=False)  # fmt: skip
+            # Eval has a stage and schedule of its own: torch re-runs a stage's shape inference (a round of
+            # metadata messages between stages) each time one schedule switches between step() and eval().
+            eval_stage = PipelineStage(self.module, mesh.stage, shape.pp, self.device, group=mesh.pp_group)
+            self.eval_schedule = ScheduleGPipe(eval_stage, micro, loss_fn=causal_lm_loss, scale_grads=False)
         self.optimizer = make_inner_optimizer(config, self.module.parameters())
         self.step = 0
         self.tokens_seen = 0
@@ -131,7 +139,11 @@ class SiteTrainer:
                 group["lr"] = inner_lr(self.config, self.step)
             self.optimizer.zero_grad(set_to_none=True)
             losses: list[torch.Tensor] = []
-            for i in range(accum):
+            if self.schedule is not None:  # all accumulated batches through one schedule step
+                batches = [self.sampler.next_batch() for _ in range(accum)]
+                x, y = (torch.cat(parts).to(self.device) for parts in zip(*batches))
+                self._forward_backward(x, y, losses, last=True)
+            for i in range(accum if self.schedule is None else 0):
                 x, y = self.sampler.next_batch()
                 self._forward_backward(x.to(self.device), y.to(self.device), losses, last=i == accum - 1)
             self._scale_grads(1.0 / (accum * (self.config.parallel.microbatches if self.schedule else 1)))
@@ -233,5 +245,5 @@ class SiteTrainer:
         with self._autocast():
             if self.schedule is None:
                 return causal_lm_loss(logits_of(self.module(x)), y).float()
-            losses = self._through_pipeline(self.schedule.eval, x, y)
+            losses = self._through_pipeline(self.eval_schedule.eval, x, y)
         return torch.stack(losses).mean().float() if losses else torch.zeros((), device=self.device)
