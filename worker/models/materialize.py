@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -137,6 +138,13 @@ def initial_values(skeleton: nn.Module, unit: str, init_fn: InitFn, seed: int) -
     return values
 
 
+def held_rows(rows: int, shard: int, shards: int) -> tuple[int, int]:
+    """Rows [start, stop) of a `rows`-row parameter held by FSDP shard `shard` of `shards`
+    (torch.chunk: ⌈rows / shards⌉ each, the last ones shorter or empty)."""
+    chunk = math.ceil(rows / shards) if rows else 0
+    return min(shard * chunk, rows), min((shard + 1) * chunk, rows)
+
+
 def local_rows(param: torch.Tensor) -> slice:
     """The rows of the whole parameter this rank holds: FSDP2's `Shard(0)` chunk over the mesh dims that
     shard (torch.chunk's split: ⌈n / k⌉ rows a chunk, the last ones short or empty), all rows for a
@@ -152,9 +160,8 @@ def local_rows(param: torch.Tensor) -> slice:
         if not (isinstance(placement, Shard) and placement.dim == 0 and type(placement) is Shard):
             raise MaterializeError(f"a parameter of shape {tuple(param.shape)} is sharded as {param.placements}: "
                                    "only FSDP's row sharding (Shard(0)) is materialised")  # fmt: skip
-        parts, index = mesh.size(dim), mesh.get_local_rank(dim)
-        chunk = -(-(stop - start) // parts)
-        start, stop = min(stop, start + index * chunk), min(stop, start + (index + 1) * chunk)
+        first, last = held_rows(stop - start, mesh.get_local_rank(dim), mesh.size(dim))
+        start, stop = start + first, start + last
     local = param.to_local()
     if local.dim() and local.shape[0] != stop - start:
         raise MaterializeError(f"a parameter of shape {tuple(param.shape)} holds {local.shape[0]} rows here, "

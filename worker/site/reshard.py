@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dilocox.worker.models.materialize import held_rows  # FSDP2's row chunks: one definition for the build and the reshard
 from dilocox.worker.site.mesh import SiteShape
 
 BATCH_ELEMENTS = 64 * 2**20  # 256 MB of fp32 per collective, at most
@@ -38,13 +39,6 @@ def owners_by_size(sizes: dict[str, int], dp: int) -> dict[str, int]:
         owner[name] = replica
         loads[replica] += sizes[name]
     return owner
-
-
-def held_rows(rows: int, shard: int, shards: int) -> tuple[int, int]:
-    """Rows [start, stop) of a `rows`-row parameter held by FSDP shard `shard` of `shards`
-    (torch.chunk: ⌈rows / shards⌉ each, the last ones shorter or empty)."""
-    chunk = math.ceil(rows / shards) if rows else 0
-    return min(shard * chunk, rows), min((shard + 1) * chunk, rows)
 
 
 @dataclass(frozen=True)
