@@ -13,11 +13,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ephemeral_start() -> int:
+    """The first port the kernel hands out for outgoing connections (gloo's pairs, gRPC clients)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_range(count: int, host: str = "0.0.0.0") -> int:
     """A port p with p … p + count − 1 all free now, for processes that take consecutive ports (shard i on
-    base + i); they bind them moments later, so a collision is unlikely, not impossible."""
+    base + i); they bind them moments later. The range lies below the kernel's ephemeral ports: a
+    process group's connections elsewhere in the test run (gloo opens many) take those at any moment,
+    and did take a metrics port of the Slurm test between this check and its bind."""
+    top = max(10000 + count, _ephemeral_start() - count)
     for _ in range(50):
-        base = random.randrange(20000, 60000)
+        base = random.randrange(10000, top)
         try:
             for port in range(base, base + count):
                 with socket.socket() as s:
