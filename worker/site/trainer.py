@@ -7,8 +7,8 @@ care how the site computes. One inner step:
 * every replica's pipeline draws its own batch (each stage of a pipeline the same one: the first needs
   the inputs, the last the targets) — `grad_accum` batches per step, each split into `microbatches`;
 * pp > 1: torch's schedule (GPipe or 1F1B) runs the micro-batches, all `grad_accum · microbatches` of a
-  step in one schedule step (one gather and one reduce of each block per step, not per batch). Its own gradient scaling is off
-  (`scale_grads=False`): it would divide *all* of `.grad` by the micro-batch count at every `step()`,
+  step in one schedule step (one gather and one reduce of each block per step, not per batch). Its own
+  gradient scaling is off (`scale_grads=False`): it would divide *all* of `.grad` by the micro-batch count at every `step()`,
   so a second accumulated batch would divide the first again. The gradient of the whole step's batch is
   taken once, at the end: ÷ (grad_accum · microbatches);
 * pp = 1: plain forward and backward, FSDP's gradient sync only on the last accumulated batch;
@@ -36,12 +36,12 @@ from dilocox.worker.data.corpus import BatchSampler, as_token_array, check_split
 from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import blueprint
 from dilocox.worker.models.contract import causal_lm_loss, logits_of
-from dilocox.worker.site.mesh import SiteMesh
-from dilocox.worker.site.pipeline_fsdp import MicrobatchReshardStage
-from dilocox.worker.site.parallelize import checkpoint_blocks, local_part, reshard_all, shard_stage
-from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
 from dilocox.worker.models.materialize import materialize
 from dilocox.worker.models.weights import load_weights
+from dilocox.worker.site.mesh import SiteMesh
+from dilocox.worker.site.parallelize import checkpoint_blocks, local_part, reshard_all, shard_stage
+from dilocox.worker.site.pipeline_fsdp import MicrobatchReshardStage
+from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
 from dilocox.worker.train.pipeline_stage import split_model
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -143,9 +143,10 @@ class SiteTrainer:
                 batches = [self.sampler.next_batch() for _ in range(accum)]
                 x, y = (torch.cat(parts).to(self.device) for parts in zip(*batches))
                 self._forward_backward(x, y, losses, last=True)
-            for i in range(accum if self.schedule is None else 0):
-                x, y = self.sampler.next_batch()
-                self._forward_backward(x.to(self.device), y.to(self.device), losses, last=i == accum - 1)
+            else:
+                for i in range(accum):
+                    x, y = self.sampler.next_batch()
+                    self._forward_backward(x.to(self.device), y.to(self.device), losses, last=i == accum - 1)
             self._scale_grads(1.0 / (accum * (self.config.parallel.microbatches if self.schedule else 1)))
             self._clip_grad_norm()
             self.optimizer.step()
