@@ -160,13 +160,8 @@ def run(args: argparse.Namespace) -> int:
 
         metrics_server = serve_metrics(ShardMetrics(shard).attach().registry, args.metrics_port, args.metrics_host or args.host,
                                        role=f"shard-{args.shard_index}", command="dilocox server")  # fmt: skip
-    try:
-        server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
-                                    tls=tls, token=token)  # fmt: skip
-    except (ValueError, OSError, RuntimeError) as error:
-        raise SystemExit(f"dilocox server: {error}") from None
-    if args.port_file:
-        write_text_atomic(args.port_file, str(port))
+    # The graceful stop is armed before the port opens: a SIGTERM from the first moment the shard listens
+    # (a prober that sees the port, a launcher's early cancel) saves and exits 0, not a bare kill.
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -175,6 +170,13 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    try:
+        server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
+                                    tls=tls, token=token)  # fmt: skip
+    except (ValueError, OSError, RuntimeError) as error:
+        raise SystemExit(f"dilocox server: {error}") from None
+    if args.port_file:
+        write_text_atomic(args.port_file, str(port))
     if not args.keep_serving:
         def on_finished() -> None:
             log.info("shard_stopping", shard=args.shard_index, reason="every cluster holds the run's final version")

@@ -38,3 +38,10 @@ def free_port_range(count: int, host: str = "0.0.0.0") -> int:
         except OSError:
             continue
     raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server accepts on `port`. A connect to a free port in the kernel's ephemeral range can
+    succeed by connecting the socket to itself (source port = destination port): that is no listener."""
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0 and s.getsockname()[1] != port

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from dilocox.common.cli import build_parser
+from tests.ports import listening
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
 STEP = re.compile(r"```bash step=(?P<name>[\w-]+)\n(?P<body>.*?)```", re.S)
@@ -98,7 +99,7 @@ def test_worked_example_runs_on_localhost(tmp_path):
     def wait_listening(*steps: str) -> None:
         for port in (grpc0, grpc1):
             deadline = time.monotonic() + 60
-            while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            while not listening(port):
                 assert time.monotonic() < deadline, "".join(output(s) for s in steps)
                 time.sleep(0.2)
 

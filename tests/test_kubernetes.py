@@ -12,7 +12,6 @@ import pathlib
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from dilocox.common.cli import build_parser
 from dilocox.common.deploy import kubernetes
 from dilocox.common.deploy.deploy_cli import add_topology_arguments, topology_from_args
 from dilocox.server import checkpoint
-from tests.ports import free_port
+from tests.ports import free_port, listening
 from dilocox.server.shard import Shard
 
 VERSIONS = ("1.30", kubernetes_validate.latest_version())
@@ -268,7 +267,7 @@ def _serve_once(ckpt_dir: pathlib.Path, *extra: str) -> str:
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+        while not listening(port):
             assert proc.poll() is None, f"{shlex.join(command)}: {proc.stderr.read()}"
             assert time.monotonic() < deadline, "the shard did not listen"
             time.sleep(0.1)

@@ -23,6 +23,7 @@ from dilocox.server import checkpoint
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
+from tests.ports import listening
 
 RUN = "restart-run"
 PARAMS = [("w", (8, 6)), ("b", (6,))]
@@ -46,7 +47,7 @@ def _shard_cmd(port: int, ckpt_dir, *extra: str) -> list[str]:
 
 def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+    while not listening(port):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "timeout"
         time.sleep(0.1)
 
