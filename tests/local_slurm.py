@@ -93,10 +93,34 @@ class LocalSlurm:
         return next((w.split("=", 1)[1] for w in shown.split() if w.startswith("JobState=")), "")
 
     def stop(self) -> None:
+        """Cancel every job and end the daemons: SIGTERM by their pid files, then SIGKILL any process still
+        running from this cluster's folder (a slurmd busy with a failed job's steps outlived the SIGTERM and
+        was left behind, parentless, after a failing run)."""
         self.run("scancel", "--full", "--user", "root", check=False)
         for pid_file in (self.root / "slurmd.pid", self.root / "slurmctld.pid", self.root / "munge" / "pid"):
             try:
                 os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
             except (OSError, ValueError):
                 pass
-        time.sleep(1)
+        deadline = time.monotonic() + 10
+        while (left := self._own_processes()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def _own_processes(self) -> list[int]:
+        """Processes whose command line or environment names this cluster's folder: its daemons, and the
+        job steps (slurmstepd and what it runs carry SLURM_CONF)."""
+        mine, root = [], str(self.root).encode()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    with open(f"/proc/{entry}/cmdline", "rb") as f, open(f"/proc/{entry}/environ", "rb") as g:
+                        if root in f.read() or root in g.read():
+                            mine.append(int(entry))
+                except OSError:
+                    continue
+        return mine
