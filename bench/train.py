@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ def _child(spec: dict) -> dict:
 
     from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, RunConfig
     from dilocox.worker.data.token_data import load_run_data
+    from dilocox.worker.site.plan_measure import peak_rss_bytes
     from dilocox.worker.train.inner_trainer import InnerTrainer
 
     if spec["threads"] > 0:
@@ -72,7 +72,7 @@ def _child(spec: dict) -> dict:
         "device": str(trainer.compute.device),
         "tokens_per_s": round(tokens / seconds),
         "loss": round(loss, 3),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "peak_rss_mb": round(peak_rss_bytes() / 2**20),  # VmHWM: ru_maxrss would carry the parent's peak across exec
         "cuda_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20) if trainer.compute.device.type == "cuda" else "",
         "corpus_tokens": data.num_tokens,
         "streamed": data.streamed,

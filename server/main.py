@@ -22,6 +22,8 @@ from dilocox.server.grace import GraceWindow
 from dilocox.server.shard import Shard
 
 log = structlog.get_logger()
+# How often the main thread looks for a SIGTERM/SIGINT its handler noted (the stop is this much later at most).
+SIGNAL_POLL_S = 0.2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,14 +164,13 @@ def run(args: argparse.Namespace) -> int:
                                        role=f"shard-{args.shard_index}", command="dilocox server")  # fmt: skip
     # The graceful stop is armed before the port opens: a SIGTERM from the first moment the shard listens
     # (a prober that sees the port, a launcher's early cancel) saves and exits 0, not a bare kill.
+    # The handler only notes the signal: it runs on the main thread between two bytecodes, perhaps inside
+    # `stop.wait()` holding the Event's lock or inside a log write holding the output's lock, so setting the
+    # Event or logging there could deadlock (a shard once ignored a SIGTERM sent the moment it listened).
     stop = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        log.info("shard_stopping", shard=args.shard_index, signal=signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signalled: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: signalled.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: signalled.append(signum))
     try:
         server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
                                     tls=tls, token=token)  # fmt: skip
@@ -183,7 +184,10 @@ def run(args: argparse.Namespace) -> int:
             stop.set()
 
         shard.on_finished = on_finished
-    stop.wait()
+    while not signalled and not stop.wait(SIGNAL_POLL_S):
+        pass
+    if signalled:
+        log.info("shard_stopping", shard=args.shard_index, signal=signal.Signals(signalled[0]).name)
     server.stop(grace=2.0).wait()
     if metrics_server is not None:
         metrics_server.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import tempfile
 
 import torch
@@ -31,8 +30,22 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak resident set afresh from its current one (Linux's clear_refs "5").
+
+    Not `getrusage`'s ru_maxrss: Linux carries it across exec, so a rank spawned from a large parent (a
+    test worker that has run hundreds of tests) reports the parent's peak, not its own."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The peak resident set of this process's memory since it began or since `reset_peak_rss` (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line: cannot measure peak memory on this system")
 
 
 @dataclasses.dataclass
@@ -58,10 +71,9 @@ def _rank(rank: int, world: int, port: int, config: RunConfig, init_only: bool, 
     torch.set_num_threads(1)
     from dilocox.worker.data.corpus import load_corpus
     from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
+    from dilocox.worker.models.build import meta_model
     from dilocox.worker.site.mesh import SiteMesh
     from dilocox.worker.site.trainer import SiteTrainer
-
-    from dilocox.worker.models.build import meta_model
 
     data = TokenData.from_bytes(load_corpus(None), EVAL_FRACTION)
     mesh = SiteMesh(config.parallel, collective_timeout_s=600)
@@ -69,6 +81,7 @@ def _rank(rank: int, world: int, port: int, config: RunConfig, init_only: bool, 
         meta_model(config.model, data.vocab_size)  # the model's code imported (transformers), nothing allocated
         torch.distributed.barrier()
         baseline = rss_bytes()
+        reset_peak_rss()
         if init_only:
             from dilocox.worker.site.trainer import build_site_module
 
