@@ -9,7 +9,7 @@ so a retried push is recognised and never double-counted.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,6 +17,7 @@ from dilocox.common.wire.aggregation import apply_round, decode_by_blocks
 from dilocox.common.wire.errors import InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
+from dilocox.common.wire.staleness import cap_stale_weights
 
 
 @dataclass(frozen=True)
@@ -32,26 +33,34 @@ class RoundAccumulator:
 
     round: int
     contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
-    cluster_weights: dict[str, float] = field(default_factory=dict)
+    cluster_weights: dict[str, float] = field(default_factory=dict)  # tokens, as each cluster said
+    cluster_ages: dict[str, int] = field(default_factory=dict)  # rounds its work is older than this round (0: on time)
     bytes_in: int = 0
     first_push_at: float | None = None  # monotonic time of the round's first contribution: starts the deadline
     quorum_at: float | None = None  # monotonic time `min_clusters` had completed: starts the grace window
     complete_at: dict[str, float] = field(default_factory=dict)  # cluster -> when it completed (as first seen)
 
-    def check_weight(self, cluster: str, weight: float) -> None:
-        """A cluster's weight (tokens this round) must be positive and the same on all its streams."""
+    def check_weight(self, cluster: str, weight: float, staleness: int = 0) -> None:
+        """A cluster's weight (tokens this round) must be positive and the same on all its streams, and so
+        must its staleness (≥ 0)."""
         if not weight > 0 or weight != weight or weight == float("inf"):
             raise InvalidFrame(f"weight (tokens trained) must be a positive finite number, got {weight}")
+        if staleness < 0:
+            raise InvalidFrame(f"staleness (rounds the work is older than the round) must be ≥ 0, got {staleness}")
         known = self.cluster_weights.get(cluster)
         if known is not None and known != weight:
             raise InvalidFrame(f"cluster {cluster!r} already pushed round {self.round} with weight {known}, now {weight}")
+        age = self.cluster_ages.get(cluster)
+        if age is not None and age != staleness:
+            raise InvalidFrame(f"cluster {cluster!r} already pushed round {self.round} with staleness {age}, now {staleness}")
 
     def is_duplicate(self, cluster: str, key: SliceKey) -> bool:
         return cluster in self.contributions.get(key, {})
 
-    def add(self, cluster: str, weight: float, encoded: EncodedSlice) -> None:
+    def add(self, cluster: str, weight: float, encoded: EncodedSlice, staleness: int = 0) -> None:
         """Record one vetted slice; callers have checked shape, values and duplicates already."""
         self.cluster_weights[cluster] = weight
+        self.cluster_ages[cluster] = staleness
         self.contributions.setdefault(encoded.key, {})[cluster] = Contribution(cluster, weight, encoded)
         if self.first_push_at is None:
             self.first_push_at = time.monotonic()
@@ -76,7 +85,21 @@ class RoundAccumulator:
             for cluster in [c for c in per_key if c not in clusters]:
                 dropped += len(per_key.pop(cluster).slice.payload)
         self.cluster_weights = {c: w for c, w in self.cluster_weights.items() if c in clusters}
+        self.cluster_ages = {c: a for c, a in self.cluster_ages.items() if c in clusters}
         return dropped
+
+    def weigh_stale(self) -> dict[str, tuple[int, float, float]]:
+        """Before the step (on the sealed round): cap each stale contribution's weight at the mean of the
+        on-time ones (common/wire/staleness.py). The capped weight is the contribution's from here on — the
+        shard's mean and what it forwards, so the clusters replay the same arithmetic. Returns the clusters
+        whose weight changed: (age, tokens said, weight used)."""
+        capped = cap_stale_weights(self.cluster_weights, self.cluster_ages)
+        changed = {c: (self.cluster_ages.get(c, 0), w, capped[c]) for c, w in self.cluster_weights.items() if capped[c] != w}
+        if changed:
+            for per_key in self.contributions.values():
+                for cluster in [c for c in per_key if c in changed]:
+                    per_key[cluster] = replace(per_key[cluster], weight=capped[cluster])
+        return changed
 
     def apply(self, key: SliceKey, optimizer: OuterNesterov, param: torch.Tensor, in_place: bool) -> torch.Tensor | None:
         """The slice's outer step on the weighted mean of its contributions, or None if nobody

@@ -111,7 +111,8 @@ class AggregatorServicer:
             if not pushed:
                 raise InvalidFrame("a push must carry at least one slice after its PushHeader")
             result = self.shard.commit_push(header.cluster, header.round, header.weight, pushed, bytes_in=received,
-                                            inner_steps=header.inner_steps, idle_s=header.idle_s)  # fmt: skip
+                                            inner_steps=header.inner_steps, idle_s=header.idle_s,
+                                            staleness=header.staleness)  # fmt: skip
         except DilocoxError as error:
             refuse(context, error)
         return pb.PushReply(

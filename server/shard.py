@@ -222,12 +222,14 @@ class Shard(RoundClosing):
         bytes_in: int = 0,
         inner_steps: int = 0,
         idle_s: float = 0.0,
+        staleness: int = 0,
     ) -> PushResult:
         """Apply a fully decoded and vetted push atomically: all of it, or (on an error) nothing.
 
         `slices` are the encoded slices as they travelled (or plain (key, tensor) pairs, taken as exact
         fp32); each must decode to a finite tensor of the owned shape. `inner_steps`, `idle_s`: what the
-        site says of the round (kept for `dilocox status`).
+        site says of the round (kept for `dilocox status`). `staleness`: how many rounds older than `round_`
+        the work is (a late site catching up; its weight is capped at the close, server/round_state.py).
         """
         encoded = [s if isinstance(s, EncodedSlice) else EncodedSlice.exact(*s) for s in slices]
         for item in encoded:
@@ -242,15 +244,15 @@ class Shard(RoundClosing):
             if round_ == 0:
                 return self._commit_init(cluster, encoded)
             acc = self._open_accumulator()
-            acc.check_weight(cluster, weight)
+            acc.check_weight(cluster, weight, staleness)
             fresh = [item for item in encoded if not acc.is_duplicate(cluster, item.key)]
             for item in fresh:
-                acc.add(cluster, weight, item)
+                acc.add(cluster, weight, item, staleness)
             self.last_seen[cluster] = time.monotonic()
             self.sites.setdefault(cluster, SiteRecord()).said(inner_steps, idle_s)
             acc.bytes_in += bytes_in
             log.info("push_accepted", shard=self.shard_index, cluster=cluster, round=round_, slices=len(fresh),
-                     duplicates=len(encoded) - len(fresh), bytes_in=bytes_in)  # fmt: skip
+                     duplicates=len(encoded) - len(fresh), bytes_in=bytes_in, **({"staleness": staleness} if staleness else {}))  # fmt: skip
         closed = self._close_if_due()  # the reply waits for the publish, as a pull of this round would
         return PushResult(round_, len(fresh), len(encoded) - len(fresh), closed)
 

@@ -75,6 +75,9 @@ class RoundClosing:
         if decision is None:
             return None
         self._settle_membership(acc, decision)
+        for cluster, (age, said, weight) in acc.weigh_stale().items():
+            log.warning("stale_contribution_capped", shard=self.shard_index, cluster=cluster, round=acc.round, staleness=age,
+                        tokens=said, weight=weight, reason="work older than the round weighs at most the mean of the on-time contributions")  # fmt: skip
         # In place only when no pull streams the current version; none is handed out until the publish.
         closing = SealedRound(acc, decision, self.snapshot, in_place=not self._readers.get(id(self.snapshot)))
         self.accumulator, self._round_closing = None, closing

@@ -77,6 +77,7 @@ def run_in_process(
             trainer = InnerTrainer(config, corpus, i, num_clusters)
             compressor = TensorCompressor(config.compress, seed=config.seed, track_deficit=track_deficit) if config.compress.codec != "fp32" else None
             client = AggregatorClient(addresses, config.run_id, f"cluster-{i}", config.wire, compressor=compressor,
+                                      stale_weighting=config.stale_weighting,
                                       connect_timeout=30, rpc_timeout=max(60.0, timeout_s))  # fmt: skip
             hook = (lambda report, _steps, _version, client=client: on_round(client, report)) if on_round else None
             clusters.append(DilocoCluster(trainer, client, config.rounds, config.inner.steps, config.delay,

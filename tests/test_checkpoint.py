@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from dilocox.common.wire.assignment import model_digest
@@ -276,3 +277,92 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.3])
+def test_sigterm_after_a_checkpoint_is_staged_commits_it_and_says_so(shard_set, tmp_path, delay_s):
+    """Issue 47, item 4: a SIGTERM at several moments after `worker_checkpoint_staged` never loses the staged
+    round: the worker logs the signal, leaves between steps, lets the round's exchange finish, and its
+    checkpoint is COMMITTED when the process exits (or the log says why not)."""
+    from dilocox.worker.checkpoint import COMMITTED
+
+    shards = shard_set(1, RUN)
+    cmd = [
+        sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", RUN,
+        "--cluster", "solo", "--rounds", "40", "--inner-steps", "3", "--n-layer", "1", "--n-embd", "32", "--block-size", "32",
+        "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1", "--insecure", "--checkpoint-dir", str(tmp_path),
+        "--log-format", "json",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        staged = None
+        while staged is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            assert line, "the worker exited before staging a checkpoint: " + "".join(lines[-30:])
+            lines.append(line)
+            if '"worker_checkpoint_staged"' in line and json.loads(line)["round"] >= 3:
+                staged = json.loads(line)["round"]
+        assert staged is not None, "no checkpoint staged in time"
+        time.sleep(delay_s)
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=90)
+        lines.append(rest)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log_text = "".join(lines)
+    assert proc.returncode == 143, log_text[-3000:]
+    events = [json.loads(line) for line in log_text.splitlines() if line.startswith("{")]
+    stopping = [e for e in events if e["event"] == "worker_stopping"]
+    assert len(stopping) == 1 and stopping[0]["signal"] == "SIGTERM", log_text[-3000:]
+    # The round staged last before the stop (the log is read behind the worker: later rounds may have been staged).
+    staged = [e["round"] for e in events[: events.index(stopping[0])] if e["event"] == "worker_checkpoint_staged"][-1]
+    uncommitted = {e["round"] for e in events if e["event"] == "worker_checkpoint_uncommitted"}
+    committed = (tmp_path / "solo" / f"round-{staged:06d}" / COMMITTED).exists()
+    assert committed or staged in uncommitted, log_text[-3000:]
+    # One shard, one site, the shard up throughout: the staged round's exchange completes, so it is committed.
+    assert committed, log_text[-3000:]
+
+
+def test_a_time_boxed_site_of_two_ranks_agrees_on_its_steps_and_on_a_sigterm(shard_set, tmp_path):
+    """Issue 47, items 1 and 4, on a torchrun site (dp 2, gloo): its ranks end every time-boxed round on the
+    same step, set by the clock, not the configured H; a SIGTERM to the job stops both ranks at the same
+    step, and the checkpoint of the last pushed round is committed."""
+    from dilocox.worker.checkpoint import COMMITTED
+
+    run_id = "site-stop"
+    shards = shard_set(1, run_id)
+    cmd = [
+        sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", run_id,
+        "--cluster", "site", "--dp", "2", "--rounds", "40", "--inner-steps", "3", "--inner-round-time-s", "0.6",
+        "--inner-max-steps", "400", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4",
+        "--eval-batches", "1", "--threads", "1", "--insecure", "--checkpoint-dir", str(tmp_path), "--log-format", "json",
+    ]  # fmt: skip
+    log_path = tmp_path / "site.log"
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_path.open("w"), text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while shards.shards[0].version < 4 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert shards.shards[0].version >= 4, log_path.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)  # torchrun's agent passes it to both ranks
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    text = log_path.read_text()
+    assert proc.returncode == 143, text[-3000:]
+    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    done: dict[int, dict[int, int]] = {}
+    for e in events:
+        if e["event"] == "round_done":
+            done.setdefault(e["round"], {})[e["rank"]] = e["inner_steps"]
+    assert len(done) >= 3 and all(sorted(per_rank) == [0, 1] and len(set(per_rank.values())) == 1 for per_rank in done.values()), done
+    assert any(steps[0] != 3 for steps in done.values()), done  # the clock's H, not the configured one
+    stopping = {e["rank"]: (e["round"], e["steps_in_round"]) for e in events if e["event"] == "worker_stopping"}
+    assert sorted(stopping) == [0, 1] and len(set(stopping.values())) == 1, stopping
+    staged = [e["round"] for e in events if e["event"] == "worker_checkpoint_staged" and e["rank"] == 0]
+    pushed_last = max(r for r in staged if r < stopping[0][0])
+    assert (tmp_path / "site" / f"round-{pushed_last:06d}" / COMMITTED).exists(), text[-3000:]

@@ -226,11 +226,13 @@ def test_a_site_that_misses_the_grace_window_stays_and_its_part_is_applied_next_
             assert 'dilocox_site_rounds_late_total{cluster="late"} 1.0' in exposition
             assert 'dilocox_site_rounds_made_total{cluster="late"} 2.0' in exposition
 
-        # Exactly once: the token-weighted progress the shards accepted from `late` (Σ w·Δ, the means'
-        # numerators) is what it computed.
-        assert _weighted_sums(late.accepted_rounds()) .keys() == _weighted_sums(late.computed).keys()
+        # Exactly once, weighed by its age: the token-weighted progress the shards accepted from `late`
+        # (Σ w·Δ, the means' numerators) is what it computed, round 2's part discounted by 1/(1 + 1) — it
+        # entered round 3, one round late (common/wire/staleness.py).
+        computed = [(r, w * (0.5 if r == 2 else 1.0), t) for r, w, t in late.computed]
+        assert _weighted_sums(late.accepted_rounds()).keys() == _weighted_sums(computed).keys()
         for key, total in _weighted_sums(late.accepted_rounds()).items():
-            torch.testing.assert_close(total, _weighted_sums(late.computed)[key], rtol=0, atol=1e-5)
+            torch.testing.assert_close(total, _weighted_sums(computed)[key], rtol=0, atol=1e-5)
 
         # And the shards' weights (and both replicas) are a replay of the accepted pushes.
         for index, shard in enumerate(shards.shards):
@@ -364,9 +366,38 @@ def test_time_box_sets_h_from_the_measured_step_time_within_bounds():
     assert box.update(3, compute_s=4 * 4.0) == 2  # the lower bound
     assert box.update(4, compute_s=2 * 0.001) == 50  # the upper bound
     assert box.update(5, compute_s=0.0) == 50  # nothing measured: unchanged
-    first = RoundTimeBox(40, seconds=2.0, max_steps=100)
-    assert first.needs_probe and first.probe_steps == 3
-    assert first.from_probe(3, seconds=0.3) == 20 and not first.needs_probe  # its first round: H from 3 measured steps
+
+
+def test_time_box_ends_the_round_by_the_clock_and_its_ranks_agree_at_check_points():
+    """Issue 47, item 1: the clock ends a time-boxed round, not an H estimated beforehand."""
+    one = RoundTimeBox(1000, seconds=60.0, min_steps=1, max_steps=5000, single_process=True)
+    one.begin_round(1, time.monotonic())
+    assert not any(one.ends_after(n, lambda v: v) for n in range(1, 50))  # far from its box: no end at the estimate
+    assert one.steps_to_check(49) == 1  # one process asks the clock after every step
+    one.deadline = time.monotonic() - 1  # its time is up (a stall, a slower machine)
+    assert one.ends_after(50, lambda v: v)
+    # A site of several ranks: the smallest proposal wins, 0 (some rank's box is over) ends the round.
+    site = RoundTimeBox(10, seconds=16.0, min_steps=4, max_steps=1000, single_process=False)
+    site.begin_round(2, 100.0)
+    assert site.next_stride(0, 100.0) == 1  # nothing measured yet: check after one step
+    assert site.next_stride(10, 101.0) == 10  # 0.1 s a step, a check every box/16 = 1 s
+    assert site.next_stride(155, 115.5) == 5  # near the deadline: check at it
+    assert site.next_stride(160, 116.0) == 0  # the box is over
+    live = RoundTimeBox(10, seconds=16.0, min_steps=4, max_steps=1000, single_process=False)
+    live.begin_round(2, time.monotonic())
+    proposals = []
+    assert not live.ends_after(1, lambda v: proposals.append(v) or 3)  # the others want to check 3 steps on
+    assert live.check_at == 4 and live.steps_to_check(1) == 3 and len(proposals) == 1 and proposals[0] >= 1
+    assert not live.ends_after(2, lambda v: pytest.fail("no check between check points"))
+    # Time is up at a check before min_steps: the round trains on to min_steps, then ends without asking again.
+    late = RoundTimeBox(10, seconds=16.0, min_steps=4, max_steps=1000, single_process=False)
+    late.begin_round(3, 100.0)
+    assert not late.ends_after(1, lambda v: 0) and late.time_up and late.steps_to_check(1) == 3
+    assert late.ends_after(4, lambda v: pytest.fail("time is already up"))
+    # max_steps ends a round whatever the clock says.
+    capped = RoundTimeBox(10, seconds=1e6, min_steps=1, max_steps=3, single_process=True)
+    capped.begin_round(1, time.monotonic())
+    assert [capped.ends_after(n, lambda v: v) for n in (1, 2, 3)] == [False, False, True]
 
 
 def _start_shards(tmp_path, count: int, *flags: str) -> tuple[list[subprocess.Popen], list[str]]:

@@ -216,8 +216,13 @@ class SiteCheckpoint:
                 self._pending.pop(round_)
 
     def close(self) -> None:
-        """Finish the writes in flight (they stay uncommitted unless `commit` ran for them) and the commits."""
+        """Finish the writes in flight (they stay uncommitted unless `commit` ran for them, which is said) and
+        the commits."""
         self._wait_all()
+        for round_ in sorted(self._pending):
+            log.warning("worker_checkpoint_uncommitted", round=round_, path=str(self.path_of(round_)),
+                        reason="written, but its round's exchange did not reach the shards before the stop: a resume "
+                               "takes the newest committed one, and the shards say which round to train")  # fmt: skip
         self._pending.clear()
         self._wait_sealed()
         if self._sealer is not None:

@@ -7,7 +7,6 @@ import dataclasses
 import pathlib
 import os
 import signal
-import sys
 
 import structlog
 import torch
@@ -17,6 +16,7 @@ from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.exchange.adaptive_steps import steps_controller_for
+from dilocox.worker.exchange.stop import FORCED_EXIT, StopSignal
 from dilocox.worker.train.slowdown import SlowedTrainer
 from dilocox.worker.exchange.aggregator_client import AggregatorError
 from dilocox.worker.exchange.admission import LateJoin, RunFinished, RunLengthMismatch
@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         relaunch_with_torchrun(config.parallel.world_size)  # does not return
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # Between steps, not at any bytecode: the staged checkpoint commits (worker/exchange/stop.py).
+    stop = StopSignal().install(signal.SIGTERM)
     cluster = args.cluster or f"cluster-{args.cluster_index}"
     mesh = None
     try:
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
             tracker = tracker_from_args(args, cluster)
             on_round = chain(on_round, progress, tracker)
         dx.cluster.on_round = on_round
-        dx.run_builtin()
+        dx.run_builtin(stop)
     except AggregatorError as error:
         log.error("aggregator_refused", cluster=cluster, address=error.address, code=error.code.name, details=error.details)
         return 2
@@ -219,4 +220,7 @@ def run(args: argparse.Namespace) -> int:
             tracker.close()
         if mesh is not None:
             mesh.close()
+    if dx.cluster.stopped_by is not None:
+        log.info("worker_stopped", cluster=cluster, signal=dx.cluster.stopped_by, round=dx.cluster.round)
+        return FORCED_EXIT
     return 0

@@ -65,8 +65,12 @@ class WorkerMetrics:
                                    "that part went with the next push", registry=r)  # fmt: skip
         self.residual_norm = Gauge("dilocox_error_feedback_residual_norm",
                                    "L2 norm of what compression still holds back (error-feedback residuals)", registry=r)  # fmt: skip
+        self.eval_to_best = Gauge("dilocox_eval_loss_to_best_ratio", "The last round's eval loss over the best before it "
+                                  "(> 1.5: a spike, worker/exchange/loss_watch.py; +Inf: not finite)", registry=r)  # fmt: skip
+        self.nonfinite = Counter("dilocox_nonfinite_losses", "Rounds whose train or eval loss was not finite", registry=r)
         self.train_loss.set(math.nan)
         self.eval_loss.set(math.nan)
+        self.eval_to_best.set(math.nan)
         if client is not None:
             r.register(_ExchangeCollector(client))
 
@@ -82,6 +86,10 @@ class WorkerMetrics:
         self.train_loss.set(report.train_loss)
         if not math.isnan(report.eval_loss):  # not evaluated this round: keep the last value
             self.eval_loss.set(report.eval_loss)
+        if report.loss_alarm == "nonfinite":
+            self.nonfinite.inc()
+        if not math.isnan(report.eval_to_best) or report.loss_alarm == "nonfinite":
+            self.eval_to_best.set(math.inf if report.loss_alarm == "nonfinite" else report.eval_to_best)
         self.compute_seconds.inc(max(0.0, report.compute_s))
         self.idle_seconds.inc(max(0.0, report.idle_s))
         self.comm_seconds.inc(max(0.0, report.comm_s))

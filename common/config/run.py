@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from dilocox.common.config.field_help import FIELD_HELP
 from dilocox.common.wire.compression import CompressionConfig
 from dilocox.common.config.sources import CONFIG_HELP, GROUP_FLAG_PREFIXES, load_file, parse_bool
+from dilocox.common.wire.staleness import STALE_WEIGHTINGS
 
 
 @dataclass(frozen=True)
@@ -238,6 +239,10 @@ class RunConfig:
     # step on an estimate of the round's mean), see worker/exchange/delayed_start.py.
     sync_rounds: int = 0
     delayed_start: str = "own"
+    # How work pushed later than the round it was trained for weighs (a carried part, a late site catching
+    # up): "inverse" (its tokens × 1/(1 + age in rounds)) or "full" (its tokens); the shards cap it at the
+    # mean of the round's on-time contributions either way (common/wire/staleness.py).
+    stale_weighting: str = "inverse"
     seed: int = 1234
     eval_batches: int = 8
     # byte (the default: bytes are tokens), bpe:VOCAB (a byte-level BPE trained on the training data,
@@ -273,6 +278,8 @@ class RunConfig:
             raise ValueError(f"data_split must be one of {', '.join(DATA_SPLITS)}, got {self.data_split!r}")
         if self.delayed_start not in DELAYED_STARTS:
             raise ValueError(f"delayed_start must be 'own' or 'eager', got {self.delayed_start!r}")
+        if self.stale_weighting not in STALE_WEIGHTINGS:
+            raise ValueError(f"stale_weighting must be one of {', '.join(STALE_WEIGHTINGS)}, got {self.stale_weighting!r}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be ≥ 1, got {self.rounds}")
         if self.parallel.pp > 1 and self.inner.batch_size % self.parallel.microbatches:

@@ -40,6 +40,7 @@ from dilocox.worker.exchange.adaptive_steps import steps_controller_for
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster
 from dilocox.worker.exchange.round_report import RoundReport
+from dilocox.worker.exchange.stop import StopSignal
 
 if TYPE_CHECKING:  # torch.distributed's mesh: imported where a site of several ranks makes one
     from dilocox.worker.site.mesh import SiteMesh
@@ -163,6 +164,7 @@ class DiLoCoX:
         compress = self.config.compress
         self.compressor = TensorCompressor(compress, seed=self.config.seed, name="uplink") if compress.codec != "fp32" else None
         self.client = AggregatorClient(addresses, self.config.run_id, cluster, self.config.wire, compressor=self.compressor,
+                                       stale_weighting=self.config.stale_weighting,
                                        tls=tls, token=token, shard_wait_s=shard_wait_s, tokenizer=tokenizer_identity(tokenizer))  # fmt: skip
         self.cluster = DilocoCluster(
             trainer, self.client, self.config.rounds, self.config.inner.steps, self.config.delay, json.dumps(as_dict(self.config)),
@@ -206,11 +208,12 @@ class DiLoCoX:
         self.start()
         return self.cluster.after_steps(steps, tokens, loss)
 
-    def run_builtin(self) -> list[RoundReport]:
-        """`dilocox worker`: drive the built-in trainer H steps at a time through the same rounds as `step`."""
+    def run_builtin(self, stop: StopSignal | None = None) -> list[RoundReport]:
+        """`dilocox worker`: drive the built-in trainer H steps at a time through the same rounds as `step`
+        (`stop`: leave between steps once a SIGTERM came, worker/exchange/stop.py)."""
         self._started = True
         try:
-            return self.cluster.run()
+            return self.cluster.run(stop)
         finally:
             self.close()
 
@@ -280,7 +283,7 @@ class DiLoCoX:
                 if key.name in owned:
                     exchange[key] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
         return {"format": STATE_FORMAT, "run_id": self.config.run_id, "cluster": self.cluster_name, "round": self.cluster.round,
-                "version": self.cluster.version, "steps_in_round": self.cluster.inner_steps - self.cluster.steps_to_sync,
+                "version": self.cluster.version, "steps_in_round": self.cluster.steps_in_round,
                 "exchange": exchange}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:

@@ -10,6 +10,8 @@ reason. A pinned H (`--inner-adaptive-steps false`) never changes.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 import structlog
 
@@ -48,19 +50,35 @@ class StepsController:
 
 
 class RoundTimeBox:
-    """Time-boxed rounds (issue 36): every site trains about `seconds` of wall time per round, whatever
-    its speed, so uneven sites deliver together and none waits for another. H for the next round is the
-    budget over this round's measured seconds per step, within [`min_steps`, `max_steps`]; the first
-    round trains the configured H (nothing is measured yet). A site's pseudo-gradient carries its true
-    token count, and the shards average by tokens, so a slower site weighs what it trained. In the first
-    round nothing is measured yet: the site trains `probe_steps` steps, sets that round's H from them
-    (`from_probe`), and goes on; without the probe a slow site's first round would train the configured
-    H and every other site would wait for it once.
+    """Time-boxed rounds (issues 36, 47): every site trains `seconds` of wall time per round, whatever its
+    speed, so uneven sites deliver together and none waits for another. A site's pseudo-gradient carries
+    its true token count, and the shards average by tokens, so a slower site weighs what it trained.
 
-    The same `update` as `StepsController`; a site's ranks agree on the smallest H (the cluster does it),
-    since its slowest rank sets its round's time."""
+    The round ends when its time is up, checked as the steps run — not at an H estimated beforehand: a
+    site whose steps slow down after the estimate (preempted, throttled, stopped, restarted) used to train
+    its estimated H whatever it cost (84 steps in 63 s for a 6 s box), then merge that stale work at full
+    weight. A site's ranks must end on the same step (their collectives pair up), so they agree at
+    check points: each proposes how many steps to train before the next check (`next_stride`, 0 once its
+    deadline has passed) and the site takes the smallest (`agree_min`, one small collective per check,
+    not per step). One process checks after every step: its round ends within one step of its box; a
+    site of several ranks checks about `CHECKS_PER_BOX` times a box, so it ends within 1/16 of the box
+    (plus one step) after it. At least `min_steps` are trained whatever the clock says (logged when that
+    overruns the box), and never more than `max_steps`.
 
-    def __init__(self, base_steps: int, seconds: float, min_steps: int = 1, max_steps: int = 10_000) -> None:
+    `steps` is the estimate: the budget over the last round's measured seconds per step, the H a round at
+    this speed makes (reported, and the progress display's denominator).
+
+    A site whose last exchange came back *late* (the shards closed that round without it, under quorum +
+    grace) is out of phase with the others — after a stall it stays a round behind for good, every part of
+    its work carried a round late. Its next box is shortened by `CATCH_UP` of the budget, and again while
+    it is late: each shortened round moves its phase forward, and once it is on time again full boxes
+    keep it there."""
+
+    CHECKS_PER_BOX = 16
+    CATCH_UP = 0.25
+
+    def __init__(self, base_steps: int, seconds: float, min_steps: int = 1, max_steps: int = 10_000,
+                 single_process: bool = True) -> None:  # fmt: skip
         if not seconds > 0:
             raise ValueError(f"the round's time budget must be positive, got {seconds}")
         if not 1 <= min_steps <= max_steps:
@@ -68,26 +86,59 @@ class RoundTimeBox:
         self.seconds = seconds
         self.min = min_steps
         self.max = max_steps
+        self.single_process = single_process
         self.steps = min(max(base_steps, min_steps), max_steps)
-        self.probe_steps = min(3, self.steps)
-        self.needs_probe = True
+        self.round, self.began, self.deadline = 0, 0.0, 0.0
+        self.check_at, self.time_up = 1, False  # the round's next check of the clock, and its verdict
+        self.late = False  # the last exchange came back late: the next box catches up
+
+    def begin_round(self, round_: int, now: float) -> None:
+        """Round `round_`'s training starts at `now` (time.monotonic(): it runs on while a process is stopped)."""
+        budget = self.seconds * (1 - self.CATCH_UP) if self.late else self.seconds
+        if self.late:
+            log.info("time_box_catching_up", round=round_, budget_s=round(budget, 3),
+                     reason="the last exchange came back late: this round is shorter, to deliver with the others")  # fmt: skip
+        self.round, self.began, self.deadline = round_, now, now + budget
+        self.check_at, self.time_up = 1, False
+
+    def steps_to_check(self, steps_done: int) -> int:
+        """Steps to train before the round may end: to its next check, or to `min_steps` once time is up."""
+        return max(1, min(self.check_at, self.max) - steps_done)
+
+    def ends_after(self, steps_done: int, agree_min: Callable[[int], int]) -> bool:
+        """Whether the round ends after `steps_done` steps. At a check the site's ranks agree (`agree_min`
+        over them, the same call on every rank since they train the same steps) whether any one's time is
+        up and when to check next; once time is up the round ends as soon as it has `min_steps`."""
+        if steps_done < min(self.check_at, self.max):
+            return False
+        if not self.time_up and steps_done < self.max:
+            stride = agree_min(self.next_stride(steps_done, time.monotonic()))
+            self.time_up = stride == 0
+            self.check_at = steps_done + stride
+        if steps_done >= self.max or (self.time_up and steps_done >= self.min):
+            return True
+        if self.check_at < self.min:  # the box ran out before the fewest steps a round may have
+            log.warning("time_box_overrun", round=self.round, steps=steps_done, min_steps=self.min, budget_s=self.seconds,
+                        reason="the box ran out before --inner-min-steps: the round trains on to them")  # fmt: skip
+            self.check_at = self.min
+        return False
+
+    def next_stride(self, steps_done: int, now: float) -> int:
+        """This rank's proposal after `steps_done` steps: 0 when its box is over, else the steps to train
+        before the next check (1 for one process, whose checks cost nothing)."""
+        if now >= self.deadline:
+            return 0
+        if self.single_process or steps_done == 0:
+            return 1
+        per_step = (now - self.began) / steps_done
+        window = min(self.seconds / self.CHECKS_PER_BOX, self.deadline - now)
+        return max(1, int(window / per_step)) if per_step > 0 else 1
 
     def _fit(self, per_step: float) -> int:
         return min(self.max, max(self.min, round(self.seconds / per_step))) if per_step > 0 else self.steps
 
-    def from_probe(self, steps: int, seconds: float) -> int:
-        """The first round's H, from its first `steps` steps having taken `seconds`."""
-        self.needs_probe = False
-        new = self._fit(seconds / steps)
-        if new != self.steps:
-            log.info("inner_steps_time_boxed", round=1, steps=new, previous=self.steps, step_s=round(seconds / steps, 4),
-                     budget_s=self.seconds, probe_steps=steps)  # fmt: skip
-            self.steps = new
-        return self.steps
-
     def update(self, round_: int, compute_s: float, comm_s: float = 0.0) -> int:
-        """The H for the next round, from this round's compute seconds (at `self.steps` steps)."""
-        self.needs_probe = False
+        """The estimate for the next round, from this round's compute seconds (at `self.steps` steps)."""
         if compute_s <= 0:
             return self.steps
         per_step = compute_s / self.steps
@@ -103,7 +154,7 @@ def steps_controller_for(inner, single_process: bool) -> StepsController | Round
     """How a site sets H each round: time-boxed where the run asks for it (`inner.round_time_s`), else
     adaptive H where asked and the site is one process (a pipeline's ranks keep H fixed), else fixed."""
     if inner.round_time_s > 0:
-        return RoundTimeBox(inner.steps, inner.round_time_s, inner.min_steps, max(inner.steps, inner.max_steps))
+        return RoundTimeBox(inner.steps, inner.round_time_s, inner.min_steps, max(inner.steps, inner.max_steps), single_process)
     if single_process:
         return StepsController(inner.steps, max(inner.steps, inner.max_steps), enabled=inner.adaptive_steps)
     return None

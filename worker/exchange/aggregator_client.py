@@ -30,6 +30,7 @@ from dilocox.common.wire.framing import (
     is_state_digest,
 )
 from dilocox.common.wire.outer_optimizer import OuterNesterov
+from dilocox.common.wire.staleness import check_rule as check_stale_rule
 from dilocox.common.security import TlsFiles, open_channel
 from dilocox.worker.exchange.carry import UndeliveredCarry
 from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions
@@ -77,9 +78,12 @@ class AggregatorClient:
         tls: TlsFiles | None = None,
         token: str | None = None,
         tokenizer: tuple[str, str] = ("", ""),
+        stale_weighting: str = "inverse",
     ) -> None:
         """`tokenizer`: (digest, tokenizer.json) of this cluster's tokenizer, recorded and checked by the
-        shards at the join ("byte" and "" for bytes; ("", "") sends none, e.g. a bare test client)."""
+        shards at the join ("byte" and "" for bytes; ("", "") sends none, e.g. a bare test client).
+        `stale_weighting`: how work pushed later than the round it was trained for weighs
+        (common/wire/staleness.py): a carried part's scale, a caught-up push's weight."""
         if not addresses:
             raise ValueError("at least one shard address is needed")
         self.addresses = list(addresses)
@@ -121,9 +125,11 @@ class AggregatorClient:
         self._own: dict[SliceKey, EncodedSlice] = {}
         self._last_push: tuple[int, float, dict[int, list[SliceKey]]] | None = None  # round, weight, keys by shard
         self.replay_check = ReplayCheck(self.wire.replay_check, cluster)
-        self.carry = UndeliveredCarry()  # what a shard closed its round without, for the next push
+        self.stale_weighting = check_stale_rule(stale_weighting)
+        self.carry = UndeliveredCarry(stale_weighting)  # what a shard closed its round without, for the next push
         self._push_generation = 0  # counts encoded pushes: a re-push of the same bytes is the same one
-        self._push_facts: tuple[int, float] = (0, 0.0)  # (inner steps, idle s) the last push told the shards
+        # (inner steps, idle s, staleness) the last push told the shards
+        self._push_facts: tuple[int, float, int] = (0, 0.0, 0)
 
     @property
     def own_payload_bytes(self) -> int:
@@ -206,14 +212,15 @@ class AggregatorClient:
         shards: Iterable[int] | None = None,
         reencode: bool = True,
         codec: str | None = None,
-        facts: tuple[int, float] = (0, 0.0),
+        facts: tuple[int, float, int] = (0, 0.0, 0),
     ) -> int:
         """Send slices (keyed by SliceKey) to their owning shards in parallel; returns bytes sent.
 
         `reencode=False` resends the bytes of this round's last push (a re-push after a shard restart)
         instead of compressing again, which would advance the compressor's state a second time.
         `codec`: a dense codec for this push instead of the compressor's own (the end-of-run flush).
-        `facts`: (inner steps, idle seconds) of the round, told to the shards for `dilocox status`."""
+        `facts`: (inner steps, idle seconds, staleness) of the round, told to the shards: the first two for
+        `dilocox status`, the staleness (rounds the work is older than `round_`) caps its weight."""
         owner = {s.key: s.shard for s in self.assignment}
         by_shard: dict[int, list[SliceKey]] = {}
         for key in tensors:
@@ -222,8 +229,8 @@ class AggregatorClient:
         if round_ > 0:
             if reencode:
                 self._push_generation += 1
-                tensors = self.carry.add_to(tensors, weight)
-                self._push_facts = facts
+                tensors = self.carry.add_to(tensors, weight, round_)
+                self._push_facts = (int(facts[0]), float(facts[1]), int(facts[2]) if len(facts) > 2 else 0)
             self._last_push = (round_, weight, by_shard)
 
         def push_one(shard: int) -> int:
@@ -258,7 +265,8 @@ class AggregatorClient:
         """A shard closed round `round_` without these slices of ours, pushed with `weight`: deliver them
         with the next push, weighted by their own tokens (see `carry.UndeliveredCarry`)."""
         before = self.carry.elements
-        kept = self.carry.keep(self._push_generation, {key: self._own[key].decode() for key in keys if key in self._own}, weight)
+        kept = self.carry.keep(self._push_generation, {key: self._own[key].decode() for key in keys if key in self._own}, weight,
+                               round_ - self._push_facts[2])  # the round the work was trained for
         if kept:
             log.warning("pseudo_gradient_carried", cluster=self.cluster, round=round_, slices=len(kept),
                         elements=self.carry.elements - before, tokens=weight,
@@ -270,7 +278,8 @@ class AggregatorClient:
         chunks = [pb.PushMessage(chunk=chunk) for chunk in frame_slices(items, self.slice_map.index, self.wire.chunk_bytes,
                                                                          self.wire.zstd_level)]  # fmt: skip
         header = pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight, chunks=len(chunks),
-                               inner_steps=self._push_facts[0] if round_ > 0 else 0, idle_s=self._push_facts[1] if round_ > 0 else 0.0)  # fmt: skip
+                               inner_steps=self._push_facts[0] if round_ > 0 else 0, idle_s=self._push_facts[1] if round_ > 0 else 0.0,
+                               staleness=self._push_facts[2] if round_ > 0 else 0)  # fmt: skip
         messages = [pb.PushMessage(header=header), *chunks]
         push = lambda: stub.Push(iter(messages), timeout=self.rpc_timeout)  # noqa: E731
         # A push is idempotent (a retry is answered as duplicates): its own deadline running out (a reply

@@ -31,6 +31,7 @@ train, a rejoin) agreed over the site first (`access.agree_*`).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -41,15 +42,18 @@ import torch
 
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
+from dilocox.common.wire.staleness import stale_discount
 from dilocox.worker.exchange.access import LocalAccess, ParameterAccess
-from dilocox.worker.exchange.adaptive_steps import StepsController
+from dilocox.worker.exchange.adaptive_steps import RoundTimeBox, StepsController
 from dilocox.worker.exchange.admission import admission_checks
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.exchange.boundary import BoundaryTimer, log_exchange_memory
 from dilocox.worker.exchange.communicator import Communicator, RoundExchange
 from dilocox.worker.exchange.delayed_start import check_rule, next_start
 from dilocox.worker.exchange.host_buffers import HostBuffers
+from dilocox.worker.exchange.loss_watch import LossWatch
 from dilocox.worker.exchange.round_report import RoundReport
+from dilocox.worker.exchange.step_driven import StepDriven
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint: a heavy import, only where a run checkpoints
     from dilocox.worker.checkpoint import SiteCheckpoint
@@ -74,7 +78,7 @@ def _refused_elsewhere() -> AggregatorError:
     return AggregatorError("site", grpc.StatusCode.FAILED_PRECONDITION, "another rank of this site was refused: it rejoins")
 
 
-class DilocoCluster:
+class DilocoCluster(StepDriven):
     def __init__(
         self,
         trainer: LocalTrainer,
@@ -120,6 +124,11 @@ class DilocoCluster:
         self.buffers = HostBuffers(self.access.shapes, pinned=self.access.pinned)
         self.checkpoint = checkpoint
         self.steps_controller = steps_controller
+        # A time box ends its rounds by the clock, checked as the steps run (adaptive_steps.RoundTimeBox);
+        # one process agrees with itself, so it checks after every step.
+        self.time_box = steps_controller if isinstance(steps_controller, RoundTimeBox) else None
+        if self.time_box is not None:
+            self.time_box.single_process = isinstance(self.access, LocalAccess)
         self.on_round = on_round
         self.slices: list[ParamSlice] = []
         self.version = -1
@@ -133,6 +142,8 @@ class DilocoCluster:
         self._memory_logged = False  # `exchange_memory` is logged once the exchange's state is all there
         self.round = 0  # the round being trained (set by `begin`)
         self.done = False  # the last round and the end of the run are in
+        self.stopped_by: str | None = None  # the signal a `run` stopped for
+        self.loss_watch = LossWatch()  # the eval of the model each round starts from: spikes, non-finite values
         self._closed = False
         self._reset_round()
 
@@ -222,9 +233,13 @@ class DilocoCluster:
         held = exchange.version if exchange is not None else self.version  # the newest version we know of
         over = self._run_over_without(trained, tokens, held)
         round_ = self.rounds if over else self._round_to_push(round_, held)
+        # Work pushed to a later round than it was trained for weighs less by its age (and the shards cap
+        # it at the on-time contributions' mean): common/wire/staleness.py.
+        staleness = round_ - trained
+        weight = float(tokens) * stale_discount(staleness, self.client.stale_weighting)
         if delay == 0 and not over:
             self._capture(round_, timer)
-            self.communicator.submit(round_, float(tokens), deltas, facts=(self.inner_steps, idle))
+            self.communicator.submit(round_, weight, deltas, facts=(self.inner_steps, idle, staleness))
             with timer("collect"):
                 exchange, waited, refused = self._collect()
             idle += waited
@@ -239,9 +254,11 @@ class DilocoCluster:
                 self._delayed_start(from_held=exchange is not None)
             if not over:
                 self._capture(round_, timer)
-                self.communicator.submit(round_, float(tokens), deltas, facts=(self.inner_steps, idle))
+                self.communicator.submit(round_, weight, deltas, facts=(self.inner_steps, idle, staleness))
         if exchange is not None:
             self.version = exchange.version
+        if self.time_box is not None:  # a late site's next box is shorter, to get back in phase
+            self.time_box.late = self.access.agree_any(bool(exchange is not None and exchange.late))
         self._adopt_held = over or (delay == 0 and round_ == self.rounds)
         self._last_weight = float(tokens)
         with timer("write"):
@@ -259,6 +276,7 @@ class DilocoCluster:
             compress_rank=round(self.client.compressor.mean_rank(), 2) if self.client.compressor else 0.0,
             inner_steps=self.inner_steps, late=bool(exchange and exchange.late),
         )
+        self._watch_losses(report, evaluated=self.evaluate_every_round or round_ == self.rounds)
         log.info("round_done", cluster=self.client.cluster, delay=delay, **asdict(report))
         log.info("boundary_done", round=round_, **timer.seconds())
         if not self._memory_logged and round_ > 1:
@@ -270,6 +288,7 @@ class DilocoCluster:
             self.inner_steps = self.access.agree_min(self.steps_controller.update(round_, compute_s, comm_s))
         if round_ != trained:
             log.warning("round_caught_up", cluster=self.client.cluster, trained=trained, pushed=round_, version=self.version,
+                        staleness=round_ - trained, tokens=tokens, weight=round(weight, 3),
                         reason="the shards closed the rounds in between without this site: its work goes to the open round")  # fmt: skip
         return report
 
@@ -297,6 +316,22 @@ class DilocoCluster:
         never past the run's last round, whose refusal the carry keeps for the end-of-run flush.
         `version`: the newest the site holds."""
         return max(round_, min(version + 1, self.rounds))
+
+    def _watch_losses(self, report: RoundReport, evaluated: bool) -> None:
+        """Say it when the model this site starts from blows up (worker/exchange/loss_watch.py); the verdict
+        goes into the report (metrics and alerts read it)."""
+        if not math.isfinite(report.train_loss) and getattr(self, "_loss_steps", 0):  # nan without a loss: none given
+            report.loss_alarm = "nonfinite"
+            log.error("loss_nonfinite", cluster=self.client.cluster, round=report.round, train_loss=report.train_loss,
+                      reason="the inner steps' loss is not finite")  # fmt: skip
+        if evaluated:
+            verdict = self.loss_watch.observe(report.round, report.eval_loss)
+            report.eval_to_best = self.loss_watch.last_ratio
+            if verdict is not None:
+                finite = math.isfinite(report.eval_loss)
+                report.loss_alarm = report.loss_alarm or ("spike" if finite else "nonfinite")
+                log.error("loss_spike" if finite else "loss_nonfinite", cluster=self.client.cluster, round=report.round,
+                          eval_loss=report.eval_loss, best=self.loss_watch.best, reason=verdict)  # fmt: skip
 
     def _log_memory(self) -> None:
         self._memory_logged = True
@@ -397,110 +432,3 @@ class DilocoCluster:
                       "bytes_up": exchange.bytes_up, "bytes_down": exchange.bytes_down, "comm_s": round(exchange.comm_s, 3)}  # fmt: skip
         log.info("residuals_flushed", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3), **self.flush)
         return exchange
-
-    # ------------------------------------------------------------------ step-driven
-    @property
-    def _probing(self) -> bool:
-        """A time box that has measured nothing yet (worker/exchange/adaptive_steps.py, `RoundTimeBox`)."""
-        return getattr(self.steps_controller, "needs_probe", False)
-
-    @property
-    def steps_to_sync(self) -> int:
-        """Inner steps left in the round being trained (0 once the run is done)."""
-        return 0 if self.done else self.inner_steps - self._steps
-
-    def begin(self) -> None:
-        """Join and adopt the global model; the first round to train is `self.round`."""
-        self.round = self.start()
-        self._reset_round()
-        if self.round > self.rounds:  # resumed after the last round: only the end is left
-            self._complete()
-
-    def _reset_round(self) -> None:
-        self._steps, self._tokens, self._loss_sum, self._loss_steps = 0, 0, 0.0, 0
-        self._compute_s: float | None = None  # summed over the calls that said it
-        self._round_began = time.perf_counter()
-
-    def after_steps(self, steps: int, tokens: int, loss: float | torch.Tensor | None = None,
-                    compute_s: float | None = None) -> RoundReport | None:  # fmt: skip
-        """`steps` inner steps were taken (of `steps_to_sync` left), training `tokens` tokens with mean loss
-        `loss`; at the round's last step the round closes. Returns its report then, else None (also when
-        the site had to rejoin: the shards went on without it, and the model now holds their weights).
-        `compute_s`: these steps' compute time (default: the round's is the wall time since it began)."""
-        if self.done:
-            raise RuntimeError("the run is over: no more inner steps to take")
-        if not 0 < steps <= self.steps_to_sync:
-            raise ValueError(f"{steps} steps given, but {self.steps_to_sync} are left before the next sync")
-        self._steps += steps
-        self._tokens += int(tokens)
-        if loss is not None:  # a device tensor stays one until the round closes: no sync per step
-            self._loss_sum = self._loss_sum + (loss.detach() if isinstance(loss, torch.Tensor) else float(loss)) * steps
-            self._loss_steps += steps
-        if compute_s is not None:
-            self._compute_s = (self._compute_s or 0.0) + compute_s
-        if self._probing and self._steps >= self.steps_controller.probe_steps:
-            # A time-boxed run's first round: H from the steps just measured, not the configured guess.
-            seconds = self._compute_s if self._compute_s is not None else time.perf_counter() - self._round_began
-            self.inner_steps = self.access.agree_min(max(self._steps, self.steps_controller.from_probe(self._steps, seconds)))
-        if self._steps < self.inner_steps:
-            return None
-        compute_s = time.perf_counter() - self._round_began if self._compute_s is None else self._compute_s
-        try:
-            train_loss = float(self._loss_sum) / self._loss_steps if self._loss_steps else float("nan")  # nan: no loss given
-            report = self.close_round(self.round, train_loss, self._tokens, compute_s)
-        except AggregatorError as error:
-            if error.code != grpc.StatusCode.FAILED_PRECONDITION:
-                raise
-            # The shards went on without us (a missed deadline made us inactive, or our round closed):
-            # rejoin, adopt the current global weights and carry on from there.
-            log.warning("cluster_rejoining", cluster=self.client.cluster, round=self.round, reason=error.details)
-            self.communicator.close(timeout=0)
-            self.communicator = Communicator(self.client, pull_names=tuple(self.names))
-            self.begin()
-            return None
-        self.reports.append(report)
-        self.round = report.round + 1
-        self._reset_round()
-        if self.round > self.rounds:
-            self._complete()
-        return report
-
-    def _complete(self) -> None:
-        """The last round is in: end on the global model (`finish`), evaluate it, log the run's totals."""
-        self.finish()
-        self.done = True
-        self.final_eval_loss = self.trainer.evaluate() if self.reports else self.initial_eval_loss
-        self._log_memory()
-        log.info("cluster_done", cluster=self.client.cluster, delay=self.delay, rounds=len(self.reports), version=self.version,
-                 initial_eval_loss=round(self.initial_eval_loss or float("nan"), 4),
-                 final_eval_loss=round(self.final_eval_loss, 4) if self.final_eval_loss is not None else None,
-                 idle_s=round(sum(r.idle_s for r in self.reports), 3), compute_s=round(sum(r.compute_s for r in self.reports), 3),
-                 bytes_up=self.client.traffic.bytes_up, bytes_down=self.client.traffic.bytes_down)  # fmt: skip
-
-    def close(self) -> None:
-        """Finish or abandon the exchange in flight and the checkpoint writes (idempotent). A round whose
-        exchange completes here is on the shards: its checkpoint is committed."""
-        if self._closed:
-            return
-        self._closed = True
-        pending = self.communicator.in_flight
-        outcome = self.communicator.close()
-        log.info("communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending)
-        if outcome == "completed" and pending is not None:
-            self._commit(pending)  # its exchange made it: that round is durable now
-        if self.checkpoint is not None:
-            self.checkpoint.close()
-
-    def run(self) -> list[RoundReport]:
-        """Drive a `LocalTrainer` through the whole run: the same steps as a user's loop over `dilocox.DiLoCoX`."""
-        try:
-            self.begin()
-            while not self.done:
-                steps = self.steps_to_sync
-                if self._probing:  # a few steps first, to measure the step time
-                    steps = min(steps, max(1, self.steps_controller.probe_steps - self._steps))
-                train_loss, tokens, compute_s = self.trainer.train_steps(steps)
-                self.after_steps(steps, tokens, train_loss, compute_s)
-        finally:
-            self.close()
-        return self.reports

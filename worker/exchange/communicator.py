@@ -64,10 +64,10 @@ class Communicator:
         return self._in_flight[0] if self._in_flight else None
 
     def submit(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None = None,
-               facts: tuple[int, float] = (0, 0.0)) -> None:  # fmt: skip
+               facts: tuple[int, float, int] = (0, 0.0, 0)) -> None:  # fmt: skip
         """Start pushing round `round_` and pulling its result; `slices` must not change afterwards.
         `codec`: a dense codec for this round's push instead of the compressor's (the end-of-run flush).
-        `facts`: (inner steps, idle seconds) of the round, for the shards' status."""
+        `facts`: (inner steps, idle seconds, staleness) of the round, for the shards (`AggregatorClient.push`)."""
         with self._lock:
             if self._in_flight is not None:
                 raise RuntimeError(f"round {self._in_flight[0]} is still in flight; collect it before submitting {round_}")
@@ -128,7 +128,7 @@ class Communicator:
         return outcome
 
     def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None,
-                  push_done: threading.Event, facts: tuple[int, float] = (0, 0.0)) -> RoundExchange:  # fmt: skip
+                  push_done: threading.Event, facts: tuple[int, float, int] = (0, 0.0, 0)) -> RoundExchange:  # fmt: skip
         started = time.perf_counter()
         result = None  # the round's result, when a refused push found it published already
         try:
