@@ -29,7 +29,9 @@ from dilocox.common.deploy.certs import make_dev_certificates
 from dilocox.common.deploy.topology import tls_flags
 from dilocox.common.deploy import prometheus_config
 from dilocox.worker.data.sources import CorpusError
-from dilocox.worker.data.token_data import add_data_arguments
+from dilocox.common.security import TlsFiles
+from dilocox.sim.global_eval import GlobalEvalWatch, round_line
+from dilocox.worker.data.token_data import add_data_arguments, load_run_data
 from dilocox.worker.data.tokenizer import TokenizerError, resolve_tokenizer
 from dilocox.worker.tracking import tensorboard_available
 
@@ -131,6 +133,8 @@ class Simulation:
         self._final: dict[tuple[str, int], dict] = {}
         self._flushes: dict[tuple[str, int], dict] = {}  # the end-of-run flush of each rank's residuals
         self.round_lines: list[dict] = []
+        self.watch: GlobalEvalWatch | None = None  # the global model's eval per version (sim/global_eval.py)
+        self.final_global_eval: float | None = None
         self.replay_mismatches = 0  # a cluster's replica of the shards' weights differed (worker/exchange/replay_check.py)
 
     # ------------------------------------------------------------------ processes
@@ -138,6 +142,7 @@ class Simulation:
         port_files = []
         for i in range(self.args.shards):
             port_file = self.log_dir / f"shard-{i}.port"
+            port_file.unlink(missing_ok=True)  # a reused --log-dir: an earlier run's port is not this shard's
             port_files.append(port_file)
             cmd = _cli(
                 "server", "--num-shards", str(self.args.shards), "--shard-index", str(i), "--port", "0",
@@ -172,6 +177,19 @@ class Simulation:
             tokenizer = resolve_tokenizer(self.config.tokenizer, self.args.data, self.args.text_field)
             log.info("sim_tokenizer_ready", tokenizer=tokenizer.spec, vocab=tokenizer.vocab_size,
                      seconds=round(time.monotonic() - started, 1))  # fmt: skip
+
+    def start_watch(self, addresses: list[str]) -> GlobalEvalWatch | None:
+        """Evaluate the shards' model at every version, in this process (sim/global_eval.py)."""
+        try:
+            data = load_run_data(self.config.tokenizer, self.args.data, self.args.text_field)
+        except (TokenizerError, CorpusError) as error:
+            log.warning("global_eval_unavailable", reason=str(error))
+            return None
+        tls, token = None, None
+        if self.args.tls:
+            certs = self.log_dir / "certs"
+            tls, token = TlsFiles(cert=certs / "client.pem", key=certs / "client-key.pem", ca=certs / "ca.pem"), self.worker_security[-1]
+        return GlobalEvalWatch(addresses, self.config, data, self.config.final_version, self._on_global_eval, tls, token).start()
 
     def export_model(self, addresses: list[str]) -> str | None:
         """The run's global model, read from the still-running shards into <log dir>/model."""
@@ -250,23 +268,27 @@ class Simulation:
             elif kind == "round_done":
                 per_round = self._rounds[event["round"]]
                 per_round[source] = event
-                if len(per_round) == self.args.clusters * self.config.parallel.world_size:
-                    self._print_round(event["round"], per_round)
+                everyone = len(per_round) == self.args.clusters * self.config.parallel.world_size
+                printed = self.round_lines[-1]["round"] if self.round_lines else 0
+                if everyone and (self.watch is None or self.watch.failed) and event["round"] > printed:
+                    self._print_round(event["round"], per_round, global_eval=None)  # no global eval: the sites' mean
 
-    def _print_round(self, round_: int, per_rank: dict[tuple[str, int], dict]) -> None:
-        events = list(per_rank.values())
-        leads = [e for (_, rank), e in per_rank.items() if rank == 0]  # one per cluster
-        line = {
-            "round": round_,
-            "train_loss": round(sum(e["train_loss"] for e in leads) / len(leads), 4),
-            "eval_loss": round(sum(e["eval_loss"] for e in leads) / len(leads), 4),
-            "tokens": sum(e["tokens"] for e in leads),
-            "bytes_up": sum(e["bytes_up"] for e in events),
-            "bytes_down": sum(e["bytes_down"] for e in events),
-            "seconds": max(e["seconds"] for e in events),
-            "comm_s": max(e["comm_s"] for e in events),
-            "idle_s": max(e["idle_s"] for e in events),
-        }
+    def _on_global_eval(self, version: int, loss: float) -> None:
+        """The watch evaluated the shards' version `version`: a line for it (and for any round it passed)."""
+        with self._lock:
+            # Rounds the shards closed faster than the watch read them: the sites' own evals, said so.
+            for skipped in range(len(self.round_lines) + 1, min(version, self.config.rounds + 1)):
+                self._print_round(skipped, self._rounds.get(skipped, {}), global_eval=None)
+            if version > self.config.rounds:  # the end-of-run flush: the run's final global model
+                self.final_global_eval = loss
+            elif version > len(self.round_lines):
+                self._print_round(version, self._rounds.get(version, {}), global_eval=loss)
+
+    def _print_round(self, round_: int, per_rank: dict[tuple[str, int], dict], global_eval: float | None) -> None:
+        """One `sim_round` line: with the watch, for every round the shards closed, its eval the global
+        model's and `sites` the clusters that had reported it by then (a late one reports later); without
+        it, once every cluster reported, the mean of their evals."""
+        line = round_line(round_, per_rank, global_eval)
         self.round_lines.append(line)
         log.info("sim_round", **line)
 
@@ -278,6 +300,7 @@ class Simulation:
             self.prepare_tokenizer()
             self.write_prometheus_config()
             addresses = self.start_shards()
+            self.watch = self.start_watch(addresses)
             self.start_clusters(addresses)
             deadline = started + self.args.timeout
             failed = {}
@@ -290,8 +313,12 @@ class Simulation:
                     reader = self.readers[name]
                     failed[name] = {"exit_code": code, "reason": reader.reason(), "log": str(reader.log_path)}
                     log.error("sim_cluster_failed", cluster=name, **failed[name])
+            if self.watch is not None and not failed:  # the last versions' evals, while the shards still serve them
+                self.watch.stop(timeout=max(1.0, min(60.0, deadline - time.monotonic())), drain=True)
             model_dir = None if failed else self.export_model(addresses)
         finally:
+            if self.watch is not None:
+                self.watch.stop(timeout=5.0)
             self.stop_all()
         wall = time.monotonic() - started
         finals = [e["final_eval_loss"] for (_, rank), e in self._final.items() if rank == 0 and e.get("final_eval_loss") is not None]
@@ -300,18 +327,17 @@ class Simulation:
             "failed_clusters": failed,
             "shards": self.args.shards,
             "clusters": self.args.clusters,
-            "rounds": len(self.round_lines),
+            "rounds": len(self.round_lines),  # the rounds the shards closed (or, without the watch, all reported)
             "initial_eval_loss": round(sum(self._initial.values()) / max(1, len(self._initial)), 4),
             "final_eval_loss": round(sum(finals) / len(finals), 4) if finals else None,
-            "tokens": sum(line["tokens"] for line in self.round_lines),
+            "tokens": sum(e["tokens"] for per_round in self._rounds.values() for (_, rank), e in per_round.items() if rank == 0),
             "bytes_up": sum(e.get("bytes_up", 0) for e in self._final.values()),
             "bytes_down": sum(e.get("bytes_down", 0) for e in self._final.values()),
             # of which the one-off end-of-run flush of the error-feedback residuals
             "flush_bytes_up": sum(e["bytes_up"] for e in self._flushes.values()),
             "flush_bytes_down": sum(e["bytes_down"] for e in self._flushes.values()),
-            "idle_fraction": round(
-                sum(line["idle_s"] for line in self.round_lines) / max(1e-9, sum(line["seconds"] for line in self.round_lines)), 4
-            ),
+            "idle_fraction": _idle_fraction(self._rounds),
+            "global_eval_loss": round(self.final_global_eval, 4) if self.final_global_eval is not None else None,
             "delay": self.config.delay,
             "replay_mismatches": self.replay_mismatches,
             "wall_s": round(wall, 1),
@@ -322,6 +348,13 @@ class Simulation:
         log.info("sim_summary", **summary)
         _log_tensorboard_command(self.tensorboard_dir)
         return summary
+
+
+def _idle_fraction(rounds: dict[int, dict[tuple[str, int], dict]]) -> float:
+    """The share of the rounds' time the sites' trainers waited on the network (each round its slowest
+    rank's), over every round any site reported."""
+    lines = [round_line(r, per_rank, None) for r, per_rank in rounds.items()]
+    return round(sum(line["idle_s"] for line in lines) / max(1e-9, sum(line["seconds"] for line in lines)), 4)
 
 
 def _tensorboard_dir(args: argparse.Namespace, log_dir: pathlib.Path) -> pathlib.Path | None:

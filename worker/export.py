@@ -139,8 +139,10 @@ def _rpc_error(address: str, error: grpc.RpcError) -> ExportError:
 
 
 def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None, token: str | None = None,
-                 timeout: float = 60.0, wire: WireConfig | None = None) -> GlobalModel:  # fmt: skip
-    """Live: every shard's latest weights, read as an observer (no membership, no round waits for it)."""
+                 timeout: float = 60.0, wire: WireConfig | None = None, min_version: int = 0,
+                 wait_seconds: float = 0.0) -> GlobalModel:  # fmt: skip
+    """Live: every shard's latest weights, read as an observer (no membership, no round waits for it);
+    with `min_version`, each shard's pull waits up to `wait_seconds` for a version at least that new."""
     wire = wire or WireConfig()
     options = [("grpc.max_receive_message_length", wire.max_message_bytes), ("grpc.max_send_message_length", wire.max_message_bytes)]
     parts: dict[int, tuple[int, dict[SliceKey, torch.Tensor]]] = {}
@@ -163,7 +165,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
                     raise ExportError(f"shard {shard} sent {key}, which is not one of its weight slices")
                 return codecs.max_payload_bytes(chunk.codec, expected[key].slice_shape)
 
-            request = pb.PullRequest(run_id=run_id, observer=True, min_version=0, wait_seconds=0.0)
+            request = pb.PullRequest(run_id=run_id, observer=True, min_version=min_version, wait_seconds=wait_seconds)
             units = list(assemble_units(stub.Pull(request, timeout=timeout), vet, slice_map.entries))
         except grpc.RpcError as error:
             raise _rpc_error(address, error) from None
