@@ -13,7 +13,13 @@ For each site count and slowdown, three modes run with the same model, data and 
 * ``quorum``: fixed H; shards close on all sites but one plus a grace window (`--grace-s`, a quarter of
   S), the slow site's late parts carried into its next push.
 
-Each of them also runs with even sites (F = 1): "the new mode costs nothing there". Reported per run: the
+Each of them also runs with even sites (F = 1): "the new mode costs nothing there".
+
+``stall`` (issue 47): even sites, time-boxed rounds and quorum + grace, the last site stopped (SIGSTOP)
+for `--stall-boxes` boxes early in round 3, then continued: its late work merged with each
+`--stale-weightings` rule (`stall-<rule>`), against the same run without the stall (`calm-<rule>`);
+``throttle``: the same site instead runs at a tenth of its speed for that long (stopped 90 ms of every
+100), its steps slowing after its round's H was estimated — the incident of issue 47. Reported per run: the
 fast sites' idle share (seconds blocked on the network over their rounds' wall time), the run's
 tokens/s, the final eval loss, and the eval loss at the wall time and at the tokens the runs share;
 plots of eval loss against wall time and tokens.
@@ -23,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -32,18 +41,20 @@ from dilocox.bench.report import write_report
 from dilocox.bench.wan_procs import ChildProcess, child_env, dilocox_cli, stop_all, wait_all, wait_for_file
 from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig, config_flags
 
-MODES = ("fixed", "timebox", "quorum")
+MODES = ("fixed", "timebox", "quorum", "stall", "throttle")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sites", default="2,4", help="site counts to run, comma-separated (default 2,4)")
     parser.add_argument("--slowdowns", default="2,4", help="how much slower the last site is, comma-separated (default 2,4)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"modes to run (default {','.join(MODES)})")
+    parser.add_argument("--modes", default=",".join(MODES[:3]), help=f"modes to run, of {','.join(MODES)} (default {','.join(MODES[:3])})")
     parser.add_argument("--rounds", type=int, default=10, help="rounds per run (default 10)")
     parser.add_argument("--inner-steps", type=int, default=40, help="H of the fixed modes (default 40)")
     parser.add_argument("--shards", type=int, default=2, help="aggregation shards (default 2)")
     parser.add_argument("--quick", action="store_true", help="2 sites, one slowed 4×, 4 rounds of 8 steps: a smoke run")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run (default 900)")
+    parser.add_argument("--stall-boxes", type=float, default=5.0, help="stall mode: how many time boxes the site is stopped (default 5)")
+    parser.add_argument("--stale-weightings", default="inverse,lenient,full", help="stall mode: the stale-work rules to compare (default inverse,lenient,full)")
 
 
 @dataclass
@@ -97,27 +108,52 @@ class UnevenRun:
         }  # fmt: skip
 
 
-def _config(args: argparse.Namespace, mode: str, round_time_s: float) -> RunConfig:
+def _config(args: argparse.Namespace, mode: str, round_time_s: float, stale_weighting: str = "inverse") -> RunConfig:
+    boxed = mode == "timebox" or mode.startswith(("stall", "throttle", "calm"))
     inner = InnerConfig(steps=args.inner_steps, batch_size=16, warmup_steps=5, max_steps=max(200, 8 * args.inner_steps),
-                        round_time_s=round_time_s if mode == "timebox" else 0.0, min_steps=1)  # fmt: skip
-    return RunConfig(run_id="dilocox-bench-uneven", rounds=args.rounds, inner=inner,
+                        round_time_s=round_time_s if boxed else 0.0, min_steps=1)  # fmt: skip
+    return RunConfig(run_id="dilocox-bench-uneven", rounds=args.rounds, inner=inner, stale_weighting=stale_weighting,
                      model=ModelConfig(block_size=64, n_layer=2, n_head=2, n_embd=64))  # fmt: skip
 
 
-def run_one(args: argparse.Namespace, out_dir: pathlib.Path, sites: int, slowdown: float, mode: str, round_time_s: float) -> UnevenRun:
-    config = _config(args, mode, round_time_s)
+def _stall_later(worker: ChildProcess, box_s: float, boxes: float, throttle: bool = False) -> None:
+    """Stop `worker` 0.3 of a box from now for `boxes` boxes, then let it go on (in a thread); `throttle`:
+    instead run it at a tenth of its speed for that long (stopped 90 ms of every 100: a throttled or
+    shared machine, whose steps slow down after its round's H was set)."""
+
+    def stall() -> None:
+        time.sleep(0.3 * box_s)
+        until = time.monotonic() + boxes * box_s
+        while time.monotonic() < until:
+            os.kill(worker.proc.pid, signal.SIGSTOP)
+            time.sleep(0.09 if throttle else max(0.0, until - time.monotonic()))
+            os.kill(worker.proc.pid, signal.SIGCONT)
+            time.sleep(0.01 if throttle else 0)
+
+    threading.Thread(target=stall, name="stall", daemon=True).start()
+
+
+def run_one(args: argparse.Namespace, out_dir: pathlib.Path, sites: int, slowdown: float, mode: str, round_time_s: float,
+            stale_weighting: str = "inverse") -> UnevenRun:  # fmt: skip
+    """One run; mode "stall-<rule>" stalls the last site in round 3 and weighs its late work by <rule>,
+    "calm-<rule>" is the same run without the stall."""
+    config = _config(args, mode, round_time_s, stale_weighting)
     run = UnevenRun(sites, slowdown, mode, round_time_s)
     tag = f"{mode}-n{sites}-x{slowdown:g}"
     logs = out_dir / "logs"
     logs.mkdir(exist_ok=True)
     # A grace window well inside a round: with the delay, the fast sites wait for a close only past it.
     # Every site in round 1 (--expect-clusters): a site slower to start is not left out as a late joiner.
-    grace = ["--min-clusters", str(sites - 1), "--expect-clusters", str(sites), "--grace-s", f"{0.25 * round_time_s:.3g}"] if mode == "quorum" else []
+    quorum = mode == "quorum" or mode.startswith(("stall", "throttle", "calm"))
+    grace = ["--min-clusters", str(sites - 1), "--expect-clusters", str(sites), "--grace-s", f"{0.25 * round_time_s:.3g}"] if quorum else []
+    stall = mode.startswith(("stall", "throttle"))
     done: dict[str, dict] = {}
 
     def on_event(name: str, event: dict, arrived: float) -> None:
         if event.get("event") == "round_done":
             run.rounds.append({**event, "at": arrived})
+            if stall and name == f"site-{sites - 1}" and event["round"] == 2:
+                _stall_later(workers[-1], round_time_s, args.stall_boxes, throttle=mode.startswith("throttle"))
         elif event.get("event") == "cluster_done":
             done[name] = event
         elif event.get("event") == "cluster_started" and name == "site-0":
@@ -201,6 +237,9 @@ def run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
     if unknown:
         raise SystemExit(f"dilocox bench uneven: unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     runs: list[UnevenRun] = []
+    rules = [rule for rule in args.stale_weightings.split(",") if rule]
+    disturbed = [kind for kind in ("stall", "throttle") if kind in modes]
+    modes = [m for m in modes if m not in disturbed]
     for sites in site_counts:
         # The budget of a time-boxed round: what a site of the even run needed for H steps.
         even_fixed = run_one(args, out_dir, sites, 1.0, "fixed", 0.0)
@@ -211,11 +250,16 @@ def run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
             for mode in modes:
                 if (slowdown, mode) != (1.0, "fixed"):
                     runs.append(run_one(args, out_dir, sites, slowdown, mode, budget))
+        for rule in rules if disturbed else []:  # even sites, the last one stopped or slowed a while, or not (calm)
+            runs.append(run_one(args, out_dir, sites, 1.0, f"calm-{rule}", budget, rule))
+            for kind in disturbed:
+                runs.append(run_one(args, out_dir, sites, 1.0, f"{kind}-{rule}", budget, rule))
     rows = []
     for result in runs:
         row = result.summary()
         same = [r for r in runs if r.sites == result.sites and r.slowdown == result.slowdown]
-        even = next((r for r in runs if r.sites == result.sites and r.slowdown == 1 and r.mode == result.mode), None)
+        reference = result.mode.replace("stall-", "calm-").replace("throttle-", "calm-")  # against the undisturbed run
+        even = next((r for r in runs if r.sites == result.sites and r.slowdown == 1 and r.mode == reference), None)
         common_s = min(r.curve()[-1][1] for r in same if r.curve())
         row["loss_at_common_time"] = round(_at(result.curve(), common_s, 1), 4)
         if even is not None and even.curve() and result.curve():
@@ -229,7 +273,8 @@ def run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
         "fast_idle_share: the fast sites' seconds blocked on the network over their rounds' wall time. tokens_per_s: all "
         "sites' tokens over the run's wall time. loss_at_common_time: site 0's eval loss at the wall time every run of "
         "the same sites and slowdown reached. loss_vs_even_at_equal_tokens: relative to the same mode with even sites, "
-        f"at the tokens both trained. Time-box budget: the even fixed run's mean compute per round. Plots: {', '.join(plots) or matplotlib_missing()}"
+        "at the tokens both trained (stall-<rule>: relative to calm-<rule>, the same run without the stall). "
+        f"Time-box budget: the even fixed run's mean compute per round. Plots: {', '.join(plots) or matplotlib_missing()}"
     )
     columns = ["sites", "slowdown", "mode", "fast_idle_share", "tokens_per_s", "fast_h", "slow_h", "slow_rounds_late",
                "final_eval_loss", "loss_at_common_time", "loss_vs_even_at_equal_tokens", "wall_s"]  # fmt: skip

@@ -84,3 +84,45 @@ def test_promtool_checks_the_rules():
     done = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "SUCCESS" in done.stdout
+
+
+def test_promtool_fires_the_loss_alerts_for_one_site_and_for_all_of_them(tmp_path):
+    """Issue 47, item 3: one site's spike is a site alert; every site's at once is the global model's; a
+    non-finite loss is critical. Prometheus' own rule tests (`promtool test rules`) on the shipped rules."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian's prometheus package has it): the rules were not run")
+
+    def alerts(*instances: str, severity: str) -> list[dict]:
+        return [{"exp_labels": {"severity": severity, **({"instance": i} if i else {})}} for i in instances]
+
+    # The expressions under test; the annotations (templated text) are left out of the comparison.
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
+    cases = {
+        "rule_files": [str(tmp_path / "rules.yml")],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                {"series": 'dilocox_eval_loss_to_best_ratio{instance="site-a"}', "values": "1 1.02 3.5 3.5"},
+                {"series": 'dilocox_eval_loss_to_best_ratio{instance="site-b"}', "values": "1 0.98 1.1 2.4"},
+                {"series": 'dilocox_nonfinite_losses_total{instance="site-a"}', "values": "0 0 0 1"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "1m", "alertname": "DilocoxSiteLossSpike", "exp_alerts": []},
+                {"eval_time": "2m", "alertname": "DilocoxSiteLossSpike", "exp_alerts": alerts("site-a", severity="warning")},
+                {"eval_time": "2m", "alertname": "DilocoxGlobalLossSpike", "exp_alerts": []},
+                {"eval_time": "3m", "alertname": "DilocoxGlobalLossSpike", "exp_alerts": alerts("", severity="critical")},
+                {"eval_time": "2m", "alertname": "DilocoxLossNonFinite", "exp_alerts": []},
+                {"eval_time": "3m", "alertname": "DilocoxLossNonFinite", "exp_alerts": alerts("site-a", severity="critical")},
+            ],
+        }],
+    }  # fmt: skip
+    path = tmp_path / "loss-alerts-test.yml"
+    path.write_text(yaml.safe_dump(cases))
+    done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

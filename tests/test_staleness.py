@@ -90,3 +90,7 @@ def test_a_caught_up_push_is_capped_by_the_shards_and_every_replica_replays_it_b
     finally:
         a.close()
         late.close()
+
+
+def test_the_lenient_rule_forgives_one_round_and_discounts_older_work():
+    assert [stale_discount(a, "lenient") for a in (0, 1, 2, 4)] == [1.0, 1.0, 0.5, 0.25]

@@ -13,7 +13,7 @@ FIELD_HELP = {
     "rounds": "outer rounds (syncs) in the run",
     "delay": "1: one-step-delay overlap (DiLoCoX: the exchange runs beside the next round); 0: synchronous DiLoCo",
     "sync_rounds": "with --delay 1, make the first N rounds synchronous (a warm-up while pseudo-gradients are large)",
-    "stale_weighting": "how work merged into a later round than it was trained for weighs (a late site): inverse (tokens × 1/(1 + age in rounds)) or full (its tokens); shards cap it at the on-time contributions' mean either way",
+    "stale_weighting": "how work merged into a later round than it was trained for weighs (a late site): inverse (tokens × 1/(1 + age in rounds)), lenient (a round late counts whole, older 1/age) or full (its tokens); shards cap it at the on-time contributions' mean either way",
     "delayed_start": "where a delayed round's successor starts: own (θ_{t-1} − Δ_t) or eager (an estimate of the outer step)",
     "seed": "seeds the initial model, the data order and the compressor (the same on every cluster)",
     "eval_batches": "batches of the fixed eval windows behind every eval loss",

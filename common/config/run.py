@@ -240,8 +240,9 @@ class RunConfig:
     sync_rounds: int = 0
     delayed_start: str = "own"
     # How work pushed later than the round it was trained for weighs (a carried part, a late site catching
-    # up): "inverse" (its tokens × 1/(1 + age in rounds)) or "full" (its tokens); the shards cap it at the
-    # mean of the round's on-time contributions either way (common/wire/staleness.py).
+    # up): "inverse" (its tokens × 1/(1 + age in rounds)), "lenient" (a round late counts whole, older work
+    # 1/age) or "full" (its tokens); the shards cap it at the mean of the round's on-time contributions
+    # either way (common/wire/staleness.py).
     stale_weighting: str = "inverse"
     seed: int = 1234
     eval_batches: int = 8

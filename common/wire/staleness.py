@@ -15,15 +15,16 @@ model up. Two guards, one on each side of the wire:
   (`cap_stale_weights`), so one late site never outweighs those that kept time, whatever tokens it
   claims. The capped weights are the ones forwarded, so the clusters' replay stays bit-exact.
 
-`full` keeps the weights as they were (the shard's cap still holds): the comparison `dilocox bench
-uneven` measures.
+`lenient` forgives one round (a part carried past a grace window by a hair counts whole, as before)
+and discounts older work by 1/age; `full` keeps the weights as they were (the shard's cap still holds):
+the comparisons `dilocox bench uneven --modes stall` measures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-STALE_WEIGHTINGS = ("inverse", "full")
+STALE_WEIGHTINGS = ("inverse", "lenient", "full")
 
 
 def check_rule(rule: str) -> str:
@@ -36,8 +37,11 @@ def stale_discount(age: int, rule: str = "inverse") -> float:
     """The factor on the tokens of work `age` rounds older than the round it is merged into."""
     if age < 0:
         raise ValueError(f"a staleness is a number of rounds ≥ 0, got {age}")
-    if check_rule(rule) == "full" or age == 0:
+    rule = check_rule(rule)
+    if rule == "full" or age == 0:
         return 1.0
+    if rule == "lenient":  # a round late (a grace window's miss, carried) counts whole; older work 1/age
+        return 1.0 if age == 1 else 1.0 / age
     return 1.0 / (1 + age)
 
 
