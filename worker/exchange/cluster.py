@@ -288,7 +288,7 @@ class DilocoCluster(StepDriven):
             self.inner_steps = self.access.agree_min(self.steps_controller.update(round_, compute_s, comm_s))
         if round_ != trained:
             log.warning("round_caught_up", cluster=self.client.cluster, trained=trained, pushed=round_, version=self.version,
-                        staleness=round_ - trained, tokens=tokens, weight=round(weight, 3),
+                        staleness=staleness, tokens=tokens, weight=round(weight, 3),
                         reason="the shards closed the rounds in between without this site: its work goes to the open round")  # fmt: skip
         return report
 
@@ -320,7 +320,7 @@ class DilocoCluster(StepDriven):
     def _watch_losses(self, report: RoundReport, evaluated: bool) -> None:
         """Say it when the model this site starts from blows up (worker/exchange/loss_watch.py); the verdict
         goes into the report (metrics and alerts read it)."""
-        if not math.isfinite(report.train_loss) and getattr(self, "_loss_steps", 0):  # nan without a loss: none given
+        if not math.isfinite(report.train_loss) and self._loss_steps:  # nan without a loss: none was given
             report.loss_alarm = "nonfinite"
             log.error("loss_nonfinite", cluster=self.client.cluster, round=report.round, train_loss=report.train_loss,
                       reason="the inner steps' loss is not finite")  # fmt: skip
