@@ -316,10 +316,27 @@ class AggregatorClient:
         return item
 
     # ------------------------------------------------------------------ pull
+    @property
+    def newest_version(self) -> int:
+        """The newest version any shard has given us (-1: none yet); `pull` returns the oldest."""
+        return max(self.held_versions.values(), default=-1)
+
+    def catch_up_replica(self, names: Sequence[str] = ()) -> int:
+        """Pull the shards our replica holds an older version of than another shard gave us, up to that
+        version (a late site can get the run's final version from one shard and an older one from
+        another); returns the version the replica is at."""
+        newest = self.newest_version
+        behind = [shard for shard, version in self.held_versions.items() if version < newest]
+        if behind:
+            log.info("replica_catching_up", shards=behind, version=newest)
+            self.pull(newest, names, shards=behind)
+        return newest
+
     def pull(
-        self, min_version: int, names: Sequence[str] = (), wait_seconds: float = 600.0
+        self, min_version: int, names: Sequence[str] = (), wait_seconds: float = 600.0, shards: Sequence[int] | None = None
     ) -> tuple[int, dict[SliceKey, torch.Tensor], int]:
-        """Fetch the global weights (≥ min_version) from every shard; returns (version, slices, bytes).
+        """Fetch the global weights (≥ min_version) from every shard (or `shards`); returns (version,
+        slices, bytes).
 
         Tells each shard which version it holds: a shard answers a cluster one version behind with the
         round's contributions (the other clusters' compressed pseudo-gradients, a digest for our own),
@@ -327,7 +344,8 @@ class AggregatorClient:
         Anyone else (a joiner, a laggard) gets the full weights and outer momentum, once.
         """
         wanted = set(names)
-        shards = sorted({s.shard for s in self.assignment if not wanted or s.name in wanted})
+        serving = {s.shard for s in self.assignment if not wanted or s.name in wanted}
+        shards = sorted(serving if shards is None else serving & set(shards))
 
         def pull_one(shard: int) -> int:
             address, stub = self._stubs[shard]

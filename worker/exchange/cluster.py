@@ -231,7 +231,9 @@ class DilocoCluster(StepDriven):
         deltas = self._slices_of(work)
         trained = round_
         held = exchange.version if exchange is not None else self.version  # the newest version we know of
-        over = self._run_over_without(trained, tokens, held)
+        # A shard that gave us the run's final version takes nothing more (and stops once its members have
+        # it): the run is over for this site even where another shard's answer was older.
+        over = self._run_over_without(trained, tokens, max(held, self.client.newest_version))
         round_ = self.rounds if over else self._round_to_push(round_, held)
         # Work pushed to a later round than it was trained for weighs less by its age (and the shards cap
         # it at the on-time contributions' mean): common/wire/staleness.py.
@@ -389,6 +391,7 @@ class DilocoCluster(StepDriven):
             adopt = True
         if self.access.agree_any(adopt):  # every rank writes, or none (the write is collective)
             if adopt:
+                self.version = max(self.version, self.client.catch_up_replica(self.names))  # one version everywhere
                 self._start_from_held(keep_unsent=False)
             self.access.write(self.buffers.start)
             log.info("final_weights_adopted", cluster=self.client.cluster, version=self.version)
@@ -409,7 +412,7 @@ class DilocoCluster(StepDriven):
             return None
         round_ = self.rounds + 1
         held_back = compressor.residual_norm()
-        if self.version >= round_:
+        if max(self.version, self.client.newest_version) >= round_:
             # A late site (quorum + grace) can collect the flush round itself: the shards closed it without
             # us and the run is over on them, so nothing of ours can go anywhere any more.
             log.warning("residuals_not_flushed", cluster=self.client.cluster, round=round_, version=self.version,
