@@ -76,3 +76,25 @@ def test_late_cluster_part_refused_by_one_shard_arrives_next_round_and_matches_a
     finally:
         a.close()
         late.close()
+
+
+def test_a_replica_holding_two_versions_catches_up_to_the_newer(shard_set):
+    """A late site can hold the run's last version from one shard and an older one from another: before it
+    adopts the final weights it pulls the older shard up to the newer version, so its model is one version
+    (AggregatorClient.catch_up_replica)."""
+    shards = shard_set(2, RUN, min_clusters=1)
+    a = AggregatorClient(shards.addresses, RUN, "a", shard_wait_s=0)
+    try:
+        a.join(PARAMS)
+        a.push(0, 1.0, slice_tensors(a.assignment, _tensors(0)))
+        a.pull(min_version=0)
+        a.push(1, 10.0, slice_tensors(a.assignment, _tensors(1)), shards=[0])
+        a.pull(min_version=1, shards=[0])
+        assert a.held_versions == {0: 1, 1: 0} and a.newest_version == 1
+        a.push(1, 10.0, slice_tensors(a.assignment, _tensors(1)), shards=[1])
+        assert a.catch_up_replica() == 1 and a.held_versions == {0: 1, 1: 1}
+        for shard in shards.shards:
+            for key, tensor in shard.snapshot.tensors.items():
+                assert torch.equal(a.held[key], tensor), key
+    finally:
+        a.close()
