@@ -224,6 +224,9 @@ def summarize(run: LayoutRun) -> dict:
     row["replay_mismatches"] = sum(1 for e in run.events if e.get("event") == "replay_mismatch")
     if memory:
         row["exchange_bytes_per_held_param"] = [memory[r]["bytes_per_held_param"] for r in sorted(memory)]
+        # Without the payloads of the last push (kept to replay the round: a few KB compressed).
+        row["exchange_bytes_per_owned_param"] = [round((memory[r]["total_bytes"] - memory[r].get("own_push_bytes", 0))
+                                                       / max(1, memory[r]["params_owned"]), 2) for r in sorted(memory)]  # fmt: skip
     if phases:
         row["boundary_phases_s"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(phases.items())}
     return row

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
                   f"`{args.layout_model}`, batch 2 per replica, 3 rounds × 3 steps; steady rounds (after the first). "
                   "Boundary: a round's wall time minus its inner steps (eval included).\n\n")  # fmt: skip
         notes += markdown_table(layout_rows, ["layout", "ranks", "params_held_m", "tokens_per_s", "boundary_s", "peak_rss_mb_per_rank",
-                                              "exchange_bytes_per_held_param", "replay_mismatches"]) + "\n"  # fmt: skip
+                                              "exchange_bytes_per_held_param", "exchange_bytes_per_owned_param", "replay_mismatches"]) + "\n"  # fmt: skip
     columns = ["model", "tokenizer", "precision", "params_m", "vocab", "device", "tokens_per_s", "peak_rss_mb", "cuda_peak_mb", "loss"]
     if any("error" in r for r in rows):
         columns.append("error")

@@ -46,11 +46,11 @@ class RecordingClient(AggregatorClient):
         self.computed: list[tuple[int, float, dict]] = []
         self._record_lock = threading.Lock()
 
-    def push(self, round_, weight, tensors, shards=None, reencode=True, codec=None, facts=(0, 0.0)):
-        if round_ > 0 and reencode:
+    def push(self, round_, weight, tensors, shards=None, reencode=True, codec=None, facts=(0, 0.0), formed=False):
+        if round_ > 0 and reencode:  # uncompressed here: the outgoing buffer is Δ itself
             with self._record_lock:
                 self.computed.append((round_, weight, {k: t.clone() for k, t in tensors.items()}))
-        return super().push(round_, weight, tensors, shards, reencode, codec, facts)
+        return super().push(round_, weight, tensors, shards, reencode, codec, facts, formed)
 
     def accepted_rounds(self) -> list[tuple[int, float, dict]]:
         """The accepted pushes of rounds ≥ 1 as (round, weight, tensors), a retried stream counted once."""

@@ -124,6 +124,10 @@ class Encoded:
         return self._decoded
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.numel() == b.numel()
+
+
 @dataclass
 class _TensorState:
     error: torch.Tensor | None = None
@@ -144,6 +148,7 @@ class TensorCompressor:
         self.state: dict[Hashable, _TensorState] = {}
         self.deficit: dict[Hashable, torch.Tensor] | None = {} if track_deficit else None
         self.input_sum: dict[Hashable, torch.Tensor] = {}
+        self._settled: dict[Hashable, torch.Tensor] = {}  # with track_deficit: each residual after its last message
 
     def uses_lowrank(self, shape: tuple[int, ...]) -> bool:
         return self.config.codec == "lowrank" and len(shape) >= 2 and math.prod(shape) >= self.config.min_lowrank_numel
@@ -152,6 +157,42 @@ class TensorCompressor:
     def flushes(self) -> bool:
         """Whether the run ends with a flush of the residuals (`CompressionConfig.flushes_residuals`)."""
         return self.config.flushes_residuals
+
+    def hold_residual(self, key: Hashable, buffer: torch.Tensor) -> None:
+        """Keep `key`'s error-feedback residual in `buffer` (a view into the caller's memory, same shape
+        as the tensors compressed under `key`), taking over what the residual held (a restored one), else
+        zeros. The caller then forms Δ + e there itself and compresses it with `compress_formed`: the
+        round boundary adds Δ into the residual while it reads θ, so no buffer of Δ exists
+        (worker/exchange/outgoing.py)."""
+        state = self.state.setdefault(key, _TensorState())
+        if state.error is None:
+            buffer.zero_()
+        elif not _same_memory(state.error, buffer):
+            buffer.copy_(state.error.reshape(buffer.shape))
+        state.error = buffer
+
+    def compress_formed(self, key: Hashable, target: torch.Tensor, codec: str | None = None) -> Encoded:
+        """C(target), where `target` is Δ + e already formed in the residual's own buffer (`hold_residual`)
+        — or, without error feedback, Δ alone; with error feedback what the payload delivers is subtracted
+        there, leaving the new residual. A failure to encode leaves `target` as it was given."""
+        state = self.state.setdefault(key, _TensorState())
+        feedback = self.config.error_feedback
+        if feedback and (state.error is None or not _same_memory(state.error, target)):
+            raise ValueError(f"{key}: compress_formed needs the tensor its residual is held in (hold_residual)")
+        given = None
+        if self.deficit is not None:  # Δ itself, from the residual this compressor left last time (benchmarks)
+            settled = self._settled.get(key) if feedback else None
+            given = target.clone() if settled is None else target - self.config.error_decay * settled
+        encoded = self._encode(key, state, target, codec)
+        if feedback:
+            if isinstance(encoded.payload, memoryview):  # fp32 payloads view their tensor: the residual's buffer
+                encoded.payload = bytes(encoded.payload)
+            self._subtract_delivered(target, encoded)
+        if given is not None:
+            if feedback:
+                self._settled[key] = target.clone()
+            self._track_deficit(key, given, encoded)
+        return encoded
 
     def compress(self, key: Hashable, delta: torch.Tensor, codec: str | None = None) -> Encoded:
         """C(Δ + e) with the configured codec, or with the dense `codec` given for this one message
@@ -185,10 +226,14 @@ class TensorCompressor:
             self._subtract_delivered(target, encoded)
             state.error = target
         if self.deficit is not None:
-            self.input_sum[key] = self.input_sum[key] + given if key in self.input_sum else given.clone()
-            withheld = given - encoded.decoded
-            self.deficit[key] = self.deficit[key] + withheld if key in self.deficit else withheld
+            self._track_deficit(key, given, encoded)
         return encoded
+
+    def _track_deficit(self, key: Hashable, given: torch.Tensor, encoded: Encoded) -> None:
+        assert self.deficit is not None
+        self.input_sum[key] = self.input_sum[key] + given if key in self.input_sum else given.clone()
+        withheld = given - encoded.decoded.reshape(given.shape)
+        self.deficit[key] = self.deficit[key] + withheld if key in self.deficit else withheld
 
     def _encode(self, key: Hashable, state: _TensorState, target: torch.Tensor, codec: str | None) -> Encoded:
         if codec is not None:

@@ -11,9 +11,14 @@ FSDP's layout and its own over the stage's dp group (`worker/site/access.py`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
+
+# `land(name, first_row, last_row, rows)`: rows [first_row, last_row) of parameter `name`, flat, fp32 on the
+# host, valid only during the call (it may be the parameter itself: read them, never write them).
+Land = Callable[[str, int, int, torch.Tensor], None]
+HOST_CHUNK_ELEMENTS = 16 * 2**20  # a device's rows reach the host in pieces of at most 64 MB
 
 
 class ParameterAccess(Protocol):
@@ -25,6 +30,10 @@ class ParameterAccess(Protocol):
 
     def read(self, out: dict[str, torch.Tensor]) -> None:
         """The current values of `names` into `out` (fp32 host tensors). Collective in a site."""
+
+    def read_rows(self, land: Land) -> None:
+        """The current values of `names`, handed to `land` piece by piece (every row of every name once),
+        so the caller can fold them into what it keeps without a model-sized buffer. Collective in a site."""
 
     def write(self, values: dict[str, torch.Tensor]) -> None:
         """`values` of `names` into the model, wherever they are held. Collective in a site."""
@@ -53,6 +62,28 @@ class LocalAccess:
             out[name].copy_(p.detach(), non_blocking=True)
         if self.pinned:
             torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def read_rows(self, land: Land) -> None:
+        """A host parameter is handed over as it is; a device one through one bounded host buffer, in row
+        pieces of at most `HOST_CHUNK_ELEMENTS` (or one row, where a row is larger)."""
+        on_device = [(n, p) for n, p in self.params.items() if p.device.type != "cpu"]
+        rows_of = {n: (p.shape[0] if p.dim() else 1) for n, p in self.params.items()}
+        per_row = {n: max(1, p.numel() // max(1, rows_of[n])) for n, p in self.params.items()}
+        limit = max([HOST_CHUNK_ELEMENTS, *(per_row[n] for n, _ in on_device)])
+        size = min(limit, max((p.numel() for _, p in on_device), default=0))
+        staging = torch.empty(size, dtype=torch.float32, pin_memory=self.pinned) if on_device else None
+        for name, p in self.params.items():
+            flat, rows, width = p.detach().reshape(-1), rows_of[name], per_row[name]
+            if staging is None or flat.device.type == "cpu":
+                land(name, 0, rows, flat)
+                continue
+            step = max(1, limit // width)
+            for first in range(0, rows, step):
+                last = min(rows, first + step)
+                part = staging[: (last - first) * width]
+                part.copy_(flat[first * width : last * width])
+                land(name, first, last, part)
 
     @torch.no_grad()
     def write(self, values: dict[str, torch.Tensor]) -> None:

@@ -213,6 +213,7 @@ class AggregatorClient:
         reencode: bool = True,
         codec: str | None = None,
         facts: tuple[int, float, int] = (0, 0.0, 0),
+        formed: bool = False,
     ) -> int:
         """Send slices (keyed by SliceKey) to their owning shards in parallel; returns bytes sent.
 
@@ -220,7 +221,9 @@ class AggregatorClient:
         instead of compressing again, which would advance the compressor's state a second time.
         `codec`: a dense codec for this push instead of the compressor's own (the end-of-run flush).
         `facts`: (inner steps, idle seconds, staleness) of the round, told to the shards: the first two for
-        `dilocox status`, the staleness (rounds the work is older than `round_`) caps its weight."""
+        `dilocox status`, the staleness (rounds the work is older than `round_`) caps its weight.
+        `formed`: each tensor is Δ + e, formed in the compressor's residual buffer (`hold_residual`), which
+        compression leaves holding the new residual; a carried part is added into it there."""
         owner = {s.key: s.shard for s in self.assignment}
         by_shard: dict[int, list[SliceKey]] = {}
         for key in tensors:
@@ -229,14 +232,14 @@ class AggregatorClient:
         if round_ > 0:
             if reencode:
                 self._push_generation += 1
-                tensors = self.carry.add_to(tensors, weight, round_)
+                tensors = self.carry.add_to(tensors, weight, round_, in_place=formed)
                 self._push_facts = (int(facts[0]), float(facts[1]), int(facts[2]) if len(facts) > 2 else 0)
             self._last_push = (round_, weight, by_shard)
 
         def push_one(shard: int) -> int:
             # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
             items = [
-                self._own[key] if not reencode and key in self._own else self._encode(round_, key, tensors[key], codec)
+                self._own[key] if not reencode and key in self._own else self._encode(round_, key, tensors[key], codec, formed)
                 for key in by_shard.get(shard, [])
             ]
             return self._send(shard, round_, weight, items)
@@ -304,13 +307,14 @@ class AggregatorClient:
         except AggregatorError as error:  # closed meanwhile (it had our push), or down again: the pull decides
             log.info("repush_after_outage_refused", shard=shard, round=round_, code=error.code.name, details=error.details)
 
-    def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor, codec: str | None = None) -> EncodedSlice:
+    def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor, codec: str | None = None, formed: bool = False) -> EncodedSlice:
         if round_ == 0:  # initial weights always travel exactly
             return EncodedSlice.exact(key, tensor)
         if self.compressor is None:
             item = EncodedSlice.exact(key, tensor)
         else:
-            encoded = self.compressor.compress(key, tensor, codec)
+            compress = self.compressor.compress_formed if formed else self.compressor.compress
+            encoded = compress(key, tensor, codec)
             item = EncodedSlice(key, encoded.codec, encoded.dtype, tuple(tensor.shape), bytearray(encoded.payload))
         self._own[key] = item  # to replay the round's step when the shard forwards it
         return item

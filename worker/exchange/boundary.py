@@ -1,10 +1,10 @@
 """What a round boundary costs: seconds per phase, and the host bytes the exchange keeps per rank.
 
-Phases, in order: `collect` (waiting for the exchange in flight: the trainer's idle time), `read`
-(gathering θ of the owned parameters to the host), `delta` (Δ = s − θ in place), `checkpoint` (staging
-the state for the asynchronous write), `start` (the next round's start from the global weights), `write`
-(scattering it back into the model) and `eval`. Logged per round as `boundary_done`; `dilocox bench
-train --layouts` reads them.
+Phases, in order: `collect` (waiting for the exchange in flight: the trainer's idle time), `checkpoint`
+(staging the state for the asynchronous write), `read` (θ of the owned parameters to the host, folded as
+it arrives into Δ + e and, for a delayed round, the next start: worker/exchange/outgoing.py), `start` (a
+synchronous round's next start from the global weights), `write` (scattering it back into the model) and
+`eval`. Logged per round as `boundary_done`; `dilocox bench train --layouts` reads them.
 """
 
 from __future__ import annotations
@@ -43,15 +43,16 @@ def _tensor_bytes(tensors) -> int:  # noqa: ANN001
 
 
 def exchange_bytes(client, buffers: HostBuffers) -> dict[str, int]:  # noqa: ANN001
-    """Host bytes this rank keeps for the exchange: the boundary buffers (s and the work buffer), the
-    client's replica of the global weights and outer momentum, the compressor's residuals and warm starts,
-    and the payloads of its own last push (kept to replay the round)."""
+    """Host bytes this rank keeps for the exchange: the boundary buffers (s and the outgoing buffer), the
+    client's replica of the global weights and outer momentum, the compressor's residuals (where they are
+    not the outgoing buffer itself) and warm starts, and the payloads of its own last push (kept to replay
+    the round)."""
     replica = _tensor_bytes(client.held.values())
     momentum = _tensor_bytes(client.outer.buffers.values()) if client.outer is not None else 0
     compressor = 0
     if client.compressor is not None:
         for state in list(client.compressor.state.values()):
-            compressor += _tensor_bytes([state.error, state.q])
+            compressor += _tensor_bytes([state.q]) + (0 if buffers.holds(state.error) else _tensor_bytes([state.error]))
     own = client.own_payload_bytes
     parts = {"buffer_bytes": buffers.nbytes, "replica_bytes": replica, "momentum_bytes": momentum,
              "compressor_bytes": compressor, "own_push_bytes": own}  # fmt: skip

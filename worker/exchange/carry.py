@@ -53,10 +53,11 @@ class UndeliveredCarry:
                 self.elements += values[key].numel()
             return fresh
 
-    def add_to(self, tensors: Mapping[Hashable, torch.Tensor], weight: float = 1.0, round_: int = 0) -> Mapping[Hashable, torch.Tensor]:
+    def add_to(self, tensors: Mapping[Hashable, torch.Tensor], weight: float = 1.0, round_: int = 0,
+               in_place: bool = False) -> Mapping[Hashable, torch.Tensor]:  # fmt: skip
         """`tensors` (to be pushed to round `round_` with `weight`) with what is pending for their keys
         added, each part scaled by its age's discount and its own weight (at most `weight`) over `weight`
-        (and no longer pending)."""
+        (and no longer pending); `in_place`: added into `tensors` themselves (the outgoing buffer)."""
         with self._lock:
             carried = {key: self._pending.pop(key) for key in list(self._pending) if key in tensors}
         if not carried:
@@ -65,7 +66,8 @@ class UndeliveredCarry:
         for key, parts in carried.items():
             for kept_weight, trained, values in parts:
                 scale = self.scale(kept_weight, trained, weight, round_)
-                out[key] = out[key] + (values if scale == 1.0 else values * scale)
+                part = values if scale == 1.0 else values * scale
+                out[key] = out[key].add_(part.reshape(out[key].shape)) if in_place else out[key] + part
         return out
 
     def scale(self, kept_weight: float, trained: int, weight: float, round_: int) -> float:

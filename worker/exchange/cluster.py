@@ -49,9 +49,10 @@ from dilocox.worker.exchange.admission import admission_checks
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 from dilocox.worker.exchange.boundary import BoundaryTimer, log_exchange_memory
 from dilocox.worker.exchange.communicator import Communicator, RoundExchange
-from dilocox.worker.exchange.delayed_start import check_rule, next_start
+from dilocox.worker.exchange.delayed_start import check_rule
 from dilocox.worker.exchange.host_buffers import HostBuffers
 from dilocox.worker.exchange.loss_watch import LossWatch
+from dilocox.worker.exchange.outgoing import NextStart, OutgoingFold
 from dilocox.worker.exchange.round_report import RoundReport
 from dilocox.worker.exchange.step_driven import StepDriven
 
@@ -122,6 +123,7 @@ class DilocoCluster(StepDriven):
         self.params = getattr(self.access, "params", {})  # one process's parameters by name (tests read them)
         self.names = list(self.access.names)
         self.buffers = HostBuffers(self.access.shapes, pinned=self.access.pinned)
+        self.outgoing: OutgoingFold | None = None  # set once the slices are known (`start`)
         self.checkpoint = checkpoint
         self.steps_controller = steps_controller
         # A time box ends its rounds by the clock, checked as the steps run (adaptive_steps.RoundTimeBox);
@@ -168,18 +170,6 @@ class DilocoCluster(StepDriven):
             if residual is not None:
                 start.sub_(residual.reshape(start.shape))
 
-    def _delayed_start(self, from_held: bool) -> None:
-        """s_{t+1} by `delayed_start`, in place, from θ_{t-1}: the client's copy (minus the residual) once
-        a round has come back, else where this round started (s_t itself). Δ_t is in the work buffer."""
-        if from_held:
-            self._start_from_held(keep_unsent=True)
-        deltas = self._slices_of(self.buffers.work)
-        outer = self.client.outer
-        for key, start in self._slices_of(self.buffers.start).items():
-            momentum = outer.buffers.get(key) if outer is not None else None
-            momentum = momentum.reshape(start.shape) if momentum is not None else None
-            next_start(self.delayed_start, start, start, deltas[key], momentum, outer, self.share)
-
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> int:
         """Join, seed uninitialised shards, adopt the current global weights; returns the first round to train."""
@@ -191,10 +181,11 @@ class DilocoCluster(StepDriven):
                 raise error
         owned = set(self.names)
         self.slices = [s for s in info.assignment if s.name in owned]
-        self.access.read(self.buffers.work)  # θ here: what an uninitialised shard is seeded with
-        if info.needs_init:
+        self.outgoing = OutgoingFold(self.buffers, self.slices, self.client.compressor)
+        self.access.read(self.buffers.start)  # θ here (the start is set from the shards next): what an
+        if info.needs_init:  # uninitialised shard is seeded with
             shards = sorted({s.shard for s in self.slices if s.shard in info.needs_init})
-            init = {s.key: s.view(self.buffers.work[s.name]) for s in self.slices if s.shard in shards}
+            init = {s.key: s.view(self.buffers.start[s.name]) for s in self.slices if s.shard in shards}
             sent = self.client.push(0, 1.0, init, shards=shards)
             log.info("initialised_shards", shards=shards, bytes_up=sent)
         version, _, received = self.client.pull(min_version=0, names=self.names)
@@ -222,13 +213,6 @@ class DilocoCluster(StepDriven):
             with timer("collect"):
                 exchange, idle, refused = self._collect()
         self._check_refusal(round_, refused, tokens)
-        work, start = self.buffers.work, self.buffers.start
-        with timer("read"):
-            self.access.read(work)
-        with timer("delta"):
-            for name in self.names:
-                torch.sub(start[name], work[name], out=work[name])  # Δ_t = s_t − θ_local, in place
-        deltas = self._slices_of(work)
         trained = round_
         held = exchange.version if exchange is not None else self.version  # the newest version we know of
         # A shard that gave us the run's final version takes nothing more (and stops once its members have
@@ -239,9 +223,23 @@ class DilocoCluster(StepDriven):
         # it at the on-time contributions' mean): common/wire/staleness.py.
         staleness = round_ - trained
         weight = float(tokens) * stale_discount(staleness, self.client.stale_weighting)
-        if delay == 0 and not over:
+        synchronous = delay == 0 and not over
+        if exchange is not None:
+            self._commit(exchange.round)
+        if not over:  # the state this round ends with, before θ is folded into the residual
             self._capture(round_, timer)
-            self.communicator.submit(round_, weight, deltas, facts=(self.inner_steps, idle, staleness))
+        # θ in, as it arrives: Δ = s − θ into the outgoing buffer and, for a delayed round, the next start
+        # s_{t+1} (from θ_{t-1} once a round has come back, else from s_t) — worker/exchange/outgoing.py.
+        next_start = None if synchronous else NextStart(self.delayed_start, exchange is not None, self.share)
+        assert self.outgoing is not None, "start first"
+        folding = self.outgoing.fold(self.client.held, next_start, self.client.outer)
+        with timer("read"):
+            self.access.read_rows(folding)
+        if self.access.agree_any(folding.nonfinite is not None):
+            raise ValueError(f"pseudo-gradient of {folding.nonfinite or 'another rank'} holds NaN or Inf: round {trained} not sent")
+        outgoing = self.outgoing.outgoing_slices()
+        if synchronous:
+            self.communicator.submit(round_, weight, outgoing, facts=(self.inner_steps, idle, staleness), formed=True)
             with timer("collect"):
                 exchange, waited, refused = self._collect()
             idle += waited
@@ -249,14 +247,8 @@ class DilocoCluster(StepDriven):
             self._commit(round_)
             with timer("start"):
                 self._start_from_held(keep_unsent=True)
-        else:
-            if exchange is not None:
-                self._commit(exchange.round)
-            with timer("start"):
-                self._delayed_start(from_held=exchange is not None)
-            if not over:
-                self._capture(round_, timer)
-                self.communicator.submit(round_, weight, deltas, facts=(self.inner_steps, idle, staleness))
+        elif not over:
+            self.communicator.submit(round_, weight, outgoing, facts=(self.inner_steps, idle, staleness), formed=True)
         if exchange is not None:
             self.version = exchange.version
         if self.time_box is not None:  # a late site's next box is shorter, to get back in phase
@@ -264,7 +256,7 @@ class DilocoCluster(StepDriven):
         self._adopt_held = over or (delay == 0 and round_ == self.rounds)
         self._last_weight = float(tokens)
         with timer("write"):
-            self.access.write(start)
+            self.access.write(self.buffers.start)
         with timer("eval"):
             eval_loss = self.trainer.evaluate() if self.evaluate_every_round or round_ == self.rounds else float("nan")
         comm_s = exchange.comm_s if exchange else 0.0
@@ -419,10 +411,8 @@ class DilocoCluster(StepDriven):
                         residual_norm=round(held_back, 4), carried_slices=len(list(self.client.carry.pending_keys())),
                         reason="the shards closed the run's last round without this site")  # fmt: skip
             return None
-        work = self._slices_of(self.buffers.work)
-        for tensor in work.values():
-            tensor.zero_()
-        self.communicator.submit(round_, self._last_weight, work, codec=compressor.config.flush_codec)
+        # With error feedback the outgoing buffer holds the residual: sent as it is, as a zero Δ would add it
+        self.communicator.submit(round_, self._last_weight, self.outgoing.outgoing_slices(), codec=compressor.config.flush_codec, formed=True)
         try:
             exchange, idle = self.communicator.collect()
         except AggregatorError as error:

@@ -64,15 +64,16 @@ class Communicator:
         return self._in_flight[0] if self._in_flight else None
 
     def submit(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None = None,
-               facts: tuple[int, float, int] = (0, 0.0, 0)) -> None:  # fmt: skip
+               facts: tuple[int, float, int] = (0, 0.0, 0), formed: bool = False) -> None:  # fmt: skip
         """Start pushing round `round_` and pulling its result; `slices` must not change afterwards.
         `codec`: a dense codec for this round's push instead of the compressor's (the end-of-run flush).
-        `facts`: (inner steps, idle seconds, staleness) of the round, for the shards (`AggregatorClient.push`)."""
+        `facts`: (inner steps, idle seconds, staleness) of the round, for the shards (`AggregatorClient.push`).
+        `formed`: `slices` hold Δ + e in the compressor's residual buffers (`AggregatorClient.push`)."""
         with self._lock:
             if self._in_flight is not None:
                 raise RuntimeError(f"round {self._in_flight[0]} is still in flight; collect it before submitting {round_}")
             self._pushed = threading.Event()
-            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices, codec, self._pushed, facts))
+            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices, codec, self._pushed, facts, formed))
 
     def wait_pushed(self) -> None:
         """Return once the round in flight (if any) has been pushed — its compression done, so the
@@ -128,11 +129,11 @@ class Communicator:
         return outcome
 
     def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None,
-                  push_done: threading.Event, facts: tuple[int, float, int] = (0, 0.0, 0)) -> RoundExchange:  # fmt: skip
+                  push_done: threading.Event, facts: tuple[int, float, int] = (0, 0.0, 0), formed: bool = False) -> RoundExchange:  # fmt: skip
         started = time.perf_counter()
         result = None  # the round's result, when a refused push found it published already
         try:
-            bytes_up = self.client.push(round_, weight, slices, codec=codec, facts=facts)
+            bytes_up = self.client.push(round_, weight, slices, codec=codec, facts=facts, formed=formed)
         except AggregatorError as error:
             result = self._closed_without_us(round_) if error.code == grpc.StatusCode.FAILED_PRECONDITION else None
             if result is None:

@@ -1,14 +1,15 @@
 """The host memory of a rank's round boundary: two flat fp32 buffers over the parameters it owns.
 
 * `start` — s_t, where the current round started (the model as the rank last wrote it);
-* `work` — the exchange buffer: the gathered local weights θ, turned in place into the pseudo-gradient
-  Δ = s − θ, which the background communicator compresses and pushes while the next round trains.
+* `outgoing` — what the round sends: Δ + e, added in as θ arrives (worker/exchange/outgoing.py), which
+  the background communicator compresses in place while the next round trains; between rounds, with
+  error feedback, the compressor's residual e itself.
 
-Both are one allocation each (page-locked where a GPU copies to and from them), with views per
-parameter and per slice, so the boundary is a few large copies and in-place arithmetic — never a
-dictionary of fresh per-parameter tensors. Together with the client's replica of the global weights and
-the outer momentum (4 + 4 bytes), and the compressor's error-feedback residual (4), that is all a rank
-keeps for the exchange: 8 + 12 bytes per owned parameter (docs/decisions.md, "The round boundary").
+Both are one allocation each (`start` page-locked where a GPU copies from it), with views per parameter
+and per slice, so the boundary is in-place arithmetic — never a dictionary of fresh per-parameter
+tensors. Together with the client's replica of the global weights and the outer momentum (4 + 4 bytes),
+that is all a rank keeps for the exchange: 16 bytes per owned parameter (docs/decisions.md, "The round
+boundary").
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ class HostBuffers:
     def __init__(self, shapes: dict[str, tuple[int, ...]], pinned: bool = False) -> None:
         self.shapes = dict(shapes)
         self.numel = sum(math.prod(s) for s in self.shapes.values())
-        flat = lambda: torch.empty(self.numel, dtype=torch.float32, pin_memory=pinned)  # noqa: E731
-        self._start, self._work = flat(), flat()
+        # `start` is scattered to the device; `outgoing` only ever meets the host (θ reaches it through the
+        # access's own bounded landing buffer).
+        self._start = torch.empty(self.numel, dtype=torch.float32, pin_memory=pinned)
+        self._outgoing = torch.zeros(self.numel, dtype=torch.float32)
         self.start = self._views(self._start)
-        self.work = self._views(self._work)
+        self.outgoing = self._views(self._outgoing)
         self.pinned = pinned
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -41,7 +44,14 @@ class HostBuffers:
 
     @property
     def nbytes(self) -> int:
-        return self._start.nbytes + self._work.nbytes
+        return self._start.nbytes + self._outgoing.nbytes
+
+    def holds(self, tensor: torch.Tensor | None) -> bool:
+        """Whether `tensor` is a view into one of the two buffers (a residual kept in `outgoing`)."""
+        if tensor is None or tensor.device.type != "cpu":
+            return False
+        pointer = tensor.data_ptr()
+        return any(flat.data_ptr() <= pointer < flat.data_ptr() + flat.nbytes for flat in (self._start, self._outgoing))
 
     @staticmethod
     def slices_of(views: dict[str, torch.Tensor], slices: list[ParamSlice]) -> dict[SliceKey, torch.Tensor]:

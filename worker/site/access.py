@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dilocox.worker.exchange.access import Land
 from dilocox.worker.site.mesh import SiteMesh
 from dilocox.worker.site.parallelize import local_part
 from dilocox.worker.site.reshard import BATCH_ELEMENTS, Resharder, StageResharder
@@ -44,6 +45,9 @@ class SiteAccess:
 
     def read(self, out: dict[str, torch.Tensor]) -> None:
         self.resharder.gather(self._local(), out)
+
+    def read_rows(self, land: Land) -> None:
+        self.resharder.gather_rows(self._local(), land, pinned=self.pinned)
 
     def write(self, values: dict[str, torch.Tensor]) -> None:
         self.resharder.scatter(self._local(), values)

@@ -48,9 +48,10 @@ GB = 1e9
 # measured after a forward of the built-in GPT (GELU MLP) and of a Llama layer (gated SiLU MLP: gate, up,
 # their product and the activation), fp32 on the CPU, within 4 % (tests/test_memory_plan.py).
 ACTIVATION_FACTORS = {False: (4, 2), True: (7, 4)}  # gated MLP? -> (width, mlp)
-# Exchange bytes per owned parameter today: start 4, work 4, replica 4, momentum 4, residual 4
-# (worker/exchange/host_buffers.py, docs/decisions.md); the low-rank warm starts are counted apart.
-EXCHANGE_BYTES_PER_PARAM = 20
+# Exchange bytes per owned parameter: start 4, outgoing (Δ + e, the residual between rounds) 4, replica 4,
+# momentum 4 (worker/exchange/host_buffers.py, outgoing.py, docs/decisions.md); the low-rank warm starts
+# are counted apart, and θ reaches the host through a landing buffer of at most one reshard batch.
+EXCHANGE_BYTES_PER_PARAM = 16
 CHECKPOINT_BYTES_PER_HELD = 12  # fp32 weights + AdamW's two moments, staged by DCP
 CHECKPOINT_BYTES_PER_OWNED = 4  # the residuals
 
@@ -237,11 +238,19 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         largest = max((math.prod(s) for s in shapes.values()), default=0)
         plan.host = {
             "build": 5 * largest,  # the whole parameter drawn, and its NaN check's mask
-            "exchange": EXCHANGE_BYTES_PER_PARAM * owned + warm,
+            # + θ's landing buffer on the host: at most one reshard batch of this rank's rows
+            "exchange": EXCHANGE_BYTES_PER_PARAM * owned + warm + 4 * _landing_elements(resharder, replica),
             "checkpoint": CHECKPOINT_BYTES_PER_HELD * held + CHECKPOINT_BYTES_PER_OWNED * owned,
         }
         ranks.append(plan)
     return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard)
+
+
+def _landing_elements(plan: StageResharder, replica: int) -> int:
+    """Elements of the host buffer a gather lands θ in (`Resharder.gather_rows`, kept for the run): the
+    most of one batch's rows that `replica` owns."""
+    return max((sum((p.stop - p.start) * plan.row_numel[p.name] for p in pieces if p.dst == replica)
+                for pieces in plan.gather_pieces), default=0)  # fmt: skip
 
 
 def _reshard_buffers(plan: StageResharder) -> list[int]:

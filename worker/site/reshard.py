@@ -145,6 +145,7 @@ class Resharder:
         self.group = group
         self.device = device
         self._buffers = [torch.empty(0, device=device), torch.empty(0, device=device)]  # send, receive
+        self._host = torch.empty(0)  # gather_rows's landing buffer on the host
 
     def check(self, local: dict[str, torch.Tensor]) -> None:
         """`local`: this rank's part of each parameter (`parallelize.local_part`) must hold the rows the
@@ -209,6 +210,31 @@ class Resharder:
             self._exchange(pieces, lambda p: self._local_rows(local, p), lambda p: self._rows(out[p.name], p))
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the host reads `out` next
+        self._release()
+
+    @torch.no_grad()
+    def gather_rows(self, local: dict[str, torch.Tensor], land: Callable[[str, int, int, torch.Tensor], None],
+                    pinned: bool = False) -> None:  # fmt: skip
+        """Every owned parameter's rows handed to `land(name, first, last, rows)` batch by batch, through
+        one host buffer of at most a batch (kept for the run: page-locked where `pinned`, and allocating
+        that anew at every boundary is slow) — so the owner folds θ into its own state without a buffer
+        of its owned parameters (worker/exchange/outgoing.py)."""
+        me = self.plan.replica
+        numel = lambda p: (p.stop - p.start) * self.plan.row_numel[p.name]  # noqa: E731
+        for pieces in self.plan.gather_pieces:
+            mine = [p for p in pieces if p.dst == me]
+            need = sum(numel(p) for p in mine)
+            if self._host.numel() < need:
+                self._host = torch.empty(need, dtype=torch.float32, pin_memory=pinned)
+            offsets, offset = {}, 0
+            for p in mine:
+                offsets[p] = offset
+                offset += numel(p)
+            self._exchange(pieces, lambda p: self._local_rows(local, p), lambda p: self._host[offsets[p] : offsets[p] + numel(p)])
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the host reads the buffer next
+            for p in mine:
+                land(p.name, p.start, p.stop, self._host[offsets[p] : offsets[p] + numel(p)])
         self._release()
 
     @torch.no_grad()
