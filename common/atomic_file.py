@@ -50,19 +50,34 @@ def stop_signals_deferred() -> Iterator[None]:
             signal.raise_signal(arrived[0])
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+def write_text_atomic(path: str | os.PathLike, text: str, durable: bool = False) -> None:
     """Write `text` to a temporary file beside `path` (a name of its own, so that concurrent writers of
-    the same file never share one), then rename it into place; creates the folder if needed."""
+    the same file never share one), then rename it into place; creates the folder if needed.
+    `durable`: fsync the file before the rename and the folder after it — for a marker a crash must never
+    leave empty or missing once it was said to be written (a checkpoint's `COMMITTED`)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with stop_signals_deferred(), os.fdopen(fd, "w") as f:
             f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: pathlib.Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)
 
 
 def atomic_torch_save(obj: object, path: str | os.PathLike) -> pathlib.Path:
@@ -80,11 +95,7 @@ def atomic_torch_save(obj: object, path: str | os.PathLike) -> pathlib.Path:
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a crash
-    finally:
-        os.close(dir_fd)
+    _fsync_folder(path.parent)
     return path
 
 

@@ -75,3 +75,16 @@ def test_text_is_written_whole_before_the_signal(sigterm_raises, tmp_path):
             os.kill(os.getpid(), signal.SIGTERM)
             write_text_atomic(target, "12345")
     assert target.read_text() == "12345"
+
+
+def test_a_durable_marker_is_synced_before_its_rename_and_its_folder_after(tmp_path, monkeypatch):
+    """Issue 44 (item 6): a checkpoint's COMMITTED must never be left empty or missing by a crash."""
+    synced: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (synced.append("rename"), real_replace(a, b))[1])
+    write_text_atomic(tmp_path / "COMMITTED", "{}\n", durable=True)
+    assert synced == ["fsync", "rename", "fsync"] and (tmp_path / "COMMITTED").read_text() == "{}\n"
+    synced.clear()
+    write_text_atomic(tmp_path / "port", "1")  # a hand-over file: the rename is enough
+    assert synced == ["rename"]

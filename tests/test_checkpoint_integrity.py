@@ -5,6 +5,7 @@ to the newest intact kept version; a site's DCP checkpoint commits a manifest of
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -301,6 +302,15 @@ def test_site_checkpoint_commits_a_manifest_and_resume_falls_back_past_a_damaged
     assert SiteCheckpoint(tmp_path, "c").restore(InnerTrainer(config, tokens), None, names) == 2
     assert "worker_checkpoint_unverified" in capsys.readouterr().out
 
+    # An empty marker (what a crash leaves of one written without fsync) commits nothing: refused by name.
+    empty = SiteCheckpoint(tmp_path, "c")
+    (root / "round-000002" / COMMITTED).write_text("")
+    assert empty.restore(InnerTrainer(config, tokens), None, names) == 1
+    out = capsys.readouterr().out
+    assert "worker_checkpoint_fallback" in out and "COMMITTED is empty" in out
+    refused = sorted(root.glob("round-000002.refused-*"))
+    assert len(refused) == 1
+    os.replace(refused[0], root / "round-000002")
     (root / "round-000001" / ".metadata").write_bytes(b"")
     (root / "round-000002" / COMMITTED).write_text('{"format": "dilocox-site-checkpoint/1", "round": 2, "fil')
     with pytest.raises(ValueError, match=r"no intact committed worker checkpoint under .*round-000002: COMMITTED is not a "

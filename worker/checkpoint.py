@@ -22,7 +22,8 @@ SHA-256, hashed by rank 0 after every rank's part is written (in a thread of its
 wait for a pass over gigabytes). `--resume` checks it before loading; a damaged newest checkpoint is moved
 aside (`round-NNNNNN.refused-<date>`) and the next intact committed one is used, with a warning — where the
 site would be had it been stopped a round or two earlier: the shards tell it which round to train. A
-`COMMITTED` from before the manifest (the round number, or nothing) is taken as unverified.
+`COMMITTED` from before the manifest (the round number) is taken as unverified; an empty one is no commit
+(what a crash leaves of an unsynced marker): the marker is fsynced before its rename and the folder after.
 
 A resume with the same layout restores every rank's state bit for bit. With another layout (other
 --pp, --dp or --dp-replicate), DCP reshards the weights and optimiser state, and the compressor state
@@ -68,7 +69,9 @@ OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMMITTED = "COMMITTED"
 MANIFEST_FORMAT = "dilocox-site-checkpoint/1"
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
-_LEGACY_COMMITTED = re.compile(r"^\s*\d*\s*$")  # before the manifest: the round number, or nothing
+# Before the manifest: the round number. An empty marker is not one of those but what a crash can leave of
+# a marker written without fsync (issue 44): it commits nothing.
+_LEGACY_COMMITTED = re.compile(r"^\s*\d+\s*$")
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -89,6 +92,8 @@ def verify(folder: pathlib.Path, round_: int) -> tuple[bool, str | None]:
         text = (folder / COMMITTED).read_text()
     except (OSError, UnicodeDecodeError) as error:
         return True, f"{COMMITTED} unreadable ({error})"
+    if not text.strip():
+        return True, f"{COMMITTED} is empty (a crash while it was written: nothing was committed)"
     if _LEGACY_COMMITTED.match(text):
         return False, None
     try:
@@ -193,7 +198,7 @@ class SiteCheckpoint:
         path = self.path_of(round_)
         try:
             record = manifest(path, round_)
-            write_text_atomic(path / COMMITTED, json.dumps(record, indent=1) + "\n")
+            write_text_atomic(path / COMMITTED, json.dumps(record, indent=1) + "\n", durable=True)
             self._prune(round_)
         except OSError as error:  # stays uncommitted: a resume takes the one before
             log.warning("worker_checkpoint_commit_failed", round=round_, path=str(path), error=str(error))
