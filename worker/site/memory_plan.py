@@ -189,6 +189,7 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
     ranks = []
     resharders = [StageResharder(dict(specs), shape, 0, sharded, batch_elements) for specs in model.stages]
     buffers = [_reshard_buffers(r) for r in resharders]
+    landing = [_landing_elements(r) for r in resharders]
     for rank in range(shape.world_size):
         stage, replica = shape.stage_of(rank), shape.replica_of(rank)
         shapes = dict(model.stages[stage])
@@ -239,18 +240,23 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         plan.host = {
             "build": 5 * largest,  # the whole parameter drawn, and its NaN check's mask
             # + θ's landing buffer on the host: at most one reshard batch of this rank's rows
-            "exchange": EXCHANGE_BYTES_PER_PARAM * owned + warm + 4 * _landing_elements(resharder, replica),
+            "exchange": EXCHANGE_BYTES_PER_PARAM * owned + warm + 4 * landing[stage][replica],
             "checkpoint": CHECKPOINT_BYTES_PER_HELD * held + CHECKPOINT_BYTES_PER_OWNED * owned,
         }
         ranks.append(plan)
     return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard)
 
 
-def _landing_elements(plan: StageResharder, replica: int) -> int:
-    """Elements of the host buffer a gather lands θ in (`Resharder.gather_rows`, kept for the run): the
-    most of one batch's rows that `replica` owns."""
-    return max((sum((p.stop - p.start) * plan.row_numel[p.name] for p in pieces if p.dst == replica)
-                for pieces in plan.gather_pieces), default=0)  # fmt: skip
+def _landing_elements(plan: StageResharder) -> list[int]:
+    """Per replica of the stage, elements of the host buffer a gather lands θ in (`Resharder.gather_rows`,
+    kept for the run): the most of one batch's rows the replica owns. One pass over the plan's pieces."""
+    landing = [0] * plan.shape.dp
+    for pieces in plan.gather_pieces:
+        into = [0] * plan.shape.dp
+        for p in pieces:
+            into[p.dst] += (p.stop - p.start) * plan.row_numel[p.name]
+        landing = [max(a, b) for a, b in zip(landing, into)]
+    return landing
 
 
 def _reshard_buffers(plan: StageResharder) -> list[int]:
