@@ -213,10 +213,14 @@ class DilocoCluster(StepDriven):
             with timer("collect"):
                 exchange, idle, refused = self._collect()
         self._check_refusal(round_, refused, tokens)
+        self._check_tokens_agree(round_, tokens)
         trained = round_
-        held = exchange.version if exchange is not None else self.version  # the newest version we know of
-        # A shard that gave us the run's final version takes nothing more (and stops once its members have
-        # it): the run is over for this site even where another shard's answer was older.
+        # The newest version the whole site holds: each rank's is the oldest over its own shards, and the
+        # site decides on the oldest of those (issue 44), so that every rank pushes to the same round and
+        # checkpoints into the same folder. (A shard already past it refuses that part: carried, not lost.)
+        held = self.access.agree_min(exchange.version if exchange is not None else self.version)
+        # A shard that gave any rank the run's final version takes nothing more (and stops once its members
+        # have it): the run is over for the whole site even where another shard's answer was older.
         over = self._run_over_without(trained, tokens, max(held, self.client.newest_version))
         round_ = self.rounds if over else self._round_to_push(round_, held)
         # Work pushed to a later round than it was trained for weighs less by its age (and the shards cap
@@ -296,13 +300,21 @@ class DilocoCluster(StepDriven):
         """Whether the shards have published the run's final version already (a late site under quorum +
         grace can collect it while it still trains): then round `trained` can go nowhere, and the site ends
         on the shards' model. Counted like a round dropped at a rejoin."""
-        if version < self.final_version:
+        if not self.access.agree_any(version >= self.final_version):  # one rank's view ends it for all
             return False
         self.client.traffic.dropped_rounds += 1
         self.client.traffic.dropped_tokens += int(tokens)
         log.warning("late_work_not_delivered", cluster=self.client.cluster, round=trained, tokens=int(tokens), version=version,
                     reason="the shards closed the run's last round without this site")  # fmt: skip
         return True
+
+    def _check_tokens_agree(self, round_: int, tokens: int) -> None:
+        """Every rank of a site weighs its slices by the same tokens (the site's): a rank passing its own
+        share would weigh its parameters differently from the others'. Refused alike on every rank."""
+        low, high = self.access.agree_min(int(tokens)), -self.access.agree_min(-int(tokens))
+        if low != high:
+            raise ValueError(f"round {round_}: the site's ranks report different tokens ({low} to {high}); every rank "
+                             f"must pass the whole site's tokens (the same number) to step()/close_round")  # fmt: skip
 
     def _round_to_push(self, round_: int, version: int) -> int:
         """The round this boundary's pseudo-gradient goes to: the one trained, unless the shards have
@@ -404,7 +416,7 @@ class DilocoCluster(StepDriven):
             return None
         round_ = self.rounds + 1
         held_back = compressor.residual_norm()
-        if max(self.version, self.client.newest_version) >= round_:
+        if self.access.agree_any(max(self.version, self.client.newest_version) >= round_):  # every rank alike
             # A late site (quorum + grace) can collect the flush round itself: the shards closed it without
             # us and the run is over on them, so nothing of ours can go anywhere any more.
             log.warning("residuals_not_flushed", cluster=self.client.cluster, round=round_, version=self.version,

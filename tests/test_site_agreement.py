@@ -1,0 +1,71 @@
+"""Issue 44 (item 1): a site's ranks decide at the boundary on agreed values, never on what one rank saw.
+
+Two real ranks on a gloo process group, each with its own view: the run is over for both when one rank's
+shard has published the final version (else one would enter the checkpoint's barrier and the other the
+reshard's all_to_all, and the site would hang); the end-of-run flush is skipped by both or neither; and a
+rank passing tokens that differ from the others' is refused, on every rank, by name.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dilocox.worker.exchange.aggregator_client import Traffic
+from dilocox.worker.exchange.cluster import DilocoCluster
+from tests.ports import free_port
+
+
+class GlooAgreement:
+    """The site's agreement as `SiteAccess` makes it (one all-reduce over the site), on the CPU."""
+
+    def _over_site(self, value: int, op: dist.ReduceOp) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=op)
+        return int(t.item())
+
+    def agree_min(self, value: int) -> int:
+        return self._over_site(value, dist.ReduceOp.MIN)
+
+    def agree_any(self, flag: bool) -> bool:
+        return bool(self._over_site(int(flag), dist.ReduceOp.MAX))
+
+
+def _rank(rank: int, port: int, queue) -> None:  # noqa: ANN001
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        site = types.SimpleNamespace(access=GlooAgreement(), final_version=5,
+                                     client=types.SimpleNamespace(cluster="c", traffic=Traffic()))  # fmt: skip
+        # Rank 1's shard published the final version 5; rank 0's still answers 4.
+        over = DilocoCluster._run_over_without(site, 5, 1000, 5 if rank == 1 else 4)
+        not_over = DilocoCluster._run_over_without(site, 4, 1000, 3 if rank == 1 else 4)
+        refused = ""
+        try:
+            DilocoCluster._check_tokens_agree(site, 3, 1000 + rank)  # rank 1 passes its own share
+        except ValueError as error:
+            refused = str(error)
+        DilocoCluster._check_tokens_agree(site, 3, 2000)  # the same number on both: taken
+        queue.put((rank, over, not_over, site.client.traffic.dropped_rounds, refused))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sites_ranks_decide_the_run_over_and_refuse_unequal_tokens_alike():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert [r[1] for r in results] == [True, True] and [r[2] for r in results] == [False, False]
+    assert [r[3] for r in results] == [1, 1]  # each rank counts the round it could not deliver
+    assert all("different tokens (1000 to 1001)" in r[4] for r in results), results
