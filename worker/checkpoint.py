@@ -36,7 +36,6 @@ system across nodes), as DCP requires.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import pathlib
@@ -46,7 +45,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -59,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.wire.compression import TensorCompressor
+from dilocox.worker.exchange.packed_state import compressor_state_by_name, pack, restore_compressor_state, unpack
 
 log = structlog.get_logger()
 
@@ -115,16 +114,6 @@ def verify(folder: pathlib.Path, round_: int) -> tuple[bool, str | None]:
     return True, None
 
 
-def _pack(obj: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _unpack(data: bytes) -> object:
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)  # our own bytes
-
-
 class SiteCheckpoint:
     def __init__(self, directory: str | os.PathLike, cluster: str, every: int = 1, keep: int = 2,
                  rank: int = 0, replica: int = 0, group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
@@ -150,16 +139,12 @@ class SiteCheckpoint:
     # ------------------------------------------------------------------ save
     def _state(self, trainer, compressor: TensorCompressor | None, names: list[str]) -> dict:  # noqa: ANN001
         module, optimizer = trainer.trained_module, trainer.optimizer
-        by_name: dict[str, dict] = {name: {} for name in names}
-        for key, value in (compressor.state_dict() if compressor else {}).items():
-            if key.name in by_name:
-                by_name[key.name][key] = value
-        exchange = {name: _pack(per_slice) for name, per_slice in by_name.items()}
+        exchange = compressor_state_by_name(compressor, names)
         return {
             "model": get_model_state_dict(module),
             "optim": get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS),
             "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen)},
-            "data": {f"replica{self.replica}": _pack(trainer.sampler.state_dict())},
+            "data": {f"replica{self.replica}": pack(trainer.sampler.state_dict())},
             "exchange": exchange,
         }
 
@@ -319,7 +304,7 @@ class SiteCheckpoint:
         reason = "the checkpoint has no sampler for this replica (another --dp)"
         if state["data"]:
             try:
-                trainer.sampler.load_state_dict(_unpack(state["data"][data_key]))
+                trainer.sampler.load_state_dict(unpack(state["data"][data_key]))
                 reason = ""
             except ValueError as error:  # another split of the data (another --dp or --num-clusters)
                 reason = str(error)
@@ -327,11 +312,7 @@ class SiteCheckpoint:
             log.warning("data_position_reset", round=round_, replica=self.replica, reason=f"{reason}: its data starts over")
         missing = [n for n in names if n not in state["exchange"]]
         if compressor is not None:
-            restored = {}
-            for name in names:
-                if name in state["exchange"]:
-                    restored.update(_unpack(state["exchange"][name]))
-            compressor.load_state_dict(restored)
+            restore_compressor_state(compressor, state["exchange"], names)
             if missing:
                 log.warning("compressor_state_missing", round=round_, parameters=len(missing), example=missing[0])
         log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step)
@@ -348,4 +329,4 @@ def read_progress(path: str | os.PathLike) -> dict:
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     match = _ROUND_DIR.match(path.name)
     return {"round": int(match.group(1)) if match else None, "committed": (path / COMMITTED).exists(),
-            **state["progress"], "data": {r: _unpack(v) for r, v in state["data"].items()}}  # fmt: skip
+            **state["progress"], "data": {r: unpack(v) for r, v in state["data"].items()}}  # fmt: skip

@@ -39,6 +39,7 @@ from dilocox.worker.exchange.access import LocalAccess, ParameterAccess
 from dilocox.worker.exchange.adaptive_steps import steps_controller_for
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster
+from dilocox.worker.exchange.packed_state import compressor_state_by_name, pack, restore_compressor_state
 from dilocox.worker.exchange.round_report import RoundReport
 from dilocox.worker.exchange.stop import StopSignal
 
@@ -47,7 +48,8 @@ if TYPE_CHECKING:  # torch.distributed's mesh: imported where a site of several 
 
 log = structlog.get_logger()
 
-STATE_FORMAT = "dilocox-site-state/1"
+STATE_FORMAT = "dilocox-site-state/2"  # exchange: packed state per owned parameter name
+LEGACY_STATE_FORMAT = "dilocox-site-state/1"  # exchange: unpacked state per slice key
 
 
 @dataclass
@@ -274,17 +276,16 @@ class DiLoCoX:
         residuals (and the compressor's warm starts) of the parameters this rank exchanges, the round and
         the site's position in it. Waits for the pseudo-gradient in flight to be sent (not for its
         round's result), so the residuals match what the shards have. The global-model replica is not
-        in it: a resumed site pulls the shards' current model whole, checked by the replay check."""
-        self.cluster.communicator.wait_pushed()
-        owned = set(self.cluster.names)
-        exchange = {}
-        if self.compressor is not None:
-            for key, value in self.compressor.state_dict().items():
-                if key.name in owned:
-                    exchange[key] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
+        in it: a resumed site pulls the shards' current model whole, checked by the replay check.
+
+        `exchange` holds one bytes object per parameter this rank owns, keyed by its name (empty state
+        packed where there is none yet), so the same call on a fresh site — before `start` — is a template
+        `torch.distributed.checkpoint` can load every rank's residuals into (worker/exchange/packed_state.py)."""
+        if self._started:
+            self.cluster.communicator.wait_pushed()
         return {"format": STATE_FORMAT, "run_id": self.config.run_id, "cluster": self.cluster_name, "round": self.cluster.round,
                 "version": self.cluster.version, "steps_in_round": self.cluster.steps_in_round,
-                "exchange": exchange}  # fmt: skip
+                "exchange": compressor_state_by_name(self.compressor, self.cluster.names)}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()` (before `start`). The site rejoins as itself: the shards say which
@@ -292,14 +293,23 @@ class DiLoCoX:
         trained again); its residuals carry on where they were."""
         if self._started:
             raise RuntimeError("load_state_dict must come before start() (or the with-block, or the first step)")
-        if state.get("format") != STATE_FORMAT:
+        if state.get("format") not in (STATE_FORMAT, LEGACY_STATE_FORMAT):
             raise ValueError(f"not a DiLoCoX site state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
         if state.get("run_id") != self.config.run_id:
             raise ValueError(f"this state is run {state.get('run_id')!r}'s, not {self.config.run_id!r}'s")
         if self.compressor is not None:
-            owned = set(self.cluster.names)
-            self.compressor.load_state_dict({k: v for k, v in state["exchange"].items() if k.name in owned})
+            owned = list(self.cluster.names)
+            exchange = state.get("exchange", {})
+            if state["format"] == LEGACY_STATE_FORMAT:  # keyed by slice, unpacked
+                exchange = {name: pack({k: v for k, v in exchange.items() if k.name == name}) for name in owned}
+            missing = restore_compressor_state(self.compressor, exchange, owned)
+            if missing and self.compressor.config.error_feedback and int(state.get("round", 1)) > 1:
+                log.warning("site_state_residuals_missing", cluster=self.cluster_name, round=state.get("round"),
+                            parameters=len(missing), of=len(owned), example=missing[0],
+                            reason="the state holds no error-feedback residual for them (saved by another layout, or "
+                                   "loaded through a template without their keys): they start from none")  # fmt: skip
         if isinstance(self.cluster.trainer, _UserLoop):
             self.cluster.trainer.step = max(1, int(state.get("round", 1)))
-        log.info("site_state_loaded", cluster=self.cluster_name, round=state.get("round"), residuals=len(state["exchange"]))
+        log.info("site_state_loaded", cluster=self.cluster_name, round=state.get("round"),
+                 residuals=len(self.compressor.state) if self.compressor is not None else 0)
 

@@ -1,0 +1,85 @@
+"""Issue 44 (item 3): the exchange state round-trips through `torch.distributed.checkpoint`.
+
+`DiLoCoX.state_dict()` keys each owned parameter's error-feedback state by its name, so a fresh site —
+before it has joined and knows its slices — is a template DCP loads every residual into (it used to load
+none: the template's `exchange` was empty), and a site's ranks never write the same key. Two ranks on
+gloo save and load their residuals and warm starts bit for bit; a load that finds none where error
+feedback keeps them warns by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from dilocox.common.config.run import RunConfig
+from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
+from dilocox.common.wire.framing import SliceKey
+from dilocox.worker.exchange.packed_state import compressor_state_by_name, restore_compressor_state, template
+from tests.ports import free_port
+
+OWNED = {0: ["stage0.w", "stage0.b"], 1: ["stage1.w"]}  # what each rank of a site exchanges
+
+
+def _with_state(rank: int) -> TensorCompressor:
+    g = torch.Generator().manual_seed(rank)
+    compressor = TensorCompressor(CompressionConfig())
+    compressor.load_state_dict({SliceKey(name, 0, 6): {"error": torch.randn(6, 5, generator=g), "q": torch.randn(5, 2, generator=g),
+                                                      "rank": 2, "recent_ranks": [1, 2]} for name in OWNED[rank]})  # fmt: skip
+    return compressor
+
+
+def _rank(rank: int, port: int, folder: str, queue) -> None:  # noqa: ANN001
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        saved = _with_state(rank)
+        dcp.save({"round": 3, "exchange": compressor_state_by_name(saved, OWNED[rank])}, checkpoint_id=folder)
+        loaded = {"round": 0, "exchange": template(OWNED[rank])}  # a fresh site's state_dict(): every owned key
+        dcp.load(loaded, checkpoint_id=folder)
+        fresh = TensorCompressor(CompressionConfig())
+        missing = restore_compressor_state(fresh, loaded["exchange"], OWNED[rank])
+        same = fresh.state.keys() == saved.state.keys() and all(
+            torch.equal(fresh.state[k].error, saved.state[k].error) and torch.equal(fresh.state[k].q, saved.state[k].q)
+            and fresh.state[k].rank == 2 and list(fresh.state[k].recent_ranks) == [1, 2] for k in saved.state)  # fmt: skip
+        queue.put((rank, loaded["round"], missing, same))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_residuals_round_trip_through_dcp_bit_for_bit(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path / "ck"), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results == [(0, 3, [], True), (1, 3, [], True)]
+
+
+def test_a_fresh_sites_state_dict_is_a_template_and_a_load_without_residuals_warns(capsys):
+    from dilocox import DiLoCoX
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Linear(6, 3))
+    site = DiLoCoX(model, servers="127.0.0.1:1", config=RunConfig(run_id="state-run"))  # nothing is contacted before start
+    try:
+        state = site.state_dict()
+        assert state["format"] == "dilocox-site-state/2" and sorted(state["exchange"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+        state["round"] = 4
+        state["exchange"] = template(state["exchange"])  # what a DCP load leaves where the checkpoint had nothing
+        site.load_state_dict(state)
+        out = capsys.readouterr().out
+        assert "site_state_residuals_missing" in out and "parameters=4" in out
+        with pytest.raises(ValueError, match="run 'another'"):
+            site.load_state_dict({**state, "run_id": "another"})
+    finally:
+        site.close()
