@@ -3,7 +3,8 @@
 Two real ranks on a gloo process group, each with its own view: the run is over for both when one rank's
 shard has published the final version (else one would enter the checkpoint's barrier and the other the
 reshard's all_to_all, and the site would hang); the end-of-run flush is skipped by both or neither; and a
-rank passing tokens that differ from the others' is refused, on every rank, by name.
+rank passing tokens that differ from the others' is refused, on every rank, by name. And a multi-process
+job that gives no mesh is refused by name before anything joins.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import types
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -69,3 +71,40 @@ def test_a_sites_ranks_decide_the_run_over_and_refuse_unequal_tokens_alike():
     assert [r[1] for r in results] == [True, True] and [r[2] for r in results] == [False, False]
     assert [r[3] for r in results] == [1, 1]  # each rank counts the round it could not deliver
     assert all("different tokens (1000 to 1001)" in r[4] for r in results), results
+
+
+def _without_mesh(rank: int, port: int, queue) -> None:  # noqa: ANN001
+    from dilocox import DiLoCoX
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # a DDP job's model
+        try:
+            DiLoCoX(model, servers="127.0.0.1:1")
+            queue.put((rank, ""))
+        except ValueError as error:
+            queue.put((rank, str(error)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_multi_process_job_without_a_mesh_is_refused_by_name(monkeypatch):
+    """Issue 44 (item 4): DDP (and accelerate, FSDP1, ZeRO) ranks would each join as the same site."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_without_mesh, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert all("one of 2 (torch.distributed is initialised) but no mesh was given" in why and "SiteMesh" in why
+               for _, why in results), results  # fmt: skip
+    from dilocox import DiLoCoX
+
+    monkeypatch.setenv("WORLD_SIZE", "4")  # launched by torchrun or accelerate, no process group yet
+    with pytest.raises(ValueError, match="WORLD_SIZE is set"):
+        DiLoCoX(torch.nn.Linear(4, 4), servers="127.0.0.1:1")

@@ -98,6 +98,20 @@ def tokenizer_identity(tokenizer: object) -> tuple[str, str]:
     return tokenizer_digest_of(definition), definition
 
 
+def _refuse_processes_without_mesh(cluster: str) -> None:
+    """A site of several processes must say how they split the model (a `SiteMesh`): without one every
+    process would join as the same site with the whole model it holds — a DDP, accelerate, FSDP1 or ZeRO
+    job's ranks would push the same slices several times, or flat-parameter views of them."""
+    initialised = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialised else int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        how = "torch.distributed is initialised" if initialised else "WORLD_SIZE is set, as torchrun and accelerate do"
+        raise ValueError(f"this process is one of {world} ({how}) but no mesh was given: each would join the run as site "
+                         f"{cluster!r} with the whole model it holds (DDP, accelerate, FSDP1 and ZeRO jobs look like this). "
+                         "Give every rank of the site the same SiteMesh (docs/api.md, 'Under torchrun'; FSDP2 and "
+                         "pipeline stages), or run one process per site")  # fmt: skip
+
+
 def _site_model_specs(mesh: SiteMesh, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...]]]:
     """The whole model's (name, full shape) over a site's pipeline stages, in stage order: each stage's
     own parameters (a DTensor's shape is the full one), gathered from every rank."""
@@ -181,6 +195,7 @@ class DiLoCoX:
     def _access_for(self, model: torch.nn.Module) -> ParameterAccess:
         named = list(model.named_parameters())
         if self.mesh is None:
+            _refuse_processes_without_mesh(self.cluster_name)
             if any(isinstance(p, DTensor) for _, p in named):
                 raise ValueError("the model is sharded (DTensor parameters): pass the site's mesh (dilocox.SiteMesh)")
             return LocalAccess(named)
