@@ -20,7 +20,7 @@ import torch
 
 from dilocox.common.config.run import RunConfig
 from dilocox.common.security import TlsFiles
-from dilocox.worker.data.corpus import evaluate
+from dilocox.worker.data.corpus import evaluate_run
 from dilocox.worker.data.token_data import TokenData
 from dilocox.worker.export import ExportError, from_servers
 from dilocox.worker.exchange.loss_watch import LossWatch
@@ -40,7 +40,6 @@ class GlobalEvalWatch:
                  on_eval: Callable[[int, float], None], tls: TlsFiles | None = None, token: str | None = None) -> None:  # fmt: skip
         self.addresses, self.config, self.data, self.last_version = addresses, config, data, last_version
         self.on_eval, self.tls, self.token = on_eval, tls, token
-        self.results: dict[int, float] = {}
         self.failed = False  # it stopped on an error: the sim's lines fall back to the sites' own evals
         self.watch = LossWatch()
         self._stop = threading.Event()
@@ -61,8 +60,8 @@ class GlobalEvalWatch:
     def evaluate(self, tensors: dict[str, torch.Tensor]) -> float:
         if self._model is None:
             self._model = build_model(self.config.model, self.data.vocab_size, self.config.seed)
-        self._model.load_state_dict(tensors, strict=False)
-        return evaluate(self._model, self.data.eval, self.config.model.block_size, self.config.inner.batch_size, self.config.eval_batches)
+        self._model.load_state_dict(tensors)  # every tensor of the model, or a clear error
+        return evaluate_run(self._model, self.config, self.data.eval)
 
     def _run(self) -> None:
         try:
@@ -87,7 +86,6 @@ class GlobalEvalWatch:
                 continue
             with torch.no_grad():
                 loss = self.evaluate(model.tensors)
-            self.results[model.version] = loss
             verdict = self.watch.observe(model.version, loss)
             if verdict:
                 log.warning("global_eval_spike", version=model.version, eval_loss=round(loss, 4) if math.isfinite(loss) else loss,

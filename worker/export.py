@@ -294,7 +294,7 @@ def write_export(model: GlobalModel, out: str | pathlib.Path, data: str | None =
 
 def evaluate_export(folder: str | pathlib.Path, data: str | None = None, text_field: str = "text") -> float:
     """The exported model's mean loss on the run's eval split (the windows a cluster evaluates on)."""
-    from dilocox.worker.data.corpus import evaluate
+    from dilocox.worker.data.corpus import evaluate_run
     from dilocox.worker.data.token_data import load_run_data
     from dilocox.worker.models.build import build_model
 
@@ -304,7 +304,7 @@ def evaluate_export(folder: str | pathlib.Path, data: str | None = None, text_fi
     shipped = folder / "tokenizer.json"  # the run's own (export never trains one)
     tokens = load_run_data(str(shipped) if shipped.is_file() else config.tokenizer, data, text_field)
     model = build_model(dataclasses.replace(config.model, weights=str(folder / "model.safetensors")), tokens.vocab_size, config.seed)
-    return evaluate(model, tokens.eval, config.model.block_size, config.inner.batch_size, config.eval_batches)
+    return evaluate_run(model, config, tokens.eval)
 
 
 # --------------------------------------------------------------------------- command

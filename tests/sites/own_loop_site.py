@@ -12,7 +12,7 @@ import argparse
 import torch
 
 from dilocox import DiLoCoX, load_run_config
-from dilocox.worker.data.corpus import BatchSampler, data_part, evaluate
+from dilocox.worker.data.corpus import BatchSampler, data_part, evaluate_run
 from dilocox.worker.data.token_data import load_run_data
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import lm_loss
@@ -39,7 +39,7 @@ sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_s
 step = 0
 
 dx = DiLoCoX(model, servers=args.servers, config=config, cluster=args.cluster, num_clusters=args.num_clusters, tokenizer="byte",
-             evaluate=lambda: evaluate(model, data.eval, config.model.block_size, config.inner.batch_size, config.eval_batches))
+             evaluate=lambda: evaluate_run(model, config, data.eval))
 if args.resume:
     saved = torch.load(args.resume, weights_only=False)
     model.load_state_dict(saved["model"]), optimizer.load_state_dict(saved["optim"]), sampler.load_state_dict(saved["sampler"])

@@ -259,3 +259,9 @@ def evaluate(
         return total / num_batches
     finally:
         model.train(was_training)
+
+
+def evaluate_run(model: nn.Module, config, eval_data: np.ndarray | torch.Tensor | TokenFile) -> float:  # noqa: ANN001 - RunConfig
+    """`evaluate` as a run evaluates: `config.eval_batches` batches of `config.inner.batch_size` windows of
+    `config.model.block_size` tokens (the sim's global eval, an export's --eval and a cluster's agree)."""
+    return evaluate(model, eval_data, config.model.block_size, config.inner.batch_size, config.eval_batches)

@@ -154,7 +154,8 @@ def steps_controller_for(inner, single_process: bool) -> StepsController | Round
     """How a site sets H each round: time-boxed where the run asks for it (`inner.round_time_s`), else
     adaptive H where asked and the site is one process (a pipeline's ranks keep H fixed), else fixed."""
     if inner.round_time_s > 0:
-        return RoundTimeBox(inner.steps, inner.round_time_s, inner.min_steps, max(inner.steps, inner.max_steps), single_process)
+        # whether it checks the clock after every step or at agreed points: set by the cluster from its access
+        return RoundTimeBox(inner.steps, inner.round_time_s, inner.min_steps, max(inner.steps, inner.max_steps))
     if single_process:
         return StepsController(inner.steps, max(inner.steps, inner.max_steps), enabled=inner.adaptive_steps)
     return None

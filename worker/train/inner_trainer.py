@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from dilocox.common.config.run import RunConfig
-from dilocox.worker.data.corpus import BatchSampler, check_split, data_part, evaluate
+from dilocox.worker.data.corpus import BatchSampler, check_split, data_part, evaluate_run
 from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import build_model
 from dilocox.worker.site.parallelize import checkpoint_blocks
@@ -118,5 +118,4 @@ class InnerTrainer:
 
     def evaluate(self) -> float:
         with self.compute.autocast():
-            return evaluate(self.model, self.eval_data, self.config.model.block_size, self.config.inner.batch_size,
-                            self.config.eval_batches)  # fmt: skip
+            return evaluate_run(self.model, self.config, self.eval_data)
