@@ -27,8 +27,6 @@ from dilocox.worker.exchange.loss_watch import LossWatch
 from dilocox.worker.models.build import build_model
 
 log = structlog.get_logger()
-# What a read of the shards' model says before there is one to evaluate, or while shards are a version apart.
-RETRY_ON = ("no model yet", "no published weights", "different versions", "after waiting")
 
 
 class GlobalEvalWatch:
@@ -78,7 +76,7 @@ class GlobalEvalWatch:
                 model = from_servers(self.addresses, self.config.run_id, self.tls, self.token, timeout=30, min_version=wanted,
                                      wait_seconds=1.0)  # fmt: skip
             except ExportError as error:  # no site joined yet, none published yet, shards a version apart: again
-                if any(reason in str(error) for reason in RETRY_ON):
+                if error.not_ready:
                     self._stop.wait(0.2)
                     continue
                 raise

@@ -46,7 +46,13 @@ EXPORT_FORMAT = "dilocox-export"
 
 
 class ExportError(ValueError):
-    """The global model cannot be assembled: a shard missing, a slice missing, mixed versions, …"""
+    """The global model cannot be assembled: a shard missing, a slice missing, mixed versions, …
+    `not_ready`: only not *yet* — nothing published, shards a version apart, a shard that has no model yet
+    or cannot be reached now — so a watcher may ask again (`sim/global_eval.py`)."""
+
+    def __init__(self, message: str, not_ready: bool = False) -> None:
+        super().__init__(message)
+        self.not_ready = not_ready
 
 
 @dataclass
@@ -79,11 +85,11 @@ def assemble(run_id: str, assignment: list[ParamSlice], parts: dict[int, tuple[i
     versions = {shard: version for shard, (version, _) in parts.items()}
     if len(set(versions.values())) != 1:
         listed = ", ".join(f"shard {s}: version {v}" for s, v in sorted(versions.items()))
-        raise ExportError(f"the shards hold different versions ({listed}): export when they agree (the run's last "
+        raise ExportError(not_ready=True, message=f"the shards hold different versions ({listed}): export when they agree (the run's last "
                           "round closed on all of them), or from checkpoints of one version")  # fmt: skip
     version = next(iter(versions.values()))
     if version < 0:
-        raise ExportError("the shards hold no published weights yet")
+        raise ExportError("the shards hold no published weights yet", not_ready=True)
     slices = {key: tensor for _, (_, held) in parts.items() for key, tensor in held.items()}
     tensors: dict[str, torch.Tensor] = {}
     for s in assignment:
@@ -135,7 +141,8 @@ def _rpc_error(address: str, error: grpc.RpcError) -> ExportError:
     details = error.details() if hasattr(error, "details") else str(error)
     if is_hostname_mismatch(details or ""):
         details = explain_hostname_mismatch(address)
-    return ExportError(f"shard at {address}: {code.name if code else 'error'}: {details}")
+    waiting = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)  # no model yet; down for now
+    return ExportError(f"shard at {address}: {code.name if code else 'error'}: {details}", not_ready=waiting)
 
 
 def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None, token: str | None = None,
