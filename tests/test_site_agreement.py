@@ -108,3 +108,17 @@ def test_a_multi_process_job_without_a_mesh_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")  # launched by torchrun or accelerate, no process group yet
     with pytest.raises(ValueError, match="WORLD_SIZE is set"):
         DiLoCoX(torch.nn.Linear(4, 4), servers="127.0.0.1:1")
+
+
+def test_the_sites_collective_timeout_outlasts_the_longest_legitimate_exchange_wait():
+    """Issue 44 (item 2): one rank may wait PULL_WAIT_S for a round's result plus --shard-wait-s for a shard
+    that is down; its peers wait for it in the next agreement (gloo, on the host) with this timeout. It was
+    --shard-wait-s + 600 = 2,400 s by default, shorter than the pull wait alone."""
+    from dilocox.worker.exchange.communicator import Communicator
+    from dilocox.worker.exchange.waits import PULL_WAIT_S, collective_timeout_for
+
+    assert collective_timeout_for(1800) == 6000 > PULL_WAIT_S + 1800 > 2400
+    assert all(collective_timeout_for(w) > PULL_WAIT_S + w for w in (0, 60, 1800, 7200))
+    assert Communicator.__init__.__defaults__[1] == PULL_WAIT_S  # the communicator waits what the model says
+    with pytest.raises(ValueError, match="waits must be positive"):
+        collective_timeout_for(-1)

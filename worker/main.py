@@ -129,9 +129,10 @@ def run(args: argparse.Namespace) -> int:
     mesh = None
     try:
         if parallel:
+            from dilocox.worker.exchange.waits import collective_timeout_for
             from dilocox.worker.site.mesh import SiteMesh
 
-            mesh = SiteMesh(config.parallel, collective_timeout_s=args.shard_wait_s + 600)
+            mesh = SiteMesh(config.parallel, collective_timeout_s=collective_timeout_for(args.shard_wait_s))
         data = load_run_data(config.tokenizer, args.data, args.text_field)
         if data.vocab_size != config.model.vocab_size:  # the tokenizer's vocabulary sizes the model: check again
             check_model_size(config.model, data.vocab_size, config.parallel, _local_processes(config.parallel),

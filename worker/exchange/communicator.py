@@ -20,6 +20,7 @@ import torch
 
 from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
+from dilocox.worker.exchange.waits import PULL_WAIT_S
 
 log = structlog.get_logger()
 
@@ -44,7 +45,7 @@ class RoundExchange:
 
 class Communicator:
     def __init__(
-        self, client: AggregatorClient, pull_names: tuple[str, ...] = (), pull_wait_s: float = 3600.0, repush_after_s: float = 30.0
+        self, client: AggregatorClient, pull_names: tuple[str, ...] = (), pull_wait_s: float = PULL_WAIT_S, repush_after_s: float = 30.0
     ) -> None:
         """`repush_after_s`: while waiting for the round's result, push again this often (idempotent):
         a shard restarted from a checkpoint has lost the open round's pushes and needs them again."""

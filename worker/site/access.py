@@ -3,7 +3,7 @@
 The rank owns a share of its stage's parameters (`reshard.owners_by_size`); reading gathers their rows
 from the stage's ranks into the rank's host buffer, writing scatters them back, both on the device over
 the stage's dp group. Decisions the whole site must take alike (which round, whether to rejoin) are one
-small all-reduce over the site, on the device as NCCL requires.
+small all-reduce over the site, on the host over the mesh's gloo agreement group.
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ class SiteAccess:
         self.resharder.scatter(self._local(), values)
 
     def _over_site(self, value: int, op: dist.ReduceOp) -> int:
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=op)
+        """On the mesh's gloo agreement group, on the host: a rank still in its exchange is waited for there,
+        with the site's long timeout, not in an NCCL collective (SiteMesh)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=op, group=self.mesh.agreement_group)
         return int(t.item())
 
     def agree_min(self, value: int) -> int:

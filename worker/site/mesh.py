@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dilocox.common.config.run import ParallelConfig
+from dilocox.worker.exchange.waits import collective_timeout_for
 from dilocox.worker.train.device import Compute, resolve_compute
 
 log = structlog.get_logger()
@@ -73,10 +74,15 @@ class SiteShape:
 class SiteMesh:
     """This rank's process groups and device; created once per worker process, before the model."""
 
-    def __init__(self, parallel: ParallelConfig, collective_timeout_s: float = 2400.0) -> None:
-        """`collective_timeout_s`: how long a rank waits in a collective for the others. It must outlast
-        a shard outage (`--shard-wait-s`): while one rank waits for a shard, its peers wait for it in the
-        next collective, and torch's default (10 min for NCCL) would end the site first."""
+    def __init__(self, parallel: ParallelConfig, collective_timeout_s: float | None = None) -> None:
+        """`collective_timeout_s`: how long a rank waits in a collective for the others (default
+        `collective_timeout_for` a 1,800 s shard wait: 6,000 s). It must outlast one rank's exchange: while
+        one rank waits for a shard, its peers wait for it in the next collective, and torch's default (10 min
+        for NCCL) would end the site first. The boundary's first collective after an exchange is always an
+        agreement, made on a gloo group of its own (`agreement_group`), so the peers wait on the host, not
+        in an NCCL collective under its watchdog."""
+        if collective_timeout_s is None:
+            collective_timeout_s = collective_timeout_for(1800.0)
         self.shape = SiteShape.of(parallel)
         world = int(os.environ["WORLD_SIZE"])
         if world != self.shape.world_size:
@@ -100,6 +106,10 @@ class SiteMesh:
         self.shard_group = self.mesh.get_group("dp_shard")  # the ranks that together hold one copy of the stage
         self.stage_group = self._stage_group(timeout)  # all dp ranks of this stage, group rank = replica
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+        # The site's decisions (which round, rejoin, run over, tokens): small integers, on the host. Not the
+        # checkpoint's group, which DCP's background writes use at the same time.
+        self.agreement_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.collective_timeout_s = collective_timeout_s
         structlog.contextvars.bind_contextvars(rank=self.rank, stage=self.stage, replica=self.replica)
         log.info("rank_ready", backend=self.compute.backend, world=world, pp=self.shape.pp, dp=self.shape.dp,
                  dp_replicate=self.shape.dp_replicate, device=str(self.device), precision=self.compute.precision)  # fmt: skip
