@@ -50,12 +50,10 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 def pipeline_reshard_of(config: RunConfig, vocab_size: int, mesh: SiteMesh) -> str:
     """This site's `--pipeline-reshard`, `auto` resolved by the memory plan against this GPU's memory
     (the same on every rank: same plan, same GPUs); "step" on the CPU."""
-    if config.parallel.pipeline_reshard != "auto" or mesh.shape.pp == 1 or mesh.shape.dp == 1 or not mesh.compute.is_cuda:
-        return "step" if config.parallel.pipeline_reshard == "auto" else config.parallel.pipeline_reshard
-    from dilocox.worker.site.memory_plan import planned_precision, resolve_pipeline_reshard
+    from dilocox.worker.site.memory_plan import planned_precision, resolve_pipeline_reshard  # one rule, the plan's
 
-    gpu = torch.cuda.get_device_properties(mesh.device).total_memory
-    planned = planned_precision(config, on_gpu=True)
+    gpu = torch.cuda.get_device_properties(mesh.device).total_memory if mesh.compute.is_cuda else None
+    planned = planned_precision(config, on_gpu=gpu is not None)
     return resolve_pipeline_reshard(planned, vocab_size, gpu).parallel.pipeline_reshard
 
 
