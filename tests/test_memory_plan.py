@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, RunConfig
 from dilocox.worker.site.memory_plan import GB, model_shape, plan_memory
@@ -140,3 +141,22 @@ def test_the_reshard_buffers_are_bounded_by_the_batch_limit_whatever_the_largest
         plan = plan_memory(config, 32000, batch_elements=limit)
         assert max(r.device["reshard"] for r in plan.ranks) <= 2 * 4 * limit
         assert max(math.prod(s) for _, s in model_shape(config, 32000).stages[0]) > 60 * limit
+
+
+def test_the_api_refuses_a_rank_whose_exchange_does_not_fit_the_host(monkeypatch):
+    """Issue 43: the public API's size guard is the plan's — EXCHANGE_BYTES_PER_PARAM per exchanged
+    parameter against the host's available memory — checked before the site joins."""
+    from dilocox import DiLoCoX
+    from dilocox.worker.models.spec import ModelSpecError
+    from dilocox.worker.site import size_guard
+    from dilocox.worker.site.memory_plan import EXCHANGE_BYTES_PER_PARAM
+
+    assert size_guard.check_exchange_host(1000, host_bytes=10**9) == EXCHANGE_BYTES_PER_PARAM * 1000 == 16_000
+    with pytest.raises(ModelSpecError, match=r"exchanges 1.0B parameters: .* need about 16.0 GB \(16 B each\) × 2 process"):
+        size_guard.check_exchange_host(10**9, local_processes=2, host_bytes=20 * 10**9)
+    model = torch.nn.Linear(100, 100)  # 10,100 parameters: 161,600 bytes to exchange
+    monkeypatch.setattr(size_guard, "available_host_bytes", lambda: 100_000)
+    with pytest.raises(ModelSpecError, match="this rank exchanges"):
+        DiLoCoX(model, servers="127.0.0.1:1")
+    monkeypatch.setattr(size_guard, "available_host_bytes", lambda: 200_000)
+    DiLoCoX(model, servers="127.0.0.1:1").close()

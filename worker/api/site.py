@@ -22,6 +22,7 @@ stages, under torchrun) passes its `SiteMesh`, and each rank exchanges the param
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -174,6 +175,10 @@ class DiLoCoX:
                 raise ValueError("model: give the module this site trains")
             trainer: object = _UserLoop(evaluate)
             access = self._access_for(model)
+            from dilocox.worker.site.size_guard import check_exchange_host  # the plan's bytes per exchanged parameter
+
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) if mesh is not None else 1
+            check_exchange_host(sum(math.prod(shape) for shape in access.shapes.values()), local)
         else:
             trainer, access = builtin.trainer, builtin.access
         self.access = access

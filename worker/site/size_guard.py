@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, RunConfig
 from dilocox.worker.models.bounds import MAX_PARAMS, available_host_bytes, check_fields, count_text, estimate_params, gb_text
 from dilocox.worker.models.spec import ModelSpecError, resolve_model
-from dilocox.worker.site.memory_plan import plan_memory, planned_precision
+from dilocox.worker.site.memory_plan import EXCHANGE_BYTES_PER_PARAM, plan_memory, planned_precision
 
 
 @dataclass(frozen=True)
@@ -67,3 +67,19 @@ def check_model_size(config: ModelConfig, vocab: int, parallel: ParallelConfig, 
             f"{gb_text(device_bytes)}: raise --pp or the FSDP shards (`dilocox plan --gpus N` lists the layouts that fit)"
         )  # fmt: skip
     return size
+
+
+def check_exchange_host(owned_params: int, local_processes: int = 1, host_bytes: int | None = None) -> int:
+    """The public API's guard (its model is the caller's, built already): refuse, with one line, a rank
+    whose exchange would not fit this machine's host memory — `EXCHANGE_BYTES_PER_PARAM` per parameter it
+    exchanges, the memory plan's figure — before it joins the run. Returns the bytes planned per process."""
+    need = EXCHANGE_BYTES_PER_PARAM * owned_params
+    host = available_host_bytes() if host_bytes is None else host_bytes
+    if host is not None and local_processes * need > host:
+        raise ModelSpecError(
+            f"this rank exchanges {count_text(owned_params)} parameters: its host buffers, replica and momentum need about "
+            f"{gb_text(need)} ({EXCHANGE_BYTES_PER_PARAM} B each) × {local_processes} process(es) on this node, and "
+            f"{gb_text(host)} is available; spread the model over more ranks (a SiteMesh with a larger dp or pp) "
+            "or more nodes (`dilocox plan` itemises a layout)"
+        )  # fmt: skip
+    return need
