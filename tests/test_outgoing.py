@@ -10,12 +10,9 @@ every owned row once, with the values the whole-buffer gather gives.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
@@ -26,7 +23,7 @@ from dilocox.worker.exchange.host_buffers import HostBuffers
 from dilocox.worker.exchange.outgoing import NextStart, OutgoingFold
 from dilocox.worker.site.mesh import SiteShape
 from dilocox.worker.site.reshard import Resharder, StageResharder
-from tests.ports import free_port
+from tests.gloo_ranks import on_gloo_ranks
 
 SHAPES = {"w": (9, 6), "b": (7,), "s": (), "u": (40, 130)}  # "u": low rank; cut into two slices
 
@@ -155,50 +152,35 @@ def _full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float32) + 1000 * (sum(map(ord, name)) % 7)).reshape(shape)
 
 
-def _gather_rows_rank(rank: int, world: int, port: int, replicate: int, queue) -> None:  # noqa: ANN001
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        shapes = {"big": (50, 8), "mid": (13, 5), "bias": (9,), "scalar": ()}
-        shape = SiteShape(1, world, replicate)
-        plan = StageResharder(shapes, shape, rank, sharded=True, batch_elements=120)
-        resharder = Resharder(plan, None, torch.device("cpu"))
-        local = {}
-        for name, full in ((n, _full(n, s)) for n, s in shapes.items()):
-            a, b = plan.rows_of(name, rank)
-            local[name] = full.reshape(-1, *full.shape[1:])[a:b] if full.dim() else full
-        whole = {n: torch.zeros(shapes[n]) for n in plan.owned}
-        resharder.gather(local, whole)
-        landed = {n: torch.zeros(shapes[n]).reshape(-1) for n in plan.owned}
-        counts = {n: torch.zeros(shapes[n][0] if shapes[n] else 1) for n in plan.owned}
+def _gather_rows_rank(rank: int, world: int, replicate: int) -> tuple:
+    shapes = {"big": (50, 8), "mid": (13, 5), "bias": (9,), "scalar": ()}
+    shape = SiteShape(1, world, replicate)
+    plan = StageResharder(shapes, shape, rank, sharded=True, batch_elements=120)
+    resharder = Resharder(plan, None, torch.device("cpu"))
+    local = {}
+    for name, full in ((n, _full(n, s)) for n, s in shapes.items()):
+        a, b = plan.rows_of(name, rank)
+        local[name] = full.reshape(-1, *full.shape[1:])[a:b] if full.dim() else full
+    whole = {n: torch.zeros(shapes[n]) for n in plan.owned}
+    resharder.gather(local, whole)
+    landed = {n: torch.zeros(shapes[n]).reshape(-1) for n in plan.owned}
+    counts = {n: torch.zeros(shapes[n][0] if shapes[n] else 1) for n in plan.owned}
 
-        def land(name: str, first: int, last: int, rows: torch.Tensor) -> None:
-            width = plan.row_numel[name]
-            landed[name][first * width : last * width] += rows
-            counts[name][first:last] += 1
+    def land(name: str, first: int, last: int, rows: torch.Tensor) -> None:
+        width = plan.row_numel[name]
+        landed[name][first * width : last * width] += rows
+        counts[name][first:last] += 1
 
-        resharder.gather_rows(local, land)
-        ok = all(torch.equal(landed[n].reshape(shapes[n]), whole[n]) and torch.equal(whole[n], _full(n, shapes[n])) for n in plan.owned)
-        once = all(bool((c == 1).all()) for c in counts.values())
-        largest = resharder._host.numel()
-        queue.put((rank, ok, once, largest, sorted(plan.owned)))
-    finally:
-        dist.destroy_process_group()
+    resharder.gather_rows(local, land)
+    ok = all(torch.equal(landed[n].reshape(shapes[n]), whole[n]) and torch.equal(whole[n], _full(n, shapes[n])) for n in plan.owned)
+    once = all(bool((c == 1).all()) for c in counts.values())
+    largest = resharder._host.numel()
+    return rank, ok, once, largest, sorted(plan.owned)
 
 
 @pytest.mark.parametrize("replicate", [1, 2])
 def test_a_sites_gather_lands_every_owned_row_once_through_one_batch_buffer(replicate):
-    world = 4
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_gather_rows_rank, args=(r, world, port, replicate, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = on_gloo_ranks(_gather_rows_rank, 4, 4, replicate)
     assert all(ok and once for _, ok, once, _, _ in results), results
     assert sorted(n for *_, owned in results for n in owned) == ["bias", "big", "mid", "scalar"]
     assert all(largest <= 120 for _, _, _, largest, _ in results)  # the landing buffer: one batch at most

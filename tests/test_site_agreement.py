@@ -9,17 +9,15 @@ job that gives no mesh is refused by name before anything joins.
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dilocox.worker.exchange.aggregator_client import Traffic
 from dilocox.worker.exchange.cluster import DilocoCluster
-from tests.ports import free_port
+from tests.gloo_ranks import on_gloo_ranks
 
 
 class GlooAgreement:
@@ -37,72 +35,44 @@ class GlooAgreement:
         return bool(self._over_site(int(flag), dist.ReduceOp.MAX))
 
 
-def _rank(rank: int, port: int, queue) -> None:  # noqa: ANN001
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _rank(rank: int) -> tuple:
+    site = types.SimpleNamespace(access=GlooAgreement(), final_version=5,
+                                 client=types.SimpleNamespace(cluster="c", traffic=Traffic()))  # fmt: skip
+    # Rank 1's shard published the final version 5; rank 0's still answers 4.
+    over = DilocoCluster._run_over_without(site, 5, 1000, 5 if rank == 1 else 4)
+    not_over = DilocoCluster._run_over_without(site, 4, 1000, 3 if rank == 1 else 4)
+    refused = ""
     try:
-        site = types.SimpleNamespace(access=GlooAgreement(), final_version=5,
-                                     client=types.SimpleNamespace(cluster="c", traffic=Traffic()))  # fmt: skip
-        # Rank 1's shard published the final version 5; rank 0's still answers 4.
-        over = DilocoCluster._run_over_without(site, 5, 1000, 5 if rank == 1 else 4)
-        not_over = DilocoCluster._run_over_without(site, 4, 1000, 3 if rank == 1 else 4)
-        refused = ""
-        try:
-            DilocoCluster._check_tokens_agree(site, 3, 1000 + rank)  # rank 1 passes its own share
-        except ValueError as error:
-            refused = str(error)
-        DilocoCluster._check_tokens_agree(site, 3, 2000)  # the same number on both: taken
-        queue.put((rank, over, not_over, site.client.traffic.dropped_rounds, refused))
-    finally:
-        dist.destroy_process_group()
+        DilocoCluster._check_tokens_agree(site, 3, 1000 + rank)  # rank 1 passes its own share
+    except ValueError as error:
+        refused = str(error)
+    DilocoCluster._check_tokens_agree(site, 3, 2000)  # the same number on both: taken
+    return rank, over, not_over, site.client.traffic.dropped_rounds, refused
 
 
 def test_a_sites_ranks_decide_the_run_over_and_refuse_unequal_tokens_alike():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = on_gloo_ranks(_rank, 2)
     assert [r[1] for r in results] == [True, True] and [r[2] for r in results] == [False, False]
     assert [r[3] for r in results] == [1, 1]  # each rank counts the round it could not deliver
     assert all("different tokens (1000 to 1001)" in r[4] for r in results), results
 
 
-def _without_mesh(rank: int, port: int, queue) -> None:  # noqa: ANN001
+def _without_mesh(rank: int) -> str:
     from dilocox import DiLoCoX
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # a DDP job's model
     try:
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # a DDP job's model
-        try:
-            DiLoCoX(model, servers="127.0.0.1:1")
-            queue.put((rank, ""))
-        except ValueError as error:
-            queue.put((rank, str(error)))
-    finally:
-        dist.destroy_process_group()
+        DiLoCoX(model, servers="127.0.0.1:1")
+        return ""
+    except ValueError as error:
+        return str(error)
 
 
 def test_a_multi_process_job_without_a_mesh_is_refused_by_name(monkeypatch):
     """Issue 44 (item 4): DDP (and accelerate, FSDP1, ZeRO) ranks would each join as the same site."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_without_mesh, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = on_gloo_ranks(_without_mesh, 2)
     assert all("one of 2 (torch.distributed is initialised) but no mesh was given" in why and "SiteMesh" in why
-               for _, why in results), results  # fmt: skip
+               for why in results), results  # fmt: skip
     from dilocox import DiLoCoX
 
     monkeypatch.setenv("WORLD_SIZE", "4")  # launched by torchrun or accelerate, no process group yet

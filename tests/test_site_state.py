@@ -9,19 +9,16 @@ feedback keeps them warns by name.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from dilocox.common.config.run import RunConfig
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.packed_state import compressor_state_by_name, restore_compressor_state, template
-from tests.ports import free_port
+from tests.gloo_ranks import on_gloo_ranks
 
 OWNED = {0: ["stage0.w", "stage0.b"], 1: ["stage1.w"]}  # what each rank of a site exchanges
 
@@ -34,35 +31,21 @@ def _with_state(rank: int) -> TensorCompressor:
     return compressor
 
 
-def _rank(rank: int, port: int, folder: str, queue) -> None:  # noqa: ANN001
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        saved = _with_state(rank)
-        dcp.save({"round": 3, "exchange": compressor_state_by_name(saved, OWNED[rank])}, checkpoint_id=folder)
-        loaded = {"round": 0, "exchange": template(OWNED[rank])}  # a fresh site's state_dict(): every owned key
-        dcp.load(loaded, checkpoint_id=folder)
-        fresh = TensorCompressor(CompressionConfig())
-        missing = restore_compressor_state(fresh, loaded["exchange"], OWNED[rank])
-        same = fresh.state.keys() == saved.state.keys() and all(
-            torch.equal(fresh.state[k].error, saved.state[k].error) and torch.equal(fresh.state[k].q, saved.state[k].q)
-            and fresh.state[k].rank == 2 and list(fresh.state[k].recent_ranks) == [1, 2] for k in saved.state)  # fmt: skip
-        queue.put((rank, loaded["round"], missing, same))
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, folder: str) -> tuple:
+    saved = _with_state(rank)
+    dcp.save({"round": 3, "exchange": compressor_state_by_name(saved, OWNED[rank])}, checkpoint_id=folder)
+    loaded = {"round": 0, "exchange": template(OWNED[rank])}  # a fresh site's state_dict(): every owned key
+    dcp.load(loaded, checkpoint_id=folder)
+    fresh = TensorCompressor(CompressionConfig())
+    missing = restore_compressor_state(fresh, loaded["exchange"], OWNED[rank])
+    same = fresh.state.keys() == saved.state.keys() and all(
+        torch.equal(fresh.state[k].error, saved.state[k].error) and torch.equal(fresh.state[k].q, saved.state[k].q)
+        and fresh.state[k].rank == 2 and list(fresh.state[k].recent_ranks) == [1, 2] for k in saved.state)  # fmt: skip
+    return rank, loaded["round"], missing, same
 
 
 def test_two_ranks_residuals_round_trip_through_dcp_bit_for_bit(tmp_path):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path / "ck"), queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = on_gloo_ranks(_rank, 2, str(tmp_path / "ck"))
     assert results == [(0, 3, [], True), (1, 3, [], True)]
 
 
