@@ -19,7 +19,7 @@ from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, CheckpointE
 from dilocox.server import checkpoint, resume
 from dilocox.server.grpc_server import start_server
 from dilocox.server.grace import GraceWindow
-from dilocox.server.shard import Shard
+from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 
 log = structlog.get_logger()
 # How often the main thread looks for a SIGTERM/SIGINT its handler noted (the stop is this much later at most).
@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--grace-min-s", type=float, default=0.0,
                         help="with --grace-s: the shortest grace window the adaptation may choose (default 0)")
+    parser.add_argument(
+        "--keep-rounds", type=int, default=DEFAULT_KEEP_ROUNDS,
+        help="keep the contributions of this many newest versions, so a site that comes back up to that many "
+        "versions behind (a restart from its checkpoint) pulls those rounds instead of the weights and momentum in "
+        f"full; costs their compressed bytes in memory (default {DEFAULT_KEEP_ROUNDS}; 1 = the newest only)",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="write shard-<index>.pt here (atomically)")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every k published versions (default 1)")
     parser.add_argument("--keep-serving", action="store_true",
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             expect_clusters=args.expect_clusters,
             round_deadline_s=args.round_deadline_s or None,
             grace=GraceWindow(args.grace_min_s, args.grace_s) if args.grace_s > 0 else None,
+            keep_rounds=args.keep_rounds,
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None

@@ -46,6 +46,8 @@ class _ShardStateCollector(Collector):
         yield CounterMetricFamily("dilocox_bytes_sent", "Bytes of pulls sent (gRPC message bytes)", value=status["bytes_out"])
         yield CounterMetricFamily("dilocox_dropped_bytes", "Payload bytes of partial contributions a deadline discarded "
                                   "(their clusters deliver them the next round)", value=self.shard.dropped_bytes)  # fmt: skip
+        yield GaugeMetricFamily("dilocox_kept_round_bytes", "Payload bytes of the newest versions' contributions kept "
+                                "for sites that come back behind (--keep-rounds)", value=self.shard.recent.bytes_kept(self.shard.snapshot))  # fmt: skip
         yield from _site_families(status["sites"])
         yield GaugeMetricFamily(
             "dilocox_last_round_close_timestamp_seconds", "Unix time the last round closed (0: none since start)",

@@ -135,8 +135,8 @@ class AggregatorServicer:
             index, wire = self.shard.slice_map.index, self.wire
             weights = (EncodedSlice.exact(key, snapshot.tensors[key]) for key in keys)
             chunks = frame_slices(weights, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version)
-        elif self._forward_contributions(snapshot, keys, request):
-            chunks = self._contribution_chunks(snapshot, keys, request.cluster, request.check_replay, request.replay_digest)
+        elif (rounds := self._rounds_to_forward(snapshot, keys, request)) is not None:
+            chunks = self._contribution_chunks(snapshot, keys, rounds, request)
         else:
             chunks = self._full_chunks(snapshot, keys)
         sent = 0
@@ -147,43 +147,60 @@ class AggregatorServicer:
         if not request.observer:  # this much of this version is now at the cluster
             self.shard.note_pulled(request.cluster, snapshot.version, names)
 
-    def _forward_contributions(self, snapshot: Snapshot, keys: list, request: pb.PullRequest) -> bool:
-        """Send the round's contributions (the cluster replays the step) when it holds the previous
-        version and they are smaller than the weights plus momentum it would need otherwise."""
-        if snapshot.version == 0 or request.have_version != snapshot.version - 1:
-            return False
-        if not any(snapshot.contributions.get(k) for k in keys):
-            return False  # nothing to replay from (e.g. restored without them): send the weights
+    def _rounds_to_forward(self, snapshot: Snapshot, keys: list, request: pb.PullRequest) -> list[tuple[int, dict]] | None:
+        """The rounds to send instead of the weights (the cluster replays the steps), or None for a full
+        pull: every version after the one the cluster holds, when this shard still keeps them all
+        (server/recent_rounds.py), each has contributions to replay, and together they are smaller than the
+        weights plus momentum. A cluster at the version already gets no round at all (a restart that
+        missed nothing: its checkpoint's replica is checked by the state digest alone)."""
+        if request.have_version == snapshot.version and snapshot.version > 0:
+            return []
+        rounds = self.shard.recent.since(request.have_version, snapshot)
+        if not rounds or not all(any(contributions.get(k) for k in keys) for _, contributions in rounds):
+            return None  # e.g. a version restored without its contributions: send the weights
+        summarised = self._own_summarised(snapshot, request)
         forwarded = sum(
-            len(c.slice.payload) for k in keys for c in snapshot.contributions.get(k, {}).values() if c.cluster != request.cluster
-        )
+            len(c.slice.payload)
+            for version, contributions in rounds for k in keys for c in contributions.get(k, {}).values()
+            if not (version in summarised and c.cluster == request.cluster)
+        )  # fmt: skip
         full = sum(4 * snapshot.tensors[k].numel() * (2 if k in snapshot.momentum else 1) for k in keys)
-        return forwarded <= full
+        return rounds if forwarded <= full else None
 
-    def _contribution_chunks(self, snapshot: Snapshot, keys: list, requester: str, check: bool,
-                             digest: str = "") -> Iterator[pb.TensorChunk]:  # fmt: skip
-        """The other clusters' payloads, cluster by cluster (small slices bundled: a cluster's weight is
-        the same on all its slices); the requester's own slices (it holds their bytes) as one nameless
-        summary chunk: their combined digest and count; and, if asked (`check`), the state digest of
-        `keys` last (each slice hashed by `digest`), for the cluster to check its replay against."""
-        wire, index = self.wire, self.shard.slice_map.index
-        by_cluster: dict[str, list] = {}
-        for key in keys:
-            for cluster, contribution in snapshot.contributions.get(key, {}).items():
-                by_cluster.setdefault(cluster, []).append(contribution)
-        mine = by_cluster.pop(requester, [])
-        own = {c.slice.key: c.slice.sha256 for c in mine}
-        for cluster, contributions in sorted(by_cluster.items()):
-            weight = contributions[0].weight
-            yield from frame_slices((c.slice for c in contributions), index, wire.chunk_bytes, wire.zstd_level,
-                                    version=snapshot.version, is_delta=True, base_version=snapshot.version - 1,
-                                    contributor=cluster, weight=weight)  # fmt: skip
-        if own:
-            yield pb.TensorChunk(version=snapshot.version, is_delta=True, base_version=snapshot.version - 1,
-                                 contributor=requester, weight=mine[0].weight, own=True, own_slices=len(own),
-                                 payload_sha256=own_contribution_digest(own))  # fmt: skip
-        if check:
-            yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=self.shard.state_digest(snapshot, keys, digest))
+    @staticmethod
+    def _own_summarised(snapshot: Snapshot, request: pb.PullRequest) -> set[int]:
+        """The versions whose requester's part goes as a digest summary: the newest, to a cluster one version
+        behind that kept its pushed payloads."""
+        one_behind = request.have_version == snapshot.version - 1
+        return {snapshot.version} if one_behind and not request.no_own_copies else set()
+
+    def _contribution_chunks(self, snapshot: Snapshot, keys: list, rounds: list[tuple[int, dict]],
+                             request: pb.PullRequest) -> Iterator[pb.TensorChunk]:  # fmt: skip
+        """Round by round, oldest first, the contributions cluster by cluster (small slices bundled: a
+        cluster's weight is the same on all its slices); where the requester holds its own slices' bytes
+        (`_own_summarised`), its part as one nameless summary chunk: their combined digest and count; and,
+        if asked (`check_replay`), the state digest of `keys` last (each slice hashed by
+        `replay_digest`), for the cluster to check its replay against."""
+        wire, index, requester = self.wire, self.shard.slice_map.index, request.cluster
+        summarised = self._own_summarised(snapshot, request)
+        for version, contributions_of in rounds:
+            by_cluster: dict[str, list] = {}
+            for key in keys:
+                for cluster, contribution in contributions_of.get(key, {}).items():
+                    by_cluster.setdefault(cluster, []).append(contribution)
+            mine = by_cluster.pop(requester, []) if version in summarised else []
+            for cluster, contributions in sorted(by_cluster.items()):
+                yield from frame_slices((c.slice for c in contributions), index, wire.chunk_bytes, wire.zstd_level,
+                                        version=version, is_delta=True, base_version=version - 1,
+                                        contributor=cluster, weight=contributions[0].weight)  # fmt: skip
+            if mine:
+                own = {c.slice.key: c.slice.sha256 for c in mine}
+                yield pb.TensorChunk(version=version, is_delta=True, base_version=version - 1,
+                                     contributor=requester, weight=mine[0].weight, own=True, own_slices=len(own),
+                                     payload_sha256=own_contribution_digest(own))  # fmt: skip
+        if request.check_replay:
+            digest = self.shard.state_digest(snapshot, keys, request.replay_digest)
+            yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=digest)
 
     def _full_chunks(self, snapshot: Snapshot, keys: list) -> Iterator[pb.TensorChunk]:
         """The weights, then the outer momentum, of `keys` (small slices bundled)."""

@@ -42,12 +42,15 @@ from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.replica_digest import combined_digest, slice_digest
 from dilocox.server.grace import GraceWindow
 from dilocox.server.round_close import SiteRecord
+from dilocox.server.recent_rounds import RecentRounds
 from dilocox.server.round_state import RoundAccumulator
 from dilocox.server.run_record import admit_tokenizer, extended_run_config
 from dilocox.server.shard_close import RoundClosing
 from dilocox.server.shard_records import JoinResult, PushResult, RoundStats, SealedRound, Snapshot
 
 log = structlog.get_logger("dilocox.shard")
+# Versions whose contributions a shard keeps for sites that come back behind (a restart): `--keep-rounds`.
+DEFAULT_KEEP_ROUNDS = 4
 
 
 class Shard(RoundClosing):
@@ -62,13 +65,17 @@ class Shard(RoundClosing):
         round_deadline_s: float | None = None,
         grace: GraceWindow | None = None,
         expect_clusters: int | None = None,
+        keep_rounds: int = DEFAULT_KEEP_ROUNDS,
     ) -> None:
         """`round_deadline_s`: once a round's first contribution is in, close it after this long with the
         clusters that completed (at least `min_clusters`); the others are marked inactive.
         `grace`: close on a quorum instead — `min_clusters` complete, then the grace window — keeping
         late members (server/round_close.py); the deadline then only marks silent members gone.
         `expect_clusters` (default `min_clusters`): the run's first round does not close before this many
-        clusters have joined (`round_close.first_round_waits`)."""
+        clusters have joined (`round_close.first_round_waits`).
+        `keep_rounds`: the contributions of this many of the newest versions are kept, so a site up to that
+        many versions behind (a restart from its checkpoint, a late site) replays them instead of pulling the
+        weights and momentum in full (issue 44); they cost their compressed bytes in memory."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
         if min_clusters < 1:
@@ -102,6 +109,7 @@ class Shard(RoundClosing):
         self.initialiser: str | None = None
         self._init_staging: dict[SliceKey, torch.Tensor] = {}
         self.snapshot: Snapshot | None = None
+        self.recent = RecentRounds(keep_rounds)  # the contributions of the versions before `snapshot`
         self.accumulator: RoundAccumulator | None = None
         self._round_closing: SealedRound | None = None  # a round sealed and being stepped outside the lock
         self.bytes_in = 0
@@ -294,6 +302,7 @@ class Shard(RoundClosing):
         return self.accumulator
 
     def _publish(self, snapshot: Snapshot) -> None:
+        self.recent.published(self.snapshot, snapshot)
         self.snapshot = snapshot
         if self.on_publish is not None:
             self.on_publish(snapshot)

@@ -9,7 +9,7 @@ import pytest
 from dilocox.common.config.run import WireConfig
 from dilocox.server.grace import GraceWindow
 from dilocox.server.grpc_server import start_server
-from dilocox.server.shard import Shard
+from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 
 
 class ShardSet:
@@ -17,10 +17,11 @@ class ShardSet:
 
     def __init__(self, num_shards: int, run_id: str, min_clusters: int = 1, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  wire: WireConfig | None = None, round_deadline_s: float | None = None,
-                 added_latency_s: float = 0.0, grace_s: tuple[float, float] | None = None) -> None:  # fmt: skip
+                 added_latency_s: float = 0.0, grace_s: tuple[float, float] | None = None,
+                 keep_rounds: int = DEFAULT_KEEP_ROUNDS) -> None:  # fmt: skip
         """`grace_s`: (min, max) of a quorum + grace window (server/grace.py), one window per shard."""
         self.shards = [Shard(i, num_shards, run_id, outer_lr, outer_momentum, min_clusters, round_deadline_s,
-                             GraceWindow(*grace_s) if grace_s else None) for i in range(num_shards)]  # fmt: skip
+                             GraceWindow(*grace_s) if grace_s else None, keep_rounds=keep_rounds) for i in range(num_shards)]  # fmt: skip
         self.servers = []
         self.addresses = []
         for shard in self.shards:

@@ -205,6 +205,12 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
     assert shard.version == rounds + 1  # the rounds, then the end-of-run flush of the residuals
     events = {e["event"]: e for e in map(json.loads, filter(lambda line: line.startswith("{"), second_log.splitlines()))}
     restored, joined_at = events["worker_checkpoint_restored"]["round"], events["cluster_started"]["version"]
+    # Issue 44: the checkpoint held the replica, so the resume pulled only the rounds since it, checked by
+    # the shard's state digest (a mismatch would have been a full pull, said as such).
+    resumed = events["replica_resumed"]
+    assert resumed["how"] == "delta" and resumed["reason"] == "", resumed
+    assert 1 <= resumed["rounds_replayed"] <= 3 and resumed["bytes_down"] < resumed["full_pull_bytes"] / 4, resumed
+    assert "replay_mismatch" not in events and "replica_resync" not in events
     # A SIGTERM can land after the round's push reached the shard but before the worker recorded it: the
     # shard then holds that round (it is not trained again) while the checkpoint does not count it.
     assert joined_at - restored in (0, 1), (restored, joined_at)
@@ -261,6 +267,11 @@ def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
     assert len(set(started.values())) == 1  # the ranks agree on the round to go on from
     resumed_from, joined_at = restored[0], started[0]
     assert 1 <= resumed_from <= joined_at <= killed_at + 1
+    # Issue 44: every rank's replica came back with the checkpoint; each pulled only the rounds since
+    replicas = {e["rank"]: e for e in events if e["event"] == "replica_resumed"}
+    assert sorted(replicas) == [0, 1, 2, 3], replicas
+    assert all(e["how"] == "delta" and e["bytes_down"] < e["full_pull_bytes"] / 2 for e in replicas.values()), replicas
+    assert not [e for e in events if e["event"] in ("replay_mismatch", "replica_resync")]
     final = read_progress(tmp_path / "site" / f"round-{rounds:06d}")
     assert final["committed"] and sorted(final["data"]) == ["replica0", "replica1"]
     assert final["step"] == (resumed_from + rounds - joined_at) * h  # no inner step of a committed round repeated

@@ -73,20 +73,23 @@ def test_replicas_stay_bit_identical_and_joiners_resync(shard_set):
             assert c.pull(5, wait_seconds=10)[0] == 5
             assert_replica_equals_shards(c, shards)
 
-        # A cluster that lost the bytes of its own contribution cannot replay: it resyncs in full.
+        # A cluster that lost the bytes of its own contribution still replays: it gets them back.
         for i, c in enumerate((a, b, joiner)):
             c.push(6, 50.0, slice_tensors(c.assignment, low_rank_delta(200 + i)))
-        a._own.clear()
-        assert a.pull(6, wait_seconds=10)[0] == 6
+        a._own.clear()  # (issue 44: it says so, and the shards send its part like the others')
+        version, _, received = a.pull(6, wait_seconds=10)
+        assert version == 6 and received < dense / 4 and a.pull_kinds == {0: ("rounds", 1, ""), 1: ("rounds", 1, "")}
         assert_replica_equals_shards(a, shards)
+        assert b.pull(6, wait_seconds=10)[0] == 6
 
-        # ... and so does one whose copy differs from what the shard applied (the summary's digest).
+        # One whose copy differs from what the shard applied (the summary's digest) resyncs in full.
         for i, c in enumerate((a, b, joiner)):
             c.push(7, 50.0, slice_tensors(c.assignment, low_rank_delta(300 + i)))
         key, item = next(iter(b._own.items()))
         b._own[key] = EncodedSlice(key, item.codec, item.dtype, item.shape, item.payload + b"x")
         version, _, received = b.pull(7, wait_seconds=10)
-        assert version == 7 and received > dense
+        shard_of_key = next(s.shard for s in b.assignment if s.key == key)  # the other shard's part still replays
+        assert version == 7 and b.pull_kinds[shard_of_key][0] == "full" and b.pull_kinds[1 - shard_of_key][0] == "rounds"
         assert_replica_equals_shards(b, shards)
     finally:
         for c in (a, b, joiner):
@@ -135,3 +138,71 @@ def test_default_model_traffic_is_fifty_times_below_dense_fp32():
         for key, tensor in shard.snapshot.tensors.items():
             for cluster in result.clusters:
                 assert torch.equal(cluster.client.held[key], tensor)
+
+
+def test_a_replica_several_versions_behind_replays_the_rounds_the_shards_keep(shard_set):
+    """Issue 44 (resume by delta): a cluster restarted from a checkpoint's replica (weights, momentum,
+    versions) pulls only the rounds since — each shard keeps the last `keep_rounds` versions' contributions
+    — and ends bit-identical to the shards; further behind than they keep, it pulls in full and says why."""
+    shards = shard_set(2, RUN, min_clusters=2, keep_rounds=3)
+    a, b = client(shards.addresses, "a"), client(shards.addresses, "b")
+    resumed = []
+    names = [name for name, _ in PARAMS]
+    try:
+        a.join(PARAMS)
+        b.join(PARAMS)
+        a.push(0, 1.0, slice_tensors(a.assignment, {n: torch.randn(s) for n, s in PARAMS}))
+        for c in (a, b):
+            c.pull(0, wait_seconds=10)
+        dense = 4 * sum(torch.Size(s).numel() for _, s in PARAMS)
+        saved = None
+        for round_ in range(1, 8):
+            for i, c in enumerate((a, b)):
+                c.push(round_, 100.0 * (i + 1), slice_tensors(c.assignment, low_rank_delta(10 * round_ + i)))
+            for c in (a, b):
+                assert c.pull(round_, wait_seconds=10)[0] == round_
+            if round_ == 2:
+                saved = b.replica_state(names)  # what b's checkpoint of round 3 holds (version 2)
+            if round_ in (5, 7):  # 3 versions behind: replayed; 5 behind: more than the shards keep
+                again = client(shards.addresses, "b")
+                resumed.append(again)
+                assert again.restore_replica(saved, names) == len(b.assignment)
+                again.join(PARAMS)
+                assert again.resumed.versions == {0: 2, 1: 2} and again.resumed.refused == {}
+                version, _, received = again.pull(0, wait_seconds=10)
+                assert version == round_
+                assert_replica_equals_shards(again, shards)
+                if round_ == 5:
+                    assert again.pull_kinds == {0: ("rounds", 3, ""), 1: ("rounds", 3, "")}
+                    assert received < dense / 2  # three compressed rounds against 8 B per parameter
+                else:
+                    assert {kind for kind, _, _ in again.pull_kinds.values()} == {"full"} and received > dense
+                    assert "--keep-rounds" in again.pull_kinds[0][2]
+    finally:
+        for c in (a, b, *resumed):
+            c.close()
+
+
+def test_a_replica_at_the_shards_version_pulls_nothing_but_the_digest(shard_set):
+    """A restart that missed no round: the shards send no weights, only the state digest it checks."""
+    shards = shard_set(1, RUN, min_clusters=1)
+    a = client(shards.addresses, "a")
+    again = None
+    try:
+        a.join(PARAMS)
+        a.push(0, 1.0, slice_tensors(a.assignment, {n: torch.randn(s) for n, s in PARAMS}))
+        a.pull(0, wait_seconds=10)
+        a.push(1, 10.0, slice_tensors(a.assignment, low_rank_delta(1)))
+        assert a.pull(1, wait_seconds=10)[0] == 1
+        saved = a.replica_state([name for name, _ in PARAMS])
+        again = client(shards.addresses, "a")
+        again.restore_replica(saved, [name for name, _ in PARAMS])
+        again.join(PARAMS)
+        version, _, received = again.pull(0, wait_seconds=10)
+        assert version == 1 and again.pull_kinds == {0: ("current", 0, "")} and received < 200
+        assert again.replay_check.checked == 1  # the digest was compared
+        assert_replica_equals_shards(again, shards)
+    finally:
+        for c in (a, again):
+            if c is not None:
+                c.close()

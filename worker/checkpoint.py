@@ -9,7 +9,10 @@ What a checkpoint of round t holds, captured at the end of round t, before its p
 * ``progress`` — inner step and tokens trained (the same on every rank);
 * ``data.replica<d>`` — replica d's batch sampler (the same on every stage of that replica's pipeline);
 * ``exchange.<name>`` — the uplink compressor's state (error-feedback residual, warm-start Q, rank
-  history) of each parameter, written by the rank that owns it.
+  history) of each parameter, written by the rank that owns it;
+* ``replica.<name>`` — the rank's replica of the global model for that parameter (weights, outer
+  momentum, each shard's version: `worker/exchange/replica_state.py`), so that `--resume` pulls only the
+  rounds since, which the shards keep (`dilocox server --keep-rounds`), not the whole model.
 
 The save is DCP's `async_save`: the state is staged to host memory at the boundary (no copy on the
 device) and written by a background thread over the site's own gloo group, while training goes on. The
@@ -137,10 +140,12 @@ class SiteCheckpoint:
         return self.root / f"round-{round_:06d}"
 
     # ------------------------------------------------------------------ save
-    def _state(self, trainer, compressor: TensorCompressor | None, names: list[str]) -> dict:  # noqa: ANN001
+    def _state(self, trainer, compressor: TensorCompressor | None, names: list[str], client=None) -> dict:  # noqa: ANN001
         module, optimizer = trainer.trained_module, trainer.optimizer
         exchange = compressor_state_by_name(compressor, names)
+        replica = client.replica_state(names) if client is not None else {}
         return {
+            "replica": replica,
             "model": get_model_state_dict(module),
             "optim": get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS),
             "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen)},
@@ -149,10 +154,11 @@ class SiteCheckpoint:
         }
 
     def capture(self, round_: int, trainer, compressor: TensorCompressor | None, names: list[str],  # noqa: ANN001
-                always: bool = False) -> None:  # fmt: skip
+                always: bool = False, client=None) -> None:  # noqa: ANN001  # fmt: skip
         """Start saving the state round `round_` ends with (every `every` rounds, or `always`: the end-of-run
         flush's, which a run extended later resumes from); collective in a site. Returns once the state
-        is staged in host memory; the write goes on in the background."""
+        is staged in host memory; the write goes on in the background. `client`: its replica of the
+        global model is saved too (taken where no pull runs), so a resume pulls only the rounds since."""
         if round_ % self.every and not always:
             return
         self._wait_all()  # one write at a time: the previous one is finished before this one stages
@@ -161,7 +167,7 @@ class SiteCheckpoint:
             shutil.rmtree(path)  # a stale partial write of this round (an earlier, interrupted run)
         if self.group is not None:
             dist.barrier(group=self.group)
-        state = self._state(trainer, compressor, names)
+        state = self._state(trainer, compressor, names, client)
         self._pending[round_] = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
         log.info("worker_checkpoint_staged", round=round_, path=str(path))
 
@@ -263,9 +269,10 @@ class SiteCheckpoint:
                         note="an older round, as if stopped earlier: the shards say which round to train")  # fmt: skip
         return "ok", round_
 
-    def restore(self, trainer, compressor: TensorCompressor | None, names: list[str]) -> int:  # noqa: ANN001
-        """Load the newest committed checkpoint into `trainer` and `compressor` (this rank's `names`);
-        returns its round. Collective in a site: rank 0 checks the manifests and tells the others."""
+    def restore(self, trainer, compressor: TensorCompressor | None, names: list[str], client=None) -> int:  # noqa: ANN001
+        """Load the newest committed checkpoint into `trainer` and `compressor` (this rank's `names`), and
+        the replica of the global model into `client` (installed at its join); returns its round.
+        Collective in a site: rank 0 checks the manifests and tells the others."""
         self._wait_sealed()  # a commit of this process still being hashed
         chosen = None
         if self.rank == 0:
@@ -295,6 +302,7 @@ class SiteCheckpoint:
             "progress": {"step": 0, "tokens_seen": 0},
             "data": {data_key: b""} if f"data.{data_key}" in saved else {},
             "exchange": {name: b"" for name in names if f"exchange.{name}" in saved},
+            "replica": {name: b"" for name in names if f"replica.{name}" in saved and client is not None},
         }
         dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
         set_model_state_dict(module, state["model"])
@@ -315,7 +323,8 @@ class SiteCheckpoint:
             restore_compressor_state(compressor, state["exchange"], names)
             if missing:
                 log.warning("compressor_state_missing", round=round_, parameters=len(missing), example=missing[0])
-        log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step)
+        replica_slices = client.restore_replica(state["replica"], names) if client is not None else 0
+        log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step, replica_slices=replica_slices)
         return round_
 
 

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.resume:
             try:
-                extra["checkpoint"].restore(trainer, dx.compressor, access.names)
+                extra["checkpoint"].restore(trainer, dx.compressor, access.names, client=dx.client)
             except (ValueError, FileNotFoundError) as error:
                 raise SystemExit(f"dilocox worker: {error}") from None
         on_round = None

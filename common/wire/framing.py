@@ -327,8 +327,9 @@ class Assembled:
 
 
 def unit_of(chunk: pb.TensorChunk) -> tuple:
-    """What makes a unit distinct in a stream: a slice, and on a contributions pull, whose part it is."""
-    return (key_of(chunk), chunk.contributor, chunk.momentum)
+    """What makes a unit distinct in a stream: a slice, and on a contributions pull, whose part it is and
+    of which round (a cluster several versions behind gets each round since the one it holds)."""
+    return (key_of(chunk), chunk.contributor, chunk.momentum, chunk.version)
 
 
 def assemble_units(

@@ -295,22 +295,27 @@ class DiLoCoX:
         """The DiLoCoX side of a checkpoint, to save beside the model and optimizer: the error-feedback
         residuals (and the compressor's warm starts) of the parameters this rank exchanges, the round and
         the site's position in it. Waits for the pseudo-gradient in flight to be sent (not for its
-        round's result), so the residuals match what the shards have. The global-model replica is not
-        in it: a resumed site pulls the shards' current model whole, checked by the replay check.
+        round's result), so the residuals match what the shards have. With them, the replica of the
+        global model (weights, outer momentum, each shard's version): a resumed site pulls only the
+        rounds it missed, where the shards still keep them, checked by the replay check's digest
+        (worker/exchange/replica_state.py).
 
-        `exchange` holds one bytes object per parameter this rank owns, keyed by its name (empty state
-        packed where there is none yet), so the same call on a fresh site — before `start` — is a template
-        `torch.distributed.checkpoint` can load every rank's residuals into (worker/exchange/packed_state.py)."""
+        `exchange` and `replica` hold one bytes object per parameter this rank owns, keyed by its name
+        (empty state packed where there is none yet), so the same call on a fresh site — before `start` —
+        is a template `torch.distributed.checkpoint` can load every rank's part into
+        (worker/exchange/packed_state.py)."""
         if self._started:
             self.cluster.communicator.wait_pushed()
         return {"format": STATE_FORMAT, "run_id": self.config.run_id, "cluster": self.cluster_name, "round": self.cluster.round,
                 "version": self.cluster.version, "steps_in_round": self.cluster.steps_in_round,
-                "exchange": compressor_state_by_name(self.compressor, self.cluster.names)}  # fmt: skip
+                "exchange": compressor_state_by_name(self.compressor, self.cluster.names),
+                "replica": self.client.replica_state(self.cluster.names)}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()` (before `start`). The site rejoins as itself: the shards say which
         round to train and the model gets their global weights (inner steps taken since the last sync are
-        trained again); its residuals carry on where they were."""
+        trained again), by replaying the rounds it missed on the saved replica where the shards keep them;
+        its residuals carry on where they were."""
         if self._started:
             raise RuntimeError("load_state_dict must come before start() (or the with-block, or the first step)")
         if state.get("format") not in (STATE_FORMAT, LEGACY_STATE_FORMAT):
@@ -328,6 +333,7 @@ class DiLoCoX:
                             parameters=len(missing), of=len(owned), example=missing[0],
                             reason="the state holds no error-feedback residual for them (saved by another layout, or "
                                    "loaded through a template without their keys): they start from none")  # fmt: skip
+        self.client.restore_replica(state.get("replica", {}), list(self.cluster.names))  # installed at the join
         if isinstance(self.cluster.trainer, _UserLoop):
             self.cluster.trainer.step = max(1, int(state.get("round", 1)))
         log.info("site_state_loaded", cluster=self.cluster_name, round=state.get("round"),

@@ -8,6 +8,7 @@ framing.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -33,7 +34,8 @@ from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.staleness import check_rule as check_stale_rule
 from dilocox.common.security import TlsFiles, open_channel
 from dilocox.worker.exchange.carry import UndeliveredCarry
-from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions
+from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions, replayed_version
+from dilocox.worker.exchange.replica_state import Installed, install_replica, replica_by_name, unpack_replica
 from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
 from dilocox.worker.exchange.shard_wait import RECONNECT_OPTIONS, WAITED_FOR, AggregatorError, call_waiting, why_unreachable
 from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
@@ -124,6 +126,11 @@ class AggregatorClient:
         # hold 4 bytes per parameter until the next pull.
         self._own: dict[SliceKey, EncodedSlice] = {}
         self._last_push: tuple[int, float, dict[int, list[SliceKey]]] | None = None  # round, weight, keys by shard
+        self._restored: tuple[dict, list[str]] | None = None  # a checkpoint's replica, installed at the join
+        self._replica_lock = threading.Lock()  # held while a pull folds into the replica, and while it is saved
+        self.resumed: Installed | None = None  # what that replica gave (worker/exchange/replica_state.py)
+        # shard -> how its last pull came: ("rounds", n replayed) | ("current", 0) | ("full", 0), and why if full
+        self.pull_kinds: dict[int, tuple[str, int, str]] = {}
         self.replay_check = ReplayCheck(self.wire.replay_check, cluster)
         self.stale_weighting = check_stale_rule(stale_weighting)
         self.carry = UndeliveredCarry(stale_weighting)  # what a shard closed its round without, for the next push
@@ -191,6 +198,10 @@ class AggregatorClient:
             ParamSlice(s.name, tuple(s.shape), s.row_start, s.row_stop, s.shard) for s in first.assignment
         ]
         self.slice_map = SliceMap.of(self.assignment)
+        if self._restored is not None:
+            restored, names = self._restored
+            self._restored = None
+            self.resumed = install_replica(restored, self.assignment, names, self.held, self.outer.buffers, self.held_versions)
         by_index = sorted(replies, key=lambda r: r.shard_index)
         return JoinInfo(
             num_shards=first.num_shards,
@@ -370,6 +381,7 @@ class AggregatorClient:
                     check_replay=self.replay_check.enabled,
                     replay_digest=self.replay_check.digest,
                     replay_mismatches=self.replay_check.mismatches,
+                    no_own_copies=not self._own,
                 )
 
                 def chunks() -> Iterator[pb.TensorChunk]:
@@ -388,7 +400,7 @@ class AggregatorClient:
                         raise ValueError(f"shard {shard} sent {key} as our own slice: own parts come as one summary")
                     if key not in expected or tuple(chunk.shape) != expected[key].slice_shape:
                         raise ValueError(f"shard {shard} sent {key} with shape {list(chunk.shape)}, which it does not own")
-                    if chunk.is_delta and (chunk.base_version != have or key not in self.held):
+                    if chunk.is_delta and (chunk.base_version < have or chunk.base_version != chunk.version - 1 or key not in self.held):
                         raise ValueError(f"shard {shard} sent round {chunk.version} for version {chunk.base_version}; we hold {have}")
                     return codecs.max_payload_bytes(chunk.codec, expected[key].slice_shape)
 
@@ -401,23 +413,28 @@ class AggregatorClient:
 
                 units = self._call(address, fetch, on_reconnect=lambda: self._repush_after_outage(shard, min_version), call="pull")
                 own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
-                deltas = [u.meta.version for u in units if u.meta.is_delta] + [c.version for c in summaries]
-                digest = self.replay_check.expected(shard, digests, max(deltas) if deltas else None)  # before applying
+                replayed = replayed_version(shard, have, units, summaries, own_keys, self.held)
+                self.pull_kinds[shard] = ("full", 0, why_full) if replayed is None else (
+                    ("current", 0, "") if replayed == have else ("rounds", replayed - have, ""))
+                digest = self.replay_check.expected(shard, digests, replayed)  # before applying
                 own = own_contributions(self.cluster, self._own, self.held, shard, summaries, own_keys, have)
                 assert self.outer is not None, "join first"
-                version = summaries[0].version if summaries else self.held_versions.get(shard, -1)
-                self.held_versions[shard] = apply_pull(self.held, self.outer, units, own, version)
+                with self._replica_lock:  # a state_dict() meanwhile sees this shard's slices before or after, whole
+                    self.held_versions[shard] = apply_pull(self.held, self.outer, units, own, self.held_versions.get(shard, -1))
                 if digest is not None:
-                    assert self.outer is not None
                     self.replay_check.verify(shard, self.held_versions[shard], own_keys, self.held, self.outer.buffers, digest)
 
+            have = self.held_versions.get(shard, -1)
+            why_full = "no replica held" if have < 0 else "the shard no longer keeps every round since (its --keep-rounds)"
             try:
-                attempt(self.held_versions.get(shard, -1))
+                attempt(have)
             except ReplayMismatch:
+                why_full = "the replay did not match the shard's state digest"
                 attempt(-1)  # the shard's weights and momentum in full, before the next round
                 self.replay_check.resynced(shard, self.held)
             except StaleReplica as error:
-                log.warning("replica_resync", shard=shard, reason=str(error))
+                why_full = str(error)
+                log.warning("replica_resync", shard=shard, reason=why_full)
                 attempt(-1)  # the full weights and momentum, once
             except AggregatorError as error:
                 # Dropped at the close of the round we wait for (a deadline, with part of a pipeline's
@@ -435,6 +452,20 @@ class AggregatorClient:
             log.info("pull_versions_differ", versions=versions)
         wanted_keys = [s.key for s in self.assignment if not wanted or s.name in wanted]
         return min(versions), {k: self.held[k] for k in wanted_keys if k in self.held}, total
+
+    # ------------------------------------------------------------------ the replica in checkpoints
+    def replica_state(self, names: Sequence[str]) -> dict[str, bytes]:
+        """Our replica of `names` (weights, outer momentum, each shard's version), packed per name for a
+        checkpoint: a copy, each shard's slices whole at one version (a pull folding in meanwhile waits)."""
+        with self._replica_lock:
+            momentum = self.outer.buffers if self.outer is not None else {}
+            return replica_by_name(self.held, momentum, self.held_versions, self.assignment, names)
+
+    def restore_replica(self, packed: Mapping[str, bytes], names: Sequence[str]) -> int:
+        """Keep the replica a checkpoint saved for `names`, to install at the join (where the slices are
+        known); the first pull then asks only for the rounds since. Returns the slices found."""
+        self._restored = (unpack_replica(packed, names), list(names))
+        return len(self._restored[0])
 
     # ------------------------------------------------------------------ status
     def status_each(self, timeout: float = 10.0) -> list[pb.StatusReply | AggregatorError]:

@@ -53,6 +53,7 @@ from dilocox.worker.exchange.delayed_start import check_rule
 from dilocox.worker.exchange.host_buffers import HostBuffers
 from dilocox.worker.exchange.loss_watch import LossWatch
 from dilocox.worker.exchange.outgoing import NextStart, OutgoingFold
+from dilocox.worker.exchange.replica_state import resume_summary
 from dilocox.worker.exchange.round_report import RoundReport
 from dilocox.worker.exchange.step_driven import StepDriven
 
@@ -189,6 +190,9 @@ class DilocoCluster(StepDriven):
             sent = self.client.push(0, 1.0, init, shards=shards)
             log.info("initialised_shards", shards=shards, bytes_up=sent)
         version, _, received = self.client.pull(min_version=0, names=self.names)
+        if self.client.resumed is not None:  # from a checkpoint's replica: only the rounds missed came
+            log.info("replica_resumed", cluster=self.client.cluster, version=version,
+                     **resume_summary(self.client.resumed, self.client.pull_kinds, received, self.buffers.numel))  # fmt: skip
         self.version = self.access.agree_min(version)
         self._start_from_held(keep_unsent=False)
         self.access.write(self.buffers.start)
@@ -371,7 +375,7 @@ class DilocoCluster(StepDriven):
         """Start the checkpoint of the state round `round_` ends with, before its pseudo-gradient leaves."""
         if self.checkpoint is not None:
             with timer("checkpoint"):
-                self.checkpoint.capture(round_, self.trainer, self.client.compressor, self.names)
+                self.checkpoint.capture(round_, self.trainer, self.client.compressor, self.names, client=self.client)
 
     def _commit(self, round_: int) -> None:
         """Round `round_` is on the shards: its checkpoint becomes the one to resume from. A restart thus
@@ -402,7 +406,7 @@ class DilocoCluster(StepDriven):
         if self.checkpoint is not None and not self.access.agree_any(flushed is None):
             # The state after the flush (residuals sent, so none kept): what a run extended with more
             # rounds resumes from, so nothing the flush sent is sent again (docs/deploy.md, "Train longer").
-            self.checkpoint.capture(flushed.round, self.trainer, self.client.compressor, self.names, always=True)
+            self.checkpoint.capture(flushed.round, self.trainer, self.client.compressor, self.names, always=True, client=self.client)
             self._commit(flushed.round)
 
     def _flush_residuals(self) -> RoundExchange | None:

@@ -1,8 +1,9 @@
 """A cluster's replay of the shards' outer step: folding one shard's pull into the cluster's copy.
 
-A pull brings either the shard's weights (and momentum) in full, or the round the cluster is one version
-behind on: the other clusters' forwarded contributions, plus a summary of the cluster's own part, which
-it takes from the copies it kept when pushing. Replaying the shard's arithmetic on them
+A pull brings either the shard's weights (and momentum) in full, or the rounds the cluster is behind on
+(one in steady state; a few after a restart from a checkpoint that holds the replica): the clusters'
+forwarded contributions — for the newest round of a cluster one version behind, a summary of its own
+part, which it takes from the copies it kept when pushing. Replaying the shard's arithmetic on them
 (`aggregation.apply_round`) gives the shard's new weights bit for bit. Plain functions over the
 client's state, kept apart from the transport (`aggregator_client`).
 """
@@ -31,6 +32,7 @@ class OwnPart:
     cluster: str
     weight: float
     slices: dict[SliceKey, EncodedSlice]
+    version: int  # the round's version (the newest the shard forwards)
 
 
 def own_contributions(
@@ -49,14 +51,34 @@ def own_contributions(
     if len(summaries) > 1:
         raise ValueError(f"shard {shard} sent {len(summaries)} summaries of our own contribution")
     summary = summaries[0]
-    if summary.base_version != have:
+    if summary.base_version != summary.version - 1 or summary.base_version < have:
         raise ValueError(f"shard {shard} sent round {summary.version} for version {summary.base_version}; we hold {have}")
     mine = {k: kept[k] for k in keys if k in kept}
     if any(k not in held for k in mine):
         raise StaleReplica(f"shard {shard} forwards a round for slices we hold no weights of")
     if summary.own_slices != len(mine) or own_contribution_digest({k: v.sha256 for k, v in mine.items()}) != summary.payload_sha256:
         raise StaleReplica(f"shard {shard} holds a contribution of ours ({summary.own_slices} slices) we no longer have")
-    return OwnPart(cluster, summary.weight, mine)
+    return OwnPart(cluster, summary.weight, mine, summary.version)
+
+
+def replayed_version(shard: int, have: int, units: list[Assembled], summaries: list[pb.TensorChunk],
+                     keys: list[SliceKey], held: Mapping[SliceKey, torch.Tensor]) -> int | None:  # fmt: skip
+    """The version our copy reaches by replaying this pull of shard `shard` (to check against its state
+    digest), or None when it brought the weights in full. The rounds must be each one since `have`, the
+    version we hold; none at all means the shard holds `have` too (a restart that missed nothing)."""
+    full = [u for u in units if not u.meta.is_delta]
+    if full:
+        if len(full) != len(units) or summaries:
+            raise ValueError(f"shard {shard} sent weights and rounds to replay in one pull")
+        return None
+    versions = sorted({u.meta.version for u in units} | {c.version for c in summaries})
+    if not versions:
+        if have < 0 or any(key not in held for key in keys):
+            raise StaleReplica(f"shard {shard} sent nothing for version {have}, and we hold no whole copy of it")
+        return have
+    if versions != list(range(have + 1, versions[-1] + 1)):
+        raise ValueError(f"shard {shard} sent rounds {versions} on version {have}: not each round since")
+    return versions[-1]
 
 
 def apply_pull(
@@ -66,30 +88,33 @@ def apply_pull(
     own: OwnPart | None,
     version: int,
 ) -> int:
-    """Fold one shard's pull into `held`: full weights (+ momentum), or a round to replay (the forwarded
-    contributions plus `own`, our part of that round; a round only we contributed to comes as that
-    alone). Returns the version `held` is at for this shard's slices. A slice's contributions are
-    taken together when they are all fp32 (views of their payloads) or low rank (their factors, built
-    block by block), else decoded one at a time."""
-    contributions: dict[SliceKey, list[Contribution]] = {}
-    codecs: dict[SliceKey, list[str]] = {}
-    for key, item in (own.slices if own else {}).items():
-        contributions[key] = [(own.cluster, own.weight, item.decode_lazy)]
-        codecs[key] = [item.codec]
+    """Fold one shard's pull into `held`: full weights (+ momentum), or the rounds to replay, oldest first
+    (each round's forwarded contributions; `own`, our part of the newest round, where the shard sent only
+    its summary; a round only we contributed to comes as that alone). Returns the version `held` is at for
+    this shard's slices. A slice's contributions are taken together when they are all fp32 (views of their
+    payloads) or low rank (their factors, built block by block), else decoded one at a time."""
+    rounds: dict[int, dict[SliceKey, list[Contribution]]] = {}
+    codecs: dict[int, dict[SliceKey, list[str]]] = {}
+    if own is not None:
+        rounds[own.version] = {key: [(own.cluster, own.weight, item.decode_lazy)] for key, item in own.slices.items()}
+        codecs[own.version] = {key: [item.codec] for key, item in own.slices.items()}
     for unit in units:
         meta, key = unit.meta, unit.key
-        version = meta.version
         if meta.is_delta:
-            contributions.setdefault(key, []).append((meta.contributor, meta.weight, unit.decode_lazy))
-            codecs.setdefault(key, []).append(meta.codec)
+            rounds.setdefault(meta.version, {}).setdefault(key, []).append((meta.contributor, meta.weight, unit.decode_lazy))
+            codecs.setdefault(meta.version, {}).setdefault(key, []).append(meta.codec)
         elif meta.momentum:
             outer.buffers[key] = unit.decode().clone()
         else:
             held[key] = unit.decode()
             outer.buffers.pop(key, None)  # a full slice comes with its momentum, if it has any
+        version = max(version, meta.version)
     # The shard's arithmetic, block by block (same bits), in place: a new θ and momentum per round cost two
     # model-sized first touches (~1.8 ns per parameter each on one core, more than the step itself), and
     # nothing reads the replica while a pull runs (the training thread copies from it at the boundary).
-    for key, items in contributions.items():
-        held[key] = apply_round(items, outer, key, held[key], in_place=True, decode_together=decode_by_blocks(codecs[key]))
+    for round_version in sorted(rounds):
+        for key, items in rounds[round_version].items():
+            together = decode_by_blocks(codecs[round_version][key])
+            held[key] = apply_round(items, outer, key, held[key], in_place=True, decode_together=together)
+        version = max(version, round_version)
     return version

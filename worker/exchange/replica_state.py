@@ -1,0 +1,101 @@
+"""The site's replica of the global model in its checkpoint, so a restart resumes by delta (issue 44).
+
+Every cluster keeps a copy of the shards' state for the slices it exchanges — weights, outer momentum and
+the version of each shard (`AggregatorClient.held`, `.outer`, `.held_versions`) — and replays each round's
+forwarded contributions on it. Saved with the site's checkpoint and installed again at the join, it lets
+the first pull after `--resume` ask for only the rounds it missed: the shards keep the last
+`--keep-rounds` versions' compressed contributions, and the shard's state digest checks the replay. A
+full pull of the weights and momentum (8 bytes per parameter over the WAN: 856 GB at 107B) is left for a
+site further behind than the shards keep, a checkpoint without a replica, or a replay that does not match.
+
+The replica is stored like the compressor's state (`packed_state`): one bytes object per parameter name,
+so DCP writes each under the rank that owns the name and a resume with another layout finds it with the
+parameter's new owner. A name's entry holds its slices (those of one shard may be at another version than
+those of the next, as a pull left them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
+
+import torch
+
+from dilocox.common.wire.assignment import ParamSlice
+from dilocox.common.wire.framing import SliceKey
+from dilocox.worker.exchange.packed_state import pack, unpack
+
+
+def replica_by_name(held: Mapping[SliceKey, torch.Tensor], momentum: Mapping[SliceKey, torch.Tensor],
+                    versions: Mapping[int, int], assignment: Iterable[ParamSlice], names: Iterable[str]) -> dict[str, bytes]:  # fmt: skip
+    """Every name in `names`, with the replica's slices of it packed: weights, momentum (None where the
+    shard keeps none) and the version of the shard they came from. A copy: the next pull changes them in
+    place. Slices of a shard this replica has no version of are left out."""
+    by_name: dict[str, dict] = {name: {} for name in names}
+    for piece in assignment:
+        version = versions.get(piece.shard, -1)
+        if piece.name in by_name and piece.key in held and version >= 0:
+            by_name[piece.name][piece.key] = {"weights": held[piece.key], "momentum": momentum.get(piece.key),
+                                              "shard": piece.shard, "version": version}  # fmt: skip
+    return {name: pack(slices) for name, slices in by_name.items()}
+
+
+def unpack_replica(packed: Mapping[str, bytes], names: Iterable[str]) -> dict[SliceKey, dict]:
+    """The slices saved for `names` (an empty placeholder, or a name saved without any, adds none)."""
+    slices: dict[SliceKey, dict] = {}
+    for name in names:
+        data = packed.get(name, b"")
+        slices.update(unpack(data) if data else {})
+    return slices
+
+
+@dataclass(frozen=True)
+class Installed:
+    """What a restored replica gave the client: the version of each shard it holds, and the shards it
+    could not give a whole copy of (their next pull is a full one), with why."""
+
+    versions: dict[int, int]
+    refused: dict[int, str]
+
+
+def install_replica(restored: Mapping[SliceKey, dict], assignment: Iterable[ParamSlice], names: Iterable[str],
+                    held: MutableMapping[SliceKey, torch.Tensor], momentum: MutableMapping[SliceKey, torch.Tensor],
+                    versions: MutableMapping[int, int]) -> Installed:  # fmt: skip
+    """Put the restored slices of this rank's `names` into the client's replica, shard by shard: only a
+    shard whose every slice of these names is there, with the assignment's shape and one version, counts
+    as held (a replica with holes would replay onto nothing)."""
+    owned = set(names)
+    by_shard: dict[int, list[ParamSlice]] = {}
+    for piece in assignment:
+        if piece.name in owned:
+            by_shard.setdefault(piece.shard, []).append(piece)
+    installed: dict[int, int] = {}
+    refused: dict[int, str] = {}
+    for shard, pieces in sorted(by_shard.items()):
+        entries = [restored.get(piece.key) for piece in pieces]
+        if any(entry is None for entry in entries):
+            refused[shard] = "the checkpoint holds no replica of some of its slices"
+            continue
+        shapes_ok = all(tuple(e["weights"].shape) == p.slice_shape for e, p in zip(entries, pieces))
+        found = {e["version"] for e in entries}
+        if not shapes_ok or len(found) != 1 or any(e["shard"] != shard for e in entries):
+            refused[shard] = "the checkpoint's replica does not match the run's slices"
+            continue
+        for entry, piece in zip(entries, pieces):
+            held[piece.key] = entry["weights"]
+            if entry["momentum"] is not None:
+                momentum[piece.key] = entry["momentum"]
+        versions[shard] = installed[shard] = found.pop()
+    return Installed(installed, refused)
+
+
+def resume_summary(installed: Installed, kinds: Mapping[int, tuple[str, int, str]], bytes_down: int, params: int) -> dict:
+    """The `replica_resumed` log line: how the first pull after a resume came (delta: only the rounds
+    missed, or none; full; mixed across shards), the bytes it took against a full pull's (weights and
+    momentum in fp32, 8 bytes per parameter), and why any shard sent the weights in full."""
+    hows = {kind for kind, _, _ in kinds.values()}
+    how = "delta" if hows <= {"rounds", "current"} else "full" if hows == {"full"} else "mixed"
+    reasons = sorted({why for kind, _, why in kinds.values() if kind == "full" and why} | set(installed.refused.values()))
+    return {"how": how, "bytes_down": bytes_down, "full_pull_bytes": 8 * params,
+            "rounds_replayed": max((n for _, n, _ in kinds.values()), default=0),
+            "from_versions": sorted(set(installed.versions.values())), "reason": "; ".join(reasons)}  # fmt: skip
