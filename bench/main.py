@@ -18,6 +18,7 @@ BENCHMARKS = {
     "load": ("dilocox.bench.load", "many clusters (32 to 256) against 2 shards: rounds/s, round latency, shard RSS and CPU, refusals"),
     "exchange": ("dilocox.bench.exchange", "CPU cost of a round's exchange per stage (ns/parameter) against same-run rooflines, and training beside it"),
     "uneven": ("dilocox.bench.uneven", "one site 2×/4× slower: fixed H vs time-boxed rounds vs quorum + grace (idle share, tokens/s, loss curves)"),
+    "resume": ("dilocox.bench.resume", "WAN bytes of a site's restart k rounds behind (replayed on its checkpoint's replica) against a full pull; 107B projected"),
     "projection": ("dilocox.bench.projection", "DiLoCoX at OPT-1.3B and 107B over 1 Gbit/s, projected from a `bench scale` report"),
 }
 

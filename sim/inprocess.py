@@ -15,7 +15,7 @@ from typing import Callable
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.config.run import RunConfig, as_dict
 from dilocox.server.grpc_server import start_server
-from dilocox.server.shard import Shard
+from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster, RoundReport
 from dilocox.worker.data.corpus import load_corpus
@@ -55,15 +55,17 @@ def run_in_process(
     track_deficit: bool = False,
     on_round: Callable[[AggregatorClient, RoundReport], None] | None = None,
     before_stop: Callable[[list[str]], None] | None = None,
+    keep_rounds: int = DEFAULT_KEEP_ROUNDS,
 ) -> InProcessResult:
     """Train `config.rounds` rounds with `num_clusters` clusters against `num_shards` shards.
 
     `track_deficit`: the clusters' compressors keep what they withheld (benchmarks read it);
     `on_round(client, report)`: called by each cluster's thread after each of its rounds;
-    `before_stop(addresses)`: called once the clusters are done, while the shards still serve."""
+    `before_stop(addresses)`: called once the clusters are done, while the shards still serve;
+    `keep_rounds`: the versions whose contributions the shards keep (server/recent_rounds.py)."""
     corpus = corpus if corpus is not None else load_corpus(None)
     shards = [
-        Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters)
+        Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters, keep_rounds=keep_rounds)
         for i in range(num_shards)
     ]
     servers, addresses = [], []

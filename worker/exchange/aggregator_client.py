@@ -193,7 +193,9 @@ class AggregatorClient:
         for reply, address, stub in zip(replies, self.addresses, self._stubs_by_address):
             self._stubs[reply.shard_index] = (address, stub)
         first = replies[0]
-        self.outer = OuterNesterov(first.outer_lr, first.outer_momentum)
+        previous, self.outer = self.outer, OuterNesterov(first.outer_lr, first.outer_momentum)
+        if previous is not None:  # a rejoin: the momentum goes with the replica's weights (the digest checks both)
+            self.outer.buffers = previous.buffers
         self.assignment = [
             ParamSlice(s.name, tuple(s.shape), s.row_start, s.row_stop, s.shard) for s in first.assignment
         ]

@@ -108,7 +108,7 @@ def apply_pull(
         else:
             held[key] = unit.decode()
             outer.buffers.pop(key, None)  # a full slice comes with its momentum, if it has any
-        version = max(version, meta.version)
+        version = meta.version  # in full: the shard's version, whatever ours was (a shard restored older)
     # The shard's arithmetic, block by block (same bits), in place: a new θ and momentum per round cost two
     # model-sized first touches (~1.8 ns per parameter each on one core, more than the step itself), and
     # nothing reads the replica while a pull runs (the training thread copies from it at the boundary).
@@ -116,5 +116,5 @@ def apply_pull(
         for key, items in rounds[round_version].items():
             together = decode_by_blocks(codecs[round_version][key])
             held[key] = apply_round(items, outer, key, held[key], in_place=True, decode_together=together)
-        version = max(version, round_version)
+        version = round_version  # oldest first: the last is the newest
     return version
