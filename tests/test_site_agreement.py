@@ -85,10 +85,32 @@ def test_the_sites_collective_timeout_outlasts_the_longest_legitimate_exchange_w
     that is down; its peers wait for it in the next agreement (gloo, on the host) with this timeout. It was
     --shard-wait-s + 600 = 2,400 s by default, shorter than the pull wait alone."""
     from dilocox.worker.exchange.communicator import Communicator
-    from dilocox.worker.exchange.waits import PULL_WAIT_S, collective_timeout_for
+    from dilocox.common.config.waits import PULL_WAIT_S, collective_timeout_for
 
     assert collective_timeout_for(1800) == 6000 > PULL_WAIT_S + 1800 > 2400
     assert all(collective_timeout_for(w) > PULL_WAIT_S + w for w in (0, 60, 1800, 7200))
     assert Communicator.__init__.__defaults__[1] == PULL_WAIT_S  # the communicator waits what the model says
     with pytest.raises(ValueError, match="waits must be positive"):
         collective_timeout_for(-1)
+
+
+def test_shard_settings_that_break_the_order_of_the_waits_are_refused_by_name(tmp_path):
+    """Issue 44 (item 2): a round deadline longer than a site's pull wait, or a grace window not shorter
+    than the deadline, is refused by `dilocox server` and by `dilocox config show --command server`."""
+    import subprocess
+    import sys
+
+    from dilocox.common.config.waits import PULL_WAIT_S, contradictions
+
+    assert contradictions(300.0, 30.0) == [] and contradictions(0.0, 30.0) == [] and contradictions(None) == []
+    assert "--round-deadline-s 7200" in contradictions(7200.0)[0] and f"{PULL_WAIT_S:g}" in contradictions(7200.0)[0]
+    assert "--grace-s 90" in contradictions(60.0, 90.0)[0]
+    cli = [sys.executable, "-m", "dilocox.common.cli"]
+    server = subprocess.run([*cli, "server", "--insecure", "--port", "0", "--round-deadline-s", "7200"], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert server.returncode != 0 and "--round-deadline-s 7200 is longer" in server.stderr
+    config = tmp_path / "run.toml"
+    config.write_text("[server]\nround-deadline-s = 60\ngrace-s = 90\n")
+    shown = subprocess.run([*cli, "config", "show", "--command", "server", "--config", str(config)], capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert shown.returncode == 1 and "--grace-s 90 is not shorter than --round-deadline-s 60" in shown.stderr

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     mesh = None
     try:
         if parallel:
-            from dilocox.worker.exchange.waits import collective_timeout_for
+            from dilocox.common.config.waits import collective_timeout_for
             from dilocox.worker.site.mesh import SiteMesh
 
             mesh = SiteMesh(config.parallel, collective_timeout_s=collective_timeout_for(args.shard_wait_s))

@@ -20,7 +20,7 @@ import torch
 
 from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.worker.exchange.waits import PULL_WAIT_S
+from dilocox.common.config.waits import PULL_WAIT_S
 
 log = structlog.get_logger()
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dilocox.common.config.run import ParallelConfig
-from dilocox.worker.exchange.waits import collective_timeout_for
+from dilocox.common.config.waits import collective_timeout_for
 from dilocox.worker.train.device import Compute, resolve_compute
 
 log = structlog.get_logger()

@@ -1,0 +1,37 @@
+"""The site's waits, from the shortest to the longest, in one place (docs/deploy.md, "Waits and timeouts").
+
+One rank can legitimately be inside an exchange for a long time: the communicator waits for a round's
+result up to `PULL_WAIT_S` (re-pushing its part meanwhile), and each call to a shard that is down waits up
+to the site's `--shard-wait-s` more. Its peers, meanwhile, wait for it in the boundary's next collective —
+always an agreement, on a gloo group of its own (`SiteMesh.agreement_group`) — so the site's collective
+timeout must outlast both: `collective_timeout_for`.
+"""
+
+from __future__ import annotations
+
+PULL_WAIT_S = 3600.0  # a round's result, after the push
+MARGIN_S = 600.0  # a boundary's own work on top (reshard, checkpoint staging, eval)
+
+
+def collective_timeout_for(shard_wait_s: float, pull_wait_s: float = PULL_WAIT_S) -> float:
+    """The site's collective timeout: longer than the longest legitimate exchange wait of one rank."""
+    if shard_wait_s < 0 or pull_wait_s <= 0:
+        raise ValueError(f"waits must be positive: shard wait {shard_wait_s}, pull wait {pull_wait_s}")
+    return pull_wait_s + shard_wait_s + MARGIN_S
+
+
+def contradictions(round_deadline_s: float | None, grace_s: float = 0.0, pull_wait_s: float = PULL_WAIT_S) -> list[str]:
+    """What in a shard's settings breaks the order of the waits (shard round deadline and grace below the
+    sites' pull wait): each a sentence naming the flags. Empty when they hold. `dilocox server` refuses to
+    start on any, and `dilocox config show --command server` says them."""
+    problems = []
+    deadline = round_deadline_s or None  # 0: wait forever
+    if deadline is not None and deadline > pull_wait_s:
+        problems.append(f"--round-deadline-s {deadline:g} is longer than a site's wait for a round's result ({pull_wait_s:g} s): "
+                        "sites would give up on rounds the shard still holds open; keep it below")  # fmt: skip
+    if grace_s > 0 and deadline is not None and grace_s >= deadline:
+        problems.append(f"--grace-s {grace_s:g} is not shorter than --round-deadline-s {deadline:g}: with a grace window the "
+                        "deadline marks a silent site gone, and it would do so before the grace that waits for it ends")  # fmt: skip
+    if grace_s > pull_wait_s:
+        problems.append(f"--grace-s {grace_s:g} is longer than a site's wait for a round's result ({pull_wait_s:g} s)")
+    return problems
