@@ -80,9 +80,11 @@ def _resume_check(args: argparse.Namespace, workdir: pathlib.Path, gpus: int) ->
         first, _ = run_worker(cmd, workdir / "resume-first.log", None, timeout_s=900, stop_after_round=2)
         rc, events = run_worker([*cmd, "--resume"], workdir / "resume-second.log", None, timeout_s=900)
     restored = sorted({e["round"] for e in events if e.get("event") == "worker_checkpoint_restored"})
-    ok = first == 143 and rc == 0 and len(restored) == 1 and restored[0] >= 1
+    resumed = [e for e in events if e.get("event") == "replica_resumed"]  # issue 44: by delta, from the replica
+    ok = first == 143 and rc == 0 and len(restored) == 1 and restored[0] >= 1 and all(e["how"] == "delta" for e in resumed) and resumed
     return {"check": "resume", "layout": f"pp{pp}×dp{dp}", "status": "ok" if ok else f"FAILED (exits {first}, {rc}; {workdir})",
-            "resumed_from_round": restored[0] if restored else None}  # fmt: skip
+            "resumed_from_round": restored[0] if restored else None,
+            "resume_pulled": " ".join(f"{e['how']} {e['bytes_down']:,} B of {e['full_pull_bytes']:,}" for e in resumed[:1])}  # fmt: skip
 
 
 def _sim_check(args: argparse.Namespace, workdir: pathlib.Path) -> dict:
@@ -130,7 +132,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
         notes = (f"Device: {gpus} × {device}; torch {torch.__version__}. Shards run on the CPU. "
                  f"{'All checks passed.' if not failed else 'FAILED: ' + ', '.join(failed) + ' (logs were in the temp dir)'}\n")  # fmt: skip
         columns = ["check", "status", "layout", "tokens_per_s", "device_peak_mb_per_rank", "planned_device_mb_per_rank", "boundary_phases_s",
-                   "exchange_bytes_per_held_param", "replay_mismatches", "eval_loss", "resumed_from_round"]  # fmt: skip
+                   "exchange_bytes_per_held_param", "replay_mismatches", "eval_loss", "resumed_from_round", "resume_pulled"]  # fmt: skip
         text = write_report(out_dir, "gpu", "GPU check: a site on this machine's GPUs", rows, columns, notes, {"args": vars(args)})
     if failed:
         print(text)
