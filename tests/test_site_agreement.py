@@ -114,3 +114,50 @@ def test_shard_settings_that_break_the_order_of_the_waits_are_refused_by_name(tm
     shown = subprocess.run([*cli, "config", "show", "--command", "server", "--config", str(config)], capture_output=True,
                            text=True, timeout=60)  # fmt: skip
     assert shown.returncode == 1 and "--grace-s 90 is not shorter than --round-deadline-s 60" in shown.stderr
+
+
+def _adopt(rank: int, dims: tuple, names: tuple) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dilocox.worker.site.mesh import SiteMesh
+
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+    try:
+        site = SiteMesh.adopt(mesh)
+    except ValueError as error:
+        return ("refused", str(error))
+    agreed = site.agreement_group is not None and torch.distributed.get_world_size(site.stage_group)
+    return (site.shape.pp, site.shape.dp, site.shape.dp_replicate, site.stage, site.replica, agreed)
+
+
+def test_a_jobs_own_device_mesh_is_adopted_and_tensor_parallel_refused_by_name():
+    """Issue 44 (item 4): a job that made its process group and mesh (torchtitan's dimension names)
+    gives it to DiLoCoX as it is; a mesh that splits parameters over tp is refused, naming it."""
+    assert on_gloo_ranks(_adopt, 2, (2,), ("dp_shard",)) == [(1, 2, 1, 0, 0, 2), (1, 2, 1, 0, 1, 2)]
+    assert on_gloo_ranks(_adopt, 2, (2, 1), ("pp", "dp_shard")) == [(2, 1, 1, 0, 0, 1), (2, 1, 1, 1, 0, 1)]
+    refused = on_gloo_ranks(_adopt, 2, (1, 2), ("dp_shard", "tp"))
+    assert all(r[0] == "refused" and "{'tp': 2}" in r[1] for r in refused), refused
+
+
+def _api_with_device_mesh(rank: int) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dilocox import DiLoCoX
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))  # the job's own, as torchtitan makes it
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    fully_shard(model, mesh=mesh)
+    site = DiLoCoX(model, servers="127.0.0.1:1", mesh=mesh)  # nothing is contacted before start
+    try:
+        return type(site.mesh).__name__, site.mesh.shape.dp, sorted(site.access.names)
+    finally:
+        site.close()
+
+
+def test_the_api_takes_the_jobs_device_mesh():
+    results = on_gloo_ranks(_api_with_device_mesh, 2)
+    assert [r[:2] for r in results] == [("SiteMesh", 2), ("SiteMesh", 2)]
+    owned = [set(r[2]) for r in results]  # each parameter exchanged by exactly one rank of the site
+    assert owned[0].isdisjoint(owned[1]) and owned[0] | owned[1] == {"0.weight", "0.bias", "1.weight", "1.bias"}

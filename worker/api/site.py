@@ -45,6 +45,8 @@ from dilocox.worker.exchange.round_report import RoundReport
 from dilocox.worker.exchange.stop import StopSignal
 
 if TYPE_CHECKING:  # torch.distributed's mesh: imported where a site of several ranks makes one
+    from torch.distributed.device_mesh import DeviceMesh
+
     from dilocox.worker.site.mesh import SiteMesh
 
 log = structlog.get_logger()
@@ -141,7 +143,7 @@ class DiLoCoX:
         config: RunConfig | None = None,
         cluster: str = "cluster-0",
         num_clusters: int = 1,
-        mesh: SiteMesh | None = None,
+        mesh: SiteMesh | DeviceMesh | None = None,
         evaluate: Callable[[], float] | None = None,
         tokenizer: object = None,
         tls: TlsFiles | None = None,
@@ -157,7 +159,8 @@ class DiLoCoX:
         `load_run_config("run.toml")`; the same as the CLI's — rounds, H = `inner.steps`, delay,
         compression, the wire); every site of a run must give the same. `cluster`: this site's name,
         unique in the run. `num_clusters`: how many sites the run has (the delayed start's share 1/M).
-        `mesh`: a `SiteMesh` when this rank is one of a torchrun site's. `evaluate`: returns the model's
+        `mesh`: a `SiteMesh` when this rank is one of a torchrun site's, or the job's own `DeviceMesh`
+        (torchtitan's: dimensions pp, dp_replicate, dp_shard; `SiteMesh.adopt` reads it). `evaluate`: returns the model's
         eval loss (called after joining, after each round and at the end; optional). `tokenizer`: what
         the shards check every site tokenizes with (see `tokenizer_identity`). `tls`, `token`: as the
         CLI's `--tls-*` and `--token`. `shard_wait_s`: how long an unreachable shard is waited for.
@@ -165,6 +168,13 @@ class DiLoCoX:
         `builtin`: used by `dilocox worker` for its own trainer; not for user code."""
         self.config = config or RunConfig()
         self.cluster_name = cluster
+        if mesh is not None:
+            from torch.distributed.device_mesh import DeviceMesh as _DeviceMesh
+
+            if isinstance(mesh, _DeviceMesh):  # the job's own (torchtitan's): its layout, DiLoCoX's groups over it
+                from dilocox.worker.site.mesh import SiteMesh as _SiteMesh
+
+                mesh = _SiteMesh.adopt(mesh, self.config.parallel)
         self.mesh = mesh
         addresses = [a.strip() for a in servers.split(",")] if isinstance(servers, str) else [a.strip() for a in servers]
         addresses = [a for a in addresses if a]

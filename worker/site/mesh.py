@@ -10,6 +10,7 @@ on a background thread and must not interleave with the training's on the same c
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -74,7 +75,8 @@ class SiteShape:
 class SiteMesh:
     """This rank's process groups and device; created once per worker process, before the model."""
 
-    def __init__(self, parallel: ParallelConfig, collective_timeout_s: float | None = None) -> None:
+    def __init__(self, parallel: ParallelConfig, collective_timeout_s: float | None = None,
+                 _adopted: DeviceMesh | None = None) -> None:  # fmt: skip
         """`collective_timeout_s`: how long a rank waits in a collective for the others (default
         `collective_timeout_for` a 1,800 s shard wait: 6,000 s). It must outlast one rank's exchange: while
         one rank waits for a shard, its peers wait for it in the next collective, and torch's default (10 min
@@ -84,7 +86,7 @@ class SiteMesh:
         if collective_timeout_s is None:
             collective_timeout_s = collective_timeout_for(1800.0)
         self.shape = SiteShape.of(parallel)
-        world = int(os.environ["WORLD_SIZE"])
+        world = dist.get_world_size() if _adopted is not None else int(os.environ["WORLD_SIZE"])
         if world != self.shape.world_size:
             raise SystemExit(f"dilocox worker: torchrun started {world} processes but --pp {parallel.pp} × --dp "
                              f"{parallel.dp} needs {self.shape.world_size}")  # fmt: skip
@@ -95,8 +97,9 @@ class SiteMesh:
         if self.compute.is_cuda:
             torch.cuda.set_device(self.device)
         timeout = datetime.timedelta(seconds=collective_timeout_s)
-        dist.init_process_group(backend=self.compute.backend, timeout=timeout,
-                                device_id=self.device if self.compute.is_cuda else None)  # fmt: skip
+        if _adopted is None:
+            dist.init_process_group(backend=self.compute.backend, timeout=timeout,
+                                    device_id=self.device if self.compute.is_cuda else None)  # fmt: skip
         self.rank = dist.get_rank()
         self.stage = self.shape.stage_of(self.rank)
         self.replica = self.shape.replica_of(self.rank)
@@ -113,6 +116,41 @@ class SiteMesh:
         structlog.contextvars.bind_contextvars(rank=self.rank, stage=self.stage, replica=self.replica)
         log.info("rank_ready", backend=self.compute.backend, world=world, pp=self.shape.pp, dp=self.shape.dp,
                  dp_replicate=self.shape.dp_replicate, device=str(self.device), precision=self.compute.precision)  # fmt: skip
+
+    @classmethod
+    def adopt(cls, device_mesh: DeviceMesh, parallel: ParallelConfig | None = None,
+              collective_timeout_s: float | None = None) -> "SiteMesh":  # fmt: skip
+        """The site of a job that owns its mesh (torchtitan's, accelerate's): the process group stays the
+        job's, and its layout is read from `device_mesh` — dimensions "pp", "dp_replicate" and "dp_shard"
+        (or "dp"), each optional, in that order, row-major over ranks 0 … world − 1, as torchtitan lays them
+        out. Every other dimension must be of size 1: tensor or context parallelism splits a parameter
+        across ranks in ways the exchange does not read (refused by name). DiLoCoX's own groups (the
+        stage's, the agreements', the checkpoint writer's) are made over the same ranks, with
+        `collective_timeout_s`. `parallel`: the rest of the layout's settings (microbatches, precision);
+        its pp and dp are taken from the mesh."""
+        if not dist.is_initialized():
+            raise ValueError("SiteMesh.adopt: the job's process group is not initialised; make the mesh first")
+        names = tuple(device_mesh.mesh_dim_names or ())
+        if not names:
+            raise ValueError("SiteMesh.adopt: the mesh has no dimension names; name them pp, dp_replicate, dp_shard")
+        sizes = dict(zip(names, device_mesh.mesh.shape))
+        others = {name: size for name, size in sizes.items() if name not in ("pp", "dp_replicate", "dp_shard", "dp")}
+        if any(size > 1 for size in others.values()):
+            raise ValueError(f"SiteMesh.adopt: the mesh splits parameters over {others} (tensor or context parallel): "
+                             "DiLoCoX exchanges a stage sharded over its dp ranks only; give it a mesh of pp × dp")  # fmt: skip
+        known = [name for name in names if name in ("pp", "dp_replicate", "dp_shard", "dp")]
+        order = {"pp": 0, "dp_replicate": 1, "dp_shard": 2, "dp": 2}
+        if known != sorted(known, key=order.__getitem__) or ("dp" in sizes and "dp_shard" in sizes):
+            raise ValueError(f"SiteMesh.adopt: dimensions {names}: expected pp, dp_replicate, dp_shard (each optional) in that order")
+        world = dist.get_world_size()
+        if device_mesh.mesh.flatten().tolist() != list(range(world)):
+            raise ValueError(f"SiteMesh.adopt: the mesh covers ranks {device_mesh.mesh.flatten().tolist()}, not 0 … {world - 1} "
+                             "row-major: a site is the whole job, laid out pp-major")  # fmt: skip
+        dp_replicate = sizes.get("dp_replicate", 1)
+        dp = dp_replicate * sizes.get("dp_shard", sizes.get("dp", 1))
+        base = parallel or ParallelConfig(device="cpu" if device_mesh.device_type == "cpu" else "cuda")
+        layout = dataclasses.replace(base, pp=sizes.get("pp", 1), dp=dp, dp_replicate=dp_replicate)
+        return cls(layout, collective_timeout_s, _adopted=device_mesh)
 
     def _stage_group(self, timeout: datetime.timedelta) -> dist.ProcessGroup:
         """One group per stage over its dp ranks; every rank creates every group, in the same order, as
