@@ -84,3 +84,28 @@ def test_a_residual_held_in_the_flat_exchange_buffer_is_saved_as_its_own_element
     assert restore_compressor_state(fresh, packed, names) == []
     for i, name in enumerate(names):
         assert torch.equal(fresh.residual(SliceKey(name, 0, 10)), flat[i * 100 : i * 100 + 100].view(10, 10))
+
+
+def test_replica_files_are_read_by_name_whichever_rank_wrote_them(tmp_path):
+    """Issue 44: each rank writes its replica beside DCP's files, keyed by parameter name; a resume with
+    another layout takes each name it now owns from whichever file holds it, bit for bit, as copies (the
+    replica is updated in place afterwards); a slice that views a larger buffer is written as itself."""
+    from dilocox.worker.exchange.replica_state import read_replica, write_replica
+
+    buffer = torch.randn(100_000)
+    entry = lambda t, v: {"weights": t, "momentum": t * 0.5, "shard": 0, "version": v}  # noqa: E731
+    rank0 = {"a": {SliceKey("a", 0, 4): entry(buffer[:20].view(4, 5), 7)}}
+    rank1 = {"b": {SliceKey("b", 0, 2): entry(torch.randn(2, 3), 7), SliceKey("b", 2, 4): entry(torch.randn(2, 3), 8)}}
+    write_replica(rank0, tmp_path / "replica-rank00000.pt")
+    write_replica(rank1, tmp_path / "replica-rank00001.pt")
+    assert (tmp_path / "replica-rank00000.pt").stat().st_size < 10_000  # not the 400 KB buffer it views
+    got = read_replica(sorted(tmp_path.glob("replica-rank*.pt")), ["a", "b"])  # one rank owns both now
+    want = {**rank0["a"], **rank1["b"]}
+    assert got.keys() == want.keys()
+    for key, saved in want.items():
+        assert torch.equal(got[key]["weights"], saved["weights"]) and torch.equal(got[key]["momentum"], saved["momentum"])
+        assert got[key]["version"] == saved["version"]
+    got[SliceKey("a", 0, 4)]["weights"].add_(1.0)  # a copy: the file is not changed by the replica's updates
+    again = read_replica([tmp_path / "replica-rank00000.pt"], ["a"])
+    assert torch.equal(again[SliceKey("a", 0, 4)]["weights"], buffer[:20].view(4, 5))
+    assert read_replica(sorted(tmp_path.glob("replica-rank*.pt")), ["c"]) == {}

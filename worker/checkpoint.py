@@ -10,9 +10,11 @@ What a checkpoint of round t holds, captured at the end of round t, before its p
 * ``data.replica<d>`` — replica d's batch sampler (the same on every stage of that replica's pipeline);
 * ``exchange.<name>`` — the uplink compressor's state (error-feedback residual, warm-start Q, rank
   history) of each parameter, written by the rank that owns it;
-* ``replica.<name>`` — the rank's replica of the global model for that parameter (weights, outer
-  momentum, each shard's version: `worker/exchange/replica_state.py`), so that `--resume` pulls only the
-  rounds since, which the shards keep (`dilocox server --keep-rounds`), not the whole model.
+* ``replica-rank<r>.pt`` (beside DCP's files) — each rank's replica of the global model for the
+  parameters it exchanges (weights, outer momentum, each shard's version: `worker/exchange/replica_state.py`),
+  written from the live tensors by a thread while the pull's fold waits (no staging copy), so that
+  `--resume` pulls only the rounds since, which the shards keep (`dilocox server --keep-rounds`), not
+  the whole model. Keyed by parameter name: another layout's ranks pick theirs from every rank's file.
 
 The save is DCP's `async_save`: the state is staged to host memory at the boundary (no copy on the
 device) and written by a background thread over the site's own gloo group, while training goes on. The
@@ -61,6 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.worker.exchange.packed_state import compressor_state_by_name, pack, restore_compressor_state, unpack
+from dilocox.worker.exchange.replica_state import read_replica, write_replica
 
 log = structlog.get_logger()
 
@@ -69,6 +72,7 @@ log = structlog.get_logger()
 # one key DCP would keep only one stage's (torchtitan flattens for the same reason).
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMMITTED = "COMMITTED"
+REPLICA_FILE_PREFIX = "replica-rank"  # + the rank, 5 digits, ".pt": each rank's replica of the global model
 MANIFEST_FORMAT = "dilocox-site-checkpoint/1"
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
 # Before the manifest: the round number. An empty marker is not one of those but what a crash can leave of
@@ -135,17 +139,17 @@ class SiteCheckpoint:
         self._pending: dict[int, Future] = {}
         self._sealer: ThreadPoolExecutor | None = None  # rank 0: hashes and commits off the training thread
         self._sealing: list[Future] = []
+        self._writer: ThreadPoolExecutor | None = None  # each rank: its replica file, beside DCP's
+        self._replicas: dict[int, Future] = {}
 
     def path_of(self, round_: int) -> pathlib.Path:
         return self.root / f"round-{round_:06d}"
 
     # ------------------------------------------------------------------ save
-    def _state(self, trainer, compressor: TensorCompressor | None, names: list[str], client=None) -> dict:  # noqa: ANN001
+    def _state(self, trainer, compressor: TensorCompressor | None, names: list[str]) -> dict:  # noqa: ANN001
         module, optimizer = trainer.trained_module, trainer.optimizer
         exchange = compressor_state_by_name(compressor, names)
-        replica = client.replica_state(names) if client is not None else {}
         return {
-            "replica": replica,
             "model": get_model_state_dict(module),
             "optim": get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS),
             "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen)},
@@ -167,18 +171,33 @@ class SiteCheckpoint:
             shutil.rmtree(path)  # a stale partial write of this round (an earlier, interrupted run)
         if self.group is not None:
             dist.barrier(group=self.group)
-        state = self._state(trainer, compressor, names, client)
+        state = self._state(trainer, compressor, names)
         self._pending[round_] = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
+        if client is not None:  # beside DCP's files, from the live replica: the pull's fold waits meanwhile
+            self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-replica")
+            self._replicas[round_] = self._writer.submit(self._write_replica, path, client, list(names))
         log.info("worker_checkpoint_staged", round=round_, path=str(path))
+
+    def _write_replica(self, path: pathlib.Path, client, names: list[str]) -> None:  # noqa: ANN001
+        path.mkdir(parents=True, exist_ok=True)
+        with client.replica_lock:
+            write_replica(client.replica_entries(names), path / f"{REPLICA_FILE_PREFIX}{self.rank:05d}.pt")
 
     def commit(self, round_: int) -> None:
         """Round `round_` is on the shards: its checkpoint (if one was started) becomes the one to resume."""
-        future = self._pending.pop(round_, None)
+        future, replica = self._pending.pop(round_, None), self._replicas.pop(round_, None)
         for older in [r for r in self._pending if r < round_]:
             self._pending.pop(older).result()  # superseded; let it finish, it stays uncommitted
+            superseded = self._replicas.pop(older, None)
+            if superseded is not None:
+                superseded.result()
         if future is None:
             return
         future.result()  # on rank 0: every rank's part and DCP's metadata are written
+        if replica is not None:
+            replica.result()
+            if self.group is not None:  # every rank's replica file is in before rank 0 hashes the folder (DCP's
+                dist.barrier(group=self.group)  # collectives on this group are over: each rank's save returned)
         if self.rank == 0:
             self._sealer = self._sealer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
             self._sealing.append(self._sealer.submit(self._seal, round_))
@@ -204,6 +223,12 @@ class SiteCheckpoint:
         self._sealing.clear()
 
     def _wait_all(self) -> None:
+        for round_ in list(self._replicas):
+            try:
+                self._replicas[round_].result()
+            except Exception as error:  # noqa: BLE001 - then no replica: a resume from it pulls in full
+                log.warning("worker_checkpoint_replica_failed", round=round_, error=str(error))
+                self._replicas.pop(round_)
         for round_ in list(self._pending):
             try:
                 self._pending[round_].result()
@@ -220,10 +245,12 @@ class SiteCheckpoint:
                         reason="written, but its round's exchange did not reach the shards before the stop: a resume "
                                "takes the newest committed one, and the shards say which round to train")  # fmt: skip
         self._pending.clear()
+        self._replicas.clear()
         self._wait_sealed()
-        if self._sealer is not None:
-            self._sealer.shutdown()
-            self._sealer = None
+        for pool in (self._sealer, self._writer):
+            if pool is not None:
+                pool.shutdown()
+        self._sealer = self._writer = None
 
     def _prune(self, newest: int) -> None:
         rounds = self.rounds()
@@ -302,7 +329,6 @@ class SiteCheckpoint:
             "progress": {"step": 0, "tokens_seen": 0},
             "data": {data_key: b""} if f"data.{data_key}" in saved else {},
             "exchange": {name: b"" for name in names if f"exchange.{name}" in saved},
-            "replica": {name: b"" for name in names if f"replica.{name}" in saved and client is not None},
         }
         dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
         set_model_state_dict(module, state["model"])
@@ -323,7 +349,9 @@ class SiteCheckpoint:
             restore_compressor_state(compressor, state["exchange"], names)
             if missing:
                 log.warning("compressor_state_missing", round=round_, parameters=len(missing), example=missing[0])
-        replica_slices = client.restore_replica(state["replica"], names) if client is not None else 0
+        replica_slices = 0
+        if client is not None:  # the files of every rank: another layout's owner of a name may have written it
+            replica_slices = client.restore_replica_slices(read_replica(sorted(path.glob(f"{REPLICA_FILE_PREFIX}*.pt")), names), names)
         log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step, replica_slices=replica_slices)
         return round_
 

@@ -35,7 +35,8 @@ from dilocox.common.wire.staleness import check_rule as check_stale_rule
 from dilocox.common.security import TlsFiles, open_channel
 from dilocox.worker.exchange.carry import UndeliveredCarry
 from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions, replayed_version
-from dilocox.worker.exchange.replica_state import Installed, install_replica, replica_by_name, unpack_replica
+from dilocox.worker.exchange.packed_state import pack
+from dilocox.worker.exchange.replica_state import Installed, install_replica, replica_entries, unpack_replica
 from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
 from dilocox.worker.exchange.shard_wait import RECONNECT_OPTIONS, WAITED_FOR, AggregatorError, call_waiting, why_unreachable
 from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
@@ -127,7 +128,7 @@ class AggregatorClient:
         self._own: dict[SliceKey, EncodedSlice] = {}
         self._last_push: tuple[int, float, dict[int, list[SliceKey]]] | None = None  # round, weight, keys by shard
         self._restored: tuple[dict, list[str]] | None = None  # a checkpoint's replica, installed at the join
-        self._replica_lock = threading.Lock()  # held while a pull folds into the replica, and while it is saved
+        self.replica_lock = threading.Lock()  # held while a pull folds into the replica, and while it is saved
         self.resumed: Installed | None = None  # what that replica gave (worker/exchange/replica_state.py)
         # shard -> how its last pull came: ("rounds", n replayed) | ("current", 0) | ("full", 0), and why if full
         self.pull_kinds: dict[int, tuple[str, int, str]] = {}
@@ -421,7 +422,7 @@ class AggregatorClient:
                 digest = self.replay_check.expected(shard, digests, replayed)  # before applying
                 own = own_contributions(self.cluster, self._own, self.held, shard, summaries, own_keys, have)
                 assert self.outer is not None, "join first"
-                with self._replica_lock:  # a state_dict() meanwhile sees this shard's slices before or after, whole
+                with self.replica_lock:  # a state_dict() meanwhile sees this shard's slices before or after, whole
                     self.held_versions[shard] = apply_pull(self.held, self.outer, units, own, self.held_versions.get(shard, -1))
                 if digest is not None:
                     self.replay_check.verify(shard, self.held_versions[shard], own_keys, self.held, self.outer.buffers, digest)
@@ -456,18 +457,26 @@ class AggregatorClient:
         return min(versions), {k: self.held[k] for k in wanted_keys if k in self.held}, total
 
     # ------------------------------------------------------------------ the replica in checkpoints
+    def replica_entries(self, names: Sequence[str]) -> dict[str, dict]:
+        """Our replica of `names`, the live tensors by name (hold `replica_lock` while they are read)."""
+        momentum = self.outer.buffers if self.outer is not None else {}
+        return replica_entries(self.held, momentum, self.held_versions, self.assignment, names)
+
     def replica_state(self, names: Sequence[str]) -> dict[str, bytes]:
         """Our replica of `names` (weights, outer momentum, each shard's version), packed per name for a
         checkpoint: a copy, each shard's slices whole at one version (a pull folding in meanwhile waits)."""
-        with self._replica_lock:
-            momentum = self.outer.buffers if self.outer is not None else {}
-            return replica_by_name(self.held, momentum, self.held_versions, self.assignment, names)
+        with self.replica_lock:
+            return {name: pack(slices) for name, slices in self.replica_entries(names).items()}
 
     def restore_replica(self, packed: Mapping[str, bytes], names: Sequence[str]) -> int:
         """Keep the replica a checkpoint saved for `names`, to install at the join (where the slices are
         known); the first pull then asks only for the rounds since. Returns the slices found."""
-        self._restored = (unpack_replica(packed, names), list(names))
-        return len(self._restored[0])
+        return self.restore_replica_slices(unpack_replica(packed, names), names)
+
+    def restore_replica_slices(self, slices: dict[SliceKey, dict], names: Sequence[str]) -> int:
+        """As `restore_replica`, from slices already read (a site checkpoint's replica files)."""
+        self._restored = (slices, list(names))
+        return len(slices)
 
     # ------------------------------------------------------------------ status
     def status_each(self, timeout: float = 10.0) -> list[pb.StatusReply | AggregatorError]:

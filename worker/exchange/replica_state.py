@@ -8,14 +8,17 @@ the first pull after `--resume` ask for only the rounds it missed: the shards ke
 full pull of the weights and momentum (8 bytes per parameter over the WAN: 856 GB at 107B) is left for a
 site further behind than the shards keep, a checkpoint without a replica, or a replay that does not match.
 
-The replica is stored like the compressor's state (`packed_state`): one bytes object per parameter name,
-so DCP writes each under the rank that owns the name and a resume with another layout finds it with the
-parameter's new owner. A name's entry holds its slices (those of one shard may be at another version than
-those of the next, as a pull left them).
+In the site's checkpoint each rank writes its replica into a file of its own beside DCP's
+(`replica-rank<r>.pt`, `write_replica`), from the live tensors while the pull's fold waits on the client's
+lock — no staging copy — keyed by parameter name, so a resume with another layout picks each parameter's
+slices from whichever file holds them. The API's `state_dict()` packs it per name like the compressor's
+state (`packed_state`). A name's entry holds its slices (those of one shard may be at another version
+than those of the next, as a pull left them).
 """
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 
@@ -26,18 +29,52 @@ from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.packed_state import pack, unpack
 
 
-def replica_by_name(held: Mapping[SliceKey, torch.Tensor], momentum: Mapping[SliceKey, torch.Tensor],
-                    versions: Mapping[int, int], assignment: Iterable[ParamSlice], names: Iterable[str]) -> dict[str, bytes]:  # fmt: skip
-    """Every name in `names`, with the replica's slices of it packed: weights, momentum (None where the
-    shard keeps none) and the version of the shard they came from. A copy: the next pull changes them in
-    place. Slices of a shard this replica has no version of are left out."""
+def replica_entries(held: Mapping[SliceKey, torch.Tensor], momentum: Mapping[SliceKey, torch.Tensor],
+                    versions: Mapping[int, int], assignment: Iterable[ParamSlice], names: Iterable[str]) -> dict[str, dict]:  # fmt: skip
+    """Every name in `names`, with the replica's slices of it: weights, momentum (None where the shard
+    keeps none) and the version of the shard they came from — the live tensors, not copies (hold the
+    client's `replica_lock` while they are read). Slices of a shard with no version yet are left out."""
     by_name: dict[str, dict] = {name: {} for name in names}
     for piece in assignment:
         version = versions.get(piece.shard, -1)
         if piece.name in by_name and piece.key in held and version >= 0:
             by_name[piece.name][piece.key] = {"weights": held[piece.key], "momentum": momentum.get(piece.key),
                                               "shard": piece.shard, "version": version}  # fmt: skip
-    return {name: pack(slices) for name, slices in by_name.items()}
+    return by_name
+
+
+def write_replica(entries: Mapping[str, dict], path: pathlib.Path) -> None:
+    """A rank's replica into its own file of the checkpoint folder, straight from the tensors (torch.save
+    writes each storage from memory: no staging copy, which would be 8 bytes per owned parameter), each
+    name's slices under the name, so a rank of another layout picks the names it owns."""
+    torch.save({name: {key: {**entry, "weights": _own(entry["weights"]), "momentum": _own(entry["momentum"])}
+                       for key, entry in slices.items()} for name, slices in entries.items()}, path)  # fmt: skip
+
+
+def _own(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor that views a larger storage, copied (torch.save would write the whole storage); else itself."""
+    if tensor is None or tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
+
+
+def read_replica(paths: Iterable[pathlib.Path], names: Iterable[str]) -> dict[SliceKey, dict]:
+    """The slices of `names` from the ranks' replica files (memory-mapped: only the names asked for are
+    read), as copies the client may update in place."""
+    wanted, slices = set(names), {}
+    for path in paths:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # our own file, checked by the manifest
+        for name in wanted & saved.keys():
+            for key, entry in saved[name].items():
+                slices[key] = {**entry, "weights": entry["weights"].clone(),
+                               "momentum": entry["momentum"].clone() if entry["momentum"] is not None else None}  # fmt: skip
+    return slices
+
+
+def replica_by_name(held: Mapping[SliceKey, torch.Tensor], momentum: Mapping[SliceKey, torch.Tensor],
+                    versions: Mapping[int, int], assignment: Iterable[ParamSlice], names: Iterable[str]) -> dict[str, bytes]:  # fmt: skip
+    """`replica_entries`, packed per name (a copy: for the API's `state_dict()`, which the caller saves)."""
+    return {name: pack(slices) for name, slices in replica_entries(held, momentum, versions, assignment, names).items()}
 
 
 def unpack_replica(packed: Mapping[str, bytes], names: Iterable[str]) -> dict[SliceKey, dict]:

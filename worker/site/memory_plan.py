@@ -28,7 +28,7 @@ Device, per GPU (on the CPU the same bytes are host memory):
 
 Host, per rank: `build` (one whole parameter while materialising, worker/models/materialize.py), `exchange`
 (the round's flat buffers, replica, momentum and residual per owned parameter: worker/exchange/), and
-`checkpoint` (the DCP staging copy of weights and AdamW state, the residuals and the replica) — the last only while a
+`checkpoint` (the DCP staging copy of weights and AdamW state, and the residuals) — the last only while a
 checkpoint is staged.
 """
 
@@ -53,7 +53,7 @@ ACTIVATION_FACTORS = {False: (4, 2), True: (7, 4)}  # gated MLP? -> (width, mlp)
 # are counted apart, and θ reaches the host through a landing buffer of at most one reshard batch.
 EXCHANGE_BYTES_PER_PARAM = 16
 CHECKPOINT_BYTES_PER_HELD = 12  # fp32 weights + AdamW's two moments, staged by DCP
-CHECKPOINT_BYTES_PER_OWNED = 12  # the residuals, and the replica (weights, outer momentum) a resume replays onto
+CHECKPOINT_BYTES_PER_OWNED = 4  # the residuals (the replica is written from its live tensors: worker/checkpoint.py)
 
 
 @dataclass(frozen=True)
