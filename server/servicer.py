@@ -79,7 +79,7 @@ class AggregatorServicer:
                 raise InvalidFrame("a push stream must start with a PushHeader")
             header = first.header
             received += first.ByteSize()
-            self.shard.check_push(header.run_id, header.cluster, header.round, header.weight)
+            self.shard.check_push(header.run_id, header.cluster, header.round, header.weight, header.staleness)
 
             if header.chunks < 1:
                 raise InvalidFrame("a push must carry at least one slice after its PushHeader, and its header must say how "

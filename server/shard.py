@@ -189,8 +189,9 @@ class Shard(RoundClosing):
     def open_round(self) -> int:
         return self.version + 1
 
-    def check_push(self, run_id: str, cluster: str, round_: int, weight: float) -> None:
-        """Refuse a push before any chunk is read: wrong run, unknown cluster, round not open."""
+    def check_push(self, run_id: str, cluster: str, round_: int, weight: float, staleness: int = 0) -> None:
+        """Refuse a push before any chunk is read: wrong run, unknown cluster, round not open, or a weight or
+        staleness other than the cluster's earlier pushes to this round said (its other ranks' parts)."""
         self._check_run(run_id)
         with self._cond:
             if self._included_in_published(cluster, round_):
@@ -199,7 +200,7 @@ class Shard(RoundClosing):
                 raise NotJoined(f"cluster {cluster!r} has not joined shard {self.shard_index}")
             self._check_round(cluster, round_)
             if round_ > 0 and self.accumulator is not None:
-                self.accumulator.check_weight(cluster, weight)
+                self.accumulator.check_weight(cluster, weight, staleness)
 
     def owned_slice(self, key: SliceKey, shape: tuple[int, ...]) -> ParamSlice:
         """The owned slice `key`; refuses a slice this shard does not own or one with the wrong shape."""

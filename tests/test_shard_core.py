@@ -326,3 +326,20 @@ def test_a_round_is_stepped_outside_the_lock_and_nothing_sees_it_half_done(tmp_p
     for key in shard.snapshot.tensors:
         assert torch.equal(shard.snapshot.tensors[key], twin.snapshot.tensors[key])
         assert torch.equal(shard.snapshot.momentum[key], twin.snapshot.momentum[key])
+
+
+def test_a_sites_second_rank_pushing_caught_up_work_is_checked_with_its_own_staleness():
+    """A late site's ranks push their parts of the open round with the same staleness (issue 47): the
+    check before the chunks are read takes the header's staleness, so the second rank's part is let in
+    (it was refused as "staleness 2, now 0", and the site exited: found by tests/test_late_site_ranks.py);
+    a part saying another staleness than the first is still refused."""
+    from dilocox.common.wire.errors import InvalidFrame
+
+    shard = make_shard()
+    init(shard, ["a", "b"], full_tensors(0))
+    slices = slices_for(shard, full_tensors(1))
+    shard.commit_push("a", 1, 10.0, slices[:1], staleness=2)  # rank 0's part
+    shard.check_push(RUN, "a", 1, 10.0, 2)  # rank 1's header: the same weight and staleness
+    shard.commit_push("a", 1, 10.0, slices[1:], staleness=2)
+    with pytest.raises(InvalidFrame, match="staleness 2, now 0"):
+        shard.check_push(RUN, "a", 1, 10.0, 0)
