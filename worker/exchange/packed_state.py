@@ -24,18 +24,18 @@ def pack(obj: object) -> bytes:
     would take the whole buffer into every parameter's entry — a 26M-parameter site's checkpoint was
     10.7 GB instead of 0.4 GB, on an H100, until views were compacted here."""
     buffer = io.BytesIO()
-    torch.save(_compact(obj), buffer)
+    torch.save(compact(obj), buffer)
     return buffer.getvalue()
 
 
-def _compact(obj: object) -> object:
+def compact(obj: object) -> object:
     """`obj` with every tensor that is a view into a larger storage replaced by a copy of its elements."""
     if isinstance(obj, torch.Tensor):
         return obj.clone() if obj.untyped_storage().nbytes() > obj.numel() * obj.element_size() else obj
     if type(obj) is dict:
-        return {key: _compact(value) for key, value in obj.items()}
+        return {key: compact(value) for key, value in obj.items()}
     if type(obj) in (list, tuple):
-        return type(obj)(_compact(value) for value in obj)
+        return type(obj)(compact(value) for value in obj)
     return obj
 
 

@@ -26,7 +26,7 @@ import torch
 
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
-from dilocox.worker.exchange.packed_state import pack, unpack
+from dilocox.worker.exchange.packed_state import compact, unpack
 
 
 def replica_entries(held: Mapping[SliceKey, torch.Tensor], momentum: Mapping[SliceKey, torch.Tensor],
@@ -45,17 +45,10 @@ def replica_entries(held: Mapping[SliceKey, torch.Tensor], momentum: Mapping[Sli
 
 def write_replica(entries: Mapping[str, dict], path: pathlib.Path) -> None:
     """A rank's replica into its own file of the checkpoint folder, straight from the tensors (torch.save
-    writes each storage from memory: no staging copy, which would be 8 bytes per owned parameter), each
-    name's slices under the name, so a rank of another layout picks the names it owns."""
-    torch.save({name: {key: {**entry, "weights": _own(entry["weights"]), "momentum": _own(entry["momentum"])}
-                       for key, entry in slices.items()} for name, slices in entries.items()}, path)  # fmt: skip
-
-
-def _own(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    """A tensor that views a larger storage, copied (torch.save would write the whole storage); else itself."""
-    if tensor is None or tensor.untyped_storage().nbytes() <= tensor.numel() * tensor.element_size():
-        return tensor
-    return tensor.clone()
+    writes each storage from memory: no staging copy, which would be 8 bytes per owned parameter; a slice
+    that views a larger storage is copied, `compact`), each name's slices under the name, so a rank of
+    another layout picks the names it owns."""
+    torch.save(compact(dict(entries)), path)
 
 
 def read_replica(paths: Iterable[pathlib.Path], names: Iterable[str]) -> dict[SliceKey, dict]:
@@ -69,12 +62,6 @@ def read_replica(paths: Iterable[pathlib.Path], names: Iterable[str]) -> dict[Sl
                 slices[key] = {**entry, "weights": entry["weights"].clone(),
                                "momentum": entry["momentum"].clone() if entry["momentum"] is not None else None}  # fmt: skip
     return slices
-
-
-def replica_by_name(held: Mapping[SliceKey, torch.Tensor], momentum: Mapping[SliceKey, torch.Tensor],
-                    versions: Mapping[int, int], assignment: Iterable[ParamSlice], names: Iterable[str]) -> dict[str, bytes]:  # fmt: skip
-    """`replica_entries`, packed per name (a copy: for the API's `state_dict()`, which the caller saves)."""
-    return {name: pack(slices) for name, slices in replica_entries(held, momentum, versions, assignment, names).items()}
 
 
 def unpack_replica(packed: Mapping[str, bytes], names: Iterable[str]) -> dict[SliceKey, dict]:
