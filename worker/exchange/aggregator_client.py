@@ -339,11 +339,11 @@ class AggregatorClient:
         """The newest version any shard has given us (-1: none yet); `pull` returns the oldest."""
         return max(self.held_versions.values(), default=-1)
 
-    def catch_up_replica(self, names: Sequence[str] = ()) -> int:
-        """Pull the shards our replica holds an older version of than another shard gave us, up to that
-        version (a late site can get the run's final version from one shard and an older one from
-        another); returns the version the replica is at."""
-        newest = self.newest_version
+    def catch_up_replica(self, names: Sequence[str] = (), to: int | None = None) -> int:
+        """Pull the shards our replica holds an older version of than another shard gave us (or than `to`:
+        what another rank of the site holds), up to that version (a late site can get the run's final
+        version from one shard and an older one from another); returns the version the replica is at."""
+        newest = max(self.newest_version, -1 if to is None else to)
         behind = [shard for shard, version in self.held_versions.items() if version < newest]
         if behind:
             log.info("replica_catching_up", shards=behind, version=newest)

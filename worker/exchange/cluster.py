@@ -398,9 +398,11 @@ class DilocoCluster(StepDriven):
         if flushed is not None:
             adopt = True
         if self.access.agree_any(adopt):  # every rank writes, or none (the write is collective)
-            if adopt:
-                self.version = max(self.version, self.client.catch_up_replica(self.names))  # one version everywhere
-                self._start_from_held(keep_unsent=False)
+            # ... and every rank adopts one version: the newest any rank of the site was given (a late site's
+            # ranks can hold different ones at the end; each would otherwise write its own)
+            newest = -self.access.agree_min(-max(self.version, self.client.newest_version))
+            self.version = max(self.version, self.client.catch_up_replica(self.names, to=newest))
+            self._start_from_held(keep_unsent=False)
             self.access.write(self.buffers.start)
             log.info("final_weights_adopted", cluster=self.client.cluster, version=self.version)
         if self.checkpoint is not None and not self.access.agree_any(flushed is None):
