@@ -19,7 +19,7 @@ from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, CheckpointE
 from dilocox.server import checkpoint, resume
 from dilocox.server.grpc_server import start_server
 from dilocox.server.grace import GraceWindow
-from dilocox.common.config.waits import contradictions
+from dilocox.common.config.waits import refusal
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 
 log = structlog.get_logger()
@@ -106,9 +106,9 @@ def run(args: argparse.Namespace) -> int:
         tls, token = security_from_args(args, "server")
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None
-    problems = contradictions(args.round_deadline_s, args.grace_s)
-    if problems:
-        raise SystemExit("dilocox server: the waits contradict each other (docs/deploy.md, \"Waits and timeouts\"): " + "; ".join(problems))
+    refused = refusal(args.round_deadline_s, args.grace_s)
+    if refused:
+        raise SystemExit(f"dilocox server: {refused}")
     try:
         shard = Shard(
             args.shard_index,

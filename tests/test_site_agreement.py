@@ -31,6 +31,9 @@ class GlooAgreement:
     def agree_min(self, value: int) -> int:
         return self._over_site(value, dist.ReduceOp.MIN)
 
+    def agree_max(self, value: int) -> int:
+        return self._over_site(value, dist.ReduceOp.MAX)
+
     def agree_any(self, flag: bool) -> bool:
         return bool(self._over_site(int(flag), dist.ReduceOp.MAX))
 

@@ -162,7 +162,8 @@ class SiteCheckpoint:
         """Start saving the state round `round_` ends with (every `every` rounds, or `always`: the end-of-run
         flush's, which a run extended later resumes from); collective in a site. Returns once the state
         is staged in host memory; the write goes on in the background. `client`: its replica of the
-        global model is saved too (taken where no pull runs), so a resume pulls only the rounds since."""
+        global model is written too, beside DCP's files (`_write_replica`), so a resume pulls only the
+        rounds since."""
         if round_ % self.every and not always:
             return
         self._wait_all()  # one write at a time: the previous one is finished before this one stages

@@ -14,7 +14,7 @@ import sys
 
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_from_args, flag_dests, to_toml, toml_value
 from dilocox.common.config.sources import SettingsError, subparsers_of
-from dilocox.common.config.waits import contradictions
+from dilocox.common.config.waits import refusal
 
 COMMANDS_WITH_TABLES = ("worker", "server", "sim", "export", "status")
 SECRETS = ("token",)  # never printed: the output is meant to be shared and pasted
@@ -56,10 +56,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command:
             config, others = command_settings(args.command, args.config, os.environ)
-            problems = contradictions(others.get("round-deadline-s"), others.get("grace-s") or 0.0) if args.command == "server" else []
-            if problems:
-                print("dilocox config show: the waits contradict each other (docs/deploy.md, \"Waits and timeouts\"): "
-                      + "; ".join(problems), file=sys.stderr)  # fmt: skip
+            refused = refusal(others.get("round-deadline-s"), others.get("grace-s") or 0.0) if args.command == "server" else None
+            if refused:
+                print(f"dilocox config show: {refused}", file=sys.stderr)
                 return 1
             text = (to_toml(config, only_in_use=True) + "\n") if config is not None else ""
             text += f"[{args.command}]\n" + "".join(_line(key, value) for key, value in others.items())

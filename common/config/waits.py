@@ -20,6 +20,14 @@ def collective_timeout_for(shard_wait_s: float, pull_wait_s: float = PULL_WAIT_S
     return pull_wait_s + shard_wait_s + MARGIN_S
 
 
+def refusal(round_deadline_s: float | None, grace_s: float = 0.0) -> str | None:
+    """The sentence `dilocox server` and `dilocox config show --command server` refuse with, or None."""
+    problems = contradictions(round_deadline_s, grace_s)
+    if not problems:
+        return None
+    return 'the waits contradict each other (docs/deploy.md, "Waits and timeouts"): ' + "; ".join(problems)
+
+
 def contradictions(round_deadline_s: float | None, grace_s: float = 0.0, pull_wait_s: float = PULL_WAIT_S) -> list[str]:
     """What in a shard's settings breaks the order of the waits (shard round deadline and grace below the
     sites' pull wait): each a sentence naming the flags. Empty when they hold. `dilocox server` refuses to

@@ -41,6 +41,9 @@ class ParameterAccess(Protocol):
     def agree_min(self, value: int) -> int:
         """The smallest `value` over the site's ranks."""
 
+    def agree_max(self, value: int) -> int:
+        """The largest `value` over the site's ranks."""
+
     def agree_any(self, flag: bool) -> bool:
         """Whether any rank of the site says `flag`."""
 
@@ -93,6 +96,9 @@ class LocalAccess:
             torch.cuda.synchronize()
 
     def agree_min(self, value: int) -> int:
+        return value
+
+    def agree_max(self, value: int) -> int:
         return value
 
     def agree_any(self, flag: bool) -> bool:

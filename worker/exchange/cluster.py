@@ -315,7 +315,7 @@ class DilocoCluster(StepDriven):
     def _check_tokens_agree(self, round_: int, tokens: int) -> None:
         """Every rank of a site weighs its slices by the same tokens (the site's): a rank passing its own
         share would weigh its parameters differently from the others'. Refused alike on every rank."""
-        low, high = self.access.agree_min(int(tokens)), -self.access.agree_min(-int(tokens))
+        low, high = self.access.agree_min(int(tokens)), self.access.agree_max(int(tokens))
         if low != high:
             raise ValueError(f"round {round_}: the site's ranks report different tokens ({low} to {high}); every rank "
                              f"must pass the whole site's tokens (the same number) to step()/close_round")  # fmt: skip
@@ -400,7 +400,7 @@ class DilocoCluster(StepDriven):
         if self.access.agree_any(adopt):  # every rank writes, or none (the write is collective)
             # ... and every rank adopts one version: the newest any rank of the site was given (a late site's
             # ranks can hold different ones at the end; each would otherwise write its own)
-            newest = -self.access.agree_min(-max(self.version, self.client.newest_version))
+            newest = self.access.agree_max(max(self.version, self.client.newest_version))
             self.version = max(self.version, self.client.catch_up_replica(self.names, to=newest))
             self._start_from_held(keep_unsent=False)
             self.access.write(self.buffers.start)
