@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dilocox.worker.models.chunked_loss import chunked_cross_entropy
+
 
 class ModelContractError(TypeError):
     """A model's forward returned something that holds no logits."""
@@ -33,11 +35,15 @@ def logits_of(output: object) -> torch.Tensor:
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats), computed in fp32 whatever precision the logits are in."""
+    """Mean next-token cross-entropy (nats), computed in fp32 whatever precision the logits are in: fp32
+    logits in one call, as always; bf16 (or fp16) logits a piece at a time, so the microbatch's logits
+    never exist in fp32 (worker/models/chunked_loss.py; the same gradient bit for bit)."""
     if logits.dim() != 3 or logits.shape[:2] != targets.shape:
         raise ModelContractError(f"logits of shape {tuple(logits.shape)} do not match targets of shape {tuple(targets.shape)} "
                                  "(expected [batch, time, vocab])")  # fmt: skip
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+    if logits.dtype != torch.float32:
+        return chunked_cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def lm_loss(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

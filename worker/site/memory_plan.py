@@ -20,7 +20,9 @@ Device, per GPU (on the CPU the same bytes are host memory):
   dtype; plus the attention matrix where attention is not fused (the CPU's math kernel). With
   `--activation-checkpoint full` a block keeps only its input per token, and one block's intermediates
   exist at a time while it is recomputed.
-* `logits`: the last stage's fp32 logits, one set per microbatch in flight plus the loss's two transients.
+* `logits`: the last stage's logits, one set per microbatch in flight. fp32: plus the loss's two fp32
+  transients (its log-softmax, its gradient). bf16: plus their bf16 gradient and the chunked loss's
+  pieces (worker/models/chunked_loss.py: about five 64 MiB fp32 pieces at a time, never a whole fp32 copy).
 * `reshard`: the two flat buffers the round boundary's all_to_all keeps (worker/site/reshard.py), sized by
   its own planner for this rank.
 * `optimizer_step`: AdamW's transient (its foreach path on a GPU copies the second moments once; the
@@ -39,6 +41,7 @@ import math
 from dataclasses import dataclass, field
 
 from dilocox.common.config.run import RunConfig
+from dilocox.worker.models.chunked_loss import chunk_rows
 from dilocox.worker.site.mesh import SiteShape
 from dilocox.worker.site.reshard import BATCH_ELEMENTS, StageResharder, held_rows
 
@@ -227,7 +230,7 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
             d["activations"] = in_flight * tokens * len(blocks) * per_token_layer * act_bytes
         last = stage == shape.pp - 1
         last_in_flight = 1 if not pipelined or par.schedule == "1f1b" else micro
-        d["logits"] = tokens * model.vocab * 4 * (last_in_flight + 2) if last else 0
+        d["logits"] = _logits_bytes(tokens, model.vocab, last_in_flight, bf16) if last else 0
         resharder = resharders[stage]
         d["reshard"] = 4 * buffers[stage][replica] if shape.dp > 1 else 0
         largest_local = max((math.prod(s) for s in shapes.values()), default=0) // (shape.dp_shard if sharded else 1)
@@ -245,6 +248,16 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         }
         ranks.append(plan)
     return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard)
+
+
+def _logits_bytes(tokens: int, vocab: int, in_flight: int, bf16: bool) -> int:
+    """The last stage's logits and the loss's transients (measured with torch's MemTracker in
+    tests/test_chunked_loss.py: the plain loss three fp32 copies, the chunked one the bf16 gradient and
+    five pieces)."""
+    if not bf16:
+        return tokens * vocab * 4 * (in_flight + 2)
+    pieces = 5 * min(tokens, chunk_rows(vocab)) * vocab * 4
+    return tokens * vocab * 2 * (in_flight + 1) + pieces
 
 
 def _landing_elements(plan: StageResharder) -> list[int]:

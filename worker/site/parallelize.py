@@ -8,9 +8,12 @@ with FSDP2's all-reduce of gradients. Gradients are averaged over the dp ranks b
 (or all-reduce), bucketed per unit and overlapped with the backward — nothing of it is written here.
 
 In bf16 FSDP's mixed-precision policy replaces autocast: parameters are gathered and computed in bf16,
-gradients reduced in fp32, and the sharded parameters and AdamW's state stay fp32. The stage's output is
-cast to fp32 so the loss (last stage) and the activations sent between stages are fp32, as they are
-without FSDP.
+gradients reduced in fp32, and the sharded parameters and AdamW's state stay fp32. Outputs stay bf16, as
+in torchtitan: every unit casts what comes in to bf16 anyway, so a block's output cast to fp32 and back
+changed nothing but cost a copy — and where the root's own modules computed on it (the final norm and
+head after the last block) it broke the run (`F.linear` of fp32 activations with bf16 weights). So
+activations cross the pipeline in bf16 (half the bytes between nodes; their gradients too) and the last
+stage's logits are bf16: the loss upcasts them a piece at a time (worker/models/chunked_loss.py).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, bf16: bool, keep_gathered: 
     of being gathered again for every micro-batch (torchtitan's default with pipelining: one gather per
     block and step, for the memory of the stage's gathered parameters during the step). Otherwise each
     block reshards after its forward (`--pipeline-reshard microbatch`: worker/site/pipeline_fsdp.py)."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     blocks = transformer_blocks(module)
     for i, block in enumerate(blocks):
         # The last block is gathered again at once by the backward: keep it (torchtitan does the same).
