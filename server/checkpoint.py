@@ -13,8 +13,11 @@ is refused, and `--resume` falls back to the newest intact kept version (server/
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pathlib
+import shutil
 import time
 
 import structlog
@@ -25,6 +28,7 @@ from dilocox.common.wire.checkpoint_format import (
     key_tuple,
     load_state,
     loaded_payload,
+    one_line,
     save_state,
     saved_payload,
     slice_key,
@@ -133,7 +137,17 @@ def restore(shard: Shard, state: dict) -> None:
 class Checkpointer:
     """Saves every `every` versions (as `Shard.on_publish`) and on demand (SIGTERM), keeping the last
     `keep` versions (`shard-<i>.pt` and `shard-<i>.v<version>.pt`), and never replaces a checkpoint by
-    an older or emptier one: a restarted shard that somehow holds less than its folder keeps its hands off."""
+    an older or emptier one: a restarted shard that somehow holds less than its folder keeps its hands off.
+
+    A storage fault (ENOSPC, EIO, a read-only filesystem: torch reports some as RuntimeError) never fails a
+    round: the version is published and its waiters woken whatever the disk says. The first failure of a
+    streak is logged with the path, the reason and the space left; every failure is counted
+    (`CheckpointHealth`: `dilocox status`, the metric `dilocox_checkpoint_failures_total`); the save is
+    retried at the next version, interval or not, and a success ends the streak (`checkpoint_recovered`).
+    The newest checkpoint is never removed before its successor is durable: the current file is kept under
+    its version's name by a hard link (a copy where links are not supported), the new one replaces the
+    name atomically, and only then are the oldest pruned. Temporary files a killed save left are removed
+    at start."""
 
     def __init__(self, shard: Shard, directory: str | os.PathLike, every: int = 1, keep: int = 3) -> None:
         if every < 1:
@@ -145,15 +159,35 @@ class Checkpointer:
         self.every = every
         self.keep = keep
         self.written_version = shard.version if checkpoint_path(directory, shard.shard_index).exists() else None
+        self.health = shard.checkpoint_health = CheckpointHealth()
+        remove_temporary_files(self.directory, shard.shard_index)
 
     def __call__(self, snapshot: Snapshot) -> None:
-        if snapshot.version % self.every == 0:
-            self._write()
+        if snapshot.version % self.every == 0 or self.health.failing_since is not None:
+            self._try_write()
 
-    def save_now(self) -> None:
+    def save_now(self) -> bool:
+        """Save the published version now (the stop's save); False when the storage refused it (logged)."""
         with self.shard._cond:
             self.shard.wait_until_published()  # a close stepping in place: its version is not whole yet
+            return self._try_write()
+
+    def _try_write(self) -> bool:
+        version, path = self.shard.version, checkpoint_path(self.directory, self.shard.shard_index)
+        try:
             self._write()
+        except (OSError, RuntimeError) as error:
+            reason = one_line(error)
+            if self.health.failed(version, reason):
+                log.error("checkpoint_failed", shard=self.shard.shard_index, version=version, path=str(path), reason=reason,
+                          free_bytes=_free_bytes(self.directory), kept_version=self.written_version,
+                          effect="the round is published and served; the save is retried at every version until one succeeds")  # fmt: skip
+            remove_temporary_files(self.directory, self.shard.shard_index)
+            return False
+        streak = self.health.succeeded()
+        if streak:
+            log.info("checkpoint_recovered", shard=self.shard.shard_index, version=version, failed_saves=streak)
+        return True
 
     def _write(self) -> None:
         version, index = self.shard.version, self.shard.shard_index
@@ -163,13 +197,76 @@ class Checkpointer:
                             reason="the checkpoint on disk is newer")  # fmt: skip
                 return
         path = checkpoint_path(self.directory, index)
-        if self.written_version is not None and self.written_version != version and path.exists() and self.keep > 1:
-            os.replace(path, self.directory / f"shard-{index}.v{self.written_version}.pt")
+        rotating = self.written_version is not None and self.written_version != version and path.exists() and self.keep > 1
+        if rotating:  # the current file stays where it is until its successor is durable
+            _keep_as(path, self.directory / f"shard-{index}.v{self.written_version}.pt")
+        save(self.shard, self.directory)
+        self.written_version = version
+        if rotating:
             older = sorted(self.directory.glob(f"shard-{index}.v*.pt"), key=lambda p: int(p.stem.rsplit(".v", 1)[1]))
             for stale in older[: max(0, len(older) - (self.keep - 1))]:
                 stale.unlink()
-        save(self.shard, self.directory)
-        self.written_version = version
+
+
+class CheckpointHealth:
+    """How the shard's saves are going: failures this run, and the current streak (what status, metrics
+    and health report)."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.failing_since: int | None = None  # the version whose save failed first in the current streak
+        self.streak = 0
+        self.last_error = ""
+
+    def failed(self, version: int, reason: str) -> bool:
+        """Count a failure; True when it starts a streak (the one to log)."""
+        self.failures += 1
+        self.streak += 1
+        self.last_error = reason
+        first = self.failing_since is None
+        if first:
+            self.failing_since = version
+        return first
+
+    def succeeded(self) -> int:
+        """End a streak; returns how many saves it had failed (0: none)."""
+        streak, self.streak, self.failing_since, self.last_error = self.streak, 0, None, ""
+        return streak
+
+    def as_status(self) -> dict:
+        return {"checkpoint_failures": self.failures, "checkpoint_failing_rounds": self.streak, "checkpoint_error": self.last_error}
+
+
+def _keep_as(path: pathlib.Path, kept: pathlib.Path) -> None:
+    """`kept` holds what `path` holds (a hard link: no bytes written; a copy where links are not supported)."""
+    if kept.exists():  # an earlier attempt of this rotation got this far
+        return
+    try:
+        os.link(path, kept)
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            raise
+        shutil.copy2(path, kept)
+
+
+def remove_temporary_files(directory: pathlib.Path, shard_index: int) -> None:
+    """Delete the temporary files of this shard's saves (`shard-<i>.pt<random>.tmp`): what a save killed
+    mid-write, or one that failed, leaves behind."""
+    removed = []
+    for tmp in directory.glob(f"shard-{shard_index}.pt*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            size = tmp.stat().st_size
+            tmp.unlink()
+            removed.append((tmp.name, size))
+    if removed:
+        log.info("checkpoint_temporary_removed", shard=shard_index, files=[n for n, _ in removed], bytes=sum(b for _, b in removed))
+
+
+def _free_bytes(directory: pathlib.Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
 
 
 def move_aside(directory: str | os.PathLike, shard_index: int) -> pathlib.Path:

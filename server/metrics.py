@@ -48,6 +48,10 @@ class _ShardStateCollector(Collector):
                                   "(their clusters deliver them the next round)", value=self.shard.dropped_bytes)  # fmt: skip
         yield GaugeMetricFamily("dilocox_kept_round_bytes", "Payload bytes of the newest versions' contributions kept "
                                 "for sites that come back behind (--keep-rounds)", value=self.shard.recent.bytes_kept(self.shard.snapshot))  # fmt: skip
+        yield CounterMetricFamily("dilocox_checkpoint_failures", "Shard checkpoint saves that failed (disk full, I/O error, "
+                                  "read-only): the rounds went on, unsaved", value=status["checkpoint_failures"])  # fmt: skip
+        yield GaugeMetricFamily("dilocox_checkpoint_failing_rounds", "Versions in a row whose checkpoint save failed, up to "
+                                "now (0: the last save succeeded)", value=status["checkpoint_failing_rounds"])  # fmt: skip
         yield from _site_families(status["sites"])
         yield GaugeMetricFamily(
             "dilocox_last_round_close_timestamp_seconds", "Unix time the last round closed (0: none since start)",

@@ -49,6 +49,7 @@ from dilocox.server.shard_close import RoundClosing
 from dilocox.server.shard_records import JoinResult, PushResult, RoundStats, SealedRound, Snapshot
 
 log = structlog.get_logger("dilocox.shard")
+CHECKPOINT_UNSAVED = {"checkpoint_failures": 0, "checkpoint_failing_rounds": 0, "checkpoint_error": ""}  # no --checkpoint-dir
 # Versions whose contributions a shard keeps for sites that come back behind (a restart): `--keep-rounds`.
 DEFAULT_KEEP_ROUNDS = 4
 
@@ -118,6 +119,7 @@ class Shard(RoundClosing):
         self.last_round: RoundStats | None = None  # set just before the round's version is published
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None
+        self.checkpoint_health = None  # server/checkpoint.py's CheckpointHealth, where a checkpointer saves this shard
         self.closing = False  # set by close(): held pulls return at once
         # Called (from any thread) whenever waiting pulls should look again: a publish, a join, a close.
         # The grpc.aio server parks its pulls on these instead of a thread each (server/aio_servicer.py).
@@ -306,7 +308,11 @@ class Shard(RoundClosing):
         self.recent.published(self.snapshot, snapshot)
         self.snapshot = snapshot
         if self.on_publish is not None:
-            self.on_publish(snapshot)
+            try:
+                self.on_publish(snapshot)
+            except Exception as error:  # noqa: BLE001 - a hook (checkpoint, metrics) never fails the round it reports
+                log.error("on_publish_failed", shard=self.shard_index, version=snapshot.version, error=repr(error),
+                          effect="the version is published and served all the same")  # fmt: skip
 
     def _notify_waiters(self) -> None:
         """Wake every waiting pull (call under the lock): the condition's, and the listeners'."""
@@ -444,6 +450,7 @@ class Shard(RoundClosing):
                 "final_version": -1 if final is None else final,
                 "replay_mismatches": sum(self.replay_mismatches.values()),
                 "sites": [self._site_state(cluster) for cluster in sorted(self.known)],
+                **(self.checkpoint_health.as_status() if self.checkpoint_health is not None else CHECKPOINT_UNSAVED),
             }
 
     def _site_state(self, cluster: str) -> dict:

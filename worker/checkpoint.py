@@ -52,6 +52,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import structlog
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -72,6 +73,9 @@ log = structlog.get_logger()
 # one key DCP would keep only one stage's (torchtitan flattens for the same reason).
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMMITTED = "COMMITTED"
+# What a refused save raises: the storage's own errors (torch reports some as RuntimeError) and DCP's
+# CheckpointException, which gathers every rank's failure (a BaseException, so named apart).
+SAVE_ERRORS = (Exception, CheckpointException)
 REPLICA_FILE_PREFIX = "replica-rank"  # + the rank, 5 digits, ".pt": each rank's replica of the global model
 MANIFEST_FORMAT = "dilocox-site-checkpoint/1"
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
@@ -173,7 +177,11 @@ class SiteCheckpoint:
         if self.group is not None:
             dist.barrier(group=self.group)
         state = self._state(trainer, compressor, names)
-        self._pending[round_] = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
+        try:
+            self._pending[round_] = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
+        except SAVE_ERRORS as error:  # DCP's planning is collective: every rank of the site is here
+            self._failed(round_, error)
+            return
         if client is not None:  # beside DCP's files, from the live replica: the pull's fold waits meanwhile
             self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-replica")
             self._replicas[round_] = self._writer.submit(self._write_replica, path, client, list(names))
@@ -194,14 +202,34 @@ class SiteCheckpoint:
                 superseded.result()
         if future is None:
             return
-        future.result()  # on rank 0: every rank's part and DCP's metadata are written
+        try:
+            future.result()  # on rank 0: every rank's part and DCP's metadata are written
+        except SAVE_ERRORS as error:  # DCP gathers every rank's failure and raises it on all of them
+            if replica is not None:
+                _settled(replica)
+            self._failed(round_, error)
+            return
         if replica is not None:
-            replica.result()
+            replica_error = _settled(replica)
+            if replica_error is not None:  # the rest is intact: a resume from it pulls the weights in full
+                log.warning("worker_checkpoint_replica_failed", round=round_, error=replica_error)
             if self.group is not None:  # every rank's replica file is in before rank 0 hashes the folder (DCP's
                 dist.barrier(group=self.group)  # collectives on this group are over: each rank's save returned)
         if self.rank == 0:
             self._sealer = self._sealer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
             self._sealing.append(self._sealer.submit(self._seal, round_))
+
+    def _failed(self, round_: int, error: BaseException) -> None:
+        """A save the storage refused (full disk, I/O error, read-only folder): the site trains on and a
+        resume takes the newest committed checkpoint. Rank 0 removes what was written of this one once
+        every rank is past it."""
+        path = self.path_of(round_)
+        log.error("worker_checkpoint_failed", round=round_, path=str(path), error=_first_line(error),
+                  effect="training goes on; this round is not saved, a resume takes the newest committed checkpoint")  # fmt: skip
+        if self.group is not None:
+            dist.barrier(group=self.group)
+        if self.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
 
     def _seal(self, round_: int) -> None:
         """Rank 0, in the sealer thread: hash the folder's files into `COMMITTED` (atomically), then prune."""
@@ -211,8 +239,10 @@ class SiteCheckpoint:
             record = manifest(path, round_)
             write_text_atomic(path / COMMITTED, json.dumps(record, indent=1) + "\n", durable=True)
             self._prune(round_)
-        except OSError as error:  # stays uncommitted: a resume takes the one before
-            log.warning("worker_checkpoint_commit_failed", round=round_, path=str(path), error=str(error))
+        except OSError as error:  # uncommitted, so no resume would take it: its space is given back
+            log.error("worker_checkpoint_commit_failed", round=round_, path=str(path), error=_first_line(error),
+                      effect="training goes on; this round is not saved, a resume takes the newest committed checkpoint")  # fmt: skip
+            shutil.rmtree(path, ignore_errors=True)
             return
         log.info("worker_checkpoint_saved", round=round_, path=str(path), files=len(record["files"]),
                  bytes=sum(f["bytes"] for f in record["files"].values()),
@@ -227,14 +257,14 @@ class SiteCheckpoint:
         for round_ in list(self._replicas):
             try:
                 self._replicas[round_].result()
-            except Exception as error:  # noqa: BLE001 - then no replica: a resume from it pulls in full
-                log.warning("worker_checkpoint_replica_failed", round=round_, error=str(error))
+            except SAVE_ERRORS as error:  # then no replica: a resume from it pulls in full
+                log.warning("worker_checkpoint_replica_failed", round=round_, error=_first_line(error))
                 self._replicas.pop(round_)
         for round_ in list(self._pending):
             try:
                 self._pending[round_].result()
-            except Exception as error:  # noqa: BLE001 - a failed write is an uncommitted checkpoint, reported
-                log.warning("worker_checkpoint_failed", round=round_, error=str(error))
+            except SAVE_ERRORS as error:  # a failed write is an uncommitted checkpoint, reported
+                log.warning("worker_checkpoint_failed", round=round_, error=_first_line(error))
                 self._pending.pop(round_)
 
     def close(self) -> None:
@@ -355,6 +385,26 @@ class SiteCheckpoint:
             replica_slices = client.restore_replica_slices(read_replica(sorted(path.glob(f"{REPLICA_FILE_PREFIX}*.pt")), names), names)
         log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step, replica_slices=replica_slices)
         return round_
+
+
+def _settled(future: Future) -> str | None:
+    """Wait for `future`; its error as one line, or None."""
+    try:
+        future.result()
+    except SAVE_ERRORS as error:  # a failed write is reported by the caller, never raised
+        return _first_line(error)
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    """One line for a failed save; for DCP's CheckpointException (every rank's failures gathered) the first
+    failing rank's own exception."""
+    rank = ""
+    if isinstance(error, CheckpointException) and error.failures:
+        first = min(error.failures)
+        rank, error = f"rank {first}: ", error.failures[first][0]
+    text = str(error).strip().splitlines()
+    return f"{rank}{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 def read_progress(path: str | os.PathLike) -> dict:

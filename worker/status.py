@@ -48,6 +48,9 @@ def shard_record(address: str, reply) -> dict:  # noqa: ANN001 - a StatusReply o
         "bytes_out": reply.bytes_out,
         "final_version": reply.final_version if reply.final_version >= 0 else None,
         "replay_mismatches": reply.replay_mismatches,
+        "checkpoint_failures": reply.checkpoint_failures,
+        "checkpoint_failing_rounds": reply.checkpoint_failing_rounds,
+        "checkpoint_error": reply.checkpoint_error,
         "sites": [{"cluster": s.cluster, "member": s.member, "rounds_made": s.rounds_made, "rounds_late": s.rounds_late,
                    "last_round": s.last_round, "last_tokens": s.last_tokens, "inner_steps": s.inner_steps, "idle_s": s.idle_s}
                   for s in reply.sites],  # fmt: skip
@@ -121,6 +124,11 @@ def format_table(records: list[dict], now: float | None = None) -> str:
     if mismatched:
         lines.append("replay mismatches (clusters whose replay of the outer step differed, then pulled in full): "
                      + ", ".join(f"shard {r['shard_index']}: {r['replay_mismatches']}" for r in mismatched))  # fmt: skip
+    for r in records:
+        if r.get("checkpoint_failing_rounds"):
+            lines.append(f"warning: shard {r['shard_index']} ({r['address']}) could not save its checkpoint for the last "
+                         f"{r['checkpoint_failing_rounds']} version(s): {r['checkpoint_error']} — it serves on; a restart now "
+                         "would resume from an older version (free space or fix the --checkpoint-dir)")  # fmt: skip
     if records and all(r["state"] == "finished" for r in records):
         lines.append(f"run {runs[0]} finished at version {records[0]['version']}: get its model with "
                      "`dilocox export --servers <these shards> --run-id <run> --out DIR`")  # fmt: skip

@@ -109,7 +109,8 @@ def save_state(state: dict, path: str | os.PathLike) -> pathlib.Path:
     return atomic_torch_save(integrity.seal(state), path)
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
+    """An exception as one short line: its type and the first sentence of its message."""
     text = (str(error).strip().splitlines() or [""])[0]
     if len(text) > 120 and ". " in text:  # torch's zip errors go on for three sentences
         text = text[: text.index(". ") + 1]
@@ -126,7 +127,7 @@ def load_state(path: str | os.PathLike, expect: dict | None = None) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)  # a dilocox file, written by a shard
     except Exception as error:  # noqa: BLE001 - whatever a damaged zip or pickle raises, it is one refusal
-        raise CheckpointCorrupt(f"{path}: unreadable ({_one_line(error)})") from None
+        raise CheckpointCorrupt(f"{path}: unreadable ({one_line(error)})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: not a shard checkpoint (holds a {type(state).__name__})")
     found = state.get("format")
