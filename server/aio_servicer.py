@@ -10,10 +10,11 @@ thus never queues behind waiting pulls, and the number of pullers is bounded by 
 
 The work itself is the thread-pool servicer's own code (`servicer.py`), called from pool threads: one
 set of rules for parsing, refusing and streaming. Its `context.abort` becomes an exception that the
-async method turns into the call's status; a push's request stream is read from the event loop on the
-worker thread's behalf. gRPC's asyncio server ends a request stream cut by an over-size message as if
-it were complete (it merges a failed read with the end of the stream), so every push header declares how
-many chunks follow, and a push that ends before them is refused whole (servicer.py).
+async method turns into the call's status; a push's request stream is read on the event loop, whole,
+before its work goes to the pool (server/push_intake.py: issue 45). gRPC's asyncio server ends a
+request stream cut by an over-size message as if it were complete (it merges a failed read with the end
+of the stream), so every push header declares how many chunks follow, and a push that ends before them
+is refused whole (servicer.py).
 
 `latency_s`: user-space WAN latency, every push and pull waits that long (on the loop) before it is
 served. This kernel has no `netem`, so tests and benchmarks put a slow link between clusters and shards
@@ -34,6 +35,7 @@ from dilocox.common.wire.errors import DilocoxError, NotReady, UnknownCodec
 from dilocox.common.wire.replica_digest import DIGESTS
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+from dilocox.server.push_intake import PushIntake, PushLimits
 from dilocox.server.servicer import AggregatorServicer, refuse
 
 log = structlog.get_logger()
@@ -53,22 +55,6 @@ class _ThreadContext:
         raise _Aborted(code, details)
 
 
-class _RequestStream:
-    """A push's async request stream as the blocking iterator the servicer's Push reads (on a pool thread)."""
-
-    def __init__(self, stream: AsyncIterator, loop: asyncio.AbstractEventLoop) -> None:
-        self.stream, self.loop = stream, loop
-
-    def __iter__(self) -> "_RequestStream":
-        return self
-
-    def __next__(self):  # noqa: ANN204
-        try:
-            return asyncio.run_coroutine_threadsafe(self.stream.__anext__(), self.loop).result()
-        except StopAsyncIteration:
-            raise StopIteration from None
-
-
 class VersionSignal:
     """Wakes every parked pull when the shard publishes or closes (set from any thread)."""
 
@@ -86,8 +72,9 @@ class VersionSignal:
 
 class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, servicer: AggregatorServicer, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop,
-                 latency_s: float = 0.0) -> None:  # fmt: skip
+                 latency_s: float = 0.0, push_limits: PushLimits | None = None) -> None:  # fmt: skip
         self.servicer, self.shard, self.pool, self.loop = servicer, servicer.shard, pool, loop
+        self.intake = PushIntake(push_limits or PushLimits(), self.shard.shard_index)
         self.latency_s = latency_s
         self.signal = VersionSignal(loop)
         self.shard.version_listeners.append(self.signal.notify)
@@ -108,9 +95,31 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         return await self._served(self.servicer.Status, request, context)
 
     async def Push(self, request_iterator: AsyncIterator[pb.PushMessage], context: grpc.aio.ServicerContext) -> pb.PushReply:
+        """Read on the loop (server/push_intake.py), then the servicer's Push on a pool thread over the
+        messages received: no pool thread waits on the network."""
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
-        return await self._served(self.servicer.Push, _RequestStream(request_iterator, self.loop), context)
+        cluster = None
+        try:
+            first = await self.intake.header(request_iterator)
+            header = first.header
+            self.intake.admit(header.cluster)
+            cluster = header.cluster
+            # Refused before its chunks are read: a push for a closed round costs the shard no memory.
+            await self._in_pool(self.shard.check_push, header.run_id, header.cluster, header.round, header.weight, header.staleness)
+            messages = await self.intake.rest(request_iterator, first)
+            return await self._served(self.servicer.Push, iter(messages), context)
+        except DilocoxError as error:
+            await self._refused(error, context)
+        finally:
+            if cluster is not None:
+                self.intake.release(cluster)
+
+    async def _refused(self, error: DilocoxError, context: grpc.aio.ServicerContext) -> None:
+        try:
+            refuse(_ThreadContext(), error)
+        except _Aborted as aborted:
+            await context.abort(aborted.code, aborted.details)
 
     async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TensorChunk]:
         if self.latency_s:
@@ -118,10 +127,7 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         try:
             snapshot = await self._parked_until_published(request)
         except DilocoxError as error:
-            try:
-                refuse(_ThreadContext(), error)
-            except _Aborted as aborted:
-                await context.abort(aborted.code, aborted.details)
+            await self._refused(error, context)
         chunks = self.servicer.stream(snapshot, request)
         try:
             while (chunk := await self._in_pool(next, chunks, _END)) is not _END:

@@ -17,6 +17,7 @@ from dilocox.common.security import AsyncTokenInterceptor, TlsFiles, server_cred
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.server.aio_servicer import AsyncAggregatorServicer
 from dilocox.server.health import add_health_service, mark_serving
+from dilocox.server.push_intake import PushLimits
 from dilocox.server.servicer import AggregatorServicer
 from dilocox.server.shard import Shard
 
@@ -64,13 +65,15 @@ def start_server(
     added_latency_s: float = 0.0,
     tls: TlsFiles | None = None,
     token: str | None = None,
+    push_limits: PushLimits | None = None,
 ) -> tuple[ServerHandle, int]:
     """Start serving `shard`; returns the server and the bound port (useful with port=0).
 
     `max_workers`: threads for the work of calls (decoding pushes, framing pulls); waiting pulls hold
     none (server/aio_servicer.py). `added_latency_s` > 0 delays every push and pull (user-space WAN
     latency, see server/aio_servicer.py). `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls
-    without the run's token.
+    without the run's token. `push_limits`: how long a push stream may stay silent and how many one cluster
+    may hold open (server/push_intake.py).
     """
     wire = wire or WireConfig()
     loop = asyncio.new_event_loop()
@@ -79,7 +82,7 @@ def start_server(
     pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc")
     try:
         server, bound, health_service, servicer = asyncio.run_coroutine_threadsafe(
-            _serve(shard, host, port, wire, pool, loop, added_latency_s, tls, token), loop).result(timeout=60)
+            _serve(shard, host, port, wire, pool, loop, added_latency_s, tls, token, push_limits), loop).result(timeout=60)
     except BaseException:
         loop.call_soon_threadsafe(loop.stop)
         pool.shutdown(wait=False)
@@ -98,14 +101,14 @@ def start_server(
 
 
 async def _serve(shard: Shard, host: str, port: int, wire: WireConfig, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop,
-                 added_latency_s: float, tls: TlsFiles | None, token: str | None):  # noqa: ANN202  # fmt: skip
+                 added_latency_s: float, tls: TlsFiles | None, token: str | None, push_limits: PushLimits | None):  # noqa: ANN202  # fmt: skip
     options = [
         ("grpc.max_receive_message_length", wire.max_message_bytes),
         ("grpc.max_send_message_length", wire.max_message_bytes),
         *wire.keepalive_options(server=True),
     ]
     server = grpc.aio.server(options=options, interceptors=[AsyncTokenInterceptor(token)] if token else None)
-    servicer = AsyncAggregatorServicer(AggregatorServicer(shard, wire), pool, loop, added_latency_s)
+    servicer = AsyncAggregatorServicer(AggregatorServicer(shard, wire), pool, loop, added_latency_s, push_limits)
     pb_grpc.add_AggregatorServicer_to_server(servicer, server)
     health_service = await add_health_service(server)
     bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls)) if tls is not None else server.add_insecure_port(f"{host}:{port}")

@@ -12,14 +12,15 @@ import structlog
 
 from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.config.run import OuterConfig, WireConfig
+from dilocox.common.config.waits import refusal
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, CheckpointError, shard_files
 from dilocox.server import checkpoint, resume
-from dilocox.server.grpc_server import start_server
 from dilocox.server.grace import GraceWindow
-from dilocox.common.config.waits import refusal
+from dilocox.server.grpc_server import start_server
+from dilocox.server.push_intake import PushLimits
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 
 log = structlog.get_logger()
@@ -80,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and outer momentum; then start the sites with --resume --rounds N; docs/deploy.md)")  # fmt: skip
     parser.add_argument("--fresh", action="store_true",
                         help="start a new run over a --checkpoint-dir that holds one: move the old checkpoints aside first")
+    parser.add_argument("--push-idle-timeout-s", type=float, default=PushLimits.idle_timeout_s,
+                        help="refuse a push stream that sends nothing for this long (UNAVAILABLE; nothing of it applied, "
+                             "the site pushes again): well above one chunk's transfer time on the slowest site's link")  # fmt: skip
+    parser.add_argument("--push-streams-per-cluster", type=int, default=PushLimits.streams_per_cluster,
+                        help="push streams one cluster identity may hold open at this shard at once (RESOURCE_EXHAUSTED "
+                             "past it); a site opens one per rank")  # fmt: skip
     parser.add_argument(
         "--added-latency-ms", type=float, default=0.0,
         help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
@@ -184,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda signum, _frame: signalled.append(signum))
     try:
         server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
-                                    tls=tls, token=token)  # fmt: skip
+                                    tls=tls, token=token, push_limits=PushLimits(args.push_idle_timeout_s,
+                                                                                 args.push_streams_per_cluster))  # fmt: skip
     except (ValueError, OSError, RuntimeError) as error:
         raise SystemExit(f"dilocox server: {error}") from None
     if args.port_file:
@@ -202,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     server.stop(grace=2.0).wait()
     if metrics_server is not None:
         metrics_server.close()
-    if checkpointer is not None:
-        checkpointer.save_now()
-    log.info("shard_stopped", shard=args.shard_index, **{k: v for k, v in shard.status().items() if k in ("version", "bytes_in", "bytes_out")})
-    return 0
+    saved = checkpointer is None or checkpointer.save_now()  # a refused save is logged (checkpoint_failed) there
+    log.info("shard_stopped", shard=args.shard_index, saved=saved,
+             **{k: v for k, v in shard.status().items() if k in ("version", "bytes_in", "bytes_out")})  # fmt: skip
+    return 0 if saved else 1

@@ -88,3 +88,16 @@ class ShuttingDown(DilocoxError):
     """The shard is stopping (SIGTERM): retry, the same shard or its successor will answer."""
 
     status = "UNAVAILABLE"
+
+
+class StreamStalled(DilocoxError):
+    """A push stream sent nothing for longer than the shard's idle timeout: refused whole (nothing of it
+    applied); a client whose link stalled pushes again."""
+
+    status = "UNAVAILABLE"
+
+
+class TooManyStreams(DilocoxError):
+    """A cluster identity has more push streams open at one shard than the shard admits."""
+
+    status = "RESOURCE_EXHAUSTED"

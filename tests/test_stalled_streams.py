@@ -1,0 +1,157 @@
+"""Push streams that stall never take a shard down (issue 45): 40 streams that send a header and a chunk and
+then stay silent — their client alive — beside two honest sites. With the old servicer each held one of
+the shard's 32 work threads, and nothing closed or answered until their client died."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import grpc
+import torch
+
+from dilocox.common.config.run import OuterConfig
+from dilocox.common.wire.assignment import model_digest
+from dilocox.common.wire.framing import EncodedSlice, frame_slices
+from dilocox.proto import dilocox_pb2 as pb
+from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+from dilocox.server.shard import Shard
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import slice_tensors
+from tests.ports import free_port
+from tests.test_restart import PARAMS, RUN, _shard_cmd, _wait_listening
+
+STALLED = 40
+IDLE_TIMEOUT_S = 8.0
+ROUNDS = 5
+
+
+def _tensors(cluster: str, round_: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * round_ + ord(cluster))
+    return {n: torch.randn(s, generator=g) for n, s in PARAMS}
+
+
+def _stalled_push(stub: pb_grpc.AggregatorStub, chunk: pb.TensorChunk, release: threading.Event, outcome: list) -> None:
+    def messages():
+        yield pb.PushMessage(header=pb.PushHeader(run_id=RUN, cluster="stalled", round=1, weight=1.0, chunks=2))
+        yield pb.PushMessage(chunk=chunk)
+        release.wait(120)  # silent, the connection alive
+
+    try:
+        stub.Push(messages(), timeout=120)
+        outcome.append(("accepted", ""))
+    except grpc.RpcError as error:
+        outcome.append((error.code().name, error.details()))
+
+
+def test_forty_stalled_push_streams_beside_two_honest_sites(tmp_path):
+    port = free_port()
+    cmd = _shard_cmd(port, tmp_path / "ckpt", "--push-idle-timeout-s", str(IDLE_TIMEOUT_S), "--round-deadline-s", "3",
+                     "--log-format", "json")  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    release, outcomes, stallers = threading.Event(), [], []
+    try:
+        _wait_listening(port, proc)
+        stub = pb_grpc.AggregatorStub(channel)
+        a = AggregatorClient([f"127.0.0.1:{port}"], RUN, "a", shard_wait_s=0)
+        b = AggregatorClient([f"127.0.0.1:{port}"], RUN, "b", shard_wait_s=0)
+        stalled = AggregatorClient([f"127.0.0.1:{port}"], RUN, "stalled", shard_wait_s=0)
+        for client in (a, b, stalled):
+            client.join(PARAMS)
+        a.push(0, 1.0, slice_tensors(a.assignment, _tensors("a", 0)))  # the initial weights
+        # A valid first chunk of the stalled cluster's round-1 push, then silence.
+        items = [EncodedSlice.exact(key, t) for key, t in slice_tensors(stalled.assignment, _tensors("s", 1)).items()]
+        chunk = next(iter(frame_slices(items, stalled.slice_map.index, 1 << 20, 1)))
+        stallers = [threading.Thread(target=_stalled_push, args=(stub, chunk, release, outcomes)) for _ in range(STALLED)]
+        for t in stallers:
+            t.start()
+        time.sleep(1.0)  # every stalled stream is in, past its header
+
+        status_s, versions = [], []
+        started = time.monotonic()
+        for round_ in range(1, ROUNDS + 1):
+            pushers = [threading.Thread(target=c.push, args=(round_, 1.0, slice_tensors(c.assignment, _tensors(c.cluster, round_))))
+                       for c in (a, b)]  # fmt: skip
+            for t in pushers:
+                t.start()
+            while any(t.is_alive() for t in pushers):
+                asked = time.monotonic()
+                reply = stub.Status(pb.StatusRequest(), timeout=10)
+                status_s.append(time.monotonic() - asked)
+                time.sleep(0.1)
+            for t in pushers:
+                t.join()
+            versions.append(a.pull(round_, wait_seconds=30)[0])
+        rounds_s = time.monotonic() - started
+        assert versions == list(range(1, ROUNDS + 1))  # every round closed, with the stalled streams open
+        assert max(status_s) < 1.0, max(status_s)  # Status answered at once throughout
+        # The stalled cluster was dropped at round 1's deadline (3 s); the rest closed as fast as they came,
+        # long before the stalled streams' idle timeout.
+        assert rounds_s < IDLE_TIMEOUT_S, rounds_s
+        assert reply.version >= ROUNDS - 1
+
+        for t in stallers:
+            t.join(timeout=30)
+        assert len(outcomes) == STALLED
+        assert {code for code, _ in outcomes} == {"UNAVAILABLE"}, outcomes[:3]
+        assert all(f"sent nothing for {IDLE_TIMEOUT_S:g}s after 1 of the 2 chunk messages" in details for _, details in outcomes)
+
+        final = dict(a.pull(ROUNDS, wait_seconds=30)[1])
+        for client in (a, b, stalled):
+            client.close()
+    finally:
+        release.set()
+        channel.close()
+        proc.terminate()
+        proc.wait(timeout=30)
+    # The final weights are a replay of the honest pushes alone: nothing of the stalled streams was applied.
+    outer = OuterConfig()  # the server's defaults
+    replay = Shard(0, 1, RUN, outer_lr=outer.lr, outer_momentum=outer.momentum)
+    for cluster in ("a", "b"):
+        replay.join(RUN, cluster, model_digest(PARAMS), PARAMS, "{}")
+    for round_ in range(ROUNDS + 1):
+        for cluster in ("a", "b") if round_ else ("a",):
+            keys = slice_tensors(replay.assignment, _tensors(cluster, round_))
+            replay.commit_push(cluster, round_, 1.0, [EncodedSlice.exact(k, t) for k, t in keys.items()])
+    assert replay.version == ROUNDS
+    assert final.keys() == replay.snapshot.tensors.keys()
+    for key, tensor in replay.snapshot.tensors.items():
+        assert torch.equal(final[key], tensor), key
+
+
+def test_one_cluster_holds_at_most_its_share_of_push_streams():
+    """A cluster identity past `--push-streams-per-cluster` streams at once is refused RESOURCE_EXHAUSTED
+    (naming the flag), another cluster is not, and a slot frees when a stream ends (here: its idle timeout)."""
+    from dilocox.server.grpc_server import start_server
+    from dilocox.server.push_intake import PushLimits
+
+    shard = Shard(0, 1, RUN)
+    server, port = start_server(shard, "127.0.0.1", 0, push_limits=PushLimits(idle_timeout_s=2.0, streams_per_cluster=2))
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    release, outcomes = threading.Event(), []
+    try:
+        for cluster in ("a", "stalled"):
+            shard.join(RUN, cluster, model_digest(PARAMS), PARAMS, "{}")
+        shard.commit_push("a", 0, 1.0, [EncodedSlice.exact(k, t) for k, t in slice_tensors(shard.assignment, _tensors("a", 0)).items()])
+        stub = pb_grpc.AggregatorStub(channel)
+        chunk = next(iter(frame_slices([EncodedSlice.exact(k, t) for k, t in slice_tensors(shard.assignment, _tensors("s", 0)).items()],
+                                       shard.slice_map.index, 1 << 20, 1)))  # fmt: skip
+        held = [threading.Thread(target=_stalled_push, args=(stub, chunk, release, outcomes)) for _ in range(2)]
+        for t in held:
+            t.start()
+        time.sleep(0.5)
+        extra: list = []
+        _stalled_push(stub, chunk, release, extra)  # a third at once: refused before it is read
+        assert extra[0][0] == "RESOURCE_EXHAUSTED" and "--push-streams-per-cluster 2" in extra[0][1], extra
+        for t in held:
+            t.join(timeout=30)
+        assert [code for code, _ in outcomes] == ["UNAVAILABLE", "UNAVAILABLE"]  # idle past 2 s: refused, slots freed
+        again: list = []
+        _stalled_push(stub, chunk, release, again)
+        assert again[0][0] == "UNAVAILABLE"  # admitted (then idle): the slots were given back
+    finally:
+        release.set()
+        channel.close()
+        server.stop(grace=1.0).wait(10)
