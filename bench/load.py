@@ -33,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clusters", default="32,64,128,256", help="comma-separated cluster counts (default 32,64,128,256)")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per count, after one warm-up (default 10)")
     parser.add_argument("--pull-wait-s", type=float, default=30.0, help="each pull's long-poll wait (default 30)")
+    parser.add_argument("--wan-mbit", type=float, default=0.0,
+                        help="pace every site's push and pull to a link of this many Mbit/s, so that hundreds of pushes are in "
+                             "transit at once (bench/load_wan.py); 0: as fast as localhost goes (default)")  # fmt: skip
+    parser.add_argument("--push-kb", type=int, default=256, help="with --wan-mbit: each site's compressed push to each shard (default 256)")
+    parser.add_argument("--stalled", type=int, default=20, help="with --wan-mbit: push streams per shard that stall after one chunk (default 20)")
 
 
 def _proc(pid: int) -> tuple[float, float]:
@@ -105,6 +110,8 @@ def _shard_pids(addresses: list[str]) -> list[str]:
 def run(args: argparse.Namespace, out_dir) -> str:
     from dilocox.bench.report import write_report
 
+    if args.wan_mbit > 0:
+        return _run_wan(args, out_dir)
     rows = [measure(int(n), args.rounds, args.pull_wait_s) for n in args.clusters.split(",") if n.strip()]
     notes = (f"2 shard processes on localhost; every cluster an AggregatorClient thread in one process (a tiny model); "
              f"{args.rounds} timed rounds after a warm-up; pulls long-poll up to {args.pull_wait_s:g} s; {os.cpu_count()} CPU cores. "
@@ -112,3 +119,18 @@ def run(args: argparse.Namespace, out_dir) -> str:
     columns = ["clusters", "rounds_per_s", "round_latency_median_s", "round_latency_max_s", "shard_rss_mb", "shard_cpu_s_per_round",
                "refused_calls"]  # fmt: skip
     return write_report(out_dir, "load", "Many clusters against 2 shards", rows, columns, notes, {"args": vars(args)})
+
+
+def _run_wan(args: argparse.Namespace, out_dir) -> str:
+    from dilocox.bench.load_wan import measure as measure_wan
+    from dilocox.bench.report import write_report
+
+    rows = [measure_wan(int(n), args.rounds, args.wan_mbit, args.push_kb, args.stalled) for n in args.clusters.split(",") if n.strip()]
+    notes = (f"2 shard processes on localhost; every site a raw gRPC client in a thread of one process, its push ({args.push_kb} KB a "
+             f"shard, framed as the real client frames it) and its pull (the weights) paced to {args.wan_mbit:g} Mbit/s; "
+             f"{args.stalled} push streams per shard stall after one chunk; {args.rounds} rounds; Status polled from both shards "
+             f"every 0.25 s; {os.cpu_count()} CPU cores. link_s: the push and the pull at the link's rate alone.\n")  # fmt: skip
+    columns = ["sites", "mbit", "stalled_streams", "push_kb_per_shard", "link_s", "round_latency_median_s", "round_latency_max_s",
+               "status_median_s", "status_max_s", "status_calls", "shard_cpu_ms_per_site_round", "cpu_s_per_round"]  # fmt: skip
+    return write_report(out_dir, "load_wan", "Sites at WAN pace against 2 shards, beside stalled pushes", rows, columns, notes,
+                        {"args": vars(args)})  # fmt: skip

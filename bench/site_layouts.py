@@ -93,15 +93,16 @@ def _sample(proc: subprocess.Popen, run: LayoutRun, stop: threading.Event) -> No
 
 
 @contextlib.contextmanager
-def shard_processes(count: int, run_id: str, workdir: pathlib.Path) -> Iterator[list[str]]:
-    """`count` real `dilocox server` processes on free localhost ports; yields their addresses."""
+def shard_processes(count: int, run_id: str, workdir: pathlib.Path, extra: tuple[str, ...] = ()) -> Iterator[list[str]]:
+    """`count` real `dilocox server` processes on free localhost ports (`extra`: more server flags); yields
+    their addresses."""
     shards, addresses = [], []
     try:
         for i in range(count):
             port_file = workdir / f"{run_id}-shard{i}.port"
             shards.append(subprocess.Popen(_cli("server", "--num-shards", str(count), "--shard-index", str(i), "--port", "0",
                                                 "--port-file", str(port_file), "--run-id", run_id, "--insecure",
-                                                "--log-format", "json"),
+                                                "--log-format", "json", *extra),
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
             deadline = time.monotonic() + 60
             while not port_file.exists():

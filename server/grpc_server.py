@@ -17,6 +17,7 @@ from dilocox.common.security import AsyncTokenInterceptor, TlsFiles, server_cred
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.server.aio_servicer import AsyncAggregatorServicer
 from dilocox.server.health import add_health_service, mark_serving
+from dilocox.server.health_watch import STALL_S, ServingWatch
 from dilocox.server.push_intake import PushLimits
 from dilocox.server.servicer import AggregatorServicer
 from dilocox.server.shard import Shard
@@ -66,6 +67,7 @@ def start_server(
     tls: TlsFiles | None = None,
     token: str | None = None,
     push_limits: PushLimits | None = None,
+    health_stall_s: float = STALL_S,
 ) -> tuple[ServerHandle, int]:
     """Start serving `shard`; returns the server and the bound port (useful with port=0).
 
@@ -73,7 +75,8 @@ def start_server(
     none (server/aio_servicer.py). `added_latency_s` > 0 delays every push and pull (user-space WAN
     latency, see server/aio_servicer.py). `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls
     without the run's token. `push_limits`: how long a push stream may stay silent and how many one cluster
-    may hold open (server/push_intake.py).
+    may hold open (server/push_intake.py). `health_stall_s`: health turns NOT_SERVING while a task has waited
+    this long for a work thread (server/health_watch.py).
     """
     wire = wire or WireConfig()
     loop = asyncio.new_event_loop()
@@ -83,6 +86,8 @@ def start_server(
     try:
         server, bound, health_service, servicer = asyncio.run_coroutine_threadsafe(
             _serve(shard, host, port, wire, pool, loop, added_latency_s, tls, token, push_limits), loop).result(timeout=60)
+        watch = ServingWatch(health_service, pool, shard.shard_index, health_stall_s)
+        watching = asyncio.run_coroutine_threadsafe(_started(watch.run()), loop).result(timeout=60)
     except BaseException:
         loop.call_soon_threadsafe(loop.stop)
         pool.shutdown(wait=False)
@@ -91,6 +96,7 @@ def start_server(
 
     async def on_stop() -> None:  # health turns NOT_SERVING first, held pulls are answered, the deadline timer ends
         await health_service.enter_graceful_shutdown()
+        watching.cancel()
         shard.close()
         stop_timer.set()
         shard.version_listeners.remove(servicer.signal.notify)  # the shard may be served again (tests restart one)
@@ -98,6 +104,10 @@ def start_server(
     log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id,
              tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"), token=bool(token))  # fmt: skip
     return ServerHandle(server, loop, thread, pool, on_stop), bound
+
+
+async def _started(coroutine) -> asyncio.Task:  # noqa: ANN001
+    return asyncio.create_task(coroutine)
 
 
 async def _serve(shard: Shard, host: str, port: int, wire: WireConfig, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop,

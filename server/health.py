@@ -4,7 +4,8 @@ Orchestrators (the docker-compose healthcheck, Kubernetes probes, load balancers
 health protocol, not our Status RPC, and they must not need the run's token or parse our messages. So
 every shard registers the stock `grpc.health.v1.Health` service: NOT_SERVING while it starts,
 SERVING once it listens (after any `--resume` has restored its state), and NOT_SERVING again as soon
-as it begins to shut down, so traffic drains before the port closes. Both the overall status ("")
+as it begins to shut down, so traffic drains before the port closes — and NOT_SERVING while its work
+pool cannot take work (server/health_watch.py). Both the overall status ("")
 and the named service `dilocox.v1.Aggregator` are reported.
 
 `dilocox health` is the client side: exit 0 when the shard answers SERVING, exit 1 otherwise (never 2,
@@ -22,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dilocox.common.security import TlsFiles, add_security_arguments, open_channel, security_from_args
 
 SERVICE = "dilocox.v1.Aggregator"
-_NAMES = ("", SERVICE)
+NAMES = ("", SERVICE)  # the overall status and the named service: both are reported
 
 
 async def add_health_service(server: grpc.aio.Server) -> health.aio.HealthServicer:
@@ -31,13 +32,13 @@ async def add_health_service(server: grpc.aio.Server) -> health.aio.HealthServic
     `enter_graceful_shutdown()` on it turns every service NOT_SERVING for good."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    for name in _NAMES:
+    for name in NAMES:
         await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return servicer
 
 
 async def mark_serving(servicer: health.aio.HealthServicer) -> None:
-    for name in _NAMES:
+    for name in NAMES:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 

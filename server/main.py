@@ -20,6 +20,7 @@ from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, CheckpointE
 from dilocox.server import checkpoint, resume
 from dilocox.server.grace import GraceWindow
 from dilocox.server.grpc_server import start_server
+from dilocox.server.health_watch import STALL_S
 from dilocox.server.push_intake import PushLimits
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 
@@ -87,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--push-streams-per-cluster", type=int, default=PushLimits.streams_per_cluster,
                         help="push streams one cluster identity may hold open at this shard at once (RESOURCE_EXHAUSTED "
                              "past it); a site opens one per rank")  # fmt: skip
+    parser.add_argument("--health-stall-s", type=float, default=STALL_S,
+                        help="report NOT_SERVING (grpc.health.v1) while a task has waited this long for one of the shard's "
+                             "work threads, SERVING again once it ran: orchestrators' probes then act on a wedged shard")  # fmt: skip
     parser.add_argument(
         "--added-latency-ms", type=float, default=0.0,
         help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
@@ -192,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
                                     tls=tls, token=token, push_limits=PushLimits(args.push_idle_timeout_s,
-                                                                                 args.push_streams_per_cluster))  # fmt: skip
+                                                                                 args.push_streams_per_cluster),
+                                    health_stall_s=args.health_stall_s)  # fmt: skip
     except (ValueError, OSError, RuntimeError) as error:
         raise SystemExit(f"dilocox server: {error}") from None
     if args.port_file:
