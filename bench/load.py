@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from dilocox.bench.site_layouts import shard_processes
+from dilocox.bench.site_layouts import process_usage, shard_pids, shard_processes
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 
 PARAMS = [("w", (64, 16)), ("b", (64,))]
@@ -40,18 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stalled", type=int, default=20, help="with --wan-mbit: push streams per shard that stall after one chunk (default 20)")
 
 
-def _proc(pid: int) -> tuple[float, float]:
-    """(RSS in MB, CPU seconds) of one process."""
-    rss = next((int(line.split()[1]) / 1024 for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
-                if line.startswith("VmRSS:")), 0.0)  # fmt: skip
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return rss, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(clusters: int, rounds: int, pull_wait_s: float) -> dict:
     refused = 0
     with tempfile.TemporaryDirectory(prefix="dilocox-load-") as tmp, shard_processes(2, RUN, pathlib.Path(tmp)) as addresses:
-        pids = [int(pid) for pid in _shard_pids(addresses)]
+        pids = [int(pid) for pid in shard_pids(addresses)]
         clients = [AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(clusters)]
         pool = ThreadPoolExecutor(max_workers=clusters)
         try:
@@ -64,7 +56,7 @@ def measure(clusters: int, rounds: int, pull_wait_s: float) -> dict:
             cpu_before = None
             for round_ in range(1, rounds + 2):
                 if round_ == 2:
-                    cpu_before, started_all = [_proc(p)[1] for p in pids], time.perf_counter()
+                    cpu_before, started_all = [process_usage(p)[1] for p in pids], time.perf_counter()
                 started = time.perf_counter()
 
                 def one(c: AggregatorClient, round_=round_) -> int:
@@ -79,7 +71,7 @@ def measure(clusters: int, rounds: int, pull_wait_s: float) -> dict:
                 if round_ >= 2:
                     latencies.append(time.perf_counter() - started)
             elapsed = time.perf_counter() - started_all
-            usage = [_proc(p) for p in pids]
+            usage = [process_usage(p) for p in pids]
         finally:
             pool.shutdown()
             for c in clients:
@@ -88,23 +80,6 @@ def measure(clusters: int, rounds: int, pull_wait_s: float) -> dict:
     return {"clusters": clusters, "rounds_per_s": round(rounds / elapsed, 2), "round_latency_median_s": round(statistics.median(latencies), 3),
             "round_latency_max_s": round(max(latencies), 3), "shard_rss_mb": [round(u[0]) for u in usage],
             "shard_cpu_s_per_round": round(cpu / rounds, 4), "refused_calls": refused}  # fmt: skip
-
-
-def _shard_pids(addresses: list[str]) -> list[str]:
-    """The shard processes listening on these ports (this benchmark's children)."""
-    ports = {a.rsplit(":", 1)[1] for a in addresses}
-    found = []
-    for entry in pathlib.Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"server" in cmd and b"--port-file" in cmd and entry.name != str(os.getpid()):
-                port_file = pathlib.Path(cmd[cmd.index(b"--port-file") + 1].decode())
-                if port_file.exists() and port_file.read_text().strip() in ports:
-                    found.append(entry.name)
-    return found
 
 
 def run(args: argparse.Namespace, out_dir) -> str:

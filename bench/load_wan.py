@@ -29,13 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from dilocox.bench.load import RUN, _proc, _shard_pids
-from dilocox.bench.site_layouts import shard_processes
+from dilocox.bench.site_layouts import process_usage, shard_pids, shard_processes
 from dilocox.common.wire.framing import EncodedSlice, frame_slices
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 
+RUN = "bench-load-wan"
 CHUNK_BYTES = 64 * 1024  # small chunks, so that pacing is smooth
 STALLED_DEADLINE_S = 5.0  # the shards' --round-deadline-s: round 1 (untimed) closes without the stalled site
 WIDTH = 256
@@ -120,7 +120,7 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int) ->
     # warm-up, not timed); its streams stay open, stalled, through every timed round.
     server_flags = ("--round-deadline-s", str(STALLED_DEADLINE_S))
     with tempfile.TemporaryDirectory(prefix="dilocox-load-wan-") as tmp, shard_processes(2, RUN, pathlib.Path(tmp), server_flags) as addresses:
-        pids = [int(pid) for pid in _shard_pids(addresses)]
+        pids = [int(pid) for pid in shard_pids(addresses)]
         clients = [AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(sites)]
         stalled_client = AggregatorClient(addresses, RUN, "stalled", connect_timeout=60)
         pool = ThreadPoolExecutor(max_workers=sites)
@@ -142,12 +142,12 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int) ->
             latencies, cpu_before = [], None
             for round_ in range(1, rounds + 2):
                 if round_ == 2:
-                    cpu_before, load_before = [_proc(p)[1] for p in pids], _own_cpu_s()
+                    cpu_before, load_before = [process_usage(p)[1] for p in pids], _own_cpu_s()
                 started = time.perf_counter()
                 list(pool.map(lambda s, r=round_: (s.push(r), s.pull(r)), timed))
                 if round_ >= 2:
                     latencies.append(time.perf_counter() - started)
-            usage, load_cpu = [_proc(p) for p in pids], _own_cpu_s() - load_before
+            usage, load_cpu = [process_usage(p) for p in pids], _own_cpu_s() - load_before
             polling.set()
             poller.join(timeout=10)
         finally:

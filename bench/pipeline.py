@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -66,7 +65,6 @@ def run(args: argparse.Namespace, out_dir) -> str:
     for schedule in ("gpipe", "1f1b"):
         port = free_local_port()
         out = os.path.join(tempfile.mkdtemp(), "rate")
-        started = time.perf_counter()
         mp.spawn(_rank, args=(port, args, schedule, out), nprocs=2, join=True)
         rate, backend = open(out).read().split()
         rows.append({"pp": 2, "schedule": schedule, "backend": backend, "tokens_per_s": round(float(rate)),

@@ -121,6 +121,31 @@ def shard_processes(count: int, run_id: str, workdir: pathlib.Path, extra: tuple
                 shard.kill()
 
 
+def process_usage(pid: int) -> tuple[float, float]:
+    """(RSS in MB, CPU seconds) of one process."""
+    rss = next((int(line.split()[1]) / 1024 for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmRSS:")), 0.0)  # fmt: skip
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return rss, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def shard_pids(addresses: list[str]) -> list[str]:
+    """The shard processes listening on these ports (this benchmark's children)."""
+    ports = {a.rsplit(":", 1)[1] for a in addresses}
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"server" in cmd and b"--port-file" in cmd and entry.name != str(os.getpid()):
+                port_file = pathlib.Path(cmd[cmd.index(b"--port-file") + 1].decode())
+                if port_file.exists() and port_file.read_text().strip() in ports:
+                    found.append(entry.name)
+    return found
+
+
 def run_worker(cmd: list[str], log_path: pathlib.Path, run: LayoutRun | None = None, timeout_s: float = 900.0,
                stop_after_round: int | None = None) -> tuple[int, list[dict]]:
     """Run one worker (a site), sampling its ranks' peak RSS into `run`; returns (exit code, its events).

@@ -129,6 +129,7 @@ def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None
                 compressor.compress(s.key, torch.randn(s.slice_shape, generator=g))
         checkpoint = SiteCheckpoint(os.path.join(out_dir, "ckpt"), "c", rank=mesh.rank, replica=mesh.replica, group=mesh.checkpoint_group)
         checkpoint.capture(1, first, compressor, access.names)
+        result["staged_bytes"] = checkpoint.staged_bytes
         checkpoint.commit(1)
         second = SiteTrainer(config(pp, dp, replicate, reshard=reshard), data(), mesh)
         restored = TensorCompressor(CompressionConfig(), seed=1)
@@ -232,6 +233,8 @@ def test_site_trains_like_one_process_on_the_same_global_batch(layout, tmp_path)
             assert part["held"] <= 0.55 * stage_params[i // dp]  # FSDP: a rank holds its 1/dp of the stage
 
     assert all(part["restored_bit_for_bit"] for part in parts)
+    if replicate > 1:  # replicated weights and AdamW state are staged by replica 0 alone; every replica restores them
+        assert parts[1]["staged_bytes"] < 0.1 * parts[0]["staged_bytes"], [p["staged_bytes"] for p in parts]
     if layout == (1, 2, 1):
         resume_on_one_process(parts, tmp_path)
 

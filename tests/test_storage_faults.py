@@ -74,14 +74,18 @@ def test_a_full_checkpoint_disk_never_fails_a_round_and_a_restart_resumes_from_t
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
         try:
             _wait_listening(port, proc)
-            with AggregatorClient([f"127.0.0.1:{port}"], RUN, "a", shard_wait_s=0) as client:
+            with AggregatorClient([f"127.0.0.1:{port}"], RUN, "a", shard_wait_s=0) as client, \
+                    AggregatorClient([f"127.0.0.1:{port}"], RUN, "b", shard_wait_s=0) as other:  # fmt: skip
                 client.join(PARAMS)
+                other.join(PARAMS)
                 for round_ in range(7):
                     if round_ == 3:  # the disk fills up (another tenant, logs, ...) after version 2 was saved
                         fill(folder / "filler")
-                    client.push(round_, 1.0, slice_tensors(client.assignment, _tensors(round_)))
-                    version, _, _ = client.pull(round_, wait_seconds=20)
-                    assert version == round_  # published and served at once: the waiting pull was woken
+                    for site in (client, other) if round_ else (client,):
+                        site.push(round_, 1.0, slice_tensors(site.assignment, _tensors(round_)))
+                    for site in (client, other):
+                        version, _, _ = site.pull(round_, wait_seconds=20)
+                        assert version == round_  # published and served at once: the waiting pulls were woken
                 failures = _metric(metrics_port, "dilocox_checkpoint_failures_total")
                 failing = _metric(metrics_port, "dilocox_checkpoint_failing_rounds")
                 status = client.status_each()[0]
@@ -93,7 +97,7 @@ def test_a_full_checkpoint_disk_never_fails_a_round_and_a_restart_resumes_from_t
         events = _events(log)
         failed = [e for e in events if e.get("event") == "checkpoint_failed"]
         closed = [e["round"] for e in events if e.get("event") == "round_closed"]
-        assert closed == [1, 2, 3, 4, 5, 6]  # every round closed and logged
+        assert closed == [1, 2, 3, 4, 5, 6]  # every round closed, with both sites, and logged
         assert len(failed) == 1 and failed[0]["version"] == 3 and failed[0]["path"] == str(checkpoint_path(folder, 0))
         assert failed[0]["kept_version"] == 2 and failed[0]["reason"]
         assert failures >= 4 and failing >= 4  # versions 3–6 at least (the stop's save adds one)

@@ -52,7 +52,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import structlog
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -64,6 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.worker.exchange.packed_state import compressor_state_by_name, pack, restore_compressor_state, unpack
+from dilocox.worker.checkpoint_staging import SAVE_ERRORS, first_line, settled, tensor_bytes, written_once
 from dilocox.worker.exchange.replica_state import read_replica, write_replica
 
 log = structlog.get_logger()
@@ -73,9 +73,6 @@ log = structlog.get_logger()
 # one key DCP would keep only one stage's (torchtitan flattens for the same reason).
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 COMMITTED = "COMMITTED"
-# What a refused save raises: the storage's own errors (torch reports some as RuntimeError) and DCP's
-# CheckpointException, which gathers every rank's failure (a BaseException, so named apart).
-SAVE_ERRORS = (Exception, CheckpointException)
 REPLICA_FILE_PREFIX = "replica-rank"  # + the rank, 5 digits, ".pt": each rank's replica of the global model
 MANIFEST_FORMAT = "dilocox-site-checkpoint/1"
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
@@ -145,6 +142,7 @@ class SiteCheckpoint:
         self._sealing: list[Future] = []
         self._writer: ThreadPoolExecutor | None = None  # each rank: its replica file, beside DCP's
         self._replicas: dict[int, Future] = {}
+        self.staged_bytes = 0  # the last capture's tensors, as this rank staged them
 
     def path_of(self, round_: int) -> pathlib.Path:
         return self.root / f"round-{round_:06d}"
@@ -154,8 +152,8 @@ class SiteCheckpoint:
         module, optimizer = trainer.trained_module, trainer.optimizer
         exchange = compressor_state_by_name(compressor, names)
         return {
-            "model": get_model_state_dict(module),
-            "optim": get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS),
+            "model": written_once(get_model_state_dict(module)),
+            "optim": written_once(get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)),
             "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen)},
             "data": {f"replica{self.replica}": pack(trainer.sampler.state_dict())},
             "exchange": exchange,
@@ -185,7 +183,8 @@ class SiteCheckpoint:
         if client is not None:  # beside DCP's files, from the live replica: the pull's fold waits meanwhile
             self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-replica")
             self._replicas[round_] = self._writer.submit(self._write_replica, path, client, list(names))
-        log.info("worker_checkpoint_staged", round=round_, path=str(path))
+        self.staged_bytes = tensor_bytes(state)
+        log.info("worker_checkpoint_staged", round=round_, path=str(path), staged_bytes=self.staged_bytes)
 
     def _write_replica(self, path: pathlib.Path, client, names: list[str]) -> None:  # noqa: ANN001
         path.mkdir(parents=True, exist_ok=True)
@@ -206,11 +205,11 @@ class SiteCheckpoint:
             future.result()  # on rank 0: every rank's part and DCP's metadata are written
         except SAVE_ERRORS as error:  # DCP gathers every rank's failure and raises it on all of them
             if replica is not None:
-                _settled(replica)
+                settled(replica)
             self._failed(round_, error)
             return
         if replica is not None:
-            replica_error = _settled(replica)
+            replica_error = settled(replica)
             if replica_error is not None:  # the rest is intact: a resume from it pulls the weights in full
                 log.warning("worker_checkpoint_replica_failed", round=round_, error=replica_error)
             if self.group is not None:  # every rank's replica file is in before rank 0 hashes the folder (DCP's
@@ -224,7 +223,7 @@ class SiteCheckpoint:
         resume takes the newest committed checkpoint. Rank 0 removes what was written of this one once
         every rank is past it."""
         path = self.path_of(round_)
-        log.error("worker_checkpoint_failed", round=round_, path=str(path), error=_first_line(error),
+        log.error("worker_checkpoint_failed", round=round_, path=str(path), error=first_line(error),
                   effect="training goes on; this round is not saved, a resume takes the newest committed checkpoint")  # fmt: skip
         if self.group is not None:
             dist.barrier(group=self.group)
@@ -240,7 +239,7 @@ class SiteCheckpoint:
             write_text_atomic(path / COMMITTED, json.dumps(record, indent=1) + "\n", durable=True)
             self._prune(round_)
         except OSError as error:  # uncommitted, so no resume would take it: its space is given back
-            log.error("worker_checkpoint_commit_failed", round=round_, path=str(path), error=_first_line(error),
+            log.error("worker_checkpoint_commit_failed", round=round_, path=str(path), error=first_line(error),
                       effect="training goes on; this round is not saved, a resume takes the newest committed checkpoint")  # fmt: skip
             shutil.rmtree(path, ignore_errors=True)
             return
@@ -258,13 +257,13 @@ class SiteCheckpoint:
             try:
                 self._replicas[round_].result()
             except SAVE_ERRORS as error:  # then no replica: a resume from it pulls in full
-                log.warning("worker_checkpoint_replica_failed", round=round_, error=_first_line(error))
+                log.warning("worker_checkpoint_replica_failed", round=round_, error=first_line(error))
                 self._replicas.pop(round_)
         for round_ in list(self._pending):
             try:
                 self._pending[round_].result()
             except SAVE_ERRORS as error:  # a failed write is an uncommitted checkpoint, reported
-                log.warning("worker_checkpoint_failed", round=round_, error=_first_line(error))
+                log.warning("worker_checkpoint_failed", round=round_, error=first_line(error))
                 self._pending.pop(round_)
 
     def close(self) -> None:
@@ -385,26 +384,6 @@ class SiteCheckpoint:
             replica_slices = client.restore_replica_slices(read_replica(sorted(path.glob(f"{REPLICA_FILE_PREFIX}*.pt")), names), names)
         log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step, replica_slices=replica_slices)
         return round_
-
-
-def _settled(future: Future) -> str | None:
-    """Wait for `future`; its error as one line, or None."""
-    try:
-        future.result()
-    except SAVE_ERRORS as error:  # a failed write is reported by the caller, never raised
-        return _first_line(error)
-    return None
-
-
-def _first_line(error: BaseException) -> str:
-    """One line for a failed save; for DCP's CheckpointException (every rank's failures gathered) the first
-    failing rank's own exception."""
-    rank = ""
-    if isinstance(error, CheckpointException) and error.failures:
-        first = min(error.failures)
-        rank, error = f"rank {first}: ", error.failures[first][0]
-    text = str(error).strip().splitlines()
-    return f"{rank}{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 def read_progress(path: str | os.PathLike) -> dict:

@@ -30,8 +30,8 @@ Device, per GPU (on the CPU the same bytes are host memory):
 
 Host, per rank: `build` (one whole parameter while materialising, worker/models/materialize.py), `exchange`
 (the round's flat buffers, replica, momentum and residual per owned parameter: worker/exchange/), and
-`checkpoint` (the DCP staging copy of weights and AdamW state, and the residuals) — the last only while a
-checkpoint is staged.
+`checkpoint` (the DCP staging copy of weights and AdamW state — on the first replica of replicated state
+only — and the residuals) — the last only while a checkpoint is staged.
 """
 
 from __future__ import annotations
@@ -244,7 +244,8 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
             "build": 5 * largest,  # the whole parameter drawn, and its NaN check's mask
             # + θ's landing buffer on the host: at most one reshard batch of this rank's rows
             "exchange": EXCHANGE_BYTES_PER_PARAM * owned + warm + 4 * landing[stage][replica],
-            "checkpoint": CHECKPOINT_BYTES_PER_HELD * held + CHECKPOINT_BYTES_PER_OWNED * owned,
+            # Replicated state is staged by the first replica alone (worker/checkpoint.py, written_once).
+            "checkpoint": CHECKPOINT_BYTES_PER_HELD * held * (shape.replicate_coordinate(replica) == 0) + CHECKPOINT_BYTES_PER_OWNED * owned,
         }
         ranks.append(plan)
     return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard)
