@@ -35,6 +35,8 @@ class _ShardStateCollector(Collector):
         status = self.shard.status()
         yield GaugeMetricFamily("dilocox_version", "Newest published global version (-1: not initialised)", value=status["version"])
         yield GaugeMetricFamily("dilocox_open_round", "Round the shard is collecting contributions for", value=status["open_round"])
+        yield GaugeMetricFamily("dilocox_final_version", "The run's last version: its rounds and the end-of-run flush "
+                                "(-1: not known yet); progress is dilocox_version / this", value=status["final_version"])  # fmt: skip
         yield GaugeMetricFamily("dilocox_active_clusters", "Clusters currently taking part in rounds", value=len(status["clusters"]))
         yield GaugeMetricFamily(
             "dilocox_round_contributed_clusters", "Clusters whose whole contribution to the open round is in",

@@ -126,3 +126,19 @@ def test_promtool_fires_the_loss_alerts_for_one_site_and_for_all_of_them(tmp_pat
     path.write_text(yaml.safe_dump(cases))
     done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_sites_metrics_carry_its_run_and_name():
+    """Every sample of a worker's registry is labelled run= and cluster= (the dashboard's legend), and the
+    shards export the run's last version beside their own (the progress and ETA panels)."""
+    worker = WorkerMetrics(run_id="run-7", cluster="site-a")
+    worker.observe_round(RoundReport(round=3, train_loss=2.0, eval_loss=2.1, tokens=512, bytes_up=1, bytes_down=1, compute_s=1.0,
+                                     comm_s=0.5, idle_s=0.1, seconds=1.2, overlap=0.8, inner_steps=8), 8, 3)  # fmt: skip
+    families = list(text_string_to_metric_families(generate_latest(worker.registry).decode()))
+    samples = [sample for family in families for sample in family.samples]
+    assert len(samples) >= 15 and all(s.labels.get("run") == "run-7" and s.labels.get("cluster") == "site-a" for s in samples)
+    assert worker.registry.get_sample_value("dilocox_worker_round", {"run": "run-7", "cluster": "site-a"}) == 3
+
+    shard = Shard(0, 1, "run-7")
+    metrics = ShardMetrics(shard).attach()
+    assert metrics.registry.get_sample_value("dilocox_final_version") == -1  # not known before a site joins with the run's config

@@ -63,7 +63,7 @@ def test_status_table_and_json(shard_set, capsys):
     assert len(lines) == 3 + 1 + 3  # the shards, a blank line, the sites
     for index, (line, address) in enumerate(zip(lines[1:3], shards.addresses)):
         cells = line.split()
-        assert cells[:6] == [f"{index}/2", address, "collecting", "1", "2", "2"]
+        assert cells[:6] == [f"{index}/2", address, "collecting", "1", "2", "2"]  # the run's last version unknown: no config
         assert "1/2" in cells and "ago" in cells
         assert len(re.findall(r"\b\d+(?:\.\d+)? (?:B|KiB|MiB)\b", line)) == 2, line  # bytes in and out
     assert lines[3] == "" and lines[4].split() == [w for c in SITE_COLUMNS for w in c.split()]
@@ -97,3 +97,14 @@ def test_status_marks_an_unreachable_shard_and_fails(shard_set, capsys):
     assert cli.main(["status", "--servers", dead, "--insecure", "--json", "--timeout", "3"]) == 1
     record = json.loads(capsys.readouterr().out)
     assert record["state"] == "unreachable" and record["error"] == "UNAVAILABLE"
+
+
+def test_the_version_column_says_how_far_the_run_is():
+    """`X/N`: version X of the run's last N (its rounds and the flush), once the shard knows N."""
+    from dilocox.worker.status import table_row
+
+    record = {"state": "waiting", "shard_index": 0, "num_shards": 1, "address": "a:1", "version": 3, "open_round": 4, "clusters": ["a"],
+              "min_clusters": 1, "contributed": [], "last_round_seconds": 0.0, "last_round_closed_at": 0.0, "bytes_in": 0,
+              "bytes_out": 0, "final_version": 17}  # fmt: skip
+    assert table_row(record, now=0.0)[3] == "3/17"
+    assert table_row({**record, "final_version": None}, now=0.0)[3] == "3"

@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         if args.metrics_port and (mesh is None or mesh.rank == 0):
             from dilocox.worker.metrics import WorkerMetrics
 
-            metrics = WorkerMetrics(dx.client)
+            metrics = WorkerMetrics(dx.client, run_id=config.run_id, cluster=cluster)
             metrics_server = serve_metrics(metrics.registry, args.metrics_port, args.metrics_host, role=cluster, command="dilocox worker")
             on_round = metrics.observe_round
         if mesh is None or mesh.rank == 0:

@@ -14,7 +14,7 @@ import math
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -44,12 +44,34 @@ class _ExchangeCollector(Collector):
                                   value=traffic.dropped_tokens)  # fmt: skip
 
 
-class WorkerMetrics:
-    """One cluster's metrics in its own registry; pass `observe_round` as DilocoCluster's `on_round`."""
+class _Labelled(Collector):
+    """Every sample of `inner` with the run's and the site's labels added: a dashboard then tells sites apart
+    by name, not by scrape address, and one Prometheus can watch several runs (prometheus_client has no
+    constant labels; Prometheus's own target labels would need every operator's scrape config to say them)."""
 
-    def __init__(self, client: "AggregatorClient | None" = None, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.inner, self.labels = inner, labels
+
+    def collect(self):  # noqa: ANN201 - prometheus_client protocol
+        for family in self.inner.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labelled.add_sample(sample.name, {**self.labels, **sample.labels}, sample.value, sample.timestamp, sample.exemplar)
+            yield labelled
+
+
+class WorkerMetrics:
+    """One cluster's metrics in its own registry; pass `observe_round` as DilocoCluster's `on_round`.
+    `run_id` and `cluster`, when given, label every sample (`run`, `cluster`: the label the shards' per-site
+    metrics use)."""
+
+    def __init__(self, client: "AggregatorClient | None" = None, registry: CollectorRegistry | None = None,
+                 run_id: str = "", cluster: str = "") -> None:  # fmt: skip
+        labels = {k: v for k, v in (("run", run_id), ("cluster", cluster)) if v}
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+        r = CollectorRegistry() if labels else self.registry  # the metrics themselves; served through the labels
+        if labels:
+            self.registry.register(_Labelled(r, labels))
         self.rounds = Counter("dilocox_worker_rounds", "Outer rounds this cluster completed", registry=r)
         self.inner_steps = Counter("dilocox_inner_steps", "Inner optimiser steps taken", registry=r)
         self.tokens = Counter("dilocox_tokens_trained", "Tokens trained on (the rounds' averaging weights)", registry=r)

@@ -99,7 +99,7 @@ def table_row(record: dict, now: float) -> tuple[str, ...]:
         f"{record['shard_index']}/{record['num_shards']}",
         record["address"],
         record["state"],
-        str(record["version"]),
+        str(record["version"]) if record["final_version"] is None else f"{record['version']}/{record['final_version']}",  # X of N
         str(record["open_round"]),
         f"{len(record['clusters'])} (min {record['min_clusters']})",
         f"{len(record['contributed'])}/{len(record['clusters'])}",
