@@ -99,6 +99,27 @@ def atomic_torch_save(obj: object, path: str | os.PathLike) -> pathlib.Path:
     return path
 
 
+def _as_umask_allows(folder: pathlib.Path) -> None:
+    """Give the folder's files the permissions `open` would have (0666 less the umask): some writers
+    (safetensors' `save_file`, `tempfile`) make 0600 files, which teammates on a shared file system then
+    cannot read."""
+    umask = _umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (`os.umask` sets it process-wide, racing other threads)."""
+    try:
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 @contextlib.contextmanager
 def atomic_folder(out: str | os.PathLike) -> Iterator[pathlib.Path]:
     """Write a whole folder or nothing: yields a temporary sibling to fill, renamed to `out` on success
@@ -110,6 +131,7 @@ def atomic_folder(out: str | os.PathLike) -> Iterator[pathlib.Path]:
     partial.mkdir(parents=True)
     try:
         yield partial
+        _as_umask_allows(partial)
         if out.exists():
             out.rmdir()
         partial.rename(out)

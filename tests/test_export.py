@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import stat
 import subprocess
 import sys
 
@@ -15,7 +17,7 @@ from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
 from dilocox.common.wire.checkpoint_format import checkpoint_path, save_state
 from dilocox.server import checkpoint
 from dilocox.sim.inprocess import run_in_process
-from dilocox.worker.export import ExportError, evaluate_export, from_checkpoints, from_servers, write_export
+from dilocox.worker.export import ExportError, evaluate_export, from_checkpoints, from_servers, served_run_id, write_export
 
 pytest.importorskip("safetensors")
 
@@ -79,6 +81,12 @@ def test_export_of_a_tiny_llama_loads_with_from_pretrained(tmp_path):
     model_fields = json.loads((out / "export.json").read_text())["run_config"]["model"]
     assert model_fields["model"] == "llama-tiny" and "block_size" in model_fields
     assert not {"n_layer", "n_head", "n_embd", "dropout", "vocab_size"} & set(model_fields)
+    # For the people who use it: generate() keeps its key/value cache, and the files are as readable as any
+    # this user writes (safetensors makes 0600 files; teammates on a shared file system could not read them).
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask for f in out.iterdir()), {f.name: oct(f.stat().st_mode) for f in out.iterdir()}
 
 
 def test_export_refuses_a_missing_shard_a_missing_slice_and_mixed_versions(tmp_path):
@@ -116,6 +124,13 @@ def test_export_command_errors_are_clear(tmp_path, shard_set):
     wrong = subprocess.run([*cli, "--servers", empty.addresses[0], "--run-id", "other", "--insecure"],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert wrong.returncode == 1 and "PERMISSION_DENIED" in wrong.stderr
+    # Without --run-id the shards say which run they serve (deploy and sim default to different ids).
+    asked = subprocess.run([*cli, "--servers", empty.addresses[0], "--insecure"], capture_output=True, text=True, timeout=120)
+    assert asked.returncode == 1 and "holds no model yet" in asked.stderr  # it got as far as the run's weights
+    other = shard_set(1, "another-run")
+    with pytest.raises(ExportError, match="the shards serve different runs"):
+        served_run_id([empty.addresses[0], other.addresses[0]])
+    assert served_run_id(empty.addresses) == "export-run"
     assert not (tmp_path / "out").exists()
 
 

@@ -113,6 +113,18 @@ def test_bad_environment_value_names_the_variable(capsys):
     assert "environment variable DILOCOX_PORT: --port: invalid value 'fifty'" in capsys.readouterr().err
 
 
+def test_a_mistyped_environment_variable_is_an_error_naming_the_right_one(capsys):
+    """A typo must not leave a setting at its default in silence; another command's flag (one environment
+    serves a container's every process) and the non-flag variables stay fine."""
+    with pytest.raises(SystemExit):
+        parse(["worker"], {"DILOCOX_INER_STEPS": "3"})
+    err = capsys.readouterr().err
+    assert "environment variable DILOCOX_INER_STEPS: no dilocox command has a flag --iner-steps" in err
+    assert "did you mean DILOCOX_INNER_STEPS?" in err
+    shared = {"DILOCOX_SERVERS": "a:1", "DILOCOX_CACHE_DIR": "/tmp/c", "DILOCOX_IMAGE": "dilocox:cpu", "DILOCOX_ROUND_DEADLINE_S": "60"}
+    assert parse(["server", "--insecure"], shared).round_deadline_s == 60  # the worker's --servers is not the server's: ignored
+
+
 def test_config_show_prints_toml_that_reads_back(tmp_path, capsys, run_toml):
     argv = ["config", "show", "--config", run_toml, "--rounds", "7", "--compress-codec", "int8", "--dropout", "0.125"]
     assert cli.main(argv) == 0

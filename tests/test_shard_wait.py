@@ -63,3 +63,19 @@ def test_without_a_wait_one_try():
     with pytest.raises(AggregatorError) as raised:
         call_waiting(fn, "shard:1", _Connected(), 0)
     assert raised.value.code == grpc.StatusCode.CANCELLED and len(calls) == 1
+
+
+def test_a_first_contact_with_a_mistyped_host_says_so_while_it_waits():
+    """A wrong address used to be silent for the whole connect timeout (60 s): now a warning names it every
+    few seconds, with the time left, before the join gives up."""
+    from structlog.testing import capture_logs
+
+    from dilocox.worker.exchange.aggregator_client import AggregatorClient
+    from dilocox.worker.exchange.shard_wait import FIRST_CONTACT_SAY_EVERY_S
+
+    with capture_logs() as logs, AggregatorClient(["nosuchhost.invalid:50051"], "run", "c", connect_timeout=FIRST_CONTACT_SAY_EVERY_S + 3,
+                                                  shard_wait_s=0) as client:  # fmt: skip
+        with pytest.raises(AggregatorError):
+            client.join([("w", (2, 2))])
+    said = [e for e in logs if e["event"] == "shard_not_reached_yet"]
+    assert said and said[0]["address"] == "nosuchhost.invalid:50051" and said[0]["gives_up_in_s"] >= 0

@@ -180,10 +180,11 @@ def test_resume_continues_the_read_position_on_a_token_file(corpus_dir, tmp_path
 def test_data_prepare_command(corpus_dir, tmp_path):
     cli = [sys.executable, "-m", "dilocox.common.cli", "data"]
     env = {"DILOCOX_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([*cli, "prepare", str(corpus_dir), "--out", str(tmp_path / "out"), "--tokenizer", "bpe:500", "--no-progress"],
+    done = subprocess.run([*cli, "prepare", str(corpus_dir), "--out", str(tmp_path / "out"), "--tokenizer", "bpe:500"],
                           capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "with tokenizer bpe:500" in done.stdout
+    assert "tokenising" not in done.stderr and "\r" not in done.stderr  # stderr is a pipe, not a terminal: no bar
     info = subprocess.run([*cli, "info", str(tmp_path / "out")], capture_output=True, text=True, timeout=60, env=env)
     assert json.loads(info.stdout)["tokenizer_spec"] == "bpe:500"
     refused = subprocess.run([*cli, "prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "x")],

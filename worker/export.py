@@ -145,6 +145,23 @@ def _rpc_error(address: str, error: grpc.RpcError) -> ExportError:
     return ExportError(f"shard at {address}: {code.name if code else 'error'}: {details}", not_ready=waiting)
 
 
+def served_run_id(addresses: list[str], tls: TlsFiles | None = None, token: str | None = None, timeout: float = 60.0) -> str:
+    """The run every shard at `addresses` serves (`ExportError` when one cannot be asked or they differ):
+    so that an export needs no --run-id, whichever id the run was started with."""
+    runs: dict[str, str] = {}
+    for address in addresses:
+        channel = open_channel(address, [], tls, token)
+        try:
+            runs[address] = pb_grpc.AggregatorStub(channel).Status(pb.StatusRequest(), timeout=timeout).run_id
+        except grpc.RpcError as error:
+            raise ExportError(f"{address}: cannot ask which run it serves: {error.code().name}: {error.details()}") from None
+        finally:
+            channel.close()
+    if len(set(runs.values())) != 1:
+        raise ExportError(f"the shards serve different runs: {runs}; name one with --run-id")
+    return next(iter(runs.values()))
+
+
 def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None, token: str | None = None,
                  timeout: float = 60.0, wire: WireConfig | None = None, min_version: int = 0,
                  wait_seconds: float = 0.0) -> GlobalModel:  # fmt: skip
@@ -285,6 +302,7 @@ def write_export(model: GlobalModel, out: str | pathlib.Path, data: str | None =
     if hf is not None:
         for key, value in special_token_ids(tokenizer).items():
             setattr(hf, key, value)
+        hf.use_cache = True  # trained without a key/value cache; generating with one is about twice as fast
     out = pathlib.Path(out)
     with atomic_folder(out) as folder:
         save_file({name: t.contiguous() for name, t in model.tensors.items()}, str(folder / "model.safetensors"),
@@ -320,7 +338,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--servers", help="comma-separated host:port of every running shard (read-only: no round waits)")
     source.add_argument("--checkpoints", help="comma-separated shard checkpoint files or folders (offline)")
-    parser.add_argument("--run-id", default=RunConfig().run_id, help=f"the run's id, for --servers (default {RunConfig().run_id})")
+    parser.add_argument("--run-id", help="the run's id, for --servers (default: the run the shards serve, as their Status says; "
+                                         "they must agree)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per shard call (default 120)")
     add_data_arguments(parser, "the run's data: the eval split for --eval (and, for a run whose shards did not record "
                        "its tokenizer, where to find it; checked against the shards' record where there is one)")  # fmt: skip
@@ -341,7 +360,8 @@ def run(args: argparse.Namespace) -> int:
         if args.servers:
             tls, token = security_from_args(args, "worker")
             addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
-            model = from_servers(addresses, args.run_id, tls, token, args.timeout)
+            run_id = args.run_id or served_run_id(addresses, tls, token, args.timeout)
+            model = from_servers(addresses, run_id, tls, token, args.timeout)
         else:
             model = from_checkpoints([c.strip() for c in args.checkpoints.split(",") if c.strip()], report=print)
         out = write_export(model, args.out, args.data, args.text_field, args.model, args.tokenizer_path)

@@ -15,14 +15,16 @@ explicit flag still wins and argparse does the rest (types, `--help`, required f
   file); a key no command has is an error naming the key and the file, and so is an unknown key in
   this command's own table.
 * Environment: `DILOCOX_` + the flag name in upper case with `_` for `-` (`--run-id` → `DILOCOX_RUN_ID`,
-  `--inner-steps` → `DILOCOX_INNER_STEPS`); `DILOCOX_CONFIG` names the file. Variables that match no
-  flag of the command are ignored (the environment is shared by everything in a container). Booleans
+  `--inner-steps` → `DILOCOX_INNER_STEPS`); `DILOCOX_CONFIG` names the file. Variables that match another
+  command's flag are ignored (the environment is shared by everything in a container); one that matches
+  no dilocox command's flag is an error naming it and the closest name (a typo must not go unnoticed). Booleans
   take true/false/1/0/yes/no/on/off; a TOML list for a text flag is joined with commas (`servers`).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import os
@@ -31,6 +33,9 @@ import tomllib
 from typing import Any, Iterable, Mapping
 
 ENV_PREFIX = "DILOCOX_"
+# Variables of that prefix that are not flags: the config file's path, the tokenizer cache, and the
+# compose recipe's image settings (read by docker compose, not by a dilocox command).
+OTHER_VARIABLES = frozenset({"DILOCOX_CONFIG", "DILOCOX_CACHE_DIR", "DILOCOX_IMAGE", "DILOCOX_BASE_IMAGE", "DILOCOX_WHEELHOUSE"})
 CONFIG_HELP = ("TOML (or .json) file of flag values: keys named like the flags, [model]/[inner]/... tables, [<command>] "
                f"tables; precedence: flags > {ENV_PREFIX}<FLAG> environment variables > this file > defaults")  # fmt: skip
 _BOOLEAN = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
@@ -223,12 +228,32 @@ def apply_sources(parsers: list[argparse.ArgumentParser], command_path: list[str
         name = env_name(key)
         if name in environ:
             values[key] = (environ[name], f"environment variable {name}")
+    _refuse_unknown_variables(environ, options, commands)
     for key, (value, source) in values.items():
         parser, action = options[key]
         parser.set_defaults(**{action.dest: convert(action, value, source)})
         action.required = False
     if parsers:
         parsers[-1].set_defaults(_config_applied=True)
+
+
+def _refuse_unknown_variables(environ: Mapping[str, str], options: Mapping[str, Any], commands: Mapping[str, tuple[str, str]]) -> None:
+    """A `DILOCOX_*` variable that no dilocox command has a flag for is a typo (`DILOCOX_INER_STEPS`), which
+    would otherwise leave its setting at the default without a word: refused like a file's unknown key.
+    Another command's flag is fine (one environment serves every process of a container)."""
+    stray = [name for name in environ if name.startswith(ENV_PREFIX) and name not in OTHER_VARIABLES
+             and key_of(name[len(ENV_PREFIX):]) not in options]  # fmt: skip
+    if not stray:
+        return
+    universe = all_command_keys(commands)
+    unknown = sorted(name for name in stray if key_of(name[len(ENV_PREFIX):]) not in universe)
+    if unknown:
+        name = unknown[0]
+        known = sorted({env_name(k) for k in universe} | OTHER_VARIABLES)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise SettingsError(f"environment variable {name}: no dilocox command has a flag --{key_of(name[len(ENV_PREFIX):]).replace('_', '-')}"
+                            f"{hint}; unset it, or see `dilocox <command> --help` for the DILOCOX_<FLAG> names")  # fmt: skip
 
 
 def add_config_option(parser: argparse.ArgumentParser) -> None:

@@ -39,6 +39,7 @@ _HOMES = {
     "RunLengthMismatch": "dilocox.worker.exchange.admission",
     "SiteMesh": "dilocox.worker.site.mesh",
     "TlsFiles": "dilocox.common.security",
+    "configure_logging": "dilocox.common.logs",
     "WireConfig": "dilocox.common.config.run",
     "load_run_config": "dilocox.common.config.load",
     "MaterializeError": "dilocox.worker.models.materialize",
@@ -52,6 +53,7 @@ __all__ = sorted(_HOMES)
 if TYPE_CHECKING:
     from dilocox.common.config.load import load_run_config
     from dilocox.common.config.run import CompressionConfig, InnerConfig, ModelConfig, OuterConfig, ParallelConfig, RunConfig, WireConfig
+    from dilocox.common.logs import configure_logging
     from dilocox.common.security import TlsFiles
     from dilocox.hf_trainer import DiLoCoXCallback
     from dilocox.site import DiLoCoX, tokenizer_identity

@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prep.add_argument("--tokenizer", default="byte", help="byte (default), bpe:VOCAB (trained on the input), or a tokenizer.json")
     prep.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column (default text)")
     prep.add_argument("--eval-fraction", type=float, default=EVAL_FRACTION, help=f"held-out share, the last tokens (default {EVAL_FRACTION})")
-    prep.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prep.add_argument("--no-progress", action="store_true", help="no progress bar (there is none either where stderr is not a "
+                                                                  "terminal: a log file gets no carriage-return redraws)")  # fmt: skip
     info = actions.add_parser("info", help="print a prepared folder's manifest")
     info.add_argument("folder")
 
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         if is_prepared(args.input):
             raise CorpusError(f"{args.input} is already a prepared token folder")
         tokenizer = resolve_tokenizer(args.tokenizer, args.input, args.text_field)
-        manifest = prepare_tokens(args.input, tokenizer, args.out, args.text_field, args.eval_fraction, progress=not args.no_progress)
+        manifest = prepare_tokens(args.input, tokenizer, args.out, args.text_field, args.eval_fraction, progress=not args.no_progress and sys.stderr.isatty())
     except (CorpusError, TokenizerError, ValueError) as error:
         print(f"dilocox data {args.action}: {error}", file=sys.stderr)
         return 1

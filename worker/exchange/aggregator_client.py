@@ -38,7 +38,8 @@ from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contrib
 from dilocox.worker.exchange.packed_state import pack
 from dilocox.worker.exchange.replica_state import Installed, install_replica, replica_entries, unpack_replica
 from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
-from dilocox.worker.exchange.shard_wait import RECONNECT_OPTIONS, WAITED_FOR, AggregatorError, call_waiting, why_unreachable
+from dilocox.worker.exchange.shard_wait import (RECONNECT_OPTIONS, WAITED_FOR, AggregatorError, call_waiting,
+                                                said_while_unreached, why_unreachable)  # fmt: skip
 from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
@@ -175,11 +176,15 @@ class AggregatorClient:
                 # --shard-wait-s bounds the first connection too (a shorter wait than connect_timeout).
                 first = min(self.connect_timeout, self.shard_wait_s) if self.shard_wait_s > 0 else self.connect_timeout
                 timeout = self.shard_wait_s if self._stubs else first
-                return self._call(
+                call = lambda: self._call(  # noqa: E731
                     self.addresses[i],
                     lambda: self._stubs_by_address[i].Join(request, timeout=max(timeout, 1.0), wait_for_ready=True),
                     call="join",
-                )
+                )  # fmt: skip
+                if self._stubs:  # a rejoin: the outage path says what it waits for
+                    return call()
+                with said_while_unreached(self.cluster, self.addresses[i], max(timeout, 1.0)):
+                    return call()
             except AggregatorError as error:
                 raise why_unreachable(self._stubs_by_address[i], error) if error.code == grpc.StatusCode.DEADLINE_EXCEEDED else error
 

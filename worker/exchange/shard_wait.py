@@ -9,8 +9,10 @@ call is repeated as soon as the channel connects.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import grpc
 import structlog
@@ -112,3 +114,30 @@ def why_unreachable(stub, error: AggregatorError) -> AggregatorError:
     if is_hostname_mismatch(details):
         return AggregatorError(error.address, grpc.StatusCode.UNAVAILABLE, f"{explain_hostname_mismatch(error.address)} [{details}]")
     return AggregatorError(error.address, error.code, f"{error.details}; last connection error: {details}")
+
+
+FIRST_CONTACT_SAY_EVERY_S = 5.0
+
+
+@contextlib.contextmanager
+def said_while_unreached(cluster: str, address: str, gives_up_after_s: float, every_s: float = FIRST_CONTACT_SAY_EVERY_S) -> Iterator[None]:
+    """Around a first call that waits for a shard to be reachable: every `every_s` seconds until the call
+    returns, a warning naming the address and how long is left — a mistyped host or a closed port must not
+    look like a run that is merely slow to start (it was silent for the whole connect timeout, 60 s)."""
+    done = threading.Event()
+
+    def say() -> None:
+        started = time.monotonic()
+        while not done.wait(every_s):
+            waited = time.monotonic() - started
+            log.warning("shard_not_reached_yet", cluster=cluster, address=address, waited_s=round(waited, 1),
+                        gives_up_in_s=round(max(0.0, gives_up_after_s - waited), 1),
+                        hint="check the address (host, port), the shard's state, and firewalls between them")  # fmt: skip
+
+    sayer = threading.Thread(target=say, name="shard-first-contact", daemon=True)
+    sayer.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sayer.join(timeout=1)
