@@ -79,6 +79,8 @@ def start_server(
     this long for a work thread (server/health_watch.py).
     """
     wire = wire or WireConfig()
+    if health_stall_s <= 0:  # refused before anything listens
+        raise ValueError(f"--health-stall-s must be > 0, got {health_stall_s}")
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name=f"shard-{shard.shard_index}-grpc", daemon=True)
     thread.start()
