@@ -114,7 +114,7 @@ def test_worked_example_runs_on_localhost(tmp_path):
         assert shell("status").wait(timeout=60) == 0, output("status")
         rows = [line.split() for line in output("status").splitlines() if line[:1].isdigit()]
         # shard, version, clusters: 2 rounds, then the end-of-run flush of the error-feedback residuals
-        assert [(r[0], r[3], r[5]) for r in rows] == [("0/2", "3", "2"), ("1/2", "3", "2")], output("status")
+        assert [(r[0], r[3], r[5]) for r in rows] == [("0/2", "3/3", "2"), ("1/2", "3/3", "2")], output("status")  # version 3 of 3
         assert shell("metrics").wait(timeout=60) == 0, output("metrics")
         assert "dilocox_rounds_closed_total 3.0" in output("metrics"), output("metrics")  # 2 rounds + the flush
         assert shell("export").wait(timeout=120) == 0, output("export")

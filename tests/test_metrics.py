@@ -98,8 +98,12 @@ def test_shard_metrics_after_a_round(shard_process):
         scrape(metrics_port)
 
 
+SITE = (("cluster", "site-a"), ("run", "run-worker-metrics"))  # every worker sample carries its site and run
+
+
 def test_worker_metrics_while_training(shard_set):
-    """A real `dilocox worker` (tiny model) serves its round metrics from rank 0 while it trains."""
+    """A real `dilocox worker` (tiny model) serves its round metrics from rank 0 while it trains, each
+    sample labelled with its site and run."""
     shards = shard_set(1, "run-worker-metrics")
     metrics_port = _free_port()
     argv = [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "run-worker-metrics",
@@ -109,7 +113,7 @@ def test_worker_metrics_while_training(shard_set):
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline, m = time.monotonic() + 120, {}
-        while m.get(("dilocox_worker_rounds_total", ()), 0) < 3:
+        while m.get(("dilocox_worker_rounds_total", SITE), 0) < 3:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, f"worker did not complete 3 rounds: {m}"
             time.sleep(0.2)
@@ -120,11 +124,11 @@ def test_worker_metrics_while_training(shard_set):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    rounds = m[("dilocox_worker_rounds_total", ())]
-    assert m[("dilocox_inner_steps_total", ())] == 3 * rounds
-    assert m[("dilocox_tokens_trained_total", ())] == 3 * 4 * 16 * rounds
-    assert m[("dilocox_worker_round", ())] >= rounds and m[("dilocox_worker_version", ())] >= rounds - 1
-    assert 0 < m[("dilocox_train_loss", ())] < 10 and 0 < m[("dilocox_eval_loss", ())] < 10  # bytes: ln 256 ≈ 5.5 at first
-    assert m[("dilocox_bytes_pushed_total", ())] > 0 and m[("dilocox_bytes_pulled_total", ())] > 0
-    assert m[("dilocox_compute_seconds_total", ())] > 0 and m[("dilocox_idle_seconds_total", ())] >= 0
-    assert m[("dilocox_error_feedback_residual_norm", ())] > 0  # default compression: int4 + error feedback
+    rounds = m[("dilocox_worker_rounds_total", SITE)]
+    assert m[("dilocox_inner_steps_total", SITE)] == 3 * rounds
+    assert m[("dilocox_tokens_trained_total", SITE)] == 3 * 4 * 16 * rounds
+    assert m[("dilocox_worker_round", SITE)] >= rounds and m[("dilocox_worker_version", SITE)] >= rounds - 1
+    assert 0 < m[("dilocox_train_loss", SITE)] < 10 and 0 < m[("dilocox_eval_loss", SITE)] < 10  # bytes: ln 256 ≈ 5.5 at first
+    assert m[("dilocox_bytes_pushed_total", SITE)] > 0 and m[("dilocox_bytes_pulled_total", SITE)] > 0
+    assert m[("dilocox_compute_seconds_total", SITE)] > 0 and m[("dilocox_idle_seconds_total", SITE)] >= 0
+    assert m[("dilocox_error_feedback_residual_norm", SITE)] > 0  # default compression: int4 + error feedback
