@@ -91,20 +91,8 @@ def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None
         for accum in (1, 2) if pp > 1 else (1,):
             cfg = config(pp, dp, replicate, accum=accum, reshard=reshard)
             trainer = SiteTrainer(cfg, data(), mesh)
-            batches = global_batches(STEPS * accum, BATCH * dp)
-            mine = [(x[mesh.replica * BATCH : (mesh.replica + 1) * BATCH], y[mesh.replica * BATCH : (mesh.replica + 1) * BATCH]) for x, y in batches]
-            trainer.sampler = FixedBatches(mine)
-            grads: list[dict] = []
-            step = trainer.optimizer.step
-
-            def recording_step(*args, **kwargs):
-                if not grads:
-                    grads.append({n: _full(p.grad) for n, p in trainer.named_parameters()})
-                return step(*args, **kwargs)
-
-            trainer.optimizer.step = recording_step
-            losses = [trainer.train_steps(1)[0] for _ in range(STEPS)]
-            result[f"accum{accum}"] = {"grads": grads[0], "losses": losses,
+            first_grads, losses = train_recording(trainer, mesh.replica, global_batches(STEPS * accum, BATCH * dp), STEPS)
+            result[f"accum{accum}"] = {"grads": first_grads, "losses": losses,
                                        "weights": {n: _full(p) for n, p in trainer.named_parameters()}}  # fmt: skip
         result["eval"] = trainer.evaluate()
 
@@ -151,6 +139,24 @@ def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         mesh.close()
+
+
+def train_recording(trainer, replica: int, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> tuple[dict, list[float]]:  # noqa: ANN001
+    """Train `steps` inner steps on this replica's part of each global batch; returns the first step's
+    gradients (whole, as one process holds them) and every step's loss."""
+    part = slice(replica * BATCH, (replica + 1) * BATCH)
+    trainer.sampler = FixedBatches([(x[part], y[part]) for x, y in batches])
+    grads: list[dict] = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        if not grads:
+            grads.append({n: _full(p.grad) for n, p in trainer.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    losses = [trainer.train_steps(1)[0] for _ in range(steps)]
+    return grads[0], losses
 
 
 def reference(accum: int, dp: int) -> dict:

@@ -18,7 +18,7 @@ from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, 
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import lm_loss, logits_of
 from dilocox.worker.train.inner_trainer import InnerTrainer
-from tests.test_site import BATCH, BLOCK, FixedBatches, _full, data, global_batches
+from tests.test_site import BATCH, BLOCK, FixedBatches, data, global_batches, train_recording
 from tests.ports import free_port
 
 STEPS = 2
@@ -43,20 +43,8 @@ def _rank(rank: int, world: int, port: int, model: str, pp: int, dp: int, out_di
         trainer = SiteTrainer(cfg, data(), mesh)
         sent: list[torch.dtype] = []
         trainer.module.register_forward_hook(lambda module, inputs, output: sent.append(logits_of(output).dtype))
-        batches = global_batches(STEPS, BATCH * dp)
-        trainer.sampler = FixedBatches([(x[mesh.replica * BATCH : (mesh.replica + 1) * BATCH],
-                                         y[mesh.replica * BATCH : (mesh.replica + 1) * BATCH]) for x, y in batches])  # fmt: skip
-        grads: list[dict] = []
-        step = trainer.optimizer.step
-
-        def recording_step(*args, **kwargs):
-            if not grads:
-                grads.append({n: _full(p.grad) for n, p in trainer.named_parameters()})
-            return step(*args, **kwargs)
-
-        trainer.optimizer.step = recording_step
-        losses = [trainer.train_steps(1)[0] for _ in range(STEPS)]
-        result = {"grads": grads[0], "losses": losses, "eval": trainer.evaluate(), "stage_output": sorted({str(d) for d in sent}),
+        first_grads, losses = train_recording(trainer, mesh.replica, global_batches(STEPS, BATCH * dp), STEPS)
+        result = {"grads": first_grads, "losses": losses, "eval": trainer.evaluate(), "stage_output": sorted({str(d) for d in sent}),
                   "stage": mesh.stage}  # fmt: skip
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
