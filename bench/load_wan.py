@@ -10,8 +10,8 @@ weights alone) a chunk at a time at the same rate, so gRPC's flow control paces 
 `--stalled N` push streams per shard send a header and one chunk and then nothing until the row ends.
 
 The stalled site has joined, so round 1 waits for it until the shards' deadline (5 s) and closes without
-it; that round is not timed. Per row, over the timed rounds: the median and worst round latency (the round's first push sent → the last site's pull read),
-what the link alone takes (push + pull bytes at R), the median and worst `Status` latency polled from
+it; that round is not timed. Per row, over the timed rounds: the median and worst round latency (the
+round's first push sent → the last site's pull read), what the link alone takes (push + pull bytes at R), the median and worst `Status` latency polled from
 both shards all along, the shards' CPU milliseconds per site and round, and the CPU seconds per round
 of the shards and of the sites' clients (which share this machine's cores with the shards).
 """

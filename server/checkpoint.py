@@ -18,6 +18,7 @@ import errno
 import os
 import pathlib
 import shutil
+import tempfile
 import time
 
 import structlog
@@ -182,8 +183,7 @@ class Checkpointer:
                 log.error("checkpoint_failed", shard=self.shard.shard_index, version=version, path=str(path), reason=reason,
                           free_bytes=_free_bytes(self.directory), kept_version=self.written_version,
                           effect="the round is published and served; the save is retried at every version until one succeeds")  # fmt: skip
-            remove_temporary_files(self.directory, self.shard.shard_index)
-            return False
+            return False  # the failed save's temporary file is gone already (common/atomic_file.py removes it)
         streak = self.health.succeeded()
         if streak:
             log.info("checkpoint_recovered", shard=self.shard.shard_index, version=version, failed_saves=streak)
@@ -246,7 +246,16 @@ def _keep_as(path: pathlib.Path, kept: pathlib.Path) -> None:
     except OSError as error:
         if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
             raise
-        shutil.copy2(path, kept)
+        # Copied under a temporary name first: a copy cut short by a full disk must never sit under the kept
+        # name (its existence is what makes a retried rotation skip it); the name matches the start-up clean-up.
+        fd, partial = tempfile.mkstemp(dir=kept.parent, prefix=path.name, suffix=".tmp")
+        os.close(fd)
+        try:
+            shutil.copy2(path, partial)
+            os.replace(partial, kept)
+        except BaseException:
+            pathlib.Path(partial).unlink(missing_ok=True)
+            raise
 
 
 def remove_temporary_files(directory: pathlib.Path, shard_index: int) -> None:

@@ -209,3 +209,23 @@ def test_a_site_whose_checkpoint_disk_fills_up_trains_on_and_says_so(shard_set, 
         assert failed and all(e["path"].startswith(str(folder)) and e["error"] for e in failed), failed
         left = sorted(p.name for p in (folder / "solo").iterdir())
         assert all((folder / "solo" / name / "COMMITTED").exists() for name in left), left  # no half-written round
+
+
+def test_a_rotation_copy_cut_short_leaves_no_kept_file_and_no_temporary(tmp_path, monkeypatch):
+    """Where hard links are not supported the newest file is copied to its kept name; a copy cut short by a
+    full disk must not sit under that name (a retried rotation would take it for done)."""
+    current = tmp_path / "shard-0.pt"
+    current.write_bytes(b"x" * 4096)
+
+    def no_links(*_):
+        raise OSError(errno.EPERM, "links not supported")
+
+    def short_copy(source, target):
+        open(target, "wb").write(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "link", no_links)
+    monkeypatch.setattr(checkpoint.shutil, "copy2", short_copy)
+    with pytest.raises(OSError):
+        checkpoint._keep_as(current, tmp_path / "shard-0.v2.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-0.pt"]
