@@ -84,6 +84,20 @@ def test_dilocox_plan_prints_the_terms_a_verdict_and_fitting_layouts():
     assert small.returncode == 1 and "does NOT fit" in small.stdout
 
 
+def test_dilocox_plan_names_what_it_cannot_do_instead_of_a_traceback():
+    def plan(*flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "dilocox.common.cli", "plan", *flags], capture_output=True, text=True, timeout=120)
+
+    unknown = plan("llama-3b")
+    assert unknown.returncode != 0 and "dilocox plan: --model 'llama-3b' is not a known model" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+    if torch.cuda.device_count() < 2:  # --device cuda measures on one GPU per rank: a layout larger than the machine is refused
+        gpus = torch.cuda.device_count()
+        wide = plan("gpt", "--n-layer", "2", "--n-embd", "64", "--device", "cuda", "--dp", "2", "--measure")
+        assert wide.returncode != 0 and f"the layout has 2 ranks, one GPU each; this machine has {gpus} GPU(s)" in wide.stderr
+        assert "Traceback" not in wide.stderr
+
+
 def _within(planned: int, measured: int, share: float, slack: int) -> bool:
     return abs(measured - planned) <= share * planned + slack
 

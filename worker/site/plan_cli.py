@@ -1,7 +1,7 @@
 """`dilocox plan MODEL --pp P --dp D …`: does this model fit this site? Per GPU, the bytes of each term
 of worker/site/memory_plan.py; per rank, the host bytes of the exchange and a checkpoint; a verdict, and
-with `--gpus N` the layouts of N GPUs that fit. `--measure` runs the layout on this machine's CPU and
-prints planned against measured per rank (`--init-only`: stop after the shard is made)."""
+with `--gpus N` the layouts of N GPUs that fit. `--measure` runs the layout on this machine's CPU (with
+`--device cuda`: its GPUs) and prints planned against measured per rank (`--init-only`: stop after the shard is made)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB", help="memory of one GPU, GB (default 80)")
     parser.add_argument("--gpus", type=int, default=0, metavar="N", help="also list the layouts of N GPUs that fit")
     parser.add_argument("--measure", action="store_true",
-                        help="run the layout's ranks on this machine's CPU (gloo) and print planned vs measured per rank")  # fmt: skip
+                        help="run the layout's ranks on this machine (the CPU, gloo; with --device cuda its GPUs, NCCL) "
+                             "and print planned vs measured per rank")  # fmt: skip
     parser.add_argument("--init-only", action="store_true", help="with --measure: stop after each rank has made its shard")
     add_config_arguments(parser)
 
@@ -104,9 +105,14 @@ def run(args: argparse.Namespace) -> int:
     if args.model_name:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=args.model_name))
     config = planned_precision(config, on_gpu=config.parallel.device != "cpu")
-    vocab = _vocab(config, getattr(args, 'vocab_size', None))
+    from dilocox.worker.models.spec import ModelSpecError
+
+    try:
+        vocab = _vocab(config, getattr(args, "vocab_size", None))
+    except ModelSpecError as error:
+        raise SystemExit(f"dilocox plan: {error}") from None
     gpu_bytes = int(args.gpu_memory * GB) if args.gpu_memory else None
-    fused = config.parallel.device != "cpu" and not args.measure
+    fused = config.parallel.device != "cpu" and not (args.measure and not config.parallel.device.startswith("cuda"))
     plan = plan_memory(config, vocab, gpu_bytes, fused_attention=fused)
     print(render(plan))
     if args.gpus:
@@ -128,13 +134,17 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         from dilocox.worker.site.plan_measure import measure, planned_init, planned_step
 
-        cpu = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cpu", precision="fp32"))
-        cpu_plan = plan_memory(cpu, vocab, None, fused_attention=False)
-        measured = measure(cpu, init_only=args.init_only)
-        print("measured on this machine's CPU (gloo), GB above each rank's baseline: planned / measured")
+        on_gpu = config.parallel.device.startswith("cuda")
+        if not on_gpu:
+            config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cpu", precision="fp32"))
+        measured_plan = plan_memory(config, vocab, None, fused_attention=on_gpu)
+        measured = measure(config, init_only=args.init_only)
+        where = ("this machine's GPUs (NCCL), torch.cuda.max_memory_allocated" if on_gpu
+                 else "this machine's CPU (gloo), resident set")  # fmt: skip
+        print(f"measured on {where}, GB above each rank's baseline: planned / measured")
         for m in measured:
-            row = f"  rank {m.rank}: init {_gb(planned_init(cpu_plan, m.rank))} / {_gb(m.init)}"
+            row = f"  rank {m.rank}: init {_gb(planned_init(measured_plan, m.rank))} / {_gb(m.init)}"
             if m.step is not None:
-                row += f"; steady step {_gb(planned_step(cpu_plan, m.rank))} / {_gb(m.step)}"
+                row += f"; steady step {_gb(planned_step(measured_plan, m.rank))} / {_gb(m.step)}"
             print(row)
     return 0 if plan.fits() else 1

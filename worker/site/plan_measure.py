@@ -1,5 +1,5 @@
-"""`dilocox plan --measure`: run a layout's ranks on this machine's CPU (gloo, one process per rank) and
-compare each rank's measured memory with the plan.
+"""`dilocox plan --measure`: run a layout's ranks on this machine (one process per rank: gloo on the CPU,
+NCCL on the GPUs with `--device cuda`) and compare each rank's measured memory with the plan.
 
 A rank's measurement is its resident set above what it held before the model was built (Python, torch,
 the process group): after materialising its shard (`init`), and — unless `--init-only` — the peak over
@@ -7,6 +7,9 @@ two inner steps of the real `SiteTrainer` (forward, backward, clipping, AdamW; t
 one, AdamW's state allocated by the first). On the CPU, device memory
 *is* host memory, so the planned figure is the device plan of that moment (the round boundary's reshard
 buffers excluded: no exchange runs here) — plus, at init, the whole parameter a rank holds while making it.
+On a GPU the measure is `torch.cuda.max_memory_allocated` above what was allocated before the build, set
+against the same device plan (at the GPU's precision, with fused attention): what `dilocox bench gpu`
+cannot show for a model too large for the CPU exchange to keep up with.
 """
 
 from __future__ import annotations
@@ -77,22 +80,30 @@ def _rank(rank: int, world: int, port: int, config: RunConfig, init_only: bool, 
 
     data = TokenData.from_bytes(load_corpus(None), EVAL_FRACTION)
     mesh = SiteMesh(config.parallel, collective_timeout_s=600)
+    on_gpu = mesh.compute.is_cuda
     try:
         meta_model(config.model, data.vocab_size)  # the model's code imported (transformers), nothing allocated
         torch.distributed.barrier()
-        baseline = rss_bytes()
-        reset_peak_rss()
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
+            peak = torch.cuda.max_memory_allocated
+        else:
+            baseline = rss_bytes()
+            reset_peak_rss()
+            peak = peak_rss_bytes
         if init_only:
             from dilocox.worker.site.trainer import build_site_module
 
             build_site_module(config, data.vocab_size, mesh)
-            init = peak_rss_bytes() - baseline
+            init = peak() - baseline
             step = None
         else:
             trainer = SiteTrainer(config, data, mesh)
-            init = peak_rss_bytes() - baseline
+            init = peak() - baseline
             trainer.train_steps(2)  # the second step is the steady one: AdamW's state exists from the first on
-            step = peak_rss_bytes() - baseline
+            step = peak() - baseline
         torch.distributed.barrier()
         torch.save(RankMeasure(rank, init, step), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -100,11 +111,17 @@ def _rank(rank: int, world: int, port: int, config: RunConfig, init_only: bool, 
 
 
 def measure(config: RunConfig, init_only: bool = False) -> list[RankMeasure]:
-    """Each rank's measured bytes for `config`'s layout on the CPU (gloo)."""
+    """Each rank's measured bytes for `config`'s layout: on the GPUs where its device is cuda (NCCL, one
+    GPU per rank), else on the CPU (gloo, fp32)."""
     from dilocox.common.subprocesses import free_local_port
 
-    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cpu", precision="fp32"))
     world = config.parallel.world_size
+    if config.parallel.device.startswith("cuda"):
+        if torch.cuda.device_count() < world:
+            raise SystemExit(f"dilocox plan --measure: the layout has {world} ranks, one GPU each; this machine has "
+                             f"{torch.cuda.device_count()} GPU(s) (--device cpu measures it on the CPU)")  # fmt: skip
+    else:
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cpu", precision="fp32"))
     # glibc raises its mmap threshold as large blocks are freed, after which freed memory stays resident:
     # a fixed threshold returns every large block at its free, so the resident set follows live memory.
     before = os.environ.get(MALLOC_THRESHOLD)
