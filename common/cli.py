@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "link": ("dilocox.common.deploy.link_cli", "shape this host's WAN egress (tc) and measure a link's bulk rate"),
     "plan": ("dilocox.worker.site.plan_cli", "what a site's layout needs per GPU and per rank, and which layouts fit, before anything is built"),
     "config": ("dilocox.common.config.show", "print the effective run configuration (flags > env > --config file) as TOML"),
+    "docs": ("dilocox.common.config.cli_reference", "regenerate (or --check) docs/reference.md, every command's flags, from these parsers"),
 }
 
 
