@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "sim": ("dilocox.sim.main", "local simulation: shards + clusters as processes on localhost"),
     "data": ("dilocox.worker.data.prepare", "prepare a corpus: tokenise it into a token file + manifest that workers stream from disk"),
     "export": ("dilocox.worker.export", "write the run's global model (from running shards or their checkpoints) as loadable files"),
+    "verify": ("dilocox.worker.export_verify", "check a signed export: its signature, every file's digest, nothing added or removed"),
     "status": ("dilocox.worker.status", "print what each shard is doing"),
     "health": ("dilocox.server.health", "exit 0 if a shard answers the standard gRPC health check with SERVING"),
     "certs": ("dilocox.common.deploy.certs", "make a development CA and server/client certificates for TLS/mTLS"),

@@ -7,6 +7,9 @@ to one version, and writes a folder:
 
 * `model.safetensors` — every parameter by its full name, fp32;
 * `export.json` — run id, version, parameter count, the run's configuration;
+* `provenance.json` — where the model came from and every file's digest (worker/export_provenance.py), and
+  with `--sign-key` `dilocox-signature.json` over all of them, which `dilocox verify` checks
+  (worker/export_signing.py);
 * for a Hugging Face model also `config.json` (+ `tokenizer.json` and `tokenizer_config.json` where the
   run's tokenizer is found), so `AutoModelForCausalLM.from_pretrained(folder)` loads it; the built-in GPT
   loads with `dilocox worker --weights folder` or `build_model(config, vocab, seed)` with `weights` set.
@@ -41,6 +44,8 @@ from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.data.token_data import add_data_arguments
 from dilocox.worker.export_checkpoints import gather, pick_versions
+from dilocox.worker.export_keys import Signer, SigningError, load_signer
+from dilocox.worker.export_provenance import write_provenance
 
 EXPORT_FORMAT = "dilocox-export"
 
@@ -63,6 +68,7 @@ class GlobalModel:
     tensors: dict[str, torch.Tensor]  # full parameters by name, in the run's parameter order
     tokenizer_digest: str = ""  # the run's tokenizer as the shards recorded it ("" = not recorded)
     tokenizer_json: str = ""
+    source: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # where it was read from, for provenance.json
 
     @property
     def num_params(self) -> int:
@@ -127,6 +133,7 @@ def from_checkpoints(locations: Iterable[str | pathlib.Path], report: Callable[[
     model = assemble(first["run_id"], assignment, parts, first["run_config_json"], first["num_shards"])
     model.tokenizer_digest, model.tokenizer_json = _recorded_tokenizer(
         (st.get("tokenizer_digest", ""), st.get("tokenizer_json", "")) for _, st in chosen.values())  # fmt: skip
+    model.source = {"checkpoints": [str(file) for _, (file, _) in sorted(chosen.items())]}
     return model
 
 
@@ -203,6 +210,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
         parts[reply.shard_index] = (versions.pop() if versions else reply.version, {u.key: u.decode() for u in units})
     model = assemble(run_id, assignment, parts, run_config_json, num_shards)
     model.tokenizer_digest, model.tokenizer_json = _recorded_tokenizer(records)
+    model.source = {"servers": list(addresses)}
     return model
 
 
@@ -290,8 +298,10 @@ def _write_tokenizer(tokenizer, config: RunConfig, folder: pathlib.Path) -> str:
 
 
 def write_export(model: GlobalModel, out: str | pathlib.Path, data: str | None = None, text_field: str = "text",
-                 model_override: str | None = None, tokenizer_path: str | None = None) -> pathlib.Path:  # fmt: skip
-    """Write the export folder whole or not at all; returns its path."""
+                 model_override: str | None = None, tokenizer_path: str | None = None,
+                 signer: Signer | None = None) -> pathlib.Path:  # fmt: skip
+    """Write the export folder whole or not at all, its provenance.json last, signed by `signer` if given;
+    returns its path."""
     from safetensors.torch import save_file
 
     config = model.run_config
@@ -314,6 +324,9 @@ def write_export(model: GlobalModel, out: str | pathlib.Path, data: str | None =
                   "model": config.model.model, "huggingface": hf is not None, "tokenizer": tokenizer_note,
                   "run_config": in_use(config)}  # fmt: skip
         (folder / "export.json").write_text(json.dumps(record, indent=2) + "\n")
+        digest = tokenizer.digest if tokenizer is not None else "byte"
+        write_provenance(folder, model.run_id, model.version, config.rounds, config.final_version, digest, record["run_config"],
+                         model.source, signer)  # fmt: skip
     return out
 
 
@@ -348,6 +361,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "runs whose shards did not record one)")  # fmt: skip
     parser.add_argument("--model", help="where the run's --model (a config.json path) is on this machine, if elsewhere")
     parser.add_argument("--eval", action="store_true", help="then report the exported model's loss on the run's eval split")
+    parser.add_argument("--sign-key", metavar="KEY_PEM", help="sign the export with this private key (PEM: ECDSA as `dilocox certs` "
+                        "makes, Ed25519 or RSA): writes dilocox-signature.json, which `dilocox verify` checks")  # fmt: skip
+    parser.add_argument("--sign-cert", metavar="CERT_PEM", help="with --sign-key: the key's certificate (then any intermediates), "
+                        "put in the signature so that `dilocox verify --cert CA.pem` can check who signed")  # fmt: skip
     add_security_arguments(parser, "worker")
 
 
@@ -357,6 +374,9 @@ def run(args: argparse.Namespace) -> int:
     from dilocox.worker.models.spec import ModelSpecError
 
     try:
+        if args.sign_cert and not args.sign_key:
+            raise SigningError("--sign-cert needs --sign-key (the certificate's private key)")
+        signer = load_signer(args.sign_key, args.sign_cert) if args.sign_key else None  # a bad key fails before the export
         if args.servers:
             tls, token = security_from_args(args, "worker")
             addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
@@ -364,8 +384,11 @@ def run(args: argparse.Namespace) -> int:
             model = from_servers(addresses, run_id, tls, token, args.timeout)
         else:
             model = from_checkpoints([c.strip() for c in args.checkpoints.split(",") if c.strip()], report=print)
-        out = write_export(model, args.out, args.data, args.text_field, args.model, args.tokenizer_path)
+        out = write_export(model, args.out, args.data, args.text_field, args.model, args.tokenizer_path, signer)
         print(f"exported run {model.run_id} version {model.version}: {model.num_params:,} parameters to {out}")
+        if signer is not None:
+            check = "--cert <the CA's ca.pem>" if signer.certificates else "--key <the signer's public key>"
+            print(f"signed by {signer.describe()}: check it with `dilocox verify {out} {check}`")
         if args.eval:
             print(f"eval loss {evaluate_export(out, args.data, args.text_field):.4f}")
     except (ExportError, ModelSpecError, TokenizerError, CorpusError, FileExistsError, ValueError) as error:

@@ -1,0 +1,64 @@
+"""`provenance.json`: where an exported model came from, written into every export folder, and the
+step that signs the folder when the exporter has a key (worker/export_signing.py).
+
+Why a record of its own beside `export.json`: export.json says what the model is (for loading and
+`--eval`); provenance.json says where it came from — which run, which global version after how many
+rounds, which tokenizer (by digest), the run's configuration, which shards or checkpoint files it was
+read from, which dilocox and when — and the digest of every exported file. The signature covers its
+digest, so a signed export's provenance cannot be edited unnoticed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+from dataclasses import asdict, dataclass, field
+
+from dilocox.worker.export_signing import PROVENANCE_FILE, FileDigest, digest_files, sign_folder
+from dilocox.worker.export_keys import Signer
+
+PROVENANCE_FORMAT = "dilocox-provenance/1"
+
+
+def dilocox_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dilocox")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """The record written as provenance.json (its fields in this order)."""
+
+    run_id: str
+    version: int  # the global model version exported: rounds closed on the shards, the flush included
+    rounds: int  # the run's configured rounds
+    final_version: int  # the version the run ends on (rounds, plus one for the end-of-run flush)
+    tokenizer_digest: str  # sha256 of the run's tokenizer.json, or "byte"
+    run_config: dict  # the run's configuration as the shards recorded it (fields in use)
+    source: dict  # {"servers": [host:port, ...]} or {"checkpoints": [file, ...]}
+    files: list[FileDigest]  # every exported file but this record and the signature
+    dilocox_version: str = field(default_factory=dilocox_version)
+    exported_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    format: str = PROVENANCE_FORMAT
+
+    def as_json(self) -> str:
+        record = {"format": self.format, **{k: v for k, v in asdict(self).items() if k != "format"}}
+        record["files"] = [f.as_dict() for f in self.files]
+        return json.dumps(record, indent=2) + "\n"
+
+
+def write_provenance(folder: pathlib.Path, run_id: str, version: int, rounds: int, final_version: int, tokenizer_digest: str,
+                     run_config: dict, source: dict, signer: Signer | None = None) -> Provenance:  # fmt: skip
+    """Write provenance.json over the export in `folder` (its other files written), and sign the folder
+    when there is a `signer`. Called inside the export's atomic folder: signed whole or not at all."""
+    files = digest_files(folder)
+    record = Provenance(run_id, version, rounds, final_version, tokenizer_digest, run_config, source, files)
+    (folder / PROVENANCE_FILE).write_text(record.as_json())
+    if signer is not None:
+        sign_folder(folder, signer, files)
+    return record
