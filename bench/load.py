@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "transit at once (bench/load_wan.py); 0: as fast as localhost goes (default)")  # fmt: skip
     parser.add_argument("--push-kb", type=int, default=256, help="with --wan-mbit: each site's compressed push to each shard (default 256)")
     parser.add_argument("--stalled", type=int, default=20, help="with --wan-mbit: push streams per shard that stall after one chunk (default 20)")
+    parser.add_argument("--pull-cache-mb", default="",
+                        help="with --wan-mbit: the shards' --pull-cache-mb, comma-separated to compare in one run (e.g. 0,512: "
+                             "each pull framing its own chunks against one framing shared; default: the shards' default)")  # fmt: skip
 
 
 def measure(clusters: int, rounds: int, pull_wait_s: float) -> dict:
@@ -100,12 +103,14 @@ def _run_wan(args: argparse.Namespace, out_dir) -> str:
     from dilocox.bench.load_wan import measure as measure_wan
     from dilocox.bench.report import write_report
 
-    rows = [measure_wan(int(n), args.rounds, args.wan_mbit, args.push_kb, args.stalled) for n in args.clusters.split(",") if n.strip()]
+    caches = [int(c) for c in args.pull_cache_mb.split(",") if c.strip()] or [None]
+    rows = [measure_wan(int(n), args.rounds, args.wan_mbit, args.push_kb, args.stalled, cache)
+            for n in args.clusters.split(",") if n.strip() for cache in caches]  # fmt: skip
     notes = (f"2 shard processes on localhost; every site a raw gRPC client in a thread of one process, its push ({args.push_kb} KB a "
              f"shard, framed as the real client frames it) and its pull (the weights) paced to {args.wan_mbit:g} Mbit/s; "
              f"{args.stalled} push streams per shard stall after one chunk; {args.rounds} rounds; Status polled from both shards "
              f"every 0.25 s; {os.cpu_count()} CPU cores. link_s: the push and the pull at the link's rate alone.\n")  # fmt: skip
-    columns = ["sites", "mbit", "stalled_streams", "push_kb_per_shard", "link_s", "round_latency_median_s", "round_latency_max_s",
+    columns = ["sites", "mbit", "stalled_streams", "push_kb_per_shard", *(["pull_cache_mb"] if args.pull_cache_mb else []), "link_s", "round_latency_median_s", "round_latency_max_s",
                "status_median_s", "status_max_s", "status_calls", "shard_cpu_ms_per_site_round", "cpu_s_per_round"]  # fmt: skip
     return write_report(out_dir, "load_wan", "Sites at WAN pace against 2 shards, beside stalled pushes", rows, columns, notes,
                         {"args": vars(args)})  # fmt: skip

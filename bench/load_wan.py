@@ -111,14 +111,14 @@ def _stall(addresses: list[str], client: AggregatorClient, per_shard: int, relea
     return site, threads
 
 
-def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int) -> dict:
+def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pull_cache_mb: int | None = None) -> dict:
     rate = mbit * 1e6 / 8
     rows = max(1, push_kb * 1024 * 2 // (4 * WIDTH))  # two shards: each gets about push_kb of it
     params = [("w", (rows, WIDTH)), ("b", (WIDTH,))]
     release, status_s = threading.Event(), []
     # The stalled site is a member: round 1 waits for it until the deadline, then closes without it (a
     # warm-up, not timed); its streams stay open, stalled, through every timed round.
-    server_flags = ("--round-deadline-s", str(STALLED_DEADLINE_S))
+    server_flags = ("--round-deadline-s", str(STALLED_DEADLINE_S), *(("--pull-cache-mb", str(pull_cache_mb)) if pull_cache_mb is not None else ()))
     with tempfile.TemporaryDirectory(prefix="dilocox-load-wan-") as tmp, shard_processes(2, RUN, pathlib.Path(tmp), server_flags) as addresses:
         pids = [int(pid) for pid in shard_pids(addresses)]
         clients = [AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(sites)]
@@ -161,7 +161,7 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int) ->
                 c.close()
     pull_bytes = rows * WIDTH * 4 // 2 + WIDTH * 4  # an observer pull: the weights, about half the model per shard
     cpu = sum(u[1] - b for u, b in zip(usage, cpu_before))
-    return {"sites": sites, "mbit": mbit, "stalled_streams": 2 * stalled, "push_kb_per_shard": round(push_bytes / 1024),
+    return {"sites": sites, "mbit": mbit, "stalled_streams": 2 * stalled, "push_kb_per_shard": round(push_bytes / 1024), "pull_cache_mb": pull_cache_mb,
             "link_s": round((push_bytes + pull_bytes) / rate, 2), "round_latency_median_s": round(statistics.median(latencies), 2),
             "round_latency_max_s": round(max(latencies), 2), "status_median_s": round(statistics.median(status_s), 3) if status_s else None,
             "status_max_s": round(max(status_s), 3) if status_s else None, "status_calls": len(status_s),

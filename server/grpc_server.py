@@ -18,6 +18,7 @@ from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.server.aio_servicer import AsyncAggregatorServicer
 from dilocox.server.health import add_health_service, mark_serving
 from dilocox.server.health_watch import STALL_S, ServingWatch
+from dilocox.server.pull_framing import DEFAULT_BUDGET_MB, PullFramings
 from dilocox.server.push_intake import PushLimits
 from dilocox.server.servicer import AggregatorServicer
 from dilocox.server.shard import Shard
@@ -34,6 +35,7 @@ class ServerHandle:
                  pool: ThreadPoolExecutor, on_stop) -> None:  # noqa: ANN001  # fmt: skip
         self._server, self._loop, self._thread, self._pool, self._on_stop = server, loop, thread, pool, on_stop
         self._stopped: threading.Event | None = None
+        self.framings: PullFramings | None = None  # the pulls' shared framings (server/pull_framing.py), for metrics
 
     def stop(self, grace: float | None) -> threading.Event:
         """Health turns NOT_SERVING, held pulls are answered (UNAVAILABLE), calls in flight get `grace`
@@ -68,6 +70,7 @@ def start_server(
     token: str | None = None,
     push_limits: PushLimits | None = None,
     health_stall_s: float = STALL_S,
+    pull_cache_bytes: int = DEFAULT_BUDGET_MB << 20,
 ) -> tuple[ServerHandle, int]:
     """Start serving `shard`; returns the server and the bound port (useful with port=0).
 
@@ -76,9 +79,12 @@ def start_server(
     latency, see server/aio_servicer.py). `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls
     without the run's token. `push_limits`: how long a push stream may stay silent and how many one cluster
     may hold open (server/push_intake.py). `health_stall_s`: health turns NOT_SERVING while a task has waited
-    this long for a work thread (server/health_watch.py).
+    this long for a work thread (server/health_watch.py). `pull_cache_bytes`: what the chunks framed once
+    for every pull of a version may hold (server/pull_framing.py; 0: each pull frames its own).
     """
     wire = wire or WireConfig()
+    if pull_cache_bytes < 0:
+        raise ValueError(f"--pull-cache-mb must be ≥ 0, got {pull_cache_bytes >> 20}")
     if health_stall_s <= 0:  # refused before anything listens
         raise ValueError(f"--health-stall-s must be > 0, got {health_stall_s}")
     loop = asyncio.new_event_loop()
@@ -87,7 +93,7 @@ def start_server(
     pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc")
     try:
         server, bound, health_service, servicer = asyncio.run_coroutine_threadsafe(
-            _serve(shard, host, port, wire, pool, loop, added_latency_s, tls, token, push_limits), loop).result(timeout=60)
+            _serve(shard, host, port, wire, pool, loop, added_latency_s, tls, token, push_limits, pull_cache_bytes), loop).result(timeout=60)
         watch = ServingWatch(health_service, pool, shard.shard_index, health_stall_s)
         watching = asyncio.run_coroutine_threadsafe(_started(watch.run()), loop).result(timeout=60)
     except BaseException:
@@ -105,7 +111,9 @@ def start_server(
 
     log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id,
              tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"), token=bool(token))  # fmt: skip
-    return ServerHandle(server, loop, thread, pool, on_stop), bound
+    handle = ServerHandle(server, loop, thread, pool, on_stop)
+    handle.framings = servicer.servicer.framings
+    return handle, bound
 
 
 async def _started(coroutine) -> asyncio.Task:  # noqa: ANN001
@@ -113,14 +121,15 @@ async def _started(coroutine) -> asyncio.Task:  # noqa: ANN001
 
 
 async def _serve(shard: Shard, host: str, port: int, wire: WireConfig, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop,
-                 added_latency_s: float, tls: TlsFiles | None, token: str | None, push_limits: PushLimits | None):  # noqa: ANN202  # fmt: skip
+                 added_latency_s: float, tls: TlsFiles | None, token: str | None, push_limits: PushLimits | None,
+                 pull_cache_bytes: int):  # noqa: ANN202  # fmt: skip
     options = [
         ("grpc.max_receive_message_length", wire.max_message_bytes),
         ("grpc.max_send_message_length", wire.max_message_bytes),
         *wire.keepalive_options(server=True),
     ]
     server = grpc.aio.server(options=options, interceptors=[AsyncTokenInterceptor(token)] if token else None)
-    servicer = AsyncAggregatorServicer(AggregatorServicer(shard, wire), pool, loop, added_latency_s, push_limits)
+    servicer = AsyncAggregatorServicer(AggregatorServicer(shard, wire, PullFramings(pull_cache_bytes)), pool, loop, added_latency_s, push_limits)
     pb_grpc.add_AggregatorServicer_to_server(servicer, server)
     health_service = await add_health_service(server)
     bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls)) if tls is not None else server.add_insecure_port(f"{host}:{port}")

@@ -21,6 +21,7 @@ from dilocox.server import checkpoint, resume
 from dilocox.server.grace import GraceWindow
 from dilocox.server.grpc_server import start_server
 from dilocox.server.health_watch import STALL_S
+from dilocox.server.pull_framing import DEFAULT_BUDGET_MB
 from dilocox.server.push_intake import PushLimits
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 
@@ -88,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--push-streams-per-cluster", type=int, default=PushLimits.streams_per_cluster,
                         help="push streams one cluster identity may hold open at this shard at once (RESOURCE_EXHAUSTED "
                              "past it); a site opens one per rank")  # fmt: skip
+    parser.add_argument("--pull-cache-mb", type=int, default=DEFAULT_BUDGET_MB,
+                        help="memory for pull chunks framed once per version and sent to every cluster that pulls the same "
+                             "bytes (other clusters' contributions, the weights); a larger stream is framed per pull; 0: off")  # fmt: skip
     parser.add_argument("--health-stall-s", type=float, default=STALL_S,
                         help="report NOT_SERVING (grpc.health.v1) while a task has waited this long for one of the shard's "
                              "work threads, SERVING again once it ran: orchestrators' probes then act on a wedged shard")  # fmt: skip
@@ -197,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
                                     tls=tls, token=token, push_limits=PushLimits(args.push_idle_timeout_s,
                                                                                  args.push_streams_per_cluster),
-                                    health_stall_s=args.health_stall_s)  # fmt: skip
+                                    health_stall_s=args.health_stall_s, pull_cache_bytes=args.pull_cache_mb << 20)  # fmt: skip
     except (ValueError, OSError, RuntimeError) as error:
         raise SystemExit(f"dilocox server: {error}") from None
     if args.port_file:

@@ -8,6 +8,7 @@ for its version on the event loop before `stream` sends it).
 
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import grpc
@@ -17,6 +18,7 @@ from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.errors import DilocoxError, InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, assemble_units, frame_slices, own_contribution_digest
 from dilocox.proto import dilocox_pb2 as pb
+from dilocox.server.pull_framing import PullFramings
 from dilocox.server.shard import Shard
 from dilocox.server.shard_records import Snapshot
 
@@ -39,9 +41,10 @@ def _refuse_pull_fields(chunk: pb.TensorChunk) -> None:
 class AggregatorServicer:
     """The blocking half of the shard's gRPC methods (Join, Push, Status, and a pull's `stream`)."""
 
-    def __init__(self, shard: Shard, wire: WireConfig | None = None) -> None:
+    def __init__(self, shard: Shard, wire: WireConfig | None = None, framings: PullFramings | None = None) -> None:
         self.shard = shard
         self.wire = wire or WireConfig()
+        self.framings = framings if framings is not None else PullFramings()
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
@@ -131,14 +134,15 @@ class AggregatorServicer:
             self.shard.note_replay_mismatches(request.cluster, request.replay_mismatches)
         names = set(request.names)
         keys = [k for k in snapshot.tensors if not names or k.name in names]
+        slices = self.framings.slice_set(keys)
         if request.observer:  # the weights alone: an export needs no momentum and replays nothing
-            index, wire = self.shard.slice_map.index, self.wire
-            weights = (EncodedSlice.exact(key, snapshot.tensors[key]) for key in keys)
-            chunks = frame_slices(weights, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version)
+            chunks = self.framings.framed(("weights", "", slices), snapshot.version, _framed_bound(_dense_bytes(snapshot, keys, False)),
+                                          lambda: self._full_chunks(snapshot, keys, with_momentum=False))  # fmt: skip
         elif (rounds := self._rounds_to_forward(snapshot, keys, request)) is not None:
-            chunks = self._contribution_chunks(snapshot, keys, rounds, request)
+            chunks = self._contribution_chunks(snapshot, keys, rounds, request, slices)
         else:
-            chunks = self._full_chunks(snapshot, keys)
+            chunks = self.framings.framed(("full", "", slices), snapshot.version, _framed_bound(_dense_bytes(snapshot, keys, True)),
+                                          lambda: self._full_chunks(snapshot, keys))  # fmt: skip
         sent = 0
         for chunk in chunks:
             sent += chunk.ByteSize()
@@ -164,8 +168,7 @@ class AggregatorServicer:
             for version, contributions in rounds for k in keys for c in contributions.get(k, {}).values()
             if not (version in summarised and c.cluster == request.cluster)
         )  # fmt: skip
-        full = sum(4 * snapshot.tensors[k].numel() * (2 if k in snapshot.momentum else 1) for k in keys)
-        return rounds if forwarded <= full else None
+        return rounds if forwarded <= _dense_bytes(snapshot, keys, True) else None
 
     @staticmethod
     def _own_summarised(snapshot: Snapshot, request: pb.PullRequest) -> set[int]:
@@ -175,7 +178,7 @@ class AggregatorServicer:
         return {snapshot.version} if one_behind and not request.no_own_copies else set()
 
     def _contribution_chunks(self, snapshot: Snapshot, keys: list, rounds: list[tuple[int, dict]],
-                             request: pb.PullRequest) -> Iterator[pb.TensorChunk]:  # fmt: skip
+                             request: pb.PullRequest, slices: int | None) -> Iterator[pb.TensorChunk]:  # fmt: skip
         """Round by round, oldest first, the contributions cluster by cluster (small slices bundled: a
         cluster's weight is the same on all its slices); where the requester holds its own slices' bytes
         (`_own_summarised`), its part as one nameless summary chunk: their combined digest and count; and,
@@ -189,10 +192,12 @@ class AggregatorServicer:
                 for cluster, contribution in contributions_of.get(key, {}).items():
                     by_cluster.setdefault(cluster, []).append(contribution)
             mine = by_cluster.pop(requester, []) if version in summarised else []
-            for cluster, contributions in sorted(by_cluster.items()):
-                yield from frame_slices((c.slice for c in contributions), index, wire.chunk_bytes, wire.zstd_level,
-                                        version=version, is_delta=True, base_version=version - 1,
-                                        contributor=cluster, weight=contributions[0].weight)  # fmt: skip
+            for cluster, contributions in sorted(by_cluster.items()):  # the same chunks for every requester: framed once
+                frame = functools.partial(frame_slices, [c.slice for c in contributions], index, wire.chunk_bytes, wire.zstd_level,
+                                          version=version, is_delta=True, base_version=version - 1, contributor=cluster,
+                                          weight=contributions[0].weight)  # fmt: skip
+                payload = sum(len(c.slice.payload) for c in contributions)
+                yield from self.framings.framed(("contributions", version, cluster, slices), snapshot.version, _framed_bound(payload), frame)
             if mine:
                 own = {c.slice.key: c.slice.sha256 for c in mine}
                 yield pb.TensorChunk(version=version, is_delta=True, base_version=version - 1,
@@ -202,13 +207,27 @@ class AggregatorServicer:
             digest = self.shard.state_digest(snapshot, keys, request.replay_digest)
             yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=digest)
 
-    def _full_chunks(self, snapshot: Snapshot, keys: list) -> Iterator[pb.TensorChunk]:
-        """The weights, then the outer momentum, of `keys` (small slices bundled)."""
+    def _full_chunks(self, snapshot: Snapshot, keys: list, with_momentum: bool = True) -> Iterator[pb.TensorChunk]:
+        """The weights, then (unless not `with_momentum`: an observer's pull) the outer momentum, of `keys`
+        (small slices bundled)."""
         wire, index = self.wire, self.shard.slice_map.index
         weights = (EncodedSlice.exact(key, snapshot.tensors[key]) for key in keys)
         yield from frame_slices(weights, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version)
+        if not with_momentum:
+            return
         momentum = (EncodedSlice.exact(key, snapshot.momentum[key]) for key in keys if key in snapshot.momentum)
         yield from frame_slices(momentum, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version, momentum=True)
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return pb.StatusReply(**self.shard.status())
+
+
+def _dense_bytes(snapshot: Snapshot, keys: list, momentum: bool) -> int:
+    """The fp32 bytes of `keys`' weights (and their outer momentum, where `momentum`) at `snapshot`."""
+    return sum(4 * snapshot.tensors[k].numel() * (2 if momentum and k in snapshot.momentum else 1) for k in keys)
+
+
+def _framed_bound(payload_bytes: int) -> int:
+    """At most what `payload_bytes` become framed: zstd adds a few bytes per 128 KB block to what it cannot
+    compress, each chunk a header and its metadata."""
+    return payload_bytes + payload_bytes // 64 + 4096

@@ -18,8 +18,9 @@ class ShardSet:
     def __init__(self, num_shards: int, run_id: str, min_clusters: int = 1, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  wire: WireConfig | None = None, round_deadline_s: float | None = None,
                  added_latency_s: float | list[float] = 0.0, grace_s: tuple[float, float] | None = None,
-                 keep_rounds: int = DEFAULT_KEEP_ROUNDS, expect_clusters: int | None = None) -> None:  # fmt: skip
-        """`grace_s`: (min, max) of a quorum + grace window (server/grace.py), one window per shard."""
+                 keep_rounds: int = DEFAULT_KEEP_ROUNDS, expect_clusters: int | None = None, **serve) -> None:  # fmt: skip
+        """`grace_s`: (min, max) of a quorum + grace window (server/grace.py), one window per shard; `serve`:
+        more of `start_server`'s settings (e.g. `pull_cache_bytes`)."""
         self.shards = [Shard(i, num_shards, run_id, outer_lr, outer_momentum, min_clusters, round_deadline_s,
                              GraceWindow(*grace_s) if grace_s else None, expect_clusters=expect_clusters, keep_rounds=keep_rounds)
                        for i in range(num_shards)]  # fmt: skip
@@ -27,7 +28,7 @@ class ShardSet:
         self.addresses = []
         latencies = added_latency_s if isinstance(added_latency_s, (list, tuple)) else [added_latency_s] * num_shards
         for shard, latency in zip(self.shards, latencies):  # a list: each shard's own (one slower than the other)
-            server, port = start_server(shard, "127.0.0.1", 0, wire, added_latency_s=latency)
+            server, port = start_server(shard, "127.0.0.1", 0, wire, added_latency_s=latency, **serve)
             self.servers.append(server)
             self.addresses.append(f"127.0.0.1:{port}")
 
