@@ -54,6 +54,11 @@ class AggregatorStub:
                 request_serializer=dilocox_dot_proto_dot_dilocox__pb2.StatusRequest.SerializeToString,
                 response_deserializer=dilocox_dot_proto_dot_dilocox__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Provenance = channel.unary_unary(
+                '/dilocox.v1.Aggregator/Provenance',
+                request_serializer=dilocox_dot_proto_dot_dilocox__pb2.ProvenanceRequest.SerializeToString,
+                response_deserializer=dilocox_dot_proto_dot_dilocox__pb2.ProvenanceReply.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer:
@@ -87,6 +92,15 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Provenance(self, request, context):
+        """The shard's rounds chain, a page at a time: its own hash-chained record of every version it published
+        (the sites merged, their tokens and payload digests, the resulting state digest; server/provenance_chain.py),
+        read by `dilocox export`. Another run's id is refused (PERMISSION_DENIED), as by every other call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +123,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=dilocox_dot_proto_dot_dilocox__pb2.StatusRequest.FromString,
                     response_serializer=dilocox_dot_proto_dot_dilocox__pb2.StatusReply.SerializeToString,
+            ),
+            'Provenance': grpc.unary_unary_rpc_method_handler(
+                    servicer.Provenance,
+                    request_deserializer=dilocox_dot_proto_dot_dilocox__pb2.ProvenanceRequest.FromString,
+                    response_serializer=dilocox_dot_proto_dot_dilocox__pb2.ProvenanceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +238,33 @@ class Aggregator:
             '/dilocox.v1.Aggregator/Status',
             dilocox_dot_proto_dot_dilocox__pb2.StatusRequest.SerializeToString,
             dilocox_dot_proto_dot_dilocox__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Provenance(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dilocox.v1.Aggregator/Provenance',
+            dilocox_dot_proto_dot_dilocox__pb2.ProvenanceRequest.SerializeToString,
+            dilocox_dot_proto_dot_dilocox__pb2.ProvenanceReply.FromString,
             options,
             channel_credentials,
             insecure,

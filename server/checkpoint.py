@@ -1,8 +1,9 @@
 """Shard checkpoints: everything a restarted shard needs to serve the same run from the same version.
 
 Saved: the run's identity and model (digest, parameter list → the same assignment), membership, the
-run's traffic counters, the published version with its global weights, the outer momentum, and the
-contributions that made it (so clusters holding the previous version can still replay it). Not saved:
+run's traffic counters, the published version with its global weights, the outer momentum, the
+contributions that made it (so clusters holding the previous version can still replay it), and the rounds
+chain up to it (server/provenance_chain.py; a file from before the chain restores to a new segment). Not saved:
 the open round's contributions — clusters re-push after a restart (pushes are idempotent, and the
 client re-pushes while it waits).
 
@@ -35,6 +36,7 @@ from dilocox.common.wire.checkpoint_format import (
     slice_key,
 )
 from dilocox.common.wire.framing import EncodedSlice
+from dilocox.server.provenance_chain import resume_chain
 from dilocox.server.round_state import Contribution
 from dilocox.server.shard import Shard
 from dilocox.server.shard_records import Snapshot
@@ -65,6 +67,8 @@ def shard_state(shard: Shard) -> dict:
         # where they were; as of the checkpoint, so traffic after it and before a crash is not counted.
         "counters": {"bytes_in": shard.bytes_in, "bytes_out": shard.bytes_out, "dropped_bytes": shard.dropped_bytes},
         "outer": {"lr": shard.optimizer.lr, "momentum": shard.optimizer.momentum},
+        # The rounds chain up to this version (server/provenance_chain.py): small, and covered by the integrity digest.
+        "rounds_chain": shard.chain.as_state(),
         "snapshot": None
         if snap is None
         else {
@@ -117,7 +121,9 @@ def restore(shard: Shard, state: dict) -> None:
     shard.optimizer.lr = state["outer"]["lr"]
     shard.optimizer.momentum = state["outer"]["momentum"]
     snap = state["snapshot"]
+    outer = (shard.optimizer.lr, shard.optimizer.momentum)
     if snap is None:
+        shard.chain = resume_chain(state.get("rounds_chain"), shard.run_id, shard.shard_index, shard.num_shards, None, outer)
         return
     tensors = {slice_key(k): t for k, t in snap["tensors"].items()}
     momentum = {slice_key(k): t for k, t in snap["momentum"].items()}
@@ -132,6 +138,8 @@ def restore(shard: Shard, state: dict) -> None:
     # Shared with the snapshot, as after any close: the next close updates them in place only when no
     # pull holds this version (a clone here cost one more copy of the momentum at every restore).
     shard.optimizer.buffers = dict(momentum)
+    # Checked before it is trusted; a checkpoint from before the chain starts a new segment (said so in it).
+    shard.chain = resume_chain(state.get("rounds_chain"), shard.run_id, shard.shard_index, shard.num_shards, shard.snapshot, outer)
     log.info("checkpoint_restored", shard=shard.shard_index, version=snap["version"], members=sorted(shard.members))
 
 

@@ -9,6 +9,7 @@ for its version on the event loop before `stream` sends it).
 from __future__ import annotations
 
 import functools
+import json
 from typing import Iterator
 
 import grpc
@@ -220,6 +221,15 @@ class AggregatorServicer:
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return pb.StatusReply(**self.shard.status())
+
+    def Provenance(self, request: pb.ProvenanceRequest, context: grpc.ServicerContext) -> pb.ProvenanceReply:
+        """A page of the shard's rounds chain (server/provenance_chain.py), for `dilocox export`."""
+        try:
+            records, total, head = self.shard.provenance(request.run_id, request.start, request.max_bytes)
+        except DilocoxError as error:
+            refuse(context, error)
+        return pb.ProvenanceReply(shard_index=self.shard.shard_index, num_shards=self.shard.num_shards, genesis=self.shard.chain.genesis,
+                                  head=head, total_records=total, start=request.start, records_json=json.dumps(records))  # fmt: skip
 
 
 def _dense_bytes(snapshot: Snapshot, keys: list, momentum: bool) -> int:

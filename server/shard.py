@@ -41,6 +41,7 @@ from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.replica_digest import combined_digest, slice_digest
 from dilocox.server.grace import GraceWindow
+from dilocox.server.provenance_chain import PAGE_BYTES, RoundsChain, digest_payloads, init_record, version_digests
 from dilocox.server.round_close import SiteRecord
 from dilocox.server.recent_rounds import RecentRounds
 from dilocox.server.round_state import RoundAccumulator
@@ -134,6 +135,7 @@ class Shard(RoundClosing):
         self.replay_mismatches: dict[str, int] = {}  # cluster -> replays that differed, as it last reported
         self._digest_lock = threading.Lock()  # one computation of a version's digests, however many pull
         self._readers: dict[int, int] = {}  # id(snapshot) -> pulls streaming it (the close then copies)
+        self.chain = RoundsChain(run_id, shard_index, num_shards)  # one record per published version (server/provenance_chain.py)
 
     # ------------------------------------------------------------------ membership
     def join(
@@ -247,6 +249,8 @@ class Shard(RoundClosing):
             self.owned_slice(item.key, item.shape)
         if len({item.key for item in encoded}) != len(encoded):
             raise InvalidFrame("the same slice appears twice in one push")
+        if round_ > 0:
+            digest_payloads(encoded)  # for the rounds chain's record, here rather than under the lock at the close
         with self._cond:
             if self._included_in_published(cluster, round_, [item.key for item in encoded]):
                 return PushResult(round_, 0, len(encoded), False)
@@ -276,7 +280,10 @@ class Shard(RoundClosing):
             self._init_staging[item.key] = item.decode().to(torch.float32)
         closed = False
         if set(self._init_staging) >= set(self.owned):
-            self._publish(Snapshot(0, dict(self._init_staging)))
+            tensors = dict(self._init_staging)
+            digests = version_digests(tensors, {})
+            self.chain.append(init_record(cluster, digests, (self.optimizer.lr, self.optimizer.momentum)))
+            self._publish(Snapshot(0, tensors, digests=dict(digests.per_slice)))
             self._init_staging = {}
             closed = True
             log.info("initialised", shard=self.shard_index, by=cluster, elements=self.num_elements)
@@ -374,6 +381,16 @@ class Shard(RoundClosing):
                 if (digest, key) not in snapshot.digests:
                     snapshot.digests[digest, key] = slice_digest(key, snapshot.tensors[key], snapshot.momentum.get(key), digest)
             return combined_digest({key: snapshot.digests[digest, key] for key in keys})
+
+    def provenance(self, run_id: str, start: int = 0, max_bytes: int = 0) -> tuple[list[dict], int, str]:
+        """A page of the rounds chain from record `start` (`Provenance` RPC): (records, records in the chain,
+        its head)."""
+        self._check_run(run_id)
+        with self._cond:
+            try:
+                return self.chain.page(start, max_bytes or PAGE_BYTES), len(self.chain.entries), self.chain.head
+            except IndexError as error:
+                raise InvalidFrame(str(error)) from None
 
     def note_replay_mismatches(self, cluster: str, count: int) -> None:
         if count > 0:

@@ -12,6 +12,7 @@ import time
 
 import structlog
 
+from dilocox.server.provenance_chain import ChainedVersion, chain_round
 from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
 from dilocox.server.round_state import RoundAccumulator
 from dilocox.server.shard_records import RoundStats, SealedRound, Snapshot
@@ -55,13 +56,14 @@ class RoundClosing:
             return False
         try:
             new, update_s = self._step_round(closing)
+            chained = chain_round(closing.acc, closing.decision, new, self.optimizer.buffers)  # the rounds chain's record
         except BaseException:
             with self._cond:  # nothing published: the round stays open with what it had
                 self.accumulator, self._round_closing = closing.acc, None
                 self._notify_waiters()
             raise
         with self._cond:
-            self._finish_close(closing, new, update_s)
+            self._finish_close(closing, new, update_s, chained=chained)
         return True
 
     def _begin_close(self, now: float | None) -> SealedRound | None:
@@ -93,7 +95,9 @@ class RoundClosing:
             new[key] = param if stepped is None else stepped
         return new, time.perf_counter() - started
 
-    def _finish_close(self, closing: SealedRound, new: dict, update_s: float) -> None:
+    def _finish_close(self, closing: SealedRound, new: dict, update_s: float, chained: ChainedVersion | None = None) -> None:
+        """Publish the stepped round. `chained`: its rounds-chain record, appended before the publish (so a
+        checkpoint saved as the version is published holds it), and its digests, cached for the replay checks."""
         acc, decision = closing.acc, closing.decision
         # No copy: the optimiser replaces the buffers, or updates them in place only when no pull holds
         # the version they belong to.
@@ -105,7 +109,9 @@ class RoundClosing:
         for cluster, weight in tokens:
             self.sites.setdefault(cluster, SiteRecord()).made(acc.round, weight)
         self._round_closing = None
-        self._publish(Snapshot(acc.round, new, momentum, acc.contributions))
+        if chained is not None:
+            self.chain.append(chained.record)
+        self._publish(Snapshot(acc.round, new, momentum, acc.contributions, dict(chained.digests) if chained else {}))
         log.info(
             "round_closed",
             shard=self.shard_index,
@@ -114,6 +120,7 @@ class RoundClosing:
             tokens=sum(acc.cluster_weights.values()),
             bytes_in=acc.bytes_in,
             update_s=round(update_s, 4),
+            **({"chain_s": round(chained.seconds, 4)} if chained else {}),
             latency_s=round(latency_s, 3),
             **({"late": list(decision.late), "grace_s": round(decision.grace_s, 3)} if decision.grace_s is not None else {}),
         )

@@ -7,7 +7,8 @@ to one version, and writes a folder:
 
 * `model.safetensors` — every parameter by its full name, fp32;
 * `export.json` — run id, version, parameter count, the run's configuration;
-* `provenance.json` — where the model came from and every file's digest (worker/export_provenance.py), and
+* `provenance.json` — where the model came from, every file's digest (worker/export_provenance.py) and the
+  shards' rounds chains up to the exported version (worker/export_chain.py), and
   with `--sign-key` `dilocox-signature.json` over all of them, which `dilocox verify` checks
   (worker/export_signing.py);
 * for a Hugging Face model also `config.json` (+ `tokenizer.json` and `tokenizer_config.json` where the
@@ -43,6 +44,7 @@ from dilocox.common.wire.framing import SliceKey, assemble_units
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.data.token_data import add_data_arguments
+from dilocox.worker.export_chain import chain_of_checkpoint, export_section, fetch_chain
 from dilocox.worker.export_checkpoints import gather, pick_versions
 from dilocox.worker.export_keys import Signer, SigningError, load_signer
 from dilocox.worker.export_provenance import write_provenance
@@ -69,6 +71,7 @@ class GlobalModel:
     tokenizer_digest: str = ""  # the run's tokenizer as the shards recorded it ("" = not recorded)
     tokenizer_json: str = ""
     source: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # where it was read from, for provenance.json
+    rounds_chain: dict = dataclasses.field(default_factory=dict)  # the shards' rounds chains, for provenance.json
 
     @property
     def num_params(self) -> int:
@@ -134,6 +137,7 @@ def from_checkpoints(locations: Iterable[str | pathlib.Path], report: Callable[[
     model.tokenizer_digest, model.tokenizer_json = _recorded_tokenizer(
         (st.get("tokenizer_digest", ""), st.get("tokenizer_json", "")) for _, st in chosen.values())  # fmt: skip
     model.source = {"checkpoints": [str(file) for _, (file, _) in sorted(chosen.items())]}
+    model.rounds_chain = export_section({i: chain_of_checkpoint(st) for i, (_, st) in chosen.items()}, model.version, assignment)
     return model
 
 
@@ -180,6 +184,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
     assignment: list[ParamSlice] = []
     run_config_json, num_shards = "", len(addresses)
     records: list[tuple[str, str]] = []
+    chains: dict[int, dict | None] = {}
     for address in addresses:
         channel = open_channel(address, options, tls, token)
         try:
@@ -198,6 +203,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
 
             request = pb.PullRequest(run_id=run_id, observer=True, min_version=min_version, wait_seconds=wait_seconds)
             units = list(assemble_units(stub.Pull(request, timeout=timeout), vet, slice_map.entries))
+            chains[reply.shard_index] = fetch_chain(stub, run_id, timeout)  # read after the weights: it reaches their version
         except grpc.RpcError as error:
             raise _rpc_error(address, error) from None
         except DilocoxError as error:
@@ -211,6 +217,7 @@ def from_servers(addresses: list[str], run_id: str, tls: TlsFiles | None = None,
     model = assemble(run_id, assignment, parts, run_config_json, num_shards)
     model.tokenizer_digest, model.tokenizer_json = _recorded_tokenizer(records)
     model.source = {"servers": list(addresses)}
+    model.rounds_chain = export_section(chains, model.version, assignment)
     return model
 
 
@@ -326,7 +333,7 @@ def write_export(model: GlobalModel, out: str | pathlib.Path, data: str | None =
         (folder / "export.json").write_text(json.dumps(record, indent=2) + "\n")
         digest = tokenizer.digest if tokenizer is not None else "byte"
         write_provenance(folder, model.run_id, model.version, config.rounds, config.final_version, digest, record["run_config"],
-                         model.source, signer)  # fmt: skip
+                         model.source, signer, model.rounds_chain)  # fmt: skip
     return out
 
 

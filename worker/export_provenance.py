@@ -4,8 +4,9 @@ step that signs the folder when the exporter has a key (worker/export_signing.py
 Why a record of its own beside `export.json`: export.json says what the model is (for loading and
 `--eval`); provenance.json says where it came from — which run, which global version after how many
 rounds, which tokenizer (by digest), the run's configuration, which shards or checkpoint files it was
-read from, which dilocox and when — and the digest of every exported file. The signature covers its
-digest, so a signed export's provenance cannot be edited unnoticed.
+read from, which dilocox and when — the digest of every exported file, and the shards' rounds chains up to
+the exported version (`rounds_chain`, worker/export_chain.py). The signature covers its digest, so a
+signed export's provenance cannot be edited unnoticed.
 """
 
 from __future__ import annotations
@@ -45,19 +46,23 @@ class Provenance:
     dilocox_version: str = field(default_factory=dilocox_version)
     exported_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     format: str = PROVENANCE_FORMAT
+    rounds_chain: dict = field(default_factory=dict)  # each shard's rounds chain up to `version`; {} if none kept one
 
     def as_json(self) -> str:
         record = {"format": self.format, **{k: v for k, v in asdict(self).items() if k != "format"}}
         record["files"] = [f.as_dict() for f in self.files]
+        if not self.rounds_chain:
+            del record["rounds_chain"]
         return json.dumps(record, indent=2) + "\n"
 
 
 def write_provenance(folder: pathlib.Path, run_id: str, version: int, rounds: int, final_version: int, tokenizer_digest: str,
-                     run_config: dict, source: dict, signer: Signer | None = None) -> Provenance:  # fmt: skip
+                     run_config: dict, source: dict, signer: Signer | None = None, rounds_chain: dict | None = None) -> Provenance:  # fmt: skip
     """Write provenance.json over the export in `folder` (its other files written), and sign the folder
     when there is a `signer`. Called inside the export's atomic folder: signed whole or not at all."""
     files = digest_files(folder)
-    record = Provenance(run_id, version, rounds, final_version, tokenizer_digest, run_config, source, files)
+    record = Provenance(run_id, version, rounds, final_version, tokenizer_digest, run_config, source, files,
+                        rounds_chain=rounds_chain or {})  # fmt: skip
     (folder / PROVENANCE_FILE).write_text(record.as_json())
     if signer is not None:
         sign_folder(folder, signer, files)

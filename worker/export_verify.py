@@ -1,17 +1,25 @@
 """`dilocox verify DIR`: check a signed export before loading it (worker/export_signing.py does the work).
 
-Exit 0 when the signature holds and every file is as signed; 1 otherwise, with one line per problem
-naming its file, or one line saying why nothing could be checked (no signature, a malformed signature
+Exit 0 when the signature holds, every file is as signed and the shards' rounds chains in provenance.json
+recompute (worker/export_chain.py); 1 otherwise, with one line per problem naming its file (a chain's by
+shard and version), or one line saying why nothing could be checked (no signature, a malformed signature
 file, an unreadable key) — never a traceback: the person running it is deciding whether to trust a model.
+`--unsigned` checks an export written without a key: its files against the digests provenance.json lists,
+and the chains — which shows damage and a chain edited alone, not who exported it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import sys
 
+from dilocox.worker.export_chain import check_section
 from dilocox.worker.export_keys import SigningError
-from dilocox.worker.export_signing import verify_folder
+from dilocox.worker.export_signing import PROVENANCE_FILE, SIGNATURE_FILE, Problem, listing, sha256_file, verify_folder
+
+WEIGHTS_FILE = "model.safetensors"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,26 +28,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     trust.add_argument("--cert", metavar="CA_PEM", help="the CA the signer's certificate must chain to (e.g. the ca.pem of "
                        "`dilocox certs`); the export must have been signed with --sign-cert")  # fmt: skip
     trust.add_argument("--key", metavar="PUBLIC_PEM", help="the signer's public key (or its certificate) the signature must verify with")
+    trust.add_argument("--unsigned", action="store_true", help="an export written without --sign-key: check its files against "
+                       "provenance.json's digests and the shards' rounds chains (damage, not who exported it)")  # fmt: skip
+
+
+def _provenance(folder: pathlib.Path) -> dict | None:
+    try:
+        record = json.loads((folder / PROVENANCE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def check_unsigned(folder: pathlib.Path, record: dict) -> list[Problem]:
+    """Every file provenance.json lists, by size and SHA-256, and none added or removed (no signature)."""
+    listed = {f.get("path"): f for f in record.get("files", []) if isinstance(f, dict)}
+    present, links = listing(folder)
+    problems = [Problem(p, "a symbolic link: not an exported file") for p in links]
+    for path, f in sorted(listed.items()):
+        file = folder / str(path)
+        if str(path) not in present:
+            problems.append(Problem(str(path), "missing: listed in provenance.json but not in the folder"))
+        elif file.stat().st_size != f.get("size") or sha256_file(file) != f.get("sha256"):
+            problems.append(Problem(str(path), "file changed: not the size and SHA-256 provenance.json lists"))
+    problems += [Problem(p, "not listed in provenance.json: added after the export") for p in present
+                 if p not in listed and p not in (PROVENANCE_FILE, SIGNATURE_FILE)]  # fmt: skip
+    return problems
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        result = verify_folder(args.folder, ca=args.cert, key=args.key)
-    except SigningError as error:
-        print(f"dilocox verify: {error}", file=sys.stderr)
-        return 1
-    for problem in result.problems:
+    folder = pathlib.Path(args.folder)
+    if args.unsigned:
+        record = _provenance(folder)
+        if record is None:
+            print(f"dilocox verify: {folder}: no readable {PROVENANCE_FILE}: not a dilocox export", file=sys.stderr)
+            return 1
+        problems, who = check_unsigned(folder, record), None
+    else:
+        try:
+            result = verify_folder(folder, ca=args.cert, key=args.key)
+        except SigningError as error:
+            print(f"dilocox verify: {error}", file=sys.stderr)
+            return 1
+        problems, who = list(result.problems), result
+        # The chain is checked even where provenance.json changed: its lines say which record.
+        record = result.provenance or (_provenance(folder) if result.files else None) or {}
+    chain = check_section(record, folder / WEIGHTS_FILE if (folder / WEIGHTS_FILE).is_file() else None) if record else None
+    problems += [Problem(PROVENANCE_FILE, line) for line in (chain.problems if chain else [])]
+    for problem in problems:
         print(f"FAILED {problem}", file=sys.stderr)
-    if not result.ok:
-        print(f"dilocox verify: {args.folder} does not match its signature ({len(result.problems)} problem(s))", file=sys.stderr)
+    for note in chain.notes if chain else []:
+        print(f"note: {note}", file=sys.stderr)
+    if problems:
+        what = "its provenance record" if args.unsigned else "its signature"
+        print(f"dilocox verify: {args.folder} does not match {what} ({len(problems)} problem(s))", file=sys.stderr)
         return 1
-    if args.cert is None and args.key is None:
-        print("WARNING: no --cert or --key: the files are as signed, but by whom is not checked (anyone can re-sign a "
-              "changed export with a key of their own)", file=sys.stderr)  # fmt: skip
-    record = result.provenance
-    print(f"ok: {len(result.files)} files as signed by {result.signer}, checked against {result.checked_against}")
+    if who is None:
+        print(f"WARNING: --unsigned: the files are as {PROVENANCE_FILE} lists them, but nothing shows who exported them "
+              "(anyone can rewrite an unsigned export whole)", file=sys.stderr)  # fmt: skip
+        print(f"ok: {len(record.get('files', []))} files as {PROVENANCE_FILE} lists them (unsigned)")
+    else:
+        if args.cert is None and args.key is None:
+            print("WARNING: no --cert or --key: the files are as signed, but by whom is not checked (anyone can re-sign a "
+                  "changed export with a key of their own)", file=sys.stderr)  # fmt: skip
+        print(f"ok: {len(who.files)} files as signed by {who.signer}, checked against {who.checked_against}")
     if record.get("run_id") is not None:
         source = ", ".join(f"{kind} {', '.join(where)}" for kind, where in record.get("source", {}).items()) or "unknown"
         print(f"run {record.get('run_id')} version {record.get('version')} of {record.get('final_version')}, exported "
               f"{record.get('exported_at')} by dilocox {record.get('dilocox_version')} from {source}")  # fmt: skip
+    if chain and chain.summary:
+        print(chain.summary)
     return 0

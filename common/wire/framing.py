@@ -12,6 +12,7 @@ moves bytes. Frames are protobuf `TensorChunk` messages (plain data, no gRPC).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -75,8 +76,11 @@ class EncodedSlice:
     def _buffer(self) -> bytearray:
         return self.payload if isinstance(self.payload, bytearray) else bytearray(self.payload)
 
-    @property
+    @functools.cached_property
     def sha256(self) -> bytes:
+        """SHA-256 of the payload, computed once: a shard hashes a push's slices as it commits them, outside
+        its lock, and the round's provenance record and every pull's own-contribution summary reuse it (the
+        payload is never written after it is handed over)."""
         return hashlib.sha256(self.payload).digest()
 
 
