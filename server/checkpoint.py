@@ -21,6 +21,7 @@ import pathlib
 import shutil
 import tempfile
 import time
+from typing import Callable
 
 import structlog
 
@@ -83,13 +84,14 @@ def shard_state(shard: Shard) -> dict:
     }
 
 
-def save(shard: Shard, directory: str | os.PathLike) -> pathlib.Path:
-    """Atomically write the shard's checkpoint, sealed with its digest; returns its path."""
+def save(shard: Shard, directory: str | os.PathLike, sign: Callable[[dict], dict] | None = None) -> pathlib.Path:
+    """Atomically write the shard's checkpoint, sealed with its digest (and signed by `sign`:
+    server/checkpoint_signing.py); returns its path."""
     started = time.perf_counter()
     state = shard_state(shard)
-    path = save_state(state, checkpoint_path(directory, shard.shard_index))
+    path = save_state(state, checkpoint_path(directory, shard.shard_index), sign)
     version = state["snapshot"]["version"] if state["snapshot"] else -1
-    log.info("checkpoint_saved", shard=shard.shard_index, version=version, path=str(path),
+    log.info("checkpoint_saved", shard=shard.shard_index, version=version, path=str(path), signed=sign is not None,
              seconds=round(time.perf_counter() - started, 3), bytes=path.stat().st_size)  # fmt: skip
     return path
 
@@ -158,7 +160,8 @@ class Checkpointer:
     name atomically, and only then are the oldest pruned. Temporary files a killed save left are removed
     at start."""
 
-    def __init__(self, shard: Shard, directory: str | os.PathLike, every: int = 1, keep: int = 3) -> None:
+    def __init__(self, shard: Shard, directory: str | os.PathLike, every: int = 1, keep: int = 3,
+                 sign: Callable[[dict], dict] | None = None) -> None:  # fmt: skip
         if every < 1:
             raise ValueError(f"checkpoint interval must be ≥ 1 round, got {every}")
         if keep < 1:
@@ -167,6 +170,7 @@ class Checkpointer:
         self.directory = pathlib.Path(directory)
         self.every = every
         self.keep = keep
+        self.sign = sign  # `--checkpoint-sign-key`: every checkpoint signed (server/checkpoint_signing.py)
         self.written_version = shard.version if checkpoint_path(directory, shard.shard_index).exists() else None
         self.health = shard.checkpoint_health = CheckpointHealth()
         remove_temporary_files(self.directory, shard.shard_index)
@@ -208,7 +212,7 @@ class Checkpointer:
         rotating = self.written_version is not None and self.written_version != version and path.exists() and self.keep > 1
         if rotating:  # the current file stays where it is until its successor is durable
             _keep_as(path, self.directory / f"shard-{index}.v{self.written_version}.pt")
-        save(self.shard, self.directory)
+        save(self.shard, self.directory, self.sign)
         self.written_version = version
         if rotating:
             older = sorted(self.directory.glob(f"shard-{index}.v*.pt"), key=lambda p: int(p.stem.rsplit(".v", 1)[1]))

@@ -13,11 +13,13 @@ import structlog
 from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.config.run import OuterConfig, WireConfig
 from dilocox.common.config.waits import refusal
+from dilocox.common.deploy.signing_keys import SigningError, load_signer
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, CheckpointError, shard_files
 from dilocox.server import checkpoint, resume
+from dilocox.server.checkpoint_signing import CheckpointTrust, signing
 from dilocox.server.grace import GraceWindow
 from dilocox.server.grpc_server import start_server
 from dilocox.server.health_watch import STALL_S
@@ -81,6 +83,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int,
                         help="with --resume: raise the run's rounds to this (train a finished run longer, keeping its weights "
                              "and outer momentum; then start the sites with --resume --rounds N; docs/deploy.md)")  # fmt: skip
+    parser.add_argument("--checkpoint-sign-key", metavar="KEY_PEM",
+                        help="sign every checkpoint with this private key (PEM: ECDSA as `dilocox certs` makes, Ed25519 or "
+                             "RSA), so a resume can refuse a changed file even when its digest was recomputed")  # fmt: skip
+    parser.add_argument("--checkpoint-sign-cert", metavar="CERT_PEM",
+                        help="with --checkpoint-sign-key: its certificate (then any intermediates), for --checkpoint-ca")
+    trust = parser.add_mutually_exclusive_group()
+    trust.add_argument("--checkpoint-verify-key", metavar="PUBLIC_PEM",
+                       help="with --resume: restore only a checkpoint signed by this key (a public key or its certificate); "
+                            "an unsigned or changed one is refused by name, as a damaged one (an older kept version that "
+                            "verifies is used instead)")  # fmt: skip
+    trust.add_argument("--checkpoint-ca", metavar="CA_PEM",
+                       help="with --resume: restore only a checkpoint signed with a certificate from this CA (--checkpoint-sign-cert)")
     parser.add_argument("--fresh", action="store_true",
                         help="start a new run over a --checkpoint-dir that holds one: move the old checkpoints aside first")
     parser.add_argument("--push-idle-timeout-s", type=float, default=PushLimits.idle_timeout_s,
@@ -113,6 +127,28 @@ def _describe(path: pathlib.Path, shard: Shard) -> str:
         return f"a checkpoint that cannot be used ({error})"
     version = state["snapshot"]["version"] if state.get("snapshot") else -1
     return f"run {state.get('run_id')!r} at version {version}"
+
+
+def _checkpoint_keys(args: argparse.Namespace):  # noqa: ANN202
+    """(the checkpoint signer, whose signatures a resume trusts), each None where not asked for; checked
+    before anything is restored or served."""
+    signs, trusts = args.checkpoint_sign_key or args.checkpoint_sign_cert, args.checkpoint_verify_key or args.checkpoint_ca
+    if (signs or trusts) and not args.checkpoint_dir:
+        raise SystemExit("dilocox server: signing or verifying checkpoints needs --checkpoint-dir")
+    if trusts and not (args.resume or args.resume_if_present):
+        raise SystemExit("dilocox server: --checkpoint-verify-key / --checkpoint-ca check the checkpoint --resume restores: give --resume")
+    if args.checkpoint_sign_cert and not args.checkpoint_sign_key:
+        raise SystemExit("dilocox server: --checkpoint-sign-cert needs --checkpoint-sign-key (the certificate's private key)")
+    try:
+        signer = load_signer(args.checkpoint_sign_key, args.checkpoint_sign_cert, ("--checkpoint-sign-key", "--checkpoint-sign-cert")) \
+            if args.checkpoint_sign_key else None
+        trust = CheckpointTrust.load(args.checkpoint_verify_key, args.checkpoint_ca)
+    except SigningError as error:
+        raise SystemExit(f"dilocox server: {error}") from None
+    if trust is not None and signer is None:
+        log.warning("checkpoints_unsigned", shard=args.shard_index, reason="--resume checks signatures but no --checkpoint-sign-key "
+                    "was given: the checkpoints this shard writes from now on are unsigned, and a resume that checks will refuse them")  # fmt: skip
+    return signer, trust
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
                          "rounds come from its sites)")  # fmt: skip
     if args.resume and args.fresh:
         raise SystemExit("dilocox server: --resume and --fresh exclude each other")
+    signer, trust = _checkpoint_keys(args)
     if args.checkpoint_dir:
         path = checkpoint.checkpoint_path(args.checkpoint_dir, args.shard_index)
         held = shard_files(args.checkpoint_dir).get(args.shard_index, [])  # shard-<i>.pt, or only kept versions
@@ -163,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             expect = {"run_id": shard.run_id, "shard_index": shard.shard_index, "num_shards": shard.num_shards}
             try:  # the newest intact checkpoint: a damaged newer one is moved aside (resume.py says why that is safe)
-                path, state = resume.load_for_resume(args.checkpoint_dir, args.shard_index, expect)
+                path, state = resume.load_for_resume(args.checkpoint_dir, args.shard_index, expect, trust.check if trust else None)
                 checkpoint.restore(shard, state)
             except CheckpointError as error:
                 raise SystemExit(f"dilocox server: {error}") from None
@@ -178,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
             log.info("checkpoint_loaded", shard=args.shard_index, path=str(path), bytes=path.stat().st_size,
                      seconds=round(time.perf_counter() - started, 3))  # fmt: skip
         try:
-            checkpointer = checkpoint.Checkpointer(shard, args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep)
+            checkpointer = checkpoint.Checkpointer(shard, args.checkpoint_dir, args.checkpoint_every, args.checkpoint_keep,
+                                                   signing(signer) if signer else None)  # fmt: skip
         except ValueError as error:
             raise SystemExit(f"dilocox server: {error}") from None
         shard.on_publish = checkpointer

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from typing import Callable
 
 import structlog
 
@@ -36,14 +37,21 @@ from dilocox.common.wire.checkpoint_format import (
 
 log = structlog.get_logger()
 Refused = list[tuple[pathlib.Path, str]]  # damaged files with the reason, newest first
+# Checks a loaded checkpoint beyond its digest (its signature: server/checkpoint_signing.py); raises a
+# `CheckpointCorrupt` to refuse it like a damaged file.
+Check = Callable[[pathlib.Path, dict], None]
 
 
-def _newest_intact(files: list[pathlib.Path], expect: dict) -> tuple[pathlib.Path | None, dict | None, Refused]:
-    """(the first file of `files` that loads, its state, the damaged ones before it with their reasons)."""
+def _newest_intact(files: list[pathlib.Path], expect: dict, check: Check | None = None) -> tuple[pathlib.Path | None, dict | None, Refused]:
+    """(the first file of `files` that loads — and passes `check`, e.g. its signature — its state, the
+    damaged or refused ones before it with their reasons)."""
     refused: Refused = []
     for file in files:
         try:
-            return file, load_state(file, expect), refused
+            state = load_state(file, expect)
+            if check is not None:
+                check(file, state)
+            return file, state, refused
         except CheckpointCorrupt as error:
             refused.append((file, str(error)))
     return None, None, refused
@@ -62,7 +70,7 @@ def describe_refusal(directory: str | os.PathLike, shard_index: int, expect: dic
     return f"{reason}; the newest intact one is {used.name} (version {snapshot_version(state)}), which --resume falls back to"
 
 
-def load_for_resume(directory: str | os.PathLike, shard_index: int, expect: dict) -> tuple[pathlib.Path, dict]:
+def load_for_resume(directory: str | os.PathLike, shard_index: int, expect: dict, check: Check | None = None) -> tuple[pathlib.Path, dict]:
     """The newest intact checkpoint's path (now `shard-<i>.pt`) and state; damaged newer files are moved
     aside and the fallback logged (`checkpoint_fallback`). Raises `CheckpointError` (one line) when no
     intact one exists — then nothing is moved — or the newest readable file is not this shard's."""
@@ -70,7 +78,7 @@ def load_for_resume(directory: str | os.PathLike, shard_index: int, expect: dict
     files = shard_files(directory).get(shard_index, [])
     if not files:
         raise CheckpointError(f"--resume: no checkpoint at {current}")
-    used, state, refused = _newest_intact(files, expect)
+    used, state, refused = _newest_intact(files, expect, check)
     if used is None:
         listed = "; ".join(reason for _, reason in refused)
         raise CheckpointCorrupt(f"--resume: no intact checkpoint of shard {shard_index} in {directory}: {listed}")

@@ -13,7 +13,7 @@ import torch
 
 from dilocox.common.cli import main
 from dilocox.common.deploy.certs import issue, load_ca, make_dev_certificates
-from dilocox.worker.export_keys import Signer, SigningError, _check_chain_directly, check_chain, load_certificates, load_signer
+from dilocox.common.deploy.signing_keys import Signer, SigningError, _check_chain_directly, check_chain, load_certificates, load_signer
 from dilocox.worker.export_provenance import write_provenance
 from dilocox.worker.export_signing import PROVENANCE_FILE, SIGNATURE_FILE, _signed_files, sign_folder, verify_folder
 

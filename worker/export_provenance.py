@@ -17,7 +17,7 @@ import pathlib
 from dataclasses import asdict, dataclass, field
 
 from dilocox.worker.export_signing import PROVENANCE_FILE, FileDigest, digest_files, sign_folder
-from dilocox.worker.export_keys import Signer
+from dilocox.common.deploy.signing_keys import Signer
 
 PROVENANCE_FORMAT = "dilocox-provenance/1"
 

@@ -16,7 +16,7 @@ import pathlib
 import sys
 
 from dilocox.worker.export_chain import check_section
-from dilocox.worker.export_keys import SigningError
+from dilocox.common.deploy.signing_keys import SigningError
 from dilocox.worker.export_signing import PROVENANCE_FILE, SIGNATURE_FILE, Problem, listing, sha256_file, verify_folder
 
 WEIGHTS_FILE = "model.safetensors"

@@ -21,6 +21,7 @@ import os
 import pathlib
 import re
 import time
+from typing import Callable
 
 import structlog
 import torch
@@ -104,9 +105,11 @@ def loaded_payload(saved: torch.Tensor | bytes | bytearray) -> bytearray:
     return bytearray(saved.numpy()) if isinstance(saved, torch.Tensor) else bytearray(saved)
 
 
-def save_state(state: dict, path: str | os.PathLike) -> pathlib.Path:
-    """Seal the state with its digest and write it atomically; returns the path."""
-    return atomic_torch_save(integrity.seal(state), path)
+def save_state(state: dict, path: str | os.PathLike, sign: Callable[[dict], dict] | None = None) -> pathlib.Path:
+    """Seal the state with its digest (then, with `sign`, add a signature over it: server/checkpoint_signing.py)
+    and write it atomically; returns the path."""
+    sealed = integrity.seal(state)
+    return atomic_torch_save(sign(sealed) if sign is not None else sealed, path)
 
 
 def one_line(error: BaseException) -> str:

@@ -24,6 +24,9 @@ import torch
 
 ALGORITHM = "sha256"
 FIELD = "integrity"  # the saved dict's field holding "sha256:<hex>"
+# A signed shard checkpoint's signature over that digest (server/checkpoint_signing.py): like the digest
+# itself, outside what is digested.
+SIGNATURE_FIELD = "checkpoint_signature"
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -64,11 +67,11 @@ def _walk(value: Any, h: "hashlib._Hash") -> None:
 
 
 def state_digest(state: Any) -> str:
-    """"sha256:<hex>" over the canonical walk of `state`; a dict's own `integrity` field is left out, so
-    a sealed state digests to the value it carries."""
+    """"sha256:<hex>" over the canonical walk of `state`; a dict's own `integrity` field (and signature) is
+    left out, so a sealed state digests to the value it carries."""
     h = hashlib.sha256()
-    if isinstance(state, dict) and FIELD in state:
-        state = {k: v for k, v in state.items() if k != FIELD}
+    if isinstance(state, dict) and (FIELD in state or SIGNATURE_FIELD in state):
+        state = {k: v for k, v in state.items() if k not in (FIELD, SIGNATURE_FIELD)}
     _walk(state, h)
     return f"{ALGORITHM}:{h.hexdigest()}"
 

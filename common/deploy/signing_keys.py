@@ -1,5 +1,6 @@
-"""The keys and certificates of a signed export (worker/export_signing.py): loading them, signing and
-checking with them, and whether a signer's certificate chains to a CA.
+"""The keys and certificates of a signed export (worker/export_signing.py) and of signed shard checkpoints
+(server/checkpoint_signing.py): loading them, signing and checking with them, and whether a signer's
+certificate chains to a CA. Here, under common/, because both the exporter and the shards sign.
 
 Why these algorithms: `dilocox certs` makes ECDSA P-256 keys, so a run's operator can sign with what the
 run already has; Ed25519 and RSA-PSS (≥ 2048 bits) cost one branch each through cryptography's generic
@@ -169,33 +170,35 @@ class Signer:
         return f"{who} ({algorithm(self.key)})"
 
 
-def load_signer(key_path: str, cert_path: str | None = None) -> Signer:
+def load_signer(key_path: str, cert_path: str | None = None, flags: tuple[str, str] = ("--sign-key", "--sign-cert")) -> Signer:
     """The signer from `--sign-key` (PEM, unencrypted) and `--sign-cert` (PEM: the signer's certificate,
-    then any intermediates), checked before anything is exported: the certificate must be the key's."""
+    then any intermediates), checked before anything is signed: the certificate must be the key's.
+    `flags`: the two options' names, for the messages."""
     from cryptography.exceptions import UnsupportedAlgorithm
 
+    key_flag, cert_flag = flags
     _, serialization, _, _, _, _ = _primitives()
     try:
         data = open(key_path, "rb").read()
     except OSError as error:
-        raise SigningError(f"--sign-key {key_path}: {error.strerror or error}") from None
+        raise SigningError(f"{key_flag} {key_path}: {error.strerror or error}") from None
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except TypeError:
-        raise SigningError(f"--sign-key {key_path} is encrypted: give an unencrypted PEM key (as `dilocox certs` writes)") from None
+        raise SigningError(f"{key_flag} {key_path} is encrypted: give an unencrypted PEM key (as `dilocox certs` writes)") from None
     except (ValueError, UnsupportedAlgorithm) as error:
-        raise SigningError(f"--sign-key {key_path} is not a PEM private key ({str(error).splitlines()[0]})") from None
+        raise SigningError(f"{key_flag} {key_path} is not a PEM private key ({str(error).splitlines()[0]})") from None
     _kind(key)
     certificates: tuple = ()
     if cert_path:
         try:
             cert_data = open(cert_path, "rb").read()
         except OSError as error:
-            raise SigningError(f"--sign-cert {cert_path}: {error.strerror or error}") from None
-        certificates = tuple(load_certificates(cert_data, f"--sign-cert {cert_path}"))
+            raise SigningError(f"{cert_flag} {cert_path}: {error.strerror or error}") from None
+        certificates = tuple(load_certificates(cert_data, f"{cert_flag} {cert_path}"))
         if key_id(certificates[0].public_key()) != key_id(key.public_key()):
-            raise SigningError(f"--sign-cert {cert_path} ({certificates[0].subject.rfc4514_string()}) is not the certificate "
-                               f"of --sign-key {key_path}")  # fmt: skip
+            raise SigningError(f"{cert_flag} {cert_path} ({certificates[0].subject.rfc4514_string()}) is not the certificate "
+                               f"of {key_flag} {key_path}")  # fmt: skip
     return Signer(key, certificates)
 
 
