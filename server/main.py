@@ -26,6 +26,7 @@ from dilocox.server.health_watch import STALL_S
 from dilocox.server.pull_framing import DEFAULT_BUDGET_MB
 from dilocox.server.push_intake import PushLimits
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
+from dilocox.server.update_check import MODES, UpdateCheckConfig
 
 log = structlog.get_logger()
 # How often the main thread looks for a SIGTERM/SIGINT its handler noted (the stop is this much later at most).
@@ -106,6 +107,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pull-cache-mb", type=int, default=DEFAULT_BUDGET_MB,
                         help="memory for pull chunks framed once per version and sent to every cluster that pulls the same "
                              "bytes (other clusters' contributions, the weights); a larger stream is framed per pull; 0: off")  # fmt: skip
+    checks = UpdateCheckConfig()
+    parser.add_argument("--update-check", default=checks.mode, choices=MODES,
+                        help="look at each site's update before the merge (its norm against the accepted ones, its cosine with "
+                             "the other sites' mean and with the outer momentum, a replayed payload): warn logs and counts, "
+                             "exclude also leaves a flagged or quarantined site out of the round (docs/decisions.md)")  # fmt: skip
+    parser.add_argument("--update-check-norm-ratio", type=float, default=checks.norm_ratio,
+                        help="flag an update whose norm exceeds this many times the median of the norms accepted lately")
+    parser.add_argument("--update-check-min-cosine", type=float, default=checks.min_cosine,
+                        help="flag an update whose cosine with the other sites' mean (3 or more sites) or with the outer "
+                             "momentum is below this")  # fmt: skip
+    parser.add_argument("--update-check-quarantine-rounds", type=int, default=checks.quarantine_rounds,
+                        help="flagged this many rounds in a row, a site is quarantined: with exclude, left out until a round passes")
     parser.add_argument("--health-stall-s", type=float, default=STALL_S,
                         help="report NOT_SERVING (grpc.health.v1) while a task has waited this long for one of the shard's "
                              "work threads, SERVING again once it ran: orchestrators' probes then act on a wedged shard")  # fmt: skip
@@ -172,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
             round_deadline_s=args.round_deadline_s or None,
             grace=GraceWindow(args.grace_min_s, args.grace_s) if args.grace_s > 0 else None,
             keep_rounds=args.keep_rounds,
+            update_check=UpdateCheckConfig(args.update_check, args.update_check_norm_ratio, args.update_check_min_cosine,
+                                           args.update_check_quarantine_rounds),  # fmt: skip
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None

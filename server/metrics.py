@@ -72,6 +72,12 @@ def _site_families(sites: list[dict]):  # noqa: ANN202 - metric families
         "idle_s": GaugeMetricFamily("dilocox_site_idle_seconds", "The site trainer's idle seconds at its last push's boundary",
                                     labels=["cluster"]),  # fmt: skip
         "member": GaugeMetricFamily("dilocox_site_member", "1 while the site is in the run, 0 once marked inactive", labels=["cluster"]),
+        "rounds_flagged": CounterMetricFamily("dilocox_site_updates_flagged", "Rounds the update check flagged the site's update "
+                                              "(outsized, disagreeing, against the previous round's update, or replayed)", labels=["cluster"]),  # fmt: skip
+        "rounds_excluded": CounterMetricFamily("dilocox_site_updates_excluded", "Rounds the update check left the site's update out of "
+                                               "(--update-check exclude)", labels=["cluster"]),  # fmt: skip
+        "quarantined": GaugeMetricFamily("dilocox_site_quarantined", "1 while the site is quarantined by the update check (flagged "
+                                         "rounds in a row; left out until a round passes)", labels=["cluster"]),  # fmt: skip
     }
     for site in sites:
         for field, family in families.items():

@@ -120,12 +120,13 @@ class ChainedVersion:
 
 
 def chain_round(acc: RoundAccumulator, decision: CloseDecision, tensors: Mapping[SliceKey, torch.Tensor],
-                momentum: Mapping[SliceKey, torch.Tensor]) -> ChainedVersion:  # fmt: skip
+                momentum: Mapping[SliceKey, torch.Tensor], check: Mapping | None = None) -> ChainedVersion:  # fmt: skip
     """The record of a round just stepped to `tensors` and `momentum` (call without the lock: only the
-    closing thread touches the sealed round and the stepped state until it is published)."""
+    closing thread touches the sealed round and the stepped state until it is published). `check`: the
+    update check's verdicts, by site (server/update_check.py)."""
     started = time.perf_counter()
     digests = version_digests(tensors, momentum)
-    record = round_record(acc, decision, digests)
+    record = round_record(acc, decision, digests, check)
     return ChainedVersion(record, digests.per_slice, time.perf_counter() - started)
 
 

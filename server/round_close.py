@@ -107,6 +107,11 @@ class SiteRecord:
     last_tokens: float = 0.0  # its weight (tokens) in that round
     inner_steps: int = 0  # H of its last accepted push, as its header said (0: not said)
     idle_s: float = 0.0  # its trainer's idle seconds at the boundary that pushed it, as said
+    rounds_flagged: int = 0  # rounds the update check flagged its update (server/update_check.py)
+    rounds_excluded: int = 0  # rounds the update check left it out of (mode exclude)
+    quarantined: bool = False  # flagged rounds in a row: left out (exclude) until a round passes
+    last_flag: str = ""  # why it was last flagged (outsized, disagrees, against_previous, replayed)
+    last_flag_round: int = 0
 
     def made(self, round_: int, tokens: float) -> None:
         self.rounds_made += 1
@@ -118,3 +123,10 @@ class SiteRecord:
 
     def missed(self) -> None:
         self.rounds_late += 1
+
+    def checked(self, verdict, round_: int) -> None:  # noqa: ANN001 - an update_check.SiteVerdict
+        self.quarantined = verdict.quarantined
+        if verdict.reasons:
+            self.rounds_flagged += 1
+            self.last_flag, self.last_flag_round = ",".join(verdict.reasons), round_
+        self.rounds_excluded += int(verdict.excluded)

@@ -48,6 +48,7 @@ from dilocox.server.round_state import RoundAccumulator
 from dilocox.server.run_record import admit_tokenizer, extended_run_config
 from dilocox.server.shard_close import RoundClosing
 from dilocox.server.shard_records import JoinResult, PushResult, RoundStats, SealedRound, Snapshot
+from dilocox.server.update_check import UpdateCheck, UpdateCheckConfig
 
 log = structlog.get_logger("dilocox.shard")
 CHECKPOINT_UNSAVED = {"checkpoint_failures": 0, "checkpoint_failing_rounds": 0, "checkpoint_error": ""}  # no --checkpoint-dir
@@ -68,6 +69,7 @@ class Shard(RoundClosing):
         grace: GraceWindow | None = None,
         expect_clusters: int | None = None,
         keep_rounds: int = DEFAULT_KEEP_ROUNDS,
+        update_check: UpdateCheckConfig | None = None,
     ) -> None:
         """`round_deadline_s`: once a round's first contribution is in, close it after this long with the
         clusters that completed (at least `min_clusters`); the others are marked inactive.
@@ -77,7 +79,9 @@ class Shard(RoundClosing):
         clusters have joined (`round_close.first_round_waits`).
         `keep_rounds`: the contributions of this many of the newest versions are kept, so a site up to that
         many versions behind (a restart from its checkpoint, a late site) replays them instead of pulling the
-        weights and momentum in full (issue 44); they cost their compressed bytes in memory."""
+        weights and momentum in full (issue 44); they cost their compressed bytes in memory.
+        `update_check`: how each site's update is looked at before the merge (server/update_check.py;
+        default: warn)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
         if min_clusters < 1:
@@ -94,6 +98,8 @@ class Shard(RoundClosing):
         self.round_deadline_s = round_deadline_s
         self.grace = grace
         self.optimizer = OuterNesterov(outer_lr, outer_momentum)
+        check = update_check or UpdateCheckConfig()
+        self.update_check = UpdateCheck(check) if check.mode != "off" else None
         self._cond = threading.Condition()
         # Fixed by the first join:
         self.digest: str | None = None

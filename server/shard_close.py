@@ -16,6 +16,7 @@ from dilocox.server.provenance_chain import ChainedVersion, chain_round
 from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
 from dilocox.server.round_state import RoundAccumulator
 from dilocox.server.shard_records import RoundStats, SealedRound, Snapshot
+from dilocox.server.update_check import SiteVerdict, excluded, margins, round_figures
 
 log = structlog.get_logger("dilocox.shard")
 
@@ -55,15 +56,17 @@ class RoundClosing:
         if closing is None:
             return False
         try:
+            verdicts = self._check_updates(closing)
             new, update_s = self._step_round(closing)
-            chained = chain_round(closing.acc, closing.decision, new, self.optimizer.buffers)  # the rounds chain's record
+            chained = chain_round(closing.acc, closing.decision, new, self.optimizer.buffers,  # the rounds chain's record
+                                  {v.cluster: v.record() for v in verdicts} if verdicts else None)  # fmt: skip
         except BaseException:
             with self._cond:  # nothing published: the round stays open with what it had
                 self.accumulator, self._round_closing = closing.acc, None
                 self._notify_waiters()
             raise
         with self._cond:
-            self._finish_close(closing, new, update_s, chained=chained)
+            self._finish_close(closing, new, update_s, verdicts, chained)
         return True
 
     def _begin_close(self, now: float | None) -> SealedRound | None:
@@ -85,6 +88,19 @@ class RoundClosing:
         self.accumulator, self._round_closing = None, closing
         return closing
 
+    def _check_updates(self, closing: SealedRound) -> tuple[SiteVerdict, ...]:
+        """Each site's update looked at before the merge (server/update_check.py); in `exclude` mode a
+        flagged or quarantined site's contributions leave the sealed round, so neither the step nor what
+        the version forwards for replay holds them. No lock held, as for the step."""
+        if self.update_check is None or not closing.acc.contributions:
+            return ()
+        verdicts = tuple(self.update_check.review(round_figures(closing.acc.contributions, closing.snapshot.contributions),
+                                                  closing.acc.cluster_weights))  # fmt: skip
+        out = excluded(verdicts)
+        if out:
+            closing.acc.keep_only(set(closing.acc.cluster_weights) - out)
+        return verdicts
+
     def _step_round(self, closing: SealedRound) -> tuple[dict, float]:
         """The outer step of every owned slice on the round's weighted mean (no lock held: only this
         thread touches the sealed accumulator, the optimiser and, in place, the sealed version)."""
@@ -95,17 +111,27 @@ class RoundClosing:
             new[key] = param if stepped is None else stepped
         return new, time.perf_counter() - started
 
-    def _finish_close(self, closing: SealedRound, new: dict, update_s: float, chained: ChainedVersion | None = None) -> None:
+    def _finish_close(self, closing: SealedRound, new: dict, update_s: float, verdicts: tuple[SiteVerdict, ...] = (),
+                      chained: ChainedVersion | None = None) -> None:
         """Publish the stepped round. `chained`: its rounds-chain record, appended before the publish (so a
         checkpoint saved as the version is published holds it), and its digests, cached for the replay checks."""
         acc, decision = closing.acc, closing.decision
+        left_out = excluded(verdicts)
+        if verdicts:
+            log.info("update_checked", shard=self.shard_index, round=acc.round, sites=len(verdicts), **margins(verdicts))
+        for verdict in verdicts:
+            self.sites.setdefault(verdict.cluster, SiteRecord()).checked(verdict, acc.round)
+            if verdict.reasons or verdict.quarantined:
+                log.warning("update_flagged", shard=self.shard_index, cluster=verdict.cluster, round=acc.round, reasons=list(verdict.reasons),
+                            quarantined=verdict.quarantined, excluded=verdict.excluded, mode=self.update_check.config.mode,
+                            **verdict.figures())  # fmt: skip
         # No copy: the optimiser replaces the buffers, or updates them in place only when no pull holds
         # the version they belong to.
         momentum = dict(self.optimizer.buffers)
         latency_s = time.monotonic() - acc.first_push_at if acc.first_push_at is not None else 0.0
         tokens = tuple(sorted(acc.cluster_weights.items()))
-        self.last_round = RoundStats(acc.round, tuple(sorted(decision.include)), tuple(decision.dropped), update_s, latency_s,
-                                     time.time(), decision.late, tokens, decision.grace_s)  # fmt: skip
+        self.last_round = RoundStats(acc.round, tuple(sorted(decision.include - left_out)), tuple(decision.dropped), update_s, latency_s,
+                                     time.time(), decision.late, tokens, decision.grace_s, tuple(sorted(left_out)))  # fmt: skip
         for cluster, weight in tokens:
             self.sites.setdefault(cluster, SiteRecord()).made(acc.round, weight)
         self._round_closing = None
@@ -116,7 +142,8 @@ class RoundClosing:
             "round_closed",
             shard=self.shard_index,
             round=acc.round,
-            clusters=len(decision.include),
+            clusters=len(decision.include - left_out),
+            **({"excluded": sorted(left_out)} if left_out else {}),
             tokens=sum(acc.cluster_weights.values()),
             bytes_in=acc.bytes_in,
             update_s=round(update_s, 4),

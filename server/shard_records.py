@@ -64,6 +64,7 @@ class RoundStats:
     late: tuple[str, ...] = ()  # members it closed without (quorum + grace): their part comes next round
     tokens: tuple[tuple[str, float], ...] = ()  # (cluster, weight) of those who made it
     grace_s: float | None = None  # the grace window it was given (quorum + grace only)
+    excluded: tuple[str, ...] = ()  # complete, but left out by the update check (server/update_check.py)
 
 
 @dataclass(frozen=True)

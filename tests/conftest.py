@@ -18,11 +18,13 @@ class ShardSet:
     def __init__(self, num_shards: int, run_id: str, min_clusters: int = 1, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  wire: WireConfig | None = None, round_deadline_s: float | None = None,
                  added_latency_s: float | list[float] = 0.0, grace_s: tuple[float, float] | None = None,
-                 keep_rounds: int = DEFAULT_KEEP_ROUNDS, expect_clusters: int | None = None, **serve) -> None:  # fmt: skip
+                 keep_rounds: int = DEFAULT_KEEP_ROUNDS, expect_clusters: int | None = None, update_check=None,  # noqa: ANN001
+                 **serve) -> None:  # fmt: skip
         """`grace_s`: (min, max) of a quorum + grace window (server/grace.py), one window per shard; `serve`:
         more of `start_server`'s settings (e.g. `pull_cache_bytes`)."""
         self.shards = [Shard(i, num_shards, run_id, outer_lr, outer_momentum, min_clusters, round_deadline_s,
-                             GraceWindow(*grace_s) if grace_s else None, expect_clusters=expect_clusters, keep_rounds=keep_rounds)
+                             GraceWindow(*grace_s) if grace_s else None, expect_clusters=expect_clusters, keep_rounds=keep_rounds,
+                             update_check=update_check)
                        for i in range(num_shards)]  # fmt: skip
         self.servers = []
         self.addresses = []

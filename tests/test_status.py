@@ -67,8 +67,8 @@ def test_status_table_and_json(shard_set, capsys):
         assert "1/2" in cells and "ago" in cells
         assert len(re.findall(r"\b\d+(?:\.\d+)? (?:B|KiB|MiB)\b", line)) == 2, line  # bytes in and out
     assert lines[3] == "" and lines[4].split() == [w for c in SITE_COLUMNS for w in c.split()]
-    # Per site: in the run, 1 round made, none late, last round 1 with 10 tokens; H and idle not said.
-    assert [line.split() for line in lines[5:]] == [[site, "yes", "1", "0", "1", "10", "-", "-"] for site in ("a", "b")]
+    # Per site: in the run, 1 round made, none late, last round 1 with 10 tokens; H and idle not said; the update check passed.
+    assert [line.split() for line in lines[5:]] == [[site, "yes", "1", "0", "1", "10", "-", "-", "ok"] for site in ("a", "b")]
 
     assert cli.main(["status", "--servers", servers, "--insecure", "--json"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -52,12 +52,14 @@ def shard_record(address: str, reply) -> dict:  # noqa: ANN001 - a StatusReply o
         "checkpoint_failing_rounds": reply.checkpoint_failing_rounds,
         "checkpoint_error": reply.checkpoint_error,
         "sites": [{"cluster": s.cluster, "member": s.member, "rounds_made": s.rounds_made, "rounds_late": s.rounds_late,
-                   "last_round": s.last_round, "last_tokens": s.last_tokens, "inner_steps": s.inner_steps, "idle_s": s.idle_s}
+                   "last_round": s.last_round, "last_tokens": s.last_tokens, "inner_steps": s.inner_steps, "idle_s": s.idle_s,
+                   "rounds_flagged": s.rounds_flagged, "rounds_excluded": s.rounds_excluded, "quarantined": s.quarantined,
+                   "last_flag": s.last_flag, "last_flag_round": s.last_flag_round}
                   for s in reply.sites],  # fmt: skip
     }
 
 
-SITE_COLUMNS = ("SITE", "IN RUN", "ROUNDS MADE", "LATE", "LAST ROUND", "TOKENS", "H", "IDLE")
+SITE_COLUMNS = ("SITE", "IN RUN", "ROUNDS MADE", "LATE", "LAST ROUND", "TOKENS", "H", "IDLE", "UPDATE CHECK")
 
 
 def site_rows(records: list[dict]) -> list[tuple[str, ...]]:
@@ -74,8 +76,19 @@ def site_rows(records: list[dict]) -> list[tuple[str, ...]]:
         rows.append((name, "yes" if all(s["member"] for s in seen) else "no", str(min(s["rounds_made"] for s in seen)),
                      str(max(s["rounds_late"] for s in seen)), str(last["last_round"]) if last["last_round"] else "-",
                      f"{last['last_tokens']:.0f}", str(last["inner_steps"]) if last["inner_steps"] else "-",
-                     f"{last['idle_s']:.1f}s" if last["inner_steps"] else "-"))  # fmt: skip
+                     f"{last['idle_s']:.1f}s" if last["inner_steps"] else "-", _check_cell(seen)))  # fmt: skip
     return rows
+
+
+def _check_cell(seen: list[dict]) -> str:
+    """The shards' update check on a site (server/update_check.py): ok, or flagged N× (the latest reason
+    and round; the most any shard counted), quarantined where any shard holds it so."""
+    flagged = max(s.get("rounds_flagged", 0) for s in seen)
+    if not flagged:
+        return "ok"
+    latest = max(seen, key=lambda s: s.get("last_flag_round", 0))
+    state = "quarantined" if any(s.get("quarantined") for s in seen) else "flagged"
+    return f"{state}:{flagged}x:{latest.get('last_flag', '')}@{latest.get('last_flag_round', 0)}"
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:

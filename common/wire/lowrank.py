@@ -209,6 +209,10 @@ class OrderedProduct:
         for future in others:
             future.result()
 
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P, Qᵀ): rows × rank and rank × cols, as held (for inner products that need no product)."""
+        return self._p, self._q
+
     def dense(self) -> torch.Tensor:
         """The whole product as one rows × cols tensor."""
         return self.rows_into(0, self.rows, torch.empty(self.rows, self.cols))

@@ -1,0 +1,220 @@
+"""Each site's update is looked at before the shard merges it: its size, its direction, whether it is new.
+
+Why: the sites of a run belong to different organisations, and each is a place where things go wrong — a
+GPU with silent data corruption, a fork with a bug, a data pipeline feeding garbage, a site restored from
+the wrong checkpoint. Without a check, whatever a joined site pushes is averaged into every site's model.
+
+What a shard computes per round, on the slices it owns, from the payloads as they came (a low-rank
+payload through its factors, never its product): the Gram matrix G of the sites' updates (G_ij = ⟨Δ_i, Δ_j⟩,
+summed over slices) and each update's inner products with the previous round's contributions, which the
+shard keeps for replay (so the previous global update, their weighted mean, is never formed either). From
+them, per site:
+
+* `norm_ratio` — ‖Δ_i‖ over the reference norm: the median of the norms this shard accepted over the last
+  `history` rounds (or, before any, this round's median where three or more sites pushed);
+* `cosine_others` — cos(Δ_i, the weighted mean of the other sites' updates), with three or more sites
+  (with two, neither is a majority: the check then has only the norm, the previous update and the replay);
+* `cosine_previous` — cos(Δ_i, the previous round's global update: the weighted mean of the contributions
+  it merged), from the second round on. (Not the outer momentum: against a dense buffer a low-rank
+  update costs rows × cols × rank per site, as much as the step's own decode.)
+* `replayed` — its whole contribution here (every payload, byte for byte) equal to one this shard received
+  in the last `history` rounds, from any site (an old round's update pushed again); a zero update is not
+  counted (it carries nothing to replay).
+
+A site is flagged when its norm ratio exceeds `norm_ratio`, a cosine is below `min_cosine`, or it replayed;
+flagged `quarantine_rounds` rounds in a row it is quarantined: left out of every round until one passes
+(its statistics are still computed). `mode`: `off`; `warn` (log, count, merge anyway: the default);
+`exclude` (a flagged or quarantined site's contributions are left out of the round, so its version and
+the contributions every site replays from are made without them — the clients' replay stays bit-exact
+because what is left out is simply not forwarded). Each shard decides on its own slices; a site faulty on
+all of its update is flagged by every shard alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+
+from dilocox.common.wire.lowrank import OrderedProduct
+
+MODES = ("off", "warn", "exclude")
+
+
+@dataclass(frozen=True)
+class UpdateCheckConfig:
+    mode: str = "warn"
+    norm_ratio: float = 10.0  # flag ‖Δ‖ above this many times the reference norm
+    min_cosine: float = 0.0  # flag an update pointing away from the others' mean or the previous update
+    quarantine_rounds: int = 2  # flagged this many rounds in a row: left out until a round passes
+    history: int = 8  # rounds of accepted norms and of payload digests kept
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--update-check must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.norm_ratio > 1:
+            raise ValueError(f"--update-check-norm-ratio must be > 1, got {self.norm_ratio}")
+        if not -1 <= self.min_cosine < 1:
+            raise ValueError(f"--update-check-min-cosine must be in [-1, 1), got {self.min_cosine}")
+        if self.quarantine_rounds < 1 or self.history < 1:
+            raise ValueError("--update-check-quarantine-rounds and the history must be ≥ 1")
+
+
+@dataclass(frozen=True)
+class SiteVerdict:
+    """One site's figures in one round and what the check made of them."""
+
+    cluster: str
+    norm: float
+    norm_ratio: float | None
+    cosine_others: float | None
+    cosine_previous: float | None
+    replayed: bool
+    reasons: tuple[str, ...]  # why flagged: outsized, disagrees, against_previous, replayed
+    quarantined: bool  # flagged quarantine_rounds rounds in a row (or still, until it passes)
+    excluded: bool  # left out of the round (mode exclude)
+
+    def record(self) -> dict:
+        """What the rounds chain keeps of it (server/provenance_chain.py): the figures and the outcome."""
+        return {**self.figures(), "replayed": self.replayed, "reasons": list(self.reasons), "quarantined": self.quarantined,
+                "excluded": self.excluded}  # fmt: skip
+
+    def figures(self) -> dict:
+        rounded = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        return {"norm": rounded(self.norm), "norm_ratio": rounded(self.norm_ratio), "cosine_others": rounded(self.cosine_others),
+                "cosine_previous": rounded(self.cosine_previous)}  # fmt: skip
+
+
+def _factors_or_dense(decoded: torch.Tensor | OrderedProduct) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    if isinstance(decoded, OrderedProduct):
+        return decoded.factors()
+    return decoded.reshape(decoded.shape[0], -1) if decoded.dim() >= 2 else decoded.reshape(1, -1)
+
+
+def inner(a, b) -> float:  # noqa: ANN001
+    """⟨A, B⟩ for dense matrices or (P, Qᵀ) factor pairs, without forming a low-rank product:
+    ⟨P₁Q₁ᵀ, P₂Q₂ᵀ⟩ = Σ (P₁ᵀP₂) ∘ (Q₁ᵀQ₂); ⟨PQᵀ, D⟩ = Σ P ∘ (D Q)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        (p1, qt1), (p2, qt2) = a, b
+        return float(((p1.T @ p2) * (qt1 @ qt2.T)).sum())
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        (p, qt), dense = (a, b) if isinstance(a, tuple) else (b, a)
+        return float((p * (dense @ qt.T)).sum())
+    return float(torch.dot(a.reshape(-1), b.reshape(-1)))
+
+
+@dataclass
+class RoundFigures:
+    """G and the products with the previous update of one round on one shard, summed over its slices."""
+
+    clusters: list[str]
+    gram: torch.Tensor  # float64, clusters × clusters
+    with_previous: torch.Tensor  # float64, ⟨Δ_i, U⟩, U the previous round's weighted sum of contributions
+    previous_sq: float  # ‖U‖²
+    contribution_digests: dict[str, bytes] = field(default_factory=dict)  # cluster -> digest of all its payloads here
+
+
+def round_figures(contributions: Mapping, previous: Mapping | None = None) -> RoundFigures:
+    """`contributions`: slice -> {cluster: Contribution} (server/round_state.py) of the round being closed;
+    `previous`: the same of the round before (what the published version forwards for replay), if any."""
+    clusters = sorted({c for per_key in contributions.values() for c in per_key})
+    index = {c: i for i, c in enumerate(clusters)}
+    n = len(clusters)
+    gram, with_prev, prev_sq = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), 0.0
+    digests = {c: hashlib.sha256() for c in clusters}
+    for key in sorted(contributions):
+        per_key = contributions[key]
+        items = [(index[c], _factors_or_dense(contribution.slice.decode_lazy())) for c, contribution in sorted(per_key.items())]
+        for c, contribution in sorted(per_key.items()):
+            digests[c].update(contribution.slice.sha256)
+        for a, (i, x) in enumerate(items):
+            for j, y in items[a:]:
+                gram[i, j] = gram[j, i] = gram[i, j] + inner(x, y)
+        before = [(c.weight, _factors_or_dense(c.slice.decode_lazy())) for _, c in sorted((previous or {}).get(key, {}).items())]
+        for a, (wa, x) in enumerate(before):
+            for b, (wb, y) in enumerate(before[a:], start=a):
+                prev_sq += (1 if a == b else 2) * wa * wb * inner(x, y)
+        for i, x in items:
+            with_prev[i] += sum(w * inner(x, y) for w, y in before)
+    return RoundFigures(clusters, gram, with_prev, prev_sq, {c: d.digest() for c, d in digests.items()})
+
+
+def _cosine(dot: float, a_sq: float, b_sq: float) -> float | None:
+    return dot / (a_sq * b_sq) ** 0.5 if a_sq > 0 and b_sq > 0 else None
+
+
+class UpdateCheck:
+    """The check's memory across rounds (accepted norms, payload digests, flag streaks) and its verdicts."""
+
+    def __init__(self, config: UpdateCheckConfig | None = None) -> None:
+        self.config = config or UpdateCheckConfig()
+        self._norms: deque[list[float]] = deque(maxlen=self.config.history)
+        self._digests: deque[set[bytes]] = deque(maxlen=self.config.history)
+        self.streak: dict[str, int] = {}  # cluster -> rounds flagged in a row
+        self.quarantined: set[str] = set()
+
+    def review(self, figures: RoundFigures, weights: Mapping[str, float]) -> list[SiteVerdict]:
+        cfg, clusters, g = self.config, figures.clusters, figures.gram
+        norms = [max(0.0, float(g[i, i])) ** 0.5 for i in range(len(clusters))]
+        history = [x for accepted in self._norms for x in accepted]
+        reference = statistics.median(history) if history else statistics.median(norms) if len(norms) >= 3 else None
+        seen = set().union(*self._digests) if self._digests else set()
+        w = torch.tensor([float(weights.get(c, 1.0)) for c in clusters], dtype=torch.float64)
+        verdicts = []
+        for i, cluster in enumerate(clusters):
+            ratio = norms[i] / reference if reference else None
+            cos_others = None
+            if len(clusters) >= 3:
+                others = w.clone()
+                others[i] = 0
+                cos_others = _cosine(float(g[i] @ others), float(g[i, i]), float(others @ g @ others))
+            cos_prev = _cosine(float(figures.with_previous[i]), float(g[i, i]), figures.previous_sq)
+            replayed = norms[i] > 0 and figures.contribution_digests.get(cluster) in seen
+            reasons = tuple(r for r, hit in (("outsized", ratio is not None and ratio > cfg.norm_ratio),
+                                             ("disagrees", cos_others is not None and cos_others < cfg.min_cosine),
+                                             ("against_previous", cos_prev is not None and cos_prev < cfg.min_cosine),
+                                             ("replayed", replayed)) if hit)  # fmt: skip
+            self.streak[cluster] = self.streak.get(cluster, 0) + 1 if reasons else 0
+            if self.streak[cluster] >= cfg.quarantine_rounds:
+                self.quarantined.add(cluster)
+            elif not reasons:
+                self.quarantined.discard(cluster)  # a round that passes readmits it
+            excluded = cfg.mode == "exclude" and (bool(reasons) or cluster in self.quarantined)
+            verdicts.append(SiteVerdict(cluster, norms[i], ratio, cos_others, cos_prev, replayed, reasons, cluster in self.quarantined,
+                                        excluded))  # fmt: skip
+        accepted = [v.norm for v in verdicts if not v.reasons]
+        if accepted:
+            self._norms.append(accepted)
+        self._digests.append(set(figures.contribution_digests.values()))
+        return verdicts
+
+    def readmit(self, cluster: str) -> bool:
+        """An operator's readmission: the site's streak and quarantine are cleared."""
+        self.streak.pop(cluster, None)
+        if cluster in self.quarantined:
+            self.quarantined.discard(cluster)
+            return True
+        return False
+
+
+def excluded(verdicts: Iterable[SiteVerdict]) -> set[str]:
+    return {v.cluster for v in verdicts if v.excluded}
+
+
+def margins(verdicts: Iterable[SiteVerdict]) -> dict:
+    """The round's closest figures to the thresholds (the lowest cosines, the largest norm ratio): one log
+    line per round that shows how far honest sites are from a flag, what the defaults were set from."""
+    verdicts = list(verdicts)
+
+    def extreme(pick, values) -> float | None:  # noqa: ANN001
+        values = [v for v in values if v is not None]
+        return round(pick(values), 4) if values else None
+
+    return {"max_norm_ratio": extreme(max, (v.norm_ratio for v in verdicts)),
+            "min_cosine_others": extreme(min, (v.cosine_others for v in verdicts)),
+            "min_cosine_previous": extreme(min, (v.cosine_previous for v in verdicts)),
+            "flagged": sorted(v.cluster for v in verdicts if v.reasons)}  # fmt: skip

@@ -1,0 +1,185 @@
+"""The shards' update check (server/update_check.py): figures from the payloads as they came, verdicts per site."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
+from dilocox.common.wire.framing import EncodedSlice, SliceKey
+from dilocox.server.round_state import Contribution
+from dilocox.server.update_check import UpdateCheck, UpdateCheckConfig, inner, round_figures
+
+KEYS = [SliceKey("w", 0, 48), SliceKey("b", 0, 32)]
+SHAPES = {KEYS[0]: (48, 40), KEYS[1]: (32,)}
+
+
+def encoded(key: SliceKey, tensor: torch.Tensor, compressor: TensorCompressor | None) -> EncodedSlice:
+    if compressor is None:
+        return EncodedSlice.exact(key, tensor)
+    e = compressor.compress(key, tensor)
+    return EncodedSlice(key, e.codec, e.dtype, tuple(e.shape), bytearray(e.payload))
+
+
+def test_inner_products_through_low_rank_factors_equal_the_dense_ones():
+    g = torch.Generator().manual_seed(0)
+    lowrank = TensorCompressor(CompressionConfig(rank_max=4, target_energy=0.99, min_lowrank_numel=16, error_feedback=False), seed=1)
+    a, b = torch.randn(48, 40, generator=g), torch.randn(48, 40, generator=g)
+    ea, eb = encoded(KEYS[0], a, lowrank), encoded(KEYS[0], b, lowrank)
+    assert ea.codec == "lowrank"
+    da, db = ea.decode(), eb.decode()
+    fa, fb = ea.decode_lazy().factors(), eb.decode_lazy().factors()
+    for x, y, want in ((fa, fb, (da * db).sum()), (fa, db, (da * db).sum()), (da, fb, (da * db).sum()), (fa, fa, (da * da).sum())):
+        assert inner(x, y) == pytest.approx(float(want), rel=1e-4, abs=1e-4)
+
+
+class Round:
+    """Four (or `n`) sites' pseudo-gradients: a shared direction plus each site's own noise, as IID data gives."""
+
+    def __init__(self, n: int = 4, seed: int = 0, lowrank: bool = True) -> None:
+        self.n, self.g = n, torch.Generator().manual_seed(seed)
+        config = CompressionConfig(rank_max=4, target_energy=0.9, min_lowrank_numel=16, error_feedback=False)
+        self.compressors = [TensorCompressor(config, seed=i) if lowrank else None for i in range(n)]
+        self.base = {k: self._direction(k) for k in KEYS}
+
+    def _direction(self, k: SliceKey) -> torch.Tensor:
+        if len(SHAPES[k]) == 2:
+            return torch.randn(SHAPES[k][0], 3, generator=self.g) @ torch.randn(3, SHAPES[k][1], generator=self.g)
+        return torch.randn(SHAPES[k], generator=self.g)
+
+    def contributions(self, faults: dict[int, str] | None = None, replay: dict | None = None) -> tuple[dict, dict]:
+        faults = faults or {}
+        # Pseudo-gradients are close to low rank (what the low-rank codec relies on) and the direction of
+        # training persists from round to round: a rank-3 shared part, most of it the same every round.
+        common = {k: self.base[k] + 0.5 * self._direction(k) for k in KEYS}
+        out: dict = {k: {} for k in KEYS}
+        for i in range(self.n):
+            cluster = f"site{i}"
+            for k in KEYS:
+                delta = common[k] + 0.3 * torch.randn(SHAPES[k], generator=self.g)
+                kind = faults.get(i)
+                if kind == "scale":
+                    delta = 100 * delta
+                elif kind == "sign":
+                    delta = -delta
+                elif kind == "noise":
+                    delta = torch.randn(SHAPES[k], generator=self.g) * delta.norm() / (delta.numel() ** 0.5)
+                e = replay[cluster][k] if kind == "replay" else encoded(k, delta, self.compressors[i])
+                out[k][cluster] = Contribution(cluster, 100.0, e)
+        return out, {f"site{i}": 100.0 for i in range(self.n)}
+
+
+def review(check: UpdateCheck, contributions: dict, weights: dict, previous: dict | None = None) -> dict:
+    return {v.cluster: v for v in check.review(round_figures(contributions, previous), weights)}
+
+
+@pytest.mark.parametrize("lowrank", [True, False])
+def test_honest_rounds_raise_no_flag_and_each_fault_kind_is_caught(lowrank):
+    sites = Round(lowrank=lowrank)
+    check = UpdateCheck(UpdateCheckConfig(mode="exclude"))
+    kept: dict = {}
+    for _ in range(3):
+        contributions, weights = sites.contributions()
+        verdicts = review(check, contributions, weights)
+        assert not any(v.reasons or v.excluded for v in verdicts.values()), verdicts
+        kept = {c: {k: contributions[k][c].slice for k in KEYS} for c in weights}
+        assert all(v.cosine_others is not None and v.cosine_others > 0.5 for v in verdicts.values())
+    for fault, reason in (("scale", "outsized"), ("sign", "disagrees"), ("replay", "replayed")):
+        contributions, weights = sites.contributions({2: fault}, replay=kept)
+        verdicts = review(check, contributions, weights)
+        assert reason in verdicts["site2"].reasons and verdicts["site2"].excluded, (fault, verdicts["site2"])
+        assert not any(verdicts[c].reasons for c in ("site0", "site1", "site3")), (fault, verdicts)
+        review(check, *sites.contributions())  # a clean round between faults: no streak carries over
+    # Noise of an honest update's size points nowhere: its cosine with the others is about 0, so at the
+    # default threshold (0) it is flagged in about half its rounds (docs/decisions.md says so).
+    noisy = [review(check, *sites.contributions({2: "noise"}))["site2"] for _ in range(8)]
+    assert all(abs(v.cosine_others) < 0.2 for v in noisy) and any("disagrees" in v.reasons for v in noisy), noisy
+
+
+def test_a_site_flagged_rounds_in_a_row_is_quarantined_until_a_round_passes():
+    sites = Round()
+    check = UpdateCheck(UpdateCheckConfig(mode="warn", quarantine_rounds=2))
+    for _ in range(2):
+        review(check, *sites.contributions())
+    first = review(check, *sites.contributions({1: "sign"}))["site1"]
+    assert first.reasons and not first.quarantined and not first.excluded  # warn: flagged, merged anyway
+    second = review(check, *sites.contributions({1: "sign"}))["site1"]
+    assert second.quarantined
+    passed = review(check, *sites.contributions())["site1"]
+    assert not passed.reasons and not passed.quarantined
+    review(check, *sites.contributions({1: "sign"}))
+    review(check, *sites.contributions({1: "sign"}))
+    assert "site1" in check.quarantined and check.readmit("site1") and "site1" not in check.quarantined
+
+
+def test_with_two_sites_the_check_has_the_norm_history_and_the_previous_update():
+    sites = Round(n=2)
+    check = UpdateCheck(UpdateCheckConfig(mode="exclude"))
+    previous, weights = sites.contributions()
+    first = review(check, previous, weights)
+    assert all(v.norm_ratio is None and v.cosine_others is None and v.cosine_previous is None for v in first.values())
+    current, _ = sites.contributions()
+    second = review(check, current, weights, previous)
+    assert not any(v.reasons for v in second.values()) and all(v.cosine_previous > 0.5 for v in second.values())
+    scaled = review(check, sites.contributions({0: "scale"})[0], weights, current)
+    assert "outsized" in scaled["site0"].reasons and not scaled["site1"].reasons
+    flipped = review(check, sites.contributions({1: "sign"})[0], weights, current)
+    assert flipped["site1"].reasons == ("against_previous",) and not flipped["site0"].reasons
+
+
+def test_settings_are_checked():
+    for bad in ({"mode": "clip"}, {"norm_ratio": 1.0}, {"min_cosine": 1.5}, {"quarantine_rounds": 0}):
+        with pytest.raises(ValueError):
+            UpdateCheckConfig(**bad)
+
+
+def test_real_shards_leave_a_faulty_site_out_and_every_replica_stays_bit_exact(shard_set):
+    """Four clusters against two real shards in exclude mode; from round 3 one pushes its update × 100. It is
+    flagged and left out by both shards, quarantined the round after, shown in Status; every cluster's
+    replica (the faulty one's too) still equals the shards' weights and momentum bit for bit."""
+    from dilocox.worker.exchange.cluster import slice_tensors
+    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
+
+    shards = shard_set(2, "run-downlink", min_clusters=4, update_check=UpdateCheckConfig(mode="exclude"))
+    clients = [client(shards.addresses, f"site{i}") for i in range(4)]
+    try:
+        for c in clients:
+            c.join(PARAMS)
+        clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, {n: torch.zeros(s) for n, s in PARAMS}))
+        for c in clients:
+            assert c.pull(0, wait_seconds=10)[0] == 0
+        shared = {r: low_rank_delta(100 + r) for r in range(1, 6)}  # the round's common direction
+        for round_ in range(1, 6):
+            for i, c in enumerate(clients):
+                own = low_rank_delta(10 * round_ + i)
+                delta = {n: shared[round_][n] + 0.3 * own[n] for n, _ in PARAMS}
+                if i == 3 and round_ >= 3:
+                    delta = {n: 100 * t for n, t in delta.items()}
+                c.push(round_, 100.0, slice_tensors(c.assignment, delta))
+            for c in clients:
+                assert c.pull(round_, wait_seconds=10)[0] == round_
+            for shard in shards.shards:
+                assert shard.last_round.excluded == (("site3",) if round_ >= 3 else ()), (round_, shard.last_round)
+        for c in clients:
+            assert_replica_equals_shards(c, shards)
+        for shard in shards.shards:
+            site = next(s for s in shard.status()["sites"] if s["cluster"] == "site3")
+            assert site["rounds_flagged"] == 3 and site["rounds_excluded"] == 3 and site["quarantined"]
+            assert site["last_flag"] == "outsized" and site["last_flag_round"] == 5
+            assert all(s["rounds_flagged"] == 0 for s in shard.status()["sites"] if s["cluster"] != "site3")
+        import grpc
+
+        from dilocox.proto import dilocox_pb2 as pb
+        from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(shards.addresses[0]) as channel:  # what `dilocox status` reads
+            reply = pb_grpc.AggregatorStub(channel).Status(pb.StatusRequest(), timeout=10)
+        site = next(s for s in reply.sites if s.cluster == "site3")
+        assert (site.rounds_flagged, site.rounds_excluded, site.quarantined, site.last_flag) == (3, 3, True, "outsized")
+        from dilocox.worker.status import site_rows
+
+        rows = {row[0]: row[-1] for row in site_rows([{"sites": shard.status()["sites"]} for shard in shards.shards])}
+        assert rows == {"site0": "ok", "site1": "ok", "site2": "ok", "site3": "quarantined:3x:outsized@5"}  # `dilocox status`
+    finally:
+        for c in clients:
+            c.close()
