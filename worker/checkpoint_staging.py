@@ -17,6 +17,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Replicate
 
+from dilocox.common.wire.checkpoint_format import one_line
+
 # What a refused save raises: the storage's own errors (torch reports some as RuntimeError) and DCP's
 # CheckpointException, which gathers every rank's failure (a BaseException, so named apart).
 SAVE_ERRORS = (Exception, CheckpointException)
@@ -66,5 +68,4 @@ def first_line(error: BaseException) -> str:
     if isinstance(error, CheckpointException) and error.failures:
         first = min(error.failures)
         rank, error = f"rank {first}: ", error.failures[first][0]
-    text = str(error).strip().splitlines()
-    return f"{rank}{type(error).__name__}: {text[0] if text else ''}"[:300]
+    return f"{rank}{one_line(error)}"[:300]
