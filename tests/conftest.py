@@ -1,7 +1,9 @@
-"""Shared fixtures: real gRPC shard servers on free localhost ports, stopped after each test."""
+"""Shared fixtures: real gRPC shard servers on free localhost ports, stopped after each test; and the run's
+teardown check: no process the tests started outlives the run (tests/leftovers.py)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -10,6 +12,21 @@ from dilocox.common.config.run import WireConfig
 from dilocox.server.grace import GraceWindow
 from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
+from tests.leftovers import MARK, left_behind, mark_this_run
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    mark_this_run()  # before xdist starts its workers: they and everything they start inherit it
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks once every worker is done
+        return
+    left = left_behind(os.environ[MARK])
+    if left:
+        lines = "\n".join(f"  pid {pid}: {command[:300]}" for pid, command in sorted(left.items()))
+        session.config.get_terminal_writer().line(f"\nprocesses the tests left behind (killed now):\n{lines}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 class ShardSet:

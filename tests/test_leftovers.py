@@ -1,0 +1,28 @@
+"""The run's teardown check finds a process the tests started, wherever it was re-parented."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.leftovers import MARK, left_behind, marked_processes
+
+
+def test_a_process_started_by_a_test_carries_the_runs_mark_even_orphaned_and_is_killed_if_left():
+    mark = os.environ[MARK]
+    # A child that starts a grandchild and exits: the grandchild is re-parented (out of our process tree).
+    launcher = subprocess.run([sys.executable, "-c", "import subprocess, sys; "
+                               "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], stdout=subprocess.DEVNULL, "
+                               "stderr=subprocess.DEVNULL).pid)"],
+                              capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    orphan = int(launcher.stdout.strip())
+    try:
+        assert orphan in marked_processes(mark) and os.getppid() != orphan
+        assert orphan in left_behind(mark, grace_s=0.5)  # reported, then killed
+        assert orphan not in marked_processes(mark)
+    finally:
+        try:
+            os.kill(orphan, 9)
+        except ProcessLookupError:
+            pass
