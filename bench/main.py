@@ -19,6 +19,7 @@ BENCHMARKS = {
     "exchange": ("dilocox.bench.exchange", "CPU cost of a round's exchange per stage (ns/parameter) against same-run rooflines, and training beside it"),
     "uneven": ("dilocox.bench.uneven", "one site 2×/4× slower: fixed H vs time-boxed rounds vs quorum + grace (idle share, tokens/s, loss curves)"),
     "resume": ("dilocox.bench.resume", "WAN bytes of a site's restart k rounds behind (replayed on its checkpoint's replica) against a full pull; 107B projected"),
+    "faults": ("dilocox.bench.faults", "one faulty site (×100, sign flip, noise, bit flips, stale replay) against the shards' update check: damage, detection, false alarms"),
     "projection": ("dilocox.bench.projection", "DiLoCoX at OPT-1.3B and 107B over 1 Gbit/s, projected from a `bench scale` report"),
 }
 

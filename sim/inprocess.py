@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +17,8 @@ from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.config.run import RunConfig, as_dict
 from dilocox.server.grpc_server import start_server
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
+from dilocox.server.update_check import UpdateCheckConfig
+from dilocox.sim.push_fault import FaultyPushClient, PushFault
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster, RoundReport
 from dilocox.worker.data.corpus import load_corpus
@@ -56,16 +59,24 @@ def run_in_process(
     on_round: Callable[[AggregatorClient, RoundReport], None] | None = None,
     before_stop: Callable[[list[str]], None] | None = None,
     keep_rounds: int = DEFAULT_KEEP_ROUNDS,
+    update_check: UpdateCheckConfig | None = None,
+    push_fault: PushFault | None = None,
+    before_start: Callable[[list[Shard]], None] | None = None,
 ) -> InProcessResult:
     """Train `config.rounds` rounds with `num_clusters` clusters against `num_shards` shards.
 
     `track_deficit`: the clusters' compressors keep what they withheld (benchmarks read it);
     `on_round(client, report)`: called by each cluster's thread after each of its rounds;
     `before_stop(addresses)`: called once the clusters are done, while the shards still serve;
-    `keep_rounds`: the versions whose contributions the shards keep (server/recent_rounds.py)."""
+    `keep_rounds`: the versions whose contributions the shards keep (server/recent_rounds.py);
+    `update_check`: the shards' check of each site's update (server/update_check.py; None: the shard's default);
+    `push_fault(cluster, round, slice)`: every cluster's pushed slices go through it (sim/push_fault.py: a
+    drill's faulty site, `dilocox bench faults`); None: plain clients;
+    `before_start(shards)`: called once the shards serve, before any cluster starts (a benchmark instruments them)."""
     corpus = corpus if corpus is not None else load_corpus(None)
     shards = [
-        Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters, keep_rounds=keep_rounds)
+        Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters, keep_rounds=keep_rounds,
+              update_check=update_check)
         for i in range(num_shards)
     ]
     servers, addresses = [], []
@@ -75,12 +86,15 @@ def run_in_process(
         addresses.append(f"127.0.0.1:{port}")
     clusters = []
     try:
+        if before_start is not None:
+            before_start(shards)
         for i in range(num_clusters):
             trainer = InnerTrainer(config, corpus, i, num_clusters)
             compressor = TensorCompressor(config.compress, seed=config.seed, track_deficit=track_deficit) if config.compress.codec != "fp32" else None
-            client = AggregatorClient(addresses, config.run_id, f"cluster-{i}", config.wire, compressor=compressor,
-                                      stale_weighting=config.stale_weighting,
-                                      connect_timeout=30, rpc_timeout=max(60.0, timeout_s))  # fmt: skip
+            faulty = {"fault": push_fault} if push_fault is not None else {}
+            client = (FaultyPushClient if faulty else AggregatorClient)(addresses, config.run_id, f"cluster-{i}", config.wire, compressor=compressor,
+                                                                       stale_weighting=config.stale_weighting, connect_timeout=30,
+                                                                       rpc_timeout=max(60.0, timeout_s), **faulty)  # fmt: skip
             hook = (lambda report, _steps, _version, client=client: on_round(client, report)) if on_round else None
             clusters.append(DilocoCluster(trainer, client, config.rounds, config.inner.steps, config.delay,
                                           json.dumps(as_dict(config)), evaluate_every_round=evaluate_every_round,
@@ -94,15 +108,19 @@ def run_in_process(
             except BaseException as error:  # noqa: BLE001 - re-raised below
                 errors.append(error)
 
-        threads = [threading.Thread(target=run, args=(c,), name=c.client.cluster) for c in clusters]
+        # Daemon threads, waited for together: once one cluster fails, the others may wait for a round that
+        # never closes; the run raises then, and what is left of them cannot keep the process alive.
+        threads = [threading.Thread(target=run, args=(c,), name=c.client.cluster, daemon=True) for c in clusters]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + timeout_s
         for t in threads:
-            t.join(timeout=timeout_s)
-        if any(t.is_alive() for t in threads):
-            raise TimeoutError(f"in-process run did not finish within {timeout_s:.0f}s")
+            while t.is_alive() and not errors and time.monotonic() < deadline:
+                t.join(timeout=0.2)
         if errors:
             raise errors[0]
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"in-process run did not finish within {timeout_s:.0f}s")
         if before_stop is not None:
             before_stop(addresses)
         return InProcessResult(clusters, shards, sum(p.numel() for _, p in clusters[0].trainer.named_parameters()))
