@@ -94,7 +94,8 @@ class RoundClosing:
         the version forwards for replay holds them. No lock held, as for the step."""
         if self.update_check is None or not closing.acc.contributions:
             return ()
-        verdicts = tuple(self.update_check.review(round_figures(closing.acc.contributions, closing.snapshot.contributions),
+        verdicts = tuple(self.update_check.review(round_figures(closing.acc.contributions, closing.snapshot.contributions,
+                                                                self.update_check.last_flagged),
                                                   closing.acc.cluster_weights))  # fmt: skip
         out = excluded(verdicts)
         if out:

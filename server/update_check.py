@@ -12,7 +12,8 @@ them, per site:
 
 * `norm_ratio` — ‖Δ_i‖ over the reference norm: the median of the norms this shard accepted over the last
   `history` rounds (or, before any, this round's median where three or more sites pushed);
-* `cosine_others` — cos(Δ_i, the weighted mean of the other sites' updates), with three or more sites
+* `cosine_others` — cos(Δ_i, the weighted mean of the other sites' updates, each as a unit vector and the
+  outsized ones left out, so one huge update cannot drown the others' direction), with three or more sites
   (with two, neither is a majority: the check then has only the norm, the previous update and the replay);
 * `cosine_previous` — cos(Δ_i, the previous round's global update: the weighted mean of the contributions
   it merged), from the second round on. (Not the outer momentum: against a dense buffer a low-rank
@@ -21,7 +22,8 @@ them, per site:
   in the last `history` rounds, from any site (an old round's update pushed again); a zero update is not
   counted (it carries nothing to replay).
 
-A site is flagged when its norm ratio exceeds `norm_ratio`, a cosine is below `min_cosine`, or it replayed;
+A site is flagged when its figures are not finite (an update so large that its norm overflows), its norm
+ratio exceeds `norm_ratio`, a cosine is below `min_cosine`, or it replayed;
 flagged `quarantine_rounds` rounds in a row it is quarantined: left out of every round until one passes
 (its statistics are still computed). `mode`: `off`; `warn` (log, count, merge anyway: the default);
 `exclude` (a flagged or quarantined site's contributions are left out of the round, so its version and
@@ -33,6 +35,7 @@ all of its update is flagged by every shard alike.
 from __future__ import annotations
 
 import hashlib
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -74,7 +77,7 @@ class SiteVerdict:
     cosine_others: float | None
     cosine_previous: float | None
     replayed: bool
-    reasons: tuple[str, ...]  # why flagged: outsized, disagrees, against_previous, replayed
+    reasons: tuple[str, ...]  # why flagged: non_finite, outsized, disagrees, against_previous, replayed
     quarantined: bool  # flagged quarantine_rounds rounds in a row (or still, until it passes)
     excluded: bool  # left out of the round (mode exclude)
 
@@ -84,7 +87,7 @@ class SiteVerdict:
                 "excluded": self.excluded}  # fmt: skip
 
     def figures(self) -> dict:
-        rounded = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        rounded = lambda x: None if x is None else round(x, 4) if math.isfinite(x) else str(x)  # noqa: E731 - JSON has no inf
         return {"norm": rounded(self.norm), "norm_ratio": rounded(self.norm_ratio), "cosine_others": rounded(self.cosine_others),
                 "cosine_previous": rounded(self.cosine_previous)}  # fmt: skip
 
@@ -98,12 +101,14 @@ def _factors_or_dense(decoded: torch.Tensor | OrderedProduct) -> tuple[torch.Ten
 def inner(a, b) -> float:  # noqa: ANN001
     """⟨A, B⟩ for dense matrices or (P, Qᵀ) factor pairs, without forming a low-rank product:
     ⟨P₁Q₁ᵀ, P₂Q₂ᵀ⟩ = Σ (P₁ᵀP₂) ∘ (Q₁ᵀQ₂); ⟨PQᵀ, D⟩ = Σ P ∘ (D Q)."""
-    if isinstance(a, tuple) and isinstance(b, tuple):
+    if isinstance(a, tuple) and isinstance(b, tuple):  # small products: in float64, no overflow of huge factors
         (p1, qt1), (p2, qt2) = a, b
-        return float(((p1.T @ p2) * (qt1 @ qt2.T)).sum())
+        return float(((p1.double().T @ p2.double()) * (qt1.double() @ qt2.double().T)).sum())
     if isinstance(a, tuple) or isinstance(b, tuple):
         (p, qt), dense = (a, b) if isinstance(a, tuple) else (b, a)
-        return float((p * (dense @ qt.T)).sum())
+        return float((p.double() * (dense @ qt.T).double()).sum())
+    # Dense slices in fp32 (no float64 copy of a model-sized slice): values large enough to overflow it are
+    # a fault already, and a non-finite figure is flagged as one (`UpdateCheck.review`).
     return float(torch.dot(a.reshape(-1), b.reshape(-1)))
 
 
@@ -118,9 +123,11 @@ class RoundFigures:
     contribution_digests: dict[str, bytes] = field(default_factory=dict)  # cluster -> digest of all its payloads here
 
 
-def round_figures(contributions: Mapping, previous: Mapping | None = None) -> RoundFigures:
+def round_figures(contributions: Mapping, previous: Mapping | None = None, skip: frozenset[str] = frozenset()) -> RoundFigures:
     """`contributions`: slice -> {cluster: Contribution} (server/round_state.py) of the round being closed;
-    `previous`: the same of the round before (what the published version forwards for replay), if any."""
+    `previous`: the same of the round before (what the published version forwards for replay), if any,
+    less the sites in `skip` (flagged then: in warn mode a merged faulty update must not become the
+    reference the honest ones are measured against)."""
     clusters = sorted({c for per_key in contributions.values() for c in per_key})
     index = {c: i for i, c in enumerate(clusters)}
     n = len(clusters)
@@ -134,7 +141,8 @@ def round_figures(contributions: Mapping, previous: Mapping | None = None) -> Ro
         for a, (i, x) in enumerate(items):
             for j, y in items[a:]:
                 gram[i, j] = gram[j, i] = gram[i, j] + inner(x, y)
-        before = [(c.weight, _factors_or_dense(c.slice.decode_lazy())) for _, c in sorted((previous or {}).get(key, {}).items())]
+        before = [(c.weight, _factors_or_dense(c.slice.decode_lazy())) for site, c in sorted((previous or {}).get(key, {}).items())
+                  if site not in skip]  # fmt: skip
         for a, (wa, x) in enumerate(before):
             for b, (wb, y) in enumerate(before[a:], start=a):
                 prev_sq += (1 if a == b else 2) * wa * wb * inner(x, y)
@@ -156,25 +164,41 @@ class UpdateCheck:
         self._digests: deque[set[bytes]] = deque(maxlen=self.config.history)
         self.streak: dict[str, int] = {}  # cluster -> rounds flagged in a row
         self.quarantined: set[str] = set()
+        self.last_flagged: frozenset[str] = frozenset()  # flagged in the last round reviewed: not a reference
 
     def review(self, figures: RoundFigures, weights: Mapping[str, float]) -> list[SiteVerdict]:
-        cfg, clusters, g = self.config, figures.clusters, figures.gram
-        norms = [max(0.0, float(g[i, i])) ** 0.5 for i in range(len(clusters))]
+        cfg, clusters = self.config, figures.clusters
+        # A site whose own figures overflow (an exponent flipped to huge values) is flagged as such and
+        # left out of every other site's figures, which would otherwise turn NaN and pass unflagged.
+        bad = {i for i in range(len(clusters)) if not math.isfinite(float(figures.gram[i, i]))}
+        g = figures.gram.clone()
+        for i in bad:
+            g[i, :], g[:, i] = 0.0, 0.0
+        norms = [math.inf if i in bad else max(0.0, float(g[i, i])) ** 0.5 for i in range(len(clusters))]
+        finite = [x for x in norms if math.isfinite(x)]
         history = [x for accepted in self._norms for x in accepted]
-        reference = statistics.median(history) if history else statistics.median(norms) if len(norms) >= 3 else None
+        reference = statistics.median(history) if history else statistics.median(finite) if len(finite) >= 3 else None
         seen = set().union(*self._digests) if self._digests else set()
-        w = torch.tensor([float(weights.get(c, 1.0)) for c in clusters], dtype=torch.float64)
+        ratios = [norms[i] / reference if reference else None for i in range(len(clusters))]
+        # The others' direction: each site's update as a unit vector (by its weight), outsized or overflowing
+        # ones left out, so that one huge update cannot make every honest one look orthogonal to "the others".
+        suspect = bad | {i for i, r in enumerate(ratios) if r is not None and r > cfg.norm_ratio}
+        w = torch.tensor([0.0 if i in suspect or norms[i] == 0 else float(weights.get(c, 1.0)) / norms[i]
+                          for i, c in enumerate(clusters)], dtype=torch.float64)  # fmt: skip
         verdicts = []
         for i, cluster in enumerate(clusters):
-            ratio = norms[i] / reference if reference else None
+            ratio = ratios[i]
             cos_others = None
             if len(clusters) >= 3:
                 others = w.clone()
                 others[i] = 0
                 cos_others = _cosine(float(g[i] @ others), float(g[i, i]), float(others @ g @ others))
-            cos_prev = _cosine(float(figures.with_previous[i]), float(g[i, i]), figures.previous_sq)
+            cos_prev = None if i in bad else _cosine(float(figures.with_previous[i]), float(g[i, i]), figures.previous_sq)
+            if cos_prev is not None and not math.isfinite(cos_prev):
+                cos_prev = None  # the previous update's own figures overflowed (it was merged: warn mode)
             replayed = norms[i] > 0 and figures.contribution_digests.get(cluster) in seen
-            reasons = tuple(r for r, hit in (("outsized", ratio is not None and ratio > cfg.norm_ratio),
+            reasons = tuple(r for r, hit in (("non_finite", i in bad),
+                                             ("outsized", ratio is not None and ratio > cfg.norm_ratio),
                                              ("disagrees", cos_others is not None and cos_others < cfg.min_cosine),
                                              ("against_previous", cos_prev is not None and cos_prev < cfg.min_cosine),
                                              ("replayed", replayed)) if hit)  # fmt: skip
@@ -190,6 +214,7 @@ class UpdateCheck:
         if accepted:
             self._norms.append(accepted)
         self._digests.append(set(figures.contribution_digests.values()))
+        self.last_flagged = frozenset(v.cluster for v in verdicts if v.reasons)
         return verdicts
 
     def readmit(self, cluster: str) -> bool:
@@ -211,7 +236,7 @@ def margins(verdicts: Iterable[SiteVerdict]) -> dict:
     verdicts = list(verdicts)
 
     def extreme(pick, values) -> float | None:  # noqa: ANN001
-        values = [v for v in values if v is not None]
+        values = [v for v in values if v is not None and math.isfinite(v)]
         return round(pick(values), 4) if values else None
 
     return {"max_norm_ratio": extreme(max, (v.norm_ratio for v in verdicts)),

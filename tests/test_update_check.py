@@ -70,7 +70,7 @@ class Round:
 
 
 def review(check: UpdateCheck, contributions: dict, weights: dict, previous: dict | None = None) -> dict:
-    return {v.cluster: v for v in check.review(round_figures(contributions, previous), weights)}
+    return {v.cluster: v for v in check.review(round_figures(contributions, previous, check.last_flagged), weights)}
 
 
 @pytest.mark.parametrize("lowrank", [True, False])
@@ -94,6 +94,37 @@ def test_honest_rounds_raise_no_flag_and_each_fault_kind_is_caught(lowrank):
     # default threshold (0) it is flagged in about half its rounds (docs/decisions.md says so).
     noisy = [review(check, *sites.contributions({2: "noise"}))["site2"] for _ in range(8)]
     assert all(abs(v.cosine_others) < 0.2 for v in noisy) and any("disagrees" in v.reasons for v in noisy), noisy
+
+
+def test_an_update_whose_figures_overflow_is_flagged_and_leaves_the_others_figures_whole():
+    """Values finite enough to pass the shards' intake but whose squares overflow fp32 (an exponent bit
+    flipped): that site is flagged `non_finite`, every other site's figures stay finite and unflagged, and
+    what the rounds chain records of it is valid JSON."""
+    import json
+
+    sites = Round(lowrank=False)
+    check = UpdateCheck(UpdateCheckConfig(mode="exclude"))
+    review(check, *sites.contributions())
+    contributions, weights = sites.contributions()
+    key = KEYS[0]
+    huge = contributions[key]["site1"].slice.decode()
+    huge[0, :4] = 3e30
+    contributions[key]["site1"] = Contribution("site1", 100.0, encoded(key, huge, None))
+    verdicts = review(check, contributions, weights, previous=contributions)
+    assert verdicts["site1"].reasons[0] == "non_finite" and verdicts["site1"].excluded
+    for c in ("site0", "site2", "site3"):
+        assert not verdicts[c].reasons and verdicts[c].cosine_others > 0.5, verdicts[c]
+    json.dumps([v.record() for v in verdicts.values()], allow_nan=False)
+    # Huge but finite and pointing nowhere (a flipped exponent in a low-rank factor): flagged outsized; the
+    # honest sites are measured against each other, not against it.
+    contributions, weights = sites.contributions({1: "noise"})
+    for k in KEYS:
+        contributions[k]["site1"] = Contribution("site1", 100.0, encoded(k, 1e6 * contributions[k]["site1"].slice.decode(), None))
+    drowned = review(check, contributions, weights)
+    assert "outsized" in drowned["site1"].reasons and not any(drowned[c].reasons for c in ("site0", "site2", "site3")), drowned
+    # The next round's reference leaves the flagged site out (it was merged in warn mode, say).
+    nxt = review(check, sites.contributions()[0], weights, previous=contributions)  # site1's huge one, flagged
+    assert not any(v.reasons for v in nxt.values()) and all(v.cosine_previous > 0.5 for v in nxt.values())
 
 
 def test_a_site_flagged_rounds_in_a_row_is_quarantined_until_a_round_passes():
