@@ -139,10 +139,10 @@ class AggregatorServicer:
         if request.observer:  # the weights alone: an export needs no momentum and replays nothing
             chunks = self.framings.framed(("weights", "", slices), snapshot.version, _framed_bound(_dense_bytes(snapshot, keys, False)),
                                           lambda: self._full_chunks(snapshot, keys, with_momentum=False))  # fmt: skip
-        elif (rounds := self._rounds_to_forward(snapshot, keys, request)) is not None:
+        elif (rounds := self._rounds_to_forward(snapshot, keys, request, full := _dense_bytes(snapshot, keys, True))) is not None:
             chunks = self._contribution_chunks(snapshot, keys, rounds, request, slices)
         else:
-            chunks = self.framings.framed(("full", "", slices), snapshot.version, _framed_bound(_dense_bytes(snapshot, keys, True)),
+            chunks = self.framings.framed(("full", "", slices), snapshot.version, _framed_bound(full),
                                           lambda: self._full_chunks(snapshot, keys))  # fmt: skip
         sent = 0
         for chunk in chunks:
@@ -152,11 +152,11 @@ class AggregatorServicer:
         if not request.observer:  # this much of this version is now at the cluster
             self.shard.note_pulled(request.cluster, snapshot.version, names)
 
-    def _rounds_to_forward(self, snapshot: Snapshot, keys: list, request: pb.PullRequest) -> list[tuple[int, dict]] | None:
+    def _rounds_to_forward(self, snapshot: Snapshot, keys: list, request: pb.PullRequest, full: int) -> list[tuple[int, dict]] | None:
         """The rounds to send instead of the weights (the cluster replays the steps), or None for a full
         pull: every version after the one the cluster holds, when this shard still keeps them all
         (server/recent_rounds.py), each has contributions to replay, and together they are smaller than the
-        weights plus momentum. A cluster at the version already gets no round at all (a restart that
+        weights plus momentum (`full` bytes). A cluster at the version already gets no round at all (a restart that
         missed nothing: its checkpoint's replica is checked by the state digest alone)."""
         if request.have_version == snapshot.version and snapshot.version > 0:
             return []
@@ -169,7 +169,7 @@ class AggregatorServicer:
             for version, contributions in rounds for k in keys for c in contributions.get(k, {}).values()
             if not (version in summarised and c.cluster == request.cluster)
         )  # fmt: skip
-        return rounds if forwarded <= _dense_bytes(snapshot, keys, True) else None
+        return rounds if forwarded <= full else None
 
     @staticmethod
     def _own_summarised(snapshot: Snapshot, request: pb.PullRequest) -> set[int]:

@@ -16,7 +16,6 @@ import structlog
 import torch
 
 from dilocox.common.cli import main
-from dilocox.common.deploy.certs import issue, load_ca, make_dev_certificates
 from dilocox.common.deploy.signing_keys import load_signer
 from dilocox.common.wire import checkpoint_integrity
 from dilocox.common.wire.assignment import model_digest
@@ -25,6 +24,7 @@ from dilocox.common.wire.framing import EncodedSlice
 from dilocox.server import checkpoint, resume
 from dilocox.server.checkpoint_signing import CheckpointForged, CheckpointTrust, signing
 from dilocox.server.shard import Shard
+from tests.pki import two_authorities
 
 RUN = "signed-ckpt-run"
 PARAMS = [("w", (8, 6)), ("b", (6,))]
@@ -33,13 +33,7 @@ EXPECT = {"run_id": RUN, "shard_index": 0, "num_shards": 1}
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, pathlib.Path]:
-    root = tmp_path_factory.mktemp("pki")
-    paths = {}
-    for name in ("run", "other"):
-        made = make_dev_certificates(root / name)
-        issued = issue(load_ca(root / name), root / name, "shard", "client", ("shard-0",))
-        paths |= {f"{name}-ca": made["ca"], f"{name}-cert": issued["shard"], f"{name}-key": issued["shard-key"]}
-    return paths
+    return two_authorities(tmp_path_factory.mktemp("pki"), "shard", "shard-0")
 
 
 def _shard_with_versions(directory: pathlib.Path, sign, versions: int = 3) -> Shard:

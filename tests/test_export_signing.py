@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dilocox.common.cli import main
-from dilocox.common.deploy.certs import issue, load_ca, make_dev_certificates
 from dilocox.common.deploy.signing_keys import Signer, SigningError, _check_chain_directly, check_chain, load_certificates, load_signer
 from dilocox.worker.export_provenance import write_provenance
 from dilocox.worker.export_signing import PROVENANCE_FILE, SIGNATURE_FILE, _signed_files, sign_folder, verify_folder
+from tests.pki import two_authorities
 
 RUN = "signing-run"
 
@@ -23,13 +23,7 @@ RUN = "signing-run"
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, pathlib.Path]:
     """The run's CA (as `dilocox certs` makes it) with a signer's certificate, and another CA with one."""
-    root = tmp_path_factory.mktemp("pki")
-    paths = {}
-    for name in ("run", "other"):
-        made = make_dev_certificates(root / name)
-        issued = issue(load_ca(root / name), root / name, "signer", "client", ("exporter",))
-        paths |= {f"{name}-ca": made["ca"], f"{name}-cert": issued["signer"], f"{name}-key": issued["signer-key"]}
-    return paths
+    return two_authorities(tmp_path_factory.mktemp("pki"), "signer", "exporter")
 
 
 def _signer(pki, name: str = "run", with_cert: bool = True) -> Signer:

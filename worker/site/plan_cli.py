@@ -132,11 +132,10 @@ def run(args: argparse.Namespace) -> int:
         if not fitting:
             print("  none: more GPUs, a shorter --block-size or a smaller --batch-size")
     if args.measure:
-        from dilocox.worker.site.plan_measure import measure, planned_init, planned_step
+        from dilocox.worker.site.plan_measure import measure, measured_config, planned_init, planned_step
 
+        config = measured_config(config)
         on_gpu = config.parallel.device.startswith("cuda")
-        if not on_gpu:
-            config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cpu", precision="fp32"))
         measured_plan = plan_memory(config, vocab, None, fused_attention=on_gpu)
         measured = measure(config, init_only=args.init_only)
         where = ("this machine's GPUs (NCCL), torch.cuda.max_memory_allocated" if on_gpu

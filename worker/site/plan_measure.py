@@ -110,18 +110,23 @@ def _rank(rank: int, world: int, port: int, config: RunConfig, init_only: bool, 
         mesh.close()
 
 
+def measured_config(config: RunConfig) -> RunConfig:
+    """The configuration `measure` runs: as given on the GPUs (`--device cuda`), else on the CPU in fp32."""
+    if config.parallel.device.startswith("cuda"):
+        return config
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cpu", precision="fp32"))
+
+
 def measure(config: RunConfig, init_only: bool = False) -> list[RankMeasure]:
     """Each rank's measured bytes for `config`'s layout: on the GPUs where its device is cuda (NCCL, one
     GPU per rank), else on the CPU (gloo, fp32)."""
     from dilocox.common.subprocesses import free_local_port
 
     world = config.parallel.world_size
-    if config.parallel.device.startswith("cuda"):
-        if torch.cuda.device_count() < world:
-            raise SystemExit(f"dilocox plan --measure: the layout has {world} ranks, one GPU each; this machine has "
-                             f"{torch.cuda.device_count()} GPU(s) (--device cpu measures it on the CPU)")  # fmt: skip
-    else:
-        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cpu", precision="fp32"))
+    if config.parallel.device.startswith("cuda") and torch.cuda.device_count() < world:
+        raise SystemExit(f"dilocox plan --measure: the layout has {world} ranks, one GPU each; this machine has "
+                         f"{torch.cuda.device_count()} GPU(s) (--device cpu measures it on the CPU)")  # fmt: skip
+    config = measured_config(config)
     # glibc raises its mmap threshold as large blocks are freed, after which freed memory stays resident:
     # a fixed threshold returns every large block at its free, so the resident set follows live memory.
     before = os.environ.get(MALLOC_THRESHOLD)
