@@ -1,7 +1,7 @@
 """`dilocox bench exchange`: what a round's exchange costs in CPU, stage by stage, against its rooflines.
 
 The WAN stopped being what a round waits for once pseudo-gradients went out ~100× compressed; the
-exchange's own arithmetic took its place (docs/benchmarks.md, "Paper-scale projection"). This bench
+exchange's own arithmetic took its place (docs/performance.md, "Paper-scale projection"). This bench
 times each stage a cluster and a shard run per round, on the matrices of one transformer layer of a
 preset (a Llama layer's q/k/v/o and MLP projections), in ns per parameter, and next to each stage the
 reference that bounds it, measured in the same run and with the same threads:

@@ -20,7 +20,7 @@ def test_more_pullers_than_threads_close_every_round(tmp_path):
 def test_at_wan_pace_beside_stalled_pushes_every_round_closes_and_status_answers(tmp_path):
     """More pushes in transit at once than the old shard had threads (40 paced sites × 2 shards), beside 20
     stalled push streams: every timed round closes and every Status call is answered (the figures
-    themselves are the benchmark's, in docs/benchmarks.md)."""
+    themselves are the benchmark's, in docs/performance.md)."""
     done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "bench", "load", "--clusters", "40", "--rounds", "2",
                            "--wan-mbit", "20", "--push-kb", "64", "--stalled", "10", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip

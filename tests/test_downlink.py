@@ -118,7 +118,7 @@ def test_a_round_only_we_contributed_to_comes_as_one_summary_per_shard(shard_set
 def test_default_model_traffic_is_fifty_times_below_dense_fp32():
     """Issue 5, acceptance 2 (loose form): uplink and downlink per round ≥ 50× below dense fp32 on the
     default model with the default compression (rank ≤ 8 with error feedback, slice bundles; the long
-    run measures ≈ 101–103×, docs/benchmarks.md)."""
+    run measures ≈ 101–103×, docs/performance.md)."""
     config = RunConfig(rounds=4, delay=0, inner=InnerConfig(steps=4, batch_size=4))
     assert config.compress == CompressionConfig()
     result = run_in_process(config, num_clusters=2, num_shards=2, timeout_s=180)

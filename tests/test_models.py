@@ -32,7 +32,7 @@ def test_presets_are_shipped_and_sized_as_named():
     assert 120e6 < counts["gpt2-small"] < 130e6
     assert 330e6 < counts["llama-350m"] < 400e6
     assert 0.95e9 < counts["llama-1b"] < 1.25e9
-    # The planning presets (`dilocox plan`, docs/benchmarks.md): Llama-3's shapes and the paper's 107B scale.
+    # The planning presets (`dilocox plan`, docs/performance.md): Llama-3's shapes and the paper's 107B scale.
     big = {name: sum(torch.Size(s).numel() for _, s in model_param_specs(ModelConfig(model=name), 128256))
            for name in ("llama-3-8b", "llama-3-70b", "dense-107b")}  # fmt: skip
     assert 7.9e9 < big["llama-3-8b"] < 8.1e9 and 70.0e9 < big["llama-3-70b"] < 71.0e9 and 106e9 < big["dense-107b"] < 108.5e9

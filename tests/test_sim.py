@@ -129,7 +129,7 @@ def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
 def test_sim_compressed_converges_like_uncompressed_synchronous(sim_of):
     """Issue 5, acceptance 3 (short form): the default DiLoCoX (one-step delay + default compression,
     ending with the flush of the error-feedback residuals) against dense fp32 synchronous DiLoCo at
-    equal tokens, with a looser margin than the long run's 5% (docs/benchmarks.md: +3.6% there).
+    equal tokens, with a looser margin than the long run's 5% (docs/performance.md: +3.6% there).
     Measured here: 2.810 vs 2.798 (+0.4%); without the flush 2.959 (+5.8%), since 4 rounds leave error
     feedback little time to deliver what it holds back."""
     _, dense = sim_of("--delay", "0", "--compress-codec", "fp32")

@@ -50,7 +50,7 @@ class CompressionConfig:
     factor_bits: int = 4  # quantiser of low-rank factors and of small/1-D tensors in lowrank mode (4, 8, 32)
     rank_min: int = 1
     # ≤ 8 components with error feedback kept locally: 103× / 103× below dense fp32 (up / down) with the
-    # delay, at a lower loss than the earlier ≤ 24 / 95% without error feedback at 40× (docs/benchmarks.md,
+    # delay, at a lower loss than the earlier ≤ 24 / 95% without error feedback at 40× (docs/performance.md,
     # `dilocox bench compression`; rank_max 6 is the lean preset, ≈ 128×). With error feedback the
     # residual flattens the spectrum, so the rank mostly sits at rank_max.
     rank_max: int = 8
@@ -59,7 +59,7 @@ class CompressionConfig:
     adaptive_rank: bool = True  # False: always rank_max
     min_lowrank_numel: int = 4096  # smaller matrices are only quantised
     # On by default, with the residual kept in the cluster's weights (local_residual): without error
-    # feedback the dropped part of every round is lost for good (+14.8% loss at rank ≤ 8, docs/benchmarks.md).
+    # feedback the dropped part of every round is lost for good (+14.8% loss at rank ≤ 8, docs/performance.md).
     error_feedback: bool = True
     error_decay: float = 1.0  # share of last round's residual carried into this one (1 = classic error feedback)
     # With error feedback, the cluster also keeps its unsent residual in its own weights: it trains on

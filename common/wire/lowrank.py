@@ -45,7 +45,7 @@ def power_iteration(matrix: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor
 
     Both products are taken with the thin factor on the left, (Qᵀ Mᵀ)ᵀ and (Pᵀ M)ᵀ: the same sums, but
     CPU BLAS (MKL on AMD in particular) runs a skinny M Q at a fifth and Mᵀ P at a tenth of that
-    layout's speed (docs/benchmarks.md, `dilocox bench exchange`). The encoder need not be bit-exact
+    layout's speed (docs/performance.md, `dilocox bench exchange`). The encoder need not be bit-exact
     anywhere: what it sends is decoded by one exact rule."""
     p = (q.T @ matrix.T).T
     p, _ = torch.linalg.qr(p, mode="reduced")

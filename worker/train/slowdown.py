@@ -3,7 +3,7 @@
 Every call of `train_steps` sleeps (F − 1) times what its steps took, so the site trains at 1/F of its
 speed with the same arithmetic: its tokens, losses and weights are what they would be, only later. A
 sleep, not fewer threads, so that the slowdown is exactly F on a machine whose cores the benchmark's
-other processes share (`dilocox bench uneven`, docs/benchmarks.md).
+other processes share (`dilocox bench uneven`, docs/performance.md).
 """
 
 from __future__ import annotations
