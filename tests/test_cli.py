@@ -257,3 +257,20 @@ def test_every_flag_of_every_command_says_what_it_does():
                     if not text or text.startswith("(default"):
                         bare.append(f"{label} {action.option_strings[0]}")
     assert bare == []
+
+
+def test_every_model_a_help_text_names_exists():
+    """An example in `--help` is copied as written: `deploy --worker-flags`' example named `--model llama`, which
+    every worker refused as an unknown model. Each `--model X` in any command's help must resolve."""
+    import re
+
+    from dilocox.common.config.cli_reference import command_parsers
+    from dilocox.worker.models.spec import ModelSpecError, resolve_model
+
+    named = {(prog, model) for prog, parser, _ in command_parsers() for model in re.findall(r"--model ([a-z0-9][\w.-]*)(?![\w.:-])", parser.format_help())}
+    assert named, "no help text names a model: the pattern no longer matches how examples are written"
+    for prog, model in sorted(named):
+        try:
+            resolve_model(model)
+        except ModelSpecError as error:
+            pytest.fail(f"`{prog} --help` names a model no worker accepts: {error}")

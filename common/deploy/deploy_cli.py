@@ -57,7 +57,7 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--round-deadline-s", type=float, default=300.0, help="the shards' round deadline (default 300)")
     parser.add_argument("--worker-flags", default="",
                         help="more `dilocox worker` flags for every site, as one shell-quoted string "
-                             "(model, data, compression: e.g. \"--model llama --data /data/tokens\")")  # fmt: skip
+                             "(model, data, compression: e.g. \"--model llama-350m --data /data/tokens\")")  # fmt: skip
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
