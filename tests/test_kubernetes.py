@@ -27,7 +27,7 @@ from dilocox.server import checkpoint
 from tests.ports import free_port, listening
 from dilocox.server.shard import Shard
 
-VERSIONS = ("1.30", kubernetes_validate.latest_version())
+VERSIONS = ("1.28", "1.30", kubernetes_validate.latest_version())  # 1.28: the oldest the docs promise
 TOPOLOGY = ["--shards", "2", "--sites", "site-a:2x1,site-b:1x2"]
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -76,6 +76,8 @@ MODES = {
     "plaintext-cpu": ["--insecure", "--gpus-per-rank", "0", "--token-secret", ""],
     "multi-pod": ["--ranks-per-pod", "1", "--storage-class", "fast-ssd", "--namespace", "Training"],
 }
+EXTERNAL = ["--servers", "agg0.example.org:443,203.0.113.9:8443", "--node-selector", "pool=gpu",
+            "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration", "dedicated=ml:NoExecute"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -86,6 +88,27 @@ def test_every_object_validates_strictly_against_the_kubernetes_schemas(tmp_path
         assert DNS_LABEL.match(obj["metadata"]["name"]) and DNS_LABEL.match(obj["metadata"]["namespace"])
         for version in VERSIONS:
             kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_external_shards_are_dialled_by_their_addresses_and_pods_land_on_the_selected_tolerated_nodes(tmp_path):
+    objects = _render(tmp_path, *EXTERNAL)
+    assert "StatefulSet" not in [o["kind"] for o in objects]  # the shards run elsewhere
+    for job in _site_jobs(objects).values():
+        pod = job["spec"]["template"]["spec"]
+        assert _parses(_container(job)["command"]).servers == "agg0.example.org:443,203.0.113.9:8443"
+        assert pod["nodeSelector"] == {"pool": "gpu"}
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                      {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"}]
+        for version in VERSIONS:
+            kubernetes_validate.validate(job, version, strict=True)
+    with pytest.raises(SystemExit, match="--servers names 1 shard"):
+        _render(tmp_path, "--servers", "agg0.example.org:443")
+    exposed = [o for o in _render(tmp_path, "--expose-shards", "NodePort") if o["kind"] == "Service" and "type" in o["spec"]]
+    assert [s["spec"]["selector"] for s in exposed] == [{"statefulset.kubernetes.io/pod-name": f"dilocox-run-shard-{i}"} for i in (0, 1)]
+    for service in exposed:
+        assert service["spec"]["type"] == "NodePort" and service["spec"]["ports"][0]["targetPort"] == 50051
+        for version in VERSIONS:
+            kubernetes_validate.validate(service, version, strict=True)
 
 
 def test_an_unknown_field_is_refused_by_the_validation_used_here(tmp_path):

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from dilocox.common.deploy.kubernetes_placement import add_placement_arguments, exposed_services, scheduling
 from dilocox.common.deploy.topology import (
     CHECKPOINT_DIR, INSECURE, METRICS_PORT, SHARD_PORT, Placement, Site, Topology, shard_command, site_commands, tls_flags,
 )  # fmt: skip
@@ -78,14 +79,21 @@ class Options:
     tls_secret: str | None = "dilocox-tls"
     token_secret: str | None = "dilocox-token"
     backoff_limit: int = 4
+    servers: str = ""  # the shards' addresses when they run outside this cluster: no shard objects are rendered
+    node_selector: dict[str, str] = dataclasses.field(default_factory=dict)  # every pod's (kubernetes_placement.py)
+    tolerations: tuple[dict, ...] = ()
+    expose: str = ""  # '', LoadBalancer or NodePort: a Service per shard reachable from outside the cluster
+    expose_ports: tuple[int, ...] = ()  # per shard: the LoadBalancer's port / the nodePort (empty: 50051 / assigned)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
         if min(args.gpus_per_rank, args.ranks_per_pod, args.backoff_limit) < 0:
             raise SystemExit("dilocox deploy kubernetes: --gpus-per-rank, --ranks-per-pod and --backoff-limit are ≥ 0")
-        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         return cls(**given | {"namespace": dns_label(args.namespace), "token_secret": args.token_secret or None,
-                              "tls_secret": None if args.insecure else args.tls_secret})  # fmt: skip
+                              "tls_secret": None if args.insecure else args.tls_secret, "servers": args.servers or "",
+                              "node_selector": dict(args.node_selector or ()), "tolerations": tuple(args.toleration or ()),
+                              "expose": args.expose_shards or ""})  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--insecure", action="store_true", help="plaintext gRPC inside the cluster, no TLS Secret")
     add("--token-secret", default=defaults.token_secret, help="Secret whose key `token` is the run's token ('' for none)")
     add("--backoff-limit", type=int, default=defaults.backoff_limit, help="failed pods a site's Job reruns (default 4)")
+    add_placement_arguments(add)
 
 
 def dns_label(text: str, limit: int = 63) -> str:
@@ -150,11 +159,15 @@ class Names:
 @dataclass(frozen=True)
 class ClusterPlacement(Placement):
     """Pods are placed like compose containers (own network, fixed ports, checkpoints on a volume at
-    CHECKPOINT_DIR); only the shards' addresses differ: their StatefulSet DNS names."""
+    CHECKPOINT_DIR); only the shards' addresses differ: their StatefulSet DNS names, or the given
+    `servers` where the shards run outside this cluster."""
 
     names: Names = Names("dilocox", "dilocox")
+    servers: tuple[str, ...] = ()
 
     def shard_address(self, topology: Topology, index: int) -> str:
+        if self.servers:
+            return self.servers[index]
         return f"{self.names.shard_host(index)}:{SHARD_PORT}"
 
 
@@ -251,12 +264,13 @@ def shard_objects(topology: Topology, options: Options, names: Names, placement:
             "selector": {"matchLabels": selector},
             "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Retain", "whenScaled": "Retain"},  # the model lives there
             "template": {"metadata": _scraped(labels),  # SIGTERM: the shard saves a last checkpoint before it exits
-                         "spec": {"terminationGracePeriodSeconds": 120, "containers": [container], "volumes": volumes}},
+                         "spec": {"terminationGracePeriodSeconds": 120, "containers": [container], "volumes": volumes,
+                                  **scheduling(options)}},
             "volumeClaimTemplates": [{"metadata": {"name": "checkpoints", "labels": labels}, "spec": claim}],
         },
     }  # fmt: skip
     service = _headless_service(names.shard_service, names, labels, selector, [("grpc", SHARD_PORT), ("metrics", METRICS_PORT)])
-    return [service, statefulset]
+    return [service, statefulset, *exposed_services(topology, options, names, labels, _metadata)]
 
 
 def site_command(topology: Topology, index: int, options: Options, names: Names, placement: Placement) -> list[str]:
@@ -292,14 +306,16 @@ def site_objects(topology: Topology, index: int, options: Options, names: Names,
     if claim is not None:
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}})
         container["volumeMounts"].append({"name": "checkpoints", "mountPath": SITE_CHECKPOINT_DIR})
-    pod = {"restartPolicy": "Never", "containers": [container], "volumes": volumes} | ({"subdomain": name} if pods > 1 else {})
+    pod = {"restartPolicy": "Never", "containers": [container], "volumes": volumes, **scheduling(options)}
+    pod |= {"subdomain": name} if pods > 1 else {}
     final = {"containerName": "worker", "operator": "In", "values": [FINAL_EXIT_CODE]}
     evicted = [{"type": "DisruptionTarget", "status": "True"}]  # preempted, drained: not the site's fault
     job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(name, names, labels),
         "spec": {
             "completionMode": "Indexed", "completions": pods, "parallelism": pods, "backoffLimit": options.backoff_limit,
-            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": final},
+            # onPodConditions [] on the exit-code rule: Kubernetes 1.28's schema requires the field in every rule
+            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": final, "onPodConditions": []},
                                            {"action": "Ignore", "onPodConditions": evicted}]},
             "template": {"metadata": _scraped(labels), "spec": pod},
         },
@@ -330,8 +346,11 @@ def manifests(topology: Topology, options: Options) -> list[dict]:
     jobs = [names.site(site) for site in topology.sites]
     if len(set(jobs)) != len(jobs) or names.shard_service in jobs or names.shards in jobs:
         raise SystemExit(f"dilocox deploy kubernetes: site names {[s.name for s in topology.sites]} give clashing object names")
-    placement = ClusterPlacement(compose=True, names=names)
-    objects = shard_objects(topology, options, names, placement)
+    servers = tuple(filter(None, options.servers.split(",")))
+    if servers and len(servers) != topology.num_shards:
+        raise SystemExit(f"dilocox deploy kubernetes: --servers names {len(servers)} shard(s), --shards is {topology.num_shards}")
+    placement = ClusterPlacement(compose=True, names=names, servers=servers)
+    objects = [] if servers else shard_objects(topology, options, names, placement)
     for index in range(len(topology.sites)):
         objects += site_objects(topology, index, options, names, placement)
     return objects
@@ -353,12 +372,15 @@ def next_steps(topology: Topology, args: argparse.Namespace) -> str:
     options = Options.from_args(args)
     names, kubectl = Names.of(topology, options), f"kubectl -n {options.namespace}"
     ports = [topology.host_port_base + i for i in range(topology.num_shards)]  # port-forwards, as compose publishes them
+    servers = options.servers or ",".join(f"127.0.0.1:{p}" for p in ports)
     lines = [f"Next, for run {topology.run_id!r}:", f"  kubectl create namespace {options.namespace}   # unless it exists"]
     client = " --insecure"
     if options.tls_secret:
         hosts = ",".join(["localhost", "127.0.0.1", *(names.shard_host(i) for i in range(topology.num_shards))])
-        files = " ".join(f"--from-file=certs/{f}" for f in SERVER_FILES)
-        lines += [f"  dilocox certs --out certs --hosts {hosts}",
+        files = " ".join(f"--from-file=certs/{f}" for f in (CLIENT_FILES if options.servers else SERVER_FILES))
+        expose = "   # + the shard Services' external names/IPs" if options.expose else ""
+        lines += ["  # certs/: from the run's CA, where the shards' certificates were made" if options.servers else
+                  f"  dilocox certs --out certs --hosts {hosts}{expose}",
                   f"  {kubectl} create secret generic {options.tls_secret} {files}   # never ca-key.pem"]  # fmt: skip
         client = " --tls-ca certs/ca.pem --tls-cert certs/client.pem --tls-key certs/client-key.pem"
     token = ""
@@ -369,8 +391,9 @@ def next_steps(topology: Topology, args: argparse.Namespace) -> str:
         f"  kubectl apply -f {args.out / MANIFEST}",
         f"  {kubectl} get pods -l app.kubernetes.io/instance={names.run} -w   # the shards Ready, then the sites' pods",
         f"  {kubectl} logs -f job/{names.site(topology.sites[0])}   # a site's worker",
-        "  # dilocox status, through one port-forward per shard:",
-        *(f"  {kubectl} port-forward pod/{names.shards}-{i} {port}:{SHARD_PORT} &" for i, port in enumerate(ports)),
-        f"  {token}dilocox status --servers {','.join(f'127.0.0.1:{p}' for p in ports)}{client}",
+        *([] if options.servers else ["  # dilocox status, through one port-forward per shard:"]),
+        *([] if options.servers else
+          (f"  {kubectl} port-forward pod/{names.shards}-{i} {port}:{SHARD_PORT} &" for i, port in enumerate(ports))),
+        f"  {token}dilocox status --servers {servers}{client}",
     ]  # fmt: skip
     return "\n".join(lines)
