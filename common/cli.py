@@ -26,7 +26,7 @@ SUBCOMMANDS = {
     "certs": ("dilocox.common.deploy.certs", "make a development CA and server/client certificates for TLS/mTLS"),
     "bench": ("dilocox.bench.main", "benchmarks: wire, overlap, pipeline, wan (vs AllReduce over shaped links), shard; reports in bench/results/"),
     "compose": ("dilocox.common.deploy.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),
-    "deploy": ("dilocox.common.deploy.deploy_cli", "render a run's launch files for Slurm (sbatch) or Kubernetes (manifests)"),
+    "deploy": ("dilocox.common.deploy.deploy_cli", "render a run's launch files: Slurm (sbatch), Kubernetes (manifests), or a run across clusters (topology file)"),
     "link": ("dilocox.common.deploy.link_cli", "shape this host's WAN egress (tc) and measure a link's bulk rate"),
     "plan": ("dilocox.worker.site.plan_cli", "what a site's layout needs per GPU and per rank, and which layouts fit, before anything is built"),
     "config": ("dilocox.common.config.show", "print the effective run configuration (flags > env > --config file) as TOML"),

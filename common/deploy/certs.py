@@ -115,7 +115,10 @@ def make_dev_certificates(out_dir: str | pathlib.Path, hosts: tuple[str, ...] = 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True, help="folder for the certificates (and a new CA's ca.pem, ca-key.pem)")
-    parser.add_argument("--hosts", default="localhost,127.0.0.1", help="names/IPs the server certificate is valid for")
+    parser.add_argument("--hosts", help="names/IPs the server certificate is valid for (default localhost,127.0.0.1)")
+    parser.add_argument("--topology", type=pathlib.Path,
+                        help="a run's topology file (`dilocox deploy topology`): every name its sites dial a shard by, "
+                             "plus --hosts")  # fmt: skip
     parser.add_argument("--ca", type=pathlib.Path, help="an existing CA folder (ca.pem + ca-key.pem): issue from it instead of a new CA")
     parser.add_argument("--role", choices=("server", "client"), default="server", help="with --ca: what to issue (default server)")
     parser.add_argument("--name", help="with --ca: file stem of the new certificate (default <role>-<first host>)")
@@ -123,7 +126,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip())
+    hosts = tuple(h.strip() for h in (args.hosts or ("" if args.topology else "localhost,127.0.0.1")).split(",") if h.strip())
+    if args.topology:
+        from dilocox.common.deploy.topology_file import TopologyFileError, load
+        from dilocox.common.deploy.topology_render import certificate_hosts
+
+        try:
+            hosts = tuple(dict.fromkeys([*certificate_hosts(load(args.topology)), *hosts]))
+        except TopologyFileError as error:
+            print(f"dilocox certs: {error}", file=sys.stderr)
+            return 1
     if args.days < 1:
         print("dilocox certs: --days must be at least 1", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 
     dilocox deploy slurm --out DIR        # an sbatch script for the shards and one per site
     dilocox deploy kubernetes --out DIR   # StatefulSet + Service for the shards, an Indexed Job per site
+    dilocox deploy topology --file run.toml --out DIR   # a run across clusters: DIR/<cluster>/… for each
 
 Both start from the same `Topology` (common/deploy/topology.py) the compose file and the plain-process
 launch are made from, so the flags every process gets cannot drift between launchers. What differs per
@@ -78,10 +79,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_topology_arguments(sub)
         module.add_arguments(sub)
         sub.set_defaults(_launcher=module)
+    from dilocox.common.deploy import topology_render
+
+    sub = actions.add_parser("topology", help=topology_render.HELP, description=topology_render.HELP)
+    topology_render.add_arguments(sub)
+    sub.set_defaults(_launcher=topology_render)
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
+    if args.action == "topology":
+        return args._launcher.run(args)
     topology = topology_from_args(args)
     files = args._launcher.render(topology, args)
     args.out.mkdir(parents=True, exist_ok=True)

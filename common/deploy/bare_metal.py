@@ -1,0 +1,88 @@
+"""Bare-metal hosts in a topology file: one bash script per host, the same argv the other launchers use.
+
+A lab's GPU boxes or a cloud VM have no scheduler to render for, yet their processes must get exactly
+the flags a Slurm or Kubernetes site gets, so the scripts come from the same `shard_command` /
+`site_commands` (topology.py). A site of one host runs `dilocox worker`, which starts its own torchrun
+job; a site of several hosts runs torchrun on each with a static rendezvous on the first host (the
+node rank is fixed per script, so each host gets its own). Restarting a script resumes: shards and
+sites run `--resume-if-present` over their checkpoint folder when one is set (a site's folder must be
+shared by its hosts, as on Slurm). The run token is `$DILOCOX_TOKEN` of the starting shell unless a
+token file is named.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+
+from dilocox.common.deploy.topology import METRICS_PORT, SHARD_PORT, Placement, Topology, shard_command, site_commands, tls_flags
+from dilocox.common.deploy.topology_file import BareMetalSettings
+
+
+@dataclass(frozen=True)
+class FixedPlacement(Placement):
+    """Processes on named hosts: shards bind every interface on port base + i, sites dial `servers`."""
+
+    compose: bool = False
+    servers: tuple[str, ...] = ()
+    shard_port_base: int = SHARD_PORT
+    metrics_port_base: int = METRICS_PORT
+
+    def shard_address(self, topology: Topology, index: int) -> str:
+        return self.servers[index]
+
+    def shard_port(self, topology: Topology, index: int) -> int:
+        return self.shard_port_base + index
+
+    def metrics_port(self, topology: Topology, process: int) -> int:
+        return self.metrics_port_base + process
+
+    def listen_host(self) -> str:
+        return "0.0.0.0"
+
+
+def transport(settings: BareMetalSettings, tls: bool, role: str) -> list[str]:
+    return list(tls_flags(settings.tls_dir, role)) if tls else ["--insecure"]
+
+
+def script(what: str, settings: BareMetalSettings, argv: list[str]) -> str:
+    lines = ["#!/bin/bash", f"# {what}", "# Rendered by `dilocox deploy topology`; rerunning it resumes from the checkpoint folder.",
+             "set -euo pipefail", *settings.setup]  # fmt: skip
+    if settings.token_file:
+        lines.append(f'export DILOCOX_TOKEN="$(cat {shlex.quote(settings.token_file)})"')
+    return "\n".join([*lines, "exec " + shlex.join(argv)]) + "\n"
+
+
+def file_name(host: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", host)
+
+
+def shard_scripts(topology: Topology, settings: BareMetalSettings, port: int, tls: bool) -> dict[str, str]:
+    """`shard-<i>-<host>.sh` → its script; shard i listens on `port` + i on its host."""
+    placement = FixedPlacement(shard_port_base=port, metrics_port_base=settings.metrics_port)
+    extra = ["--resume-if-present"] if settings.checkpoint_dir else []
+    files = {}
+    for index, host in enumerate(settings.hosts):
+        argv = shard_command(topology, index, placement, settings.checkpoint_dir or None, keep_serving=False,
+                             security=transport(settings, tls, "server"), extra=extra)  # fmt: skip
+        files[f"shard-{index}-{file_name(host)}.sh"] = script(f"shard {index} of run {topology.run_id!r}, on {host}", settings, argv)
+    return files
+
+
+def site_scripts(topology: Topology, index: int, settings: BareMetalSettings, servers: tuple[str, ...], tls: bool) -> dict[str, str]:
+    """`site-<name>-<host>.sh` → its script, one per host of site `index`."""
+    site = topology.sites[index]
+    placement = FixedPlacement(servers=servers, metrics_port_base=settings.metrics_port)
+    worker = site_commands(topology, index, placement, security=transport(settings, tls, "client"))[-1]
+    if settings.checkpoint_dir:
+        worker += ["--checkpoint-dir", settings.checkpoint_dir, "--resume-if-present"]
+    hosts, files = settings.hosts, {}
+    for rank, host in enumerate(hosts):
+        argv = worker
+        if len(hosts) > 1:
+            argv = ["torchrun", "--nnodes", str(len(hosts)), "--node-rank", str(rank), "--nproc-per-node", str(site.ranks // len(hosts)),
+                    "--master-addr", hosts[0], "--master-port", str(settings.rdzv_port + index), "-m", "dilocox.common.cli", *worker[1:]]  # fmt: skip
+        what = f"site {site.name} of run {topology.run_id!r}, node {rank} of {len(hosts)}, on {host}"
+        files[f"site-{site.name}-{file_name(host)}.sh"] = script(what, settings, argv)
+    return files

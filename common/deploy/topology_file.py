@@ -1,0 +1,329 @@
+"""The topology file: one TOML description of a run that spans clusters (issue 48), from which
+`dilocox deploy topology` renders every cluster's launch files and `dilocox certs --topology` the names
+the server certificate must hold.
+
+Why a file and not more flags: a run across organisations has per-site settings (launcher, nodes and
+GPUs, data path, image, partition, node selectors) that `--worker-flags`-style options applied to every
+site cannot say, and the addresses one cluster dials must match where another cluster exposes the
+shards. Parsing is strict — an unknown key is an error naming the closest valid key, a wrong type names
+the key and the type wanted — because a typo in a launch description otherwise becomes a silently
+ignored setting on a cluster the operator cannot see.
+
+The model is plain frozen dataclasses; the renderers (topology_render.py) map them onto the existing
+launchers' options, so this module knows nothing about sbatch or manifests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import pathlib
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
+
+from dilocox.common.deploy.topology import SHARD_PORT
+
+LAUNCHERS = ("slurm", "kubernetes", "bare-metal")
+SHARD_LAUNCHERS = (*LAUNCHERS, "external")
+EXPOSE = ("LoadBalancer", "NodePort")
+ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
+
+
+class TopologyFileError(ValueError):
+    """A topology file that cannot be rendered; the message names the key (e.g. `sites.hpc.nodes`)."""
+
+
+@dataclass(frozen=True)
+class SlurmSettings:
+    """A Slurm site's or shards job's settings (the `dilocox deploy slurm` options of the same names)."""
+
+    partition: str = ""
+    account: str = ""
+    time: str = ""
+    state_dir: str = ""  # shared folder for checkpoints (and, for shards, address files)
+    setup: tuple[str, ...] = ()  # shell lines run first, e.g. activating a virtual environment
+    tls_dir: str = ""  # on the shared filesystem; required unless tls = false
+    token_file: str = ""
+    cpus_per_rank: int = 8
+    rdzv_port: int = 29500
+    metrics_port: int = 9100
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    """A Kubernetes site's or shards' settings; '' sizes mean the `dilocox deploy kubernetes` default."""
+
+    namespace: str = "dilocox"
+    image: str = "dilocox:latest"
+    cpu: str = ""
+    memory: str = ""
+    checkpoint_storage: str = ""
+    storage_class: str = ""
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict, ...] = ()  # Kubernetes Toleration objects (key, operator, value, effect, …)
+    tls_secret: str = "dilocox-tls"
+    token_secret: str = "dilocox-token"
+    backoff_limit: int = 4
+
+
+@dataclass(frozen=True)
+class BareMetalSettings:
+    """Hosts started by hand (or by the operator's own tooling): one script per host."""
+
+    hosts: tuple[str, ...] = ()  # a site: one per node (the first hosts the rendezvous); shards: one per shard
+    setup: tuple[str, ...] = ()
+    tls_dir: str = ""
+    token_file: str = ""
+    checkpoint_dir: str = ""  # '' : no checkpoints
+    rdzv_port: int = 29500
+    metrics_port: int = 9100
+
+
+Settings = SlurmSettings | KubernetesSettings | BareMetalSettings
+SETTINGS = {"slurm": SlurmSettings, "kubernetes": KubernetesSettings, "bare-metal": BareMetalSettings}
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    name: str
+    launcher: str
+    cluster: str  # output folder; a site in the shards' cluster (same launcher) dials their in-cluster names
+    nodes: int
+    gpus_per_node: int
+    pp: int
+    dp: int
+    data: str = ""  # the worker's --data at this site
+    worker_flags: tuple[str, ...] = ()
+    settings: Settings = field(default_factory=SlurmSettings)
+
+    @property
+    def ranks(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.ranks // self.nodes
+
+
+@dataclass(frozen=True)
+class ShardsSpec:
+    count: int
+    launcher: str
+    cluster: str
+    port: int = SHARD_PORT  # Slurm and bare metal: shard i listens on port + i; Kubernetes pods: always 50051
+    addresses: tuple[str, ...] = ()  # host:port per shard, dialled from outside the shards' cluster
+    expose: str = "LoadBalancer"  # Kubernetes: the Service type per shard that `addresses` reach
+    settings: Settings | None = None  # None: external
+
+
+@dataclass(frozen=True)
+class TopologyFile:
+    run_id: str
+    shards: ShardsSpec
+    sites: tuple[SiteSpec, ...]
+    rounds: int = 80
+    inner_steps: int = 40
+    min_clusters: int = 0  # 0: every site
+    round_deadline_s: float = 300.0
+    worker_flags: tuple[str, ...] = ()  # every site, before its own
+    tls: bool = True
+
+    def site(self, name: str) -> SiteSpec:
+        return next(s for s in self.sites if s.name == name)
+
+    def in_shards_cluster(self, site: SiteSpec) -> bool:
+        """Whether `site` reaches the shards by their names inside one cluster (no external address)."""
+        return site.cluster == self.shards.cluster and site.launcher == self.shards.launcher
+
+
+# --------------------------------------------------------------------------- parsing
+def _take(table: dict, where: str, allowed: typing.Iterable[str]) -> None:
+    """Refuse keys outside `allowed`, naming the closest valid one."""
+    allowed = sorted(allowed)
+    for key in table:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+            hint = f"; did you mean {'.'.join(filter(None, [where, close[0]]))!r}?" if close else ""
+            raise TopologyFileError(f"{_key(where, key)}: unknown key{hint} (valid here: {', '.join(allowed)})")
+
+
+def _key(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _typed(value: object, hint: object, key: str) -> object:
+    """`value` checked against a field's annotation (str, int, float, bool, tuple[...], dict[str, str])."""
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise TopologyFileError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return tuple(_typed(item, typing.get_args(hint)[0], f"{key}[{i}]") for i, item in enumerate(value))
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise TopologyFileError(f"{key}: expected a table, got {type(value).__name__} {value!r}")
+        if origin is dict:
+            for k, v in value.items():
+                _typed(v, typing.get_args(hint)[1], f"{key}.{k}")
+        return dict(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise TopologyFileError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, table: dict, where: str, **fixed: object) -> object:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name not in fixed]
+    _take(table, where, names)
+    values = {name: _typed(table[name], hints[name], _key(where, name)) for name in names if name in table}
+    return cls(**values, **fixed)
+
+
+def _flags(text: object, key: str) -> tuple[str, ...]:
+    import shlex
+
+    if isinstance(text, list):
+        return typing.cast(tuple, _typed(text, tuple[str, ...], key))
+    try:
+        return tuple(shlex.split(typing.cast(str, _typed(text, str, key))))
+    except ValueError as error:
+        raise TopologyFileError(f"{key}: {error}") from None
+
+
+def _positive(value: int, key: str, least: int = 1) -> int:
+    if value < least:
+        raise TopologyFileError(f"{key}: must be ≥ {least}, got {value}")
+    return value
+
+
+def _choice(value: object, choices: tuple[str, ...], key: str) -> str:
+    if value not in choices:
+        raise TopologyFileError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+    return typing.cast(str, value)
+
+
+SITE_KEYS = ("launcher", "cluster", "nodes", "gpus_per_node", "layout", "data", "worker_flags")
+SHARD_KEYS = ("count", "launcher", "cluster", "port", "addresses", "expose")
+
+
+def _site(name: str, table: object) -> SiteSpec:
+    where = f"sites.{name}"
+    if not isinstance(table, dict):
+        raise TopologyFileError(f"{where}: expected a table ([{where}]), got {table!r}")
+    if "launcher" not in table:
+        raise TopologyFileError(f"{where}.launcher: missing; one of {', '.join(LAUNCHERS)}")
+    launcher = _choice(table["launcher"], LAUNCHERS, f"{where}.launcher")
+    settings_cls = SETTINGS[launcher]
+    own = {k: v for k, v in table.items() if k not in SITE_KEYS}
+    _take(own, where, [*SITE_KEYS, *(f.name for f in dataclasses.fields(settings_cls))])
+    settings = typing.cast(Settings, _build(settings_cls, own, where))
+    if "gpus_per_node" not in table:
+        raise TopologyFileError(f"{where}.gpus_per_node: missing (GPUs each node gives the site; 0 for CPU)")
+    nodes = _positive(typing.cast(int, _typed(table.get("nodes", 1), int, f"{where}.nodes")), f"{where}.nodes")
+    gpus = _positive(typing.cast(int, _typed(table["gpus_per_node"], int, f"{where}.gpus_per_node")), f"{where}.gpus_per_node", 0)
+    per_node = gpus or 1
+    pp, dp = 1, nodes * per_node
+    if "layout" in table:
+        layout = typing.cast(str, _typed(table["layout"], str, f"{where}.layout"))
+        try:
+            pp, dp = (int(x) for x in layout.lower().split("x"))
+        except ValueError:
+            raise TopologyFileError(f"{where}.layout: {layout!r} is not PPxDP (e.g. \"2x4\")") from None
+        if min(pp, dp) < 1 or (pp * dp) % nodes or (gpus and pp * dp != nodes * gpus):
+            raise TopologyFileError(f"{where}.layout: {layout} is {pp * dp} ranks, which {nodes} node(s) × {gpus} GPU(s) "
+                                    "cannot hold one rank per GPU" if gpus else
+                                    f"{where}.layout: {layout} is {pp * dp} ranks, not a multiple of {nodes} nodes")  # fmt: skip
+    if isinstance(settings, BareMetalSettings) and len(settings.hosts) != nodes:
+        raise TopologyFileError(f"{where}.hosts: a bare-metal site names one host per node: {nodes} node(s), "
+                                f"{len(settings.hosts)} host(s) given")  # fmt: skip
+    return SiteSpec(
+        name=name, launcher=launcher, cluster=typing.cast(str, _typed(table.get("cluster", name), str, f"{where}.cluster")),
+        nodes=nodes, gpus_per_node=gpus, pp=pp, dp=dp, data=typing.cast(str, _typed(table.get("data", ""), str, f"{where}.data")),
+        worker_flags=_flags(table.get("worker_flags", ""), f"{where}.worker_flags"), settings=settings,
+    )  # fmt: skip
+
+
+def _shards(table: object) -> ShardsSpec:
+    if not isinstance(table, dict):
+        raise TopologyFileError("shards: missing ([shards] with count and launcher)")
+    if "launcher" not in table:
+        raise TopologyFileError(f"shards.launcher: missing; one of {', '.join(SHARD_LAUNCHERS)}")
+    launcher = _choice(table["launcher"], SHARD_LAUNCHERS, "shards.launcher")
+    settings_cls = SETTINGS.get(launcher)
+    fields = [] if settings_cls is None else [f.name for f in dataclasses.fields(settings_cls)]
+    own = {k: v for k, v in table.items() if k not in SHARD_KEYS}
+    _take(own, "shards", [*SHARD_KEYS, *fields])
+    count = _positive(typing.cast(int, _typed(table.get("count", 2), int, "shards.count")), "shards.count")
+    addresses = typing.cast(tuple, _typed(table.get("addresses", []), tuple[str, ...], "shards.addresses"))
+    for i, address in enumerate(addresses):
+        if not ADDRESS.match(address):
+            raise TopologyFileError(f"shards.addresses[{i}]: {address!r} is not host:port")
+    if addresses and len(addresses) != count:
+        raise TopologyFileError(f"shards.addresses: one per shard: {count} shard(s), {len(addresses)} address(es)")
+    settings = None if settings_cls is None else typing.cast(Settings, _build(settings_cls, own, "shards"))
+    if launcher == "external" and not addresses:
+        raise TopologyFileError("shards.addresses: external shards need their addresses (host:port, one per shard)")
+    if isinstance(settings, BareMetalSettings) and len(settings.hosts) != count:
+        raise TopologyFileError(f"shards.hosts: bare-metal shards name one host per shard: {count} shard(s), "
+                                f"{len(settings.hosts)} host(s) given")  # fmt: skip
+    expose = _choice(table.get("expose", "LoadBalancer"), EXPOSE, "shards.expose")
+    if "expose" in table and launcher != "kubernetes":
+        raise TopologyFileError(f"shards.expose: only for shards on Kubernetes (these run on {launcher})")
+    port = _positive(typing.cast(int, _typed(table.get("port", SHARD_PORT), int, "shards.port")), "shards.port")
+    cluster = typing.cast(str, _typed(table.get("cluster", "shards"), str, "shards.cluster"))
+    return ShardsSpec(count, launcher, cluster, port, addresses, expose, settings)
+
+
+TOP_KEYS = ("run_id", "rounds", "inner_steps", "min_clusters", "round_deadline_s", "worker_flags", "tls", "shards", "sites")
+
+
+def parse(text: str, source: str = "topology") -> TopologyFile:
+    """A topology file's text → its model; TopologyFileError names the bad key."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise TopologyFileError(f"{source}: not valid TOML: {error}") from None
+    _take(raw, "", TOP_KEYS)
+    sites_table = raw.get("sites")
+    if not isinstance(sites_table, dict) or not sites_table:
+        raise TopologyFileError("sites: missing; add a [sites.<name>] table per site")
+    sites = tuple(_site(name, table) for name, table in sites_table.items())
+    shards = _shards(raw.get("shards"))
+    top = {k: v for k, v in raw.items() if k not in ("shards", "sites", "worker_flags")}
+    if "run_id" not in top:
+        raise TopologyFileError("run_id: missing (the run's id, the same at every site)")
+    model = typing.cast(TopologyFile, _build(TopologyFile, top, "", shards=shards, sites=sites,
+                                             worker_flags=_flags(raw.get("worker_flags", ""), "worker_flags")))  # fmt: skip
+    _check_reach(model)
+    return model
+
+
+def _check_reach(model: TopologyFile) -> None:
+    """Every site can dial the shards: in their cluster by name, from outside by `shards.addresses`."""
+    outside = [s.name for s in model.sites if not model.in_shards_cluster(s)]
+    if outside and not model.shards.addresses:
+        raise TopologyFileError(
+            f"shards.addresses: sites {', '.join(outside)} run outside the shards' cluster {model.shards.cluster!r} "
+            f"({model.shards.launcher}) and dial the shards there: give one host:port per shard (the Kubernetes "
+            "shards' Services' external names or IPs, the Slurm shard nodes' public names)")  # fmt: skip
+    if model.min_clusters > len(model.sites):
+        raise TopologyFileError(f"min_clusters: {model.min_clusters} is more than the {len(model.sites)} site(s)")
+    for site in model.sites:
+        needs_dir = site.launcher != "kubernetes" and model.tls and not getattr(site.settings, "tls_dir", "x")
+        if needs_dir:
+            raise TopologyFileError(f"sites.{site.name}.tls_dir: missing (a folder from `dilocox certs` on that cluster), "
+                                    "or set tls = false for plaintext")  # fmt: skip
+    if model.shards.launcher in ("slurm", "bare-metal") and model.tls and not getattr(model.shards.settings, "tls_dir", ""):
+        raise TopologyFileError("shards.tls_dir: missing (a folder from `dilocox certs`), or set tls = false for plaintext")
+
+
+def load(path: str | pathlib.Path) -> TopologyFile:
+    path = pathlib.Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise TopologyFileError(f"{path}: {error.strerror}") from None
+    return parse(text, str(path))

@@ -1,0 +1,282 @@
+"""`dilocox deploy topology` (issue 48 item 1): one TOML file renders a run across three clusters — a
+Slurm site, a Kubernetes site, a bare-metal site, the shards on a second Kubernetes cluster exposed by a
+LoadBalancer Service each — and every site dials the shards' external addresses, which the server
+certificate names; each site keeps its own data, flags, image and resources; the Kubernetes objects
+validate strictly against 1.28, 1.30 and the latest schema; the Slurm script runs under a real
+slurm-wlm (tests/local_slurm.py) with the command the file says; bad files are refused by key."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from dilocox.common.cli import build_parser
+from dilocox.common.deploy.topology_file import TopologyFileError, parse
+from dilocox.common.deploy.topology_render import certificate_hosts, render
+from tests.local_slurm import LocalSlurm, SlurmUnavailable
+
+VERSIONS = ("1.28", "1.30", kubernetes_validate.latest_version())
+ADDRESSES = ["shard-0.dilocox.example.org:443", "203.0.113.7:8443"]
+IN_CLUSTER = [f"run-x-shard-{i}.run-x-shards.aggregation.svc.cluster.local" for i in range(2)]
+
+
+def topology_text(state: str = "/shared/state", setup: str = "source ~/venv/bin/activate", k8s_cluster: str = "gke") -> str:
+    return f"""
+run_id = "run-x"
+rounds = 7
+inner_steps = 11
+worker_flags = "--model llama-350m --block-size 1024"
+
+[shards]
+count = 2
+launcher = "kubernetes"
+cluster = "cloud"
+addresses = {ADDRESSES!r}
+namespace = "aggregation"
+image = "registry.example.org/dilocox:cpu"
+cpu = "4"
+memory = "16Gi"
+
+[sites.hpc]
+launcher = "slurm"
+gpus_per_node = 0
+layout = "2x1"
+data = "/shared/tokens"
+worker_flags = "--inner-batch-size 16"
+partition = "debug"
+time = "00:10:00"
+cpus_per_rank = 1
+state_dir = "{state}"
+tls_dir = "/shared/certs"
+setup = [{setup!r}]
+
+[sites.gke]
+launcher = "kubernetes"
+cluster = "{k8s_cluster}"
+nodes = 2
+gpus_per_node = 8
+data = "/data/tokens"
+worker_flags = ["--eval-batches", "3"]
+namespace = "research"
+image = "eu.gcr.io/lab/dilocox:cuda"
+cpu = "96"
+memory = "900Gi"
+node_selector = {{ "cloud.google.com/gke-accelerator" = "nvidia-h100-80gb" }}
+tolerations = [{{ key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" }}]
+
+[sites.lab]
+launcher = "bare-metal"
+nodes = 2
+gpus_per_node = 2
+hosts = ["gpu1.lab.example.edu", "gpu2.lab.example.edu"]
+data = "/scratch/tokens"
+tls_dir = "/etc/dilocox/tls"
+checkpoint_dir = "/nfs/lab"
+"""
+
+
+def _docs(text: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(text) if d is not None]
+
+
+def _parses(argv: list[str]) -> argparse.Namespace:
+    if argv[0] == "torchrun":
+        argv = ["dilocox", *argv[argv.index("dilocox.common.cli") + 1:]]
+    assert argv[0] == "dilocox", argv
+    return build_parser(argv[1:]).parse_args(argv[1:])
+
+
+def _slurm_worker(script: str) -> tuple[list[str], dict[str, str]]:
+    """The torchrun argv of a site's sbatch script (shell variables left as written) and its variables."""
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    inner = shlex.split(srun)[-1]
+    variables = dict(line.split("=", 1) for line in script.splitlines() if line.startswith("DILOCOX_SERVERS="))
+    return shlex.split(inner.removeprefix("exec ")), {k: v.strip('"') for k, v in variables.items()}
+
+
+def _job(objects: list[dict]) -> dict:
+    (job,) = [o for o in objects if o["kind"] == "Job"]
+    return job
+
+
+@pytest.fixture(scope="module")
+def files() -> dict[str, str]:
+    return render(parse(topology_text()))
+
+
+def test_each_cluster_gets_its_own_folder_of_files(files):
+    assert sorted(files) == ["cloud/shards.yaml", "gke/site-gke.yaml", "hpc/site-hpc.sbatch",
+                             "lab/site-lab-gpu1.lab.example.edu.sh", "lab/site-lab-gpu2.lab.example.edu.sh"]  # fmt: skip
+
+
+def test_every_site_dials_the_shards_external_addresses_with_its_own_settings(files):
+    run_flags = ["--model", "llama-350m", "--block-size", "1024"]
+    # Slurm: the fixed addresses (no address files from a shards job in another cluster), its data, flags, partition.
+    script = files["hpc/site-hpc.sbatch"]
+    argv, variables = _slurm_worker(script)
+    assert variables["DILOCOX_SERVERS"] == ",".join(ADDRESSES) and "addresses" not in script
+    args = _parses(argv)
+    assert args.servers == "$DILOCOX_SERVERS" and args.cluster == "hpc" and args.cluster_index == 0 and args.num_clusters == 3
+    assert (args.parallel__pp, args.parallel__dp) == (2, 1) and str(args.data) == "/shared/tokens"
+    assert argv[argv.index("--model"):][:6] == [*run_flags, "--data", "/shared/tokens"]
+    assert "--inner-batch-size" in argv and "#SBATCH --partition=debug" in script and "#SBATCH --time=00:10:00" in script
+    assert "--gpus-per-node" not in script and "#SBATCH --cpus-per-task=2" in script
+    assert str(args.tls_ca) == "/shared/certs/ca.pem" and not args.insecure and "source ~/venv/bin/activate" in script
+    # Kubernetes, another cluster: external addresses, its image, GPUs, node selector, tolerations, namespace.
+    objects = _docs(files["gke/site-gke.yaml"])
+    job = _job(objects)
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = _parses(container["command"])
+    assert args.servers.split(",") == ADDRESSES and args.cluster == "gke" and args.cluster_index == 1
+    assert str(args.data) == "/data/tokens" and args.eval_batches == 3
+    assert (args.parallel__pp, args.parallel__dp) == (1, 16) and job["spec"]["completions"] == 2
+    assert container["image"] == "eu.gcr.io/lab/dilocox:cuda" and job["metadata"]["namespace"] == "research"
+    assert container["resources"]["requests"] == {"cpu": "96", "memory": "900Gi", "nvidia.com/gpu": 8}
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert not any("cluster.local:" in arg for arg in container["command"])  # no in-cluster shard name from another cluster
+    # Bare metal: one script per host, torchrun with the first host as the rendezvous.
+    for rank, host in enumerate(("gpu1.lab.example.edu", "gpu2.lab.example.edu")):
+        text = files[f"lab/site-lab-{host}.sh"]
+        assert text.startswith("#!/bin/bash") and f"on {host}" in text
+        argv = shlex.split(text.splitlines()[-1].removeprefix("exec "))
+        flag = {argv[i]: argv[i + 1] for i in range(1, argv.index("-m"), 2)}
+        assert flag["--node-rank"] == str(rank) and flag["--master-addr"] == "gpu1.lab.example.edu" and flag["--nnodes"] == "2"
+        args = _parses(argv)
+        assert args.servers.split(",") == ADDRESSES and args.cluster == "lab" and args.cluster_index == 2
+        assert str(args.data) == "/scratch/tokens" and str(args.checkpoint_dir) == "/nfs/lab" and args.resume_if_present
+        assert (args.parallel__pp, args.parallel__dp) == (1, 4) and str(args.tls_cert) == "/etc/dilocox/tls/client.pem"
+
+
+def test_shards_on_kubernetes_get_a_load_balancer_per_shard_at_the_addresses_the_sites_dial(files):
+    objects = _docs(files["cloud/shards.yaml"])
+    statefulset = next(o for o in objects if o["kind"] == "StatefulSet")
+    assert statefulset["metadata"]["namespace"] == "aggregation" and statefulset["spec"]["replicas"] == 2
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "registry.example.org/dilocox:cpu"
+    assert container["resources"]["requests"] == {"cpu": "4", "memory": "16Gi"}
+    external = [o for o in objects if o["kind"] == "Service" and o["spec"].get("type") == "LoadBalancer"]
+    assert len(external) == 2
+    for index, service in enumerate(external):
+        (port,) = service["spec"]["ports"]
+        assert service["spec"]["selector"] == {"statefulset.kubernetes.io/pod-name": f"run-x-shard-{index}"}
+        assert port["port"] == int(ADDRESSES[index].rsplit(":", 1)[1]) and port["targetPort"] == 50051
+
+
+def test_every_kubernetes_object_validates_strictly_on_1_28_1_30_and_latest(files):
+    objects = [o for name, text in files.items() if name.endswith(".yaml") for o in _docs(text)]
+    assert {o["kind"] for o in objects} >= {"Service", "StatefulSet", "Job", "PersistentVolumeClaim"}
+    for obj in objects:
+        for version in VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_a_kubernetes_site_in_the_shards_cluster_dials_their_in_cluster_names():
+    files = render(parse(topology_text(k8s_cluster="cloud")))
+    assert "cloud/site-gke.yaml" in files
+    (container,) = _job(_docs(files["cloud/site-gke.yaml"]))["spec"]["template"]["spec"]["containers"]
+    assert _parses(container["command"]).servers.split(",") == [f"{host}:50051" for host in IN_CLUSTER]
+
+
+def test_the_certificate_names_every_address_a_site_dials(tmp_path):
+    model = parse(topology_text())
+    assert certificate_hosts(model) == ["localhost", "127.0.0.1", *IN_CLUSTER, "shard-0.dilocox.example.org", "203.0.113.7"]
+    (tmp_path / "run.toml").write_text(topology_text())
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "deploy", "topology", "--file", str(tmp_path / "run.toml"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    printed = next(line for line in done.stdout.splitlines() if "dilocox certs --out certs --hosts" in line)
+    assert printed.split("--hosts ")[1].split(",") == certificate_hosts(model)
+    assert (out / "lab" / "site-lab-gpu1.lab.example.edu.sh").stat().st_mode & 0o111
+    made = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "certs", "--out", str(tmp_path / "certs"),
+                           "--topology", str(tmp_path / "run.toml"), "--hosts", "extra.example.org"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((tmp_path / "certs" / "server.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    dns = names.get_values_for_type(x509.DNSName)
+    ips = [str(ip) for ip in names.get_values_for_type(x509.IPAddress)]
+    assert set(dns) == {"localhost", *IN_CLUSTER, "shard-0.dilocox.example.org", "extra.example.org"}
+    assert set(ips) == {"127.0.0.1", "203.0.113.7"}
+
+
+BAD = {
+    "unknown key, closest named": (("partition = \"debug\"", "partiton = \"debug\""), r"sites\.hpc\.partiton: unknown key; did you mean 'sites\.hpc\.partition'"),
+    "a setting of another launcher": (("hosts = [\"gpu1", "partition = \"x\"\nhosts = [\"gpu1"), r"sites\.lab\.partition: unknown key"),
+    "wrong type": (("nodes = 2\ngpus_per_node = 8", "nodes = \"2\"\ngpus_per_node = 8"), r"sites\.gke\.nodes: expected int, got str"),
+    "unknown launcher": (("launcher = \"bare-metal\"", "launcher = \"baremetal\""), r"sites\.lab\.launcher: 'baremetal' is not one of"),
+    "no addresses for sites outside": ((f"addresses = {ADDRESSES!r}\n", ""), r"shards\.addresses: sites hpc, gke, lab run outside"),
+    "hosts per node": (("hosts = [\"gpu1.lab.example.edu\", \"gpu2.lab.example.edu\"]", "hosts = [\"gpu1.lab.example.edu\"]"),
+                       r"sites\.lab\.hosts: a bare-metal site names one host per node: 2 node\(s\), 1 host"),
+    "layout against GPUs": (("gpus_per_node = 0\nlayout = \"2x1\"", "gpus_per_node = 4\nlayout = \"2x1\""), r"sites\.hpc\.layout: 2x1 is 2 ranks"),
+    "no GPU count": (("gpus_per_node = 2\n", ""), r"sites\.lab\.gpus_per_node: missing"),
+    "bad address": (("203.0.113.7:8443", "203.0.113.7"), r"shards\.addresses\[1\]: '203\.0\.113\.7' is not host:port"),
+    "no TLS folder": (("tls_dir = \"/etc/dilocox/tls\"\n", ""), r"sites\.lab\.tls_dir: missing"),
+    "top-level typo": (("rounds = 7", "round = 7"), r"round: unknown key; did you mean 'rounds'"),
+    "not TOML": (("rounds = 7", "rounds = = 7"), r"not valid TOML"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_bad_topology_file_is_refused_naming_the_key(case):
+    (old, new), message = BAD[case]
+    text = topology_text()
+    assert old in text, old
+    with pytest.raises(TopologyFileError, match=message):
+        render(parse(text.replace(old, new, 1)))
+
+
+def test_the_cli_refuses_a_bad_file_with_the_message_and_writes_nothing(tmp_path):
+    (tmp_path / "run.toml").write_text(topology_text().replace("cpus_per_rank", "cpu_per_rank"))
+    done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "deploy", "topology", "--file", str(tmp_path / "run.toml"),
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "sites.hpc.cpu_per_rank: unknown key; did you mean 'sites.hpc.cpus_per_rank'" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- the Slurm part, submitted
+@pytest.fixture
+def slurm(tmp_path_factory):
+    try:
+        cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
+    except SlurmUnavailable as error:
+        pytest.skip(f"Slurm: {error}")
+    yield cluster
+    cluster.stop()
+
+
+def test_the_slurm_site_runs_under_slurm_with_the_command_the_file_gives(slurm, tmp_path):
+    """A stand-in `torchrun` (first on PATH through the site's `setup`) records the argv Slurm ran and
+    exits: the job starting the right command is the point here; test_slurm.py trains through sbatch."""
+    bin_dir, seen = tmp_path / "bin", tmp_path / "argv"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {seen}\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    setup = f"export PATH={bin_dir}:{pathlib.Path(sys.executable).parent}:$PATH"
+    files = render(parse(topology_text(state=str(tmp_path / "state"), setup=setup)))
+    script = tmp_path / "site-hpc.sbatch"
+    script.write_text(files["hpc/site-hpc.sbatch"])
+    job = slurm.sbatch(script)
+    deadline = time.monotonic() + 120
+    while slurm.state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "") and time.monotonic() < deadline:
+        time.sleep(0.3)
+    log = next(tmp_path.glob(f"run-x-hpc-{job}.out"), None)
+    assert slurm.state(job) == "COMPLETED", (slurm.state(job), log and log.read_text())
+    argv = ["torchrun", *seen.read_text().splitlines()]
+    args = _parses(argv)
+    assert args.servers.split(",") == ADDRESSES and args.cluster == "hpc" and str(args.data) == "/shared/tokens"
+    assert str(args.checkpoint_dir) == f"{tmp_path}/state/sites" and args.inner__batch_size == 16
+    assert "--nnodes=1" in argv and "--nproc-per-node=2" in argv and argv[-1] == "--resume-if-present"
+    assert f"shards {','.join(ADDRESSES)}" in log.read_text()
