@@ -28,7 +28,17 @@ ADDRESSES = ["shard-0.dilocox.example.org:443", "203.0.113.7:8443"]
 IN_CLUSTER = [f"run-x-shard-{i}.run-x-shards.aggregation.svc.cluster.local" for i in range(2)]
 
 
-def topology_text(state: str = "/shared/state", setup: str = "source ~/venv/bin/activate", k8s_cluster: str = "gke") -> str:
+KUBERNETES_SHARDS = """launcher = "kubernetes"
+cluster = "cloud"
+namespace = "aggregation"
+image = "registry.example.org/dilocox:cpu"
+cpu = "4"
+memory = "16Gi"
+"""
+
+
+def topology_text(state: str = "/shared/state", setup: str = "source ~/venv/bin/activate", k8s_cluster: str = "gke",
+                  shards: str = KUBERNETES_SHARDS) -> str:
     return f"""
 run_id = "run-x"
 rounds = 7
@@ -37,13 +47,8 @@ worker_flags = "--model llama-350m --block-size 1024"
 
 [shards]
 count = 2
-launcher = "kubernetes"
-cluster = "cloud"
 addresses = {ADDRESSES!r}
-namespace = "aggregation"
-image = "registry.example.org/dilocox:cpu"
-cpu = "4"
-memory = "16Gi"
+{shards}
 
 [sites.hpc]
 launcher = "slurm"
@@ -280,3 +285,40 @@ def test_the_slurm_site_runs_under_slurm_with_the_command_the_file_gives(slurm, 
     assert str(args.checkpoint_dir) == f"{tmp_path}/state/sites" and args.inner__batch_size == 16
     assert "--nnodes=1" in argv and "--nproc-per-node=2" in argv and argv[-1] == "--resume-if-present"
     assert f"shards {','.join(ADDRESSES)}" in log.read_text()
+
+
+SHARDS_ELSEWHERE = {
+    "slurm": 'launcher = "slurm"\ncluster = "hpc"\nport = 51000\nstate_dir = "/shared/state"\ntls_dir = "/shared/certs"\npartition = "cpu"',
+    "bare-metal": 'launcher = "bare-metal"\ncluster = "lab"\nport = 51000\nhosts = ["agg1.lab.example.edu", "agg2.lab.example.edu"]\n'
+                  'tls_dir = "/etc/dilocox/tls"\ncheckpoint_dir = "/nfs/shards"',
+    "external": 'launcher = "external"',
+}
+
+
+@pytest.mark.parametrize("where", SHARDS_ELSEWHERE)
+def test_shards_on_slurm_bare_metal_or_elsewhere_and_the_site_in_their_cluster(where):
+    """The site in the shards' own cluster finds them there (Slurm: the shards job's address files under
+    their state folder; bare metal: host:port + i); every other site dials the external addresses."""
+    text = topology_text(shards=SHARDS_ELSEWHERE[where])
+    model = parse(text.replace('state_dir = "/shared/state"\ntls_dir = "/shared/certs"\nsetup', 'tls_dir = "/shared/certs"\nsetup'))
+    files = render(model)
+    gke = _parses(_job(_docs(files["gke/site-gke.yaml"]))["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert gke.servers.split(",") == ADDRESSES
+    hpc = files["hpc/site-hpc.sbatch"]
+    lab = _parses(shlex.split(files["lab/site-lab-gpu1.lab.example.edu.sh"].splitlines()[-1].removeprefix("exec ")))
+    if where == "slurm":
+        shards = files["hpc/shards.sbatch"]
+        assert "#SBATCH --ntasks=2" in shards and "#SBATCH --partition=cpu" in shards and "port=$(( 51000 + i ))" in shards
+        assert "DILOCOX_SERVERS=$(for i in" in hpc and 'STATE="${DILOCOX_STATE_DIR:-/shared/state}"' in hpc  # the shards' folder
+        assert lab.servers.split(",") == ADDRESSES
+    elif where == "bare-metal":
+        for index, host in enumerate(("agg1.lab.example.edu", "agg2.lab.example.edu")):
+            shard = _parses(shlex.split(files[f"lab/shard-{index}-{host}.sh"].splitlines()[-1].removeprefix("exec ")))
+            assert shard.command == "server" and shard.shard_index == index and shard.port == 51000 + index
+            assert str(shard.checkpoint_dir) == "/nfs/shards" and shard.resume_if_present and str(shard.tls_cert) == "/etc/dilocox/tls/server.pem"
+        assert lab.servers == "agg1.lab.example.edu:51000,agg2.lab.example.edu:51001"
+        assert certificate_hosts(model)[2:4] == ["agg1.lab.example.edu", "agg2.lab.example.edu"]
+    else:
+        assert not any("shard" in name for name in files) and lab.servers.split(",") == ADDRESSES
+    if where != "slurm":
+        assert f'DILOCOX_SERVERS="{",".join(ADDRESSES)}"' in hpc
