@@ -135,16 +135,17 @@ def test_export_command_errors_are_clear(tmp_path, shard_set):
 
 
 def test_the_readmes_export_commands_work_as_written_with_and_without_the_shards_running(tmp_path):
-    """README.md's two `dilocox export` lines, only the shards' addresses and `$W` replaced: live while
-    the shards serve, and offline from the one folder both shards checkpoint into once they stopped."""
+    """The two `dilocox export` lines of docs/operations.md (in the README until issue 49), only the shards'
+    addresses and `$W` replaced: live while the shards serve, and offline from the one folder both shards
+    checkpoint into once they stopped."""
     import pathlib
     import re
     import shlex
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    live_line, offline_line = (next(line for line in readme.splitlines() if line.startswith(f"dilocox export --{source}"))
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    live_line, offline_line = (next(line for line in page.splitlines() if line.startswith(f"dilocox export --{source}"))
                                for source in ("servers", "checkpoints"))  # fmt: skip
-    config = dataclasses.replace(_config(), run_id=RunConfig().run_id)  # the README's commands name no run id
+    config = dataclasses.replace(_config(), run_id=RunConfig().run_id)  # the page's commands name no run id
     done = {}
 
     def run_line(line: str, addresses: list[str] | None = None) -> subprocess.CompletedProcess:
@@ -158,7 +159,7 @@ def test_the_readmes_export_commands_work_as_written_with_and_without_the_shards
         done["live"] = run_line(live_line, addresses)
 
     result = run_in_process(config, num_clusters=2, num_shards=2, before_stop=before_stop, timeout_s=300)
-    for shard in result.shards:  # the one folder both of README's servers checkpoint into
+    for shard in result.shards:  # the one folder both of the page's servers checkpoint into
         checkpoint.save(shard, tmp_path / "ckpt")
     offline = run_line(offline_line)
     for name, outcome in [*done.items(), ("offline", offline)]:

@@ -37,7 +37,7 @@ environment variable and help text — the same text as `dilocox <command> --hel
 
 Every flag can also come from a `DILOCOX_<FLAG>` environment variable (the flag's name in upper case,
 `-` as `_`: `--inner-steps` → `DILOCOX_INNER_STEPS`) and from a `--config` TOML file (`DILOCOX_CONFIG`
-names it); precedence: flag > environment > file > default (see the README). Switches take
+names it); precedence: flag > environment > file > default (docs/training.md). Switches take
 `true`/`false` (also `1`/`0`, `yes`/`no`, `on`/`off`) from the environment or a file. A default of
 `—` means the flag is unset unless given; the run configuration's flags (INT, FLOAT, BOOL, STR) are
 unset so that a config file can set them, and their help text states the value they then take.
