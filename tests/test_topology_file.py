@@ -322,3 +322,18 @@ def test_shards_on_slurm_bare_metal_or_elsewhere_and_the_site_in_their_cluster(w
         assert not any("shard" in name for name in files) and lab.servers.split(",") == ADDRESSES
     if where != "slurm":
         assert f'DILOCOX_SERVERS="{",".join(ADDRESSES)}"' in hpc
+
+
+def test_the_docs_example_file_renders_as_described():
+    """docs/deploy.md's topology file is complete: it parses, renders into the folders its table lists,
+    and the printed certificate command there is what it gives."""
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "deploy.md").read_text()
+    section = doc.split("## One run across clusters: the topology file", 1)[1]
+    model = parse(section.split("```toml\n", 1)[1].split("```", 1)[0])
+    files = render(model)
+    assert sorted({name.split("/")[0] for name in files}) == ["cloud", "hpc", "lab", "partner"]
+    assert "cloud/shards.yaml" in files and "lab/site-lab-gpu1.lab.example.edu.sh" in files
+    assert f"dilocox certs --out certs --hosts {','.join(certificate_hosts(model))}\n" in section
+    for name, text in files.items():
+        for obj in _docs(text) if name.endswith(".yaml") else ():
+            kubernetes_validate.validate(obj, "1.28", strict=True)
