@@ -21,7 +21,7 @@ starts from an estimate of θ_t. Two rules:
   cluster has no momentum yet (its first rounds) v counts as 0.
 
 Either way the next adoption is unchanged: Δ_{t+1} = s_{t+1} − θ_local, θ_local ← θ_t − Δ_{t+1} for
-`own`; for `eager` the same estimate again, from θ_t and v_t. Measured in docs/performance.md (issue 20).
+`own`; for `eager` the same estimate again, from θ_t and v_t. Measured in docs/performance.md, "The loss gap".
 """
 
 from __future__ import annotations
