@@ -54,7 +54,8 @@ def test_a_bare_machine_gets_everything_undone():
     assert not any("dport 22" in d for d in deletes), "a rule that is not Docker's is never touched"
     assert not any("DOCKER-USER -j RETURN" in d for d in deletes), "rules inside a dropped chain go with its flush"
     kinds = [t[2] for t in left.iptables]
-    assert kinds == sorted(kinds, key=["-D", "-F", "-X"].index), "rules out, then every chain flushed, then dropped"
+    assert kinds == sorted(kinds, key=["-D", "-F", "-X", "-P"].index), "rules out, then every chain flushed, then dropped"
+    assert ["-t", "filter", "-P", "FORWARD", "ACCEPT"] in left.iptables, "the FORWARD policy dockerd set to DROP is set back"
     assert {(t[1], t[3]) for t in left.iptables if t[2] == "-X"} == {
         ("filter", c) for c in ("DOCKER", "DOCKER-ISOLATION-STAGE-1", "DOCKER-ISOLATION-STAGE-2", "DOCKER-USER")} | {("nat", "DOCKER")}
 

@@ -82,10 +82,15 @@ def objects_to_remove(before: DockerObjects, now: DockerObjects, keep_images: fr
 def iptables_undo(before: dict[str, tuple[str, ...]], after: dict[str, tuple[str, ...]]) -> list[list[str]]:
     """Commands removing the Docker rules and chains that appeared: new rules in chains that stay are
     deleted one by one, new DOCKER* chains are flushed (all of them first: they jump to each other),
-    then deleted. A rule or chain present before stays, even if it is Docker's."""
-    undo, flush, drop = [], [], []
+    then deleted; a built-in chain's policy dockerd changed (FORWARD to DROP) is set back. A rule or
+    chain present before stays, even if it is Docker's."""
+    undo, flush, drop, policies = [], [], [], []
     for table, lines in after.items():
         old = set(before.get(table, ()))
+        now_policy = {line.split()[1]: line.split()[2] for line in lines if line.startswith("-P ")}
+        for line in before.get(table, ()):
+            if line.startswith("-P ") and now_policy.get(line.split()[1], line.split()[2]) != line.split()[2]:
+                policies.append(["-t", table, *line.split()])
         new_chains = {m.group(1) for line in lines if line not in old and (m := DOCKER_CHAIN.match(line))}
         for line in lines:
             if line in old or not line.startswith("-A ") or not DOCKER_RULE.search(line):
@@ -95,7 +100,7 @@ def iptables_undo(before: dict[str, tuple[str, ...]], after: dict[str, tuple[str
                 undo.append(["-t", table, "-D", *line.split()[1:]])
         flush += [["-t", table, "-F", chain] for chain in sorted(new_chains)]
         drop += [["-t", table, "-X", chain] for chain in sorted(new_chains)]
-    return undo + flush + drop
+    return undo + flush + drop + policies
 
 
 def host_leftovers(before: HostState, after: HostState, keep_data: bool = False) -> Leftovers:
