@@ -8,7 +8,8 @@ outer `momentum` per slice keyed by (name, row_start, row_stop), and the contrib
 
 Format 2 adds `integrity`, a SHA-256 over all of it (common/wire/checkpoint_integrity.py), checked on
 every load: a damaged file is refused (`CheckpointCorrupt`) instead of resumed or exported. Format-1
-files (written before the digest) still load, logged as unverified (docs/decisions.md, issue 32).
+files (written before the digest) still load, logged as unverified (docs/decisions.md, "How does a shard
+checkpoint…").
 
 Beside the newest `shard-<i>.pt` a shard keeps older versions as `shard-<i>.v<version>.pt`
 (server/checkpoint.py); `shard_files` lists both, newest first, for a reader that falls back to an
