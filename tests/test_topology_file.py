@@ -231,6 +231,10 @@ BAD = {
     "no TLS folder": (("tls_dir = \"/etc/dilocox/tls\"\n", ""), r"sites\.lab\.tls_dir: missing"),
     "top-level typo": (("rounds = 7", "round = 7"), r"round: unknown key; did you mean 'rounds'"),
     "not TOML": (("rounds = 7", "rounds = = 7"), r"not valid TOML"),
+    "a site name that cannot name files": (("[sites.lab]", "[sites.\"lab/x\"]"), r"sites\.lab/x: 'lab/x': use letters"),
+    "a NodePort outside the range": (("count = 2", "count = 2\nexpose = \"NodePort\""), r"shards\.addresses\[0\]: .* 30000-32767"),
+    "expose for shards not on Kubernetes": ((KUBERNETES_SHARDS, "launcher = \"external\"\nexpose = \"NodePort\"\n"),
+                                            r"shards\.expose: only for shards on Kubernetes"),
 }
 
 

@@ -28,6 +28,7 @@ from dilocox.common.deploy.topology import SHARD_PORT
 LAUNCHERS = ("slurm", "kubernetes", "bare-metal")
 SHARD_LAUNCHERS = (*LAUNCHERS, "external")
 EXPOSE = ("LoadBalancer", "NodePort")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # site and cluster names become file, folder and object names
 ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
 
 
@@ -209,8 +210,15 @@ SITE_KEYS = ("launcher", "cluster", "nodes", "gpus_per_node", "layout", "data", 
 SHARD_KEYS = ("count", "launcher", "cluster", "port", "addresses", "expose")
 
 
+def _name(value: object, key: str) -> str:
+    if not isinstance(value, str) or not NAME.match(value):
+        raise TopologyFileError(f"{key}: {value!r}: use letters, digits, '.', '_' and '-' (it names files and objects)")
+    return value
+
+
 def _site(name: str, table: object) -> SiteSpec:
     where = f"sites.{name}"
+    _name(name, where)
     if not isinstance(table, dict):
         raise TopologyFileError(f"{where}: expected a table ([{where}]), got {table!r}")
     if "launcher" not in table:
@@ -240,7 +248,7 @@ def _site(name: str, table: object) -> SiteSpec:
         raise TopologyFileError(f"{where}.hosts: a bare-metal site names one host per node: {nodes} node(s), "
                                 f"{len(settings.hosts)} host(s) given")  # fmt: skip
     return SiteSpec(
-        name=name, launcher=launcher, cluster=typing.cast(str, _typed(table.get("cluster", name), str, f"{where}.cluster")),
+        name=name, launcher=launcher, cluster=_name(table.get("cluster", name), f"{where}.cluster"),
         nodes=nodes, gpus_per_node=gpus, pp=pp, dp=dp, data=typing.cast(str, _typed(table.get("data", ""), str, f"{where}.data")),
         worker_flags=_flags(table.get("worker_flags", ""), f"{where}.worker_flags"), settings=settings,
     )  # fmt: skip
@@ -273,7 +281,14 @@ def _shards(table: object) -> ShardsSpec:
     if "expose" in table and launcher != "kubernetes":
         raise TopologyFileError(f"shards.expose: only for shards on Kubernetes (these run on {launcher})")
     port = _positive(typing.cast(int, _typed(table.get("port", SHARD_PORT), int, "shards.port")), "shards.port")
-    cluster = typing.cast(str, _typed(table.get("cluster", "shards"), str, "shards.cluster"))
+    if "port" in table and launcher in ("kubernetes", "external"):
+        raise TopologyFileError(f"shards.port: only for shards on Slurm or bare metal ({launcher} shards: the port is in addresses)")
+    if launcher == "kubernetes" and expose == "NodePort":
+        for i, address in enumerate(addresses):
+            if not 30000 <= int(address.rsplit(":", 1)[1]) <= 32767:
+                raise TopologyFileError(f"shards.addresses[{i}]: {address!r}: with expose = \"NodePort\" the port is the "
+                                        "shard's nodePort, 30000-32767")  # fmt: skip
+    cluster = _name(table.get("cluster", "shards"), "shards.cluster")
     return ShardsSpec(count, launcher, cluster, port, addresses, expose, settings)
 
 
@@ -312,8 +327,7 @@ def _check_reach(model: TopologyFile) -> None:
     if model.min_clusters > len(model.sites):
         raise TopologyFileError(f"min_clusters: {model.min_clusters} is more than the {len(model.sites)} site(s)")
     for site in model.sites:
-        needs_dir = site.launcher != "kubernetes" and model.tls and not getattr(site.settings, "tls_dir", "x")
-        if needs_dir:
+        if isinstance(site.settings, (SlurmSettings, BareMetalSettings)) and model.tls and not site.settings.tls_dir:
             raise TopologyFileError(f"sites.{site.name}.tls_dir: missing (a folder from `dilocox certs` on that cluster), "
                                     "or set tls = false for plaintext")  # fmt: skip
     if model.shards.launcher in ("slurm", "bare-metal") and model.tls and not getattr(model.shards.settings, "tls_dir", ""):
