@@ -106,8 +106,10 @@ def test_a_site_failing_mid_run_ends_the_in_process_run_without_waiting_for_the_
 
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="broken site"):
-        run_in_process(TINY, num_clusters=3, num_shards=1, push_fault=broken, timeout_s=300)
-    assert time.monotonic() - started < 120
+        run_in_process(TINY, num_clusters=3, num_shards=1, push_fault=broken, timeout_s=600)
+    # Waiting for the others is waiting for the timeout (their round never closes): half of it tells the two
+    # apart on any machine; how fast the error arrives is not this test's business.
+    assert time.monotonic() - started < 300
 
 
 def test_the_drill_flags_and_leaves_out_a_x100_site_and_raises_no_false_alarm(tmp_path):

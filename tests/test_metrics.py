@@ -59,6 +59,7 @@ def shard_process(tmp_path):
 
 def test_shard_metrics_after_a_round(shard_process):
     address, metrics_port, proc = shard_process
+    started_wall, started = time.time(), time.monotonic()
     before = scrape(metrics_port)
     assert before[("dilocox_version", ())] == -1 and before[("dilocox_rounds_closed_total", ())] == 0
     clients = {c: AggregatorClient([address], RUN, c, connect_timeout=10, rpc_timeout=30) for c in ("a", "b")}
@@ -88,9 +89,9 @@ def test_shard_metrics_after_a_round(shard_process):
     assert m[("dilocox_bytes_sent_total", ())] > 4 * 32 * 8  # at least the weights, twice over
     for histogram in ("dilocox_update_seconds", "dilocox_round_latency_seconds"):
         assert m[(f"{histogram}_count", ())] == 1
-        assert 0 <= m[(f"{histogram}_sum", ())] < 30
+        assert 0 <= m[(f"{histogram}_sum", ())] <= time.monotonic() - started  # within the test, not a speed bound
     assert m[("dilocox_clusters_dropped_total", ())] == 0
-    assert abs(m[("dilocox_last_round_close_timestamp_seconds", ())] - time.time()) < 60
+    assert started_wall - 1 <= m[("dilocox_last_round_close_timestamp_seconds", ())] <= time.time() + 1
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0

@@ -105,7 +105,10 @@ def test_restart_keeps_the_last_versions_and_never_goes_back(tmp_path):
     assert checkpoint.load(checkpoint_path(tmp_path, 0))["snapshot"]["version"] == 5
 
 
-def test_restart_sigterm_during_a_held_pull_exits_within_seconds(tmp_path):
+def test_restart_sigterm_during_a_held_pull_exits_without_waiting_for_it(tmp_path):
+    """A pull parked for 600 s does not hold a SIGTERM'd shard: it ends the pull (UNAVAILABLE, so the client
+    retries the restarted shard), writes its final checkpoint and exits 0. The 60 s below only guards against a
+    hang; ten times that is what waiting for the pull would take, so no machine speed decides the outcome."""
     port = _free_port()
     proc = subprocess.Popen(_shard_cmd(port, tmp_path, "--min-clusters", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     outcome = {}
@@ -118,23 +121,21 @@ def test_restart_sigterm_during_a_held_pull_exits_within_seconds(tmp_path):
 
             def held_pull() -> None:  # waits for version 1, which never comes (nobody pushes round 1)
                 try:
-                    list(pb_grpc.AggregatorStub(channel).Pull(pb.PullRequest(run_id=RUN, cluster="a", min_version=1, wait_seconds=30), timeout=60))
+                    list(pb_grpc.AggregatorStub(channel).Pull(pb.PullRequest(run_id=RUN, cluster="a", min_version=1, wait_seconds=600), timeout=660))
                 except grpc.RpcError as error:
                     outcome["code"] = error.code()
 
             waiter = threading.Thread(target=held_pull)
             waiter.start()
             time.sleep(1.0)
-            started = time.monotonic()
             proc.terminate()
-            proc.wait(timeout=10)
-            stopped_in = time.monotonic() - started
-            waiter.join(timeout=10)
+            proc.wait(timeout=60)
+            waiter.join(timeout=60)
             channel.close()
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0 and stopped_in < 3.0, (proc.returncode, stopped_in)
+    assert proc.returncode == 0 and not waiter.is_alive(), proc.returncode
     assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE  # retryable: a client tries the restarted shard
     assert checkpoint.load(checkpoint_path(tmp_path, 0))["snapshot"]["version"] == 0  # the final checkpoint
 

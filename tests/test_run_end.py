@@ -62,7 +62,6 @@ def test_shards_exit_by_themselves_once_every_cluster_holds_the_final_version(tm
     """Real processes: one shard without --keep-serving, two sites of 2 rounds; the shard stops (exit 0,
     a last checkpoint) as soon as both sites have pulled the final version (2 rounds + the flush)."""
     import json
-    import time
 
     cli = [sys.executable, "-m", "dilocox.common.cli"]
     port = _free_port()
@@ -78,9 +77,8 @@ def test_shards_exit_by_themselves_once_every_cluster_holds_the_final_version(tm
         for site in sites:
             _, err = site.communicate(timeout=240)
             assert site.returncode == 0, err[-3000:]
-        done_at = time.monotonic()
-        _, shard_log = shard.communicate(timeout=60)
-        assert shard.returncode == 0 and time.monotonic() - done_at < 30
+        _, shard_log = shard.communicate(timeout=120)  # a hang guard: a shard that kept serving would never exit
+        assert shard.returncode == 0
     finally:
         for proc in [*sites, shard]:
             if proc.poll() is None:

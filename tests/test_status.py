@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 
 import pytest
 import structlog
@@ -53,7 +54,9 @@ def _drive_one_round(addresses: list[str]) -> None:
 
 def test_status_table_and_json(shard_set, capsys):
     shards = shard_set(2, RUN, min_clusters=2)
+    started = time.monotonic()
     _drive_one_round(shards.addresses)
+    driven_s = time.monotonic() - started
     servers = ",".join(shards.addresses)
     capsys.readouterr()  # the shards' own logs
 
@@ -77,7 +80,7 @@ def test_status_table_and_json(shard_set, capsys):
         assert r["state"] == "collecting" and r["version"] == 1 and r["open_round"] == 2
         assert r["clusters"] == ["a", "b"] and r["contributed"] == ["a"] and r["run_id"] == RUN
         assert r["bytes_in"] > 0 and r["bytes_out"] > 0 and r["last_round_closed_at"] > 0
-        assert 0 <= r["last_round_seconds"] < 30
+        assert 0 <= r["last_round_seconds"] <= driven_s  # the round ran inside the test's drive: no speed bound
         assert [(x["cluster"], x["member"], x["rounds_made"], x["rounds_late"], x["last_tokens"]) for x in r["sites"]] == \
             [("a", True, 1, 0, 10.0), ("b", True, 1, 0, 10.0)]
 
