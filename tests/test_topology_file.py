@@ -247,6 +247,13 @@ def test_a_bad_topology_file_is_refused_naming_the_key(case):
         render(parse(text.replace(old, new, 1)))
 
 
+def test_kubernetes_sites_whose_objects_would_clash_in_a_namespace_are_refused():
+    text = topology_text().replace("[sites.gke]", "[sites.Shards]").replace('namespace = "research"', 'namespace = "aggregation"')
+    with pytest.raises(TopologyFileError, match=r"sites\.Shards: its Kubernetes objects would be named 'run-x-shards' in namespace "
+                                                r"'aggregation', as the shards'"):
+        render(parse(text))
+
+
 def test_the_cli_refuses_a_bad_file_with_the_message_and_writes_nothing(tmp_path):
     (tmp_path / "run.toml").write_text(topology_text().replace("cpus_per_rank", "cpu_per_rank"))
     done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "deploy", "topology", "--file", str(tmp_path / "run.toml"),

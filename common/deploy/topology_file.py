@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import pathlib
 import re
+import shlex
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -184,8 +185,6 @@ def _build(cls: type, table: dict, where: str, **fixed: object) -> object:
 
 
 def _flags(text: object, key: str) -> tuple[str, ...]:
-    import shlex
-
     if isinstance(text, list):
         return typing.cast(tuple, _typed(text, tuple[str, ...], key))
     try:

@@ -144,8 +144,25 @@ def _site_files(model: TopologyFile, topology: Topology, index: int) -> dict[str
     return {f"site-{spec.name}.yaml": _yaml(objects, f"site {spec.name} of run {model.run_id!r}")}
 
 
+def _check_object_names(model: TopologyFile) -> None:
+    """Kubernetes sites sharing a namespace (with each other or the shards) need distinct object names."""
+    taken: dict[tuple[str, str], str] = {}
+    if isinstance(model.shards.settings, KubernetesSettings):
+        names = kubernetes_names(model, model.shards.settings)
+        taken |= {(names.namespace, names.shards): "the shards", (names.namespace, names.shard_service): "the shards"}
+    for spec in model.sites:
+        if isinstance(spec.settings, KubernetesSettings):
+            names = kubernetes_names(model, spec.settings)
+            key = (names.namespace, names.site(Site(spec.name)))
+            if key in taken:
+                raise TopologyFileError(f"sites.{spec.name}: its Kubernetes objects would be named {key[1]!r} in namespace "
+                                        f"{key[0]!r}, as {taken[key]}'s are: rename the site or use another namespace")  # fmt: skip
+            taken[key] = f"site {spec.name}"
+
+
 def render(model: TopologyFile) -> dict[str, str]:
     """DIR-relative path → text, for every cluster of the run."""
+    _check_object_names(model)
     topology = topology_of(model)
     files = {f"{model.shards.cluster}/{name}": text for name, text in _shard_files(model, topology).items()}
     for index, spec in enumerate(model.sites):
