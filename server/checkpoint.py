@@ -77,7 +77,8 @@ def shard_state(shard: Shard) -> dict:
             "tensors": {key(k): t for k, t in snap.tensors.items()},
             "momentum": {key(k): t for k, t in snap.momentum.items()},
             "contributions": {
-                key(k): {c: (x.weight, x.slice.codec, x.slice.dtype, x.slice.shape, saved_payload(x.slice.payload)) for c, x in per.items()}
+                key(k): {c: (x.weight, x.slice.codec, x.slice.dtype, x.slice.shape, saved_payload(x.slice.payload), x.scale)
+                         for c, x in per.items()}  # fmt: skip
                 for k, per in snap.contributions.items()
             },
         },
@@ -131,8 +132,9 @@ def restore(shard: Shard, state: dict) -> None:
     momentum = {slice_key(k): t for k, t in snap["momentum"].items()}
     contributions = {
         slice_key(k): {
-            c: Contribution(c, w, EncodedSlice(slice_key(k), codec, dtype, tuple(shape), loaded_payload(payload)))
-            for c, (w, codec, dtype, shape, payload) in per.items()
+            # (weight, codec, dtype, shape, payload[, clip scale]): checkpoints from before the clip have no scale
+            c: Contribution(c, w, EncodedSlice(slice_key(k), codec, dtype, tuple(shape), loaded_payload(payload)), *rest)
+            for c, (w, codec, dtype, shape, payload, *rest) in per.items()
         }
         for k, per in snap["contributions"].items()
     }

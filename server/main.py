@@ -110,15 +110,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     checks = UpdateCheckConfig()
     parser.add_argument("--update-check", default=checks.mode, choices=MODES,
                         help="look at each site's update before the merge (its norm against the accepted ones, its cosine with "
-                             "the other sites' mean and with the outer momentum, a replayed payload): warn logs and counts, "
-                             "exclude also leaves a flagged or quarantined site out of the round (docs/decisions.md)")  # fmt: skip
+                             "the other sites' mean and with the previous round's update, a replayed payload): warn logs and "
+                             "counts; clip merges an update flagged only for its size scaled down to the median norm and leaves "
+                             "any other flagged one out; exclude leaves every flagged or quarantined site out of the round "
+                             "(docs/decisions.md)")  # fmt: skip
     parser.add_argument("--update-check-norm-ratio", type=float, default=checks.norm_ratio,
                         help="flag an update whose norm exceeds this many times the median of the norms accepted lately")
     parser.add_argument("--update-check-min-cosine", type=float, default=checks.min_cosine,
-                        help="flag an update whose cosine with the other sites' mean (3 or more sites) or with the outer "
-                             "momentum is below this")  # fmt: skip
+                        help="flag an update whose cosine with the other sites' mean (3 or more sites) or with the previous "
+                             "round's update is below this")  # fmt: skip
     parser.add_argument("--update-check-quarantine-rounds", type=int, default=checks.quarantine_rounds,
-                        help="flagged this many rounds in a row, a site is quarantined: with exclude, left out until a round passes")
+                        help="flagged this many rounds in a row, a site is quarantined: with exclude (and clip, unless only its size is "
+                             "flagged), left out until a round passes")  # fmt: skip
     parser.add_argument("--health-stall-s", type=float, default=STALL_S,
                         help="report NOT_SERVING (grpc.health.v1) while a task has waited this long for one of the shard's "
                              "work threads, SERVING again once it ran: orchestrators' probes then act on a wedged shard")  # fmt: skip

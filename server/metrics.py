@@ -75,7 +75,9 @@ def _site_families(sites: list[dict]):  # noqa: ANN202 - metric families
         "rounds_flagged": CounterMetricFamily("dilocox_site_updates_flagged", "Rounds the update check flagged the site's update "
                                               "(outsized, disagreeing, against the previous round's update, or replayed)", labels=["cluster"]),  # fmt: skip
         "rounds_excluded": CounterMetricFamily("dilocox_site_updates_excluded", "Rounds the update check left the site's update out of "
-                                               "(--update-check exclude)", labels=["cluster"]),  # fmt: skip
+                                               "(--update-check exclude, or clip for a flag other than its size)", labels=["cluster"]),  # fmt: skip
+        "rounds_clipped": CounterMetricFamily("dilocox_site_updates_clipped", "Rounds the update check merged the site's update "
+                                              "scaled down to the reference norm (--update-check clip)", labels=["cluster"]),  # fmt: skip
         "quarantined": GaugeMetricFamily("dilocox_site_quarantined", "1 while the site is quarantined by the update check (flagged "
                                          "rounds in a row; left out until a round passes)", labels=["cluster"]),  # fmt: skip
     }

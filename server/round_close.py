@@ -108,7 +108,8 @@ class SiteRecord:
     inner_steps: int = 0  # H of its last accepted push, as its header said (0: not said)
     idle_s: float = 0.0  # its trainer's idle seconds at the boundary that pushed it, as said
     rounds_flagged: int = 0  # rounds the update check flagged its update (server/update_check.py)
-    rounds_excluded: int = 0  # rounds the update check left it out of (mode exclude)
+    rounds_excluded: int = 0  # rounds the update check left it out of (mode exclude, or clip)
+    rounds_clipped: int = 0  # rounds the update check merged it clipped (mode clip)
     quarantined: bool = False  # flagged rounds in a row: left out (exclude) until a round passes
     last_flag: str = ""  # why it was last flagged (outsized, disagrees, against_previous, replayed)
     last_flag_round: int = 0
@@ -130,3 +131,4 @@ class SiteRecord:
             self.rounds_flagged += 1
             self.last_flag, self.last_flag_round = ",".join(verdict.reasons), round_
         self.rounds_excluded += int(verdict.excluded)
+        self.rounds_clipped += int(verdict.scale != 1.0)

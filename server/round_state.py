@@ -25,6 +25,7 @@ class Contribution:
     cluster: str
     weight: float
     slice: EncodedSlice
+    scale: float = 1.0  # the update check's clip factor: merged as scale·Δ at its full weight (forwarded with it)
 
 
 @dataclass
@@ -101,6 +102,14 @@ class RoundAccumulator:
                     per_key[cluster] = replace(per_key[cluster], weight=capped[cluster])
         return changed
 
+    def clip(self, factors: dict[str, float]) -> None:
+        """Before the step (on the sealed round): the update check's clip factors, on every slice of each
+        clipped cluster. Like a capped weight, the factor is the contribution's from here on — in the
+        shard's mean and in what it forwards, so the clusters replay the same arithmetic."""
+        for per_key in self.contributions.values():
+            for cluster in [c for c in per_key if c in factors]:
+                per_key[cluster] = replace(per_key[cluster], scale=factors[cluster])
+
     def apply(self, key: SliceKey, optimizer: OuterNesterov, param: torch.Tensor, in_place: bool) -> torch.Tensor | None:
         """The slice's outer step on the weighted mean of its contributions, or None if nobody
         delivered it. fp32 payloads decode to views of their bytes and low-rank ones to their factors: they
@@ -108,4 +117,5 @@ class RoundAccumulator:
         per_cluster = self.contributions.get(key, {}).values()
         together = decode_by_blocks(c.slice.codec for c in per_cluster)
         items = [(c.cluster, c.weight, c.slice.decode_lazy) for c in per_cluster]
-        return apply_round(items, optimizer, key, param, in_place=in_place, decode_together=together)
+        scales = {c.cluster: c.scale for c in per_cluster if c.scale != 1.0}
+        return apply_round(items, optimizer, key, param, in_place=in_place, decode_together=together, scales=scales)

@@ -196,14 +196,14 @@ class AggregatorServicer:
             for cluster, contributions in sorted(by_cluster.items()):  # the same chunks for every requester: framed once
                 frame = functools.partial(frame_slices, [c.slice for c in contributions], index, wire.chunk_bytes, wire.zstd_level,
                                           version=version, is_delta=True, base_version=version - 1, contributor=cluster,
-                                          weight=contributions[0].weight)  # fmt: skip
+                                          weight=contributions[0].weight, **_clipped(contributions[0].scale))  # fmt: skip
                 payload = sum(len(c.slice.payload) for c in contributions)
                 yield from self.framings.framed(("contributions", version, cluster, slices), snapshot.version, _framed_bound(payload), frame)
             if mine:
                 own = {c.slice.key: c.slice.sha256 for c in mine}
                 yield pb.TensorChunk(version=version, is_delta=True, base_version=version - 1,
                                      contributor=requester, weight=mine[0].weight, own=True, own_slices=len(own),
-                                     payload_sha256=own_contribution_digest(own))  # fmt: skip
+                                     payload_sha256=own_contribution_digest(own), **_clipped(mine[0].scale))  # fmt: skip
         if request.check_replay:
             digest = self.shard.state_digest(snapshot, keys, request.replay_digest)
             yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=digest)
@@ -241,3 +241,8 @@ def _framed_bound(payload_bytes: int) -> int:
     """At most what `payload_bytes` become framed: zstd adds a few bytes per 128 KB block to what it cannot
     compress, each chunk a header and its metadata."""
     return payload_bytes + payload_bytes // 64 + 4096
+
+
+def _clipped(scale: float) -> dict:
+    """The chunk field of a clipped update (proto `scale`); none for an unclipped one (1: the old bytes)."""
+    return {"scale": scale} if scale != 1.0 else {}

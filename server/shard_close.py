@@ -16,7 +16,7 @@ from dilocox.server.provenance_chain import ChainedVersion, chain_round
 from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
 from dilocox.server.round_state import RoundAccumulator
 from dilocox.server.shard_records import RoundStats, SealedRound, Snapshot
-from dilocox.server.update_check import SiteVerdict, excluded, margins, round_figures
+from dilocox.server.update_check import SiteVerdict, clipped, excluded, margins, round_figures
 
 log = structlog.get_logger("dilocox.shard")
 
@@ -100,6 +100,9 @@ class RoundClosing:
         out = excluded(verdicts)
         if out:
             closing.acc.keep_only(set(closing.acc.cluster_weights) - out)
+        factors = clipped(verdicts)
+        if factors:
+            closing.acc.clip(factors)
         return verdicts
 
     def _step_round(self, closing: SealedRound) -> tuple[dict, float]:
@@ -125,7 +128,7 @@ class RoundClosing:
             if verdict.reasons or verdict.quarantined:
                 log.warning("update_flagged", shard=self.shard_index, cluster=verdict.cluster, round=acc.round, reasons=list(verdict.reasons),
                             quarantined=verdict.quarantined, excluded=verdict.excluded, mode=self.update_check.config.mode,
-                            **verdict.figures())  # fmt: skip
+                            **({"clipped_by": round(verdict.scale, 6)} if verdict.scale != 1.0 else {}), **verdict.figures())  # fmt: skip
         # No copy: the optimiser replaces the buffers, or updates them in place only when no pull holds
         # the version they belong to.
         momentum = dict(self.optimizer.buffers)

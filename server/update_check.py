@@ -25,11 +25,15 @@ them, per site:
 A site is flagged when its figures are not finite (an update so large that its norm overflows), its norm
 ratio exceeds `norm_ratio`, a cosine is below `min_cosine`, or it replayed;
 flagged `quarantine_rounds` rounds in a row it is quarantined: left out of every round until one passes
-(its statistics are still computed). `mode`: `off`; `warn` (log, count, merge anyway: the default);
+(its statistics are still computed; under `clip`, a round whose only flag is the size is clipped instead). `mode`: `off`; `warn` (log, count, merge anyway: the default);
 `exclude` (a flagged or quarantined site's contributions are left out of the round, so its version and
 the contributions every site replays from are made without them — the clients' replay stays bit-exact
-because what is left out is simply not forwarded). Each shard decides on its own slices; a site faulty on
-all of its update is flagged by every shard alike.
+because what is left out is simply not forwarded); `clip` (an update whose only flag is its size is
+merged scaled down to the reference norm, c·Δ with c = reference / ‖Δ‖, at its full weight — the
+honest sites' mean is neither inflated by it nor diluted; any other flag leaves the update out, as
+`exclude` does. The factor travels with the forwarded contribution (proto `scale`), so every replay
+computes the same c·w). Each shard decides on its own slices; a site faulty on all of its update is
+flagged by every shard alike.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch
 
 from dilocox.common.wire.lowrank import OrderedProduct
 
-MODES = ("off", "warn", "exclude")
+MODES = ("off", "warn", "clip", "exclude")
 
 
 @dataclass(frozen=True)
@@ -79,12 +83,13 @@ class SiteVerdict:
     replayed: bool
     reasons: tuple[str, ...]  # why flagged: non_finite, outsized, disagrees, against_previous, replayed
     quarantined: bool  # flagged quarantine_rounds rounds in a row (or still, until it passes)
-    excluded: bool  # left out of the round (mode exclude)
+    excluded: bool  # left out of the round (mode exclude, or clip for a flag other than size)
+    scale: float = 1.0  # mode clip: merged as scale·Δ (< 1: clipped to the reference norm)
 
     def record(self) -> dict:
         """What the rounds chain keeps of it (server/provenance_chain.py): the figures and the outcome."""
         return {**self.figures(), "replayed": self.replayed, "reasons": list(self.reasons), "quarantined": self.quarantined,
-                "excluded": self.excluded}  # fmt: skip
+                "excluded": self.excluded, **({"scale": self.scale} if self.scale != 1.0 else {})}  # fmt: skip
 
     def figures(self) -> dict:
         rounded = lambda x: None if x is None else round(x, 4) if math.isfinite(x) else str(x)  # noqa: E731 - JSON has no inf
@@ -207,9 +212,14 @@ class UpdateCheck:
                 self.quarantined.add(cluster)
             elif not reasons:
                 self.quarantined.discard(cluster)  # a round that passes readmits it
-            excluded = cfg.mode == "exclude" and (bool(reasons) or cluster in self.quarantined)
+            scale = 1.0
+            if cfg.mode == "clip" and reasons == ("outsized",):
+                scale = reference / norms[i]  # ratio > norm_ratio > 1: reference is set and norms[i] > it
+                excluded = False
+            else:
+                excluded = cfg.mode in ("exclude", "clip") and (bool(reasons) or cluster in self.quarantined)
             verdicts.append(SiteVerdict(cluster, norms[i], ratio, cos_others, cos_prev, replayed, reasons, cluster in self.quarantined,
-                                        excluded))  # fmt: skip
+                                        excluded, scale))  # fmt: skip
         accepted = [v.norm for v in verdicts if not v.reasons]
         if accepted:
             self._norms.append(accepted)
@@ -228,6 +238,11 @@ class UpdateCheck:
 
 def excluded(verdicts: Iterable[SiteVerdict]) -> set[str]:
     return {v.cluster for v in verdicts if v.excluded}
+
+
+def clipped(verdicts: Iterable[SiteVerdict]) -> dict[str, float]:
+    """Clip factors of the sites merged clipped (mode clip), by cluster."""
+    return {v.cluster: v.scale for v in verdicts if v.scale != 1.0}
 
 
 def margins(verdicts: Iterable[SiteVerdict]) -> dict:

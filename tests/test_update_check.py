@@ -96,6 +96,45 @@ def test_honest_rounds_raise_no_flag_and_each_fault_kind_is_caught(lowrank):
     assert all(abs(v.cosine_others) < 0.2 for v in noisy) and any("disagrees" in v.reasons for v in noisy), noisy
 
 
+def test_clip_scales_an_update_flagged_only_for_its_size_to_the_reference_norm_and_leaves_other_flags_out():
+    sites = Round()
+    check = UpdateCheck(UpdateCheckConfig(mode="clip"))
+    for _ in range(3):
+        honest = review(check, *sites.contributions())
+    reference = sorted(v.norm for v in honest.values())  # the accepted norms the next round is measured against
+    scaled = review(check, *sites.contributions({2: "scale"}))
+    v = scaled["site2"]
+    assert v.reasons == ("outsized",) and not v.excluded and 0 < v.scale < 0.05, v
+    assert v.norm * v.scale == pytest.approx(v.norm / v.norm_ratio)  # clipped to the reference norm exactly
+    assert reference[0] <= v.norm * v.scale <= reference[-1] * 1.5
+    assert all(scaled[c].scale == 1.0 and not scaled[c].reasons for c in ("site0", "site1", "site3"))
+    assert v.record()["scale"] == v.scale and "scale" not in scaled["site0"].record()  # the rounds chain says so
+    flipped = review(check, *sites.contributions({2: "sign"}))["site2"]
+    assert flipped.reasons == ("disagrees",) and flipped.excluded and flipped.scale == 1.0  # not a size: left out
+    # Flagged rounds in a row quarantine it, yet a round whose only flag is the size is still merged clipped.
+    again = review(check, *sites.contributions({2: "scale"}))["site2"]
+    assert again.quarantined and not again.excluded and again.scale < 1
+
+
+def test_the_round_applies_a_clip_factor_to_the_sum_and_not_to_the_total():
+    """Σ c·w·Δ / Σ w: a clipped update counts at its full weight in the divisor (the honest sites' mean is not
+    inflated), the same bits whether the contributions are taken together or one at a time."""
+    from dilocox.common.wire.aggregation import apply_round, weighted_mean
+    from dilocox.common.wire.outer_optimizer import OuterNesterov
+
+    g = torch.Generator().manual_seed(0)
+    deltas = {c: torch.randn(64, 8, generator=g) for c in ("a", "b", "c")}
+    items = [(c, w, (lambda d=d: d)) for (c, d), w in zip(sorted(deltas.items()), (10.0, 20.0, 30.0))]
+    mean = weighted_mean(items, {"c": 0.25})
+    want = (deltas["a"] * 10.0 + deltas["b"] * 20.0 + deltas["c"] * (30.0 * 0.25)) / 60.0
+    assert torch.allclose(mean, want, atol=1e-6)
+    assert torch.equal(weighted_mean(items, {}), weighted_mean(items)) and torch.equal(weighted_mean(items, {"c": 1.0}), weighted_mean(items))
+    param = torch.randn(64, 8, generator=g)
+    together = apply_round(items, OuterNesterov(0.7, 0.5), "k", param.clone(), decode_together=True, scales={"c": 0.25})
+    alone = apply_round(items, OuterNesterov(0.7, 0.5), "k", param.clone(), decode_together=False, scales={"c": 0.25})
+    assert torch.equal(together, alone)
+
+
 def test_an_update_whose_figures_overflow_is_flagged_and_leaves_the_others_figures_whole():
     """Values finite enough to pass the shards' intake but whose squares overflow fp32 (an exponent bit
     flipped): that site is flagged `non_finite`, every other site's figures stay finite and unflagged, and
@@ -159,7 +198,7 @@ def test_with_two_sites_the_check_has_the_norm_history_and_the_previous_update()
 
 
 def test_settings_are_checked():
-    for bad in ({"mode": "clip"}, {"norm_ratio": 1.0}, {"min_cosine": 1.5}, {"quarantine_rounds": 0}):
+    for bad in ({"mode": "clamp"}, {"norm_ratio": 1.0}, {"min_cosine": 1.5}, {"quarantine_rounds": 0}):
         with pytest.raises(ValueError):
             UpdateCheckConfig(**bad)
 
@@ -211,6 +250,63 @@ def test_real_shards_leave_a_faulty_site_out_and_every_replica_stays_bit_exact(s
 
         rows = {row[0]: row[-1] for row in site_rows([{"sites": shard.status()["sites"]} for shard in shards.shards])}
         assert rows == {"site0": "ok", "site1": "ok", "site2": "ok", "site3": "quarantined:3x:outsized@5"}  # `dilocox status`
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_real_shards_clip_an_outsized_site_and_every_replica_stays_bit_exact(shard_set, tmp_path):
+    """Four clusters against two real shards in clip mode; from round 3 one pushes its update × 100. Both
+    shards merge it clipped to the reference norm (nothing left out), the clip factor travels with the
+    forwarded contribution, and every cluster's replica (the clipped one's too) equals the shards' weights
+    and momentum bit for bit; the round's global step stays the size of an honest round's."""
+    from dilocox.worker.exchange.cluster import slice_tensors
+    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
+
+    shards = shard_set(2, "run-downlink", min_clusters=4, update_check=UpdateCheckConfig(mode="clip"))
+    clients = [client(shards.addresses, f"site{i}") for i in range(4)]
+    steps = []
+    try:
+        for c in clients:
+            c.join(PARAMS)
+        clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, {n: torch.zeros(s) for n, s in PARAMS}))
+        for c in clients:
+            assert c.pull(0, wait_seconds=10)[0] == 0
+        # Training's direction persists from round to round (else half the honest rounds point against the last).
+        lasting = low_rank_delta(100)
+        shared = {r: {n: lasting[n] + 0.5 * t for n, t in low_rank_delta(100 + r).items()} for r in range(1, 6)}
+        for round_ in range(1, 6):
+            before = [{k: t.clone() for k, t in shard.snapshot.tensors.items()} for shard in shards.shards]
+            for i, c in enumerate(clients):
+                own = low_rank_delta(10 * round_ + i)
+                delta = {n: shared[round_][n] + 0.3 * own[n] for n, _ in PARAMS}
+                if i == 3 and round_ >= 3:
+                    delta = {n: 100 * t for n, t in delta.items()}
+                c.push(round_, 100.0, slice_tensors(c.assignment, delta))
+            for c in clients:
+                assert c.pull(round_, wait_seconds=10)[0] == round_
+            for shard in shards.shards:
+                assert shard.last_round.excluded == () and len(shard.last_round.clusters) == 4, (round_, shard.last_round)
+            steps.append(sum(float((shard.snapshot.tensors[k] - b[k]).norm() ** 2) for shard, b in zip(shards.shards, before)
+                             for k in b) ** 0.5)  # fmt: skip
+        for c in clients:
+            assert_replica_equals_shards(c, shards)
+            assert c.replay_check.mismatches == 0  # replayed with the forwarded factor, not resynced by a full pull
+        for shard in shards.shards:
+            site = next(s for s in shard.status()["sites"] if s["cluster"] == "site3")
+            assert site["rounds_clipped"] == 3 and site["rounds_excluded"] == 0 and site["last_flag"] == "outsized"
+        # A shard restored from its checkpoint forwards the kept round with the same factors.
+        from dilocox.server import checkpoint
+        from dilocox.server.shard import Shard
+
+        original = shards.shards[0]
+        restored = Shard(0, 2, "run-downlink")
+        checkpoint.restore(restored, checkpoint.load(checkpoint.save(original, tmp_path)))
+        factors = lambda shard: {(k, c): x.scale for k, per in shard.snapshot.contributions.items() for c, x in per.items()}  # noqa: E731
+        assert factors(restored) == factors(original) and any(f < 1 for f in factors(original).values())
+        # Round 3's step (the first with the × 100 site) against round 2's: clipped, the same order; merged
+        # as pushed it would be about (3 + 100) / 4 ≈ 26 times as large.
+        assert steps[2] < 3 * steps[1], steps
     finally:
         for c in clients:
             c.close()

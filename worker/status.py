@@ -53,7 +53,8 @@ def shard_record(address: str, reply) -> dict:  # noqa: ANN001 - a StatusReply o
         "checkpoint_error": reply.checkpoint_error,
         "sites": [{"cluster": s.cluster, "member": s.member, "rounds_made": s.rounds_made, "rounds_late": s.rounds_late,
                    "last_round": s.last_round, "last_tokens": s.last_tokens, "inner_steps": s.inner_steps, "idle_s": s.idle_s,
-                   "rounds_flagged": s.rounds_flagged, "rounds_excluded": s.rounds_excluded, "quarantined": s.quarantined,
+                   "rounds_flagged": s.rounds_flagged, "rounds_excluded": s.rounds_excluded, "rounds_clipped": s.rounds_clipped,
+                   "quarantined": s.quarantined,
                    "last_flag": s.last_flag, "last_flag_round": s.last_flag_round}
                   for s in reply.sites],  # fmt: skip
     }

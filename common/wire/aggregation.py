@@ -8,7 +8,7 @@ results bit-identical, whatever order the pushes arrived in.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Hashable, Iterable, Mapping
 
 import torch
 
@@ -18,14 +18,26 @@ from dilocox.common.wire.outer_optimizer import BLOCK_ELEMENTS, MeanOf, OuterNes
 Contribution = tuple[str, float, Callable[[], "torch.Tensor | OrderedProduct"]]  # (cluster, weight, decode)
 
 
-def weighted_mean(contributions: Iterable[Contribution]) -> torch.Tensor | None:
-    """Σ w·Δ / Σ w over the contributions, in cluster order; decodes one contribution at a time and
-    folds it in by cache-sized blocks, so the only slice-sized tensors are the sum and the contribution
-    being folded in (one block of scratch for the products)."""
+def summed_weights(items: list[Contribution], scales: Mapping[str, float] | None = None) -> tuple[list[float], float]:
+    """Each contribution's weight in the sum and the total the sum is divided by, for `items` in cluster
+    order. `scales`: a cluster's clip factor (the update check's `clip`: its update merged as c·Δ at its
+    full weight), so its weight in the sum is w·c while the total stays Σ w. Both computed the same way
+    wherever the round is applied (w·1.0 is w: no scale, the old bits)."""
     total = 0.0
+    for _, weight, _ in items:
+        total += weight  # in cluster order, on the shard and in every replay
+    return [weight * scales.get(cluster, 1.0) if scales else weight for cluster, weight, _ in items], total
+
+
+def weighted_mean(contributions: Iterable[Contribution], scales: Mapping[str, float] | None = None) -> torch.Tensor | None:
+    """Σ c·w·Δ / Σ w over the contributions, in cluster order (c: `scales`, 1 where absent); decodes one
+    contribution at a time and folds it in by cache-sized blocks, so the only slice-sized tensors are the
+    sum and the contribution being folded in (one block of scratch for the products)."""
+    items = sorted(contributions, key=lambda c: c[0])
+    in_sum, total = summed_weights(items, scales)
     acc: torch.Tensor | None = None
     scratch = torch.empty(0)
-    for _, weight, decode in sorted(contributions, key=lambda c: c[0]):
+    for (_, _, decode), weight in zip(items, in_sum):
         delta = _dense(decode())
         flat = delta.reshape(-1)
         n = flat.numel()
@@ -46,7 +58,6 @@ def weighted_mean(contributions: Iterable[Contribution]) -> torch.Tensor | None:
                 stop = min(n, start + BLOCK_ELEMENTS)
                 acc[start:stop].add_(torch.mul(flat[start:stop], weight, out=scratch[: stop - start]))
         del delta, flat  # before the next decode: never two contributions decoded at once
-        total += weight
     if acc is None:
         return None
     return acc.div_(total).view(shape)
@@ -92,6 +103,7 @@ def apply_round(
     param: torch.Tensor,
     in_place: bool = False,
     decode_together: bool = True,
+    scales: Mapping[str, float] | None = None,
 ) -> torch.Tensor | None:
     """The round's outer step on one slice: `optimizer.step(key, param, weighted_mean(contributions))`,
     with the same bits, block by block; None if nobody contributed to the slice. A contribution's
@@ -101,15 +113,16 @@ def apply_round(
     blocks, so no slice-sized temporary exists at all — right when holding them is free (fp32 views,
     low-rank factors: `decode_by_blocks`) or already done. Otherwise the mean is built one decoded
     contribution at a time (one slice-sized temporary, whatever the number of clusters) and only the
-    step runs by blocks."""
+    step runs by blocks. `scales`: clip factors by cluster (`summed_weights`)."""
     items = sorted(contributions, key=lambda c: c[0])
     if not items:
         return None
     if not decode_together:
-        grad = weighted_mean(items)
+        grad = weighted_mean(items, scales)
         assert grad is not None
         return optimizer.step(key, param, grad, in_place=in_place)
-    decoded = [(decode(), weight) for _, weight, decode in items]
+    in_sum, total = summed_weights(items, scales)
+    decoded = [(decode(), weight) for (_, _, decode), weight in zip(items, in_sum)]
     cols = {d.cols for d, _ in decoded if isinstance(d, OrderedProduct)}
     if len(cols) > 1:
         raise ValueError(f"{key}: low-rank contributions of {sorted(cols)} columns")
@@ -120,9 +133,6 @@ def apply_round(
     readers = [(_BlockReader(d, size), weight) for d, weight in decoded]
     if any(r.numel != param.numel() for r, _ in readers):
         raise ValueError(f"{key}: contributions of {[r.numel for r, _ in readers]} elements for {param.numel()}")
-    total = 0.0
-    for _, weight in readers:
-        total += weight  # the same order of additions as weighted_mean
     acc, scaled = torch.empty(size), torch.empty(size)
 
     def mean_block(start: int, stop: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ class OwnPart:
     weight: float
     slices: dict[SliceKey, EncodedSlice]
     version: int  # the round's version (the newest the shard forwards)
+    scale: float = 1.0  # the shards' clip factor of it (proto `scale`; 0 on the wire: 1)
 
 
 def own_contributions(
@@ -58,7 +59,7 @@ def own_contributions(
         raise StaleReplica(f"shard {shard} forwards a round for slices we hold no weights of")
     if summary.own_slices != len(mine) or own_contribution_digest({k: v.sha256 for k, v in mine.items()}) != summary.payload_sha256:
         raise StaleReplica(f"shard {shard} holds a contribution of ours ({summary.own_slices} slices) we no longer have")
-    return OwnPart(cluster, summary.weight, mine, summary.version)
+    return OwnPart(cluster, summary.weight, mine, summary.version, summary.scale or 1.0)
 
 
 def replayed_version(shard: int, have: int, units: list[Assembled], summaries: list[pb.TensorChunk],
@@ -95,14 +96,19 @@ def apply_pull(
     payloads) or low rank (their factors, built block by block), else decoded one at a time."""
     rounds: dict[int, dict[SliceKey, list[Contribution]]] = {}
     codecs: dict[int, dict[SliceKey, list[str]]] = {}
+    clipped: dict[int, dict[str, float]] = {}  # round -> cluster -> the shard's clip factor (the same on all its slices)
     if own is not None:
         rounds[own.version] = {key: [(own.cluster, own.weight, item.decode_lazy)] for key, item in own.slices.items()}
         codecs[own.version] = {key: [item.codec] for key, item in own.slices.items()}
+        if own.scale != 1.0:
+            clipped.setdefault(own.version, {})[own.cluster] = own.scale
     for unit in units:
         meta, key = unit.meta, unit.key
         if meta.is_delta:
             rounds.setdefault(meta.version, {}).setdefault(key, []).append((meta.contributor, meta.weight, unit.decode_lazy))
             codecs.setdefault(meta.version, {}).setdefault(key, []).append(meta.codec)
+            if meta.scale and meta.scale != 1.0:
+                clipped.setdefault(meta.version, {})[meta.contributor] = meta.scale
         elif meta.momentum:
             outer.buffers[key] = unit.decode().clone()
         else:
@@ -115,6 +121,7 @@ def apply_pull(
     for round_version in sorted(rounds):
         for key, items in rounds[round_version].items():
             together = decode_by_blocks(codecs[round_version][key])
-            held[key] = apply_round(items, outer, key, held[key], in_place=True, decode_together=together)
+            held[key] = apply_round(items, outer, key, held[key], in_place=True, decode_together=together,
+                                    scales=clipped.get(round_version))  # fmt: skip
         version = round_version  # oldest first: the last is the newest
     return version
