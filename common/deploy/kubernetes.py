@@ -10,6 +10,8 @@ One multi-document file, `dilocox.yaml`. The choices, and why:
   volume, which the first start finds empty, so shards run `--resume-if-present` (`--resume` refuses an
   empty folder, no flag a full one). `--keep-serving`: a StatefulSet restarts a pod that exits, and live
   shards let `dilocox status` and `dilocox export` read the model. Delete the StatefulSet once exported.
+  With `--servers` the shards run elsewhere (another cluster: `dilocox deploy topology`) and none of
+  this is rendered; `--expose-shards` adds a Service per shard for such sites (kubernetes_placement.py).
 * Probes: shards serve grpc.health.v1 (server/health.py). In plaintext the kubelet's native gRPC probe
   asks; it cannot speak TLS, so with TLS an exec probe runs `dilocox health` on localhost with the client
   certificate (mTLS: the shard requires one). A startup probe leaves time for a long `--resume`.
@@ -391,9 +393,8 @@ def next_steps(topology: Topology, args: argparse.Namespace) -> str:
         f"  kubectl apply -f {args.out / MANIFEST}",
         f"  {kubectl} get pods -l app.kubernetes.io/instance={names.run} -w   # the shards Ready, then the sites' pods",
         f"  {kubectl} logs -f job/{names.site(topology.sites[0])}   # a site's worker",
-        *([] if options.servers else ["  # dilocox status, through one port-forward per shard:"]),
-        *([] if options.servers else
-          (f"  {kubectl} port-forward pod/{names.shards}-{i} {port}:{SHARD_PORT} &" for i, port in enumerate(ports))),
+        *([] if options.servers else ["  # dilocox status, through one port-forward per shard:", *(
+            f"  {kubectl} port-forward pod/{names.shards}-{i} {port}:{SHARD_PORT} &" for i, port in enumerate(ports))]),
         f"  {token}dilocox status --servers {servers}{client}",
     ]  # fmt: skip
     return "\n".join(lines)
