@@ -59,6 +59,11 @@ class AggregatorStub:
                 request_serializer=dilocox_dot_proto_dot_dilocox__pb2.ProvenanceRequest.SerializeToString,
                 response_deserializer=dilocox_dot_proto_dot_dilocox__pb2.ProvenanceReply.FromString,
                 _registered_method=True)
+        self.Readmit = channel.unary_unary(
+                '/dilocox.v1.Aggregator/Readmit',
+                request_serializer=dilocox_dot_proto_dot_dilocox__pb2.ReadmitRequest.SerializeToString,
+                response_deserializer=dilocox_dot_proto_dot_dilocox__pb2.ReadmitReply.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer:
@@ -101,6 +106,14 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Readmit(self, request, context):
+        """An operator releases a site the update check quarantined (`dilocox readmit`); needs the shard's operator
+        token, which sites do not hold.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +141,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.Provenance,
                     request_deserializer=dilocox_dot_proto_dot_dilocox__pb2.ProvenanceRequest.FromString,
                     response_serializer=dilocox_dot_proto_dot_dilocox__pb2.ProvenanceReply.SerializeToString,
+            ),
+            'Readmit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Readmit,
+                    request_deserializer=dilocox_dot_proto_dot_dilocox__pb2.ReadmitRequest.FromString,
+                    response_serializer=dilocox_dot_proto_dot_dilocox__pb2.ReadmitReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +283,33 @@ class Aggregator:
             '/dilocox.v1.Aggregator/Provenance',
             dilocox_dot_proto_dot_dilocox__pb2.ProvenanceRequest.SerializeToString,
             dilocox_dot_proto_dot_dilocox__pb2.ProvenanceReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Readmit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dilocox.v1.Aggregator/Readmit',
+            dilocox_dot_proto_dot_dilocox__pb2.ReadmitRequest.SerializeToString,
+            dilocox_dot_proto_dot_dilocox__pb2.ReadmitReply.FromString,
             options,
             channel_credentials,
             insecure,

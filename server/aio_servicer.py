@@ -97,6 +97,9 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
     async def Provenance(self, request: pb.ProvenanceRequest, context: grpc.aio.ServicerContext) -> pb.ProvenanceReply:
         return await self._served(self.servicer.Provenance, request, context)
 
+    async def Readmit(self, request: pb.ReadmitRequest, context: grpc.aio.ServicerContext) -> pb.ReadmitReply:
+        return await self._served(self.servicer.Readmit, request, context)
+
     async def Push(self, request_iterator: AsyncIterator[pb.PushMessage], context: grpc.aio.ServicerContext) -> pb.PushReply:
         """Read on the loop (server/push_intake.py), then the servicer's Push on a pool thread over the
         messages received: no pool thread waits on the network."""

@@ -70,6 +70,8 @@ def shard_state(shard: Shard) -> dict:
         "outer": {"lr": shard.optimizer.lr, "momentum": shard.optimizer.momentum},
         # The rounds chain up to this version (server/provenance_chain.py): small, and covered by the integrity digest.
         "rounds_chain": shard.chain.as_state(),
+        # The update check's memory (server/update_check.py): a restart must not release a quarantined site.
+        "update_check": shard.update_check.as_state() if shard.update_check is not None else None,
         "snapshot": None
         if snap is None
         else {
@@ -121,6 +123,8 @@ def restore(shard: Shard, state: dict) -> None:
     counters = state.get("counters", {})  # checkpoints from before the field start at 0
     shard.bytes_in, shard.bytes_out = counters.get("bytes_in", 0), counters.get("bytes_out", 0)
     shard.dropped_bytes = counters.get("dropped_bytes", 0)
+    if shard.update_check is not None and state.get("update_check"):  # older checkpoints: the check starts afresh
+        shard.update_check.load_state(state["update_check"])
     shard.optimizer.lr = state["outer"]["lr"]
     shard.optimizer.momentum = state["outer"]["momentum"]
     snap = state["snapshot"]

@@ -120,8 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="flag an update whose cosine with the other sites' mean (3 or more sites) or with the previous "
                              "round's update is below this")  # fmt: skip
     parser.add_argument("--update-check-quarantine-rounds", type=int, default=checks.quarantine_rounds,
-                        help="flagged this many rounds in a row, a site is quarantined: with exclude (and clip, unless only its size is "
-                             "flagged), left out until a round passes")  # fmt: skip
+                        help="flagged this many rounds in a row, a site is quarantined: with exclude or clip, left out "
+                             "until it passes as many rounds in a row or an operator readmits it (dilocox readmit)")  # fmt: skip
+    parser.add_argument("--operator-token", default=None,
+                        help="what an operator's request must carry (dilocox readmit: release a site the update check "
+                             "quarantined); keep it from the sites, which hold the run token only (default: none, such "
+                             "requests refused; also $DILOCOX_OPERATOR_TOKEN)")  # fmt: skip
     parser.add_argument("--health-stall-s", type=float, default=STALL_S,
                         help="report NOT_SERVING (grpc.health.v1) while a task has waited this long for one of the shard's "
                              "work threads, SERVING again once it ran: orchestrators' probes then act on a wedged shard")  # fmt: skip
@@ -190,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
             keep_rounds=args.keep_rounds,
             update_check=UpdateCheckConfig(args.update_check, args.update_check_norm_ratio, args.update_check_min_cosine,
                                            args.update_check_quarantine_rounds),  # fmt: skip
+            operator_token=args.operator_token or None,
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None

@@ -231,6 +231,14 @@ class AggregatorServicer:
         return pb.ProvenanceReply(shard_index=self.shard.shard_index, num_shards=self.shard.num_shards, genesis=self.shard.chain.genesis,
                                   head=head, total_records=total, start=request.start, records_json=json.dumps(records))  # fmt: skip
 
+    def Readmit(self, request: pb.ReadmitRequest, context: grpc.ServicerContext) -> pb.ReadmitReply:
+        """An operator releases a quarantined site (`Shard.readmit`)."""
+        try:
+            was = self.shard.readmit(request.run_id, request.cluster, request.operator_token)
+        except DilocoxError as error:
+            refuse(context, error)
+        return pb.ReadmitReply(shard_index=self.shard.shard_index, was_quarantined=was)
+
 
 def _dense_bytes(snapshot: Snapshot, keys: list, momentum: bool) -> int:
     """The fp32 bytes of `keys`' weights (and their outer momentum, where `momentum`) at `snapshot`."""

@@ -69,6 +69,7 @@ class Shard(RoundClosing, PullServing):
         expect_clusters: int | None = None,
         keep_rounds: int = DEFAULT_KEEP_ROUNDS,
         update_check: UpdateCheckConfig | None = None,
+        operator_token: str | None = None,
     ) -> None:
         """`round_deadline_s`: once a round's first contribution is in, close it after this long with the
         clusters that completed (at least `min_clusters`); the others are marked inactive.
@@ -80,7 +81,7 @@ class Shard(RoundClosing, PullServing):
         many versions behind (a restart from its checkpoint, a late site) replays them instead of pulling the
         weights and momentum in full (issue 44); they cost their compressed bytes in memory.
         `update_check`: how each site's update is looked at before the merge (server/update_check.py;
-        default: warn)."""
+        default: warn). `operator_token`: what an operator's readmission must carry (none: refused)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
         if min_clusters < 1:
@@ -99,6 +100,7 @@ class Shard(RoundClosing, PullServing):
         self.optimizer = OuterNesterov(outer_lr, outer_momentum)
         check = update_check or UpdateCheckConfig()
         self.update_check = UpdateCheck(check) if check.mode != "off" else None
+        self.operator_token = operator_token
         self._cond = threading.Condition()
         # Fixed by the first join:
         self.digest: str | None = None

@@ -7,11 +7,13 @@ deadline timer and `tick` drive closes that no push triggers (a deadline, a grac
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 
 import structlog
 
+from dilocox.common.wire.errors import CheckOff, NotAnOperator
 from dilocox.server.provenance_chain import ChainedVersion, chain_round
 from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
 from dilocox.server.round_state import RoundAccumulator
@@ -104,6 +106,24 @@ class RoundClosing:
         if factors:
             closing.acc.clip(factors)
         return verdicts
+
+    def readmit(self, run_id: str, cluster: str, operator_token: str) -> bool:
+        """An operator releases `cluster` from the update check's quarantine (`Readmit` RPC, `dilocox readmit`):
+        its next update is looked at as any site's. Needs the shard's operator token (`--operator-token`), which
+        sites do not hold — a quarantined site cannot release itself. True if it was quarantined here."""
+        self._check_run(run_id)
+        if not self.operator_token:
+            raise NotAnOperator("this shard takes no operator requests: start it with --operator-token (or $DILOCOX_OPERATOR_TOKEN)")
+        if not hmac.compare_digest(operator_token.encode(), self.operator_token.encode()):
+            raise NotAnOperator("wrong operator token")
+        if self.update_check is None:
+            raise CheckOff("this shard's update check is off (--update-check off): nobody is quarantined")
+        with self._cond:
+            was = self.update_check.readmit(cluster)
+            if cluster in self.sites:
+                self.sites[cluster].quarantined = False
+        log.warning("site_readmitted", shard=self.shard_index, cluster=cluster, was_quarantined=was, by="operator")
+        return was
 
     def _step_round(self, closing: SealedRound) -> tuple[dict, float]:
         """The outer step of every owned slice on the round's weighted mean (no lock held: only this

@@ -24,15 +24,18 @@ them, per site:
 
 A site is flagged when its figures are not finite (an update so large that its norm overflows), its norm
 ratio exceeds `norm_ratio`, a cosine is below `min_cosine`, or it replayed;
-flagged `quarantine_rounds` rounds in a row it is quarantined: left out of every round until one passes
-(its statistics are still computed; under `clip`, a round whose only flag is the size is clipped instead). `mode`: `off`; `warn` (log, count, merge anyway: the default);
+flagged `quarantine_rounds` rounds in a row it is quarantined: under `exclude` and `clip` left out of every
+round, passing or not, until it passes `quarantine_rounds` rounds in a row (its statistics are still
+computed) or an operator readmits it (`dilocox readmit`). One clean round is not enough: a faulty site that
+passes now and then — noise of an honest update's size is flagged in about half its rounds — would slip a
+faulty update into every round it happens to pass. `mode`: `off`; `warn` (log, count, merge anyway: the default);
 `exclude` (a flagged or quarantined site's contributions are left out of the round, so its version and
 the contributions every site replays from are made without them — the clients' replay stays bit-exact
 because what is left out is simply not forwarded); `clip` (an update whose only flag is its size is
 merged scaled down to the reference norm, c·Δ with c = reference / ‖Δ‖, at its full weight — the
 honest sites' mean is neither inflated by it nor diluted; any other flag leaves the update out, as
-`exclude` does. The factor travels with the forwarded contribution (proto `scale`), so every replay
-computes the same c·w). Each shard decides on its own slices; a site faulty on all of its update is
+`exclude` does, and so does quarantine. The factor travels with the forwarded contribution (proto
+`scale`), so every replay computes the same c·w). Each shard decides on its own slices; a site faulty on all of its update is
 flagged by every shard alike.
 """
 
@@ -57,7 +60,7 @@ class UpdateCheckConfig:
     mode: str = "warn"
     norm_ratio: float = 10.0  # flag ‖Δ‖ above this many times the reference norm
     min_cosine: float = 0.0  # flag an update pointing away from the others' mean or the previous update
-    quarantine_rounds: int = 2  # flagged this many rounds in a row: left out until a round passes
+    quarantine_rounds: int = 2  # flagged this many rounds in a row: left out until it passes this many in a row
     history: int = 8  # rounds of accepted norms and of payload digests kept
 
     def __post_init__(self) -> None:
@@ -82,7 +85,7 @@ class SiteVerdict:
     cosine_previous: float | None
     replayed: bool
     reasons: tuple[str, ...]  # why flagged: non_finite, outsized, disagrees, against_previous, replayed
-    quarantined: bool  # flagged quarantine_rounds rounds in a row (or still, until it passes)
+    quarantined: bool  # flagged quarantine_rounds rounds in a row, and not yet passed as many (or readmitted)
     excluded: bool  # left out of the round (mode exclude, or clip for a flag other than size)
     scale: float = 1.0  # mode clip: merged as scale·Δ (< 1: clipped to the reference norm)
 
@@ -168,6 +171,7 @@ class UpdateCheck:
         self._norms: deque[list[float]] = deque(maxlen=self.config.history)
         self._digests: deque[set[bytes]] = deque(maxlen=self.config.history)
         self.streak: dict[str, int] = {}  # cluster -> rounds flagged in a row
+        self.passed: dict[str, int] = {}  # quarantined cluster -> rounds passed in a row since
         self.quarantined: set[str] = set()
         self.last_flagged: frozenset[str] = frozenset()  # flagged in the last round reviewed: not a reference
 
@@ -207,13 +211,9 @@ class UpdateCheck:
                                              ("disagrees", cos_others is not None and cos_others < cfg.min_cosine),
                                              ("against_previous", cos_prev is not None and cos_prev < cfg.min_cosine),
                                              ("replayed", replayed)) if hit)  # fmt: skip
-            self.streak[cluster] = self.streak.get(cluster, 0) + 1 if reasons else 0
-            if self.streak[cluster] >= cfg.quarantine_rounds:
-                self.quarantined.add(cluster)
-            elif not reasons:
-                self.quarantined.discard(cluster)  # a round that passes readmits it
+            self._count(cluster, bool(reasons))
             scale = 1.0
-            if cfg.mode == "clip" and reasons == ("outsized",):
+            if cfg.mode == "clip" and reasons == ("outsized",) and cluster not in self.quarantined:
                 scale = reference / norms[i]  # ratio > norm_ratio > 1: reference is set and norms[i] > it
                 excluded = False
             else:
@@ -227,9 +227,35 @@ class UpdateCheck:
         self.last_flagged = frozenset(v.cluster for v in verdicts if v.reasons)
         return verdicts
 
+    def as_state(self) -> dict:
+        """What a shard checkpoint keeps (a restarted shard must not forget a quarantine): small."""
+        return {"norms": [list(n) for n in self._norms], "digests": [sorted(d) for d in self._digests], "streak": dict(self.streak),
+                "passed": dict(self.passed), "quarantined": sorted(self.quarantined), "last_flagged": sorted(self.last_flagged)}  # fmt: skip
+
+    def load_state(self, state: dict) -> None:
+        self._norms.extend(list(n) for n in state.get("norms", []))
+        self._digests.extend(set(d) for d in state.get("digests", []))
+        self.streak, self.passed = dict(state.get("streak", {})), dict(state.get("passed", {}))
+        self.quarantined, self.last_flagged = set(state.get("quarantined", [])), frozenset(state.get("last_flagged", []))
+
+    def _count(self, cluster: str, flagged: bool) -> None:
+        """Streaks: flagged `quarantine_rounds` in a row quarantines; passed as many in a row since, released."""
+        k = self.config.quarantine_rounds
+        self.streak[cluster] = self.streak.get(cluster, 0) + 1 if flagged else 0
+        if cluster in self.quarantined:
+            self.passed[cluster] = 0 if flagged else self.passed.get(cluster, 0) + 1
+            if self.passed[cluster] >= k:
+                self.quarantined.discard(cluster)
+                self.passed.pop(cluster, None)
+        elif self.streak[cluster] >= k:
+            self.quarantined.add(cluster)
+            self.passed[cluster] = 0
+
     def readmit(self, cluster: str) -> bool:
-        """An operator's readmission: the site's streak and quarantine are cleared."""
+        """An operator's readmission (`dilocox readmit`): the site's streaks and quarantine are cleared, so its
+        next update counts as any site's. True if it was quarantined."""
         self.streak.pop(cluster, None)
+        self.passed.pop(cluster, None)
         if cluster in self.quarantined:
             self.quarantined.discard(cluster)
             return True

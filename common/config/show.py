@@ -17,7 +17,7 @@ from dilocox.common.config.sources import SettingsError, subparsers_of
 from dilocox.common.config.waits import refusal
 
 COMMANDS_WITH_TABLES = ("worker", "server", "sim", "export", "status")
-SECRETS = ("token",)  # never printed: the output is meant to be shared and pasted
+SECRETS = ("token", "operator-token")  # never printed: the output is meant to be shared and pasted
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -101,3 +101,15 @@ class TooManyStreams(DilocoxError):
     """A cluster identity has more push streams open at one shard than the shard admits."""
 
     status = "RESOURCE_EXHAUSTED"
+
+
+class NotAnOperator(DilocoxError):
+    """An operator's request (a readmission) without the shard's operator token, or to a shard that has none."""
+
+    status = "PERMISSION_DENIED"
+
+
+class CheckOff(DilocoxError):
+    """A request about the update check to a shard whose check is off (--update-check off)."""
+
+    status = "FAILED_PRECONDITION"
