@@ -54,3 +54,14 @@ def test_torchrun_fsdp2_example_one_site_of_two_ranks(shard_set):
     assert "round 2: train loss" in out and "fsdp2 site done" in out, out[-2000:]
     assert all(sorted(s.members) == ["fsdp2-site"] for s in shards.shards)  # two ranks, one site
     _at_the_end(shards, 3)
+
+
+def test_the_hf_trainer_under_a_multi_process_launch_is_refused_by_name():
+    """Issue 44 (item 4): a `Trainer` launched over several processes (torchrun, `accelerate launch`: DDP or
+    FSDP under accelerate) would join the run once per process as the same site; the callback's site refuses
+    it by name, with the fix, before anything joins (the shard address here answers nothing)."""
+    job = _start("hf_trainer.py", "--servers", "127.0.0.1:9", torchrun=True)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode != 0
+    assert "this process is one of 2 (WORLD_SIZE is set, as torchrun and accelerate do) but no mesh was given" in err, err[-3000:]
+    assert "Hugging Face Trainer" in err and "one process per site" in err, err[-3000:]

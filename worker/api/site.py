@@ -110,9 +110,10 @@ def _refuse_processes_without_mesh(cluster: str) -> None:
     if world > 1:
         how = "torch.distributed is initialised" if initialised else "WORLD_SIZE is set, as torchrun and accelerate do"
         raise ValueError(f"this process is one of {world} ({how}) but no mesh was given: each would join the run as site "
-                         f"{cluster!r} with the whole model it holds (DDP, accelerate, FSDP1 and ZeRO jobs look like this). "
-                         "Give every rank of the site the same SiteMesh (docs/api.md, 'Under torchrun'; FSDP2 and "
-                         "pipeline stages), or run one process per site")  # fmt: skip
+                         f"{cluster!r} with the whole model it holds (DDP, accelerate, FSDP1 and ZeRO jobs look like this, "
+                         "and so does a Hugging Face Trainer launched over several processes). Give every rank of the site "
+                         "the same SiteMesh (docs/api.md, 'Under torchrun'; FSDP2 and pipeline stages), or run one process "
+                         "per site (the Trainer with DiLoCoXCallback: plain `python`, one GPU)")  # fmt: skip
 
 
 def _site_model_specs(mesh: SiteMesh, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...]]]:
