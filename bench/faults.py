@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bitflip-fraction", type=float, default=1e-3, help="bitflip, bitflip-low: each sent value's chance of a flipped exponent bit (default 1e-3)")
     parser.add_argument("--norm-ratio", type=float, default=UpdateCheckConfig.norm_ratio, help="the check's norm bound (default: the shards')")
     parser.add_argument("--min-cosine", type=float, default=UpdateCheckConfig.min_cosine, help="the check's cosine bound (default: the shards')")
+    parser.add_argument("--data-split", default="interleaved", choices=("interleaved", "contiguous"),
+                        help="how the sites share the corpus: interleaved (each a sample of all of it) or contiguous (each "
+                             "its own stretch: per-site data, the non-IID case the check must not flag) (default interleaved)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run (default 900)")
 
 
@@ -126,7 +129,7 @@ class FaultRun:
 
 def _config(args: argparse.Namespace) -> RunConfig:
     inner = InnerConfig(steps=args.inner_steps, warmup_steps=min(20, args.inner_steps))
-    return RunConfig(run_id="dilocox-bench-faults", rounds=args.rounds, inner=inner, eval_batches=4,
+    return RunConfig(run_id="dilocox-bench-faults", rounds=args.rounds, inner=inner, eval_batches=4, data_split=args.data_split,
                      model=ModelConfig(n_embd=args.n_embd, n_head=4, n_layer=2, block_size=64))  # fmt: skip
 
 
@@ -184,10 +187,10 @@ def run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
     flipped = "; ".join(f"{r.kind} ({r.mode}) {r.flipped}" for r in runs if r.flipped)
     notes = (
         f"{args.sites} sites × {args.shards} shards, the built-in GPT (2 layers, width {args.n_embd}), {args.rounds} rounds × "
-        f"H={args.inner_steps}, default compression and one-step delay, every run on the same data; the last site "
+        f"H={args.inner_steps}, default compression and one-step delay, every run on the same data ({args.data_split} split); the last site "
         f"(cluster-{args.sites - 1}) faulty from round {args.fault_round} on, its end-of-run flush (round {args.rounds + 1}) "
         f"included. Check: norm ratio > {args.norm_ratio:g}, cosine < {args.min_cosine:g}, replay, quarantine after 2 "
-        "flagged rounds in a row. `final_eval_loss`: the honest sites' mean at the end (each ends on the global model); "
+        "flagged rounds in a row (left out, under clip and exclude, until 2 pass in a row). `final_eval_loss`: the honest sites' mean at the end (each ends on the global model); "
         "`loss_vs_clean`: against the clean run of the same mode. Per shard, separated by ' / ': `first_flagged`, the first "
         "round from the fault's on in which the shard flagged the faulty site; `flagged_rounds`, in how many of the "
         "fault's rounds; `excluded_rounds`, the rounds it was left out of (exclude mode, quarantine included). "
