@@ -32,7 +32,7 @@ BASE_PACKAGES = "python3,python3-venv,python3-pip,iproute2"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 WHEELHOUSE_IN_CONTEXT = ".wheelhouse"
 # What the documented examples need in the image: --model llama-* and bpe: tokenizers (models), the
-# sites' TensorBoard events (tracking, ~12 MB of wheels). Not data (pyarrow, ~55 MB of wheel, ~150 MB
+# sites' TensorBoard events (tracking, ~20 MB of wheels). Not data (pyarrow, ~55 MB of wheel, ~170 MB
 # installed): only .parquet input needs it, and `dilocox data prepare` can run outside the image.
 DEFAULT_EXTRAS = "models,tracking"
 VARIANTS = ("cpu", "cuda")
