@@ -150,3 +150,21 @@ def test_a_failing_check_still_cleans_up(monkeypatch, capsys, daemon_was_running
         assert removed.images == {"sha256:new", "sha256:x"} and "stop" in calls
         left = next(c[1] for c in calls if c[0] == "host")
         assert DATA in left.paths and "docker0" in left.links
+
+
+def test_a_daemon_that_failed_to_start_leaves_nothing(monkeypatch, capsys):
+    """dockerd made its directories, then never answered: the check skips and removes them."""
+    removed = []
+    monkeypatch.setattr(compose_images, "engine_answers", lambda: False)
+
+    def fails():
+        raise compose_images.EngineUnavailable("dockerd exited with 1")
+
+    monkeypatch.setattr(compose_cli, "ensure_engine", fails)
+    states = iter([bare(), HostState(False, frozenset({DATA, EXEC}), bare().links, bare().iptables, "0")])
+    monkeypatch.setattr(docker_host, "inventory_host", lambda daemon_running: next(states))
+    monkeypatch.setattr(docker_host, "remove_leftovers", lambda left: removed.append(left) or [])
+    argv = ["compose", "--project-dir", str(ROOT), "check"]
+    assert compose_cli.run(build_parser(argv).parse_args(argv)) == 0
+    assert capsys.readouterr().out.startswith("SKIPPED: docker compose simulation: dockerd exited with 1")
+    assert [left.paths for left in removed] == [sorted([DATA, EXEC])]

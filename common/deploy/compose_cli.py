@@ -108,7 +108,11 @@ def _with_engine(args: argparse.Namespace, project: pathlib.Path, recipe) -> int
     host_before = docker_host.inventory_host(daemon_running=compose_images.engine_answers())
     try:
         engine = ensure_engine()
-    except EngineUnavailable as error:
+    except EngineUnavailable as error:  # a dockerd that failed to start may still have made its directories
+        if not host_before.daemon_running:
+            leftovers = docker_host.host_leftovers(host_before, docker_host.inventory_host(daemon_running=False))
+            if leftovers != docker_host.Leftovers():
+                docker_host.remove_leftovers(leftovers)
         return _unavailable(args, error)
     objects_before = docker_host.inventory_docker()
     try:

@@ -104,7 +104,7 @@ def ensure_engine(install: bool = True, log_path: pathlib.Path | None = None) ->
             log.info("dockerd_started", pid=daemon.pid, log=str(log_path))
             return Engine(started=daemon)
         time.sleep(1)
-    daemon.terminate()
+    stop_gracefully(daemon, grace_s=30)  # gone before the caller removes what it made
     raise EngineUnavailable(f"dockerd did not answer within 60 s; see {log_path}")
 
 
