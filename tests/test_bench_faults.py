@@ -112,11 +112,12 @@ def test_a_site_failing_mid_run_ends_the_in_process_run_without_waiting_for_the_
     assert time.monotonic() - started < 300
 
 
-def test_the_drill_flags_and_leaves_out_a_x100_site_and_raises_no_false_alarm(tmp_path):
+@pytest.mark.parametrize("split", ["interleaved", "contiguous"])  # every site a sample of the text, or its own stretch
+def test_the_drill_flags_and_leaves_out_a_x100_site_and_raises_no_false_alarm(tmp_path, split):
     parser = argparse.ArgumentParser()
     faults.add_arguments(parser)
     args = parser.parse_args(["--kinds", "scale", "--modes", "exclude", "--rounds", "4", "--fault-round", "2", "--inner-steps", "3",
-                              "--n-embd", "32"])  # fmt: skip
+                              "--n-embd", "32", "--data-split", split])  # fmt: skip
     text = faults.run(args, tmp_path)
     rows = {row["kind"]: row for row in json.loads((tmp_path / "faults.json").read_text())["rows"]}
     assert set(rows) == {"clean", "scale"}
