@@ -26,7 +26,8 @@ TINY = ["--quick", "--rounds", "2", "--inner-steps", "4", "--n-layer", "1", "--n
         "--probe-seconds", "2", "--shards", "1"]  # fmt: skip
 
 
-def _run_bench(out: pathlib.Path, *extra: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, int]:
+def _run_bench(out: pathlib.Path, *extra: str, timeout: float = 1100) -> tuple[subprocess.CompletedProcess, int]:
+    """`timeout`: a hang guard (each run takes 2-4 min on 2 idle cores, 2-3 times that on a busy machine)."""
     argv = [sys.executable, "-m", "dilocox.common.cli", "bench", "wan", "--out", str(out), *TINY, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
@@ -69,6 +70,7 @@ def _check_report(out: pathlib.Path, run: subprocess.CompletedProcess, expected_
     return report
 
 
+@pytest.mark.timeout(1200)  # a hang guard, above _run_bench's own
 def test_wan_bench_over_shaped_namespaces(tmp_path):
     usable, why = netns.available()
     if not usable:
@@ -86,6 +88,7 @@ def test_wan_bench_over_shaped_namespaces(tmp_path):
     assert f"dlx-{pid}-" not in left, "the bench left namespaces behind"
 
 
+@pytest.mark.timeout(1200)  # a hang guard, above _run_bench's own
 def test_wan_bench_fallback_throttle_at_the_papers_ratio_with_a_split_allreduce(tmp_path):
     """The in-process fallback (a throttled relay instead of namespaces), with every mode and an ablation;
     r from a stated model and link (dense-107b on 1 Gbit/s, 10 s steps: r ≈ 342); AllReduce's throughput
