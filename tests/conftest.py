@@ -76,3 +76,17 @@ def shard_set():
     yield make
     for s in made:
         s.stop()
+
+
+@pytest.fixture
+def slurm(tmp_path_factory):
+    """A real slurm-wlm controller and node daemon on this machine (tests/local_slurm.py), stopped after the
+    test; the test is skipped where slurm-wlm cannot be installed or started."""
+    from tests.local_slurm import LocalSlurm, SlurmUnavailable
+
+    try:
+        cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
+    except SlurmUnavailable as error:
+        pytest.skip(f"Slurm: {error}")
+    yield cluster
+    cluster.stop()

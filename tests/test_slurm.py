@@ -16,21 +16,11 @@ import pytest
 from dilocox.common.deploy.deploy_cli import parse_sites
 from dilocox.common.deploy.slurm import SlurmOptions, site_script
 from dilocox.common.deploy.topology import Topology
-from tests.local_slurm import LocalSlurm, SlurmUnavailable
+from tests.local_slurm import LocalSlurm
 from tests.json_logs import json_events
 from tests.ports import free_port_range
 
 ROUNDS = 6  # rounds take ~0.4 s here: enough left after the requeue point that the site is still running
-
-
-@pytest.fixture
-def slurm(tmp_path_factory):
-    try:
-        cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
-    except SlurmUnavailable as error:
-        pytest.skip(f"Slurm: {error}")
-    yield cluster
-    cluster.stop()
 
 
 def _wait(condition, timeout: float, what: str, slurm: LocalSlurm, out: pathlib.Path) -> None:

@@ -21,7 +21,6 @@ import yaml
 from dilocox.common.cli import build_parser
 from dilocox.common.deploy.topology_file import TopologyFileError, parse
 from dilocox.common.deploy.topology_render import certificate_hosts, render
-from tests.local_slurm import LocalSlurm, SlurmUnavailable
 
 VERSIONS = ("1.28", "1.30", kubernetes_validate.latest_version())
 ADDRESSES = ["shard-0.dilocox.example.org:443", "203.0.113.7:8443"]
@@ -263,16 +262,6 @@ def test_the_cli_refuses_a_bad_file_with_the_message_and_writes_nothing(tmp_path
 
 
 # --------------------------------------------------------------------------- the Slurm part, submitted
-@pytest.fixture
-def slurm(tmp_path_factory):
-    try:
-        cluster = LocalSlurm(tmp_path_factory.mktemp("slurm")).start()
-    except SlurmUnavailable as error:
-        pytest.skip(f"Slurm: {error}")
-    yield cluster
-    cluster.stop()
-
-
 def test_the_slurm_site_runs_under_slurm_with_the_command_the_file_gives(slurm, tmp_path):
     """A stand-in `torchrun` (first on PATH through the site's `setup`) records the argv Slurm ran and
     exits: the job starting the right command is the point here; test_slurm.py trains through sbatch."""
