@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import structlog
-import torch
 
 from dilocox.common import cli
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
@@ -31,35 +30,24 @@ def _readmit(addresses: list[str], capsys, *extra: str) -> tuple[int, str]:  # n
 
 
 def test_an_operator_readmits_a_quarantined_site_and_a_site_cannot(shard_set, capsys, monkeypatch):
-    from dilocox.worker.exchange.cluster import slice_tensors
-    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
+    from tests import four_sites
+    from tests.test_downlink import assert_replica_equals_shards, client
 
     shards = shard_set(2, RUN, min_clusters=4, update_check=UpdateCheckConfig(mode="exclude", quarantine_rounds=3))
     shards.shards[0].operator_token = shards.shards[1].operator_token = OPERATOR
     clients = [client(shards.addresses, f"site{i}") for i in range(4)]
     # The faulty site keeps no error feedback: a fixed site restarts without the residual of its × 100 rounds,
     # which would otherwise keep its next updates outsized.
-    clients[3].compressor = TensorCompressor(CompressionConfig(rank_max=4, target_energy=0.5, min_lowrank_numel=256,
-                                                               error_feedback=False), seed=1)  # fmt: skip
-    lasting = low_rank_delta(100)
+    no_feedback = CompressionConfig(rank_max=4, target_energy=0.5, min_lowrank_numel=256, error_feedback=False)
+    clients[four_sites.FAULTY].compressor = TensorCompressor(no_feedback, seed=1)
     left_out = {}
 
     def play(round_: int, faulty: bool) -> None:
-        for i, c in enumerate(clients):
-            delta = {n: lasting[n] + 0.5 * low_rank_delta(100 + round_)[n] + 0.3 * low_rank_delta(10 * round_ + i)[n] for n, _ in PARAMS}
-            if faulty and i == 3:
-                delta = {n: 100 * t for n, t in delta.items()}
-            c.push(round_, 100.0, slice_tensors(c.assignment, delta))
-        for c in clients:
-            assert c.pull(round_, wait_seconds=10)[0] == round_
+        four_sites.play(clients, round_, faulty)
         left_out[round_] = {shard.last_round.excluded for shard in shards.shards}
 
     try:
-        for c in clients:
-            c.join(PARAMS)
-        clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, {n: torch.zeros(s) for n, s in PARAMS}))
-        for c in clients:
-            assert c.pull(0, wait_seconds=10)[0] == 0
+        four_sites.start(clients)
         for round_ in (1, 2):
             play(round_, faulty=False)
         for round_ in (3, 4, 5):  # flagged three rounds in a row: quarantined

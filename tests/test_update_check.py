@@ -230,27 +230,15 @@ def test_real_shards_leave_a_faulty_site_out_and_every_replica_stays_bit_exact(s
     """Four clusters against two real shards in exclude mode; from round 3 one pushes its update × 100. It is
     flagged and left out by both shards, quarantined the round after, shown in Status; every cluster's
     replica (the faulty one's too) still equals the shards' weights and momentum bit for bit."""
-    from dilocox.worker.exchange.cluster import slice_tensors
-    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
+    from tests import four_sites
+    from tests.test_downlink import assert_replica_equals_shards, client
 
     shards = shard_set(2, "run-downlink", min_clusters=4, update_check=UpdateCheckConfig(mode="exclude"))
     clients = [client(shards.addresses, f"site{i}") for i in range(4)]
     try:
-        for c in clients:
-            c.join(PARAMS)
-        clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, {n: torch.zeros(s) for n, s in PARAMS}))
-        for c in clients:
-            assert c.pull(0, wait_seconds=10)[0] == 0
-        shared = {r: low_rank_delta(100 + r) for r in range(1, 6)}  # the round's common direction
+        four_sites.start(clients)
         for round_ in range(1, 6):
-            for i, c in enumerate(clients):
-                own = low_rank_delta(10 * round_ + i)
-                delta = {n: shared[round_][n] + 0.3 * own[n] for n, _ in PARAMS}
-                if i == 3 and round_ >= 3:
-                    delta = {n: 100 * t for n, t in delta.items()}
-                c.push(round_, 100.0, slice_tensors(c.assignment, delta))
-            for c in clients:
-                assert c.pull(round_, wait_seconds=10)[0] == round_
+            four_sites.play(clients, round_, faulty=round_ >= 3, lasting=False)
             for shard in shards.shards:
                 assert shard.last_round.excluded == (("site3",) if round_ >= 3 else ()), (round_, shard.last_round)
         for c in clients:
@@ -283,31 +271,17 @@ def test_real_shards_clip_an_outsized_site_and_every_replica_stays_bit_exact(sha
     shards merge it clipped to the reference norm (nothing left out), the clip factor travels with the
     forwarded contribution, and every cluster's replica (the clipped one's too) equals the shards' weights
     and momentum bit for bit; the round's global step stays the size of an honest round's."""
-    from dilocox.worker.exchange.cluster import slice_tensors
-    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
+    from tests import four_sites
+    from tests.test_downlink import assert_replica_equals_shards, client
 
     shards = shard_set(2, "run-downlink", min_clusters=4, update_check=UpdateCheckConfig(mode="clip"))
     clients = [client(shards.addresses, f"site{i}") for i in range(4)]
     steps = []
     try:
-        for c in clients:
-            c.join(PARAMS)
-        clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, {n: torch.zeros(s) for n, s in PARAMS}))
-        for c in clients:
-            assert c.pull(0, wait_seconds=10)[0] == 0
-        # Training's direction persists from round to round (else half the honest rounds point against the last).
-        lasting = low_rank_delta(100)
-        shared = {r: {n: lasting[n] + 0.5 * t for n, t in low_rank_delta(100 + r).items()} for r in range(1, 6)}
+        four_sites.start(clients)
         for round_ in range(1, 6):
             before = [{k: t.clone() for k, t in shard.snapshot.tensors.items()} for shard in shards.shards]
-            for i, c in enumerate(clients):
-                own = low_rank_delta(10 * round_ + i)
-                delta = {n: shared[round_][n] + 0.3 * own[n] for n, _ in PARAMS}
-                if i == 3 and round_ >= 3:
-                    delta = {n: 100 * t for n, t in delta.items()}
-                c.push(round_, 100.0, slice_tensors(c.assignment, delta))
-            for c in clients:
-                assert c.pull(round_, wait_seconds=10)[0] == round_
+            four_sites.play(clients, round_, faulty=round_ >= 3)
             for shard in shards.shards:  # clipped in round 3; flagged again in 4: quarantined, left out
                 assert shard.last_round.excluded == (("site3",) if round_ >= 4 else ()), (round_, shard.last_round)
             steps.append(sum(float((shard.snapshot.tensors[k] - b[k]).norm() ** 2) for shard, b in zip(shards.shards, before)
