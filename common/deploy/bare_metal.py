@@ -16,30 +16,18 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from dilocox.common.deploy.topology import METRICS_PORT, SHARD_PORT, Placement, Topology, shard_command, site_commands, tls_flags
+from dilocox.common.deploy.topology import HostPorts, Topology, shard_command, site_commands, tls_flags
 from dilocox.common.deploy.topology_file import BareMetalSettings
 
 
 @dataclass(frozen=True)
-class FixedPlacement(Placement):
-    """Processes on named hosts: shards bind every interface on port base + i, sites dial `servers`."""
+class FixedPlacement(HostPorts):
+    """Processes on named hosts: sites dial `servers`."""
 
-    compose: bool = False
     servers: tuple[str, ...] = ()
-    shard_port_base: int = SHARD_PORT
-    metrics_port_base: int = METRICS_PORT
 
     def shard_address(self, topology: Topology, index: int) -> str:
         return self.servers[index]
-
-    def shard_port(self, topology: Topology, index: int) -> int:
-        return self.shard_port_base + index
-
-    def metrics_port(self, topology: Topology, process: int) -> int:
-        return self.metrics_port_base + process
-
-    def listen_host(self) -> str:
-        return "0.0.0.0"
 
 
 def transport(settings: BareMetalSettings, tls: bool, role: str) -> list[str]:

@@ -24,7 +24,7 @@ import shlex
 from dataclasses import dataclass
 
 from dilocox.common.deploy.topology import (
-    METRICS_PORT, SHARD_PORT, Placement, Site, Topology, shard_command, site_commands, tls_flags,
+    METRICS_PORT, SHARD_PORT, HostPorts, Site, Topology, shard_command, site_commands, tls_flags,
 )  # fmt: skip
 
 NAME = "slurm"
@@ -93,25 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @dataclass(frozen=True)
-class SlurmPlacement(Placement):
-    """Shards on the allocation's nodes: listening on every interface, shard i on its own port (several
-    may share a node), found by the sites through the shards' address files."""
-
-    compose: bool = False
-    shard_port_base: int = SHARD_PORT
-    metrics_port_base: int = METRICS_PORT
+class SlurmPlacement(HostPorts):
+    """Shards on the allocation's nodes, found by the sites through the shards' address files."""
 
     def shard_address(self, topology: Topology, index: int) -> str:
         return f"shard-{index}"  # not used: the site script passes --servers "$DILOCOX_SERVERS"
-
-    def shard_port(self, topology: Topology, index: int) -> int:
-        return self.shard_port_base + index
-
-    def metrics_port(self, topology: Topology, process: int) -> int:
-        return self.metrics_port_base + process
-
-    def listen_host(self) -> str:
-        return "0.0.0.0"
 
 
 def transport_flags(options: SlurmOptions, role: str) -> list[str]:

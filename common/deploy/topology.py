@@ -97,6 +97,26 @@ COMPOSE = Placement(compose=True)
 LOCALHOST = Placement(compose=False)
 
 
+@dataclass(frozen=True)
+class HostPorts(Placement):
+    """Processes on real hosts (a Slurm allocation, bare metal): shards listen on every interface, shard i
+    on port `shard_port_base` + i (several may share a host), process p serves metrics on
+    `metrics_port_base` + p. Where a site finds a shard is the launcher's (`shard_address`)."""
+
+    compose: bool = False
+    shard_port_base: int = SHARD_PORT
+    metrics_port_base: int = METRICS_PORT
+
+    def shard_port(self, topology: Topology, index: int) -> int:
+        return self.shard_port_base + index
+
+    def metrics_port(self, topology: Topology, process: int) -> int:
+        return self.metrics_port_base + process
+
+    def listen_host(self) -> str:
+        return "0.0.0.0"
+
+
 def shard_command(topology: Topology, index: int, placement: Placement, checkpoint_dir: str | None = None, *,
                   keep_serving: bool = True, security: Sequence[str] = INSECURE, extra: Sequence[str] = ()) -> list[str]:
     """One shard's argv. The keywords are for launchers of real runs (deploy/kubernetes.py, deploy/slurm.py): a shard
