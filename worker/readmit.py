@@ -12,14 +12,14 @@ exit status is 1 if any refused or did not answer, so a script notices a partial
 from __future__ import annotations
 
 import argparse
-import os
 
 import grpc
 
 from dilocox.common.logs import configure_logging
-from dilocox.common.security import add_security_arguments, open_channel, security_from_args
+from dilocox.common.security import add_security_arguments, open_channel
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+from dilocox.worker.status import shards_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,18 +48,11 @@ def readmit_each(addresses: list[str], run_id: str, site: str, operator_token: s
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("kv", "warning")
-    addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
-    if not addresses:
-        raise SystemExit("dilocox readmit: --servers names no shard")
-    operator_token = args.operator_token if args.operator_token is not None else os.environ.get("DILOCOX_OPERATOR_TOKEN", "")
-    if not operator_token:
+    addresses, tls, token = shards_of(args, "dilocox readmit")
+    if not args.operator_token:  # $DILOCOX_OPERATOR_TOKEN reaches the flag as every DILOCOX_<FLAG> does
         raise SystemExit("dilocox readmit: no operator token: give --operator-token or set $DILOCOX_OPERATOR_TOKEN")
-    try:
-        tls, token = security_from_args(args, "worker")
-    except ValueError as error:
-        raise SystemExit(f"dilocox readmit: {error}") from None
     failed = 0
-    for address, answer in readmit_each(addresses, args.run_id, args.site, operator_token, tls, token, args.timeout):
+    for address, answer in readmit_each(addresses, args.run_id, args.site, args.operator_token, tls, token, args.timeout):
         if isinstance(answer, grpc.RpcError):
             failed += 1
             print(f"{address}: refused: {answer.code().name}: {answer.details()}")

@@ -12,7 +12,7 @@ import json
 import time
 
 from dilocox.common.logs import configure_logging
-from dilocox.common.security import add_security_arguments, security_from_args
+from dilocox.common.security import TlsFiles, add_security_arguments, security_from_args
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 
 COLUMNS = ("SHARD", "ADDRESS", "STATE", "VERSION", "ROUND", "CLUSTERS", "IN ROUND", "LAST ROUND", "CLOSED", "BYTES IN", "BYTES OUT")
@@ -149,15 +149,22 @@ def format_table(records: list[dict], now: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    configure_logging("kv", "warning")  # stdout carries only the table / JSON; warnings go to stderr
+def shards_of(args: argparse.Namespace, command: str) -> tuple[list[str], TlsFiles | None, str | None]:
+    """An operator command's shards (`--servers`) and how to reach them (TLS files, run token): a usage
+    error naming `command` (`dilocox status`, `dilocox readmit`) where either is wrong."""
     addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
     if not addresses:
-        raise SystemExit("dilocox status: --servers names no shard")
+        raise SystemExit(f"{command}: --servers names no shard")
     try:
         tls, token = security_from_args(args, "worker")
     except ValueError as error:
-        raise SystemExit(f"dilocox status: {error}") from None
+        raise SystemExit(f"{command}: {error}") from None
+    return addresses, tls, token
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("kv", "warning")  # stdout carries only the table / JSON; warnings go to stderr
+    addresses, tls, token = shards_of(args, "dilocox status")
     with AggregatorClient(addresses, run_id="", cluster="status", tls=tls, token=token, shard_wait_s=0) as client:
         records = [shard_record(a, reply) for a, reply in zip(addresses, client.status_each(timeout=args.timeout))]
     if args.json:
