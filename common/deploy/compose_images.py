@@ -259,7 +259,7 @@ def build_image(project: pathlib.Path, cache: pathlib.Path, recipe: Recipe, prun
         shutil.rmtree(project / WHEELHOUSE_IN_CONTEXT, ignore_errors=True)
     # Every rebuild leaves the build stage (sources + wheelhouse) and the previous image dangling: drop ours.
     if prune:
-        subprocess.run(["docker", "image", "prune", "--force", "--filter", "label=org.dilocox.stage"],
+        subprocess.run(["docker", "image", "prune", "--force", "--filter", f"label={Engine.LABEL}"],
                        capture_output=True, timeout=300, check=False)  # fmt: skip
     log.info("image_built", image=recipe.image, base=recipe.base_image, extras=recipe.extras,
              seconds=round(time.monotonic() - started, 1))  # fmt: skip
