@@ -14,6 +14,14 @@ import time
 
 MARK = "PYTEST_DILOCOX_RUN"  # not DILOCOX_*: the CLI refuses variables of its own prefix it does not know
 EXECNET = "exec(eval(sys.stdin.readline()))"  # an xdist worker's bootstrap: the run's own, gone right after
+# multiprocessing's resource tracker, started by a spawn in this very process: it reads a pipe only this
+# process holds and ends with it (under xdist its parent is a worker, gone by the check).
+RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
 
 
 def mark_this_run() -> str:
@@ -33,9 +41,10 @@ def marked_processes(mark: str) -> dict[int, str]:
                     continue
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            ours = RESOURCE_TRACKER in command and _parent_of(int(entry)) == os.getpid()
         except OSError:  # gone meanwhile, or another user's
             continue
-        if command and EXECNET not in command:  # a zombie has no command line; xdist's workers are the run's own
+        if command and EXECNET not in command and not ours:  # a zombie has no command line; xdist's workers are the run's own
             found[int(entry)] = command
     return found
 
