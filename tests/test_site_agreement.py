@@ -95,6 +95,15 @@ def test_the_sites_collective_timeout_outlasts_the_longest_legitimate_exchange_w
     assert Communicator.__init__.__defaults__[1] == PULL_WAIT_S  # the communicator waits what the model says
     with pytest.raises(ValueError, match="waits must be positive"):
         collective_timeout_for(-1)
+    # A site sets all three waits; the timeout follows them, and each flag's bad value is refused by name.
+    assert collective_timeout_for(60, pull_wait_s=300, margin_s=30) == 390
+    import subprocess
+    import sys
+
+    worker = [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", "127.0.0.1:1", "--insecure"]
+    for flag, value in (("--pull-wait-s", "0"), ("--boundary-margin-s", "-5"), ("--shard-wait-s", "-1")):
+        refused = subprocess.run([*worker, flag, value], capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and f"dilocox worker: {flag} must be" in refused.stderr, refused.stderr[-500:]
 
 
 def test_shard_settings_that_break_the_order_of_the_waits_are_refused_by_name(tmp_path):

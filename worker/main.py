@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from dilocox.common.config.run import ParallelConfig, add_config_arguments, config_from_args
+from dilocox.common.config.waits import MARGIN_S, PULL_WAIT_S, SHARD_WAIT_S, collective_timeout_for, site_wait_problems
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
@@ -60,9 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume-if-present", action="store_true",
                         help="--resume when --checkpoint-dir holds a committed checkpoint of this site, else start afresh: "
                              "for a job a scheduler may restart (Slurm requeue, a Kubernetes pod) with the same command")  # fmt: skip
-    parser.add_argument("--shard-wait-s", type=float, default=1800.0,
+    parser.add_argument("--shard-wait-s", type=float, default=SHARD_WAIT_S,
                         help="how long to wait for an unreachable shard (restarting, link down) before giving up, "
                              "retrying as soon as it serves again (default 1800 = 30 min)")  # fmt: skip
+    parser.add_argument("--pull-wait-s", type=float, default=PULL_WAIT_S,
+                        help="how long to wait for a round's result once this site's part is pushed, re-pushing "
+                             "meanwhile (default 3600 = 1 h; keep it above the shards' --round-deadline-s)")  # fmt: skip
+    parser.add_argument("--boundary-margin-s", type=float, default=MARGIN_S,
+                        help="a multi-rank site: the boundary's own work (reshard, checkpoint staging, eval) on top of the "
+                             "waits above; the site's collective timeout is their sum, never shorter than a rank's "
+                             "legitimate wait (default 600)")  # fmt: skip
     parser.add_argument("--join-late", action="store_true",
                         help="join a run whose first rounds have closed, training only the rounds left (default: refuse, exit 3)")
     add_metrics_arguments(parser, default_host="0.0.0.0")  # served by the cluster's rank 0 only
@@ -102,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         tls, token = security_from_args(args, "worker")
     except ValueError as error:
         raise SystemExit(f"dilocox worker: {error}") from None
+    for problem in site_wait_problems(args.shard_wait_s, args.pull_wait_s, args.boundary_margin_s):
+        raise SystemExit(f"dilocox worker: {problem}")
     if not args.simulate_slowdown >= 1:
         raise SystemExit(f"dilocox worker: --simulate-slowdown must be ≥ 1 (1: full speed), got {args.simulate_slowdown}")
     if not 0 <= args.cluster_index < args.num_clusters:
@@ -129,10 +139,10 @@ def run(args: argparse.Namespace) -> int:
     mesh = None
     try:
         if parallel:
-            from dilocox.common.config.waits import collective_timeout_for
             from dilocox.worker.site.mesh import SiteMesh
 
-            mesh = SiteMesh(config.parallel, collective_timeout_s=collective_timeout_for(args.shard_wait_s))
+            timeout_s = collective_timeout_for(args.shard_wait_s, args.pull_wait_s, args.boundary_margin_s)
+            mesh = SiteMesh(config.parallel, collective_timeout_s=timeout_s)
         data = load_run_data(config.tokenizer, args.data, args.text_field)
         if data.vocab_size != config.model.vocab_size:  # the tokenizer's vocabulary sizes the model: check again
             check_model_size(config.model, data.vocab_size, config.parallel, _local_processes(config.parallel),
@@ -178,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     # The same site object a user's own loop makes (dilocox.DiLoCoX), over the built-in trainer.
     dx = DiLoCoX(None, servers=args.servers, config=config, cluster=cluster, num_clusters=args.num_clusters, tls=tls,
                  token=token, tokenizer=(data.tokenizer_digest, data.tokenizer_json), shard_wait_s=args.shard_wait_s,
+                 pull_wait_s=args.pull_wait_s,
                  join_late=args.join_late, builtin=BuiltinTrainer(trainer, access, **extra))  # fmt: skip
     metrics_server, progress, tracker = None, None, None
     try:

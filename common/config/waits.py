@@ -4,20 +4,36 @@ One rank can legitimately be inside an exchange for a long time: the communicato
 result up to `PULL_WAIT_S` (re-pushing its part meanwhile), and each call to a shard that is down waits up
 to the site's `--shard-wait-s` more. Its peers, meanwhile, wait for it in the boundary's next collective —
 always an agreement, on a gloo group of its own (`SiteMesh.agreement_group`) — so the site's collective
-timeout must outlast both: `collective_timeout_for`.
+timeout must outlast both: `collective_timeout_for`. A site sets all three (`dilocox worker --shard-wait-s,
+--pull-wait-s, --boundary-margin-s`); the collective timeout is never a setting of its own, so it cannot be set
+below the waits it has to outlast.
 """
 
 from __future__ import annotations
 
+SHARD_WAIT_S = 1800.0  # an unreachable shard (restarting, link down)
 PULL_WAIT_S = 3600.0  # a round's result, after the push
 MARGIN_S = 600.0  # a boundary's own work on top (reshard, checkpoint staging, eval)
 
 
-def collective_timeout_for(shard_wait_s: float, pull_wait_s: float = PULL_WAIT_S) -> float:
-    """The site's collective timeout: longer than the longest legitimate exchange wait of one rank."""
-    if shard_wait_s < 0 or pull_wait_s <= 0:
-        raise ValueError(f"waits must be positive: shard wait {shard_wait_s}, pull wait {pull_wait_s}")
-    return pull_wait_s + shard_wait_s + MARGIN_S
+def collective_timeout_for(shard_wait_s: float, pull_wait_s: float = PULL_WAIT_S, margin_s: float = MARGIN_S) -> float:
+    """The site's collective timeout: longer than the longest legitimate exchange wait of one rank (a
+    round's result, then a shard that went down at that moment) plus the boundary's own work."""
+    if shard_wait_s < 0 or pull_wait_s <= 0 or margin_s < 0:
+        raise ValueError(f"waits must be positive: shard wait {shard_wait_s}, pull wait {pull_wait_s}, margin {margin_s}")
+    return pull_wait_s + shard_wait_s + margin_s
+
+
+def site_wait_problems(shard_wait_s: float, pull_wait_s: float, margin_s: float) -> list[str]:
+    """What `dilocox worker` refuses in its waits: each a sentence naming the flag."""
+    problems = []
+    if not shard_wait_s >= 0:
+        problems.append(f"--shard-wait-s must be ≥ 0, got {shard_wait_s:g}")
+    if not pull_wait_s > 0:
+        problems.append(f"--pull-wait-s must be > 0, got {pull_wait_s:g}")
+    if not margin_s >= 0:
+        problems.append(f"--boundary-margin-s must be ≥ 0, got {margin_s:g}")
+    return problems
 
 
 def refusal(round_deadline_s: float | None, grace_s: float = 0.0) -> str | None:

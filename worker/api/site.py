@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dilocox.common.config.run import RunConfig, as_dict
+from dilocox.common.config.waits import PULL_WAIT_S, SHARD_WAIT_S, collective_timeout_for
 from dilocox.common.security import TlsFiles
 from dilocox.common.wire.assignment import tokenizer_digest_of
 from dilocox.common.wire.compression import TensorCompressor
@@ -149,7 +150,8 @@ class DiLoCoX:
         tokenizer: object = None,
         tls: TlsFiles | None = None,
         token: str | None = None,
-        shard_wait_s: float = 1800.0,
+        shard_wait_s: float = SHARD_WAIT_S,
+        pull_wait_s: float = PULL_WAIT_S,
         join_late: bool = False,
         on_round: Callable[[RoundReport], None] | None = None,
         builtin: BuiltinTrainer | None = None,
@@ -164,7 +166,8 @@ class DiLoCoX:
         (torchtitan's: dimensions pp, dp_replicate, dp_shard; `SiteMesh.adopt` reads it). `evaluate`: returns the model's
         eval loss (called after joining, after each round and at the end; optional). `tokenizer`: what
         the shards check every site tokenizes with (see `tokenizer_identity`). `tls`, `token`: as the
-        CLI's `--tls-*` and `--token`. `shard_wait_s`: how long an unreachable shard is waited for.
+        CLI's `--tls-*` and `--token`. `shard_wait_s`: how long an unreachable shard is waited for; `pull_wait_s`: a round's result (a
+        `SiteMesh`'s collective timeout must outlast both: `collective_timeout_for`).
         `join_late`: join a run whose first rounds have closed. `on_round(report)`: after each round.
         `builtin`: used by `dilocox worker` for its own trainer; not for user code."""
         self.config = config or RunConfig()
@@ -175,7 +178,13 @@ class DiLoCoX:
             if isinstance(mesh, _DeviceMesh):  # the job's own (torchtitan's): its layout, DiLoCoX's groups over it
                 from dilocox.worker.site.mesh import SiteMesh as _SiteMesh
 
-                mesh = _SiteMesh.adopt(mesh, self.config.parallel)
+                # DiLoCoX's own groups (agreements, checkpoint writer) outlast one rank's longest exchange wait.
+                mesh = _SiteMesh.adopt(mesh, self.config.parallel, collective_timeout_for(shard_wait_s, pull_wait_s))
+            elif mesh.collective_timeout_s < collective_timeout_for(shard_wait_s, pull_wait_s, margin_s=0):
+                log.warning("site_collective_timeout_short", collective_timeout_s=mesh.collective_timeout_s,
+                            needed_s=collective_timeout_for(shard_wait_s, pull_wait_s),
+                            reason="a rank waiting for a round's result or a shard can outlast it while its peers wait in "
+                                   "an agreement; build the SiteMesh with collective_timeout_for(shard_wait_s, pull_wait_s)")  # fmt: skip
         self.mesh = mesh
         addresses = [a.strip() for a in servers.split(",")] if isinstance(servers, str) else [a.strip() for a in servers]
         addresses = [a for a in addresses if a]
@@ -197,7 +206,7 @@ class DiLoCoX:
         self.compressor = TensorCompressor(compress, seed=self.config.seed, name="uplink") if compress.codec != "fp32" else None
         self.client = AggregatorClient(addresses, self.config.run_id, cluster, self.config.wire, compressor=self.compressor,
                                        stale_weighting=self.config.stale_weighting,
-                                       tls=tls, token=token, shard_wait_s=shard_wait_s, tokenizer=tokenizer_identity(tokenizer))  # fmt: skip
+                                       tls=tls, token=token, shard_wait_s=shard_wait_s, pull_wait_s=pull_wait_s, tokenizer=tokenizer_identity(tokenizer))  # fmt: skip
         self.cluster = DilocoCluster(
             trainer, self.client, self.config.rounds, self.config.inner.steps, self.config.delay, json.dumps(as_dict(self.config)),
             access=access, allow_late_join=join_late, sync_rounds=self.config.sync_rounds, delayed_start=self.config.delayed_start,

@@ -21,6 +21,7 @@ from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, model_digest
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.config.run import WireConfig
+from dilocox.common.config.waits import PULL_WAIT_S, SHARD_WAIT_S
 from dilocox.common.wire.framing import (
     Assembled,
     EncodedSlice,
@@ -78,7 +79,8 @@ class AggregatorClient:
         connect_timeout: float = 60.0,
         rpc_timeout: float = 600.0,
         compressor: TensorCompressor | None = None,
-        shard_wait_s: float = 1800.0,
+        shard_wait_s: float = SHARD_WAIT_S,
+        pull_wait_s: float = PULL_WAIT_S,
         tls: TlsFiles | None = None,
         token: str | None = None,
         tokenizer: tuple[str, str] = ("", ""),
@@ -87,7 +89,9 @@ class AggregatorClient:
         """`tokenizer`: (digest, tokenizer.json) of this cluster's tokenizer, recorded and checked by the
         shards at the join ("byte" and "" for bytes; ("", "") sends none, e.g. a bare test client).
         `stale_weighting`: how work pushed later than the round it was trained for weighs
-        (common/wire/staleness.py): a carried part's scale, a caught-up push's weight."""
+        (common/wire/staleness.py): a carried part's scale, a caught-up push's weight. `shard_wait_s`: how long
+        a call waits out an unreachable shard; `pull_wait_s`: how long the site's communicator waits for a
+        round's result (common/config/waits.py)."""
         if not addresses:
             raise ValueError("at least one shard address is needed")
         self.addresses = list(addresses)
@@ -97,6 +101,7 @@ class AggregatorClient:
         self.connect_timeout = connect_timeout
         self.rpc_timeout = rpc_timeout
         self.shard_wait_s = shard_wait_s
+        self.pull_wait_s = pull_wait_s
         self.tokenizer = tokenizer
         options = [
             ("grpc.max_receive_message_length", self.wire.max_message_bytes),

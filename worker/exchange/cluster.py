@@ -138,7 +138,7 @@ class DilocoCluster(StepDriven):
         self.reports: list[RoundReport] = []
         self.initial_eval_loss: float | None = None
         self.final_eval_loss: float | None = None
-        self.communicator = Communicator(client, pull_names=tuple(self.names))
+        self.communicator = Communicator(client, pull_names=tuple(self.names), pull_wait_s=client.pull_wait_s)
         self._last_weight = 1.0  # tokens of the last round: the flush round's weight
         self._adopt_held = False  # the last round was synchronous: its θ_T is in the client's copy
         self.flush: dict | None = None  # what the end-of-run flush sent and cost, once it ran

@@ -91,7 +91,7 @@ class StepDriven:
             # rejoin, adopt the current global weights and carry on from there.
             log.warning("cluster_rejoining", cluster=self.client.cluster, round=self.round, reason=error.details)
             self.communicator.close(timeout=0)
-            self.communicator = Communicator(self.client, pull_names=tuple(self.names))
+            self.communicator = Communicator(self.client, pull_names=tuple(self.names), pull_wait_s=self.client.pull_wait_s)
             self.begin()
             return None
         self.reports.append(report)

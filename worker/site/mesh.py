@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dilocox.common.config.run import ParallelConfig
-from dilocox.common.config.waits import collective_timeout_for
+from dilocox.common.config.waits import SHARD_WAIT_S, collective_timeout_for
 from dilocox.worker.train.device import Compute, resolve_compute
 
 log = structlog.get_logger()
@@ -84,7 +84,7 @@ class SiteMesh:
         agreement, made on a gloo group of its own (`agreement_group`), so the peers wait on the host, not
         in an NCCL collective under its watchdog."""
         if collective_timeout_s is None:
-            collective_timeout_s = collective_timeout_for(1800.0)
+            collective_timeout_s = collective_timeout_for(SHARD_WAIT_S)
         self.shape = SiteShape.of(parallel)
         world = dist.get_world_size() if _adopted is not None else int(os.environ["WORLD_SIZE"])
         if world != self.shape.world_size:
