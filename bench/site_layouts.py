@@ -24,6 +24,16 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 
+# Host-memory settings compared in one run (`dilocox bench train --layout-variants`): the start in memory and
+# checkpoints staged asynchronously (kept buffers), against the start on disk and checkpoints written from
+# the live state (docs/decisions.md, "What does a rank hold for the exchange").
+VARIANTS = {
+    "memory": (),
+    "checkpointed": ("--checkpoint-dir", "{work}/checkpoints"),
+    "lean": ("--checkpoint-dir", "{work}/checkpoints", "--checkpoint-staging", "sync", "--spill-dir", "{work}/spill"),
+}
+
+
 @dataclass
 class LayoutRun:
     pp: int
@@ -35,7 +45,8 @@ class LayoutRun:
     batch_size: int = 8
     microbatches: int = 4
     shards: int = 2
-    extra: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()  # more worker flags; "{work}" is this run's own folder
+    variant: str = ""  # a name for `extra` in the rows (VARIANTS)
     events: list[dict] = field(default_factory=list)
     peak_rss_kb: dict[int, int] = field(default_factory=dict)  # rank -> peak RSS
 
@@ -209,10 +220,12 @@ def planned_device_mb(run: LayoutRun, device: str = "cpu") -> list[int]:
 
 def run_layout(run: LayoutRun, workdir: pathlib.Path, threads: int = 1, timeout_s: float = 900.0, device: str = "cpu") -> LayoutRun:
     """Start the shards and one site of `run`'s layout, wait for the site to finish, collect its events."""
-    run_id = f"layout-{run.pp}x{run.dp}x{run.dp_replicate}"
+    run_id = f"layout-{run.pp}x{run.dp}x{run.dp_replicate}" + (f"-{run.variant}" if run.variant else "")
+    own = workdir / run_id
+    flags = [flag.replace("{work}", str(own)) for flag in layout_flags(run, device)]
     with shard_processes(run.shards, run_id, workdir) as addresses:
         cmd = _cli("worker", "--servers", ",".join(addresses), "--run-id", run_id, "--insecure", "--log-format", "json",
-                   "--threads", str(threads), *layout_flags(run, device))  # fmt: skip
+                   "--threads", str(threads), *flags)  # fmt: skip
         log_path = workdir / f"{run_id}.log"
         rc, run.events = run_worker(cmd, log_path, run, timeout_s)
     if rc != 0:
@@ -233,11 +246,14 @@ def summarize(run: LayoutRun) -> dict:
     for e in run.events:
         if e.get("event") == "boundary_done" and e.get("rank", 0) == 0 and e.get("round", 0) > 1:
             for key, value in e.items():
+                if key == "rss_before_mb":
+                    continue
                 if key.endswith("_s"):
                     phases.setdefault(key, []).append(value)
     rss = [round(run.peak_rss_kb[r] / 1024) for r in sorted(run.peak_rss_kb)]
     row = {
-        "layout": f"pp{run.pp}×dp{run.dp}" + (f" (replicate {run.dp_replicate})" if run.dp_replicate > 1 else ""),
+        "layout": f"pp{run.pp}×dp{run.dp}" + (f" (replicate {run.dp_replicate})" if run.dp_replicate > 1 else "")
+                  + (f" {run.variant}" if run.variant else ""),
         "ranks": run.pp * run.dp,
         "tokens_per_s": round(tokens / compute) if compute else 0,
         "boundary_s": round(sum(boundary) / len(boundary), 3) if boundary else 0.0,
@@ -253,18 +269,29 @@ def summarize(run: LayoutRun) -> dict:
         # Without the payloads of the last push (kept to replay the round: a few KB compressed).
         row["exchange_bytes_per_owned_param"] = [round((memory[r]["total_bytes"] - memory[r].get("own_push_bytes", 0))
                                                        / max(1, memory[r]["params_owned"]), 2) for r in sorted(memory)]  # fmt: skip
+    steady_rss = {}
+    for e in run.events:  # resident memory as each round's training ended (round 1 is before any checkpoint is kept)
+        if e.get("event") == "boundary_done" and e.get("round", 0) > 1 and "rss_before_mb" in e:
+            steady_rss.setdefault(e.get("rank", 0), []).append(e["rss_before_mb"])
+    if steady_rss:
+        row["steady_rss_mb_per_rank"] = [max(steady_rss[r]) for r in sorted(steady_rss)]
     if phases:
         row["boundary_phases_s"] = {k: round(sum(v) / len(v), 4) for k, v in sorted(phases.items())}
     return row
 
 
-def measure_layouts(layouts: list[tuple[int, int, int]], threads: int = 1, device: str = "cpu", **options) -> list[dict]:
+def measure_layouts(layouts: list[tuple[int, int, int]], threads: int = 1, device: str = "cpu", variants: tuple[str, ...] = (),
+                    **options) -> list[dict]:  # fmt: skip
+    """One row per layout and variant (VARIANTS; none: the plain run), in this order."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="dilocox-layouts-") as tmp:
         for pp, dp, replicate in layouts:
-            run = run_layout(LayoutRun(pp, dp, replicate, **options), pathlib.Path(tmp), threads, device=device)
-            rows.append(summarize(run))
-            print(json.dumps(rows[-1]), file=sys.stderr)
+            for variant in variants or ("",):
+                extra = VARIANTS[variant] if variant else ()
+                run = run_layout(LayoutRun(pp, dp, replicate, extra=extra, variant=variant, **options), pathlib.Path(tmp), threads,
+                                 device=device)  # fmt: skip
+                rows.append(summarize(run))
+                print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
 
 

@@ -37,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="text to train on (default: the bundled tinyshakespeare)")
     parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
                         help=f"sites of pp×dp[×replicate] ranks against real shards, on the CPU (default {DEFAULT_LAYOUTS}; '' skips them)")
+    parser.add_argument("--layout-variants", default="",
+                        help="host-memory settings each layout runs with, compared in one run: comma-separated of memory "
+                             "(the start in memory, no checkpoint), checkpointed (+ async checkpoints every round) and lean "
+                             "(the start on disk, checkpoints written synchronously) (default: the plain run)")  # fmt: skip
     parser.add_argument("--layout-model", default=DEFAULT_LAYOUT_MODEL,
                         help=f"model flags of the layout rows (default '{DEFAULT_LAYOUT_MODEL}', batch 2 per replica)")
 
@@ -145,6 +149,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
                   f"`{args.layout_model}`, batch 2 per replica, 3 rounds × 3 steps; steady rounds (after the first). "
                   "Boundary: a round's wall time minus its inner steps (eval included).\n\n")  # fmt: skip
         notes += markdown_table(layout_rows, ["layout", "ranks", "params_held_m", "tokens_per_s", "boundary_s", "peak_rss_mb_per_rank",
+                                              "steady_rss_mb_per_rank",
                                               "exchange_bytes_per_held_param", "exchange_bytes_per_owned_param", "replay_mismatches"]) + "\n"  # fmt: skip
     columns = ["model", "tokenizer", "precision", "params_m", "vocab", "device", "tokens_per_s", "peak_rss_mb", "cuda_peak_mb", "loss"]
     if any("error" in r for r in rows):
@@ -160,8 +165,14 @@ def _layout_rows(args: argparse.Namespace) -> list[dict]:
     from dilocox.bench.site_layouts import measure_layouts
 
     layouts = [(s[0], s[1], s[2] if len(s) > 2 else 1) for s in specs]
+    from dilocox.bench.site_layouts import VARIANTS
+
+    variants = tuple(v.strip() for v in getattr(args, "layout_variants", "").split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"dilocox bench train: --layout-variants {','.join(unknown)}: not one of {', '.join(VARIANTS)}")
     return measure_layouts(layouts, threads=1, model_flags=tuple(args.layout_model.split()), rounds=3, inner_steps=3,
-                           batch_size=2, microbatches=2)  # fmt: skip
+                           batch_size=2, microbatches=2, variants=variants)  # fmt: skip
 
 
 if __name__ == "__main__":

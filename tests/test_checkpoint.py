@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import socket
@@ -242,7 +243,9 @@ def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
         err = log.open("w") if log is not None else subprocess.PIPE  # a full pipe nobody reads would stall the ranks
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
 
-    first = site(log=tmp_path / "first.log")
+    # Issue 43: the first run keeps its start on disk and writes its checkpoints from the live state (nothing
+    # staged); the resume reads what it wrote and goes on with the defaults.
+    first = site("--spill-dir", str(tmp_path / "spill"), "--checkpoint-staging", "sync", log=tmp_path / "first.log")
     try:
         deadline = time.monotonic() + 180
         while min(s.version for s in shards.shards) < 3 and time.monotonic() < deadline and first.poll() is None:
@@ -272,6 +275,10 @@ def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
     assert sorted(replicas) == [0, 1, 2, 3], replicas
     assert all(e["how"] == "delta" and e["bytes_down"] < e["full_pull_bytes"] / 2 for e in replicas.values()), replicas
     assert not [e for e in events if e["event"] in ("replay_mismatch", "replica_resync")]
+    before = [json.loads(line) for line in (tmp_path / "first.log").read_text().splitlines() if line.startswith("{")]
+    assert {e["staging"] for e in before if e["event"] == "worker_checkpoint_staged"} == {"sync"}
+    assert sorted(e["rank"] for e in before if e["event"] == "exchange_spill") == [0, 1, 2, 3]
+    assert not os.listdir(tmp_path / "spill")  # the killed ranks' spill files went with them
     final = read_progress(tmp_path / "site" / f"round-{rounds:06d}")
     assert final["committed"] and sorted(final["data"]) == ["replica0", "replica1"]
     assert final["step"] == (resumed_from + rounds - joined_at) * h  # no inner step of a committed round repeated

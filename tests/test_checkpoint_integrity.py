@@ -317,3 +317,38 @@ def test_site_checkpoint_commits_a_manifest_and_resume_falls_back_past_a_damaged
                                          r"manifest this build reads; round-000001: .metadata holds 0 bytes"):  # fmt: skip
         SiteCheckpoint(tmp_path, "c").restore(InnerTrainer(config, tokens), None, names)
     assert sorted(p.name for p in root.iterdir() if "refused" not in p.name) == ["round-000001", "round-000002"]
+
+
+@pytest.mark.parametrize("staging", ["async", "sync"])
+def test_site_checkpoints_reuse_their_staging_buffers_or_stage_nothing(tmp_path, staging):
+    """Issue 43 (item 5): async checkpoints refill the buffers the first one staged into (DCP's stager
+    kept by the site: no new allocation, and on a GPU no new pinning, per checkpoint); sync ones stage
+    nothing. Either way the newest committed checkpoint restores the trainer bit for bit."""
+    from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
+    from dilocox.worker.checkpoint import SiteCheckpoint
+    from dilocox.worker.data.corpus import load_corpus
+    from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
+    from dilocox.worker.train.inner_trainer import InnerTrainer
+
+    config = RunConfig(rounds=2, model=ModelConfig(n_layer=1, n_embd=16, block_size=16), inner=InnerConfig(steps=1, batch_size=2))
+    tokens = TokenData.from_bytes(load_corpus(None), EVAL_FRACTION)
+    trainer = InnerTrainer(config, tokens)
+    names = [n for n, _ in trainer.named_parameters()]
+    site = SiteCheckpoint(tmp_path, "c", staging=staging)
+    staged = []
+    for round_ in (1, 2, 3):
+        trainer.train_steps(1)
+        site.capture(round_, trainer, None, names)
+        site.commit(round_)
+        cache = site._stager._state_dict_stager._cached_storage_mapping if site._stager is not None else {}
+        staged.append(sorted(s.data_ptr() for s in cache.values()))
+    site.close()
+    if staging == "async":
+        assert staged[0] and staged[0] == staged[1] == staged[2]  # the same host buffers, refilled
+        assert site.staged_bytes > 0
+    else:
+        assert staged == [[], [], []] and site.staged_bytes == 0
+    fresh = InnerTrainer(config, tokens)
+    assert SiteCheckpoint(tmp_path, "c").restore(fresh, None, names) == 3 and fresh.step == 3
+    want = dict(trainer.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in fresh.named_parameters())

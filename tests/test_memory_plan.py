@@ -64,6 +64,21 @@ def test_auto_keeps_stages_gathered_only_where_that_fits():
     assert plan_memory(config, 128256).pipeline_reshard == "step"  # no GPU size (the CPU): the fewest collectives
 
 
+def test_a_lean_site_plans_12_host_bytes_per_owned_parameter_steady_and_16_at_a_checkpoint():
+    """Issue 43 (item 5): the start on disk and checkpoints written from the live state (tests/test_spill.py
+    for the bits); by default the start in memory and async staging kept between checkpoints."""
+    def per_owned(**parallel) -> list[tuple[float, float]]:
+        config = RunConfig(model=ModelConfig(model="llama-3-70b", block_size=1024), inner=InnerConfig(batch_size=8),
+                           parallel=ParallelConfig(pp=8, dp=8, microbatches=8, precision="bf16", **parallel))  # fmt: skip
+        return [(r.host["exchange"] / r.owned, (r.host["exchange"] + r.host["checkpoint"]) / r.owned)
+                for r in plan_memory(config, 128256).ranks]  # fmt: skip
+
+    lean = per_owned(spill_dir="/nvme/dilocox", checkpoint_staging="sync")
+    assert all(steady < 12.01 and at_checkpoint < 16.01 for steady, at_checkpoint in lean), lean
+    default = per_owned()
+    assert all(16 <= steady < 16.5 and at_checkpoint > 28 for steady, at_checkpoint in default), default
+
+
 def test_the_verdict_names_what_binds_and_the_layouts_that_fit():
     config = RunConfig(model=ModelConfig(model="llama-1b", block_size=2048), inner=InnerConfig(batch_size=4),
                        parallel=ParallelConfig(precision="bf16", microbatches=4))  # fmt: skip
@@ -91,6 +106,9 @@ def test_dilocox_plan_names_what_it_cannot_do_instead_of_a_traceback():
     unknown = plan("llama-3b")
     assert unknown.returncode != 0 and "dilocox plan: --model 'llama-3b' is not a known model" in unknown.stderr
     assert "Traceback" not in unknown.stderr
+    refused = plan("llama-3-70b", "--pp", "8", "--dp", "8")  # 1f1b with fewer microbatches than stages
+    assert refused.returncode != 0 and "dilocox plan: bad configuration: schedule 1f1b needs" in refused.stderr
+    assert "Traceback" not in refused.stderr
     if torch.cuda.device_count() < 2:  # --device cuda measures on one GPU per rank: a layout larger than the machine is refused
         gpus = torch.cuda.device_count()
         wide = plan("gpt", "--n-layer", "2", "--n-embd", "64", "--device", "cuda", "--dp", "2", "--measure")

@@ -18,6 +18,10 @@ What a checkpoint of round t holds, captured at the end of round t, before its p
 
 The save is DCP's `async_save`: the state is staged to host memory at the boundary (no copy on the
 device) and written by a background thread over the site's own gloo group, while training goes on. The
+staging buffers are kept and refilled at the next checkpoint (DCP's `DefaultStager` cache), pinned on a
+GPU by registering them (no rounding up to a power of two, no new pinned allocation per checkpoint).
+`checkpoint_staging = "sync"` stages nothing: DCP's `save` writes from the live state, a piece at a time,
+while the site waits (worker/checkpoint_staging.py). The
 checkpoint is *committed* — a `COMMITTED` file next to DCP's `.metadata` — only once round t's
 pseudo-gradient is on the shards (one round later under the delay), so a resume never starts from a
 round the shards have not got. `--resume` takes the newest committed one; older ones are pruned.
@@ -63,7 +67,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.worker.exchange.packed_state import compressor_state_by_name, pack, restore_compressor_state, unpack
-from dilocox.worker.checkpoint_staging import SAVE_ERRORS, first_line, settled, tensor_bytes, written_once
+from dilocox.worker.checkpoint_staging import SAVE_ERRORS, first_line, reusable_stager, settled, tensor_bytes, written_once
 from dilocox.worker.exchange.replica_state import read_replica, write_replica
 
 log = structlog.get_logger()
@@ -124,9 +128,14 @@ def verify(folder: pathlib.Path, round_: int) -> tuple[bool, str | None]:
 
 class SiteCheckpoint:
     def __init__(self, directory: str | os.PathLike, cluster: str, every: int = 1, keep: int = 2,
-                 rank: int = 0, replica: int = 0, group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+                 rank: int = 0, replica: int = 0, group: dist.ProcessGroup | None = None, staging: str = "async",
+                 pinned: bool = False) -> None:  # fmt: skip
         """`rank`: this process's rank in the site (rank 0 commits and prunes); `replica`: which data
-        replica it trains; `group`: the site's checkpoint group (None: one process, no collectives)."""
+        replica it trains; `group`: the site's checkpoint group (None: one process, no collectives).
+        `staging`: "async" (staged into kept host buffers, `pinned` where a GPU copies into them, written in
+        the background) or "sync" (written from the live state while the site waits)."""
+        if staging not in ("async", "sync"):
+            raise ValueError(f"checkpoint staging must be async or sync, got {staging!r}")
         if every < 1:
             raise ValueError(f"checkpoint interval must be ≥ 1 round, got {every}")
         if keep < 1:
@@ -143,6 +152,9 @@ class SiteCheckpoint:
         self._writer: ThreadPoolExecutor | None = None  # each rank: its replica file, beside DCP's
         self._replicas: dict[int, Future] = {}
         self.staged_bytes = 0  # the last capture's tensors, as this rank staged them
+        self.staging = staging
+        self.pinned = pinned
+        self._stager = None  # DCP's DefaultStager, kept: its staged buffers are reused at every checkpoint
 
     def path_of(self, round_: int) -> pathlib.Path:
         return self.root / f"round-{round_:06d}"
@@ -175,16 +187,25 @@ class SiteCheckpoint:
         if self.group is not None:
             dist.barrier(group=self.group)
         state = self._state(trainer, compressor, names)
+        started = time.perf_counter()
         try:
-            self._pending[round_] = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
+            if self.staging == "sync":  # from the live state, while the site waits: nothing staged
+                dcp.save(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
+                self._pending[round_] = done = Future()
+                done.set_result(None)
+            else:
+                self._stager = self._stager or reusable_stager(self.pinned)
+                self._pending[round_] = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group,
+                                                       no_dist=self.group is None, async_stager=self._stager)  # fmt: skip
         except SAVE_ERRORS as error:  # DCP's planning is collective: every rank of the site is here
             self._failed(round_, error)
             return
         if client is not None:  # beside DCP's files, from the live replica: the pull's fold waits meanwhile
             self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-replica")
             self._replicas[round_] = self._writer.submit(self._write_replica, path, client, list(names))
-        self.staged_bytes = tensor_bytes(state)
-        log.info("worker_checkpoint_staged", round=round_, path=str(path), staged_bytes=self.staged_bytes)
+        self.staged_bytes = tensor_bytes(state) if self.staging == "async" else 0
+        log.info("worker_checkpoint_staged", round=round_, path=str(path), staging=self.staging, staged_bytes=self.staged_bytes,
+                 seconds=round(time.perf_counter() - started, 3))  # fmt: skip
 
     def _write_replica(self, path: pathlib.Path, client, names: list[str]) -> None:  # noqa: ANN001
         path.mkdir(parents=True, exist_ok=True)
@@ -281,6 +302,9 @@ class SiteCheckpoint:
             if pool is not None:
                 pool.shutdown()
         self._sealer = self._writer = None
+        if self._stager is not None:  # its buffers (and their pinning) go
+            self._stager.close()
+            self._stager = None
 
     def _prune(self, newest: int) -> None:
         rounds = self.rounds()

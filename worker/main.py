@@ -112,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dilocox worker: {error}") from None
     for problem in site_wait_problems(args.shard_wait_s, args.pull_wait_s, args.boundary_margin_s):
         raise SystemExit(f"dilocox worker: {problem}")
+    if config.parallel.spill_dir:
+        from dilocox.worker.exchange.spill import SpillError, check_spill_dir
+
+        try:
+            check_spill_dir(config.parallel.spill_dir)
+        except SpillError as error:
+            raise SystemExit(f"dilocox worker: {error}") from None
     if not args.simulate_slowdown >= 1:
         raise SystemExit(f"dilocox worker: --simulate-slowdown must be ≥ 1 (1: full speed), got {args.simulate_slowdown}")
     if not 0 <= args.cluster_index < args.num_clusters:
@@ -177,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             extra["checkpoint"] = SiteCheckpoint(args.checkpoint_dir, cluster, args.checkpoint_every, args.checkpoint_keep,
                                                  rank=mesh.rank if mesh else 0, replica=mesh.replica if mesh else 0,
-                                                 group=mesh.checkpoint_group if mesh else None)  # fmt: skip
+                                                 group=mesh.checkpoint_group if mesh else None,
+                                                 staging=config.parallel.checkpoint_staging, pinned=compute.is_cuda)  # fmt: skip
         except ValueError as error:
             raise SystemExit(f"dilocox worker: {error}") from None
         if args.resume_if_present and not args.resume:

@@ -176,6 +176,14 @@ class ParallelConfig:
     # microbatch's forward and backward and reduces each microbatch's gradients (the memory of unpipelined
     # FSDP, microbatches × the collectives); "auto": "step" where the memory plan says it fits the GPU.
     pipeline_reshard: str = "auto"
+    # A directory on this node's local disk: the round's start s_t (4 B per exchanged parameter) lives in a
+    # file there between boundaries instead of host memory — 12 exchange bytes per owned parameter instead
+    # of 16, the same bits (worker/exchange/spill.py). "": host memory.
+    spill_dir: str = ""
+    # async: the site checkpoint is staged into host buffers kept for the next one (pinned on GPUs) and
+    # written in the background; sync: written from the live state while the site waits — no staging memory
+    # (worker/checkpoint.py).
+    checkpoint_staging: str = "async"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
@@ -184,6 +192,8 @@ class ParallelConfig:
             raise ValueError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
         if self.pipeline_reshard not in ("auto", "step", "microbatch"):
             raise ValueError(f"pipeline_reshard must be auto, step or microbatch, got {self.pipeline_reshard!r}")
+        if self.checkpoint_staging not in ("async", "sync"):
+            raise ValueError(f"checkpoint_staging must be async or sync, got {self.checkpoint_staging!r}")
         if self.activation_checkpoint not in ("none", "full"):
             raise ValueError(f"activation_checkpoint must be none or full, got {self.activation_checkpoint!r}")
         if self.pp < 1 or self.dp < 1:

@@ -195,10 +195,12 @@ class DiLoCoX:
                 raise ValueError("model: give the module this site trains")
             trainer: object = _UserLoop(evaluate)
             access = self._access_for(model)
+            from dilocox.worker.site.memory_plan import exchange_bytes_per_param
             from dilocox.worker.site.size_guard import check_exchange_host  # the plan's bytes per exchanged parameter
 
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) if mesh is not None else 1
-            check_exchange_host(sum(math.prod(shape) for shape in access.shapes.values()), local)
+            check_exchange_host(sum(math.prod(shape) for shape in access.shapes.values()), local,
+                                per_param=exchange_bytes_per_param(self.config.parallel))  # fmt: skip
         else:
             trainer, access = builtin.trainer, builtin.access
         self.access = access
@@ -210,7 +212,7 @@ class DiLoCoX:
         self.cluster = DilocoCluster(
             trainer, self.client, self.config.rounds, self.config.inner.steps, self.config.delay, json.dumps(as_dict(self.config)),
             access=access, allow_late_join=join_late, sync_rounds=self.config.sync_rounds, delayed_start=self.config.delayed_start,
-            num_clusters=num_clusters, on_round=(lambda report, _h, _v: on_round(report)) if on_round else None,
+            num_clusters=num_clusters, spill_dir=self.config.parallel.spill_dir, on_round=(lambda report, _h, _v: on_round(report)) if on_round else None,
             checkpoint=builtin.checkpoint if builtin else None, steps_controller=builtin.steps_controller if builtin else steps_controller_for(self.config.inner, single_process=False),
         )  # fmt: skip
         self._started = False

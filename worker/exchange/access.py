@@ -31,9 +31,11 @@ class ParameterAccess(Protocol):
     def read(self, out: dict[str, torch.Tensor]) -> None:
         """The current values of `names` into `out` (fp32 host tensors). Collective in a site."""
 
-    def read_rows(self, land: Land) -> None:
+    def read_rows(self, land: Land, keep_buffer: bool = True) -> None:
         """The current values of `names`, handed to `land` piece by piece (every row of every name once),
-        so the caller can fold them into what it keeps without a model-sized buffer. Collective in a site."""
+        so the caller can fold them into what it keeps without a model-sized buffer. Collective in a site.
+        `keep_buffer=False`: the bounded host buffer the pieces land in is freed afterwards, not kept for
+        the next boundary (a lean site: `spill_dir`)."""
 
     def write(self, values: dict[str, torch.Tensor]) -> None:
         """`values` of `names` into the model, wherever they are held. Collective in a site."""
@@ -67,7 +69,7 @@ class LocalAccess:
             torch.cuda.synchronize()
 
     @torch.no_grad()
-    def read_rows(self, land: Land) -> None:
+    def read_rows(self, land: Land, keep_buffer: bool = True) -> None:
         """A host parameter is handed over as it is; a device one through one bounded host buffer, in row
         pieces of at most `HOST_CHUNK_ELEMENTS` (or one row, where a row is larger)."""
         on_device = [(n, p) for n, p in self.params.items() if p.device.type != "cpu"]

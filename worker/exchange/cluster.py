@@ -98,6 +98,7 @@ class DilocoCluster(StepDriven):
         sync_rounds: int = 0,
         delayed_start: str = "own",
         num_clusters: int = 1,
+        spill_dir: str = "",
     ) -> None:
         """`access`: how to read and write the parameters this rank exchanges (default: all of the
         trainer's, in this process; a site rank passes `worker.site.access.SiteAccess`).
@@ -106,7 +107,8 @@ class DilocoCluster(StepDriven):
         `on_round(report, inner_steps, version)`: called after every round (metrics, progress).
         `sync_rounds`: with the delay, the first rounds run synchronously; `delayed_start` ("own" or
         "eager", worker/exchange/delayed_start.py) and `num_clusters` (this cluster's share 1/M of a
-        round's mean) decide where a delayed round's successor starts."""
+        round's mean) decide where a delayed round's successor starts. `spill_dir`: the start lives in a
+        file there between boundaries (worker/exchange/spill.py)."""
         if delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {delay}")
         self.trainer = trainer
@@ -123,7 +125,7 @@ class DilocoCluster(StepDriven):
         self.access = access or LocalAccess(trainer.named_parameters())
         self.params = getattr(self.access, "params", {})  # one process's parameters by name (tests read them)
         self.names = list(self.access.names)
-        self.buffers = HostBuffers(self.access.shapes, pinned=self.access.pinned)
+        self.buffers = HostBuffers(self.access.shapes, pinned=self.access.pinned, spill_dir=spill_dir)
         self.outgoing: OutgoingFold | None = None  # set once the slices are known (`start`)
         self.checkpoint = checkpoint
         self.steps_controller = steps_controller
@@ -196,6 +198,7 @@ class DilocoCluster(StepDriven):
         self.version = self.access.agree_min(version)
         self._start_from_held(keep_unsent=False)
         self.access.write(self.buffers.start)
+        self.buffers.rest_start()
         self.initial_eval_loss = self.trainer.evaluate()
         log.info("rank_share", cluster=self.client.cluster, names=self.names, params_held=self.access.params_held, params_owned=self.buffers.numel)
         log.info("cluster_started", cluster=self.client.cluster, version=self.version, delay=self.delay,
@@ -242,7 +245,7 @@ class DilocoCluster(StepDriven):
         assert self.outgoing is not None, "start first"
         folding = self.outgoing.fold(self.client.held, next_start, self.client.outer)
         with timer("read"):
-            self.access.read_rows(folding)
+            self.access.read_rows(folding, keep_buffer=self.buffers.spill is None)
         if self.access.agree_any(folding.nonfinite is not None):
             raise ValueError(f"pseudo-gradient of {folding.nonfinite or 'another rank'} holds NaN or Inf: round {trained} not sent")
         outgoing = self.outgoing.outgoing_slices()
@@ -265,6 +268,7 @@ class DilocoCluster(StepDriven):
         self._last_weight = float(tokens)
         with timer("write"):
             self.access.write(self.buffers.start)
+        self.buffers.rest_start()  # a spilled start goes back to disk while the next round trains
         with timer("eval"):
             eval_loss = self.trainer.evaluate() if self.evaluate_every_round or round_ == self.rounds else float("nan")
         comm_s = exchange.comm_s if exchange else 0.0
@@ -280,7 +284,7 @@ class DilocoCluster(StepDriven):
         )
         self._watch_losses(report, evaluated=self.evaluate_every_round or round_ == self.rounds)
         log.info("round_done", cluster=self.client.cluster, delay=delay, **asdict(report))
-        log.info("boundary_done", round=round_, **timer.seconds())
+        log.info("boundary_done", round=round_, rss_before_mb=timer.rss_before_mb, **timer.seconds())
         if not self._memory_logged and round_ > 1:
             self._log_memory()
         if self.on_round is not None:
@@ -404,6 +408,7 @@ class DilocoCluster(StepDriven):
             self.version = max(self.version, self.client.catch_up_replica(self.names, to=newest))
             self._start_from_held(keep_unsent=False)
             self.access.write(self.buffers.start)
+            self.buffers.rest_start()
             log.info("final_weights_adopted", cluster=self.client.cluster, version=self.version)
         if self.checkpoint is not None and not self.access.agree_any(flushed is None):
             # The state after the flush (residuals sent, so none kept): what a run extended with more

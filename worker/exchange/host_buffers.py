@@ -9,7 +9,8 @@ Both are one allocation each (`start` page-locked where a GPU copies from it), w
 and per slice, so the boundary is in-place arithmetic — never a dictionary of fresh per-parameter
 tensors. Together with the client's replica of the global weights and the outer momentum (4 + 4 bytes),
 that is all a rank keeps for the exchange: 16 bytes per owned parameter (docs/decisions.md, "The round
-boundary").
+boundary"). With `spill_dir` the start lives in a file on local disk between boundaries
+(worker/exchange/spill.py): 12 bytes in memory, the same bits.
 """
 
 from __future__ import annotations
@@ -20,19 +21,42 @@ import torch
 
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
+from dilocox.worker.exchange.spill import SpillBuffer
 
 
 class HostBuffers:
-    def __init__(self, shapes: dict[str, tuple[int, ...]], pinned: bool = False) -> None:
+    def __init__(self, shapes: dict[str, tuple[int, ...]], pinned: bool = False, spill_dir: str = "") -> None:
         self.shapes = dict(shapes)
         self.numel = sum(math.prod(s) for s in self.shapes.values())
         # `start` is scattered to the device; `outgoing` only ever meets the host (θ reaches it through the
         # access's own bounded landing buffer).
-        self._start = torch.empty(self.numel, dtype=torch.float32, pin_memory=pinned)
+        self.spill = SpillBuffer(spill_dir, self.numel) if spill_dir else None
+        if self.spill is not None:
+            self._start = self.spill.tensor
+        else:
+            self._start = torch.empty(self.numel, dtype=torch.float32, pin_memory=pinned)
         self._outgoing = torch.zeros(self.numel, dtype=torch.float32)
-        self.start = self._views(self._start)
+        self._start_views = self._views(self._start)
         self.outgoing = self._views(self._outgoing)
-        self.pinned = pinned
+        self.pinned = pinned and self.spill is None
+
+    @property
+    def start(self) -> dict[str, torch.Tensor]:
+        """s_t per parameter (a spilled start is back in memory once this returns)."""
+        if self.spill is not None:
+            self.spill.settle()
+        return self._start_views
+
+    def rest_start(self) -> None:
+        """The start is not needed until the next boundary: a spilled one goes back to disk meanwhile."""
+        if self.spill is not None:
+            self.spill.rest()
+
+    @property
+    def resident_nbytes(self) -> int:
+        """What the two buffers hold in host memory now (a spilled start: only its pages in memory)."""
+        start = self.spill.resident_bytes() if self.spill is not None else self._start.nbytes
+        return start + self._outgoing.nbytes
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         views, offset = {}, 0

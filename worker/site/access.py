@@ -46,8 +46,8 @@ class SiteAccess:
     def read(self, out: dict[str, torch.Tensor]) -> None:
         self.resharder.gather(self._local(), out)
 
-    def read_rows(self, land: Land) -> None:
-        self.resharder.gather_rows(self._local(), land, pinned=self.pinned)
+    def read_rows(self, land: Land, keep_buffer: bool = True) -> None:
+        self.resharder.gather_rows(self._local(), land, pinned=self.pinned, keep=keep_buffer)
 
     def write(self, values: dict[str, torch.Tensor]) -> None:
         self.resharder.scatter(self._local(), values)

@@ -29,9 +29,10 @@ Device, per GPU (on the CPU the same bytes are host memory):
   per-tensor path on the CPU one tensor at a time).
 
 Host, per rank: `build` (one whole parameter while materialising, worker/models/materialize.py), `exchange`
-(the round's flat buffers, replica, momentum and residual per owned parameter: worker/exchange/), and
-`checkpoint` (the DCP staging copy of weights and AdamW state — on the first replica of replicated state
-only — and the residuals) — the last only while a checkpoint is staged.
+(the round's flat buffers, replica, momentum and residual per owned parameter: worker/exchange/; 4 B less
+with the start spilled to disk, `spill_dir`), and `checkpoint` (the residuals, and with
+`checkpoint_staging = "async"` the DCP staging copy of weights and AdamW state — on the first replica of
+replicated state only — which the site keeps for the next checkpoint; "sync" stages none of it).
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ ACTIVATION_FACTORS = {False: (4, 2), True: (7, 4)}  # gated MLP? -> (width, mlp)
 # momentum 4 (worker/exchange/host_buffers.py, outgoing.py, docs/decisions.md); the low-rank warm starts
 # are counted apart, and θ reaches the host through a landing buffer of at most one reshard batch.
 EXCHANGE_BYTES_PER_PARAM = 16
-CHECKPOINT_BYTES_PER_HELD = 12  # fp32 weights + AdamW's two moments, staged by DCP
+SPILLED_BYTES_PER_PARAM = 4  # the start, in a file on local disk between boundaries (`spill_dir`)
+CHECKPOINT_BYTES_PER_HELD = 12  # fp32 weights + AdamW's two moments, staged by DCP (`checkpoint_staging = "async"`)
 CHECKPOINT_BYTES_PER_OWNED = 4  # the residuals (the replica is written from its live tensors: worker/checkpoint.py)
+
+
+def exchange_bytes_per_param(parallel) -> int:  # noqa: ANN001
+    """Host bytes the exchange keeps per owned parameter for this site's settings (a ParallelConfig)."""
+    return EXCHANGE_BYTES_PER_PARAM - (SPILLED_BYTES_PER_PARAM if parallel.spill_dir else 0)
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,8 @@ class MemoryPlan:
     gpu_bytes: int | None
     bf16: bool
     pipeline_reshard: str  # "step" or "microbatch" (auto resolved)
+    spilled: bool = False  # the start on local disk (`spill_dir`)
+    checkpoint_staging: str = "async"
 
     @property
     def peak_device(self) -> RankPlan:
@@ -242,13 +251,16 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         largest = max((math.prod(s) for s in shapes.values()), default=0)
         plan.host = {
             "build": 5 * largest,  # the whole parameter drawn, and its NaN check's mask
-            # + θ's landing buffer on the host: at most one reshard batch of this rank's rows
-            "exchange": EXCHANGE_BYTES_PER_PARAM * owned + warm + 4 * landing[stage][replica],
+            # + θ's landing buffer on the host: at most one reshard batch of this rank's rows, kept between
+            # boundaries (with the start spilled, a lean site frees it after each: worker/site/reshard.py)
+            "exchange": exchange_bytes_per_param(par) * owned + warm + 4 * landing[stage][replica] * (not par.spill_dir),
             # Replicated state is staged by the first replica alone (worker/checkpoint.py, written_once).
-            "checkpoint": CHECKPOINT_BYTES_PER_HELD * held * (shape.replicate_coordinate(replica) == 0) + CHECKPOINT_BYTES_PER_OWNED * owned,
+            "checkpoint": (CHECKPOINT_BYTES_PER_HELD * held * (shape.replicate_coordinate(replica) == 0) * (par.checkpoint_staging == "async")
+                           + CHECKPOINT_BYTES_PER_OWNED * owned),
         }
         ranks.append(plan)
-    return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard)
+    return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard,
+                      bool(par.spill_dir), par.checkpoint_staging)  # fmt: skip
 
 
 def _logits_bytes(tokens: int, vocab: int, in_flight: int, bf16: bool) -> int:

@@ -50,10 +50,14 @@ def render(plan: MemoryPlan) -> str:
     lines.append("rank stage " + " ".join(f"{t:>11}" for t in terms) + f" {'total':>9}")
     for r in ranks:
         lines.append(f"{r.rank:>4} {r.stage:>5} " + " ".join(f"{_gb(r.device[t]):>11}" for t in terms) + f" {_gb(r.device_total):>9}")
-    lines.append("per rank, host GB:  build (once)  exchange (steady)  + checkpoint (while staged)   B/owned param steady / at checkpoint")
+    start = "the start on disk (--spill-dir)" if plan.spilled else "the start in memory (--spill-dir: on disk, 4 B less)"
+    staged = ("--checkpoint-staging async: the staging is kept from the first checkpoint on" if plan.checkpoint_staging == "async"
+              else "--checkpoint-staging sync: nothing staged, the site waits for each write")  # fmt: skip
+    lines.append(f"per rank, host GB ({start}; {staged}):")
+    lines.append("rank stage  build (once)  exchange (steady)  + checkpoint (staged)   B/owned param steady / at checkpoint")
     for r in ranks:
         owned = max(1, r.owned)
-        lines.append(f"{r.rank:>4} {r.stage:>5}  {_gb(r.host['build']):>11}  {_gb(r.host['exchange']):>17}  {_gb(r.host['checkpoint']):>26}"
+        lines.append(f"{r.rank:>4} {r.stage:>5}  {_gb(r.host['build']):>11}  {_gb(r.host['exchange']):>17}  {_gb(r.host['checkpoint']):>20}"
                      f"   {r.host['exchange'] / owned:.1f} / {(r.host['exchange'] + r.host['checkpoint']) / owned:.1f}")  # fmt: skip
     if plan.gpu_bytes:
         worst = plan.peak_device
@@ -101,9 +105,12 @@ def candidate_layouts(config: RunConfig, gpus: int) -> list[RunConfig]:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    if args.model_name:
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=args.model_name))
+    try:
+        config = config_from_args(args)
+        if args.model_name:
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=args.model_name))
+    except (ValueError, TypeError) as error:  # a layout or setting the worker would refuse: said as it would
+        raise SystemExit(f"dilocox plan: bad configuration: {error}") from None
     config = planned_precision(config, on_gpu=config.parallel.device != "cpu")
     from dilocox.worker.models.spec import ModelSpecError
 

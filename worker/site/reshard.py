@@ -214,11 +214,13 @@ class Resharder:
 
     @torch.no_grad()
     def gather_rows(self, local: dict[str, torch.Tensor], land: Callable[[str, int, int, torch.Tensor], None],
-                    pinned: bool = False) -> None:  # fmt: skip
+                    pinned: bool = False, keep: bool = True) -> None:  # fmt: skip
         """Every owned parameter's rows handed to `land(name, first, last, rows)` batch by batch, through
         one host buffer of at most a batch (kept for the run: page-locked where `pinned`, and allocating
         that anew at every boundary is slow) — so the owner folds θ into its own state without a buffer
-        of its owned parameters (worker/exchange/outgoing.py)."""
+        of its owned parameters (worker/exchange/outgoing.py). `keep=False`: pageable, and freed at the
+        end (a site keeping its host memory lean, `spill_dir`: a fixed 256 MB is not held through training)."""
+        pinned = pinned and keep  # pinned memory freed goes to torch's host cache, not back to the system
         me = self.plan.replica
         numel = lambda p: (p.stop - p.start) * self.plan.row_numel[p.name]  # noqa: E731
         for pieces in self.plan.gather_pieces:
@@ -235,6 +237,8 @@ class Resharder:
                 torch.cuda.current_stream(self.device).synchronize()  # the host reads the buffer next
             for p in mine:
                 land(p.name, p.start, p.stop, self._host[offsets[p] : offsets[p] + numel(p)])
+        if not keep:
+            self._host = torch.empty(0)
         self._release()
 
     @torch.no_grad()

@@ -69,16 +69,18 @@ def check_model_size(config: ModelConfig, vocab: int, parallel: ParallelConfig, 
     return size
 
 
-def check_exchange_host(owned_params: int, local_processes: int = 1, host_bytes: int | None = None) -> int:
+def check_exchange_host(owned_params: int, local_processes: int = 1, host_bytes: int | None = None,
+                        per_param: int = EXCHANGE_BYTES_PER_PARAM) -> int:  # fmt: skip
     """The public API's guard (its model is the caller's, built already): refuse, with one line, a rank
-    whose exchange would not fit this machine's host memory — `EXCHANGE_BYTES_PER_PARAM` per parameter it
-    exchanges, the memory plan's figure — before it joins the run. Returns the bytes planned per process."""
-    need = EXCHANGE_BYTES_PER_PARAM * owned_params
+    whose exchange would not fit this machine's host memory — `per_param` per parameter it exchanges, the
+    memory plan's figure (`exchange_bytes_per_param`) — before it joins the run. Returns the bytes planned
+    per process."""
+    need = per_param * owned_params
     host = available_host_bytes() if host_bytes is None else host_bytes
     if host is not None and local_processes * need > host:
         raise ModelSpecError(
             f"this rank exchanges {count_text(owned_params)} parameters: its host buffers, replica and momentum need about "
-            f"{gb_text(need)} ({EXCHANGE_BYTES_PER_PARAM} B each) × {local_processes} process(es) on this node, and "
+            f"{gb_text(need)} ({per_param} B each) × {local_processes} process(es) on this node, and "
             f"{gb_text(host)} is available; spread the model over more ranks (a SiteMesh with a larger dp or pp) "
             "or more nodes (`dilocox plan` itemises a layout)"
         )  # fmt: skip
