@@ -37,6 +37,7 @@ def test_host_buffers_keep_a_spilled_start_out_of_memory_until_the_next_boundary
     buffers = HostBuffers({"w": (512, 1024), "b": (1024,)}, spill_dir=str(tmp_path))
     buffers.start["w"].fill_(0.5)
     buffers.rest_start()
+    buffers.spill.settle()  # the page-out runs in a thread; wait for it before measuring
     assert buffers.resident_nbytes <= buffers.outgoing["w"].numel() * 4 * 1.1 + 2**16
     assert float(buffers.start["w"].sum()) == 0.5 * 512 * 1024  # `start` waits for the page-out and reads it back
     assert buffers.holds(buffers.start["b"]) and not buffers.pinned
@@ -78,3 +79,24 @@ def test_a_site_with_its_start_on_disk_ends_on_the_same_bits_with_12_bytes_per_p
     steady = (memory["total_bytes"] - memory["own_push_bytes"] - memory["compressor_bytes"]) / owned
     assert steady == 12, memory  # outgoing + replica + momentum; the start is on disk
     assert os.listdir(tmp_path / "spill") == []
+
+
+def test_page_locked_buffers_are_registered_not_rounded_up():
+    """Issue 43 (item 5): a pinned host buffer is registered with CUDA at its own size, not taken from
+    torch's caching host allocator (which rounds each block up to a power of two); without CUDA it is a
+    plain pageable buffer."""
+    from dilocox.worker.exchange.host_buffers import host_empty
+
+    n = 3 * 2**20 + 5  # not a power of two
+    if not torch.cuda.is_available():
+        buffer = host_empty(n, pinned=True)
+        assert buffer.numel() == n and not buffer.is_pinned()
+        return
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    buffer = host_empty(n, pinned=True)
+    assert buffer.numel() == n and buffer.is_pinned()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before  # not the caching allocator's
+    device = torch.arange(n, dtype=torch.float32, device="cuda")
+    buffer.copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buffer, device.cpu())

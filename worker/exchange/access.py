@@ -15,6 +15,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from dilocox.worker.exchange.host_buffers import host_empty
+
 # `land(name, first_row, last_row, rows)`: rows [first_row, last_row) of parameter `name`, flat, fp32 on the
 # host, valid only during the call (it may be the parameter itself: read them, never write them).
 Land = Callable[[str, int, int, torch.Tensor], None]
@@ -77,7 +79,7 @@ class LocalAccess:
         per_row = {n: max(1, p.numel() // max(1, rows_of[n])) for n, p in self.params.items()}
         limit = max([HOST_CHUNK_ELEMENTS, *(per_row[n] for n, _ in on_device)])
         size = min(limit, max((p.numel() for _, p in on_device), default=0))
-        staging = torch.empty(size, dtype=torch.float32, pin_memory=self.pinned) if on_device else None
+        staging = host_empty(size, self.pinned) if on_device else None
         for name, p in self.params.items():
             flat, rows, width = p.detach().reshape(-1), rows_of[name], per_row[name]
             if staging is None or flat.device.type == "cpu":

@@ -16,12 +16,37 @@ boundary"). With `spill_dir` the start lives in a file on local disk between bou
 from __future__ import annotations
 
 import math
+import weakref
 
+import structlog
 import torch
 
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.spill import SpillBuffer
+
+
+log = structlog.get_logger()
+
+
+def host_empty(numel: int, pinned: bool = False) -> torch.Tensor:
+    """`numel` fp32 elements on the host; `pinned`: page-locked by registering them with CUDA (as DCP's
+    checkpoint stager does), not by `pin_memory=True`, whose caching host allocator rounds each block up to
+    a power of two (a 4.4 GB start would take 8 GB) and keeps freed blocks for itself. Unregistered when the
+    tensor goes. Where registration fails the buffer stays pageable (copies are then synchronous), said once."""
+    tensor = torch.empty(numel, dtype=torch.float32)
+    if not (pinned and numel and torch.cuda.is_available()):
+        return tensor
+    from torch.cuda import _pin_memory_utils as pins
+
+    try:
+        pins.pin_memory(tensor.data_ptr(), tensor.nbytes)
+    except RuntimeError as error:
+        log.warning("host_buffer_not_pinned", bytes=tensor.nbytes, error=str(error)[:200])
+        return tensor
+    finalizer = weakref.finalize(tensor, pins.unpin_memory, tensor.data_ptr())
+    finalizer.atexit = False  # never after the CUDA context is gone
+    return tensor
 
 
 class HostBuffers:
@@ -34,7 +59,7 @@ class HostBuffers:
         if self.spill is not None:
             self._start = self.spill.tensor
         else:
-            self._start = torch.empty(self.numel, dtype=torch.float32, pin_memory=pinned)
+            self._start = host_empty(self.numel, pinned)
         self._outgoing = torch.zeros(self.numel, dtype=torch.float32)
         self._start_views = self._views(self._start)
         self.outgoing = self._views(self._outgoing)

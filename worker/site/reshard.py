@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dilocox.worker.models.materialize import held_rows  # FSDP2's row chunks: one definition for the build and the reshard
+from dilocox.worker.exchange.host_buffers import host_empty
 from dilocox.worker.site.mesh import SiteShape
 
 BATCH_ELEMENTS = 64 * 2**20  # 256 MB of fp32 per collective, at most
@@ -227,7 +228,7 @@ class Resharder:
             mine = [p for p in pieces if p.dst == me]
             need = sum(numel(p) for p in mine)
             if self._host.numel() < need:
-                self._host = torch.empty(need, dtype=torch.float32, pin_memory=pinned)
+                self._host = host_empty(need, pinned)
             offsets, offset = {}, 0
             for p in mine:
                 offsets[p] = offset
