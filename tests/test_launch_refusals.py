@@ -51,7 +51,8 @@ def test_a_model_larger_than_the_machine_is_refused_with_its_size_before_it_is_b
     pytest.importorskip("transformers")
     big = ModelConfig(model=_config_json(tmp_path, hidden_size=16384, intermediate_size=65536, num_hidden_layers=64,
                                          num_attention_heads=128, num_key_value_heads=8))  # fmt: skip
-    with pytest.raises(ModelSpecError, match=r"B parameters need about .* of host memory here .* and 8.0 GB is available"):
+    with pytest.raises(ModelSpecError, match=r"B parameters need about .* of host memory here .* and 8.0 GB is available; "
+                                             r"--spill-dir .* --checkpoint-staging sync keep 12 B"):
         check_model_size(big, 256, ParallelConfig(), host_bytes=8 * GB)
     with pytest.raises(ModelSpecError, match="per GPU .* raise --pp"):
         check_model_size(big, 256, ParallelConfig(), host_bytes=10_000 * GB, device_bytes=80 * GB)

@@ -55,10 +55,12 @@ def check_model_size(config: ModelConfig, vocab: int, parallel: ParallelConfig, 
     per_process = max(r.host_peak for r in plan.ranks) + (0 if device_bytes else worst.device_total)
     need_host = local_processes * per_process
     if host is not None and need_host > host:
+        lean = "" if parallel.spill_dir and parallel.checkpoint_staging == "sync" else (
+            "; --spill-dir (a local disk) and --checkpoint-staging sync keep 12 B per exchanged parameter, 16 at a checkpoint")
         raise ModelSpecError(
             f"--model {spec.label}: {size.describe()} need about {gb_text(need_host)} of host memory here ({local_processes} "
             f"process(es) on this node, each making its shard{'' if device_bytes else ', training it'} and keeping the "
-            f"exchange's buffers; `dilocox plan` itemises it), and {gb_text(host)} is available"
+            f"exchange's buffers; `dilocox plan` itemises it), and {gb_text(host)} is available{lean}"
         )  # fmt: skip
     if device_bytes and not plan.fits():
         raise ModelSpecError(
