@@ -33,6 +33,29 @@ def test_inner_products_through_low_rank_factors_equal_the_dense_ones():
         assert inner(x, y) == pytest.approx(float(want), rel=1e-4, abs=1e-4)
 
 
+def test_the_gram_of_many_sites_is_the_pairwise_inner_products_and_keeps_a_nan_to_its_site():
+    """The shard's figures in a few BLAS calls per slice (sites² pairs were most of its CPU at 128 sites):
+    low-rank factors of different ranks, dense updates and the mixed pairs, against `inner` pair by pair."""
+    from dilocox.server.update_check import gram
+
+    g = torch.Generator().manual_seed(3)
+    factors = [(torch.randn(24, r, generator=g), torch.randn(r, 20, generator=g)) for r in (1, 3, 4, 2)]
+    dense = [torch.randn(24, 20, generator=g) for _ in range(3)]
+    xs = [factors[0], dense[0], factors[1], factors[2], dense[1]]
+    ys = [dense[2], factors[3], factors[0]]
+    for got, (left, right) in ((gram(xs), (xs, xs)), (gram(xs, ys), (xs, ys))):
+        want = torch.tensor([[inner(x, y) for y in right] for x in left], dtype=torch.float64)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+    assert torch.equal(gram(xs), gram(xs).T)
+    poisoned = list(xs)
+    p, qt = factors[1]
+    poisoned[2] = (p.clone().index_fill_(1, torch.tensor([0]), float("nan")), qt)
+    figures = gram(poisoned)
+    finite = torch.isfinite(figures)
+    assert not finite[2].any() and not finite[:, 2].any()
+    assert finite[[0, 1, 3, 4]][:, [0, 1, 3, 4]].all()  # the other sites' figures stay
+
+
 class Round:
     """Four (or `n`) sites' pseudo-gradients: a shared direction plus each site's own noise, as IID data gives."""
 
