@@ -114,6 +114,12 @@ class SiteRecord:
     last_flag: str = ""  # why it was last flagged (outsized, disagrees, against_previous, replayed)
     last_flag_round: int = 0
 
+    def as_status(self) -> dict:
+        """Its fields as a dict. Every field is a scalar, so a shallow copy is the whole record: Status builds
+        one per site under the shard's lock, and `dataclasses.asdict`'s recursive copy was 4 % of a shard's
+        CPU with 256 sites polled four times a second."""
+        return dict(self.__dict__)
+
     def made(self, round_: int, tokens: float) -> None:
         self.rounds_made += 1
         self.last_round, self.last_tokens = round_, tokens

@@ -13,7 +13,6 @@ tensors, so a pull streaming version t is never torn by the close of round t+1.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -395,7 +394,7 @@ class Shard(RoundClosing, PullServing):
             }
 
     def _site_state(self, cluster: str) -> dict:
-        return {"cluster": cluster, "member": cluster in self.members, **dataclasses.asdict(self.sites.get(cluster, SiteRecord()))}
+        return {"cluster": cluster, "member": cluster in self.members, **(self.sites.get(cluster) or SiteRecord()).as_status()}
 
     def add_bytes_out(self, n: int) -> None:
         with self._cond:

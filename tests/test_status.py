@@ -111,3 +111,17 @@ def test_the_version_column_says_how_far_the_run_is():
               "bytes_out": 0, "final_version": 17}  # fmt: skip
     assert table_row(record, now=0.0)[3] == "3/17"
     assert table_row({**record, "final_version": None}, now=0.0)[3] == "3"
+
+
+def test_a_site_record_reads_as_every_field_without_a_deep_copy():
+    """Status builds one per site under the shard's lock: a shallow copy, the same as `dataclasses.asdict`
+    while every field is a scalar (a nested field would need asdict again)."""
+    import dataclasses
+
+    from dilocox.server.round_close import SiteRecord
+
+    record = SiteRecord()
+    record.made(2, 5.0)
+    record.said(4, 0.5)
+    assert record.as_status() == dataclasses.asdict(record)
+    assert all(isinstance(v, (int, float, str, bool)) for v in record.as_status().values())
