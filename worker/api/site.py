@@ -166,8 +166,9 @@ class DiLoCoX:
         (torchtitan's: dimensions pp, dp_replicate, dp_shard; `SiteMesh.adopt` reads it). `evaluate`: returns the model's
         eval loss (called after joining, after each round and at the end; optional). `tokenizer`: what
         the shards check every site tokenizes with (see `tokenizer_identity`). `tls`, `token`: as the
-        CLI's `--tls-*` and `--token`. `shard_wait_s`: how long an unreachable shard is waited for; `pull_wait_s`: a round's result (a
-        `SiteMesh`'s collective timeout must outlast both: `collective_timeout_for`).
+        CLI's `--tls-*` and `--token`. `shard_wait_s`: how long an unreachable shard is waited for;
+        `pull_wait_s`: a round's result (a `SiteMesh`'s collective timeout must outlast both:
+        `collective_timeout_for`).
         `join_late`: join a run whose first rounds have closed. `on_round(report)`: after each round.
         `builtin`: used by `dilocox worker` for its own trainer; not for user code."""
         self.config = config or RunConfig()

@@ -33,7 +33,8 @@ def host_empty(numel: int, pinned: bool = False) -> torch.Tensor:
     """`numel` fp32 elements on the host; `pinned`: page-locked by registering them with CUDA (as DCP's
     checkpoint stager does), not by `pin_memory=True`, whose caching host allocator rounds each block up to
     a power of two (a 4.4 GB start would take 8 GB) and keeps freed blocks for itself. Unregistered when the
-    tensor goes. Where registration fails the buffer stays pageable (copies are then synchronous), said once."""
+    tensor goes. Where registration fails the buffer stays pageable (copies are then synchronous), and the
+    log says so."""
     tensor = torch.empty(numel, dtype=torch.float32)
     if not (pinned and numel and torch.cuda.is_available()):
         return tensor
