@@ -120,13 +120,18 @@ def inner(a, b) -> float:  # noqa: ANN001
     return float(torch.dot(a.reshape(-1), b.reshape(-1)))
 
 
+GRAM_PIECE_BYTES = 64 * 2**20  # the stacked pieces a Gram is formed from, at most (the sites' own tensors aside)
+
+
 def gram(xs: list, ys: list | None = None) -> torch.Tensor:
     """[⟨x_i, y_j⟩] (float64, len(xs) × len(ys); ys = xs: the symmetric Gram) with the arithmetic of `inner`,
     in a few BLAS calls per slice instead of one Python call per pair — the pairs grow as sites², and at
-    128 sites the pairwise loop was most of a shard's CPU. Factor pairs (P, Qᵀ): stacked over the sites,
-    (PₓᵀP_y) ∘ (QₓᵀQ_y) in float64, summed per site block by `index_add_` (no multiplication by the zeros of
-    an indicator matrix, which would spread one site's NaN to every entry); dense ones: one fp32 product. A
-    pair of a dense and a factor update (a flush's int8 beside low-rank ones) goes through `inner`."""
+    128 sites the pairwise loop was most of a shard's CPU. Factor pairs (P, Qᵀ): the sites' factors side by
+    side, (PₓᵀP_y) ∘ (QₓᵀQ_y) in float64, summed per site block by `index_add_` (no multiplication by the
+    zeros of an indicator matrix, which would spread one site's NaN to every entry); dense ones: fp32
+    products. Both are formed over pieces of at most `GRAM_PIECE_BYTES` of the sites' rows side by side, so
+    hundreds of sites never stack a slice hundreds of times. A pair of a dense and a factor update (a
+    flush's int8 beside low-rank ones) goes through `inner`."""
     symmetric = ys is None
     ys = xs if ys is None else ys
     out = torch.zeros(len(xs), len(ys), dtype=torch.float64)
@@ -135,11 +140,10 @@ def gram(xs: list, ys: list | None = None) -> torch.Tensor:
     dx = [i for i, x in enumerate(xs) if not isinstance(x, tuple)]
     dy = [j for j, y in enumerate(ys) if not isinstance(y, tuple)]
     if fx and fy:
-        out[torch.tensor(fx)[:, None], torch.tensor(fy)] = _factor_gram([xs[i] for i in fx], [ys[j] for j in fy])
+        out[torch.tensor(fx)[:, None], torch.tensor(fy)] = _factor_gram([xs[i] for i in fx], [ys[j] for j in fy], symmetric and fx == fy)
     if dx and dy:
-        a = torch.stack([xs[i].reshape(-1).float() for i in dx])
-        b = a if symmetric and dx == dy else torch.stack([ys[j].reshape(-1).float() for j in dy])
-        out[torch.tensor(dx)[:, None], torch.tensor(dy)] = (a @ b.T).double()
+        dense = _products([xs[i].reshape(-1, 1) for i in dx], [ys[j].reshape(-1, 1) for j in dy], symmetric and dx == dy, torch.float32)
+        out[torch.tensor(dx)[:, None], torch.tensor(dy)] = dense.double()
     for i, j in [(i, j) for i in fx for j in dy] + [(i, j) for i in dx for j in fy]:
         out[i, j] = inner(xs[i], ys[j])
     if symmetric:  # exactly symmetric, as the pairwise form was
@@ -147,10 +151,24 @@ def gram(xs: list, ys: list | None = None) -> torch.Tensor:
     return out
 
 
-def _factor_gram(xs: list[tuple[torch.Tensor, torch.Tensor]], ys: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    p_x, q_x = torch.cat([p.double() for p, _ in xs], dim=1), torch.cat([qt.double() for _, qt in xs], dim=0)
-    p_y, q_y = torch.cat([p.double() for p, _ in ys], dim=1), torch.cat([qt.double() for _, qt in ys], dim=0)
-    terms = (p_x.T @ p_y) * (q_x @ q_y.T)  # rank-by-rank products, every site's components against every other's
+def _products(xs: list[torch.Tensor], ys: list[torch.Tensor], same: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Xᵀ Y for X = [x₁ … xₙ], Y = [y₁ … yₘ] side by side (each n_rows × its own width), accumulated over
+    pieces of rows so that no piece of X or Y exceeds `GRAM_PIECE_BYTES`."""
+    width_x, width_y = sum(x.shape[1] for x in xs), sum(y.shape[1] for y in ys)
+    size = torch.finfo(dtype).bits // 8
+    step = max(1, GRAM_PIECE_BYTES // (size * max(width_x, width_y, 1)))
+    total = torch.zeros(width_x, width_y, dtype=dtype)
+    for start in range(0, xs[0].shape[0], step):
+        px = torch.cat([x[start : start + step].to(dtype) for x in xs], dim=1)
+        py = px if same else torch.cat([y[start : start + step].to(dtype) for y in ys], dim=1)
+        total += px.T @ py
+    return total
+
+
+def _factor_gram(xs: list[tuple[torch.Tensor, torch.Tensor]], ys: list[tuple[torch.Tensor, torch.Tensor]], same: bool) -> torch.Tensor:
+    left = _products([p for p, _ in xs], [p for p, _ in ys], same, torch.float64)  # PₓᵀP_y, rank by rank
+    right = _products([qt.T for _, qt in xs], [qt.T for _, qt in ys], same, torch.float64)  # QₓᵀQ_y
+    terms = left * right  # every site's components against every other's: summed per pair of sites below
     site_x = torch.repeat_interleave(torch.arange(len(xs)), torch.tensor([p.shape[1] for p, _ in xs]))
     site_y = torch.repeat_interleave(torch.arange(len(ys)), torch.tensor([p.shape[1] for p, _ in ys]))
     rows = torch.zeros(len(xs), terms.shape[1], dtype=torch.float64).index_add_(0, site_x, terms)

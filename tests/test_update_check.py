@@ -33,10 +33,15 @@ def test_inner_products_through_low_rank_factors_equal_the_dense_ones():
         assert inner(x, y) == pytest.approx(float(want), rel=1e-4, abs=1e-4)
 
 
-def test_the_gram_of_many_sites_is_the_pairwise_inner_products_and_keeps_a_nan_to_its_site():
+@pytest.mark.parametrize("piece_bytes", [64 * 2**20, 512])
+def test_the_gram_of_many_sites_is_the_pairwise_inner_products_and_keeps_a_nan_to_its_site(piece_bytes, monkeypatch):
     """The shard's figures in a few BLAS calls per slice (sites² pairs were most of its CPU at 128 sites):
-    low-rank factors of different ranks, dense updates and the mixed pairs, against `inner` pair by pair."""
+    low-rank factors of different ranks, dense updates and the mixed pairs, against `inner` pair by pair —
+    formed whole, and over pieces of a few rows (what bounds its memory with hundreds of sites)."""
+    from dilocox.server import update_check
     from dilocox.server.update_check import gram
+
+    monkeypatch.setattr(update_check, "GRAM_PIECE_BYTES", piece_bytes)
 
     g = torch.Generator().manual_seed(3)
     factors = [(torch.randn(24, r, generator=g), torch.randn(r, 20, generator=g)) for r in (1, 3, 4, 2)]
