@@ -102,6 +102,23 @@ def review(check: UpdateCheck, contributions: dict, weights: dict, previous: dic
 
 
 @pytest.mark.parametrize("lowrank", [True, False])
+def test_a_rounds_figures_take_no_python_call_per_pair_of_sites(lowrank, monkeypatch):
+    """The shard's CPU per site must not grow with the sites: with every update of a slice in one form
+    (all low-rank, or all dense), `inner` — one Python call per pair — is never reached, whatever the number
+    of sites (a count, not a clock)."""
+    from dilocox.server import update_check
+
+    calls = []
+    monkeypatch.setattr(update_check, "inner", lambda a, b: calls.append(1) or 0.0)
+    sites = Round(n=24, lowrank=lowrank)
+    first, _ = sites.contributions()
+    second, _ = sites.contributions()
+    figures = round_figures(second, first)
+    assert calls == [] and figures.gram.shape == (24, 24) and bool(torch.isfinite(figures.gram).all())
+    assert figures.previous_sq > 0 and bool((figures.with_previous != 0).all())
+
+
+@pytest.mark.parametrize("lowrank", [True, False])
 def test_honest_rounds_raise_no_flag_and_each_fault_kind_is_caught(lowrank):
     sites = Round(lowrank=lowrank)
     check = UpdateCheck(UpdateCheckConfig(mode="exclude"))
