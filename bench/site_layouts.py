@@ -246,8 +246,6 @@ def summarize(run: LayoutRun) -> dict:
     for e in run.events:
         if e.get("event") == "boundary_done" and e.get("rank", 0) == 0 and e.get("round", 0) > 1:
             for key, value in e.items():
-                if key == "rss_before_mb":
-                    continue
                 if key.endswith("_s"):
                     phases.setdefault(key, []).append(value)
     rss = [round(run.peak_rss_kb[r] / 1024) for r in sorted(run.peak_rss_kb)]

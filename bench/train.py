@@ -162,11 +162,9 @@ def _layout_rows(args: argparse.Namespace) -> list[dict]:
     specs = [tuple(int(v) for v in item.split("x")) for item in args.layouts.split(",") if item.strip()]
     if not specs:
         return []
-    from dilocox.bench.site_layouts import measure_layouts
+    from dilocox.bench.site_layouts import VARIANTS, measure_layouts
 
     layouts = [(s[0], s[1], s[2] if len(s) > 2 else 1) for s in specs]
-    from dilocox.bench.site_layouts import VARIANTS
-
     variants = tuple(v.strip() for v in getattr(args, "layout_variants", "").split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

@@ -140,9 +140,9 @@ def gram(xs: list, ys: list | None = None) -> torch.Tensor:
     dx = [i for i, x in enumerate(xs) if not isinstance(x, tuple)]
     dy = [j for j, y in enumerate(ys) if not isinstance(y, tuple)]
     if fx and fy:
-        out[torch.tensor(fx)[:, None], torch.tensor(fy)] = _factor_gram([xs[i] for i in fx], [ys[j] for j in fy], symmetric and fx == fy)
+        out[torch.tensor(fx)[:, None], torch.tensor(fy)] = _factor_gram([xs[i] for i in fx], [ys[j] for j in fy], symmetric)
     if dx and dy:
-        dense = _products([xs[i].reshape(-1, 1) for i in dx], [ys[j].reshape(-1, 1) for j in dy], symmetric and dx == dy, torch.float32)
+        dense = _products([xs[i].reshape(-1, 1) for i in dx], [ys[j].reshape(-1, 1) for j in dy], symmetric, torch.float32)
         out[torch.tensor(dx)[:, None], torch.tensor(dy)] = dense.double()
     for i, j in [(i, j) for i in fx for j in dy] + [(i, j) for i in dx for j in fy]:
         out[i, j] = inner(xs[i], ys[j])

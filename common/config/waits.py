@@ -19,13 +19,15 @@ MARGIN_S = 600.0  # a boundary's own work on top (reshard, checkpoint staging, e
 def collective_timeout_for(shard_wait_s: float, pull_wait_s: float = PULL_WAIT_S, margin_s: float = MARGIN_S) -> float:
     """The site's collective timeout: longer than the longest legitimate exchange wait of one rank (a
     round's result, then a shard that went down at that moment) plus the boundary's own work."""
-    if shard_wait_s < 0 or pull_wait_s <= 0 or margin_s < 0:
-        raise ValueError(f"waits must be positive: shard wait {shard_wait_s}, pull wait {pull_wait_s}, margin {margin_s}")
+    problems = site_wait_problems(shard_wait_s, pull_wait_s, margin_s)
+    if problems:
+        raise ValueError("waits must be positive: " + "; ".join(problems))
     return pull_wait_s + shard_wait_s + margin_s
 
 
 def site_wait_problems(shard_wait_s: float, pull_wait_s: float, margin_s: float) -> list[str]:
-    """What `dilocox worker` refuses in its waits: each a sentence naming the flag."""
+    """What `dilocox worker` refuses in its waits, and `collective_timeout_for` with them: each a sentence
+    naming the flag."""
     problems = []
     if not shard_wait_s >= 0:
         problems.append(f"--shard-wait-s must be ≥ 0, got {shard_wait_s:g}")

@@ -73,7 +73,6 @@ class SpillBuffer:
 
     def __init__(self, directory: str | os.PathLike, numel: int, name: str = "start") -> None:
         path = check_spill_dir(directory)
-        self.numel = numel
         self.nbytes = 4 * numel
         self._resting: threading.Thread | None = None
         fd, file_path = tempfile.mkstemp(prefix=f"dilocox-{name}-{os.getpid()}-", suffix=".f32", dir=path)
@@ -95,7 +94,6 @@ class SpillBuffer:
             os.close(fd)
             raise
         self._fd = fd
-        self.directory = path
         log.info("exchange_spill", directory=str(path), bytes=self.nbytes, filesystem=filesystem_of(path))
 
     def rest(self) -> None:
