@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
+
+from tests.tiny_worker import worker_argv
 
 RUN = "late-ranks"
 
 
 def _worker(addresses: list[str], cluster: str, index: int, log, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", ",".join(addresses), "--run-id", RUN,
-           "--cluster", cluster, "--cluster-index", str(index), "--num-clusters", "2", "--rounds", "4", "--inner-steps", "2",
-           "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1",
-           "--threads", "1", "--insecure", "--log-format", "json", "--shard-wait-s", "60", *extra]  # fmt: skip
+    cmd = worker_argv(addresses, RUN, "--cluster", cluster, "--cluster-index", str(index), "--num-clusters", "2", "--rounds", "4",
+                      "--inner-steps", "2", "--shard-wait-s", "60", *extra)  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
 
 

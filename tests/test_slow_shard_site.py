@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
-import time
 
 from dilocox.common.config.run import ModelConfig
 from dilocox.common.wire.assignment import assign_slices
 from dilocox.worker.models.build import model_param_specs
 from dilocox.worker.site.reshard import owners_by_size
+from tests.tiny_worker import worker_argv
 
 RUN = "slow-shard"
 SHARDS = 4
@@ -46,11 +45,8 @@ def test_a_shard_slower_than_the_old_collective_timeout_does_not_kill_the_site(s
     latencies = [LATENCY_S if i == slow else 0.0 for i in range(SHARDS)]
     shards = shard_set(SHARDS, RUN, added_latency_s=latencies)
     log_path = tmp_path / "site.log"
-    cmd = [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", ",".join(shards.addresses), "--run-id", RUN,
-           "--rounds", "3", "--inner-steps", "2", "--n-layer", "1", "--n-embd", "32", "--block-size", "32",
-           "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1", "--insecure", "--log-format", "json",
-           "--dp", "2", "--shard-wait-s", str(SHARD_WAIT_S), "--pull-wait-s", str(PULL_WAIT_S),
-           "--boundary-margin-s", str(MARGIN_S)]  # fmt: skip
+    cmd = worker_argv(shards.addresses, RUN, "--rounds", "3", "--inner-steps", "2", "--dp", "2", "--shard-wait-s", str(SHARD_WAIT_S),
+                      "--pull-wait-s", str(PULL_WAIT_S), "--boundary-margin-s", str(MARGIN_S))  # fmt: skip
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
         try:

@@ -14,6 +14,7 @@ import torch
 
 from dilocox.worker.exchange.host_buffers import HostBuffers
 from dilocox.worker.exchange.spill import SpillBuffer, SpillError, check_spill_dir
+from tests.tiny_worker import worker_argv
 
 RUN = "spill"
 CLI = [sys.executable, "-m", "dilocox.common.cli"]
@@ -54,9 +55,7 @@ def test_a_spill_dir_in_memory_is_refused_by_name(tmp_path):
 
 
 def _site(shards, log, *extra: str) -> subprocess.CompletedProcess:  # noqa: ANN001
-    cmd = [*CLI, "worker", "--servers", ",".join(shards.addresses), "--run-id", RUN, "--rounds", "3", "--inner-steps", "2",
-           "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1",
-           "--threads", "1", "--insecure", "--log-format", "json", *extra]  # fmt: skip
+    cmd = worker_argv(shards.addresses, RUN, "--rounds", "3", "--inner-steps", "2", *extra)
     with log.open("w") as err:
         done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, timeout=300)
     assert done.returncode == 0, log.read_text()[-4000:]
