@@ -267,17 +267,25 @@ def test_export_command_names_the_files_it_used(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ a site's DCP checkpoint
-def test_site_checkpoint_commits_a_manifest_and_resume_falls_back_past_a_damaged_one(tmp_path, capsys):
+def _tiny_trainers():
+    """A maker of one-layer, 16-wide trainers on the bundled corpus (each a fresh one, as a restarted site's),
+    and the names of the parameters a site checkpoint saves."""
     from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
-    from dilocox.worker.checkpoint import COMMITTED, SiteCheckpoint
     from dilocox.worker.data.corpus import load_corpus
     from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
     from dilocox.worker.train.inner_trainer import InnerTrainer
 
     config = RunConfig(rounds=2, model=ModelConfig(n_layer=1, n_embd=16, block_size=16), inner=InnerConfig(steps=1, batch_size=2))
     tokens = TokenData.from_bytes(load_corpus(None), EVAL_FRACTION)
-    trainer = InnerTrainer(config, tokens)
-    names = [n for n, _ in trainer.named_parameters()]
+    new_trainer = lambda: InnerTrainer(config, tokens)  # noqa: E731
+    return new_trainer, [n for n, _ in new_trainer().named_parameters()]
+
+
+def test_site_checkpoint_commits_a_manifest_and_resume_falls_back_past_a_damaged_one(tmp_path, capsys):
+    from dilocox.worker.checkpoint import COMMITTED, SiteCheckpoint
+
+    new_trainer, names = _tiny_trainers()
+    trainer = new_trainer()
     site = SiteCheckpoint(tmp_path, "c", keep=3)
     for round_ in (1, 2, 3):
         trainer.train_steps(1)
@@ -292,20 +300,20 @@ def test_site_checkpoint_commits_a_manifest_and_resume_falls_back_past_a_damaged
     data = bytearray(part.read_bytes())
     data[len(data) // 2] ^= 0x01
     part.write_bytes(bytes(data))
-    fresh = InnerTrainer(config, tokens)
+    fresh = new_trainer()
     assert SiteCheckpoint(tmp_path, "c").restore(fresh, None, names) == 2 and fresh.step == 2
     out = capsys.readouterr().out
     assert "worker_checkpoint_fallback" in out and f"{part.name} does not match its SHA-256" in out
     assert not (root / "round-000003").exists() and len(list(root.glob("round-000003.refused-*"))) == 1
 
     (root / "round-000002" / COMMITTED).write_text("2\n")  # a COMMITTED from before the manifest
-    assert SiteCheckpoint(tmp_path, "c").restore(InnerTrainer(config, tokens), None, names) == 2
+    assert SiteCheckpoint(tmp_path, "c").restore(new_trainer(), None, names) == 2
     assert "worker_checkpoint_unverified" in capsys.readouterr().out
 
     # An empty marker (what a crash leaves of one written without fsync) commits nothing: refused by name.
     empty = SiteCheckpoint(tmp_path, "c")
     (root / "round-000002" / COMMITTED).write_text("")
-    assert empty.restore(InnerTrainer(config, tokens), None, names) == 1
+    assert empty.restore(new_trainer(), None, names) == 1
     out = capsys.readouterr().out
     assert "worker_checkpoint_fallback" in out and "COMMITTED is empty" in out
     refused = sorted(root.glob("round-000002.refused-*"))
@@ -315,7 +323,7 @@ def test_site_checkpoint_commits_a_manifest_and_resume_falls_back_past_a_damaged
     (root / "round-000002" / COMMITTED).write_text('{"format": "dilocox-site-checkpoint/1", "round": 2, "fil')
     with pytest.raises(ValueError, match=r"no intact committed worker checkpoint under .*round-000002: COMMITTED is not a "
                                          r"manifest this build reads; round-000001: .metadata holds 0 bytes"):  # fmt: skip
-        SiteCheckpoint(tmp_path, "c").restore(InnerTrainer(config, tokens), None, names)
+        SiteCheckpoint(tmp_path, "c").restore(new_trainer(), None, names)
     assert sorted(p.name for p in root.iterdir() if "refused" not in p.name) == ["round-000001", "round-000002"]
 
 
@@ -324,16 +332,10 @@ def test_site_checkpoints_reuse_their_staging_buffers_or_stage_nothing(tmp_path,
     """Issue 43 (item 5): async checkpoints refill the buffers the first one staged into (DCP's stager
     kept by the site: no new allocation, and on a GPU no new pinning, per checkpoint); sync ones stage
     nothing. Either way the newest committed checkpoint restores the trainer bit for bit."""
-    from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
     from dilocox.worker.checkpoint import SiteCheckpoint
-    from dilocox.worker.data.corpus import load_corpus
-    from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
-    from dilocox.worker.train.inner_trainer import InnerTrainer
 
-    config = RunConfig(rounds=2, model=ModelConfig(n_layer=1, n_embd=16, block_size=16), inner=InnerConfig(steps=1, batch_size=2))
-    tokens = TokenData.from_bytes(load_corpus(None), EVAL_FRACTION)
-    trainer = InnerTrainer(config, tokens)
-    names = [n for n, _ in trainer.named_parameters()]
+    new_trainer, names = _tiny_trainers()
+    trainer = new_trainer()
     site = SiteCheckpoint(tmp_path, "c", staging=staging)
     staged = []
     for round_ in (1, 2, 3):
@@ -348,7 +350,7 @@ def test_site_checkpoints_reuse_their_staging_buffers_or_stage_nothing(tmp_path,
         assert site.staged_bytes > 0
     else:
         assert staged == [[], [], []] and site.staged_bytes == 0
-    fresh = InnerTrainer(config, tokens)
+    fresh = new_trainer()
     assert SiteCheckpoint(tmp_path, "c").restore(fresh, None, names) == 3 and fresh.step == 3
     want = dict(trainer.named_parameters())
     assert all(torch.equal(p, want[n]) for n, p in fresh.named_parameters())
