@@ -10,6 +10,8 @@ shards' weights bit-identical to theirs, on CUDA arithmetic):
 * ``dp2``    — 2 data-parallel ranks, FSDP2 (bf16 mixed precision where the GPU has it natively);
 * ``pp2dp2`` — both, 4 ranks;
 * ``accum``  — pp2 with 2 accumulated batches per step;
+* ``lean``   — pp1 as a lean rank: the round's start spilled to disk (--spill-dir) and checkpoints written
+  synchronously, the exchange's host bytes per parameter against pp1's (issue 43);
 * ``resume`` — the largest site that fits, stopped by SIGTERM after round 2 and started with --resume.
 
 A check that needs more GPUs than the machine has is skipped with the reason. Per check: tokens/s,
@@ -27,10 +29,11 @@ import subprocess
 import sys
 import tempfile
 
-from dilocox.bench.site_layouts import LayoutRun, _cli, layout_flags, planned_device_mb, run_worker, shard_processes, summarize
+from dilocox.bench.site_layouts import VARIANTS, LayoutRun, _cli, layout_flags, planned_device_mb, run_worker, shard_processes, summarize
 
-CHECKS = ("sim", "pp1", "pp2", "dp2", "pp2dp2", "accum", "resume")
-LAYOUTS = {"pp1": (1, 1, ()), "pp2": (2, 1, ()), "dp2": (1, 2, ()), "pp2dp2": (2, 2, ()), "accum": (2, 1, ("--inner-grad-accum", "2"))}
+CHECKS = ("sim", "pp1", "pp2", "dp2", "pp2dp2", "accum", "lean", "resume")
+LAYOUTS = {"pp1": (1, 1, ()), "pp2": (2, 1, ()), "dp2": (1, 2, ()), "pp2dp2": (2, 2, ()), "accum": (2, 1, ("--inner-grad-accum", "2")),
+           "lean": (1, 1, VARIANTS["lean"])}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +65,7 @@ def _layout_check(name: str, args: argparse.Namespace, workdir: pathlib.Path) ->
     with shard_processes(2, f"gpu-{name}", workdir) as addresses:
         cmd = _cli("worker", "--servers", ",".join(addresses), "--run-id", f"gpu-{name}", "--insecure", "--log-format", "json",
                    *layout_flags(run, args.device))  # fmt: skip
+        cmd = [flag.replace("{work}", str(workdir / name)) for flag in cmd]
         rc, run.events = run_worker(cmd, workdir / f"{name}.log", run, timeout_s=900)
     row = summarize(run) if rc == 0 else {}
     if row:
