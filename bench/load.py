@@ -106,7 +106,7 @@ def _run_wan(args: argparse.Namespace, out_dir) -> str:
     caches = [int(c) for c in args.pull_cache_mb.split(",") if c.strip()] or [None]
     rows = [measure_wan(int(n), args.rounds, args.wan_mbit, args.push_kb, args.stalled, cache)
             for n in args.clusters.split(",") if n.strip() for cache in caches]  # fmt: skip
-    notes = (f"2 shard processes on localhost; every site a raw gRPC client in a thread of one process, its push ({args.push_kb} KB a "
+    notes = (f"2 shard processes on localhost; every site a raw grpc.aio client, a coroutine on one event loop of one process, its push ({args.push_kb} KB a "
              f"shard, framed as the real client frames it) and its pull (the weights) paced to {args.wan_mbit:g} Mbit/s; "
              f"{args.stalled} push streams per shard stall after one chunk; {args.rounds} rounds; Status polled from both shards "
              f"every 0.25 s; {os.cpu_count()} CPU cores. link_s: the push and the pull at the link's rate alone.\n")  # fmt: skip

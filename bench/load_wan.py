@@ -3,7 +3,7 @@ paced to a link of R Mbit/s, beside push streams that stall (issue 45).
 
 At WAN pace a push is in transit for seconds (a 256 KB compressed push at 1 Mbit/s: 2 s per shard), so
 hundreds are in flight at once — the load that starved the old shard's 32 work threads. Each site is a
-raw gRPC client in a thread of this process: its push is framed as the real client frames it
+raw grpc.aio client, a coroutine on one event loop of this process: its push is framed as the real client frames it
 (incompressible random values, `--push-kb` per shard) and sent a chunk at a time, sleeping so that the
 stream's bytes keep to the link's rate; its pull reads the version's weights (an observer pull: the
 weights alone) a chunk at a time at the same rate, so gRPC's flow control paces the shard's sending.
@@ -18,6 +18,7 @@ of the shards and of the sites' clients (which share this machine's cores with t
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import resource
 import statistics
@@ -42,80 +43,107 @@ WIDTH = 256
 
 
 class _Site:
-    """One site: a raw stub per shard, its push framed per shard, pushed and pulled at `rate` bytes/s."""
+    """One site: its push framed per shard, pushed and pulled at `rate` bytes/s over grpc.aio stubs.
 
-    def __init__(self, name: str, addresses: list[str], client: AggregatorClient, rate: float, seed: int) -> None:
+    Every site of a row is a coroutine on one event loop rather than threads of its own: 256 sites as
+    ~1,000 threads of blocking gRPC calls spent more CPU than the shards they measure, all of it behind
+    this process's one interpreter lock (the sites stand in for machines of their own)."""
+
+    def __init__(self, name: str, client: AggregatorClient, rate: float, seed: int) -> None:
         self.name, self.rate = name, rate
-        self.channels = [grpc.insecure_channel(a, options=[("grpc.max_receive_message_length", 64 << 20)]) for a in addresses]
-        self.stubs = [pb_grpc.AggregatorStub(c) for c in self.channels]
         g = torch.Generator().manual_seed(seed)
         by_shard: dict[int, list[EncodedSlice]] = {}
         for s in client.assignment:
             by_shard.setdefault(s.shard, []).append(EncodedSlice.exact(s.key, torch.randn(s.slice_shape, generator=g) * 1e-3))
-        self.chunks = {shard: list(frame_slices(items, client.slice_map.index, CHUNK_BYTES, 1)) for shard, items in by_shard.items()}
+        self.chunks = {shard: [(pb.PushMessage(chunk=c), c.ByteSize()) for c in frame_slices(items, client.slice_map.index, CHUNK_BYTES, 1)]
+                       for shard, items in by_shard.items()}  # fmt: skip
+        self.channels: list[grpc.aio.Channel] = []
 
-    def push(self, round_: int) -> None:
-        def one(shard: int) -> None:
-            chunks = self.chunks[shard]
+    def open(self, addresses: list[str]) -> None:
+        """(On the row's event loop.) A channel per shard."""
+        self.channels = [grpc.aio.insecure_channel(a, options=[("grpc.max_receive_message_length", 64 << 20)]) for a in addresses]
+        self.stubs = [pb_grpc.AggregatorStub(c) for c in self.channels]
 
-            def messages():
-                yield pb.PushMessage(header=pb.PushHeader(run_id=RUN, cluster=self.name, round=round_, weight=1.0, chunks=len(chunks)))
-                for chunk in chunks:
-                    time.sleep(chunk.ByteSize() / self.rate)
-                    yield pb.PushMessage(chunk=chunk)
+    def header(self, shard: int, round_: int) -> pb.PushMessage:
+        return pb.PushMessage(header=pb.PushHeader(run_id=RUN, cluster=self.name, round=round_, weight=1.0, chunks=len(self.chunks[shard])))
 
-            self.stubs[shard].Push(messages(), timeout=600)
+    async def push(self, round_: int) -> None:
+        async def one(shard: int) -> None:
+            async def messages():
+                yield self.header(shard, round_)
+                for message, size in self.chunks[shard]:
+                    await asyncio.sleep(size / self.rate)
+                    yield message
 
-        threads = [threading.Thread(target=one, args=(shard,)) for shard in self.chunks]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+            await self.stubs[shard].Push(messages(), timeout=600)
 
-    def pull(self, version: int) -> None:
-        def one(stub: pb_grpc.AggregatorStub) -> None:
+        await asyncio.gather(*(one(shard) for shard in self.chunks))
+
+    async def pull(self, version: int) -> None:
+        async def one(stub: pb_grpc.AggregatorStub) -> None:
             request = pb.PullRequest(run_id=RUN, cluster=self.name, min_version=version, wait_seconds=600, observer=True)
-            for chunk in stub.Pull(request, timeout=900):
-                time.sleep(chunk.ByteSize() / self.rate)
+            async for chunk in stub.Pull(request, timeout=900):
+                await asyncio.sleep(chunk.ByteSize() / self.rate)
 
-        threads = [threading.Thread(target=one, args=(stub,)) for stub in self.stubs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        await asyncio.gather(*(one(stub) for stub in self.stubs))
 
-    def close(self) -> None:
-        for c in self.channels:
-            c.close()
+    async def round(self, round_: int) -> None:
+        await self.push(round_)
+        await self.pull(round_)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.channels))
 
 
-def _stall(addresses: list[str], client: AggregatorClient, per_shard: int, release: threading.Event) -> tuple[_Site, list[threading.Thread]]:
+async def _stall(site: _Site, per_shard: int, release: asyncio.Event) -> None:
     """`per_shard` push streams to each shard from a joined site that send a header and a chunk, then nothing
-    until `release` (the site, to close, and the streams' threads)."""
-    site = _Site("stalled", addresses, client, rate=1e12, seed=1)
+    until `release`."""
 
-    def one(shard: int) -> None:
-        def messages():
-            yield pb.PushMessage(header=pb.PushHeader(run_id=RUN, cluster="stalled", round=1, weight=1.0, chunks=len(site.chunks[shard])))
-            yield pb.PushMessage(chunk=site.chunks[shard][0])
-            release.wait(3600)
+    async def one(shard: int) -> None:
+        async def messages():
+            yield site.header(shard, 1)
+            yield site.chunks[shard][0][0]
+            await release.wait()
 
         try:
-            site.stubs[shard].Push(messages(), timeout=3600)
-        except grpc.RpcError:
+            await site.stubs[shard].Push(messages(), timeout=3600)
+        except grpc.aio.AioRpcError:
             pass  # refused after the shard's idle timeout, or cancelled at the row's end
 
-    threads = [threading.Thread(target=one, args=(shard,), daemon=True) for shard in site.chunks for _ in range(per_shard)]
-    for t in threads:
-        t.start()
-    return site, threads
+    await asyncio.gather(*(one(shard) for shard in site.chunks for _ in range(per_shard)))
+
+
+async def _paced_rounds(addresses: list[str], paced: list[_Site], stalled: _Site | None, per_shard: int, rounds: int,
+                        pids: list[int]) -> tuple[list[float], list[float], float]:  # fmt: skip
+    """Rounds 1..rounds+1 of every paced site at once, beside the stalled streams; round 1 is not timed.
+    Returns the timed rounds' latencies and the shards' and this process's CPU seconds before round 2."""
+    for site in [*paced, *([stalled] if stalled else [])]:
+        site.open(addresses)
+    release = asyncio.Event()
+    stalling = asyncio.ensure_future(_stall(stalled, per_shard, release)) if stalled else None
+    latencies, cpu_before, load_before = [], [], 0.0
+    try:
+        for round_ in range(1, rounds + 2):
+            if round_ == 2:
+                cpu_before, load_before = [process_usage(p)[1] for p in pids], _own_cpu_s()
+            started = time.perf_counter()
+            await asyncio.gather(*(site.round(round_) for site in paced))
+            if round_ >= 2:
+                latencies.append(time.perf_counter() - started)
+    finally:
+        release.set()
+        if stalling is not None:
+            await asyncio.wait_for(stalling, timeout=30)
+        for site in [*paced, *([stalled] if stalled else [])]:
+            await site.close()
+    return latencies, cpu_before, load_before
 
 
 def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pull_cache_mb: int | None = None) -> dict:
     rate = mbit * 1e6 / 8
     rows = max(1, push_kb * 1024 * 2 // (4 * WIDTH))  # two shards: each gets about push_kb of it
     params = [("w", (rows, WIDTH)), ("b", (WIDTH,))]
-    release, status_s = threading.Event(), []
+    status_s: list[float] = []
     # The stalled site is a member: round 1 waits for it until the deadline, then closes without it (a
     # warm-up, not timed); its streams stay open, stalled, through every timed round.
     server_flags = ("--round-deadline-s", str(STALLED_DEADLINE_S), *(("--pull-cache-mb", str(pull_cache_mb)) if pull_cache_mb is not None else ()))
@@ -123,40 +151,23 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pu
         pids = [int(pid) for pid in shard_pids(addresses)]
         clients = [AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(sites)]
         stalled_client = AggregatorClient(addresses, RUN, "stalled", connect_timeout=60)
-        pool = ThreadPoolExecutor(max_workers=sites)
-        paced, stall_threads = [], []
         try:
             clients[0].join(params)
-            list(pool.map(lambda c: c.join(params), clients[1:]))
+            with ThreadPoolExecutor(max_workers=16) as pool:
+                list(pool.map(lambda c: c.join(params), clients[1:]))
             stalled_client.join(params)
             clients[0].push(0, 1.0, {s.key: torch.zeros(s.slice_shape) for s in clients[0].assignment})
-            paced = [_Site(c.cluster, addresses, c, rate, seed=10 + i) for i, c in enumerate(clients)]
-            timed = list(paced)
-            push_bytes = max(sum(ch.ByteSize() for ch in chunks) for chunks in paced[0].chunks.values())
-            if stalled:
-                stall_site, stall_threads = _stall(addresses, stalled_client, stalled, release)
-                paced.append(stall_site)
+            paced = [_Site(c.cluster, c, rate, seed=10 + i) for i, c in enumerate(clients)]
+            push_bytes = max(sum(size for _, size in chunks) for chunks in paced[0].chunks.values())
+            stall_site = _Site("stalled", stalled_client, rate=1e12, seed=1) if stalled else None
             polling = threading.Event()
             poller = threading.Thread(target=_poll_status, args=(addresses, polling, status_s), daemon=True)
             poller.start()
-            latencies, cpu_before = [], None
-            for round_ in range(1, rounds + 2):
-                if round_ == 2:
-                    cpu_before, load_before = [process_usage(p)[1] for p in pids], _own_cpu_s()
-                started = time.perf_counter()
-                list(pool.map(lambda s, r=round_: (s.push(r), s.pull(r)), timed))
-                if round_ >= 2:
-                    latencies.append(time.perf_counter() - started)
+            latencies, cpu_before, load_before = asyncio.run(_paced_rounds(addresses, paced, stall_site, stalled, rounds, pids))
             usage, load_cpu = [process_usage(p) for p in pids], _own_cpu_s() - load_before
             polling.set()
             poller.join(timeout=10)
         finally:
-            release.set()
-            for t in stall_threads:
-                t.join(timeout=30)
-            pool.shutdown()
-            for site in paced:
-                site.close()
             for c in [*clients, stalled_client]:
                 c.close()
     pull_bytes = rows * WIDTH * 4 // 2 + WIDTH * 4  # an observer pull: the weights, about half the model per shard
