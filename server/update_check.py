@@ -142,7 +142,7 @@ def gram(xs: list, ys: list | None = None) -> torch.Tensor:
     if fx and fy:
         out[torch.tensor(fx)[:, None], torch.tensor(fy)] = _factor_gram([xs[i] for i in fx], [ys[j] for j in fy], symmetric)
     if dx and dy:
-        dense = _products([xs[i].reshape(-1, 1) for i in dx], [ys[j].reshape(-1, 1) for j in dy], symmetric, torch.float32)
+        dense = _dense_products([xs[i].reshape(-1) for i in dx], [ys[j].reshape(-1) for j in dy], symmetric)
         out[torch.tensor(dx)[:, None], torch.tensor(dy)] = dense.double()
     for i, j in [(i, j) for i in fx for j in dy] + [(i, j) for i in dx for j in fy]:
         out[i, j] = inner(xs[i], ys[j])
@@ -162,6 +162,25 @@ def _products(xs: list[torch.Tensor], ys: list[torch.Tensor], same: bool, dtype:
         px = torch.cat([x[start : start + step].to(dtype) for x in xs], dim=1)
         py = px if same else torch.cat([y[start : start + step].to(dtype) for y in ys], dim=1)
         total += px.T @ py
+    return total
+
+
+def _dense_products(xs: list[torch.Tensor], ys: list[torch.Tensor], same: bool) -> torch.Tensor:
+    """X Yᵀ in fp32 for X, Y with one site's flattened update per row, accumulated over pieces of elements so
+    that no piece of X or Y exceeds `GRAM_PIECE_BYTES`. Rows, not columns side by side: a site's elements
+    are copied into one reused row at memory speed, where a column of a side-by-side matrix is a strided
+    scatter that took longer than the product itself (25 ms against 16 for 128 sites × 32,768 elements)."""
+    numel = xs[0].numel()
+    step = max(1, min(numel, GRAM_PIECE_BYTES // (4 * max(len(xs), len(ys)))))
+    piece_x = torch.empty(len(xs), step)
+    piece_y = piece_x if same else torch.empty(len(ys), step)
+    total = torch.zeros(len(xs), len(ys))
+    for start in range(0, numel, step):
+        width = min(step, numel - start)
+        for piece, rows in ((piece_x, xs), *(() if same else ((piece_y, ys),))):
+            for i, row in enumerate(rows):
+                piece[i, :width].copy_(row[start : start + width])
+        total += piece_x[:, :width] @ piece_y[:, :width].T
     return total
 
 
