@@ -40,6 +40,20 @@ from dilocox.server.servicer import AggregatorServicer, refuse
 
 log = structlog.get_logger()
 _END = object()
+# A pull's chunks are taken from the pool up to this many bytes at a time: small pulls (an observer's
+# weights, a round's few contributions) cost one hop to the pool instead of one per chunk plus one for
+# the end, and a pull in flight holds at most this much more than one chunk.
+PULL_BATCH_BYTES = 256 * 1024
+
+
+def _take_chunks(chunks, limit: int) -> list[pb.TensorChunk]:  # noqa: ANN001
+    """(On a pool thread.) The next chunks of a pull, at least one unless it has ended (then none), until
+    `limit` bytes are taken or it ends."""
+    taken, size = [], 0
+    while size < limit and (chunk := next(chunks, _END)) is not _END:
+        taken.append(chunk)
+        size += chunk.ByteSize()
+    return taken
 
 
 class _Aborted(Exception):
@@ -136,8 +150,9 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
             await self._refused(error, context)
         chunks = self.servicer.stream(snapshot, request)
         try:
-            while (chunk := await self._in_pool(next, chunks, _END)) is not _END:
-                yield chunk
+            while batch := await self._in_pool(_take_chunks, chunks, PULL_BATCH_BYTES):
+                for chunk in batch:
+                    yield chunk
         finally:  # also when the client goes away mid-stream
             await self._in_pool(chunks.close)
             self.shard.release(snapshot)

@@ -195,3 +195,15 @@ def test_the_new_limits_refuse_nonsense_before_the_shard_listens():
         done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "server", "--port", "0", "--insecure", flag, "0"],
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert done.returncode != 0 and message in done.stderr, (flag, done.stderr[-500:])
+
+
+def test_a_pull_takes_its_small_chunks_from_the_pool_together_and_never_an_empty_batch_before_its_end():
+    """One hop to the work pool per 256 KB of a pull, not one per chunk plus one for its end (each hop wakes
+    the event loop and a pool thread); a batch ends at the first chunk that reaches the limit."""
+    from dilocox.proto import dilocox_pb2 as pb
+    from dilocox.server.aio_servicer import PULL_BATCH_BYTES, _take_chunks
+
+    sizes = [100 << 10, 100 << 10, 100 << 10, 10 << 10, 3 * PULL_BATCH_BYTES, 1 << 10]
+    chunks = iter([pb.TensorChunk(name=f"c{i}", zstd_frame=bytes(n)) for i, n in enumerate(sizes)])
+    batches = [[c.name for c in batch] for batch in iter(lambda: _take_chunks(chunks, PULL_BATCH_BYTES), [])]
+    assert batches == [["c0", "c1", "c2"], ["c3", "c4"], ["c5"]]
