@@ -6,6 +6,7 @@ that turns health NOT_SERVING first.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -59,12 +60,20 @@ class ServerHandle:
         return done
 
 
+def default_work_threads() -> int:
+    """The CPUs this process may run on, plus 2, at most 32. The pool only computes (decode, vet, commit,
+    frame): the push intake reads on the event loop, so a thread never waits on the network and threads
+    beyond the cores only hand the interpreter lock around. At 128 sites on 2 cores, 4 threads took 12.3 ms of
+    shard CPU per site and round where 32 took 15.3 (docs/performance.md, "At WAN pace")."""
+    return min(32, len(os.sched_getaffinity(0)) + 2)
+
+
 def start_server(
     shard: Shard,
     host: str = "127.0.0.1",
     port: int = 0,
     wire: WireConfig | None = None,
-    max_workers: int = 32,
+    max_workers: int | None = None,
     added_latency_s: float = 0.0,
     tls: TlsFiles | None = None,
     token: str | None = None,
@@ -75,7 +84,7 @@ def start_server(
     """Start serving `shard`; returns the server and the bound port (useful with port=0).
 
     `max_workers`: threads for the work of calls (decoding pushes, framing pulls); waiting pulls hold
-    none (server/aio_servicer.py). `added_latency_s` > 0 delays every push and pull (user-space WAN
+    none and no thread reads the network (server/aio_servicer.py); None: `default_work_threads()`. `added_latency_s` > 0 delays every push and pull (user-space WAN
     latency, see server/aio_servicer.py). `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls
     without the run's token. `push_limits`: how long a push stream may stay silent and how many one cluster
     may hold open (server/push_intake.py). `health_stall_s`: health turns NOT_SERVING while a task has waited
@@ -83,6 +92,9 @@ def start_server(
     for every pull of a version may hold (server/pull_framing.py; 0: each pull frames its own).
     """
     wire = wire or WireConfig()
+    max_workers = default_work_threads() if max_workers is None else max_workers
+    if max_workers < 1:
+        raise ValueError(f"--work-threads must be ≥ 1, got {max_workers}")
     if pull_cache_bytes < 0:
         raise ValueError(f"--pull-cache-mb must be ≥ 0, got {pull_cache_bytes >> 20}")
     if health_stall_s <= 0:  # refused before anything listens
@@ -110,7 +122,7 @@ def start_server(
         shard.version_listeners.remove(servicer.signal.notify)  # the shard may be served again (tests restart one)
 
     log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id,
-             tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"), token=bool(token))  # fmt: skip
+             tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"), token=bool(token), work_threads=max_workers)  # fmt: skip
     handle = ServerHandle(server, loop, thread, pool, on_stop)
     handle.framings = servicer.servicer.framings
     return handle, bound

@@ -1,7 +1,7 @@
 """Health that tells the truth: NOT_SERVING while the shard's work pool cannot take work.
 
 The health service answers from the event loop, which stays free whatever the pool does; so before this
-watch a shard whose 32 work threads were all held (then by stalled pushes; now by any work that takes
+watch a shard whose work threads were all held (then by stalled pushes; now by any work that takes
 longer than the traffic allows) answered SERVING while every join, status and push queued. Every
 `period_s` the watch times a no-op through the pool: when it has not run within `stall_s`, health turns
 NOT_SERVING (`shard_not_serving`, with how long the pool has been stuck) until the no-op runs, then

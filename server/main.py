@@ -129,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--health-stall-s", type=float, default=STALL_S,
                         help="report NOT_SERVING (grpc.health.v1) while a task has waited this long for one of the shard's "
                              "work threads, SERVING again once it ran: orchestrators' probes then act on a wedged shard")  # fmt: skip
+    parser.add_argument("--work-threads", type=int, default=None,
+                        help="threads that decode pushes, frame pulls and close rounds (default: the CPUs this process may "
+                             "use + 2, at most 32; no thread waits on the network, so more only contend for the interpreter)")  # fmt: skip
     parser.add_argument(
         "--added-latency-ms", type=float, default=0.0,
         help="delay every push and pull by this much: user-space WAN latency for tests (this kernel has no netem)",
@@ -262,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         server, port = start_server(shard, args.host, args.port, WireConfig(), added_latency_s=args.added_latency_ms / 1000,
                                     tls=tls, token=token, push_limits=PushLimits(args.push_idle_timeout_s,
                                                                                  args.push_streams_per_cluster),
-                                    health_stall_s=args.health_stall_s, pull_cache_bytes=args.pull_cache_mb << 20)  # fmt: skip
+                                    health_stall_s=args.health_stall_s, pull_cache_bytes=args.pull_cache_mb << 20,
+                                    max_workers=args.work_threads)  # fmt: skip
     except (ValueError, OSError, RuntimeError) as error:
         raise SystemExit(f"dilocox server: {error}") from None
     if args.port_file:

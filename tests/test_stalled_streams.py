@@ -191,7 +191,8 @@ def test_the_new_limits_refuse_nonsense_before_the_shard_listens():
     import sys
 
     for flag, message in (("--health-stall-s", "--health-stall-s must be > 0"), ("--push-idle-timeout-s", "--push-idle-timeout-s must be > 0"),
-                          ("--push-streams-per-cluster", "--push-streams-per-cluster must be ≥ 1")):  # fmt: skip
+                          ("--push-streams-per-cluster", "--push-streams-per-cluster must be ≥ 1"),
+                          ("--work-threads", "--work-threads must be ≥ 1")):  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "server", "--port", "0", "--insecure", flag, "0"],
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert done.returncode != 0 and message in done.stderr, (flag, done.stderr[-500:])
