@@ -16,9 +16,10 @@ import structlog
 from dilocox.common.wire.errors import CheckOff, NotAnOperator
 from dilocox.server.provenance_chain import ChainedVersion, chain_round
 from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
+from dilocox.server.round_figures import round_figures
 from dilocox.server.round_state import RoundAccumulator
 from dilocox.server.shard_records import RoundStats, SealedRound, Snapshot
-from dilocox.server.update_check import SiteVerdict, clipped, excluded, margins, round_figures
+from dilocox.server.update_check import SiteVerdict, clipped, excluded, margins
 
 log = structlog.get_logger("dilocox.shard")
 
@@ -96,9 +97,9 @@ class RoundClosing:
         the version forwards for replay holds them. No lock held, as for the step."""
         if self.update_check is None or not closing.acc.contributions:
             return ()
-        verdicts = tuple(self.update_check.review(round_figures(closing.acc.contributions, closing.snapshot.contributions,
-                                                                self.update_check.last_flagged),
-                                                  closing.acc.cluster_weights))  # fmt: skip
+        check = self.update_check
+        figures = round_figures(closing.acc.contributions, closing.snapshot.contributions, check.last_flagged, reuse=check.last_figures)
+        verdicts = tuple(check.review(figures, closing.acc.cluster_weights))
         out = excluded(verdicts)
         if out:
             closing.acc.keep_only(set(closing.acc.cluster_weights) - out)

@@ -41,16 +41,15 @@ flagged by every shard alike.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
 
-from dilocox.common.wire.lowrank import OrderedProduct
+from dilocox.server.round_figures import RoundFigures
 
 MODES = ("off", "warn", "clip", "exclude")
 
@@ -100,138 +99,6 @@ class SiteVerdict:
                 "cosine_previous": rounded(self.cosine_previous)}  # fmt: skip
 
 
-def _factors_or_dense(decoded: torch.Tensor | OrderedProduct) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    if isinstance(decoded, OrderedProduct):
-        return decoded.factors()
-    return decoded.reshape(decoded.shape[0], -1) if decoded.dim() >= 2 else decoded.reshape(1, -1)
-
-
-def inner(a, b) -> float:  # noqa: ANN001
-    """⟨A, B⟩ for dense matrices or (P, Qᵀ) factor pairs, without forming a low-rank product:
-    ⟨P₁Q₁ᵀ, P₂Q₂ᵀ⟩ = Σ (P₁ᵀP₂) ∘ (Q₁ᵀQ₂); ⟨PQᵀ, D⟩ = Σ P ∘ (D Q)."""
-    if isinstance(a, tuple) and isinstance(b, tuple):  # small products: in float64, no overflow of huge factors
-        (p1, qt1), (p2, qt2) = a, b
-        return float(((p1.double().T @ p2.double()) * (qt1.double() @ qt2.double().T)).sum())
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        (p, qt), dense = (a, b) if isinstance(a, tuple) else (b, a)
-        return float((p.double() * (dense @ qt.T).double()).sum())
-    # Dense slices in fp32 (no float64 copy of a model-sized slice): values large enough to overflow it are
-    # a fault already, and a non-finite figure is flagged as one (`UpdateCheck.review`).
-    return float(torch.dot(a.reshape(-1), b.reshape(-1)))
-
-
-GRAM_PIECE_BYTES = 64 * 2**20  # the stacked pieces a Gram is formed from, at most (the sites' own tensors aside)
-
-
-def gram(xs: list, ys: list | None = None) -> torch.Tensor:
-    """[⟨x_i, y_j⟩] (float64, len(xs) × len(ys); ys = xs: the symmetric Gram) with the arithmetic of `inner`,
-    in a few BLAS calls per slice instead of one Python call per pair — the pairs grow as sites², and at
-    128 sites the pairwise loop was most of a shard's CPU. Factor pairs (P, Qᵀ): the sites' factors side by
-    side, (PₓᵀP_y) ∘ (QₓᵀQ_y) in float64, summed per site block by `index_add_` (no multiplication by the
-    zeros of an indicator matrix, which would spread one site's NaN to every entry); dense ones: fp32
-    products. Both are formed over pieces of at most `GRAM_PIECE_BYTES` of the sites' rows side by side, so
-    hundreds of sites never stack a slice hundreds of times. A pair of a dense and a factor update (a
-    flush's int8 beside low-rank ones) goes through `inner`."""
-    symmetric = ys is None
-    ys = xs if ys is None else ys
-    out = torch.zeros(len(xs), len(ys), dtype=torch.float64)
-    fx = [i for i, x in enumerate(xs) if isinstance(x, tuple)]
-    fy = [j for j, y in enumerate(ys) if isinstance(y, tuple)]
-    dx = [i for i, x in enumerate(xs) if not isinstance(x, tuple)]
-    dy = [j for j, y in enumerate(ys) if not isinstance(y, tuple)]
-    if fx and fy:
-        out[torch.tensor(fx)[:, None], torch.tensor(fy)] = _factor_gram([xs[i] for i in fx], [ys[j] for j in fy], symmetric)
-    if dx and dy:
-        dense = _dense_products([xs[i].reshape(-1) for i in dx], [ys[j].reshape(-1) for j in dy], symmetric)
-        out[torch.tensor(dx)[:, None], torch.tensor(dy)] = dense.double()
-    for i, j in [(i, j) for i in fx for j in dy] + [(i, j) for i in dx for j in fy]:
-        out[i, j] = inner(xs[i], ys[j])
-    if symmetric:  # exactly symmetric, as the pairwise form was
-        out = torch.triu(out) + torch.triu(out, 1).T
-    return out
-
-
-def _products(xs: list[torch.Tensor], ys: list[torch.Tensor], same: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Xᵀ Y for X = [x₁ … xₙ], Y = [y₁ … yₘ] side by side (each n_rows × its own width), accumulated over
-    pieces of rows so that no piece of X or Y exceeds `GRAM_PIECE_BYTES`."""
-    width_x, width_y = sum(x.shape[1] for x in xs), sum(y.shape[1] for y in ys)
-    size = torch.finfo(dtype).bits // 8
-    step = max(1, GRAM_PIECE_BYTES // (size * max(width_x, width_y, 1)))
-    total = torch.zeros(width_x, width_y, dtype=dtype)
-    for start in range(0, xs[0].shape[0], step):
-        px = torch.cat([x[start : start + step].to(dtype) for x in xs], dim=1)
-        py = px if same else torch.cat([y[start : start + step].to(dtype) for y in ys], dim=1)
-        total += px.T @ py
-    return total
-
-
-def _dense_products(xs: list[torch.Tensor], ys: list[torch.Tensor], same: bool) -> torch.Tensor:
-    """X Yᵀ in fp32 for X, Y with one site's flattened update per row, accumulated over pieces of elements so
-    that no piece of X or Y exceeds `GRAM_PIECE_BYTES`. Rows, not columns side by side: a site's elements
-    are copied into one reused row at memory speed, where a column of a side-by-side matrix is a strided
-    scatter that took longer than the product itself (25 ms against 16 for 128 sites × 32,768 elements)."""
-    numel = xs[0].numel()
-    step = max(1, min(numel, GRAM_PIECE_BYTES // (4 * max(len(xs), len(ys)))))
-    piece_x = torch.empty(len(xs), step)
-    piece_y = piece_x if same else torch.empty(len(ys), step)
-    total = torch.zeros(len(xs), len(ys))
-    for start in range(0, numel, step):
-        width = min(step, numel - start)
-        for piece, rows in ((piece_x, xs), *(() if same else ((piece_y, ys),))):
-            for i, row in enumerate(rows):
-                piece[i, :width].copy_(row[start : start + width])
-        total += piece_x[:, :width] @ piece_y[:, :width].T
-    return total
-
-
-def _factor_gram(xs: list[tuple[torch.Tensor, torch.Tensor]], ys: list[tuple[torch.Tensor, torch.Tensor]], same: bool) -> torch.Tensor:
-    left = _products([p for p, _ in xs], [p for p, _ in ys], same, torch.float64)  # PₓᵀP_y, rank by rank
-    right = _products([qt.T for _, qt in xs], [qt.T for _, qt in ys], same, torch.float64)  # QₓᵀQ_y
-    terms = left * right  # every site's components against every other's: summed per pair of sites below
-    site_x = torch.repeat_interleave(torch.arange(len(xs)), torch.tensor([p.shape[1] for p, _ in xs]))
-    site_y = torch.repeat_interleave(torch.arange(len(ys)), torch.tensor([p.shape[1] for p, _ in ys]))
-    rows = torch.zeros(len(xs), terms.shape[1], dtype=torch.float64).index_add_(0, site_x, terms)
-    return torch.zeros(len(xs), len(ys), dtype=torch.float64).index_add_(1, site_y, rows)
-
-
-@dataclass
-class RoundFigures:
-    """G and the products with the previous update of one round on one shard, summed over its slices."""
-
-    clusters: list[str]
-    gram: torch.Tensor  # float64, clusters × clusters
-    with_previous: torch.Tensor  # float64, ⟨Δ_i, U⟩, U the previous round's weighted sum of contributions
-    previous_sq: float  # ‖U‖²
-    contribution_digests: dict[str, bytes] = field(default_factory=dict)  # cluster -> digest of all its payloads here
-
-
-def round_figures(contributions: Mapping, previous: Mapping | None = None, skip: frozenset[str] = frozenset()) -> RoundFigures:
-    """`contributions`: slice -> {cluster: Contribution} (server/round_state.py) of the round being closed;
-    `previous`: the same of the round before (what the published version forwards for replay), if any,
-    less the sites in `skip` (flagged then: in warn mode a merged faulty update must not become the
-    reference the honest ones are measured against)."""
-    clusters = sorted({c for per_key in contributions.values() for c in per_key})
-    index = {c: i for i, c in enumerate(clusters)}
-    n = len(clusters)
-    gram_sum, with_prev, prev_sq = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), 0.0
-    digests = {c: hashlib.sha256() for c in clusters}
-    for key in sorted(contributions):
-        ordered = sorted(contributions[key].items())
-        at = torch.tensor([index[c] for c, _ in ordered])
-        xs = [_factors_or_dense(contribution.slice.decode_lazy()) for _, contribution in ordered]
-        for c, contribution in ordered:
-            digests[c].update(contribution.slice.sha256)
-        gram_sum[at[:, None], at] += gram(xs)
-        before = [(c.weight, _factors_or_dense(c.slice.decode_lazy())) for site, c in sorted((previous or {}).get(key, {}).items())
-                  if site not in skip]  # fmt: skip
-        if before:
-            w = torch.tensor([weight for weight, _ in before], dtype=torch.float64)
-            ys = [y for _, y in before]
-            prev_sq += float(w @ gram(ys) @ w)  # ‖U‖², U = Σ w_b y_b, never formed
-            with_prev[at] += gram(xs, ys) @ w
-    return RoundFigures(clusters, gram_sum, with_prev, prev_sq, {c: d.digest() for c, d in digests.items()})
-
-
 def _cosine(dot: float, a_sq: float, b_sq: float) -> float | None:
     return dot / (a_sq * b_sq) ** 0.5 if a_sq > 0 and b_sq > 0 else None
 
@@ -247,6 +114,7 @@ class UpdateCheck:
         self.passed: dict[str, int] = {}  # quarantined cluster -> rounds passed in a row since
         self.quarantined: set[str] = set()
         self.last_flagged: frozenset[str] = frozenset()  # flagged in the last round reviewed: not a reference
+        self.last_figures: RoundFigures | None = None  # the last round's, whose Gram the next round's ‖U‖² reuses
 
     def review(self, figures: RoundFigures, weights: Mapping[str, float]) -> list[SiteVerdict]:
         cfg, clusters = self.config, figures.clusters
@@ -298,6 +166,7 @@ class UpdateCheck:
             self._norms.append(accepted)
         self._digests.append(set(figures.contribution_digests.values()))
         self.last_flagged = frozenset(v.cluster for v in verdicts if v.reasons)
+        self.last_figures = figures
         return verdicts
 
     def as_state(self) -> dict:

@@ -7,8 +7,9 @@ import torch
 
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
+from dilocox.server.round_figures import inner, round_figures
 from dilocox.server.round_state import Contribution
-from dilocox.server.update_check import UpdateCheck, UpdateCheckConfig, inner, round_figures
+from dilocox.server.update_check import UpdateCheck, UpdateCheckConfig
 
 KEYS = [SliceKey("w", 0, 48), SliceKey("b", 0, 32)]
 SHAPES = {KEYS[0]: (48, 40), KEYS[1]: (32,)}
@@ -38,10 +39,10 @@ def test_the_gram_of_many_sites_is_the_pairwise_inner_products_and_keeps_a_nan_t
     """The shard's figures in a few BLAS calls per slice (sites² pairs were most of its CPU at 128 sites):
     low-rank factors of different ranks, dense updates and the mixed pairs, against `inner` pair by pair —
     formed whole, and over pieces of a few rows (what bounds its memory with hundreds of sites)."""
-    from dilocox.server import update_check
-    from dilocox.server.update_check import gram
+    from dilocox.server import round_figures as figures_module
+    from dilocox.server.round_figures import gram
 
-    monkeypatch.setattr(update_check, "GRAM_PIECE_BYTES", piece_bytes)
+    monkeypatch.setattr(figures_module, "GRAM_PIECE_BYTES", piece_bytes)
 
     g = torch.Generator().manual_seed(3)
     factors = [(torch.randn(24, r, generator=g), torch.randn(r, 20, generator=g)) for r in (1, 3, 4, 2)]
@@ -106,16 +107,51 @@ def test_a_rounds_figures_take_no_python_call_per_pair_of_sites(lowrank, monkeyp
     """The shard's CPU per site must not grow with the sites: with every update of a slice in one form
     (all low-rank, or all dense), `inner` — one Python call per pair — is never reached, whatever the number
     of sites (a count, not a clock)."""
-    from dilocox.server import update_check
+    from dilocox.server import round_figures as figures_module
 
     calls = []
-    monkeypatch.setattr(update_check, "inner", lambda a, b: calls.append(1) or 0.0)
+    monkeypatch.setattr(figures_module, "inner", lambda a, b: calls.append(1) or 0.0)
     sites = Round(n=24, lowrank=lowrank)
     first, _ = sites.contributions()
     second, _ = sites.contributions()
     figures = round_figures(second, first)
     assert calls == [] and figures.gram.shape == (24, 24) and bool(torch.isfinite(figures.gram).all())
     assert figures.previous_sq > 0 and bool((figures.with_previous != 0).all())
+
+
+@pytest.mark.parametrize("lowrank", [True, False])
+def test_the_previous_rounds_gram_is_reused_only_for_exactly_its_payloads(lowrank, monkeypatch):
+    """‖U‖² needs the previous round's Gram, which that round's own figures formed in its close: reused (one
+    Gram fewer per slice) when the forwarded contributions are exactly those — less a site left out, whose
+    block goes — with ‖U‖² as formed afresh (sites of different weights, one skipped as flagged); when a
+    payload differs it is formed again."""
+    from dataclasses import replace
+
+    from dilocox.server import round_figures as figures_module
+
+    formed = []
+    real_gram = figures_module.gram
+    monkeypatch.setattr(figures_module, "gram", lambda *a, **k: formed.append(1) or real_gram(*a, **k))
+    sites = Round(n=5, lowrank=lowrank)
+    first, _ = sites.contributions()
+    first = {k: {c: replace(x, weight=10.0 * (i + 1)) for i, (c, x) in enumerate(sorted(per.items()))} for k, per in first.items()}
+    second, _ = sites.contributions()
+    own = round_figures(first)
+    forwarded = {k: {c: x for c, x in per.items() if c != "site4"} for k, per in first.items()}  # site4 excluded then
+    skip = frozenset({"site1"})
+    formed.clear()
+    fresh = round_figures(second, forwarded, skip)
+    afresh = len(formed)
+    formed.clear()
+    reused = round_figures(second, forwarded, skip, reuse=own)
+    assert len(formed) == afresh - len(KEYS)
+    assert reused.previous_sq == pytest.approx(fresh.previous_sq, rel=1e-6) and reused.previous_sq > 0  # dense: fp32 products
+    assert torch.equal(reused.with_previous, fresh.with_previous) and torch.equal(reused.gram, fresh.gram)
+    other = dict(forwarded)
+    other[KEYS[0]] = {**forwarded[KEYS[0]], "site2": replace(forwarded[KEYS[0]]["site2"], slice=second[KEYS[0]]["site2"].slice)}
+    formed.clear()
+    changed = round_figures(second, other, skip, reuse=own)
+    assert len(formed) == afresh and changed.previous_sq == pytest.approx(round_figures(second, other, skip).previous_sq, rel=1e-12)
 
 
 @pytest.mark.parametrize("lowrank", [True, False])
