@@ -200,6 +200,21 @@ def _flush(
         yield from frame_payload(SliceKey("", 0, 0), payload, BUNDLE_CODEC, "", (), chunk_bytes, zstd_level, **fields)
 
 
+def meta_of(chunk: pb.TensorChunk) -> pb.TensorChunk:
+    """A chunk's fields less its bytes: what a slice keeps of its first chunk. Copying the chunk whole and then
+    clearing its frame copied the frame once per slice — for a bundle, once per slice in it (a 2 MB bundle of
+    96 slices: 192 MB moved for one push; 0.74 of a shard's 8.3 CPU s a round at 256 such sites)."""
+    meta = pb.TensorChunk()
+    for descriptor, value in chunk.ListFields():
+        if descriptor.name == "zstd_frame":
+            continue
+        if descriptor.is_repeated:
+            getattr(meta, descriptor.name).extend(value)
+        else:
+            setattr(meta, descriptor.name, value)
+    return meta
+
+
 def open_bundle(chunk: pb.TensorChunk, slice_map: Sequence[tuple[SliceKey, tuple[int, ...]]]) -> Iterator[tuple[pb.TensorChunk, bytes]]:
     """The slices of a bundle chunk as (metadata, payload): each one's metadata is the bundle chunk's
     (version, contributor, …) with the slice's key, codec, dtype, shape and size filled in.
@@ -209,11 +224,11 @@ def open_bundle(chunk: pb.TensorChunk, slice_map: Sequence[tuple[SliceKey, tuple
     if chunk.name or chunk.offset or list(chunk.shape) or chunk.raw_bytes != chunk.payload_bytes:
         raise InvalidFrame("a slice bundle must travel as one whole chunk with no name and no shape")
     raw = decompress_chunk(chunk)
+    base = meta_of(chunk)
     for entry in unpack_bundle(raw, len(slice_map)):
         key, shape = slice_map[entry.index]
         meta = pb.TensorChunk()
-        meta.CopyFrom(chunk)
-        meta.ClearField("zstd_frame")
+        meta.CopyFrom(base)
         meta.name, meta.row_start, meta.row_stop = key.name, key.row_start, key.row_stop
         meta.codec, meta.dtype = entry.codec, entry.dtype
         meta.shape[:] = list(shape)
@@ -371,9 +386,7 @@ def assemble_units(
         entry = open_units.get(unit)
         if entry is None:
             limit = max_payload_bytes(key, chunk)
-            meta = pb.TensorChunk()
-            meta.CopyFrom(chunk)
-            meta.ClearField("zstd_frame")
+            meta = meta_of(chunk)
             entry = open_units[unit] = (SliceAssembler(chunk, limit), meta)
         assembler, meta = entry
         if assembler.add(chunk):
