@@ -64,7 +64,7 @@ def decide(
         return CloseDecision(frozenset(complete), dropped=tuple(sorted(missing)))
     window = grace.seconds()
     waited = now - acc.quorum_at
-    partial = acc.partial_clusters(owned, complete) & missing
+    partial = acc.partial_clusters(complete) & missing
     if waited < window or (partial and waited < window + grace.max_s):
         return None
     seen = last_seen or {}

@@ -40,6 +40,7 @@ class RoundAccumulator:
     first_push_at: float | None = None  # monotonic time of the round's first contribution: starts the deadline
     quorum_at: float | None = None  # monotonic time `min_clusters` had completed: starts the grace window
     complete_at: dict[str, float] = field(default_factory=dict)  # cluster -> when it completed (as first seen)
+    delivered: dict[str, int] = field(default_factory=dict)  # cluster -> slices it delivered (kept by `add`, `keep_only`)
 
     def check_weight(self, cluster: str, weight: float, staleness: int = 0) -> None:
         """A cluster's weight (tokens this round) must be positive and the same on all its streams, and so
@@ -62,21 +63,22 @@ class RoundAccumulator:
         """Record one vetted slice; callers have checked shape, values and duplicates already."""
         self.cluster_weights[cluster] = weight
         self.cluster_ages[cluster] = staleness
-        self.contributions.setdefault(encoded.key, {})[cluster] = Contribution(cluster, weight, encoded)
+        per_key = self.contributions.setdefault(encoded.key, {})
+        if cluster not in per_key:
+            self.delivered[cluster] = self.delivered.get(cluster, 0) + 1
+        per_key[cluster] = Contribution(cluster, weight, encoded)
         if self.first_push_at is None:
             self.first_push_at = time.monotonic()
 
     def complete_clusters(self, owned: set[SliceKey]) -> set[str]:
-        """Clusters that delivered every slice this shard owns."""
-        delivered: dict[str, int] = {}
-        for key in owned:
-            for cluster in self.contributions.get(key, {}):
-                delivered[cluster] = delivered.get(cluster, 0) + 1
-        return {c for c, n in delivered.items() if n == len(owned)}
+        """Clusters that delivered every slice this shard owns (only owned slices are ever added: vetted).
+        From the counts `add` keeps, not a walk over the slices: it runs at every push, under the shard's
+        lock, and slices × sites per push grew as sites² × slices a round."""
+        return {c for c, n in self.delivered.items() if n == len(owned)}
 
-    def partial_clusters(self, owned: set[SliceKey], complete: set[str]) -> set[str]:
+    def partial_clusters(self, complete: set[str]) -> set[str]:
         """Clusters with part of their slices in (a delivery under way), given the `complete` ones."""
-        return {cluster for key in owned for cluster in self.contributions.get(key, {})} - complete
+        return set(self.delivered) - complete
 
     def keep_only(self, clusters: set[str]) -> int:
         """Drop the partial contributions of clusters that did not complete the round; returns the payload
@@ -87,6 +89,7 @@ class RoundAccumulator:
                 dropped += len(per_key.pop(cluster).slice.payload)
         self.cluster_weights = {c: w for c, w in self.cluster_weights.items() if c in clusters}
         self.cluster_ages = {c: a for c, a in self.cluster_ages.items() if c in clusters}
+        self.delivered = {c: n for c, n in self.delivered.items() if c in clusters}
         return dropped
 
     def weigh_stale(self) -> dict[str, tuple[int, float, float]]:

@@ -300,6 +300,19 @@ def _accumulator(round_: int, delivered: dict[str, list[str]]) -> RoundAccumulat
     return acc
 
 
+def test_who_is_complete_is_counted_as_slices_arrive_not_walked_at_every_push():
+    """The close's question at every push, from the counts `add` keeps (a walk over slices × sites grew as
+    sites² × slices a round): a slice sent again counts once, and the clusters a close drops are forgotten."""
+    owned = {"k0", "k1", "k2"}
+    acc = _accumulator(2, {"a": ["k0", "k2"], "b": ["k0", "k1", "k2"]})
+    acc.add("a", 1.0, EncodedSlice.exact("k0", torch.ones(2)))  # a's k0 again: still two of three
+    assert acc.complete_clusters(owned) == {"b"} and acc.partial_clusters({"b"}) == {"a"}
+    acc.add("a", 1.0, EncodedSlice.exact("k1", torch.zeros(2)))
+    assert acc.complete_clusters(owned) == {"a", "b"}
+    acc.keep_only({"b"})
+    assert acc.complete_clusters(owned) == {"b"} and acc.partial_clusters({"b"}) == set()
+
+
 def test_quorum_and_grace_decide_who_is_in_late_or_dropped():
     owned = {"k0", "k1"}
     members = {"a": 0.0, "b": 0.0, "c": 0.0}
