@@ -4,8 +4,8 @@ paced to a link of R Mbit/s, beside push streams that stall (issue 45).
 At WAN pace a push is in transit for seconds (a 256 KB compressed push at 1 Mbit/s: 2 s per shard), so
 hundreds are in flight at once — the load that starved the old shard's 32 work threads. Each site is a
 raw grpc.aio client, a coroutine on one event loop of this process: its push is framed as the real client frames it
-(incompressible random values, `--push-kb` per shard) and sent a chunk at a time, sleeping so that the
-stream's bytes keep to the link's rate; its pull reads the version's weights (an observer pull: the
+(incompressible random values, `--push-kb` per shard, in its 2 MB chunks) and sent a message at a time, each
+after its time on the link (a message reaches the shard whole, when its last byte has crossed); its pull reads the version's weights (an observer pull: the
 weights alone) a chunk at a time at the same rate, so gRPC's flow control paces the shard's sending.
 `--stalled N` push streams per shard send a header and one chunk and then nothing until the row ends.
 
@@ -31,13 +31,14 @@ import grpc
 import torch
 
 from dilocox.bench.site_layouts import process_usage, shard_pids, shard_processes
+from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.framing import EncodedSlice, frame_slices
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 
 RUN = "bench-load-wan"
-CHUNK_BYTES = 64 * 1024  # small chunks, so that pacing is smooth
+STALL_CHUNK_BYTES = 64 * 1024  # the stalled streams' chunks: several declared, one sent
 STALLED_DEADLINE_S = 5.0  # the shards' --round-deadline-s: round 1 (untimed) closes without the stalled site
 WIDTH = 256
 
@@ -49,13 +50,13 @@ class _Site:
     ~1,000 threads of blocking gRPC calls spent more CPU than the shards they measure, all of it behind
     this process's one interpreter lock (the sites stand in for machines of their own)."""
 
-    def __init__(self, name: str, client: AggregatorClient, rate: float, seed: int) -> None:
+    def __init__(self, name: str, client: AggregatorClient, rate: float, seed: int, chunk_bytes: int = WireConfig.chunk_bytes) -> None:
         self.name, self.rate = name, rate
         g = torch.Generator().manual_seed(seed)
         by_shard: dict[int, list[EncodedSlice]] = {}
         for s in client.assignment:
             by_shard.setdefault(s.shard, []).append(EncodedSlice.exact(s.key, torch.randn(s.slice_shape, generator=g) * 1e-3))
-        self.chunks = {shard: [(pb.PushMessage(chunk=c), c.ByteSize()) for c in frame_slices(items, client.slice_map.index, CHUNK_BYTES, 1)]
+        self.chunks = {shard: [(pb.PushMessage(chunk=c), c.ByteSize()) for c in frame_slices(items, client.slice_map.index, chunk_bytes, 1)]
                        for shard, items in by_shard.items()}  # fmt: skip
         self.channels: list[grpc.aio.Channel] = []
 
@@ -159,7 +160,7 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pu
             clients[0].push(0, 1.0, {s.key: torch.zeros(s.slice_shape) for s in clients[0].assignment})
             paced = [_Site(c.cluster, c, rate, seed=10 + i) for i, c in enumerate(clients)]
             push_bytes = max(sum(size for _, size in chunks) for chunks in paced[0].chunks.values())
-            stall_site = _Site("stalled", stalled_client, rate=1e12, seed=1) if stalled else None
+            stall_site = _Site("stalled", stalled_client, rate=1e12, seed=1, chunk_bytes=STALL_CHUNK_BYTES) if stalled else None
             polling = threading.Event()
             poller = threading.Thread(target=_poll_status, args=(addresses, polling, status_s), daemon=True)
             poller.start()
