@@ -88,6 +88,9 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, servicer: AggregatorServicer, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop,
                  latency_s: float = 0.0, push_limits: PushLimits | None = None) -> None:  # fmt: skip
         self.servicer, self.shard, self.pool, self.loop = servicer, servicer.shard, pool, loop
+        # Status, Provenance and Readmit on threads of their own: the work pool is FIFO, so behind a round's
+        # pushes (256 sites land at once) a Status waited for every one of them — over a second at 256 sites.
+        self.control = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"shard-{self.shard.shard_index}-control")
         self.intake = PushIntake(push_limits or PushLimits(), self.shard.shard_index)
         self.latency_s = latency_s
         self.signal = VersionSignal(loop)
@@ -96,9 +99,10 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
     async def _in_pool(self, fn: Callable, *args):  # noqa: ANN202
         return await self.loop.run_in_executor(self.pool, functools.partial(fn, *args))
 
-    async def _served(self, method: Callable, request, context: grpc.aio.ServicerContext):  # noqa: ANN001, ANN202
+    async def _served(self, method: Callable, request, context: grpc.aio.ServicerContext,  # noqa: ANN001, ANN202
+                      pool: ThreadPoolExecutor | None = None):  # fmt: skip
         try:
-            return await self._in_pool(method, request, _ThreadContext())
+            return await self.loop.run_in_executor(pool or self.pool, method, request, _ThreadContext())
         except _Aborted as aborted:
             await context.abort(aborted.code, aborted.details)
 
@@ -106,13 +110,13 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         return await self._served(self.servicer.Join, request, context)
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
-        return await self._served(self.servicer.Status, request, context)
+        return await self._served(self.servicer.Status, request, context, self.control)
 
     async def Provenance(self, request: pb.ProvenanceRequest, context: grpc.aio.ServicerContext) -> pb.ProvenanceReply:
-        return await self._served(self.servicer.Provenance, request, context)
+        return await self._served(self.servicer.Provenance, request, context, self.control)
 
     async def Readmit(self, request: pb.ReadmitRequest, context: grpc.aio.ServicerContext) -> pb.ReadmitReply:
-        return await self._served(self.servicer.Readmit, request, context)
+        return await self._served(self.servicer.Readmit, request, context, self.control)
 
     async def Push(self, request_iterator: AsyncIterator[pb.PushMessage], context: grpc.aio.ServicerContext) -> pb.PushReply:
         """Read on the loop (server/push_intake.py), then the servicer's Push on a pool thread over the

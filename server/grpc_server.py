@@ -33,8 +33,9 @@ class ServerHandle:
     command stay plain threads."""
 
     def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
-                 pool: ThreadPoolExecutor, on_stop) -> None:  # noqa: ANN001  # fmt: skip
+                 pool: ThreadPoolExecutor, on_stop, control: ThreadPoolExecutor | None = None) -> None:  # noqa: ANN001  # fmt: skip
         self._server, self._loop, self._thread, self._pool, self._on_stop = server, loop, thread, pool, on_stop
+        self._control = control  # the status calls' own threads (server/aio_servicer.py)
         self._stopped: threading.Event | None = None
         self.framings: PullFramings | None = None  # the pulls' shared framings (server/pull_framing.py), for metrics
 
@@ -52,7 +53,9 @@ class ServerHandle:
         def finish(_future) -> None:  # noqa: ANN001
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            for pool in (self._pool, self._control):
+                if pool is not None:
+                    pool.shutdown(wait=False, cancel_futures=True)
             done.set()
 
         future = asyncio.run_coroutine_threadsafe(shutdown(), self._loop)
@@ -123,7 +126,7 @@ def start_server(
 
     log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id,
              tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"), token=bool(token), work_threads=max_workers)  # fmt: skip
-    handle = ServerHandle(server, loop, thread, pool, on_stop)
+    handle = ServerHandle(server, loop, thread, pool, on_stop, servicer.control)
     handle.framings = servicer.servicer.framings
     return handle, bound
 

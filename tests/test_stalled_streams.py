@@ -159,7 +159,8 @@ def test_one_cluster_holds_at_most_its_share_of_push_streams():
 
 def test_health_is_not_serving_while_the_work_pool_is_starved():
     """Every work thread held (long tasks): the health service, which answers from the event loop, says
-    NOT_SERVING once a task has waited `health_stall_s`, and SERVING again once the pool takes work."""
+    NOT_SERVING once a task has waited `health_stall_s`, and SERVING again once the pool takes work; `Status`,
+    on threads of its own, answers at once all along (behind a round's queued pushes it once waited for all)."""
     from dilocox.server.grpc_server import start_server
     from dilocox.server.health import check
 
@@ -175,6 +176,8 @@ def test_health_is_not_serving_while_the_work_pool_is_starved():
             time.sleep(0.2)
         serving, said = check(address)
         assert not serving and "NOT_SERVING" in said, said
+        with grpc.insecure_channel(address) as channel:  # on the work pool it would wait out the held tasks (60 s)
+            assert pb_grpc.AggregatorStub(channel).Status(pb.StatusRequest(), timeout=10).shard_index == 0
         release.set()
         for future in held:
             future.result(timeout=10)
