@@ -7,6 +7,7 @@ not sites, so three sites of 16 ranks were enough. Here a pull that waits for a 
 `asyncio.Event` the shard sets on every publish (and on close), and holds nothing else; only work runs
 on the bounded thread pool: a push's decode and commit, a pull's framing of each chunk, a join. A push
 thus never queues behind waiting pulls, and the number of pullers is bounded by sockets, not threads.
+Status, Provenance and Readmit run on two threads of their own, never queued behind a round's pushes.
 
 The work itself is the thread-pool servicer's own code (`servicer.py`), called from pool threads: one
 set of rules for parsing, refusing and streaming. Its `context.abort` becomes an exception that the
