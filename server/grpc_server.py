@@ -86,13 +86,14 @@ def start_server(
 ) -> tuple[ServerHandle, int]:
     """Start serving `shard`; returns the server and the bound port (useful with port=0).
 
-    `max_workers`: threads for the work of calls (decoding pushes, framing pulls); waiting pulls hold
-    none and no thread reads the network (server/aio_servicer.py); None: `default_work_threads()`. `added_latency_s` > 0 delays every push and pull (user-space WAN
-    latency, see server/aio_servicer.py). `tls`: serve TLS (mTLS when it names a CA); `token`: refuse calls
-    without the run's token. `push_limits`: how long a push stream may stay silent and how many one cluster
-    may hold open (server/push_intake.py). `health_stall_s`: health turns NOT_SERVING while a task has waited
-    this long for a work thread (server/health_watch.py). `pull_cache_bytes`: what the chunks framed once
-    for every pull of a version may hold (server/pull_framing.py; 0: each pull frames its own).
+    `max_workers`: threads for the work of calls (decoding pushes, framing pulls); waiting pulls hold none and
+    no thread reads the network (server/aio_servicer.py); None: `default_work_threads()`. `added_latency_s` >
+    0 delays every push and pull (user-space WAN latency, see server/aio_servicer.py). `tls`: serve TLS (mTLS
+    when it names a CA); `token`: refuse calls without the run's token. `push_limits`: how long a push stream
+    may stay silent and how many one cluster may hold open (server/push_intake.py). `health_stall_s`: health
+    turns NOT_SERVING while a task has waited this long for a work thread (server/health_watch.py).
+    `pull_cache_bytes`: what the chunks framed once for every pull of a version may hold
+    (server/pull_framing.py; 0: each pull frames its own).
     """
     wire = wire or WireConfig()
     max_workers = default_work_threads() if max_workers is None else max_workers

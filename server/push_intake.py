@@ -79,7 +79,7 @@ class PushIntake:
             del self.open_streams[cluster]
 
     async def _next(self, stream: AsyncIterator[pb.PushMessage], received: int, declared: int | None) -> pb.PushMessage | None:
-        try:  # asyncio.timeout, not wait_for: no task per message (its cost showed on the loop at 256 sites)
+        try:  # asyncio.timeout, not wait_for: no task created per message on the loop
             async with asyncio.timeout(self.limits.idle_timeout_s):
                 return await anext(stream)
         except StopAsyncIteration:
