@@ -2,18 +2,20 @@
 paced to a link of R Mbit/s, beside push streams that stall (issue 45).
 
 At WAN pace a push is in transit for seconds (a 256 KB compressed push at 1 Mbit/s: 2 s per shard), so
-hundreds are in flight at once — the load that starved the old shard's 32 work threads. Each site is a
-raw grpc.aio client, a coroutine on one event loop of this process: its push is framed as the real client frames it
-(incompressible random values, `--push-kb` per shard, in its 2 MB chunks) and sent a message at a time, each
-after its time on the link (a message reaches the shard whole, when its last byte has crossed); its pull reads the version's weights (an observer pull: the
-weights alone) a chunk at a time at the same rate, so gRPC's flow control paces the shard's sending.
-`--stalled N` push streams per shard send a header and one chunk and then nothing until the row ends.
+hundreds are in flight at once — the load that starved the old shard's 32 work threads. Each site is a raw
+grpc.aio client, a coroutine on one event loop of this process: its push is framed as the real client frames
+it (incompressible random values, `--push-kb` per shard, in its 2 MB chunks) and sent a message at a time,
+each after its time on the link (a message reaches the shard whole, when its last byte has crossed); its pull
+reads the version's weights (an observer pull: the weights alone) a chunk at a time at the same rate, so
+gRPC's flow control paces the shard's sending. `--stalled N` push streams per shard send a header and the
+first of several 64 KB chunks, then nothing until the row ends.
 
-The stalled site has joined, so round 1 waits for it until the shards' deadline (5 s) and closes without
-it; that round is not timed. Per row, over the timed rounds: the median and worst round latency (the
-round's first push sent → the last site's pull read), what the link alone takes (push + pull bytes at R), the median and worst `Status` latency polled from
-both shards all along, the shards' CPU milliseconds per site and round, and the CPU seconds per round
-of the shards and of the sites' clients (which share this machine's cores with the shards).
+The stalled site has joined, so round 1 waits for it until the shards' deadline (5 s) and closes without it;
+that round is not timed. Per row, over the timed rounds: the median and worst round latency (the round's first
+push sent → the last site's pull read), what the link alone takes (push + pull bytes at R), the median and
+worst `Status` latency polled from both shards all along, the shards' CPU milliseconds per site and round, and
+the CPU seconds per round of the shards and of the sites' clients (which share this machine's cores with the
+shards).
 """
 
 from __future__ import annotations
