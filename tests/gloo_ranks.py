@@ -16,6 +16,9 @@ def _entry(target: Callable, rank: int, world: int, port: int, queue, args: tupl
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         queue.put((rank, target(rank, *args)))
+        # No rank tears the group down, and with rank 0 the store, while another still builds a subgroup of
+        # its own through that store (a mesh dimension of size 1: rank 0 finished first once, under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
