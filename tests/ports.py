@@ -7,10 +7,10 @@ import socket
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now (the OS's pick)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, below the kernel's ephemeral ports (`free_port_range`). The OS's own pick
+    lies among them, where gloo's pairs and gRPC clients elsewhere in the run take ports at any moment: a
+    pipeline test's MASTER_PORT was taken so between this check and torch's bind (EADDRINUSE)."""
+    return free_port_range(1, "127.0.0.1")
 
 
 def _ephemeral_start() -> int:
