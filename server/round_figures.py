@@ -50,7 +50,7 @@ def gram(xs: list, ys: list | None = None, scratch: GramScratch | None = None) -
     128 sites the pairwise loop was most of a shard's CPU. Factor pairs (P, Qᵀ): the sites' factors side by
     side, (PₓᵀP_y) ∘ (QₓᵀQ_y) in float64, summed per site block by `index_add_` (no multiplication by the
     zeros of an indicator matrix, which would spread one site's NaN to every entry); dense ones: fp32
-    products. Both are formed over pieces of at most `GRAM_PIECE_BYTES` of the sites' rows side by side, so
+    products of the sites' updates as rows. Both are formed over pieces of at most `GRAM_PIECE_BYTES`, so
     hundreds of sites never stack a slice hundreds of times. A pair of a dense and a factor update (a
     flush's int8 beside low-rank ones) goes through `inner`. `scratch`: pieces reused across calls."""
     symmetric = ys is None
@@ -150,14 +150,11 @@ def round_figures(contributions: Mapping, previous: Mapping | None = None, skip:
     index = {c: i for i, c in enumerate(clusters)}
     n = len(clusters)
     gram_sum, with_prev = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    digests = {c: hashlib.sha256() for c in clusters}
     scratch = GramScratch()
     for key in sorted(contributions):
         ordered = sorted(contributions[key].items())
         at = torch.tensor([index[c] for c, _ in ordered])
         xs = [_factors_or_dense(contribution.slice.decode_lazy()) for _, contribution in ordered]
-        for c, contribution in ordered:
-            digests[c].update(contribution.slice.sha256)
         gram_sum[at[:, None], at] += gram(xs, scratch=scratch)
         before = [(c.weight, _factors_or_dense(c.slice.decode_lazy())) for site, c in sorted((previous or {}).get(key, {}).items())
                   if site not in skip]  # fmt: skip
@@ -165,7 +162,18 @@ def round_figures(contributions: Mapping, previous: Mapping | None = None, skip:
             w = torch.tensor([weight for weight, _ in before], dtype=torch.float64)
             with_prev[at] += gram(xs, [y for _, y in before], scratch=scratch) @ w
     prev_sq = _previous_sq(previous or {}, skip, reuse, scratch)
-    return RoundFigures(clusters, gram_sum, with_prev, prev_sq, {c: d.digest() for c, d in digests.items()})
+    return RoundFigures(clusters, gram_sum, with_prev, prev_sq, _site_digests(contributions, clusters))
+
+
+def _site_digests(contributions: Mapping, sites: list[str]) -> dict[str, bytes]:
+    """Per site, SHA-256 over its payloads' digests in slice order: its whole contribution here, byte for byte
+    (the check's `replayed`, and what tells `_reused_gram` that a round's figures were of these payloads)."""
+    digests = {site: hashlib.sha256() for site in sites}
+    for key in sorted(contributions):
+        for site, contribution in sorted(contributions[key].items()):
+            if site in digests:
+                digests[site].update(contribution.slice.sha256)
+    return {site: d.digest() for site, d in digests.items()}
 
 
 def _previous_sq(previous: Mapping, skip: frozenset[str], reuse: RoundFigures | None, scratch: GramScratch) -> float:
@@ -190,16 +198,12 @@ def _previous_sq(previous: Mapping, skip: frozenset[str], reuse: RoundFigures | 
 
 def _reused_gram(previous: Mapping, sites: list[str], reuse: RoundFigures | None) -> torch.Tensor | None:
     """`sites`' block of the previous round's own Gram, if its figures were of exactly these payloads: each
-    site's digest over its payloads here (as `round_figures` forms it) equal to the one they recorded. Else
-    None (no figures then: a restarted shard, a round closed without the check)."""
+    site's digest over its payloads here equal to the one they recorded. Else None (no figures then: a
+    restarted shard, a round closed without the check)."""
     if reuse is None or not set(sites) <= set(reuse.contribution_digests):
         return None
-    digests = {site: hashlib.sha256() for site in sites}
-    for key in sorted(previous):
-        for site, c in sorted(previous[key].items()):
-            if site in digests:
-                digests[site].update(c.slice.sha256)
-    if any(digests[site].digest() != reuse.contribution_digests[site] for site in sites):
+    digests = _site_digests(previous, sites)
+    if any(digests[site] != reuse.contribution_digests[site] for site in sites):
         return None
     position = {c: i for i, c in enumerate(reuse.clusters)}
     at = torch.tensor([position[site] for site in sites])
