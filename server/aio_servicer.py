@@ -97,13 +97,13 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         self.signal = VersionSignal(loop)
         self.shard.version_listeners.append(self.signal.notify)
 
-    async def _in_pool(self, fn: Callable, *args):  # noqa: ANN202
-        return await self.loop.run_in_executor(self.pool, functools.partial(fn, *args))
+    async def _in_pool(self, fn: Callable, *args, pool: ThreadPoolExecutor | None = None):  # noqa: ANN202
+        return await self.loop.run_in_executor(pool or self.pool, functools.partial(fn, *args))
 
     async def _served(self, method: Callable, request, context: grpc.aio.ServicerContext,  # noqa: ANN001, ANN202
                       pool: ThreadPoolExecutor | None = None):  # fmt: skip
         try:
-            return await self.loop.run_in_executor(pool or self.pool, method, request, _ThreadContext())
+            return await self._in_pool(method, request, _ThreadContext(), pool=pool)
         except _Aborted as aborted:
             await context.abort(aborted.code, aborted.details)
 
