@@ -120,7 +120,8 @@ async def _paced_rounds(addresses: list[str], paced: list[_Site], stalled: _Site
                         pids: list[int]) -> tuple[list[float], list[float], float]:  # fmt: skip
     """Rounds 1..rounds+1 of every paced site at once, beside the stalled streams; round 1 is not timed.
     Returns the timed rounds' latencies and the shards' and this process's CPU seconds before round 2."""
-    for site in [*paced, *([stalled] if stalled else [])]:
+    everyone = [*paced, *([stalled] if stalled else [])]
+    for site in everyone:
         site.open(addresses)
     release = asyncio.Event()
     stalling = asyncio.ensure_future(_stall(stalled, per_shard, release)) if stalled else None
@@ -137,7 +138,7 @@ async def _paced_rounds(addresses: list[str], paced: list[_Site], stalled: _Site
         release.set()
         if stalling is not None:
             await asyncio.wait_for(stalling, timeout=30)
-        for site in [*paced, *([stalled] if stalled else [])]:
+        for site in everyone:
             await site.close()
     return latencies, cpu_before, load_before
 
