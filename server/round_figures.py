@@ -1,13 +1,16 @@
-"""What a shard's update check computes per round (server/update_check.py judges from it): the Gram G of the
-sites' updates on the slices it owns (G_ij = ⟨Δ_i, Δ_j⟩, summed over slices), each update's products with
-the previous round's contributions, and ‖U‖² of the previous global update U = Σ_b w_b y_b — from the
-payloads as they came (a low-rank one through its factors), never forming U or a low-rank product.
+"""What a shard's update check computes per round (server/update_check.py judges from it), on the slices it
+owns: of the Gram G of the sites' updates (G_ij = ⟨Δ_i, Δ_j⟩, summed over slices) only what the verdicts
+use — its diagonal, and G w, wᵀ G w for the weights the check picks — plus each update's product with the
+previous global update U = Σ_b w_b y_b and ‖U‖², from the payloads as they came (a low-rank one through
+its factors, never its product).
 
-Why its own module, and why so careful about cost: the Gram is sites² × elements, formed in the round's
-close, after the last push and before any site can pull — at 256 sites it is most of the close. So it is
-formed in a few BLAS calls per slice (sites as rows of a reused piece), and the previous round's Gram, which
-‖U‖² needs, is the one that round's own figures already formed, whenever they were of exactly the
-contributions it forwards (`reuse`): only the products of this round's updates are new.
+Why its own module, and why so careful about cost: these figures are formed in the round's close, after the
+last push and before any site can pull. The whole G is sites² × elements: at 256 sites forming it (and the
+products with every previous contribution) was most of the close, 235–400 ms of a shard's core. Over a
+dense slice the check needs none of it: ⟨Δ_i, Σ_j w_j Δ_j⟩ and ⟨Δ_i, U⟩ are a weighted sum and a dot per
+site, sites × elements, in float64 (exact products of fp32 values summed; the check takes a site's own term
+back out of G w, which in fp32 could cancel to noise). A slice with a low-rank update goes through the
+Gram of the factors (`gram`: a few BLAS calls, sites as rows), which is rank² × (rows + cols) per pair.
 """
 
 from __future__ import annotations
@@ -131,80 +134,116 @@ def _factor_gram(xs: list[tuple[torch.Tensor, torch.Tensor]], ys: list[tuple[tor
 
 @dataclass
 class RoundFigures:
-    """G and the products with the previous update of one round on one shard, summed over its slices."""
+    """Of one round on one shard, summed over its slices: each update's ‖Δ_i‖² (G's diagonal) and product with
+    the previous global update U, and ‖U‖²; the rest of G only as `weighted` forms it, for the weights the
+    check picks from the norms."""
 
     clusters: list[str]
-    gram: torch.Tensor  # float64, clusters × clusters
+    sq_norms: torch.Tensor  # float64, G_ii
     with_previous: torch.Tensor  # float64, ⟨Δ_i, U⟩, U the previous round's weighted sum of contributions
     previous_sq: float  # ‖U‖²
     contribution_digests: dict[str, bytes] = field(default_factory=dict)  # cluster -> digest of all its payloads here
+    contributions: Mapping = field(default_factory=dict, repr=False)  # the round's (slice -> {cluster: Contribution})
+    low_rank_gram: torch.Tensor | None = None  # float64 G over the slices where some update is low-rank, formed whole
+
+    def weighted(self, w: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """(G w, wᵀ G w) for float64 site weights `w`: over a dense slice through S = Σ_j w_j Δ_j in float64
+        (sites × elements, where G is sites² × elements), over low-rank ones from their Gram. A site of zero
+        weight is left out of S entirely (its update may be non-finite: 0 · inf would spread to every site's
+        figure); its own entry of G w is whatever its update makes it."""
+        gw, wgw = torch.zeros(len(self.clusters), dtype=torch.float64), 0.0
+        index = {c: i for i, c in enumerate(self.clusters)}
+        for key in sorted(self.contributions):
+            xs, at = _dense_slice(self.contributions[key], index)
+            if xs is None:
+                continue
+            s = _weighted_sum([(float(w[i]), x) for i, x in zip(at.tolist(), xs) if w[i] != 0])
+            if s is not None:
+                gw[at] += _dots(xs, s)
+                wgw += float(torch.dot(s, s))
+        if self.low_rank_gram is not None:
+            nz = torch.nonzero(w).flatten()
+            gw += self.low_rank_gram[:, nz] @ w[nz]
+            wgw += float(w[nz] @ self.low_rank_gram[nz][:, nz] @ w[nz])
+        return gw, wgw
 
 
-def round_figures(contributions: Mapping, previous: Mapping | None = None, skip: frozenset[str] = frozenset(),
-                  reuse: RoundFigures | None = None) -> RoundFigures:  # fmt: skip
+def round_figures(contributions: Mapping, previous: Mapping | None = None, skip: frozenset[str] = frozenset()) -> RoundFigures:
     """`contributions`: slice -> {cluster: Contribution} (server/round_state.py) of the round being closed;
     `previous`: the same of the round before (what the published version forwards for replay), if any,
     less the sites in `skip` (flagged then: in warn mode a merged faulty update must not become the
-    reference the honest ones are measured against); `reuse`: the previous round's own figures."""
+    reference the honest ones are measured against). Slice by slice, one at a time (a dense U is one slice's
+    size, in float64): where every update is dense, norms and products with U = Σ_b w_b y_b directly —
+    sites × elements; where one is low-rank, through the Gram of factors (`gram`), never forming a product."""
+    previous = previous or {}
     clusters = sorted({c for per_key in contributions.values() for c in per_key})
     index = {c: i for i, c in enumerate(clusters)}
     n = len(clusters)
-    gram_sum, with_prev = torch.zeros(n, n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    sq, with_prev, prev_sq = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64), 0.0
+    low_rank: torch.Tensor | None = None
     scratch = GramScratch()
-    for key in sorted(contributions):
+    for key in sorted(set(contributions) | set(previous)):
+        before = [(c.weight, _factors_or_dense(c.slice.decode_lazy())) for site, c in sorted(previous.get(key, {}).items())
+                  if site not in skip]  # fmt: skip
+        u = _weighted_sum(before) if before and not any(isinstance(y, tuple) for _, y in before) else None
+        w_before = torch.tensor([weight for weight, _ in before], dtype=torch.float64)
+        if u is not None:
+            prev_sq += float(torch.dot(u, u))
+        elif before:
+            prev_sq += float(w_before @ gram([y for _, y in before], scratch=scratch) @ w_before)
+        if key not in contributions:
+            continue
         ordered = sorted(contributions[key].items())
         at = torch.tensor([index[c] for c, _ in ordered])
         xs = [_factors_or_dense(contribution.slice.decode_lazy()) for _, contribution in ordered]
-        gram_sum[at[:, None], at] += gram(xs, scratch=scratch)
-        before = [(c.weight, _factors_or_dense(c.slice.decode_lazy())) for site, c in sorted((previous or {}).get(key, {}).items())
-                  if site not in skip]  # fmt: skip
-        if before:
-            w = torch.tensor([weight for weight, _ in before], dtype=torch.float64)
-            with_prev[at] += gram(xs, [y for _, y in before], scratch=scratch) @ w
-    prev_sq = _previous_sq(previous or {}, skip, reuse, scratch)
-    return RoundFigures(clusters, gram_sum, with_prev, prev_sq, _site_digests(contributions, clusters))
+        dense = not any(isinstance(x, tuple) for x in xs)
+        if dense:
+            sq[at] += _dots(xs)
+        else:
+            block = gram(xs, scratch=scratch)
+            low_rank = torch.zeros(n, n, dtype=torch.float64) if low_rank is None else low_rank
+            low_rank[at[:, None], at] += block
+            sq[at] += block.diagonal()
+        if dense and u is not None:
+            with_prev[at] += _dots(xs, u)
+        elif before:
+            with_prev[at] += gram(xs, [y for _, y in before], scratch=scratch) @ w_before
+    return RoundFigures(clusters, sq, with_prev, prev_sq, _site_digests(contributions, clusters), contributions, low_rank)
+
+
+def _dense_slice(per_cluster: Mapping, index: Mapping[str, int]) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+    """A slice's updates, decoded, and their sites' positions; None for the updates where one is low-rank."""
+    ordered = sorted(per_cluster.items())
+    xs = [c.slice.decode_lazy() for _, c in ordered]
+    at = torch.tensor([index[c] for c, _ in ordered])
+    return (None if any(isinstance(x, OrderedProduct) for x in xs) else xs), at
+
+
+def _weighted_sum(terms: list[tuple[float, torch.Tensor]]) -> torch.Tensor | None:
+    """Σ w·x over dense updates, flattened, in float64 (None for no terms)."""
+    total = None
+    for weight, x in terms:
+        x = x.reshape(-1)
+        total = x.to(torch.float64, copy=True).mul_(weight) if total is None else total.add_(x, alpha=weight)
+    return total
+
+
+def _dots(xs: list[torch.Tensor], y: torch.Tensor | None = None) -> torch.Tensor:
+    """[⟨x_i, y⟩] in float64 (y float64, flattened), or [‖x_i‖²] when y is None."""
+    out = torch.empty(len(xs), dtype=torch.float64)
+    row = torch.empty(xs[0].numel(), dtype=torch.float64) if xs else None  # one buffer: fresh pages per site cost more
+    for i, x in enumerate(xs):
+        row.copy_(x.reshape(-1))
+        out[i] = torch.dot(row, row if y is None else y)
+    return out
 
 
 def _site_digests(contributions: Mapping, sites: list[str]) -> dict[str, bytes]:
     """Per site, SHA-256 over its payloads' digests in slice order: its whole contribution here, byte for byte
-    (the check's `replayed`, and what tells `_reused_gram` that a round's figures were of these payloads)."""
+    (the check's `replayed`)."""
     digests = {site: hashlib.sha256() for site in sites}
     for key in sorted(contributions):
         for site, contribution in sorted(contributions[key].items()):
             if site in digests:
                 digests[site].update(contribution.slice.sha256)
     return {site: d.digest() for site, d in digests.items()}
-
-
-def _previous_sq(previous: Mapping, skip: frozenset[str], reuse: RoundFigures | None, scratch: GramScratch) -> float:
-    """‖U‖², U = Σ_b w_b y_b over the previous round's contributions less `skip`: wᵀ G w with G that round's Gram
-    summed over slices (a site's weight is the same on all its slices; a slice it did not send adds zeros)."""
-    sites = sorted({site for per_key in previous.values() for site in per_key if site not in skip})
-    if not sites:
-        return 0.0
-    weights = {site: c.weight for per_key in previous.values() for site, c in per_key.items()}
-    w = torch.tensor([weights[site] for site in sites], dtype=torch.float64)
-    g = _reused_gram(previous, sites, reuse)
-    if g is None:
-        index = {site: i for i, site in enumerate(sites)}
-        g = torch.zeros(len(sites), len(sites), dtype=torch.float64)
-        for key in sorted(previous):
-            ordered = [(site, c) for site, c in sorted(previous[key].items()) if site in index]
-            if ordered:
-                at = torch.tensor([index[site] for site, _ in ordered])
-                g[at[:, None], at] += gram([_factors_or_dense(c.slice.decode_lazy()) for _, c in ordered], scratch=scratch)
-    return float(w @ g @ w)
-
-
-def _reused_gram(previous: Mapping, sites: list[str], reuse: RoundFigures | None) -> torch.Tensor | None:
-    """`sites`' block of the previous round's own Gram, if its figures were of exactly these payloads: each
-    site's digest over its payloads here equal to the one they recorded. Else None (no figures then: a
-    restarted shard, a round closed without the check)."""
-    if reuse is None or not set(sites) <= set(reuse.contribution_digests):
-        return None
-    digests = _site_digests(previous, sites)
-    if any(digests[site] != reuse.contribution_digests[site] for site in sites):
-        return None
-    position = {c: i for i, c in enumerate(reuse.clusters)}
-    at = torch.tensor([position[site] for site in sites])
-    return reuse.gram[at[:, None], at]

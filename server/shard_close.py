@@ -98,7 +98,7 @@ class RoundClosing:
         if self.update_check is None or not closing.acc.contributions:
             return ()
         check = self.update_check
-        figures = round_figures(closing.acc.contributions, closing.snapshot.contributions, check.last_flagged, reuse=check.last_figures)
+        figures = round_figures(closing.acc.contributions, closing.snapshot.contributions, check.last_flagged)
         verdicts = tuple(check.review(figures, closing.acc.cluster_weights))
         out = excluded(verdicts)
         if out:

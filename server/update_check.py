@@ -5,10 +5,9 @@ GPU with silent data corruption, a fork with a bug, a data pipeline feeding garb
 the wrong checkpoint. Without a check, whatever a joined site pushes is averaged into every site's model.
 
 What a shard computes per round, on the slices it owns, from the payloads as they came (a low-rank
-payload through its factors, never its product): the Gram matrix G of the sites' updates (G_ij = ⟨Δ_i, Δ_j⟩,
-summed over slices) and each update's inner products with the previous round's contributions, which the
-shard keeps for replay (so the previous global update, their weighted mean, is never formed either). From
-them, per site:
+payload through its factors, never its product; server/round_figures.py): what it needs of the Gram matrix G
+of the sites' updates (G_ij = ⟨Δ_i, Δ_j⟩, summed over slices) and each update's inner product with the
+previous round's global update, from the contributions the shard keeps for replay. From them, per site:
 
 * `norm_ratio` — ‖Δ_i‖ over the reference norm: the median of the norms this shard accepted over the last
   `history` rounds (or, before any, this round's median where three or more sites pushed);
@@ -22,7 +21,7 @@ them, per site:
   in the last `history` rounds, from any site (an old round's update pushed again); a zero update is not
   counted (it carries nothing to replay).
 
-A site is flagged when its figures are not finite (an update so large that its norm overflows), its norm
+A site is flagged when its figures are not finite (an update so large that its squared norm exceeds fp32's range), its norm
 ratio exceeds `norm_ratio`, a cosine is below `min_cosine`, or it replayed;
 flagged `quarantine_rounds` rounds in a row it is quarantined: under `exclude` and `clip` left out of every
 round, passing or not, until it passes `quarantine_rounds` rounds in a row (its statistics are still
@@ -52,6 +51,9 @@ import torch
 from dilocox.server.round_figures import RoundFigures
 
 MODES = ("off", "warn", "clip", "exclude")
+# A site whose ‖Δ‖² exceeds fp32's range is flagged `non_finite`: the figures are formed in float64, where
+# it would not overflow, but an update that large is a fault (a flipped exponent bit), not a big step.
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -114,17 +116,16 @@ class UpdateCheck:
         self.passed: dict[str, int] = {}  # quarantined cluster -> rounds passed in a row since
         self.quarantined: set[str] = set()
         self.last_flagged: frozenset[str] = frozenset()  # flagged in the last round reviewed: not a reference
-        self.last_figures: RoundFigures | None = None  # the last round's, whose Gram the next round's ‖U‖² reuses
 
     def review(self, figures: RoundFigures, weights: Mapping[str, float]) -> list[SiteVerdict]:
         cfg, clusters = self.config, figures.clusters
         # A site whose own figures overflow (an exponent flipped to huge values) is flagged as such and
         # left out of every other site's figures, which would otherwise turn NaN and pass unflagged.
-        bad = {i for i in range(len(clusters)) if not math.isfinite(float(figures.gram[i, i]))}
-        g = figures.gram.clone()
+        sq = figures.sq_norms.clone()
+        bad = {i for i in range(len(clusters)) if not float(sq[i]) <= FP32_MAX}  # NaN too
         for i in bad:
-            g[i, :], g[:, i] = 0.0, 0.0
-        norms = [math.inf if i in bad else max(0.0, float(g[i, i])) ** 0.5 for i in range(len(clusters))]
+            sq[i] = 0.0
+        norms = [math.inf if i in bad else max(0.0, float(sq[i])) ** 0.5 for i in range(len(clusters))]
         finite = [x for x in norms if math.isfinite(x)]
         history = [x for accepted in self._norms for x in accepted]
         reference = statistics.median(history) if history else statistics.median(finite) if len(finite) >= 3 else None
@@ -135,17 +136,20 @@ class UpdateCheck:
         suspect = bad | {i for i, r in enumerate(ratios) if r is not None and r > cfg.norm_ratio}
         w = torch.tensor([0.0 if i in suspect or norms[i] == 0 else float(weights.get(c, 1.0)) / norms[i]
                           for i, c in enumerate(clusters)], dtype=torch.float64)  # fmt: skip
+        gw, wgw = figures.weighted(w) if len(clusters) >= 3 else (None, 0.0)
+        weighted_sites = int((w != 0).sum())
         verdicts = []
         for i, cluster in enumerate(clusters):
             ratio = ratios[i]
             cos_others = None
-            if len(clusters) >= 3:
-                others = w.clone()
-                others[i] = 0
-                cos_others = _cosine(float(g[i] @ others), float(g[i, i]), float(others @ g @ others))
-            cos_prev = None if i in bad else _cosine(float(figures.with_previous[i]), float(g[i, i]), figures.previous_sq)
+            if gw is not None and weighted_sites - int(w[i] != 0) > 0:  # others = w less site i: its own term taken back out
+                own, g_ii, gw_i = float(w[i]), float(sq[i]), float(gw[i])
+                dot, rest = (gw_i - own * g_ii, wgw - 2 * own * gw_i + own * own * g_ii) if own else (gw_i, wgw)
+                cos_others = _cosine(dot, g_ii, rest)
+            # None where the previous update's own figures overflow fp32 (a faulty one merged: warn mode)
+            cos_prev = None if i in bad or not figures.previous_sq <= FP32_MAX else _cosine(float(figures.with_previous[i]), float(sq[i]), figures.previous_sq)
             if cos_prev is not None and not math.isfinite(cos_prev):
-                cos_prev = None  # the previous update's own figures overflowed (it was merged: warn mode)
+                cos_prev = None
             replayed = norms[i] > 0 and figures.contribution_digests.get(cluster) in seen
             reasons = tuple(r for r, hit in (("non_finite", i in bad),
                                              ("outsized", ratio is not None and ratio > cfg.norm_ratio),
@@ -166,7 +170,6 @@ class UpdateCheck:
             self._norms.append(accepted)
         self._digests.append(set(figures.contribution_digests.values()))
         self.last_flagged = frozenset(v.cluster for v in verdicts if v.reasons)
-        self.last_figures = figures
         return verdicts
 
     def as_state(self) -> dict:

@@ -102,56 +102,63 @@ def review(check: UpdateCheck, contributions: dict, weights: dict, previous: dic
     return {v.cluster: v for v in check.review(round_figures(contributions, previous, check.last_flagged), weights)}
 
 
+def _pairwise(contributions: dict, previous: dict, skip: frozenset[str]) -> tuple[list[str], torch.Tensor, torch.Tensor, float]:
+    """The figures the slow way, pair by pair through `inner`: G, ⟨Δ_i, U⟩ and ‖U‖² (U without `skip`)."""
+    from dilocox.server.round_figures import _factors_or_dense
+
+    sites = sorted({c for per in contributions.values() for c in per})
+    g, with_prev, prev_sq = torch.zeros(len(sites), len(sites), dtype=torch.float64), torch.zeros(len(sites), dtype=torch.float64), 0.0
+
+    def lazy(contribution: Contribution):  # noqa: ANN202 - in float64: the reference for figures formed in float64
+        x = _factors_or_dense(contribution.slice.decode_lazy())
+        return tuple(f.double() for f in x) if isinstance(x, tuple) else x.double()
+
+    for key in set(contributions) | set(previous):
+        before = [(c.weight, lazy(c)) for site, c in previous.get(key, {}).items() if site not in skip]
+        prev_sq += sum(wa * wb * inner(a, b) for wa, a in before for wb, b in before)
+        for i, a in enumerate(sites):
+            if a not in contributions.get(key, {}):
+                continue
+            x = lazy(contributions[key][a])
+            with_prev[i] += sum(w * inner(x, y) for w, y in before)
+            for j, b in enumerate(sites):
+                if b in contributions[key]:
+                    g[i, j] += inner(x, lazy(contributions[key][b]))
+    return sites, g, with_prev, prev_sq
+
+
 @pytest.mark.parametrize("lowrank", [True, False])
-def test_a_rounds_figures_take_no_python_call_per_pair_of_sites(lowrank, monkeypatch):
-    """The shard's CPU per site must not grow with the sites: with every update of a slice in one form
-    (all low-rank, or all dense), `inner` — one Python call per pair — is never reached, whatever the number
-    of sites (a count, not a clock)."""
-    from dilocox.server import round_figures as figures_module
-
-    calls = []
-    monkeypatch.setattr(figures_module, "inner", lambda a, b: calls.append(1) or 0.0)
-    sites = Round(n=24, lowrank=lowrank)
-    first, _ = sites.contributions()
-    second, _ = sites.contributions()
-    figures = round_figures(second, first)
-    assert calls == [] and figures.gram.shape == (24, 24) and bool(torch.isfinite(figures.gram).all())
-    assert figures.previous_sq > 0 and bool((figures.with_previous != 0).all())
-
-
-@pytest.mark.parametrize("lowrank", [True, False])
-def test_the_previous_rounds_gram_is_reused_only_for_exactly_its_payloads(lowrank, monkeypatch):
-    """‖U‖² needs the previous round's Gram, which that round's own figures formed in its close: reused (one
-    Gram fewer per slice) when the forwarded contributions are exactly those — less a site left out, whose
-    block goes — with ‖U‖² as formed afresh (sites of different weights, one skipped as flagged); when a
-    payload differs it is formed again."""
+def test_a_rounds_figures_equal_the_pairwise_ones_and_take_no_python_call_per_pair_of_sites(lowrank, monkeypatch):
+    """The shard's CPU per site must not grow with the sites: with every update of a slice in one form (all
+    low-rank, or all dense), `inner` — one Python call per pair — is never reached, and over dense slices no
+    Gram is formed at all (sites × elements instead of sites² × elements; counts, not clocks). What the check
+    uses of G — its diagonal, G w and wᵀ G w — and the products with the previous update equal the pairwise
+    figures (sites of different weights, one site missing a slice, one left out of U as flagged)."""
     from dataclasses import replace
 
     from dilocox.server import round_figures as figures_module
 
-    formed = []
-    real_gram = figures_module.gram
-    monkeypatch.setattr(figures_module, "gram", lambda *a, **k: formed.append(1) or real_gram(*a, **k))
-    sites = Round(n=5, lowrank=lowrank)
+    sites = Round(n=24, lowrank=lowrank)
     first, _ = sites.contributions()
     first = {k: {c: replace(x, weight=10.0 * (i + 1)) for i, (c, x) in enumerate(sorted(per.items()))} for k, per in first.items()}
     second, _ = sites.contributions()
-    own = round_figures(first)
-    forwarded = {k: {c: x for c, x in per.items() if c != "site4"} for k, per in first.items()}  # site4 excluded then
+    del second[KEYS[1]]["site5"]
     skip = frozenset({"site1"})
-    formed.clear()
-    fresh = round_figures(second, forwarded, skip)
-    afresh = len(formed)
-    formed.clear()
-    reused = round_figures(second, forwarded, skip, reuse=own)
-    assert len(formed) == afresh - len(KEYS)
-    assert reused.previous_sq == pytest.approx(fresh.previous_sq, rel=1e-6) and reused.previous_sq > 0  # dense: fp32 products
-    assert torch.equal(reused.with_previous, fresh.with_previous) and torch.equal(reused.gram, fresh.gram)
-    other = dict(forwarded)
-    other[KEYS[0]] = {**forwarded[KEYS[0]], "site2": replace(forwarded[KEYS[0]]["site2"], slice=second[KEYS[0]]["site2"].slice)}
-    formed.clear()
-    changed = round_figures(second, other, skip, reuse=own)
-    assert len(formed) == afresh and changed.previous_sq == pytest.approx(round_figures(second, other, skip).previous_sq, rel=1e-12)
+    names, g, want_prev, want_prev_sq = _pairwise(second, first, skip)
+    calls, grams = [], []
+    monkeypatch.setattr(figures_module, "inner", lambda a, b: calls.append(1) or 0.0)
+    real_gram = figures_module.gram
+    monkeypatch.setattr(figures_module, "gram", lambda *a, **k: grams.append(1) or real_gram(*a, **k))
+    figures = round_figures(second, first, skip)
+    w = torch.rand(24, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    w[3] = 0.0
+    gw, wgw = figures.weighted(w)
+    assert calls == [] and (grams != []) == lowrank and figures.clusters == names
+    tolerance = dict(rtol=1e-4, atol=1e-6) if lowrank else dict(rtol=1e-9, atol=1e-9)
+    assert torch.allclose(figures.sq_norms, g.diagonal(), **tolerance)
+    assert torch.allclose(gw, g @ w, **tolerance) and wgw == pytest.approx(float(w @ g @ w), rel=1e-4 if lowrank else 1e-9)
+    assert torch.allclose(figures.with_previous, want_prev, **tolerance)
+    assert figures.previous_sq == pytest.approx(want_prev_sq, rel=1e-4 if lowrank else 1e-9) and figures.previous_sq > 0
 
 
 @pytest.mark.parametrize("lowrank", [True, False])
