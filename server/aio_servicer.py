@@ -47,14 +47,18 @@ _END = object()
 PULL_BATCH_BYTES = 256 * 1024
 
 
-def _take_chunks(chunks, limit: int) -> list[pb.TensorChunk]:  # noqa: ANN001
-    """(On a pool thread.) The next chunks of a pull, at least one unless it has ended (then none), until
-    `limit` bytes are taken or it ends."""
+def _take_chunks(chunks, limit: int) -> tuple[list[pb.TensorChunk], bool]:  # noqa: ANN001
+    """(On a pool thread.) The next chunks of a pull, until `limit` bytes are taken or it ends, and whether it
+    has ended: the hop that takes its last chunks also runs its end (its byte count), so no further hop is
+    spent to learn it, nor one to close it."""
     taken, size = [], 0
-    while size < limit and (chunk := next(chunks, _END)) is not _END:
+    while size < limit:
+        chunk = next(chunks, _END)
+        if chunk is _END:
+            return taken, True
         taken.append(chunk)
         size += chunk.ByteSize()
-    return taken
+    return taken, False
 
 
 class _Aborted(Exception):
@@ -150,30 +154,59 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         try:
-            snapshot = await self._parked_until_published(request)
+            found = await self._parked_until_published(request)
         except DilocoxError as error:
             await self._refused(error, context)
-        chunks = self.servicer.stream(snapshot, request)
+        snapshot, chunks, (batch, ended) = found
         try:
-            while batch := await self._in_pool(_take_chunks, chunks, PULL_BATCH_BYTES):
+            while True:
                 for chunk in batch:
                     yield chunk
+                if ended:
+                    break
+                batch, ended = await self._in_pool(_take_chunks, chunks, PULL_BATCH_BYTES)
         finally:  # also when the client goes away mid-stream
-            await self._in_pool(chunks.close)
+            if not ended:
+                await self._in_pool(chunks.close)
             self.shard.release(snapshot)
 
     def _look(self, request: pb.PullRequest):  # noqa: ANN202
-        """The snapshot a parked pull waits for, held for streaming, or None while it is not published: a
-        plain result, not NotReady through the pool's future (every parked pull looks again at every
-        publish, and with hundreds parked the exceptions' path was a visible share of the loop's CPU)."""
+        """The snapshot a parked pull waits for, held, with its chunk stream and the first chunks taken (one
+        hop to the pool for a pull that fits a batch), or None while it is not published: a plain result, not
+        NotReady through the pool's future (every parked pull looks again at every publish, and with
+        hundreds parked the exceptions' path was a visible share of the loop's CPU)."""
         try:
-            return self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, 0.0, request.observer, hold=True)
+            snapshot = self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, 0.0, request.observer, hold=True)
         except NotReady:
             return None
+        chunks = self.servicer.stream(snapshot, request)
+        try:
+            return snapshot, chunks, _take_chunks(chunks, PULL_BATCH_BYTES)
+        except BaseException:
+            chunks.close()
+            self.shard.release(snapshot)
+            raise
+
+    async def _looked(self, look: Callable):  # noqa: ANN202
+        """`look` run on the pool; if this pull is cancelled (its client gone) while it runs, what it took —
+        a held snapshot and its stream — is given back when it ends rather than held for good."""
+        future = self.loop.run_in_executor(self.pool, look)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._give_back)
+            raise
+
+    def _give_back(self, future: asyncio.Future) -> None:
+        if future.cancelled() or future.exception() is not None or future.result() is None:
+            return
+        snapshot, chunks, _ = future.result()
+        chunks.close()
+        self.shard.release(snapshot)
 
     async def _parked_until_published(self, request: pb.PullRequest):  # noqa: ANN202
-        """The snapshot of at least `min_version` (held for streaming), waiting on the loop for it: each
-        look at the shard is a pool task (it takes the shard's lock, which a closing round holds)."""
+        """What `_look` finds for at least `min_version`, waiting on the loop for it: each look at the shard
+        is a pool task (it takes the shard's lock, which a closing round holds)."""
         if request.replay_digest not in DIGESTS:  # refused before any wait: nothing to stream it with
             raise UnknownCodec(f"state digest {request.replay_digest!r} is not one this shard computes "
                                f"({sorted(d or 'sha256 (empty)' for d in DIGESTS)})")  # fmt: skip
@@ -182,9 +215,9 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         look = functools.partial(self._look, request)
         while True:
             event = self.signal.event  # before looking: a publish after the look still wakes us
-            snapshot = await self._in_pool(look)
-            if snapshot is not None:
-                return snapshot
+            found = await self._looked(look)
+            if found is not None:
+                return found
             remaining = deadline - self.loop.time()
             if remaining <= 0:
                 raise NotReady(f"shard {self.shard.shard_index} holds version {self.shard.version}, not "

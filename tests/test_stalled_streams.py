@@ -10,6 +10,7 @@ import threading
 import time
 
 import grpc
+import pytest
 import torch
 
 from dilocox.common.config.run import OuterConfig
@@ -201,13 +202,65 @@ def test_the_new_limits_refuse_nonsense_before_the_shard_listens():
         assert done.returncode != 0 and message in done.stderr, (flag, done.stderr[-500:])
 
 
-def test_a_pull_takes_its_small_chunks_from_the_pool_together_and_never_an_empty_batch_before_its_end():
-    """One hop to the work pool per 256 KB of a pull, not one per chunk plus one for its end (each hop wakes
-    the event loop and a pool thread); a batch ends at the first chunk that reaches the limit."""
+def test_a_pull_takes_its_small_chunks_from_the_pool_together_and_learns_its_end_in_the_same_hop():
+    """One hop to the work pool per 256 KB of a pull, not one per chunk plus one for its end and one to close
+    it (each hop wakes the event loop and a pool thread); a batch ends at the first chunk that reaches the
+    limit, and the batch that runs out says so."""
     from dilocox.proto import dilocox_pb2 as pb
     from dilocox.server.aio_servicer import PULL_BATCH_BYTES, _take_chunks
 
     sizes = [100 << 10, 100 << 10, 100 << 10, 10 << 10, 3 * PULL_BATCH_BYTES, 1 << 10]
     chunks = iter([pb.TensorChunk(name=f"c{i}", zstd_frame=bytes(n)) for i, n in enumerate(sizes)])
-    batches = [[c.name for c in batch] for batch in iter(lambda: _take_chunks(chunks, PULL_BATCH_BYTES), [])]
+    batches, ended = [], False
+    while not ended:
+        batch, ended = _take_chunks(chunks, PULL_BATCH_BYTES)
+        batches.append([c.name for c in batch])
     assert batches == [["c0", "c1", "c2"], ["c3", "c4"], ["c5"]]
+    small = iter([pb.TensorChunk(name="only", zstd_frame=bytes(10))])
+    assert [([c.name for c in b], e) for b, e in [_take_chunks(small, PULL_BATCH_BYTES)]] == [(["only"], True)]
+
+
+def test_a_pull_cancelled_while_its_look_runs_gives_back_what_the_look_took():
+    """A client gone while its pull's look runs on the pool: the look still ends holding a snapshot and its
+    stream; they are given back when it does (a hold left behind would keep that version from ever being
+    stepped in place), and the cancelled pull sees its cancellation."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dilocox.server.aio_servicer import AsyncAggregatorServicer
+
+    released, closed, running, finish = [], [], threading.Event(), threading.Event()
+
+    def stream():
+        try:
+            yield "chunk"
+        finally:
+            closed.append(True)
+
+    chunks = stream()
+    next(chunks)  # started, as a look's first batch leaves it
+
+    def look():
+        running.set()
+        finish.wait(10)
+        return "snapshot", chunks, (["chunk"], False)
+
+    async def main() -> None:
+        servicer = object.__new__(AsyncAggregatorServicer)  # only what `_looked` uses: the loop, the pool, the shard's release
+        servicer.loop, servicer.pool = asyncio.get_running_loop(), ThreadPoolExecutor(1)
+        servicer.shard = type("Shard", (), {"release": staticmethod(released.append)})()
+        pull = asyncio.ensure_future(servicer._looked(look))
+        await asyncio.get_running_loop().run_in_executor(None, running.wait, 10)
+        pull.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pull
+        assert released == []  # the look is still running
+        finish.set()
+        for _ in range(100):
+            if released:
+                break
+            await asyncio.sleep(0.02)
+        servicer.pool.shutdown()
+
+    asyncio.run(main())
+    assert released == ["snapshot"] and closed == [True]
