@@ -14,6 +14,7 @@ from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.config.run import OuterConfig, WireConfig
 from dilocox.common.config.waits import refusal
 from dilocox.common.deploy.signing_keys import SigningError, load_signer
+from dilocox.common.heap import keep_freed_heap
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
@@ -176,6 +177,7 @@ def _checkpoint_keys(args: argparse.Namespace):  # noqa: ANN202
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
+    keep_freed_heap()  # a message's buffers reused, not faulted in afresh (common/heap.py)
     try:
         tls, token = security_from_args(args, "server")
     except ValueError as error:
