@@ -1,4 +1,4 @@
-"""`dilocox bench load --wan-mbit R`: many sites against 2 real shard processes, each site's push and pull
+"""`dilocox bench load --wan-mbit R`: many sites against real shard processes (2; `--shards`), each site's push and pull
 paced to a link of R Mbit/s, beside push streams that stall (issue 45).
 
 At WAN pace a push is in transit for seconds (a 256 KB compressed push at 1 Mbit/s: 2 s per shard), so
@@ -13,7 +13,7 @@ first of several 64 KB chunks, then nothing until the row ends.
 The stalled site has joined, so round 1 waits for it until the shards' deadline (5 s) and closes without it;
 that round is not timed. Per row, over the timed rounds: the median and worst round latency (the round's first
 push sent → the last site's pull read), what the link alone takes (push + pull bytes at R), the median and
-worst `Status` latency polled from both shards all along, the shards' CPU milliseconds per site and round, and
+worst `Status` latency polled from every shard all along, one shard's CPU milliseconds per site and round, and
 the CPU seconds per round of the shards and of the sites' clients (which share this machine's cores with the
 shards).
 """
@@ -143,15 +143,15 @@ async def _paced_rounds(addresses: list[str], paced: list[_Site], stalled: _Site
     return latencies, cpu_before, load_before
 
 
-def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pull_cache_mb: int | None = None) -> dict:
+def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pull_cache_mb: int | None = None, shards: int = 2) -> dict:
     rate = mbit * 1e6 / 8
-    rows = max(1, push_kb * 1024 * 2 // (4 * WIDTH))  # two shards: each gets about push_kb of it
+    rows = max(1, push_kb * 1024 * shards // (4 * WIDTH))  # each shard gets about push_kb of it
     params = [("w", (rows, WIDTH)), ("b", (WIDTH,))]
     status_s: list[float] = []
     # The stalled site is a member: round 1 waits for it until the deadline, then closes without it (a
     # warm-up, not timed); its streams stay open, stalled, through every timed round.
     server_flags = ("--round-deadline-s", str(STALLED_DEADLINE_S), *(("--pull-cache-mb", str(pull_cache_mb)) if pull_cache_mb is not None else ()))
-    with tempfile.TemporaryDirectory(prefix="dilocox-load-wan-") as tmp, shard_processes(2, RUN, pathlib.Path(tmp), server_flags) as addresses:
+    with tempfile.TemporaryDirectory(prefix="dilocox-load-wan-") as tmp, shard_processes(shards, RUN, pathlib.Path(tmp), server_flags) as addresses:
         pids = [int(pid) for pid in shard_pids(addresses)]
         clients = [AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(sites)]
         stalled_client = AggregatorClient(addresses, RUN, "stalled", connect_timeout=60)
@@ -174,13 +174,13 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pu
         finally:
             for c in [*clients, stalled_client]:
                 c.close()
-    pull_bytes = rows * WIDTH * 4 // 2 + WIDTH * 4  # an observer pull: the weights, about half the model per shard
+    pull_bytes = rows * WIDTH * 4 // shards + WIDTH * 4  # an observer pull: the weights, about a shard's part of the model
     cpu = sum(u[1] - b for u, b in zip(usage, cpu_before))
-    return {"sites": sites, "mbit": mbit, "stalled_streams": 2 * stalled, "push_kb_per_shard": round(push_bytes / 1024), "pull_cache_mb": pull_cache_mb,
+    return {"sites": sites, "shards": shards, "mbit": mbit, "stalled_streams": shards * stalled, "push_kb_per_shard": round(push_bytes / 1024), "pull_cache_mb": pull_cache_mb,
             "link_s": round((push_bytes + pull_bytes) / rate, 2), "round_latency_median_s": round(statistics.median(latencies), 2),
             "round_latency_max_s": round(max(latencies), 2), "status_median_s": round(statistics.median(status_s), 3) if status_s else None,
             "status_max_s": round(max(status_s), 3) if status_s else None, "status_calls": len(status_s),
-            "shard_cpu_ms_per_site_round": round(1000 * cpu / (rounds * sites), 2),
+            "one_shard_cpu_ms_per_site_round": round(1000 * cpu / (rounds * sites * shards), 2),
             "cpu_s_per_round": f"{cpu / rounds:.1f} shards + {load_cpu / rounds:.1f} sites"}  # fmt: skip
 
 
