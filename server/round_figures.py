@@ -154,8 +154,8 @@ class RoundFigures:
         gw, wgw = torch.zeros(len(self.clusters), dtype=torch.float64), 0.0
         index = {c: i for i, c in enumerate(self.clusters)}
         for key in sorted(self.contributions):
-            xs, at = _dense_slice(self.contributions[key], index)
-            if xs is None:
+            xs, at = _slice_updates(self.contributions[key], index)
+            if not _all_dense(xs):  # in `low_rank_gram`
                 continue
             s = _weighted_sum([(float(w[i]), x) for i, x in zip(at.tolist(), xs) if w[i] != 0])
             if s is not None:
@@ -185,7 +185,7 @@ def round_figures(contributions: Mapping, previous: Mapping | None = None, skip:
     for key in sorted(set(contributions) | set(previous)):
         before = [(c.weight, _factors_or_dense(c.slice.decode_lazy())) for site, c in sorted(previous.get(key, {}).items())
                   if site not in skip]  # fmt: skip
-        u = _weighted_sum(before) if before and not any(isinstance(y, tuple) for _, y in before) else None
+        u = _weighted_sum(before) if before and _all_dense([y for _, y in before]) else None
         w_before = torch.tensor([weight for weight, _ in before], dtype=torch.float64)
         if u is not None:
             prev_sq += float(torch.dot(u, u))
@@ -193,10 +193,8 @@ def round_figures(contributions: Mapping, previous: Mapping | None = None, skip:
             prev_sq += float(w_before @ gram([y for _, y in before], scratch=scratch) @ w_before)
         if key not in contributions:
             continue
-        ordered = sorted(contributions[key].items())
-        at = torch.tensor([index[c] for c, _ in ordered])
-        xs = [_factors_or_dense(contribution.slice.decode_lazy()) for _, contribution in ordered]
-        dense = not any(isinstance(x, tuple) for x in xs)
+        xs, at = _slice_updates(contributions[key], index)
+        dense = _all_dense(xs)
         if dense:
             sq[at] += _dots(xs)
         else:
@@ -211,12 +209,15 @@ def round_figures(contributions: Mapping, previous: Mapping | None = None, skip:
     return RoundFigures(clusters, sq, with_prev, prev_sq, _site_digests(contributions, clusters), contributions, low_rank)
 
 
-def _dense_slice(per_cluster: Mapping, index: Mapping[str, int]) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
-    """A slice's updates, decoded, and their sites' positions; None for the updates where one is low-rank."""
+def _slice_updates(per_cluster: Mapping, index: Mapping[str, int]) -> tuple[list, torch.Tensor]:
+    """A slice's updates in site order, each dense or as its factors (`_factors_or_dense`), and their sites'
+    positions in the round's figures."""
     ordered = sorted(per_cluster.items())
-    xs = [c.slice.decode_lazy() for _, c in ordered]
-    at = torch.tensor([index[c] for c, _ in ordered])
-    return (None if any(isinstance(x, OrderedProduct) for x in xs) else xs), at
+    return [_factors_or_dense(c.slice.decode_lazy()) for _, c in ordered], torch.tensor([index[c] for c, _ in ordered])
+
+
+def _all_dense(updates: list) -> bool:
+    return not any(isinstance(x, tuple) for x in updates)
 
 
 def _weighted_sum(terms: list[tuple[float, torch.Tensor]]) -> torch.Tensor | None:

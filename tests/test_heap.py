@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 CHILD = """
-import os, time
+import os
 from dilocox.common.heap import keep_freed_heap
 from dilocox.proto import dilocox_pb2 as pb
 taken = keep_freed_heap() if os.environ.get("KEEP") else False
