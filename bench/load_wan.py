@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
+from dilocox.common.collector import settle_collector
 from dilocox.bench.site_layouts import process_usage, shard_pids, shard_processes
 from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.framing import EncodedSlice, frame_slices
@@ -167,6 +168,7 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pu
             polling = threading.Event()
             poller = threading.Thread(target=_poll_status, args=(addresses, polling, status_s), daemon=True)
             poller.start()
+            settle_collector()  # the sites' client, like a shard: torch's objects out of its collections
             latencies, cpu_before, load_before = asyncio.run(_paced_rounds(addresses, paced, stall_site, stalled, rounds, pids))
             usage, load_cpu = [process_usage(p) for p in pids], _own_cpu_s() - load_before
             polling.set()

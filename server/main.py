@@ -14,6 +14,7 @@ from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.config.run import OuterConfig, WireConfig
 from dilocox.common.config.waits import refusal
 from dilocox.common.deploy.signing_keys import SigningError, load_signer
+from dilocox.common.collector import settle_collector
 from dilocox.common.heap import keep_freed_heap
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
@@ -271,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
                                     max_workers=args.work_threads)  # fmt: skip
     except (ValueError, OSError, RuntimeError) as error:
         raise SystemExit(f"dilocox server: {error}") from None
+    settle_collector()  # start-up's objects out of every later collection (common/collector.py)
     if args.port_file:
         write_text_atomic(args.port_file, str(port))
     if not args.keep_serving:
