@@ -47,7 +47,7 @@ _END = object()
 PULL_BATCH_BYTES = 256 * 1024
 
 
-def _take_chunks(chunks, limit: int) -> tuple[list[pb.TensorChunk], bool]:  # noqa: ANN001
+def _take_chunks(chunks, limit: int) -> tuple[list[bytes], bool]:  # noqa: ANN001
     """(On a pool thread.) The next chunks of a pull, until `limit` bytes are taken or it ends, and whether it
     has ended: the hop that takes its last chunks also runs its end (its byte count), so no further hop is
     spent to learn it, nor one to close it."""
@@ -57,8 +57,33 @@ def _take_chunks(chunks, limit: int) -> tuple[list[pb.TensorChunk], bool]:  # no
         if chunk is _END:
             return taken, True
         taken.append(chunk)
-        size += chunk.ByteSize()
+        size += len(chunk)
     return taken, False
+
+
+def _sent_as_is(message: bytes | pb.TensorChunk) -> bytes:
+    return message if type(message) is bytes else message.SerializeToString()
+
+
+class _Handlers:
+    """Takes the generated code's method handlers instead of a server, so that one can be changed."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:  # noqa: ANN001
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def add_servicer(servicer: AsyncAggregatorServicer, server: grpc.aio.Server) -> None:
+    """The generated `add_AggregatorServicer_to_server`, but Pull sends the bytes its stream yields as they
+    are: a version's chunks are serialized once for every pull of them (server/pull_framing.py)."""
+    taken = _Handlers()
+    pb_grpc.add_AggregatorServicer_to_server(servicer, taken)
+    handlers = taken.handlers
+    handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_sent_as_is)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, handlers),))
+    server.add_registered_method_handlers(taken.service, handlers)
 
 
 class _Aborted(Exception):
@@ -150,7 +175,8 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         except _Aborted as aborted:
             await context.abort(aborted.code, aborted.details)
 
-    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TensorChunk]:
+    async def Pull(self, request: pb.PullRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Serialized TensorChunks, sent as they are (`add_servicer` registers Pull so)."""
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
         try:

@@ -15,8 +15,7 @@ import structlog
 
 from dilocox.common.config.run import WireConfig
 from dilocox.common.security import AsyncTokenInterceptor, TlsFiles, server_credentials
-from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-from dilocox.server.aio_servicer import AsyncAggregatorServicer
+from dilocox.server.aio_servicer import AsyncAggregatorServicer, add_servicer
 from dilocox.server.health import add_health_service, mark_serving
 from dilocox.server.health_watch import STALL_S, ServingWatch
 from dilocox.server.pull_framing import DEFAULT_BUDGET_MB, PullFramings
@@ -146,7 +145,7 @@ async def _serve(shard: Shard, host: str, port: int, wire: WireConfig, pool: Thr
     ]
     server = grpc.aio.server(options=options, interceptors=[AsyncTokenInterceptor(token)] if token else None)
     servicer = AsyncAggregatorServicer(AggregatorServicer(shard, wire, PullFramings(pull_cache_bytes)), pool, loop, added_latency_s, push_limits)
-    pb_grpc.add_AggregatorServicer_to_server(servicer, server)
+    add_servicer(servicer, server)  # Pull sends its pre-serialized chunks as they are
     health_service = await add_health_service(server)
     bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls)) if tls is not None else server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

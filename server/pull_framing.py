@@ -14,6 +14,10 @@ version comes (a pull is always served the newest version, so nothing asks for a
 within a byte budget (`--pull-cache-mb`); a stream larger than what is left of the budget is framed per
 pull as before, so a shard serving a model larger than its budget holds no second copy of it. The
 chunks are the same bytes a per-pull framing makes (tests/test_pull_framing.py).
+
+A chunk is kept and handed out as its wire bytes, serialized once when framed: the Pull method sends
+bytes as they are (`server/grpc_server.py`), where each pull of a shared 238 KB chunk used to encode it
+three times — twice to count its size, once for gRPC to send it (`ByteSize()` encodes in full).
 """
 
 from __future__ import annotations
@@ -33,17 +37,17 @@ class SharedFraming:
 
     def __init__(self, source: Iterator[pb.TensorChunk], reserved_bytes: int) -> None:
         self._source = source
-        self._chunks: list[pb.TensorChunk] = []
+        self._chunks: list[bytes] = []
         self._error: BaseException | None = None
         self._done = False
         self._lock = threading.Lock()
         self.reserved_bytes = reserved_bytes
 
-    def _chunk(self, i: int) -> pb.TensorChunk | None:
+    def _chunk(self, i: int) -> bytes | None:
         with self._lock:
             while len(self._chunks) <= i and not self._done:
                 try:
-                    self._chunks.append(next(self._source))
+                    self._chunks.append(next(self._source).SerializeToString())
                 except StopIteration:
                     self._done = True
                 except BaseException as error:  # every reader fails the same way, none reads a torn stream
@@ -56,7 +60,7 @@ class SharedFraming:
                 raise self._error
             return None
 
-    def __iter__(self) -> Iterator[pb.TensorChunk]:
+    def __iter__(self) -> Iterator[bytes]:
         i = 0
         while (chunk := self._chunk(i)) is not None:
             yield chunk
@@ -87,15 +91,15 @@ class PullFramings:
                 known = self._slice_sets[keys] = len(self._slice_sets)
             return known
 
-    def framed(self, key: tuple, version: int, estimate_bytes: int, frame: Callable[[], Iterator[pb.TensorChunk]]) -> Iterable[pb.TensorChunk]:
-        """The chunks `frame()` makes for `key` in a pull of the published `version`: shared with every pull
+    def framed(self, key: tuple, version: int, estimate_bytes: int, frame: Callable[[], Iterator[pb.TensorChunk]]) -> Iterable[bytes]:
+        """The chunks `frame()` makes for `key` in a pull of the published `version`, as wire bytes: shared with every pull
         of the same key and version (the entries of older versions are dropped here), or,
         where `estimate_bytes` (an upper bound of the framed size) does not fit the budget, framed for this
         pull alone. A key holding None (`slice_set`'s answer when full) is never shared."""
         if None in key:
             with self._lock:
                 self.streams_unshared += 1
-            return frame()
+            return _serialized(frame())
         key = (version, *key)
         with self._lock:
             entry = self._entries.get(key)
@@ -108,7 +112,7 @@ class PullFramings:
                 self._drop(next(iter(self._entries)))  # least recently used first
             if estimate_bytes > self.budget_bytes - self._reserved:
                 self.streams_unshared += 1
-                return frame()
+                return _serialized(frame())
             entry = self._entries[key] = SharedFraming(frame(), estimate_bytes)
             self._reserved += estimate_bytes
             self.streams_framed += 1
@@ -120,3 +124,7 @@ class PullFramings:
 
     def _drop(self, key: tuple) -> None:
         self._reserved -= self._entries.pop(key).reserved_bytes  # readers still sending keep their reference
+
+
+def _serialized(chunks: Iterator[pb.TensorChunk]) -> Iterator[bytes]:
+    return (chunk.SerializeToString() for chunk in chunks)

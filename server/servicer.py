@@ -127,10 +127,11 @@ class AggregatorServicer:
             bytes_received=received,
         )
 
-    def stream(self, snapshot: Snapshot, request: pb.PullRequest) -> Iterator[pb.TensorChunk]:
-        """A pull's chunks of `snapshot` (held by the caller until the stream ends): the round's
-        contributions to replay, or the weights and momentum in full, or the weights alone for an observer.
-        Run on a worker thread chunk by chunk (server/aio_servicer.py parks the wait for the version)."""
+    def stream(self, snapshot: Snapshot, request: pb.PullRequest) -> Iterator[bytes]:
+        """A pull's chunks of `snapshot` (held by the caller until the stream ends), each a serialized
+        TensorChunk as sent (server/pull_framing.py): the round's contributions to replay, or the weights and
+        momentum in full, or the weights alone for an observer. Run on a worker thread chunk by chunk
+        (server/aio_servicer.py parks the wait for the version)."""
         if not request.observer:
             self.shard.note_replay_mismatches(request.cluster, request.replay_mismatches)
         names = set(request.names)
@@ -146,7 +147,7 @@ class AggregatorServicer:
                                           lambda: self._full_chunks(snapshot, keys))  # fmt: skip
         sent = 0
         for chunk in chunks:
-            sent += chunk.ByteSize()
+            sent += len(chunk)
             yield chunk
         self.shard.add_bytes_out(sent)
         if not request.observer:  # this much of this version is now at the cluster
@@ -179,7 +180,7 @@ class AggregatorServicer:
         return {snapshot.version} if one_behind and not request.no_own_copies else set()
 
     def _contribution_chunks(self, snapshot: Snapshot, keys: list, rounds: list[tuple[int, dict]],
-                             request: pb.PullRequest, slices: int | None) -> Iterator[pb.TensorChunk]:  # fmt: skip
+                             request: pb.PullRequest, slices: int | None) -> Iterator[bytes]:  # fmt: skip
         """Round by round, oldest first, the contributions cluster by cluster (small slices bundled: a
         cluster's weight is the same on all its slices); where the requester holds its own slices' bytes
         (`_own_summarised`), its part as one nameless summary chunk: their combined digest and count; and,
@@ -203,10 +204,10 @@ class AggregatorServicer:
                 own = {c.slice.key: c.slice.sha256 for c in mine}
                 yield pb.TensorChunk(version=version, is_delta=True, base_version=version - 1,
                                      contributor=requester, weight=mine[0].weight, own=True, own_slices=len(own),
-                                     payload_sha256=own_contribution_digest(own), **_clipped(mine[0].scale))  # fmt: skip
+                                     payload_sha256=own_contribution_digest(own), **_clipped(mine[0].scale)).SerializeToString()  # fmt: skip
         if request.check_replay:
             digest = self.shard.state_digest(snapshot, keys, request.replay_digest)
-            yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=digest)
+            yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=digest).SerializeToString()
 
     def _full_chunks(self, snapshot: Snapshot, keys: list, with_momentum: bool = True) -> Iterator[pb.TensorChunk]:
         """The weights, then (unless not `with_momentum`: an observer's pull) the outer momentum, of `keys`

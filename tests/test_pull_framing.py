@@ -24,6 +24,10 @@ def counted(n: int, made: list[int], fail_at: int | None = None):
     return source
 
 
+def _offset(chunk: bytes) -> int:
+    return pb.TensorChunk.FromString(chunk).offset  # a shared framing hands out each chunk's wire bytes
+
+
 def test_readers_of_a_shared_framing_get_every_chunk_and_it_is_made_once():
     made: list[int] = []
     shared = SharedFraming(counted(50, made)(), reserved_bytes=0)
@@ -31,13 +35,13 @@ def test_readers_of_a_shared_framing_get_every_chunk_and_it_is_made_once():
     read_first = [next(first) for _ in range(10)]  # the second reader starts while the first is mid-stream
     read_second = list(second)
     read_first += list(first)
-    assert [c.offset for c in read_first] == [c.offset for c in read_second] == list(range(50))
+    assert [_offset(c) for c in read_first] == [_offset(c) for c in read_second] == list(range(50))
     assert made == list(range(50))
 
     results: list[list[int]] = []
     made.clear()
     shared = SharedFraming(counted(200, made)(), reserved_bytes=0)
-    threads = [threading.Thread(target=lambda: results.append([c.offset for c in shared])) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: results.append([_offset(c) for c in shared])) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:

@@ -68,12 +68,13 @@ class _DigestTampering(AggregatorServicer):
     mode = "drop"
 
     def stream(self, snapshot, request):
-        for chunk in super().stream(snapshot, request):
+        for sent in super().stream(snapshot, request):  # each chunk's wire bytes
+            chunk = pb.TensorChunk.FromString(sent)
             if is_state_digest(chunk):
                 if self.mode == "drop":
                     continue
-                chunk = pb.TensorChunk(version=chunk.version, state_digest=True, payload_sha256=b"short")
-            yield chunk
+                sent = pb.TensorChunk(version=chunk.version, state_digest=True, payload_sha256=b"short").SerializeToString()
+            yield sent
 
 
 @pytest.mark.parametrize("mode", ["drop", "corrupt"])

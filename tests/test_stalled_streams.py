@@ -210,14 +210,20 @@ def test_a_pull_takes_its_small_chunks_from_the_pool_together_and_learns_its_end
     from dilocox.server.aio_servicer import PULL_BATCH_BYTES, _take_chunks
 
     sizes = [100 << 10, 100 << 10, 100 << 10, 10 << 10, 3 * PULL_BATCH_BYTES, 1 << 10]
-    chunks = iter([pb.TensorChunk(name=f"c{i}", zstd_frame=bytes(n)) for i, n in enumerate(sizes)])
+    def sent(name: str, size: int) -> bytes:  # a pull's chunk as its stream yields it: its wire bytes
+        return pb.TensorChunk(name=name, zstd_frame=bytes(size)).SerializeToString()
+
+    def names(batch: list[bytes]) -> list[str]:
+        return [pb.TensorChunk.FromString(c).name for c in batch]
+
+    chunks = iter([sent(f"c{i}", n) for i, n in enumerate(sizes)])
     batches, ended = [], False
     while not ended:
         batch, ended = _take_chunks(chunks, PULL_BATCH_BYTES)
-        batches.append([c.name for c in batch])
+        batches.append(names(batch))
     assert batches == [["c0", "c1", "c2"], ["c3", "c4"], ["c5"]]
-    small = iter([pb.TensorChunk(name="only", zstd_frame=bytes(10))])
-    assert [([c.name for c in b], e) for b, e in [_take_chunks(small, PULL_BATCH_BYTES)]] == [(["only"], True)]
+    small = iter([sent("only", 10)])
+    assert [(names(b), e) for b, e in [_take_chunks(small, PULL_BATCH_BYTES)]] == [(["only"], True)]
 
 
 def test_a_pull_cancelled_while_its_look_runs_gives_back_what_the_look_took():
