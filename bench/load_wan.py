@@ -46,12 +46,21 @@ STALLED_DEADLINE_S = 5.0  # the shards' --round-deadline-s: round 1 (untimed) cl
 WIDTH = 256
 
 
+SERVICE = "/dilocox.v1.Aggregator/"
+
+
+def _as_is(message: bytes | pb.PushMessage) -> bytes:
+    return message if type(message) is bytes else message.SerializeToString()
+
+
 class _Site:
-    """One site: its push framed per shard, pushed and pulled at `rate` bytes/s over grpc.aio stubs.
+    """One site: its push framed per shard, pushed and pulled at `rate` bytes/s over grpc.aio calls.
 
     Every site of a row is a coroutine on one event loop rather than threads of its own: 256 sites as
     ~1,000 threads of blocking gRPC calls spent more CPU than the shards they measure, all of it behind
-    this process's one interpreter lock (the sites stand in for machines of their own)."""
+    this process's one interpreter lock (the sites stand in for machines of their own). For the same
+    reason a site's push chunks are serialized once, not at every send, and its pulls are read as bytes,
+    not parsed: this process shares the machine's cores with the shards it measures."""
 
     def __init__(self, name: str, client: AggregatorClient, rate: float, seed: int, chunk_bytes: int = WireConfig.chunk_bytes) -> None:
         self.name, self.rate = name, rate
@@ -59,14 +68,18 @@ class _Site:
         by_shard: dict[int, list[EncodedSlice]] = {}
         for s in client.assignment:
             by_shard.setdefault(s.shard, []).append(EncodedSlice.exact(s.key, torch.randn(s.slice_shape, generator=g) * 1e-3))
-        self.chunks = {shard: [(pb.PushMessage(chunk=c), c.ByteSize()) for c in frame_slices(items, client.slice_map.index, chunk_bytes, 1)]
+        self.chunks = {shard: [(message := pb.PushMessage(chunk=c).SerializeToString(), len(message))
+                               for c in frame_slices(items, client.slice_map.index, chunk_bytes, 1)]
                        for shard, items in by_shard.items()}  # fmt: skip
         self.channels: list[grpc.aio.Channel] = []
 
     def open(self, addresses: list[str]) -> None:
         """(On the row's event loop.) A channel per shard."""
         self.channels = [grpc.aio.insecure_channel(a, options=[("grpc.max_receive_message_length", 64 << 20)]) for a in addresses]
-        self.stubs = [pb_grpc.AggregatorStub(c) for c in self.channels]
+        self.pushes = [c.stream_unary(SERVICE + "Push", request_serializer=_as_is, response_deserializer=pb.PushReply.FromString)
+                       for c in self.channels]  # fmt: skip
+        self.pulls = [c.unary_stream(SERVICE + "Pull", request_serializer=pb.PullRequest.SerializeToString, response_deserializer=None)
+                      for c in self.channels]  # fmt: skip
 
     def header(self, shard: int, round_: int) -> pb.PushMessage:
         return pb.PushMessage(header=pb.PushHeader(run_id=RUN, cluster=self.name, round=round_, weight=1.0, chunks=len(self.chunks[shard])))
@@ -79,17 +92,17 @@ class _Site:
                     await asyncio.sleep(size / self.rate)
                     yield message
 
-            await self.stubs[shard].Push(messages(), timeout=600)
+            await self.pushes[shard](messages(), timeout=600)
 
         await asyncio.gather(*(one(shard) for shard in self.chunks))
 
     async def pull(self, version: int) -> None:
-        async def one(stub: pb_grpc.AggregatorStub) -> None:
+        async def one(pull) -> None:  # noqa: ANN001
             request = pb.PullRequest(run_id=RUN, cluster=self.name, min_version=version, wait_seconds=600, observer=True)
-            async for chunk in stub.Pull(request, timeout=900):
-                await asyncio.sleep(chunk.ByteSize() / self.rate)
+            async for chunk in pull(request, timeout=900):  # a chunk's bytes, unparsed
+                await asyncio.sleep(len(chunk) / self.rate)
 
-        await asyncio.gather(*(one(stub) for stub in self.stubs))
+        await asyncio.gather(*(one(pull) for pull in self.pulls))
 
     async def round(self, round_: int) -> None:
         await self.push(round_)
@@ -110,7 +123,7 @@ async def _stall(site: _Site, per_shard: int, release: asyncio.Event) -> None:
             await release.wait()
 
         try:
-            await site.stubs[shard].Push(messages(), timeout=3600)
+            await site.pushes[shard](messages(), timeout=3600)
         except grpc.aio.AioRpcError:
             pass  # refused after the shard's idle timeout, or cancelled at the row's end
 
