@@ -15,8 +15,8 @@ within a byte budget (`--pull-cache-mb`); a stream larger than what is left of t
 pull as before, so a shard serving a model larger than its budget holds no second copy of it. The
 chunks are the same bytes a per-pull framing makes (tests/test_pull_framing.py).
 
-A chunk is kept and handed out as its wire bytes, serialized once when framed: the Pull method sends
-bytes as they are (`server/grpc_server.py`), where each pull of a shared 238 KB chunk used to encode it
+A chunk is kept and handed out as its wire bytes, serialized once when framed: Pull sends bytes as they
+are (`add_servicer`, server/aio_servicer.py), where each pull of a shared 238 KB chunk used to encode it
 three times — twice to count its size, once for gRPC to send it (`ByteSize()` encodes in full).
 """
 
