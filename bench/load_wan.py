@@ -32,8 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from dilocox.common.collector import settle_collector
 from dilocox.bench.site_layouts import process_usage, shard_pids, shard_processes
+from dilocox.common.collector import settle_collector
 from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.framing import EncodedSlice, frame_slices
 from dilocox.proto import dilocox_pb2 as pb
@@ -44,9 +44,7 @@ RUN = "bench-load-wan"
 STALL_CHUNK_BYTES = 64 * 1024  # the stalled streams' chunks: several declared, one sent
 STALLED_DEADLINE_S = 5.0  # the shards' --round-deadline-s: round 1 (untimed) closes without the stalled site
 WIDTH = 256
-
-
-SERVICE = "/dilocox.v1.Aggregator/"
+SERVICE = "/dilocox.v1.Aggregator/"  # a site's raw calls: its push chunks pre-serialized, its pulls unparsed
 
 
 def _as_is(message: bytes | pb.PushMessage) -> bytes:
