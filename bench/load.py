@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=2,
                         help="with --wan-mbit: shard processes, each sent --push-kb by every site (default 2; 1 leaves the other core "
                              "of a 2-core machine to the simulated sites)")  # fmt: skip
+    parser.add_argument("--pin", action="store_true",
+                        help="with --wan-mbit: each shard process on a core of its own and the simulated sites on the cores left, "
+                             "as on machines of their own (needs --shards + 1 cores)")  # fmt: skip
 
 
 def measure(clusters: int, rounds: int, pull_wait_s: float) -> dict:
@@ -94,6 +97,9 @@ def run(args: argparse.Namespace, out_dir) -> str:
     if args.wan_mbit > 0:
         if args.shards < 1:
             raise SystemExit(f"dilocox bench load: --shards must be ≥ 1, got {args.shards}")
+        if args.pin and len(os.sched_getaffinity(0)) <= args.shards:
+            raise SystemExit(f"dilocox bench load: --pin needs a core per shard and one for the sites: --shards {args.shards}, "
+                             f"{len(os.sched_getaffinity(0))} core(s) here")  # fmt: skip
         return _run_wan(args, out_dir)
     rows = [measure(int(n), args.rounds, args.pull_wait_s) for n in args.clusters.split(",") if n.strip()]
     notes = (f"2 shard processes on localhost; every cluster an AggregatorClient thread in one process (a tiny model); "
@@ -109,13 +115,14 @@ def _run_wan(args: argparse.Namespace, out_dir) -> str:
     from dilocox.bench.report import write_report
 
     caches = [int(c) for c in args.pull_cache_mb.split(",") if c.strip()] or [None]
-    rows = [measure_wan(int(n), args.rounds, args.wan_mbit, args.push_kb, args.stalled, cache, args.shards)
+    rows = [measure_wan(int(n), args.rounds, args.wan_mbit, args.push_kb, args.stalled, cache, args.shards, args.pin)
             for n in args.clusters.split(",") if n.strip() for cache in caches]  # fmt: skip
     notes = (f"{args.shards} shard process(es) on localhost; every site a raw grpc.aio client, a coroutine on one event loop of one process, its push ({args.push_kb} KB a "
              f"shard, framed as the real client frames it) and its pull (the weights) paced to {args.wan_mbit:g} Mbit/s; "
              f"{args.stalled} push streams per shard stall after one chunk; {args.rounds} rounds; Status polled from every shard "
-             f"every 0.25 s; {os.cpu_count()} CPU cores. link_s: the push and the pull at the link's rate alone.\n")  # fmt: skip
+             f"every 0.25 s; {os.cpu_count()} CPU cores{'; each shard pinned to a core of its own, the sites to the rest' if args.pin else ''}. "
+             "link_s: the push and the pull at the link's rate alone.\n")  # fmt: skip
     columns = ["sites", "shards", "mbit", "stalled_streams", "push_kb_per_shard", *(["pull_cache_mb"] if args.pull_cache_mb else []), "link_s", "round_latency_median_s", "round_latency_max_s",
-               "status_median_s", "status_max_s", "status_calls", "one_shard_cpu_ms_per_site_round", "cpu_s_per_round"]  # fmt: skip
+               "status_median_s", "status_max_s", "status_calls", "one_shard_cpu_ms_per_site_round", "cpu_s_per_round", "pinned"]  # fmt: skip
     return write_report(out_dir, "load_wan", f"Sites at WAN pace against {args.shards} shard(s), beside stalled pushes", rows, columns, notes,
                         {"args": vars(args)})  # fmt: skip

@@ -21,6 +21,7 @@ shards).
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import resource
 import statistics
@@ -155,7 +156,9 @@ async def _paced_rounds(addresses: list[str], paced: list[_Site], stalled: _Site
     return latencies, cpu_before, load_before
 
 
-def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pull_cache_mb: int | None = None, shards: int = 2) -> dict:
+def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pull_cache_mb: int | None = None, shards: int = 2,
+            pin: bool = False) -> dict:  # fmt: skip
+    """One row. `pin`: each shard process on a core of its own and the sites on the cores left (`pin_cores`)."""
     rate = mbit * 1e6 / 8
     rows = max(1, push_kb * 1024 * shards // (4 * WIDTH))  # each shard gets about push_kb of it
     params = [("w", (rows, WIDTH)), ("b", (WIDTH,))]
@@ -167,7 +170,9 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pu
         pids = [int(pid) for pid in shard_pids(addresses)]
         clients = [AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(sites)]
         stalled_client = AggregatorClient(addresses, RUN, "stalled", connect_timeout=60)
+        cores_before = None
         try:
+            cores_before = pin_cores(pids) if pin else None
             clients[0].join(params)
             with ThreadPoolExecutor(max_workers=16) as pool:
                 list(pool.map(lambda c: c.join(params), clients[1:]))
@@ -187,14 +192,39 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pu
         finally:
             for c in [*clients, stalled_client]:
                 c.close()
+            if cores_before is not None:
+                _set_cores(os.getpid(), cores_before)
     pull_bytes = rows * WIDTH * 4 // shards + WIDTH * 4  # an observer pull: the weights, about a shard's part of the model
     cpu = sum(u[1] - b for u, b in zip(usage, cpu_before))
     return {"sites": sites, "shards": shards, "mbit": mbit, "stalled_streams": shards * stalled, "push_kb_per_shard": round(push_bytes / 1024), "pull_cache_mb": pull_cache_mb,
             "link_s": round((push_bytes + pull_bytes) / rate, 2), "round_latency_median_s": round(statistics.median(latencies), 2),
             "round_latency_max_s": round(max(latencies), 2), "status_median_s": round(statistics.median(status_s), 3) if status_s else None,
             "status_max_s": round(max(status_s), 3) if status_s else None, "status_calls": len(status_s),
-            "one_shard_cpu_ms_per_site_round": round(1000 * cpu / (rounds * sites * shards), 2),
+            "one_shard_cpu_ms_per_site_round": round(1000 * cpu / (rounds * sites * shards), 2), "pinned": pin,
             "cpu_s_per_round": f"{cpu / rounds:.1f} shards + {load_cpu / rounds:.1f} sites"}  # fmt: skip
+
+
+def pin_cores(shard_pids: list[int]) -> set[int]:
+    """Each shard process on a core of its own and this process (the simulated sites) on the cores left, as if
+    the shards ran on machines of their own and the sites elsewhere: on a small machine the sites' clients
+    otherwise take turns with the shards on every core. Threads started later inherit their starter's cores.
+    Returns this process's cores before, to restore."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= len(shard_pids):
+        raise ValueError(f"pinning needs a core per shard and one for the sites: {len(shard_pids)} shard(s), {len(cores)} core(s)")
+    for pid, core in zip(shard_pids, cores):
+        _set_cores(pid, {core})
+    _set_cores(os.getpid(), set(cores[len(shard_pids):]))
+    return set(cores)
+
+
+def _set_cores(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` on `cores` (the affinity call itself sets one thread's)."""
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
 
 
 def _own_cpu_s() -> float:

@@ -29,3 +29,47 @@ def test_at_wan_pace_beside_stalled_pushes_every_round_closes_and_status_answers
     assert row["sites"] == 40 and row["stalled_streams"] == 20 and row["status_calls"] > 0
     assert row["status_max_s"] != float("inf"), row  # no Status call failed or ran out its 30 s
     assert row["link_s"] > 0 and row["round_latency_max_s"] >= row["round_latency_median_s"] > 0
+
+
+def test_pinned_each_shard_runs_on_a_core_of_its_own_and_the_sites_on_the_rest():
+    """`--pin` puts a shard process's every thread, later ones included, on one core and the simulated sites on
+    the others (read back from the kernel while the row runs); a machine without a core to spare refuses it."""
+    import os
+    import threading
+
+    import pytest
+
+    from dilocox.bench import load_wan
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("pinning needs 2 cores")
+    seen: dict[str, set] = {}
+    original = load_wan.pin_cores
+
+    def cores_of_threads(pid: int | str) -> set[frozenset]:
+        found = set()
+        for thread in os.listdir(f"/proc/{pid}/task"):
+            try:
+                found.add(frozenset(os.sched_getaffinity(int(thread))))
+            except ProcessLookupError:
+                pass  # a thread that ended meanwhile
+        return found
+
+    def pin_and_look(pids):  # noqa: ANN001, ANN202
+        before = original(pids)  # the row then runs > 5 s (round 1 waits for the stalled site)
+        threading.Timer(1.0, lambda: seen.update(shard=cores_of_threads(pids[0]), sites=cores_of_threads("self"))).start()
+        return before
+
+    load_wan.pin_cores = pin_and_look
+    try:
+        row = load_wan.measure(sites=8, rounds=1, mbit=50, push_kb=16, stalled=2, shards=1, pin=True)
+    finally:
+        load_wan.pin_cores = original
+    assert row["pinned"] and row["round_latency_median_s"] > 0
+    assert seen["shard"] == {frozenset({cores[0]})}, seen  # threads the shard started after pinning too
+    assert seen["sites"] == {frozenset(cores[1:])}, seen
+    assert os.sched_getaffinity(0) == set(cores)  # given back after the row
+    refused = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "bench", "load", "--wan-mbit", "10", "--shards", str(len(cores)),
+                              "--pin"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode != 0 and "--pin needs a core per shard and one for the sites" in refused.stderr
