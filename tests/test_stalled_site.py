@@ -72,22 +72,30 @@ def test_a_stalled_site_ends_its_round_at_its_box_and_its_late_work_is_weighed_b
     steady, _ = _sim(tmp_path / "steady", stall=False)
     stalled, logs = _sim(tmp_path / "stalled", stall=True)
     rounds = {e["round"]: e for e in _events(logs / "cluster-1.log", "round_done")}
-    normal = statistics.median(e["inner_steps"] for r, e in rounds.items() if r not in (1, 3))
+    caught_up = _events(logs / "cluster-1.log", "round_caught_up")
+    # Round 3's report carries the round its work was pushed to: 3, or a later one when the shards closed
+    # the rounds in between without the site (how many depends on the machine's pace during the stall).
+    stalled_round = next((e["pushed"] for e in caught_up if e["trained"] == 3), 3)
+    normal = statistics.median(e["inner_steps"] for r, e in rounds.items() if r not in (1, stalled_round))
     # Round 3 was stopped ~0.3 of a box in, for five boxes: it ends when it continues, with about the steps
     # it had made (the old estimate-driven box would have trained a whole round's H after the stall).
-    assert rounds[3]["seconds"] >= STALL_S and rounds[3]["inner_steps"] <= 0.75 * normal, (rounds[3], normal)
+    stopped = rounds[stalled_round]
+    assert stopped["seconds"] >= STALL_S and stopped["inner_steps"] <= 0.75 * normal, (stopped, normal)
     # Its work reached the shards late, weighed by its age: pushed to a later round with its staleness
     # declared and tokens × 1/(1 + staleness), or carried one round and halved, and never above the
     # on-time site's tokens on a shard.
-    caught_up = _events(logs / "cluster-1.log", "round_caught_up")
     for e in caught_up:
         assert e["staleness"] == e["pushed"] - e["trained"] >= 1 and e["weight"] <= e["tokens"] / (1 + e["staleness"]) + 1e-3
     for shard in (0, 1):
         for e in _events(logs / f"shard-{shard}.log", "stale_contribution_capped"):
             assert e["weight"] <= e["tokens"]
-    # Late after the stall, the site trains shorter boxes to get back in phase (when it is on time again
-    # depends on the machine's load: even sites on a quorum of one are late now and then on a busy runner).
-    assert _events(logs / "cluster-1.log", "time_box_catching_up")
+    # An exchange that came back late (its round closed without the site) makes the next box shorter, to get
+    # back in phase; work caught up straight into the open round is in phase already. Which of the two a
+    # stall meets, and when the site is on time again, depend on the machine's load.
+    late = [r for r, e in rounds.items() if e["late"] and r < max(rounds)]
+    catching_up = {e["round"] for e in _events(logs / "cluster-1.log", "time_box_catching_up")}
+    assert late or caught_up, rounds  # the stall showed, one way or the other
+    assert all(any(c > r for c in catching_up) for r in late), (late, catching_up)  # a shorter box after each
     # The global model ends close to the unstalled run's, although the stall cost the stalled site's tokens
     # (~20 % of the run's): stale work did not set it back. Measured +2.0 % (2.251 against 2.206; 1.86M
     # against 2.31M tokens); the bound leaves room for a loaded machine's timing.
