@@ -97,9 +97,13 @@ def run(args: argparse.Namespace, out_dir) -> str:
     if args.wan_mbit > 0:
         if args.shards < 1:
             raise SystemExit(f"dilocox bench load: --shards must be ≥ 1, got {args.shards}")
-        if args.pin and len(os.sched_getaffinity(0)) <= args.shards:
-            raise SystemExit(f"dilocox bench load: --pin needs a core per shard and one for the sites: --shards {args.shards}, "
-                             f"{len(os.sched_getaffinity(0))} core(s) here")  # fmt: skip
+        if args.pin:
+            from dilocox.bench.load_wan import pinnable_cores
+
+            try:
+                pinnable_cores(args.shards)
+            except ValueError as error:
+                raise SystemExit(f"dilocox bench load: {error}") from None
         return _run_wan(args, out_dir)
     rows = [measure(int(n), args.rounds, args.pull_wait_s) for n in args.clusters.split(",") if n.strip()]
     notes = (f"2 shard processes on localhost; every cluster an AggregatorClient thread in one process (a tiny model); "

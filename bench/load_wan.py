@@ -36,7 +36,7 @@ import torch
 from dilocox.bench.site_layouts import process_usage, shard_pids, shard_processes
 from dilocox.common.collector import settle_collector
 from dilocox.common.config.run import WireConfig
-from dilocox.common.wire.framing import EncodedSlice, frame_slices
+from dilocox.common.wire.framing import EncodedSlice, frame_slices, wire_bytes
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
@@ -46,10 +46,6 @@ STALL_CHUNK_BYTES = 64 * 1024  # the stalled streams' chunks: several declared, 
 STALLED_DEADLINE_S = 5.0  # the shards' --round-deadline-s: round 1 (untimed) closes without the stalled site
 WIDTH = 256
 SERVICE = "/dilocox.v1.Aggregator/"  # a site's raw calls: its push chunks pre-serialized, its pulls unparsed
-
-
-def _as_is(message: bytes | pb.PushMessage) -> bytes:
-    return message if type(message) is bytes else message.SerializeToString()
 
 
 class _Site:
@@ -75,7 +71,7 @@ class _Site:
     def open(self, addresses: list[str]) -> None:
         """(On the row's event loop.) A channel per shard."""
         self.channels = [grpc.aio.insecure_channel(a, options=[("grpc.max_receive_message_length", 64 << 20)]) for a in addresses]
-        self.pushes = [c.stream_unary(SERVICE + "Push", request_serializer=_as_is, response_deserializer=pb.PushReply.FromString)
+        self.pushes = [c.stream_unary(SERVICE + "Push", request_serializer=wire_bytes, response_deserializer=pb.PushReply.FromString)
                        for c in self.channels]  # fmt: skip
         self.pulls = [c.unary_stream(SERVICE + "Pull", request_serializer=pb.PullRequest.SerializeToString, response_deserializer=None)
                       for c in self.channels]  # fmt: skip
@@ -209,13 +205,19 @@ def pin_cores(shard_pids: list[int]) -> set[int]:
     the shards ran on machines of their own and the sites elsewhere: on a small machine the sites' clients
     otherwise take turns with the shards on every core. Threads started later inherit their starter's cores.
     Returns this process's cores before, to restore."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) <= len(shard_pids):
-        raise ValueError(f"pinning needs a core per shard and one for the sites: {len(shard_pids)} shard(s), {len(cores)} core(s)")
+    cores = pinnable_cores(len(shard_pids))
     for pid, core in zip(shard_pids, cores):
         _set_cores(pid, {core})
     _set_cores(os.getpid(), set(cores[len(shard_pids):]))
     return set(cores)
+
+
+def pinnable_cores(shards: int) -> list[int]:
+    """This process's cores, if there is one per shard and one for the sites (ValueError if not)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= shards:
+        raise ValueError(f"--pin needs a core per shard and one for the sites: {shards} shard(s), {len(cores)} core(s) here")
+    return cores
 
 
 def _set_cores(pid: int, cores: set[int]) -> None:

@@ -33,6 +33,7 @@ import grpc
 import structlog
 
 from dilocox.common.wire.errors import DilocoxError, NotReady, UnknownCodec
+from dilocox.common.wire.framing import wire_bytes
 from dilocox.common.wire.replica_digest import DIGESTS
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
@@ -61,10 +62,6 @@ def _take_chunks(chunks, limit: int) -> tuple[list[bytes], bool]:  # noqa: ANN00
     return taken, False
 
 
-def _sent_as_is(message: bytes | pb.TensorChunk) -> bytes:
-    return message if type(message) is bytes else message.SerializeToString()
-
-
 class _Handlers:
     """Takes the generated code's method handlers instead of a server, so that one can be changed."""
 
@@ -81,7 +78,7 @@ def add_servicer(servicer: AsyncAggregatorServicer, server: grpc.aio.Server) -> 
     taken = _Handlers()
     pb_grpc.add_AggregatorServicer_to_server(servicer, taken)
     handlers = taken.handlers
-    handlers["Pull"] = handlers["Pull"]._replace(response_serializer=_sent_as_is)
+    handlers["Pull"] = handlers["Pull"]._replace(response_serializer=wire_bytes)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(taken.service, handlers),))
     server.add_registered_method_handlers(taken.service, handlers)
 

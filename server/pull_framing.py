@@ -92,8 +92,8 @@ class PullFramings:
             return known
 
     def framed(self, key: tuple, version: int, estimate_bytes: int, frame: Callable[[], Iterator[pb.TensorChunk]]) -> Iterable[bytes]:
-        """The chunks `frame()` makes for `key` in a pull of the published `version`, as wire bytes: shared with every pull
-        of the same key and version (the entries of older versions are dropped here), or,
+        """The chunks `frame()` makes for `key` in a pull of the published `version`, as wire bytes: shared with
+        every pull of the same key and version (the entries of older versions are dropped here), or,
         where `estimate_bytes` (an upper bound of the framed size) does not fit the budget, framed for this
         pull alone. A key holding None (`slice_set`'s answer when full) is never shared."""
         if None in key:

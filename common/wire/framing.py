@@ -409,6 +409,11 @@ def assemble(
         yield unit.key, unit.decode(), unit.meta.version
 
 
+def wire_bytes(message: bytes | pb.TensorChunk | pb.PushMessage) -> bytes:
+    """A message as it crosses the wire: bytes serialized before (once, for many sends) pass as they are."""
+    return message if type(message) is bytes else message.SerializeToString()
+
+
 def stream_bytes(chunks: Iterable[pb.TensorChunk]) -> int:
     """Serialized size of a chunk sequence: what crosses the wire."""
     return sum(c.ByteSize() for c in chunks)
