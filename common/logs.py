@@ -15,6 +15,18 @@ def add_log_format_argument(parser) -> None:  # noqa: ANN001
                         help="kv: key=value lines for people (default); json: one JSON object per line, for log shippers")
 
 
+# Libraries whose import-time warnings are about kernels a CPU build cannot load or a registration torch
+# deprecates, not about the run: torchao (the light optimizer state; transformers imports it too where it is
+# installed) and the torch pytree registrations it makes.
+IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
+def quiet_import_noise() -> None:
+    """Only errors from the `IMPORT_NOISE` loggers (stdlib logging; ours is structlog)."""
+    for name in IMPORT_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def configure_logging(fmt: str = "kv", level: str = "info", stream: TextIO | None = None) -> None:
     """Route every `structlog.get_logger()` call of this process to `stream` (stderr by default).
 

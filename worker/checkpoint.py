@@ -69,6 +69,7 @@ from dilocox.common.wire.compression import TensorCompressor
 from dilocox.worker.exchange.packed_state import compressor_state_by_name, pack, restore_compressor_state, unpack
 from dilocox.worker.checkpoint_staging import SAVE_ERRORS, first_line, reusable_stager, settled, tensor_bytes, written_once
 from dilocox.worker.exchange.replica_state import read_replica, write_replica
+from dilocox.worker.train.light_adamw import optimizer_state_of
 
 log = structlog.get_logger()
 
@@ -166,7 +167,8 @@ class SiteCheckpoint:
         return {
             "model": written_once(get_model_state_dict(module)),
             "optim": written_once(get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)),
-            "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen)},
+            "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen),
+                         "optimizer_state": optimizer_state_of(optimizer)},  # fmt: skip
             "data": {f"replica{self.replica}": pack(trainer.sampler.state_dict())},
             "exchange": exchange,
         }
@@ -350,6 +352,17 @@ class SiteCheckpoint:
                         note="an older round, as if stopped earlier: the shards say which round to train")  # fmt: skip
         return "ok", round_
 
+    def _check_optimizer_state(self, path: pathlib.Path, saved: set[str], wanted: str) -> None:
+        """Refuse, before DCP fails on missing keys, a checkpoint whose AdamW moments are kept another way
+        (checkpoints from before `--optimizer-state` kept fp32 ones)."""
+        kept = {"progress": {"optimizer_state": "fp32"}}
+        if "progress.optimizer_state" in saved:
+            dcp.load(kept, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
+        if kept["progress"]["optimizer_state"] != wanted:
+            raise ValueError(f"{path} keeps AdamW's moments as {kept['progress']['optimizer_state']}, and this site is configured "
+                             f"for {wanted}: resume with --optimizer-state {kept['progress']['optimizer_state']} (a run's "
+                             "optimizer state is not converted in place)")  # fmt: skip
+
     def restore(self, trainer, compressor: TensorCompressor | None, names: list[str], client=None) -> int:  # noqa: ANN001
         """Load the newest committed checkpoint into `trainer` and `compressor` (this rank's `names`), and
         the replica of the global model into `client` (installed at its join); returns its round.
@@ -376,6 +389,7 @@ class SiteCheckpoint:
         path = self.path_of(round_)
         saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         module, optimizer = trainer.trained_module, trainer.optimizer
+        self._check_optimizer_state(path, saved, optimizer_state_of(optimizer))
         data_key = f"replica{self.replica}"
         state = {
             "model": get_model_state_dict(module),

@@ -68,6 +68,7 @@ FIELD_HELP = {
     "parallel__schedule": "pipeline schedule: 1f1b or gpipe",
     "parallel__device": "auto (CUDA where there is one), cpu, cuda (each rank its LOCAL_RANK's GPU) or cuda:N (one process)",
     "parallel__activation_checkpoint": "none, or full: recompute every transformer block's forward in the backward (activations: its input per token and layer, not every intermediate)",
+    "parallel__optimizer_state": "AdamW's two moments: fp32 (8 B per parameter), bf16 (4 B) or int8 (8-bit, a scale per block of a row: ~2 B; needs torchao, pip install 'dilocox[site]'); weights and gradients stay fp32",
     "parallel__pipeline_reshard": "with --pp > 1 and FSDP: step (blocks stay gathered through the step: fewer collectives, ~6 B per stage parameter per GPU), microbatch (reshard and reduce every microbatch: unpipelined FSDP's memory) or auto (step where the memory plan says it fits)",
     "parallel__spill_dir": "a directory on this node's local disk (NVMe): the round's start lives in a file there between boundaries, not in host memory (12 instead of 16 host bytes per exchanged parameter, the same bits; one write and one read of 4 B per parameter a round); empty: host memory",
     "parallel__checkpoint_staging": "async (the site checkpoint is staged into host buffers kept for the next one, pinned on GPUs, and written in the background) or sync (written from the live state while the site waits: no staging memory)",

@@ -184,8 +184,13 @@ class ParallelConfig:
     # written in the background; sync: written from the live state while the site waits — no staging memory
     # (worker/checkpoint.py).
     checkpoint_staging: str = "async"
+    # AdamW's two moments: fp32 (torch's AdamW, 8 B per parameter), bf16 (4 B) or int8 (8-bit with a scale per
+    # block of a row, ~2 B; torchao, the site's extra): worker/train/light_adamw.py.
+    optimizer_state: str = "fp32"
 
     def __post_init__(self) -> None:
+        if self.optimizer_state not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"optimizer_state must be fp32, bf16 or int8, got {self.optimizer_state!r}")
         if self.device not in ("auto", "cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.precision not in ("auto", "fp32", "bf16"):

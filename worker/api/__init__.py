@@ -30,6 +30,7 @@ _HOMES = {
     "DiLoCoXCallback": "dilocox.hf_trainer",
     "InnerConfig": "dilocox.common.config.run",
     "LateJoin": "dilocox.worker.exchange.admission",
+    "LightAdamW": "dilocox.worker.train.light_adamw",
     "ModelConfig": "dilocox.common.config.run",
     "OuterConfig": "dilocox.common.config.run",
     "ParallelConfig": "dilocox.common.config.run",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
     from dilocox.worker.exchange.round_report import RoundReport
     from dilocox.worker.models.materialize import MaterializeError, materialize, meta_skeleton, parameters_on_meta
     from dilocox.worker.site.mesh import SiteMesh
+    from dilocox.worker.train.light_adamw import LightAdamW
 
 
 def __getattr__(name: str) -> object:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dilocox.common.logs import quiet_import_noise
 from dilocox.worker.models.spec import ModelSpec, ModelSpecError
 
 INSTALL_HINT = "pip install 'dilocox[models]'"
 
 
 def _transformers():
+    quiet_import_noise()  # transformers imports torchao where it is installed
     try:
         import transformers
     except ImportError:

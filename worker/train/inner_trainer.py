@@ -33,9 +33,19 @@ def inner_lr(config: RunConfig, step: int) -> float:
     return inner.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_inner_optimizer(config: RunConfig, params) -> torch.optim.AdamW:
-    inner = config.inner
-    return torch.optim.AdamW(params, lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
+def make_inner_optimizer(config: RunConfig, params) -> torch.optim.Optimizer:
+    """The inner AdamW over `params`, its moments as `--optimizer-state` says. fp32: torch's AdamW — fused
+    on GPUs (one kernel per step and no transient copy of the weights, torchtitan's default there), its
+    default foreach path on the CPU (as every earlier run, bit for bit); bf16/int8: `LightAdamW`."""
+    inner, state = config.inner, config.parallel.optimizer_state
+    params = list(params)
+    hyper = dict(lr=inner.lr, betas=(inner.beta1, inner.beta2), weight_decay=inner.weight_decay)
+    if state != "fp32":
+        from dilocox.worker.train.light_adamw import LightAdamW
+
+        return LightAdamW(params, **hyper, state=state)
+    on_gpu = bool(params) and params[0].device.type == "cuda"
+    return torch.optim.AdamW(params, **hyper, fused=True if on_gpu else None)
 
 
 class InnerTrainer:
