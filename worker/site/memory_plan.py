@@ -7,7 +7,9 @@ their code and measured on gloo (`dilocox plan --measure`, tests/test_memory_pla
 
 Device, per GPU (on the CPU the same bytes are host memory):
 * `weights`, `grads`, `optimizer`: FSDP2's sharded fp32 parameters, their sharded gradients and AdamW's two
-  moments — 4 + 4 + 8 B per element this rank holds (its Shard(0) rows; all rows unsharded).
+  moments — 4 + 4 + 8 B per element this rank holds (its Shard(0) rows; all rows unsharded); with
+  `--optimizer-state bf16` the moments are 4 B, with `int8` 2 B and a scale per block of a row (1-D and narrow
+  tensors keep fp32 moments: worker/train/light_adamw.py).
 * `gathered`: parameters FSDP2 has all-gathered for compute (bf16 or fp32). Unpipelined, or pipelined with
   `--pipeline-reshard microbatch`: the root unit (embeddings, head, final norm) and two blocks (the one
   computing and the next, prefetched). Pipelined with `step`: every block of the stage stays gathered
@@ -16,7 +18,8 @@ Device, per GPU (on the CPU the same bytes are host memory):
   torch's schedule turns gradient sync off for every microbatch but the last, so FSDP2 keeps the whole
   stage's unsharded gradients through the step. Otherwise one block's and the root's, transiently.
 * `activations`: what autograd saves per token and layer (`ACTIVATION_FACTORS`), times the microbatches
-  in flight (GPipe: all of them; 1F1B: pp − stage + 1, as the next forward runs before the oldest backward; unpipelined: the rank's whole batch), in the compute
+  in flight (GPipe: all of them; 1F1B: pp − stage, torch's warm-up depth — its steady phase runs the oldest
+  backward before the next forward; unpipelined: the rank's whole batch), in the compute
   dtype; plus the attention matrix where attention is not fused (the CPU's math kernel). With
   `--activation-checkpoint full` a block keeps only its input per token, and one block's intermediates
   exist at a time while it is recomputed.
@@ -25,8 +28,18 @@ Device, per GPU (on the CPU the same bytes are host memory):
   pieces (worker/models/chunked_loss.py: about five 64 MiB fp32 pieces at a time, never a whole fp32 copy).
 * `reshard`: the two flat buffers the round boundary's all_to_all keeps (worker/site/reshard.py), sized by
   its own planner for this rank.
-* `optimizer_step`: AdamW's transient (its foreach path on a GPU copies the second moments once; the
-  per-tensor path on the CPU one tensor at a time).
+* `pipeline_buffers`: torch's pipelining allocates, when a stage first runs, a receive buffer per
+  microbatch of the step for the activations it is sent (every stage but the first) and for the gradients
+  it is sent back (every stage but the last), kept for the run, and the eval schedule's forward buffers
+  (worker/site/trainer.py runs eval through a schedule of its own).
+* `optimizer_step`: AdamW's transient: none for torch's fused kernel (fp32 on GPUs); on the CPU torch's
+  per-tensor path copies one tensor at a time; light state computes each parameter's moments in fp32, one
+  parameter at a time (compiled on GPUs: the two moments; eager on the CPU: a dozen temporaries).
+
+Beside these tensors, what the caching allocator never sees, on GPUs only (`overheads`): the CUDA context
+and NCCL's buffers for the site's communicators (`CUDA_CONTEXT_BYTES`), and the allocator's fragmentation
+(`FRAGMENTATION` of the tensors' peak, with `expandable_segments`, which the worker sets). A plan fits when
+tensors and overheads together stay within the GPU; `margin` is what is left.
 
 Host, per rank: `build` (one whole parameter while materialising, worker/models/materialize.py), `exchange`
 (the round's flat buffers, replica, momentum and residual per owned parameter: worker/exchange/; 4 B less
@@ -38,15 +51,24 @@ replicated state only — which the site keeps for the next checkpoint; "sync" s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
-from dilocox.common.config.run import RunConfig
+from dilocox.common.config.run import ModelConfig, ParallelConfig, RunConfig
 from dilocox.worker.models.chunked_loss import chunk_rows
 from dilocox.worker.site.mesh import SiteShape
-from dilocox.worker.site.reshard import BATCH_ELEMENTS, StageResharder, held_rows
+from dilocox.worker.site.reshard import BATCH_ELEMENTS, StageResharder, held_rows, owners_by_size
+from dilocox.worker.train.light_adamw import moment_bytes
 
 GB = 1e9
+# Outside the caching allocator, per GPU: the CUDA context (~0.5 GB) and NCCL's buffers and streams for the
+# site's communicators (world, pipeline, FSDP shard group, stage group: several channels × peers × 4 MiB
+# each), allowed for as one figure (what torchtitan's and Megatron's users report at 8–64 GPUs: 1.5–3 GB).
+CUDA_CONTEXT_BYTES = int(3 * GB)
+# The caching allocator's fragmentation with `expandable_segments:True` (which the worker sets): reserved
+# above allocated, as a share of the allocated peak. Without it ~6 % is typical of FSDP runs.
+FRAGMENTATION = 0.03
 # Per token and layer, the elements autograd keeps for a pre-norm transformer block (norm outputs, q/k/v,
 # attention output, the projections' inputs, the MLP's hidden activations), as (× width, × MLP width):
 # measured after a forward of the built-in GPT (GELU MLP) and of a Llama layer (gated SiLU MLP: gate, up,
@@ -57,7 +79,6 @@ ACTIVATION_FACTORS = {False: (4, 2), True: (7, 4)}  # gated MLP? -> (width, mlp)
 # are counted apart, and θ reaches the host through a landing buffer of at most one reshard batch.
 EXCHANGE_BYTES_PER_PARAM = 16
 SPILLED_BYTES_PER_PARAM = 4  # the start, in a file on local disk between boundaries (`spill_dir`)
-CHECKPOINT_BYTES_PER_HELD = 12  # fp32 weights + AdamW's two moments, staged by DCP (`checkpoint_staging = "async"`)
 CHECKPOINT_BYTES_PER_OWNED = 4  # the residuals (the replica is written from its live tensors: worker/checkpoint.py)
 
 
@@ -77,10 +98,29 @@ class ModelShape:
     heads: int
     vocab: int
     gated: bool = False  # a gated MLP (Llama's gate_proj/up_proj): four hidden tensors per token, not two
+    # Of a whole model (one stage): each parameter's block, -1 before the blocks (embeddings: the first
+    # stage's) and len(blocks) after them (final norm, head: the last stage's) — what `split` cuts by.
+    layer_of: tuple[int, ...] = ()
 
     @property
     def params(self) -> int:
         return sum(math.prod(shape) for stage in self.stages for _, shape in stage)
+
+    def split(self, pp: int) -> "ModelShape":
+        """This whole model's shape cut into `pp` stages as `split_model` cuts it (`stage_layers`), from
+        the one meta build: the layout search plans every stage count without building the model again."""
+        from dilocox.worker.train.pipeline_stage import stage_layers
+
+        if len(self.stages) != 1 or len(self.layer_of) != len(self.stages[0]):
+            raise ValueError("ModelShape.split: needs the shape of a whole model (model_shape with --pp 1)")
+        layers = len(self.blocks[0])
+        stage_of_layer = {layer: stage for stage in range(pp) for layer in stage_layers(layers, stage, pp)}
+        stage_of_layer.update({-1: 0, layers: pp - 1})
+        stages: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(pp)]
+        for spec, layer in zip(self.stages[0], self.layer_of):
+            stages[stage_of_layer[layer]].append(spec)
+        blocks = [[self.blocks[0][layer] for layer in stage_layers(layers, stage, pp)] for stage in range(pp)]
+        return dataclasses.replace(self, stages=stages, blocks=blocks, layer_of=())
 
 
 @dataclass
@@ -93,9 +133,17 @@ class RankPlan:
     held: int = 0  # parameter elements this rank holds (its shard)
     owned: int = 0  # parameter elements whose exchange this rank runs
 
+    overheads: dict[str, int] = field(default_factory=dict)  # beside the tensors, on a GPU
+
     @property
     def device_total(self) -> int:
+        """The tensors' bytes: what `torch.cuda.max_memory_allocated` measures."""
         return sum(self.device.values())
+
+    @property
+    def device_need(self) -> int:
+        """Tensors and the overheads beside them: what the GPU must hold."""
+        return self.device_total + sum(self.overheads.values())
 
     @property
     def host_steady(self) -> int:
@@ -117,13 +165,19 @@ class MemoryPlan:
     pipeline_reshard: str  # "step" or "microbatch" (auto resolved)
     spilled: bool = False  # the start on local disk (`spill_dir`)
     checkpoint_staging: str = "async"
+    optimizer_state: str = "fp32"
 
     @property
     def peak_device(self) -> RankPlan:
-        return max(self.ranks, key=lambda r: r.device_total)
+        return max(self.ranks, key=lambda r: r.device_need)
 
     def fits(self) -> bool:
-        return self.gpu_bytes is None or self.peak_device.device_total <= self.gpu_bytes
+        return self.gpu_bytes is None or self.peak_device.device_need <= self.gpu_bytes
+
+    @property
+    def margin(self) -> int | None:
+        """What the fullest GPU has left once tensors and overheads are in (negative: over)."""
+        return None if self.gpu_bytes is None else self.gpu_bytes - self.peak_device.device_need
 
     def binding(self) -> str:
         """The largest term of the fullest GPU: what to change first."""
@@ -142,7 +196,17 @@ def planned_precision(config: RunConfig, on_gpu: bool) -> RunConfig:
 
 
 def model_shape(config: RunConfig, vocab: int) -> ModelShape:
-    """The model's stages and sizes from its meta structure (no memory)."""
+    """The model's stages and sizes from its meta structure (no memory); built once per model, vocabulary
+    and stage count in a process (`dilocox plan` asks for the same one several times)."""
+    return _model_shape(config.model, vocab, config.parallel.pp)
+
+
+@functools.lru_cache(maxsize=16)
+def _model_shape(model_config: ModelConfig, vocab: int, pp: int) -> ModelShape:
+    whole = _decoder_shape(model_config, vocab)  # a Llama-shaped config.json: no transformers, no build
+    if whole is not None:
+        return whole if pp == 1 else whole.split(pp)
+    config = RunConfig(model=model_config, parallel=ParallelConfig(pp=pp, microbatches=max(pp, 4)))
     from dilocox.worker.models.bounds import check_fields
     from dilocox.worker.models.build import meta_model
     from dilocox.worker.models.spec import resolve_model
@@ -158,20 +222,68 @@ def model_shape(config: RunConfig, vocab: int) -> ModelShape:
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None) or config.model.n_head
     width = sizes.get("width") or config.model.n_embd
     gated = any(name.endswith("gate_proj.weight") for stage in specs for name, _ in stage)
-    return ModelShape(specs, blocks, width, sizes.get("mlp") or 4 * width, int(heads), vocab, gated)
+    layer_of: tuple[int, ...] = ()
+    if pp == 1:
+        in_block = {id(p): i for i, block in enumerate(transformer_blocks(model)) for p in block.parameters()}
+        seen_block, marks = False, []
+        for _, p in model.named_parameters():
+            layer = in_block.get(id(p))
+            seen_block |= layer is not None
+            marks.append(layer if layer is not None else (len(blocks[0]) if seen_block else -1))
+        layer_of = tuple(marks)
+    return ModelShape(specs, blocks, width, sizes.get("mlp") or 4 * width, int(heads), vocab, gated, layer_of)
 
 
-def _held(shapes: dict[str, tuple[int, ...]], shard: int, shards: int) -> int:
-    total = 0
-    for shape in shapes.values():
+def _decoder_shape(model_config: ModelConfig, vocab: int) -> ModelShape | None:
+    """The whole model's shape from its config.json where worker/models/decoder_shapes.py knows the family."""
+    from dilocox.worker.models.decoder_shapes import decoder_param_specs
+    from dilocox.worker.models.spec import resolve_model
+
+    spec = resolve_model(model_config.model)
+    if spec.kind != "hf" or not spec.hf_config:
+        return None
+    config = spec.hf_config
+    if config.get("tie_word_embeddings"):  # one parameter on two stages: the build refuses --pp > 1 by name
+        return None
+    specs = decoder_param_specs(config, vocab if spec.from_preset else int(config.get("vocab_size") or vocab))
+    if specs is None:
+        return None
+    layers = int(config["num_hidden_layers"])
+    layer_of = tuple(int(n.split(".")[2]) if n.startswith("model.layers.") else (-1 if n.startswith("model.embed_tokens") else layers)
+                     for n, _ in specs)  # fmt: skip
+    blocks = [0] * layers
+    for (_, shape), layer in zip(specs, layer_of):
+        if 0 <= layer < layers:
+            blocks[layer] += math.prod(shape)
+    width = int(config["hidden_size"])
+    return ModelShape([specs], [blocks], width, int(config["intermediate_size"]), int(config["num_attention_heads"]), vocab,
+                      gated=True, layer_of=layer_of)  # fmt: skip
+
+
+def _held_by_tensor(shapes: dict[str, tuple[int, ...]], shard: int, shards: int) -> dict[str, int]:
+    """Elements of each parameter a rank holds: its Shard(0) rows of `shards`."""
+    held = {}
+    for name, shape in shapes.items():
         rows = shape[0] if shape else 1
         start, stop = held_rows(rows, shard, shards)
-        total += (stop - start) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
-    return total
+        held[name] = (stop - start) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
+    return held
+
+
+def _optimizer_step_bytes(state: str, cuda: bool, held: int, largest_local: int) -> int:
+    """AdamW's transient at its step (module docstring): fused fp32 on a GPU none; the CPU's per-tensor
+    fp32 path one tensor's copy; light state each parameter's moments in fp32 (compiled on a GPU), or
+    eager on the CPU its temporaries (measured with --measure on gloo: ~10 fp32 copies and torchao's
+    int64 codes while it quantises)."""
+    if state == "fp32":
+        return 0 if cuda else 4 * largest_local
+    if cuda:
+        return 8 * largest_local
+    return (48 if state == "int8" else 32) * largest_local
 
 
 def resolve_pipeline_reshard(config: RunConfig, vocab: int, gpu_bytes: int | None, fused_attention: bool = True,
-                             model: ModelShape | None = None) -> RunConfig:  # fmt: skip
+                             model: ModelShape | None = None, quick: bool = False) -> RunConfig:  # fmt: skip
     """`--pipeline-reshard auto` made concrete: "step" (fewest collectives) unless the plan says the
     stage's gathered blocks and gradients do not fit the GPU, then "microbatch". Without a GPU size (the
     CPU) or without pipelined FSDP, "step"."""
@@ -179,17 +291,51 @@ def resolve_pipeline_reshard(config: RunConfig, vocab: int, gpu_bytes: int | Non
     if par.pipeline_reshard != "auto":
         return config
     step = dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="step"))
-    if gpu_bytes is None or par.pp == 1 or par.dp == 1 or plan_memory(step, vocab, gpu_bytes, fused_attention, model).fits():
+    if gpu_bytes is None or par.pp == 1 or par.dp == 1 or plan_memory(step, vocab, gpu_bytes, fused_attention, model, quick=quick).fits():
         return step
     return dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="microbatch"))
 
 
+class _ExactReshard:
+    """The boundary's reshard as `StageResharder` plans it, piece by piece (what the site allocates)."""
+
+    def __init__(self, specs: list[tuple[str, tuple[int, ...]]], shape: SiteShape, sharded: bool, batch_elements: int) -> None:
+        plan = StageResharder(dict(specs), shape, 0, sharded, batch_elements)
+        self.owner = plan.owner
+        self.buffers, self.landing = _reshard_buffers(plan), _landing_elements(plan)
+
+    def owned(self, shapes: dict[str, tuple[int, ...]], replica: int) -> list[str]:
+        return [n for n in shapes if self.owner[n] == replica]
+
+
+class _BoundedReshard:
+    """The layout search's reshard: the same owners, the buffers at their bound (a batch each way, never
+    more than the stage) and the busiest replica's parameters for every rank — never below the exact plan,
+    without planning every piece (seconds a layout at dp 160)."""
+
+    def __init__(self, specs: list[tuple[str, tuple[int, ...]]], shape: SiteShape, sharded: bool, batch_elements: int) -> None:
+        sizes = {n: math.prod(s) for n, s in specs}
+        self.owner = owners_by_size(sizes, shape.dp)
+        loads = [0] * shape.dp
+        for name, replica in self.owner.items():
+            loads[replica] += sizes[name]
+        self.busiest = max(range(shape.dp), key=lambda r: loads[r])
+        stage = sum(sizes.values())
+        self.buffers = [2 * min(batch_elements, stage)] * shape.dp
+        self.landing = [min(batch_elements, stage)] * shape.dp
+
+    def owned(self, shapes: dict[str, tuple[int, ...]], replica: int) -> list[str]:
+        return [n for n in shapes if self.owner[n] == self.busiest]
+
+
 def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fused_attention: bool = True,
-                model: ModelShape | None = None, batch_elements: int = BATCH_ELEMENTS) -> MemoryPlan:  # fmt: skip
+                model: ModelShape | None = None, batch_elements: int = BATCH_ELEMENTS, quick: bool = False) -> MemoryPlan:  # fmt: skip
     """Every rank's planned bytes for `config`'s layout (see the module docstring). `fused_attention`:
-    SDPA's flash/memory-efficient kernels (GPUs) keep no attention matrix; the CPU's math kernel does."""
+    SDPA's flash/memory-efficient kernels (GPUs) keep no attention matrix; the CPU's math kernel does.
+    `quick`: the layout search's form — one rank per stage, its first replica (which holds the most rows:
+    FSDP gives the first shards the larger chunks), with `_BoundedReshard`: never below the full plan."""
     model = model or model_shape(config, vocab)
-    config = resolve_pipeline_reshard(config, vocab, gpu_bytes, fused_attention, model)
+    config = resolve_pipeline_reshard(config, vocab, gpu_bytes, fused_attention, model, quick)
     par, inner, block = config.parallel, config.inner, config.model.block_size
     shape = SiteShape.of(par)
     bf16 = par.precision == "bf16"
@@ -199,19 +345,20 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
     pipelined = shape.pp > 1
     cuda = par.device != "cpu"
     ranks = []
-    resharders = [StageResharder(dict(specs), shape, 0, sharded, batch_elements) for specs in model.stages]
-    buffers = [_reshard_buffers(r) for r in resharders]
-    landing = [_landing_elements(r) for r in resharders]
-    for rank in range(shape.world_size):
+    reshard_kind = _BoundedReshard if quick else _ExactReshard
+    reshards = [reshard_kind(specs, shape, sharded, batch_elements) for specs in model.stages]
+    for rank in ([s * shape.dp for s in range(shape.pp)] if quick else range(shape.world_size)):
         stage, replica = shape.stage_of(rank), shape.replica_of(rank)
         shapes = dict(model.stages[stage])
         stage_params = sum(math.prod(s) for s in shapes.values())
         blocks = model.blocks[stage]
         root = stage_params - sum(blocks)
-        held = _held(shapes, shape.shard_coordinate(replica), shape.dp_shard) if sharded else stage_params
+        by_tensor = _held_by_tensor(shapes, shape.shard_coordinate(replica), shape.dp_shard if sharded else 1)
+        held = sum(by_tensor.values())
         plan = RankPlan(rank, stage, replica, held=held)
         d = plan.device
-        d["weights"], d["grads"], d["optimizer"] = 4 * held, 4 * held, 8 * held
+        d["weights"], d["grads"] = 4 * held, 4 * held
+        d["optimizer"] = sum(moment_bytes(shapes[name], n, par.optimizer_state) for name, n in by_tensor.items())
         largest_block = max(blocks, default=0)
         if not sharded:
             d["gathered"], d["grad_accumulators"] = 0, 0
@@ -227,8 +374,8 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
             in_flight = 1
         elif par.schedule == "gpipe":
             in_flight = micro
-        else:  # the next microbatch's forward runs before the oldest one's backward: one more than in flight
-            in_flight = min(shape.pp - stage + 1, micro)
+        else:  # torch's 1F1B: pp − stage forwards in its warm-up, then a backward before each next forward
+            in_flight = min(shape.pp - stage, micro)
         width_factor, mlp_factor = ACTIVATION_FACTORS[model.gated]
         per_token_layer = width_factor * model.width + mlp_factor * model.mlp
         if not fused_attention:
@@ -240,11 +387,17 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         last = stage == shape.pp - 1
         last_in_flight = 1 if not pipelined or par.schedule == "1f1b" else micro
         d["logits"] = _logits_bytes(tokens, model.vocab, last_in_flight, bf16) if last else 0
-        resharder = resharders[stage]
-        d["reshard"] = 4 * buffers[stage][replica] if shape.dp > 1 else 0
-        largest_local = max((math.prod(s) for s in shapes.values()), default=0) // (shape.dp_shard if sharded else 1)
-        d["optimizer_step"] = 4 * (held if cuda else largest_local)
-        owned_names = [n for n in shapes if resharder.owner[n] == replica]
+        # Receive buffers, one per microbatch of the step (and of eval): activations in, their gradients back.
+        micro_tokens = tokens * model.width * act_bytes
+        receives = (stage > 0) + (stage < shape.pp - 1)
+        d["pipeline_buffers"] = (receives * micro + (stage > 0) * par.microbatches) * micro_tokens if pipelined else 0
+        reshard = reshards[stage]
+        d["reshard"] = 4 * reshard.buffers[replica] if shape.dp > 1 else 0
+        largest_local = max(by_tensor.values(), default=0)
+        d["optimizer_step"] = _optimizer_step_bytes(par.optimizer_state, cuda, held, largest_local)
+        if cuda:
+            plan.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "fragmentation": int(FRAGMENTATION * plan.device_total)}
+        owned_names = reshard.owned(shapes, replica)
         owned = sum(math.prod(shapes[n]) for n in owned_names)
         plan.owned = owned
         warm = sum(shapes[n][1] * config.compress.rank_max * 4 for n in owned_names if len(shapes[n]) == 2)
@@ -253,14 +406,14 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
             "build": 5 * largest,  # the whole parameter drawn, and its NaN check's mask
             # + θ's landing buffer on the host: at most one reshard batch of this rank's rows, kept between
             # boundaries (with the start spilled, a lean site frees it after each: worker/site/reshard.py)
-            "exchange": exchange_bytes_per_param(par) * owned + warm + 4 * landing[stage][replica] * (not par.spill_dir),
+            "exchange": exchange_bytes_per_param(par) * owned + warm + 4 * reshard.landing[replica] * (not par.spill_dir),
             # Replicated state is staged by the first replica alone (worker/checkpoint.py, written_once).
-            "checkpoint": (CHECKPOINT_BYTES_PER_HELD * held * (shape.replicate_coordinate(replica) == 0) * (par.checkpoint_staging == "async")
+            "checkpoint": ((4 * held + d["optimizer"]) * (shape.replicate_coordinate(replica) == 0) * (par.checkpoint_staging == "async")
                            + CHECKPOINT_BYTES_PER_OWNED * owned),
         }
         ranks.append(plan)
     return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard,
-                      bool(par.spill_dir), par.checkpoint_staging)  # fmt: skip
+                      bool(par.spill_dir), par.checkpoint_staging, par.optimizer_state)  # fmt: skip
 
 
 def _logits_bytes(tokens: int, vocab: int, in_flight: int, bf16: bool) -> int:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_from_args
+from dilocox.worker.site.layout_search import H100_BF16_TFLOPS, Cluster, RankedLayout, rank_layouts
 from dilocox.worker.site.memory_plan import GB, MemoryPlan, model_shape, plan_memory, planned_precision
 
 
@@ -17,7 +17,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_name", nargs="?", metavar="MODEL",
                         help="what --model takes: gpt, a preset (llama-1b, …), a config.json path (default: --model's)")  # fmt: skip
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB", help="memory of one GPU, GB (default 80)")
-    parser.add_argument("--gpus", type=int, default=0, metavar="N", help="also list the layouts of N GPUs that fit")
+    parser.add_argument("--gpus", type=int, default=0, metavar="N",
+                        help="also list the layouts of N GPUs that fit, fastest first by an estimated step time")
+    parser.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+                        help="with --gpus: GPUs a node holds, joined by NVLink (default 8); torchrun places consecutive ranks on a node")
+    parser.add_argument("--node-link-gbit", type=float, default=400.0, metavar="GBIT",
+                        help="with --gpus: each GPU's link to other nodes, Gbit/s (default 400: a 400G NIC per GPU)")
+    parser.add_argument("--gpu-tflops", type=float, default=H100_BF16_TFLOPS, metavar="T",
+                        help=f"with --gpus: one GPU's dense bf16 peak, TFLOP/s (default {H100_BF16_TFLOPS:g}: H100/H200)")
+    parser.add_argument("--mfu", type=float, default=0.4, metavar="F",
+                        help="with --gpus: the share of that peak the matmuls reach, for the estimate (default 0.4)")
+    parser.add_argument("--top", type=int, default=5, metavar="K", help="with --gpus: how many layouts to list (default 5)")
     parser.add_argument("--measure", action="store_true",
                         help="run the layout's ranks on this machine (the CPU, gloo; with --device cuda its GPUs, NCCL) "
                              "and print planned vs measured per rank")  # fmt: skip
@@ -36,6 +46,11 @@ def _vocab(config: RunConfig, given: int | None) -> int:
     return int((spec.hf_config or {}).get("vocab_size") or config.model.vocab_size)
 
 
+# Column headers of the terms whose names are wider than a column (memory_plan.py's names).
+HEADERS = {"grad_accumulators": "grad_accum", "pipeline_buffers": "pp_buffers", "optimizer_step": "opt_step",
+           "cuda_context": "cuda+nccl", "fragmentation": "fragment"}  # fmt: skip
+
+
 def _gb(n: float) -> str:
     return f"{n / GB:.2f}" if n >= 0.1 * GB or n == 0 else f"{n / GB:.4f}"
 
@@ -46,10 +61,12 @@ def render(plan: MemoryPlan) -> str:
              f"FSDP shards {s.dp_shard}); {'bf16' if plan.bf16 else 'fp32'} compute"
              + (f"; --pipeline-reshard {plan.pipeline_reshard}" if s.pp > 1 and s.dp > 1 else "") + "; per GPU, GB:"]  # fmt: skip
     terms = list(plan.ranks[0].device)
+    extra = list(plan.ranks[0].overheads)
     ranks = _distinct(plan)
-    lines.append("rank stage " + " ".join(f"{t:>11}" for t in terms) + f" {'total':>9}")
+    lines.append("rank stage " + " ".join(f"{HEADERS.get(t, t):>11}" for t in terms + extra) + f" {'total':>9}")
     for r in ranks:
-        lines.append(f"{r.rank:>4} {r.stage:>5} " + " ".join(f"{_gb(r.device[t]):>11}" for t in terms) + f" {_gb(r.device_total):>9}")
+        cells = [r.device[t] for t in terms] + [r.overheads[t] for t in extra]
+        lines.append(f"{r.rank:>4} {r.stage:>5} " + " ".join(f"{_gb(c):>11}" for c in cells) + f" {_gb(r.device_need):>9}")
     start = "the start on disk (--spill-dir)" if plan.spilled else "the start in memory (--spill-dir: on disk, 4 B less)"
     staged = ("--checkpoint-staging async: the staging is kept from the first checkpoint on" if plan.checkpoint_staging == "async"
               else "--checkpoint-staging sync: nothing staged, the site waits for each write")  # fmt: skip
@@ -62,8 +79,9 @@ def render(plan: MemoryPlan) -> str:
     if plan.gpu_bytes:
         worst = plan.peak_device
         verdict = "fits" if plan.fits() else "does NOT fit"
+        beside = f" ({_gb(worst.device_total)} of tensors + {_gb(sum(worst.overheads.values()))} beside them)" if worst.overheads else ""
         lines.append(f"verdict: {verdict} on {plan.gpu_bytes / GB:.0f} GB GPUs: fullest rank {worst.rank} needs "
-                     f"{_gb(worst.device_total)} GB; largest term {plan.binding()}")  # fmt: skip
+                     f"{_gb(worst.device_need)} GB{beside}, margin {_gb(plan.margin)} GB; largest term {plan.binding()}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -78,30 +96,35 @@ def _distinct(plan: MemoryPlan) -> list:
     return list(by_stage.values())
 
 
-def candidate_layouts(config: RunConfig, gpus: int) -> list[RunConfig]:
-    """Every pp × dp (× dp_replicate) of `gpus` ranks the worker accepts, fewest stages first."""
-    from dilocox.worker.models.bounds import check_fields
-    from dilocox.worker.models.spec import resolve_model
+def _flags(config: RunConfig) -> str:
+    c = config.parallel
+    mode = f" --pipeline-reshard {c.pipeline_reshard}" if c.pp > 1 and c.dp > 1 and c.pipeline_reshard != "auto" else ""
+    return f"--pp {c.pp} --dp {c.dp} --dp-replicate {c.dp_replicate} --microbatches {c.microbatches}{mode}"
 
-    layers = check_fields(resolve_model(config.model.model), config.model).get("layers") or 1
-    out = []
-    for pp, replicate in itertools.product(range(1, gpus + 1), range(1, gpus + 1)):
-        if gpus % pp or pp > layers + 1:
-            continue
-        dp = gpus // pp
-        if dp % replicate:
-            continue
-        batch = config.inner.batch_size
-        micro = next((m for m in range(max(config.parallel.microbatches, pp), batch + 1) if batch % m == 0), None) if pp > 1 \
-            else config.parallel.microbatches  # fmt: skip
-        if micro is None:
-            continue
-        try:
-            parallel = dataclasses.replace(config.parallel, pp=pp, dp=dp, dp_replicate=replicate, microbatches=micro)
-            out.append(dataclasses.replace(config, parallel=parallel))
-        except ValueError:  # a layout the worker refuses
-            continue
-    return out
+
+def render_layouts(config: RunConfig, args: argparse.Namespace, vocab: int, gpu_bytes: int | None,
+                   fused: bool) -> tuple[str, list[RankedLayout]]:  # fmt: skip
+    """The `--gpus` listing: the fastest layouts that fit, each with its memory, margin and estimate."""
+    cluster = Cluster(args.gpus_per_node, args.node_link_gbit, args.gpu_tflops, args.mfu)
+    whole = model_shape(dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, pp=1, dp=1, dp_replicate=1)), vocab)
+    ranked = rank_layouts(config, args.gpus, whole, gpu_bytes, cluster, fused_attention=fused)
+    nodes = -(-args.gpus // args.gpus_per_node)
+    lines = [f"layouts of {args.gpus} GPUs ({args.gpu_memory:.0f} GB each, {nodes} node(s) of {args.gpus_per_node}, "
+             f"{args.node_link_gbit:g} Gbit/s per GPU between nodes) that fit: {len(ranked)}; the fastest by an estimate at "
+             f"{args.mfu:.0%} of {args.gpu_tflops:g} TFLOP/s (worker/site/layout_search.py):"]  # fmt: skip
+    for r in ranked[: max(1, args.top)]:
+        c, p, e = r.config.parallel, r.plan, r.step
+        fsdp = "" if c.dp == 1 else f", FSDP over {'NVLink' if e.fsdp_inside_node else 'the node link'}"
+        lines.append(f"  {_flags(r.config)}: fullest GPU "
+                     f"{_gb(p.peak_device.device_need)} GB, margin {_gb(p.margin)} GB; host {_gb(max(x.host_peak for x in p.ranks))} GB a "
+                     f"rank; step ≈ {e.seconds:.2f} s (compute {e.compute_s:.2f}, bubble {e.bubble:.0%}; FSDP {e.fsdp_s:.2f}{fsdp}; "
+                     f"sends {e.sends_s:.2f}), {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu(args.gpus, cluster):.0%}")  # fmt: skip
+    if not ranked:
+        levers = ["more GPUs"] + (["--optimizer-state int8"] if config.parallel.optimizer_state != "int8" else []) + (
+            ["--activation-checkpoint full"] if config.parallel.activation_checkpoint != "full" else []) + [
+            "a shorter --block-size", "a smaller --inner-batch-size"]  # fmt: skip
+        lines.append("  none: " + ", ".join(levers))
+    return "\n".join(lines), ranked
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,24 +143,16 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dilocox plan: {error}") from None
     gpu_bytes = int(args.gpu_memory * GB) if args.gpu_memory else None
     fused = config.parallel.device != "cpu" and not (args.measure and not config.parallel.device.startswith("cuda"))
+    layout_given = args.parallel__pp is not None or args.parallel__dp is not None or args.parallel__dp_replicate is not None
+    ranked = []
+    if args.gpus:
+        text, ranked = render_layouts(config, args, vocab, gpu_bytes, fused)
+        print(text)
+    if args.gpus and ranked and not layout_given:  # the fastest layout's own table, in full, instead of one GPU's
+        config = ranked[0].config
+        print(f"the fastest, rank by rank ({_flags(config)}):")
     plan = plan_memory(config, vocab, gpu_bytes, fused_attention=fused)
     print(render(plan))
-    if args.gpus:
-        print(f"layouts of {args.gpus} GPUs ({args.gpu_memory:.0f} GB each) that fit, fewest stages first:")
-        fitting, shapes = 0, {}
-        for candidate in candidate_layouts(config, args.gpus):
-            pp = candidate.parallel.pp
-            shapes[pp] = shapes.get(pp) or model_shape(candidate, vocab)  # one meta build per stage count
-            p = plan_memory(candidate, vocab, gpu_bytes, fused_attention=fused, model=shapes[pp])
-            if p.fits():
-                fitting += 1
-                c = candidate.parallel
-                mode = f" --pipeline-reshard {p.pipeline_reshard}" if c.pp > 1 and c.dp > 1 else ""
-                print(f"  --pp {c.pp} --dp {c.dp} --dp-replicate {c.dp_replicate} --microbatches {c.microbatches}{mode}: "
-                      f"fullest GPU {_gb(p.peak_device.device_total)} GB (most: {p.binding()}), host {_gb(max(r.host_peak for r in p.ranks))} "
-                      "GB per rank")  # fmt: skip
-        if not fitting:
-            print("  none: more GPUs, a shorter --block-size or a smaller --batch-size")
     if args.measure:
         from dilocox.worker.site.plan_measure import measure, measured_config, planned_init, planned_step
 
@@ -153,4 +168,4 @@ def run(args: argparse.Namespace) -> int:
             if m.step is not None:
                 row += f"; steady step {_gb(planned_step(measured_plan, m.rank))} / {_gb(m.step)}"
             print(row)
-    return 0 if plan.fits() else 1
+    return 0 if plan.fits() or (ranked and not layout_given) else 1

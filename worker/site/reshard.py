@@ -16,6 +16,7 @@ buffers are released after each gather and scatter; on the host the owner only e
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -33,12 +34,12 @@ BATCH_ELEMENTS = 64 * 2**20  # 256 MB of fp32 per collective, at most
 def owners_by_size(sizes: dict[str, int], dp: int) -> dict[str, int]:
     """Which replica of the stage owns each parameter: largest first onto the least-loaded replica
     (LPT), ties by name; the same on every rank."""
-    loads = [0] * dp
+    loads = [(0, d) for d in range(dp)]  # a heap of (load, replica): its top is the least loaded, lowest index
     owner = {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        replica = min(range(dp), key=lambda d: (loads[d], d))
+        load, replica = heapq.heappop(loads)
         owner[name] = replica
-        loads[replica] += sizes[name]
+        heapq.heappush(loads, (load + sizes[name], replica))
     return owner
 
 

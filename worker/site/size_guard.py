@@ -50,7 +50,7 @@ def check_model_size(config: ModelConfig, vocab: int, parallel: ParallelConfig, 
     run = planned_precision(RunConfig(model=config, parallel=parallel, inner=inner or InnerConfig()), on_gpu=bool(device_bytes))
     plan = plan_memory(run, vocab, device_bytes, fused_attention=bool(device_bytes))
     worst = plan.peak_device
-    size = ModelSize(params, max(r.host["build"] for r in plan.ranks), worst.device_total)
+    size = ModelSize(params, max(r.host["build"] for r in plan.ranks), worst.device_need)
     host = available_host_bytes() if host_bytes is None else host_bytes
     per_process = max(r.host_peak for r in plan.ranks) + (0 if device_bytes else worst.device_total)
     need_host = local_processes * per_process
@@ -64,7 +64,7 @@ def check_model_size(config: ModelConfig, vocab: int, parallel: ParallelConfig, 
         )  # fmt: skip
     if device_bytes and not plan.fits():
         raise ModelSpecError(
-            f"--model {spec.label}: {size.describe()} need about {gb_text(worst.device_total)} per GPU at --pp {parallel.pp} × "
+            f"--model {spec.label}: {size.describe()} need about {gb_text(worst.device_need)} per GPU at --pp {parallel.pp} × "
             f"--dp {parallel.dp} (FSDP shards {parallel.dp_shard}), most of it {plan.binding()}, and a GPU here has "
             f"{gb_text(device_bytes)}: raise --pp or the FSDP shards (`dilocox plan --gpus N` lists the layouts that fit)"
         )  # fmt: skip

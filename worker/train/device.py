@@ -19,6 +19,7 @@ with the numbers, instead of failing inside NCCL's initialisation.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import structlog
@@ -62,6 +63,22 @@ class Compute:
         """Wait for the device's queued work (timings, host reads of device results)."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def prefer_expandable_segments() -> None:
+    """Ask torch's caching allocator for expandable segments (a segment grows in place instead of a new
+    one being cut for a larger block), as torchtitan does: fragmentation of a few percent instead of ~6 %,
+    what the memory plan allows for (`FRAGMENTATION`). Set in the environment before CUDA is first used,
+    and inherited by the ranks torchrun starts; an operator's own setting is kept, and said."""
+    current = os.environ.get(ALLOC_CONF)
+    if current is None:
+        os.environ[ALLOC_CONF] = "expandable_segments:True"
+    elif "expandable_segments:True" not in current:
+        log.info("allocator_setting_kept", setting=f"{ALLOC_CONF}={current}",
+                 note="without expandable_segments:True fragmentation may exceed the memory plan's 3 % allowance")  # fmt: skip
 
 
 def native_bf16(device: torch.device) -> bool:
