@@ -79,3 +79,26 @@ def test_a_first_contact_with_a_mistyped_host_says_so_while_it_waits():
             client.join([("w", (2, 2))])
     said = [e for e in logs if e["event"] == "shard_not_reached_yet"]
     assert said and said[0]["address"] == "nosuchhost.invalid:50051" and said[0]["gives_up_in_s"] >= 0
+
+
+def test_inside_an_exchange_no_call_waits_past_its_end():
+    """A rank's exchange ends within shard wait + pull wait whatever fails when: the communicator sets the
+    client's `outage_deadline`, and every wait for an unreachable shard stops there (a real gRPC channel to
+    a port nothing listens on: with a 30 s shard wait, the call gives up at the 1.5 s deadline), so a rank's
+    exchange stays inside the site's agreement timeout (common/config/waits.collective_timeout_for)."""
+    import time
+
+    from dilocox.common.config.waits import MARGIN_S, PULL_WAIT_S, RPC_TIMEOUT_S, SHARD_WAIT_S, collective_timeout_for
+    from dilocox.proto import dilocox_pb2 as pb
+    from dilocox.worker.exchange.aggregator_client import AggregatorClient
+    from tests.ports import free_port
+
+    with AggregatorClient([f"127.0.0.1:{free_port()}"], "run", "c", connect_timeout=1, shard_wait_s=30) as client:
+        address, stub = client.addresses[0], client._stubs_by_address[0]
+        client.outage_deadline = time.monotonic() + 1.5
+        started = time.monotonic()
+        with pytest.raises(AggregatorError) as raised:
+            client._call(address, lambda: stub.Status(pb.StatusRequest(), timeout=1), call="status")
+        assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 5  # not the 30 s shard wait
+    assert collective_timeout_for(SHARD_WAIT_S, PULL_WAIT_S) == SHARD_WAIT_S + PULL_WAIT_S + RPC_TIMEOUT_S + MARGIN_S

@@ -86,17 +86,18 @@ def test_a_multi_process_job_without_a_mesh_is_refused_by_name(monkeypatch):
 def test_the_sites_collective_timeout_outlasts_the_longest_legitimate_exchange_wait():
     """Issue 44 (item 2): one rank may wait PULL_WAIT_S for a round's result plus --shard-wait-s for a shard
     that is down; its peers wait for it in the next agreement (gloo, on the host) with this timeout. It was
-    --shard-wait-s + 600 = 2,400 s by default, shorter than the pull wait alone."""
+    --shard-wait-s + 600 = 2,400 s by default, shorter than the pull wait alone. One call's own limit in
+    flight at the exchange's end counts too (tests/test_shard_wait.py: no wait goes past that end)."""
     from dilocox.worker.exchange.communicator import Communicator
-    from dilocox.common.config.waits import PULL_WAIT_S, collective_timeout_for
+    from dilocox.common.config.waits import PULL_WAIT_S, RPC_TIMEOUT_S, collective_timeout_for
 
-    assert collective_timeout_for(1800) == 6000 > PULL_WAIT_S + 1800 > 2400
+    assert collective_timeout_for(1800) == 6600 > PULL_WAIT_S + 1800 + RPC_TIMEOUT_S > 2400
     assert all(collective_timeout_for(w) > PULL_WAIT_S + w for w in (0, 60, 1800, 7200))
     assert Communicator.__init__.__defaults__[1] == PULL_WAIT_S  # the communicator waits what the model says
     with pytest.raises(ValueError, match="waits must be positive"):
         collective_timeout_for(-1)
     # A site sets all three waits; the timeout follows them, and each flag's bad value is refused by name.
-    assert collective_timeout_for(60, pull_wait_s=300, margin_s=30) == 390
+    assert collective_timeout_for(60, pull_wait_s=300, margin_s=30) == 390 + RPC_TIMEOUT_S
     import subprocess
     import sys
 

@@ -6,7 +6,8 @@ site runs against four shards, one of which answers every push and pull `LATENCY
 slices that *one* rank owns: that rank's exchange takes ≥ 2 × `LATENCY_S` a round, while its peer's is done
 at once and waits for it in the boundary's first agreement. The waits are scaled down so the old value is
 `SHARD_WAIT_S + MARGIN_S` = 2 s, well under that gap; the site's timeout now counts the pull wait too
-(`common/config/waits.collective_timeout_for`: 30 + 1 + 1 s), and the site finishes.
+(`common/config/waits.collective_timeout_for`: 30 + 1 + 1 s, and one call's own 600 s limit), and the site
+finishes.
 """
 
 from __future__ import annotations

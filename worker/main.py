@@ -12,7 +12,8 @@ import structlog
 import torch
 
 from dilocox.common.config.run import ParallelConfig, add_config_arguments, config_from_args
-from dilocox.common.config.waits import MARGIN_S, PULL_WAIT_S, SHARD_WAIT_S, collective_timeout_for, site_wait_problems
+from dilocox.common.config.waits import (MARGIN_S, PULL_WAIT_S, SHARD_WAIT_S, STEP_TIMEOUT_S, collective_timeout_for,
+                                         site_wait_problems)
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
@@ -30,7 +31,7 @@ from dilocox.worker.models.build import model_param_specs
 from dilocox.worker.models.spec import ModelSpecError
 from dilocox.worker.exchange.access import LocalAccess
 from dilocox.worker.site.launch import relaunch_with_torchrun, under_torchrun
-from dilocox.worker.train.device import DeviceError
+from dilocox.worker.train.device import DeviceError, prefer_expandable_segments
 from dilocox.worker.train.inner_trainer import InnerTrainer
 from dilocox.worker.train.pipeline_stage import PipelineSplitError, check_splittable
 from dilocox.worker.progress import chain, progress_for
@@ -71,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a multi-rank site: the boundary's own work (reshard, checkpoint staging, eval) on top of the "
                              "waits above; the site's collective timeout is their sum, never shorter than a rank's "
                              "legitimate wait (default 600)")  # fmt: skip
+    parser.add_argument("--step-timeout-s", type=float, default=STEP_TIMEOUT_S,
+                        help="a multi-rank site: how long a rank waits in a training collective (FSDP's all-gather and "
+                             "reduce-scatter, a pipeline send; NCCL on GPUs) for its peers before the site fails — a step "
+                             "plus a margin (default 600, torch's NCCL default); the exchange's waits end in agreements "
+                             "on the host, never here")  # fmt: skip
     parser.add_argument("--join-late", action="store_true",
                         help="join a run whose first rounds have closed, training only the rounds left (default: refuse, exit 3)")
     add_metrics_arguments(parser, default_host="0.0.0.0")  # served by the cluster's rank 0 only
@@ -112,12 +118,21 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dilocox worker: {error}") from None
     for problem in site_wait_problems(args.shard_wait_s, args.pull_wait_s, args.boundary_margin_s):
         raise SystemExit(f"dilocox worker: {problem}")
+    if not args.step_timeout_s > 0:
+        raise SystemExit(f"dilocox worker: --step-timeout-s must be > 0, got {args.step_timeout_s:g}")
     if config.parallel.spill_dir:
         from dilocox.worker.exchange.spill import SpillError, check_spill_dir
 
         try:
             check_spill_dir(config.parallel.spill_dir)
         except SpillError as error:
+            raise SystemExit(f"dilocox worker: {error}") from None
+    if config.parallel.optimizer_state != "fp32":  # refused here, not after a torchrun job has built the model
+        from dilocox.worker.train.light_adamw import OptimizerStateError, require_torchao
+
+        try:
+            require_torchao()
+        except OptimizerStateError as error:
             raise SystemExit(f"dilocox worker: {error}") from None
     if not args.simulate_slowdown >= 1:
         raise SystemExit(f"dilocox worker: --simulate-slowdown must be ≥ 1 (1: full speed), got {args.simulate_slowdown}")
@@ -130,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, tokenizer=adopted)
     parallel = config.parallel.world_size > 1
     check_world_size(config.parallel)
+    if config.parallel.device != "cpu":
+        prefer_expandable_segments()
     try:  # before a torchrun job is started, or any weight built, for nothing
         check_model_size(config.model, config.model.vocab_size, config.parallel, _local_processes(config.parallel),
                          _device_bytes(config.parallel), inner=config.inner)  # fmt: skip
@@ -149,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             from dilocox.worker.site.mesh import SiteMesh
 
             timeout_s = collective_timeout_for(args.shard_wait_s, args.pull_wait_s, args.boundary_margin_s)
-            mesh = SiteMesh(config.parallel, collective_timeout_s=timeout_s)
+            mesh = SiteMesh(config.parallel, collective_timeout_s=timeout_s, step_timeout_s=args.step_timeout_s)
         data = load_run_data(config.tokenizer, args.data, args.text_field)
         if data.vocab_size != config.model.vocab_size:  # the tokenizer's vocabulary sizes the model: check again
             check_model_size(config.model, data.vocab_size, config.parallel, _local_processes(config.parallel),

@@ -3,8 +3,9 @@
 One rank can legitimately be inside an exchange for a long time: the communicator waits for a round's
 result up to `PULL_WAIT_S` (re-pushing its part meanwhile), and each call to a shard that is down waits up
 to the site's `--shard-wait-s` more. Its peers, meanwhile, wait for it in the boundary's next collective —
-always an agreement, on a gloo group of its own (`SiteMesh.agreement_group`) — so the site's collective
-timeout must outlast both: `collective_timeout_for`. A site sets all three (`dilocox worker --shard-wait-s,
+always an agreement, on a gloo group of its own (`SiteMesh.agreement_group`) — so the agreements' timeout
+must outlast both: `collective_timeout_for`. The training collectives (NCCL on GPUs) never wait for an
+exchange and time out after `STEP_TIMEOUT_S`, so a hung NCCL collective surfaces in minutes. A site sets all three (`dilocox worker --shard-wait-s,
 --pull-wait-s, --boundary-margin-s`); the collective timeout is never a setting of its own, so it cannot be set
 below the waits it has to outlast.
 """
@@ -14,15 +15,24 @@ from __future__ import annotations
 SHARD_WAIT_S = 1800.0  # an unreachable shard (restarting, link down)
 PULL_WAIT_S = 3600.0  # a round's result, after the push
 MARGIN_S = 600.0  # a boundary's own work on top (reshard, checkpoint staging, eval)
+RPC_TIMEOUT_S = 600.0  # one push or pull call's own limit (a stalled stream), beyond the waits above
+# A training collective (FSDP's all-gather and reduce-scatter, a pipeline send, a reshard's all-to-all): how
+# long a rank waits in one for its peers before the site fails (NCCL's watchdog on GPUs). Never an exchange
+# wait — those end in an agreement on the host (`collective_timeout_for`) — so a step plus a margin: torch's
+# own NCCL default. `dilocox worker --step-timeout-s`.
+STEP_TIMEOUT_S = 600.0
 
 
 def collective_timeout_for(shard_wait_s: float, pull_wait_s: float = PULL_WAIT_S, margin_s: float = MARGIN_S) -> float:
-    """The site's collective timeout: longer than the longest legitimate exchange wait of one rank (a
-    round's result, then a shard that went down at that moment) plus the boundary's own work."""
+    """The timeout of the site's agreements (gloo, on the host): longer than the longest legitimate exchange
+    of one rank, which the communicator bounds by construction — every wait for an unreachable shard and
+    for the round's result inside `shard_wait_s + pull_wait_s` from the exchange's start
+    (worker/exchange/communicator.py), plus one call's own `RPC_TIMEOUT_S` in flight at that moment — and
+    the boundary's own work."""
     problems = site_wait_problems(shard_wait_s, pull_wait_s, margin_s)
     if problems:
         raise ValueError("waits must be positive: " + "; ".join(problems))
-    return pull_wait_s + shard_wait_s + margin_s
+    return pull_wait_s + shard_wait_s + RPC_TIMEOUT_S + margin_s
 
 
 def site_wait_problems(shard_wait_s: float, pull_wait_s: float, margin_s: float) -> list[str]:

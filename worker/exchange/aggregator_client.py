@@ -9,6 +9,7 @@ framing.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping, Sequence
@@ -21,7 +22,7 @@ from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, model_digest
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.config.run import WireConfig
-from dilocox.common.config.waits import PULL_WAIT_S, SHARD_WAIT_S
+from dilocox.common.config.waits import PULL_WAIT_S, RPC_TIMEOUT_S, SHARD_WAIT_S
 from dilocox.common.wire.framing import (
     Assembled,
     EncodedSlice,
@@ -77,7 +78,7 @@ class AggregatorClient:
         cluster: str,
         wire: WireConfig | None = None,
         connect_timeout: float = 60.0,
-        rpc_timeout: float = 600.0,
+        rpc_timeout: float = RPC_TIMEOUT_S,
         compressor: TensorCompressor | None = None,
         shard_wait_s: float = SHARD_WAIT_S,
         pull_wait_s: float = PULL_WAIT_S,
@@ -100,6 +101,10 @@ class AggregatorClient:
         self.wire = wire or WireConfig()
         self.connect_timeout = connect_timeout
         self.rpc_timeout = rpc_timeout
+        # Monotonic time past which no call waits out an outage (None: each waits `shard_wait_s`): the
+        # communicator sets it for the length of one exchange, so one rank's exchange stays inside the
+        # site's agreement timeout (common/config/waits.py).
+        self.outage_deadline: float | None = None
         self.shard_wait_s = shard_wait_s
         self.pull_wait_s = pull_wait_s
         self.tokenizer = tokenizer
@@ -504,5 +509,7 @@ class AggregatorClient:
         """Run one idempotent call, waiting out an unreachable shard for `wait_s` (default `shard_wait_s`;
         0: one try) — see `shard_wait.call_waiting`."""
         wait_s = self.shard_wait_s if wait_s is None else wait_s
+        if self.outage_deadline is not None:  # inside an exchange: never past its end (Communicator._exchange)
+            wait_s = min(wait_s, max(0.0, self.outage_deadline - time.monotonic()))
         waited = WAITED_FOR + (grpc.StatusCode.DEADLINE_EXCEEDED,) if deadline_is_outage else WAITED_FOR
         return call_waiting(fn, address, self._channel_of[address], wait_s, on_reconnect, call, waited)

@@ -132,6 +132,19 @@ class Communicator:
     def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None,
                   push_done: threading.Event, facts: tuple[int, float, int] = (0, 0.0, 0), formed: bool = False) -> RoundExchange:  # fmt: skip
         started = time.perf_counter()
+        # One end for the whole exchange: no call waits out an unreachable shard past it, and no re-push or
+        # pull starts after it, so a rank's exchange ends within shard wait + pull wait (+ one call's own
+        # limit) whatever fails when — inside the site's agreement timeout (common/config/waits.py).
+        ends = time.monotonic() + self.client.shard_wait_s + self.pull_wait_s
+        self.client.outage_deadline = ends
+        try:
+            return self._push_and_pull(round_, weight, slices, codec, push_done, facts, formed, started, ends)
+        finally:
+            self.client.outage_deadline = None
+
+    def _push_and_pull(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None,
+                       push_done: threading.Event, facts: tuple[int, float, int], formed: bool, started: float,
+                       ends: float) -> RoundExchange:  # fmt: skip
         result = None  # the round's result, when a refused push found it published already
         try:
             bytes_up = self.client.push(round_, weight, slices, codec=codec, facts=facts, formed=formed)
@@ -143,7 +156,7 @@ class Communicator:
         finally:
             push_done.set()
         pushed = time.perf_counter()
-        give_up = time.monotonic() + self.pull_wait_s
+        give_up = min(time.monotonic() + self.pull_wait_s, ends)
         if result is not None:
             version, weights, bytes_down = result
             return RoundExchange(round_, version, weights, bytes_up, bytes_down, pushed - started, 0.0, late=True)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dilocox.common.config.run import ParallelConfig
-from dilocox.common.config.waits import SHARD_WAIT_S, collective_timeout_for
+from dilocox.common.config.waits import SHARD_WAIT_S, STEP_TIMEOUT_S, collective_timeout_for
 from dilocox.worker.train.device import Compute, resolve_compute
 
 log = structlog.get_logger()
@@ -72,17 +72,26 @@ class SiteShape:
         return cls(parallel.pp, parallel.dp, parallel.dp_replicate)
 
 
+def _timed_options(backend: str, timeout: datetime.timedelta) -> tuple[str, object]:
+    """`init_device_mesh`'s backend override for one dimension: the site's backend with `timeout`."""
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return backend, options
+
+
 class SiteMesh:
     """This rank's process groups and device; created once per worker process, before the model."""
 
     def __init__(self, parallel: ParallelConfig, collective_timeout_s: float | None = None,
-                 _adopted: DeviceMesh | None = None) -> None:  # fmt: skip
-        """`collective_timeout_s`: how long a rank waits in a collective for the others (default
-        `collective_timeout_for` a 1,800 s shard wait: 6,000 s). It must outlast one rank's exchange: while
-        one rank waits for a shard, its peers wait for it in the next collective, and torch's default (10 min
-        for NCCL) would end the site first. The boundary's first collective after an exchange is always an
-        agreement, made on a gloo group of its own (`agreement_group`), so the peers wait on the host, not
-        in an NCCL collective under its watchdog."""
+                 _adopted: DeviceMesh | None = None, step_timeout_s: float = STEP_TIMEOUT_S) -> None:  # fmt: skip
+        """`collective_timeout_s`: how long a rank waits in an agreement for the others (default
+        `collective_timeout_for` a 1,800 s shard wait: 6,600 s). It must outlast one rank's exchange: while
+        one rank waits for a shard, its peers wait for it in the next collective. The boundary's first
+        collective after an exchange is always an agreement, made on a gloo group of its own
+        (`agreement_group`), so the peers wait on the host; the checkpoint writer's gloo group waits as long.
+        `step_timeout_s`: every training collective's group — the default group, the mesh's dimensions and
+        the stage group; NCCL on GPUs — waits that long (default 600 s, torch's own NCCL default), so a hung
+        all-gather surfaces in minutes, not after the exchange's hours."""
         if collective_timeout_s is None:
             collective_timeout_s = collective_timeout_for(SHARD_WAIT_S)
         self.shape = SiteShape.of(parallel)
@@ -97,29 +106,39 @@ class SiteMesh:
         if self.compute.is_cuda:
             torch.cuda.set_device(self.device)
         timeout = datetime.timedelta(seconds=collective_timeout_s)
+        step_timeout = datetime.timedelta(seconds=step_timeout_s)
         if _adopted is None:
-            dist.init_process_group(backend=self.compute.backend, timeout=timeout,
+            dist.init_process_group(backend=self.compute.backend, timeout=step_timeout,
                                     device_id=self.device if self.compute.is_cuda else None)  # fmt: skip
         self.rank = dist.get_rank()
         self.stage = self.shape.stage_of(self.rank)
         self.replica = self.shape.replica_of(self.rank)
+        names = ("pp", "dp_replicate", "dp_shard")
+        options = _timed_options(self.compute.backend, step_timeout)  # torch's defaults otherwise: 10 min NCCL, 30 gloo
         self.mesh: DeviceMesh = init_device_mesh(self.device.type, (self.shape.pp, self.shape.dp_replicate, self.shape.dp_shard),
-                                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard"))  # fmt: skip
+                                                 mesh_dim_names=names, backend_override={n: options for n in names})  # fmt: skip
         self.pp_group = self.mesh.get_group("pp")
         self.shard_group = self.mesh.get_group("dp_shard")  # the ranks that together hold one copy of the stage
-        self.stage_group = self._stage_group(timeout)  # all dp ranks of this stage, group rank = replica
+        self.stage_group = self._stage_group(step_timeout)  # all dp ranks of this stage, group rank = replica
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
         # The site's decisions (which round, rejoin, run over, tokens): small integers, on the host. Not the
         # checkpoint's group, which DCP's background writes use at the same time.
         self.agreement_group = dist.new_group(backend="gloo", timeout=timeout)
         self.collective_timeout_s = collective_timeout_s
+        self.step_timeout_s = step_timeout_s
         structlog.contextvars.bind_contextvars(rank=self.rank, stage=self.stage, replica=self.replica)
         log.info("rank_ready", backend=self.compute.backend, world=world, pp=self.shape.pp, dp=self.shape.dp,
                  dp_replicate=self.shape.dp_replicate, device=str(self.device), precision=self.compute.precision)  # fmt: skip
 
+    def settle(self) -> None:
+        """Wait, on the agreement group, for every rank to reach this point: before the first training
+        collective after work whose length differs by rank (a rank reading 140 GB of weights), so that
+        the wait is on the host with the long timeout, not in the step timeout of an NCCL collective."""
+        dist.barrier(group=self.agreement_group)
+
     @classmethod
     def adopt(cls, device_mesh: DeviceMesh, parallel: ParallelConfig | None = None,
-              collective_timeout_s: float | None = None) -> "SiteMesh":  # fmt: skip
+              collective_timeout_s: float | None = None, step_timeout_s: float = STEP_TIMEOUT_S) -> "SiteMesh":  # fmt: skip
         """The site of a job that owns its mesh (torchtitan's, accelerate's): the process group stays the
         job's, and its layout is read from `device_mesh` — dimensions "pp", "dp_replicate" and "dp_shard"
         (or "dp"), each optional, in that order, row-major over ranks 0 … world − 1, as torchtitan lays them
@@ -127,7 +146,8 @@ class SiteMesh:
         across ranks in ways the exchange does not read (refused by name). DiLoCoX's own groups (the
         stage's, the agreements', the checkpoint writer's) are made over the same ranks, with
         `collective_timeout_s`. `parallel`: the rest of the layout's settings (microbatches, precision);
-        its pp and dp are taken from the mesh."""
+        its pp and dp are taken from the mesh; `step_timeout_s`: DiLoCoX's own training groups' (the job's
+        process group keeps its own timeout)."""
         if not dist.is_initialized():
             raise ValueError("SiteMesh.adopt: the job's process group is not initialised; make the mesh first")
         names = tuple(device_mesh.mesh_dim_names or ())
@@ -150,7 +170,7 @@ class SiteMesh:
         dp = dp_replicate * sizes.get("dp_shard", sizes.get("dp", 1))
         base = parallel or ParallelConfig(device="cpu" if device_mesh.device_type == "cpu" else "cuda")
         layout = dataclasses.replace(base, pp=sizes.get("pp", 1), dp=dp, dp_replicate=dp_replicate)
-        return cls(layout, collective_timeout_s, _adopted=device_mesh)
+        return cls(layout, collective_timeout_s, _adopted=device_mesh, step_timeout_s=step_timeout_s)
 
     def _stage_group(self, timeout: datetime.timedelta) -> dist.ProcessGroup:
         """One group per stage over its dp ranks; every rank creates every group, in the same order, as

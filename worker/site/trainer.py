@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+import structlog
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -45,16 +46,30 @@ from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
 from dilocox.worker.train.pipeline_stage import split_model
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+log = structlog.get_logger()
+
+
+def smallest_gpu(mesh: SiteMesh, mine: int | None) -> int | None:
+    """The smallest GPU memory over the site's ranks (None on the CPU), agreed on the host."""
+    smallest = torch.tensor([mine or 0], dtype=torch.int64)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=mesh.agreement_group)
+    return int(smallest.item()) or None
 
 
 def pipeline_reshard_of(config: RunConfig, vocab_size: int, mesh: SiteMesh) -> str:
-    """This site's `--pipeline-reshard`, `auto` resolved by the memory plan against this GPU's memory
-    (the same on every rank: same plan, same GPUs); "step" on the CPU."""
+    """This site's `--pipeline-reshard`, `auto` resolved by the memory plan against the smallest GPU of the
+    site — agreed over its ranks, so that ranks on GPUs of different sizes never choose differently (their
+    collectives would then not match, and the site would hang); "step" on the CPU."""
     from dilocox.worker.site.memory_plan import planned_precision, resolve_pipeline_reshard  # one rule, the plan's
 
-    gpu = torch.cuda.get_device_properties(mesh.device).total_memory if mesh.compute.is_cuda else None
+    if config.parallel.pipeline_reshard != "auto":
+        return config.parallel.pipeline_reshard
+    gpu = smallest_gpu(mesh, torch.cuda.get_device_properties(mesh.device).total_memory if mesh.compute.is_cuda else None)
     planned = planned_precision(config, on_gpu=gpu is not None)
-    return resolve_pipeline_reshard(planned, vocab_size, gpu).parallel.pipeline_reshard
+    choice = resolve_pipeline_reshard(planned, vocab_size, gpu).parallel.pipeline_reshard
+    if mesh.rank == 0 and mesh.shape.pp > 1 and mesh.shape.dp > 1:
+        log.info("pipeline_reshard_chosen", choice=choice, smallest_gpu_gb=round(gpu / 1e9, 1) if gpu else None)
+    return choice
 
 
 def build_site_module(config: RunConfig, vocab_size: int, mesh: SiteMesh, pipeline_reshard: str = "step") -> torch.nn.Module:
@@ -113,6 +128,7 @@ class SiteTrainer:
         self.optimizer = make_inner_optimizer(config, self.module.parameters())
         self.step = 0
         self.tokens_seen = 0
+        mesh.settle()  # ranks done building at different times meet on the host, not in a training collective
 
     # ------------------------------------------------------------------ LocalTrainer
     @property
