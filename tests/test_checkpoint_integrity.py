@@ -354,3 +354,41 @@ def test_site_checkpoints_reuse_their_staging_buffers_or_stage_nothing(tmp_path,
     assert SiteCheckpoint(tmp_path, "c").restore(fresh, None, names) == 3 and fresh.step == 3
     want = dict(trainer.named_parameters())
     assert all(torch.equal(p, want[n]) for n, p in fresh.named_parameters())
+
+
+def test_site_checkpoints_by_time_and_a_part_whose_seal_is_missing_is_checked_by_size(tmp_path, capsys):
+    """`--checkpoint-every-s`: only boundaries that long after the last checkpoint save one. A seal never
+    written (the rank stopped while hashing) leaves its files checked by size: the resume takes the
+    checkpoint with a warning; a file of another size is still refused."""
+    import time
+
+    from dilocox.worker.checkpoint import COMMITTED, SiteCheckpoint
+    from dilocox.worker.checkpoint_manifest import seal_name
+
+    new_trainer, names = _tiny_trainers()
+    trainer = new_trainer()
+    hourly = SiteCheckpoint(tmp_path / "hourly", "c", every_s=3600)
+    for round_ in (1, 2):
+        hourly.capture(round_, trainer, None, names)
+        hourly.commit(round_)
+    hourly.close()
+    assert hourly.rounds() == []
+    often = SiteCheckpoint(tmp_path, "c", every_s=1.0, keep=3)
+    for round_ in (1, 2, 3):
+        time.sleep(1.1 if round_ != 2 else 0)
+        trainer.train_steps(1)
+        often.capture(round_, trainer, None, names)
+        often.commit(round_)
+    often.close()
+    assert often.rounds() == [1, 3]  # round 2's boundary came too soon after round 1's checkpoint
+    folder = tmp_path / "c" / "round-000003"
+    assert json.loads((folder / COMMITTED).read_text())["seals"] == [seal_name(0)]
+    (folder / seal_name(0)).unlink()
+    fresh = new_trainer()
+    assert SiteCheckpoint(tmp_path, "c").restore(fresh, None, names) == 3 and fresh.step == 3
+    assert "worker_checkpoint_partly_verified" in capsys.readouterr().out
+    part = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with part.open("ab") as f:
+        f.write(b"x")
+    assert SiteCheckpoint(tmp_path, "c").restore(new_trainer(), None, names) == 1
+    assert f"{part.name} holds" in capsys.readouterr().out

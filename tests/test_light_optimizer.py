@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import os
 
@@ -189,6 +190,15 @@ def test_a_pp2_dp2_site_with_light_state_trains_like_one_process_and_resumes_bit
                    for part in parts)  # fmt: skip
 
     from dilocox.worker.checkpoint import SiteCheckpoint
+    from dilocox.worker.checkpoint_manifest import COMMITTED, seal_name
+
+    # Each rank sealed the files it wrote (its DCP part; rank 0 also the metadata); rank 0 listed them all.
+    folder = tmp_path / "int8" / "c" / "round-000001"
+    committed = json.loads((folder / COMMITTED).read_text())
+    assert committed["seals"] == [seal_name(r) for r in range(world)]
+    sealed = {r: json.loads((folder / seal_name(r)).read_text())["files"] for r in range(world)}
+    assert all(any(name.startswith(f"__{r}_") for name in sealed[r]) for r in range(world))
+    assert sorted(n for files in sealed.values() for n in files) == sorted(committed["files"])
 
     for state in STATES:  # another layout: one process takes the pp 2 × dp 2 checkpoint
         trainer = InnerTrainer(with_state(config(1, 1), state), data())

@@ -26,9 +26,10 @@ checkpoint is *committed* — a `COMMITTED` file next to DCP's `.metadata` — o
 pseudo-gradient is on the shards (one round later under the delay), so a resume never starts from a
 round the shards have not got. `--resume` takes the newest committed one; older ones are pruned.
 
-`COMMITTED` carries the checkpoint's integrity (issue 32): a JSON manifest of every file's size and
-SHA-256, hashed by rank 0 after every rank's part is written (in a thread of its own, so the site does not
-wait for a pass over gigabytes). `--resume` checks it before loading; a damaged newest checkpoint is moved
+`COMMITTED` carries the checkpoint's integrity: a JSON manifest of every file's size, written by rank 0
+once every rank's part is on disk, and every rank's seal of the SHA-256 of what it wrote, hashed in a
+thread of its own (worker/checkpoint_manifest.py: the ranks hash in parallel, none re-reads the whole
+checkpoint, and pruning never waits for a hash). `--resume` checks them before loading; a damaged newest checkpoint is moved
 aside (`round-NNNNNN.refused-<date>`) and the next intact committed one is used, with a warning — where the
 site would be had it been stopped a round or two earlier: the shards tell it which round to train. A
 `COMMITTED` from before the manifest (the round number) is taken as unverified; an empty one is no commit
@@ -44,7 +45,6 @@ system across nodes), as DCP requires.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -54,6 +54,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import structlog
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -68,6 +69,7 @@ from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.worker.exchange.packed_state import compressor_state_by_name, pack, restore_compressor_state, unpack
 from dilocox.worker.checkpoint_staging import SAVE_ERRORS, first_line, reusable_stager, settled, tensor_bytes, written_once
+from dilocox.worker.checkpoint_manifest import COMMITTED, REPLICA_FILE_PREFIX, commit_record, seal, verify
 from dilocox.worker.exchange.replica_state import read_replica, write_replica
 from dilocox.worker.train.light_adamw import optimizer_state_of
 
@@ -77,64 +79,22 @@ log = structlog.get_logger()
 # rather than by group index: the stages of a pipeline have different parameters in "group 0", and under
 # one key DCP would keep only one stage's (torchtitan flattens for the same reason).
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-COMMITTED = "COMMITTED"
-REPLICA_FILE_PREFIX = "replica-rank"  # + the rank, 5 digits, ".pt": each rank's replica of the global model
-MANIFEST_FORMAT = "dilocox-site-checkpoint/1"
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
-# Before the manifest: the round number. An empty marker is not one of those but what a crash can leave of
-# a marker written without fsync (issue 44): it commits nothing.
-_LEGACY_COMMITTED = re.compile(r"^\s*\d+\s*$")
-
-
-def _sha256(path: pathlib.Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def manifest(folder: pathlib.Path, round_: int) -> dict:
-    """Size and SHA-256 of every file of a checkpoint folder (but `COMMITTED`), by relative path."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMMITTED)
-    listed = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    return {"format": MANIFEST_FORMAT, "round": round_, "files": listed}
-
-
-def verify(folder: pathlib.Path, round_: int) -> tuple[bool, str | None]:
-    """(whether a manifest was checked, what is wrong or None). A legacy `COMMITTED` checks nothing."""
-    try:
-        text = (folder / COMMITTED).read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        return True, f"{COMMITTED} unreadable ({error})"
-    if not text.strip():
-        return True, f"{COMMITTED} is empty (a crash while it was written: nothing was committed)"
-    if _LEGACY_COMMITTED.match(text):
-        return False, None
-    try:
-        record = json.loads(text)
-        files, found_round = record["files"], record["round"]
-        assert record["format"] == MANIFEST_FORMAT and isinstance(files, dict)
-    except (ValueError, KeyError, TypeError, AssertionError):
-        return True, f"{COMMITTED} is not a manifest this build reads"
-    if found_round != round_:
-        return True, f"{COMMITTED} is round {found_round}'s"
-    for name, want in files.items():
-        path = folder / name
-        if not path.is_file():
-            return True, f"{name} is missing"
-        if path.stat().st_size != want["bytes"]:
-            return True, f"{name} holds {path.stat().st_size} bytes, not {want['bytes']}"
-        if _sha256(path) != want["sha256"]:
-            return True, f"{name} does not match its SHA-256"
-    return True, None
 
 
 class SiteCheckpoint:
     def __init__(self, directory: str | os.PathLike, cluster: str, every: int = 1, keep: int = 2,
                  rank: int = 0, replica: int = 0, group: dist.ProcessGroup | None = None, staging: str = "async",
-                 pinned: bool = False) -> None:  # fmt: skip
+                 pinned: bool = False, every_s: float = 0.0, agreement_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
         """`rank`: this process's rank in the site (rank 0 commits and prunes); `replica`: which data
         replica it trains; `group`: the site's checkpoint group (None: one process, no collectives).
         `staging`: "async" (staged into kept host buffers, `pinned` where a GPU copies into them, written in
-        the background) or "sync" (written from the live state while the site waits)."""
+        the background) or "sync" (written from the live state while the site waits). `every_s` > 0: a
+        checkpoint at the first round boundary at least that long after the last one, instead of every
+        `every` rounds — for rounds much shorter than a checkpoint's write; the ranks agree on it over
+        `agreement_group` (their clocks differ by a little)."""
+        if every_s < 0:
+            raise ValueError(f"checkpoint interval must be ≥ 0 s, got {every_s}")
         if staging not in ("async", "sync"):
             raise ValueError(f"checkpoint staging must be async or sync, got {staging!r}")
         if every < 1:
@@ -148,7 +108,7 @@ class SiteCheckpoint:
         self.replica = replica
         self.group = group
         self._pending: dict[int, Future] = {}
-        self._sealer: ThreadPoolExecutor | None = None  # rank 0: hashes and commits off the training thread
+        self._sealer: ThreadPoolExecutor | None = None  # each rank: hashes its part off the training thread
         self._sealing: list[Future] = []
         self._writer: ThreadPoolExecutor | None = None  # each rank: its replica file, beside DCP's
         self._replicas: dict[int, Future] = {}
@@ -156,6 +116,9 @@ class SiteCheckpoint:
         self.staging = staging
         self.pinned = pinned
         self._stager = None  # DCP's DefaultStager, kept: its staged buffers are reused at every checkpoint
+        self.every_s = every_s
+        self.agreement_group = agreement_group
+        self._last_capture = time.monotonic()
 
     def path_of(self, round_: int) -> pathlib.Path:
         return self.root / f"round-{round_:06d}"
@@ -180,8 +143,9 @@ class SiteCheckpoint:
         is staged in host memory; the write goes on in the background. `client`: its replica of the
         global model is written too, beside DCP's files (`_write_replica`), so a resume pulls only the
         rounds since."""
-        if round_ % self.every and not always:
+        if not always and not self._due(round_):
             return
+        self._last_capture = time.monotonic()
         self._wait_all()  # one write at a time: the previous one is finished before this one stages
         path = self.path_of(round_)
         if self.rank == 0 and path.exists():
@@ -208,6 +172,16 @@ class SiteCheckpoint:
         self.staged_bytes = tensor_bytes(state) if self.staging == "async" else 0
         log.info("worker_checkpoint_staged", round=round_, path=str(path), staging=self.staging, staged_bytes=self.staged_bytes,
                  seconds=round(time.perf_counter() - started, 3))  # fmt: skip
+
+    def _due(self, round_: int) -> bool:
+        """Whether round `round_`'s boundary takes a checkpoint: every `every` rounds, or with `every_s`
+        once that long has passed — agreed over the site (any rank's clock past it: all)."""
+        if self.every_s <= 0:
+            return round_ % self.every == 0
+        due = torch.tensor([int(time.monotonic() - self._last_capture >= self.every_s)])
+        if self.agreement_group is not None:
+            dist.all_reduce(due, op=dist.ReduceOp.MAX, group=self.agreement_group)
+        return bool(due.item())
 
     def _write_replica(self, path: pathlib.Path, client, names: list[str]) -> None:  # noqa: ANN001
         path.mkdir(parents=True, exist_ok=True)
@@ -237,9 +211,12 @@ class SiteCheckpoint:
                 log.warning("worker_checkpoint_replica_failed", round=round_, error=replica_error)
             if self.group is not None:  # every rank's replica file is in before rank 0 hashes the folder (DCP's
                 dist.barrier(group=self.group)  # collectives on this group are over: each rank's save returned)
+        # Each rank hashes what it wrote, in a thread of its own; rank 0 commits the folder's listing now
+        # and prunes, never behind a hash (worker/checkpoint_manifest.py).
+        self._sealer = self._sealer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
+        self._sealing.append(self._sealer.submit(self._seal, round_))
         if self.rank == 0:
-            self._sealer = self._sealer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
-            self._sealing.append(self._sealer.submit(self._seal, round_))
+            self._commit_listing(round_)
 
     def _failed(self, round_: int, error: BaseException) -> None:
         """A save the storage refused (full disk, I/O error, read-only folder): the site trains on and a
@@ -253,12 +230,13 @@ class SiteCheckpoint:
         if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
 
-    def _seal(self, round_: int) -> None:
-        """Rank 0, in the sealer thread: hash the folder's files into `COMMITTED` (atomically), then prune."""
-        started = time.perf_counter()
+    def _commit_listing(self, round_: int) -> None:
+        """Rank 0: `COMMITTED` — the folder's files by size and the seals to come — written durably, then
+        the prune. A listing, not a read: it takes no longer for a terabyte than for a megabyte."""
         path = self.path_of(round_)
+        ranks = dist.get_world_size(self.group) if self.group is not None else 1
         try:
-            record = manifest(path, round_)
+            record = commit_record(path, round_, ranks)
             write_text_atomic(path / COMMITTED, json.dumps(record, indent=1) + "\n", durable=True)
             self._prune(round_)
         except OSError as error:  # uncommitted, so no resume would take it: its space is given back
@@ -267,7 +245,19 @@ class SiteCheckpoint:
             shutil.rmtree(path, ignore_errors=True)
             return
         log.info("worker_checkpoint_saved", round=round_, path=str(path), files=len(record["files"]),
-                 bytes=sum(f["bytes"] for f in record["files"].values()),
+                 bytes=sum(f["bytes"] for f in record["files"].values()))  # fmt: skip
+
+    def _seal(self, round_: int) -> None:
+        """Every rank, in the sealer thread: hash the files it wrote into its seal. A failure leaves that
+        part checked by size only at a resume (said then), never the run stopped."""
+        started = time.perf_counter()
+        path = self.path_of(round_)
+        try:
+            record = seal(path, round_, self.rank)
+        except OSError as error:
+            log.warning("worker_checkpoint_seal_failed", round=round_, path=str(path), error=first_line(error))
+            return
+        log.info("worker_checkpoint_sealed", round=round_, files=len(record["files"]), bytes=sum(f["bytes"] for f in record["files"].values()),
                  hash_seconds=round(time.perf_counter() - started, 3))  # fmt: skip
 
     def _wait_sealed(self) -> None:

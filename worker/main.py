@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save the site's local state here after rounds (torch.distributed.checkpoint, one folder per "
                              "round under <dir>/<cluster>; every rank of the site must see the same folder)")  # fmt: skip
     parser.add_argument("--checkpoint-every", type=int, default=1, help="save every k rounds (default 1)")
+    parser.add_argument("--checkpoint-every-s", type=float, default=0.0, metavar="S",
+                        help="instead of every k rounds: save at the first round boundary at least S seconds after the last "
+                             "save (for rounds much shorter than a checkpoint's write; default 0: by rounds)")  # fmt: skip
     parser.add_argument("--checkpoint-keep", type=int, default=2, help="committed checkpoints kept (default 2)")
     parser.add_argument("--resume", action="store_true", help="restore the newest committed state from --checkpoint-dir first")
     parser.add_argument("--resume-if-present", action="store_true",
@@ -202,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
             extra["checkpoint"] = SiteCheckpoint(args.checkpoint_dir, cluster, args.checkpoint_every, args.checkpoint_keep,
                                                  rank=mesh.rank if mesh else 0, replica=mesh.replica if mesh else 0,
                                                  group=mesh.checkpoint_group if mesh else None,
-                                                 staging=config.parallel.checkpoint_staging, pinned=compute.is_cuda)  # fmt: skip
+                                                 staging=config.parallel.checkpoint_staging, pinned=compute.is_cuda,
+                                                 every_s=args.checkpoint_every_s,
+                                                 agreement_group=mesh.agreement_group if mesh else None)  # fmt: skip
         except ValueError as error:
             raise SystemExit(f"dilocox worker: {error}") from None
         if args.resume_if_present and not args.resume:

@@ -19,11 +19,12 @@ keeps the second moment's wide range where linear int8 would not. What this clas
 * **Its state is the rank's local shard**, plain tensors; only `state_dict` wraps them as DTensors for
   DCP, and `load_state_dict` takes them back without the fp32 copy of every moment that `Optimizer`'s
   own would make (it casts every state tensor to the parameter's dtype: at 70B, 35 GB per GPU).
-* **Compiled on GPUs, eager on the CPU.** torchao always compiles its step; on a GPU that is one fused
-  kernel per parameter (no fp32 transient of a whole moment). On the CPU inductor needs tens of seconds
-  per parameter shape to compile, which small models and tests never win back; eager costs more per
-  element (torchao's 8-bit quantiser is a binary search of 8 gathers), so large models on the CPU may ask
-  for `compiled=True`.
+* **Compiled on GPUs, and for large tensors on the CPU.** torchao always compiles its step; on a GPU that
+  is one fused kernel per parameter (no fp32 transient of a whole moment). On the CPU inductor needs tens
+  of seconds per parameter shape to compile, which small tensors (and tests) never win back, while eager
+  costs ~12× more per element (torchao's 8-bit quantiser is a binary search of 8 gathers): a parameter's
+  step is compiled from `CPU_COMPILE_NUMEL` elements of this rank's rows on. Every rank holding the same
+  rows (HSDP's replicas) decides alike.
 
 Replicas of a stage (HSDP, plain replication) step the same rows from the same gradients with the same
 code and so stay bit-identical, as fp32 AdamW does.
@@ -43,6 +44,10 @@ from dilocox.common.logs import quiet_import_noise
 OPTIMIZER_STATES = ("fp32", "bf16", "int8")
 INT8_BLOCKS = (256, 128, 64)  # tried largest first; each must divide a row
 INT8_MIN_NUMEL = 4096  # smaller tensors keep fp32 moments (torchao's and bitsandbytes' rule)
+# On the CPU a parameter's step is compiled from this size on: eager, torchao's 8-bit step costs ~250 ns an
+# element (4.2 s for 16M), compiled ~20 (after ~15 s of compiling per shape, cached on disk by inductor):
+# from 262,144 elements (a 512 × 512 matrix) on, a run of a few hundred steps wins it back.
+CPU_COMPILE_NUMEL = 1 << 18
 _MOMENTS = ("exp_avg", "exp_avg_sq")  # torch's names, so checkpoints and tools read the same keys
 
 
@@ -119,7 +124,7 @@ def _as_like(local: torch.Tensor, param: torch.Tensor, rows_shape: tuple[int, ..
 class LightAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, torch's defaults otherwise) with moments in `state`: "bf16" or
     "int8" (see the module docstring). `compiled`: run torchao's step through torch.compile (default: on
-    CUDA)."""
+    CUDA, and on the CPU for parameters of `CPU_COMPILE_NUMEL` elements or more)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, state: str = "int8", compiled: bool | None = None) -> None:  # fmt: skip
@@ -182,7 +187,7 @@ class LightAdamW(torch.optim.Optimizer):
                 local, grad = _local(param), _local(param.grad)
                 if local.numel() == 0:  # FSDP gave this rank none of the rows
                     continue
-                compiled = self.compiled if self.compiled is not None else local.device.type == "cuda"
+                compiled = self.compiled if self.compiled is not None else (local.device.type == "cuda" or local.numel() >= CPU_COMPILE_NUMEL)
                 step_fn = _compiled_step() if compiled else self._step_fn
                 step_fn(local.detach(), grad, state["step"], self._moment(state["exp_avg"], True),
                         self._moment(state["exp_avg_sq"], False), None, lr, beta1, beta2, group["weight_decay"],
