@@ -13,9 +13,10 @@ from unittest import mock
 import pytest
 
 from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, RunConfig
-from dilocox.worker.site import memory_plan
+from dilocox.worker.site import model_shape as shapes
 from dilocox.worker.site.layout_search import Cluster, estimate_step, rank_layouts, shard_group_inside_node
-from dilocox.worker.site.memory_plan import GB, model_shape, plan_memory
+from dilocox.worker.site.memory_plan import GB, plan_memory
+from dilocox.worker.site.model_shape import model_shape
 
 VOCAB = 128256
 
@@ -34,27 +35,37 @@ def test_a_llama_shaped_config_gives_the_built_models_parameters_without_buildin
         (tmp_path / "config.json").write_text(json.dumps(config))
         model = str(tmp_path / "config.json")
         (tmp_path / "tied.json").write_text(json.dumps({**config, "model_type": "llama", "tie_word_embeddings": True}))
-        assert memory_plan._decoder_shape(ModelConfig(model=str(tmp_path / "tied.json")), 512) is None  # built: --pp > 1 refused
+        assert shapes._decoder_shape(ModelConfig(model=str(tmp_path / "tied.json")), 512) is None  # built: --pp > 1 refused
     mc = ModelConfig(model=model, block_size=64)
-    fast = memory_plan._decoder_shape(mc, 512)
+    fast = shapes._decoder_shape(mc, 512)
     assert fast is not None
-    memory_plan._model_shape.cache_clear()
-    with mock.patch.object(memory_plan, "_decoder_shape", lambda *_: None):  # the meta build, as for any other model
+    shapes._model_shape.cache_clear()
+    with mock.patch.object(shapes, "_decoder_shape", lambda *_: None):  # the meta build, as for any other model
         for pp in (1, 2, 3):
-            built = memory_plan._model_shape(mc, 512, pp)
+            built = shapes._model_shape(mc, 512, pp)
             cut = fast if pp == 1 else fast.split(pp)
             assert cut.stages == built.stages and cut.blocks == built.blocks
             assert (cut.width, cut.mlp, cut.heads, cut.gated) == (built.width, built.mlp, built.heads, built.gated)
-    memory_plan._model_shape.cache_clear()
+    shapes._model_shape.cache_clear()
 
 
 def test_a_whole_models_shape_cuts_into_stages_as_split_model_does():
+    """ModelShape.split against the stages `split_model` cuts from the meta model, one stage a rank and
+    several (each rank's stages r, r + pp, … together, as RankStages names them)."""
+    from dilocox.worker.models.build import meta_model
+    from dilocox.worker.train.pipeline_stage import RankStages, rank_stages, split_model
+
     for model in ("gpt", "llama-tiny"):
-        base = RunConfig(model=ModelConfig(model=model, n_layer=5))
-        whole = model_shape(base, 256)
-        for pp in (2, 3):
-            staged = model_shape(dataclasses.replace(base, parallel=ParallelConfig(pp=pp, microbatches=4)), 256)
-            assert whole.split(pp).stages == staged.stages and whole.split(pp).blocks == staged.blocks
+        config = ModelConfig(model=model, n_layer=6)
+        whole = model_shape(RunConfig(model=config), 256)
+        meta = meta_model(config, 256)
+        layers = len(whole.blocks[0])
+        for pp, per_rank in [(p, v) for p, v in ((2, 1), (3, 1), (2, 2), (2, 3)) if p * v <= layers]:
+            cut = whole.split(pp, per_rank)
+            for rank in range(pp):
+                built = RankStages([split_model(meta, s, pp * per_rank) for s in rank_stages(rank, pp, per_rank)])
+                assert cut.stages[rank] == [(n, tuple(p.shape)) for n, p in built.named_parameters()], (model, pp, per_rank)
+                assert sum(cut.blocks[rank]) == sum(p.numel() for n, p in built.named_parameters() if ".layers." in n or "blocks." in n)
 
 
 def test_the_bubble_and_the_links_follow_the_layout():

@@ -150,6 +150,9 @@ class WireConfig:
         return options
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How one cluster computes: its device and precision, pipeline stages × data-parallel ranks
@@ -162,7 +165,10 @@ class ParallelConfig:
     # dp / dp_replicate-way shards). Must divide dp.
     dp_replicate: int = 1
     microbatches: int = 4  # per inner step, through the pipeline (must divide the batch size; 1f1b: ≥ pp)
-    schedule: str = "1f1b"  # gpipe | 1f1b
+    # gpipe | 1f1b | interleaved-1f1b (torch's ScheduleInterleaved1F1B over `stages_per_rank` stages a rank:
+    # the bubble (pp − 1) / (v·m + pp − 1) instead of (pp − 1) / (m + pp − 1))
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
     device: str = "auto"  # auto (cuda where there is one) | cpu | cuda | cuda:N (one process only)
     # auto: bf16 on GPUs that compute in it natively (compute capability ≥ 8), fp32 elsewhere. Weights,
     # AdamW state and everything sent to the shards stay fp32 either way (worker/train/device.py).
@@ -205,8 +211,11 @@ class ParallelConfig:
             raise ValueError(f"pp and dp must be ≥ 1, got pp={self.pp} dp={self.dp}")
         if self.dp_replicate < 1 or self.dp % self.dp_replicate:
             raise ValueError(f"dp_replicate must be ≥ 1 and divide dp, got dp_replicate={self.dp_replicate} dp={self.dp}")
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
+        if self.stages_per_rank < 1 or (self.stages_per_rank > 1) != (self.schedule == "interleaved-1f1b"):
+            raise ValueError(f"--stages-per-rank {self.stages_per_rank} with --schedule {self.schedule}: more than one stage a rank "
+                             "is the interleaved schedule's (--schedule interleaved-1f1b --stages-per-rank 2 or more)")  # fmt: skip
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be ≥ 1, got {self.microbatches}")
         if self.schedule == "1f1b" and self.pp > 1 and self.microbatches < self.pp:

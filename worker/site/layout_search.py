@@ -7,7 +7,8 @@ stated model, for ranking layouts against each other rather than for promising a
   12 · layers · width · block for attention, as torchtitan counts them; with `--activation-checkpoint full`
   the forward runs twice (8 and 16) — at `mfu` of the GPU's dense bf16 peak (`gpu_tflops`).
 * **The pipeline's bubble**: GPipe and 1F1B keep every stage busy for m of m + pp − 1 microbatch slots
-  (m: the step's microbatches, accumulated batches included); the slowest stage sets the slot.
+  (m: the step's microbatches, accumulated batches included), the interleaved 1F1B with v stages a rank for
+  v·m of v·m + pp − 1 (worker/site/pipeline_memory.py); the slowest rank sets the slot.
 * **FSDP's traffic**, per rank and step over the link its shard group spans: all-gathers of the stage's
   parameters in the compute dtype and a reduce-scatter of its gradients in fp32, each moving (n − 1)/n of
   the stage per rank — once per step where blocks stay gathered (`--pipeline-reshard step`), per
@@ -31,8 +32,10 @@ import itertools
 from dataclasses import dataclass
 
 from dilocox.common.config.run import RunConfig
-from dilocox.worker.site.memory_plan import MemoryPlan, ModelShape, plan_memory
+from dilocox.worker.site.memory_plan import MemoryPlan, plan_memory
+from dilocox.worker.site.model_shape import ModelShape
 from dilocox.worker.site.mesh import SiteShape
+from dilocox.worker.site.pipeline_memory import bubble_fraction, interleaved_rounds
 
 NVLINK_GBYTE_S = 360.0  # an H100/H200's NVLink 4 (450 GB/s each way) as collectives see it
 H100_BF16_TFLOPS = 989.0  # dense, no sparsity: H100 / H200 SXM
@@ -87,9 +90,9 @@ def estimate_step(config: RunConfig, model: ModelShape, cluster: Cluster, reshar
         params = sum(_numel(s) for _, s in specs) - (embedding if specs is model.stages[0] else 0)
         stage_flops.append((8 if recompute else 6) * params + len(blocks) * attention * (4 / 3 if recompute else 1))
     peak = cluster.gpu_tflops * 1e12 * cluster.mfu
-    slot = max(stage_flops) * micro_tokens / peak
-    compute = slot * (micro + shape.pp - 1)
-    bubble = (shape.pp - 1) / (micro + shape.pp - 1)
+    slot = max(stage_flops) * micro_tokens / peak  # one microbatch through a rank's stages, the slowest rank's
+    bubble = bubble_fraction(shape.pp, micro, par.stages_per_rank)
+    compute = slot * micro / (1 - bubble)
     # FSDP: one stage's shard group; the busiest (most parameters) stage sets the pace
     stage_params = max(sum(_numel(s) for _, s in specs) for specs in model.stages)
     param_bytes = 2 if par.precision == "bf16" else 4
@@ -142,19 +145,25 @@ class RankedLayout:
 
 def candidate_layouts(config: RunConfig, gpus: int, layers: int) -> list[RunConfig]:
     """Every pp × dp (× dp_replicate) of `gpus` ranks the worker accepts, each stage at least one block;
-    pipelined, every microbatch count that divides the batch (1F1B: at least pp) — more of them shrink
-    the bubble and each one's activations, fewer keep the matmuls large."""
+    pipelined, every microbatch count of at least pp that divides the batch — more of them shrink the
+    bubble and each one's activations, fewer keep the matmuls large — with one stage a rank (1F1B) or
+    2, 4, 8 (the interleaved 1F1B) where the blocks allow."""
     out = []
     batch = config.inner.batch_size
     for pp in range(1, min(gpus, layers + 1) + 1):
         if gpus % pp:
             continue
         dp = gpus // pp
-        least = pp if config.parallel.schedule == "1f1b" else 1
-        micros = [m for m in range(least, batch + 1) if batch % m == 0] if pp > 1 else [config.parallel.microbatches]
-        for micro, replicate in itertools.product(micros, (r for r in range(1, dp + 1) if dp % r == 0)):
+        micros = [m for m in range(pp, batch + 1) if batch % m == 0] if pp > 1 else [config.parallel.microbatches]  # ≥ pp: no idle stage
+        # 1F1B (one stage a rank) and the interleaved 1F1B with 2, 4 or 8 stages a rank where the blocks allow
+        schedules = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 4, 8) if pp > 1 and pp * v <= layers]
+        for micro, (schedule, per_rank), replicate in itertools.product(micros, schedules, (r for r in range(1, dp + 1) if dp % r == 0)):
+            steps = micro * config.inner.grad_accum
+            if per_rank > 1 and steps % interleaved_rounds(pp, steps)[0]:
+                continue  # what torch's schedules refuse
             try:
-                parallel = dataclasses.replace(config.parallel, pp=pp, dp=dp, dp_replicate=replicate, microbatches=micro)
+                parallel = dataclasses.replace(config.parallel, pp=pp, dp=dp, dp_replicate=replicate, microbatches=micro,
+                                               schedule=schedule, stages_per_rank=per_rank)  # fmt: skip
                 out.append(dataclasses.replace(config, parallel=parallel))
             except ValueError:  # a layout the worker refuses
                 continue
@@ -170,27 +179,30 @@ def shard_group_inside_node(config: RunConfig, cluster: Cluster) -> bool:
     return n <= cluster.gpus_per_node and cluster.gpus_per_node % n == 0
 
 
-def _fits(config: RunConfig, whole: ModelShape, shapes: dict[int, ModelShape], gpu_bytes: int | None, fused: bool) -> bool:
-    pp = config.parallel.pp
-    shapes[pp] = shapes.get(pp) or whole.split(pp)
-    return plan_memory(config, whole.vocab, gpu_bytes, fused, model=shapes[pp], quick=True).fits()
+def _cut(whole: ModelShape, config: RunConfig, shapes: dict[tuple[int, int], ModelShape]) -> ModelShape:
+    key = (config.parallel.pp, config.parallel.stages_per_rank)
+    shapes[key] = shapes.get(key) or whole.split(*key)
+    return shapes[key]
+
+
+def _fits(config: RunConfig, whole: ModelShape, shapes: dict, gpu_bytes: int | None, fused: bool) -> bool:
+    return plan_memory(config, whole.vocab, gpu_bytes, fused, model=_cut(whole, config, shapes), quick=True).fits()
 
 
 def rank_layouts(config: RunConfig, gpus: int, whole: ModelShape, gpu_bytes: int | None, cluster: Cluster,
                  fused_attention: bool = True) -> list[RankedLayout]:  # fmt: skip
     """The layouts of `gpus` GPUs that fit, fastest (tokens per second) first. `whole`: the model's shape
     with one stage (`model_shape` at --pp 1), cut for each stage count without building it again."""
-    shapes: dict[int, ModelShape] = {}
+    shapes: dict[tuple[int, int], ModelShape] = {}
     ranked = []
     candidates = candidate_layouts(config, gpus, len(whole.blocks[0]))
     inside = [c for c in candidates if shard_group_inside_node(c, cluster)]
     for candidate in inside if any(_fits(c, whole, shapes, gpu_bytes, fused_attention) for c in inside) else candidates:
-        pp = candidate.parallel.pp
-        shapes[pp] = shapes.get(pp) or whole.split(pp)
-        plan = plan_memory(candidate, whole.vocab, gpu_bytes, fused_attention, model=shapes[pp], quick=True)
+        cut = _cut(whole, candidate, shapes)
+        plan = plan_memory(candidate, whole.vocab, gpu_bytes, fused_attention, model=cut, quick=True)
         if not plan.fits():
             continue
         resolved = dataclasses.replace(candidate, parallel=dataclasses.replace(candidate.parallel, pipeline_reshard=plan.pipeline_reshard))
-        ranked.append(RankedLayout(resolved, plan, estimate_step(resolved, shapes[pp], cluster, plan.pipeline_reshard)))
+        ranked.append(RankedLayout(resolved, plan, estimate_step(resolved, cut, cluster, plan.pipeline_reshard)))
     return sorted(ranked, key=lambda r: (-r.step.tokens_per_s, r.config.parallel.pp, r.config.parallel.microbatches,
                                          r.config.parallel.dp_replicate))  # fmt: skip

@@ -18,8 +18,9 @@ Device, per GPU (on the CPU the same bytes are host memory):
   torch's schedule turns gradient sync off for every microbatch but the last, so FSDP2 keeps the whole
   stage's unsharded gradients through the step. Otherwise one block's and the root's, transiently.
 * `activations`: what autograd saves per token and layer (`ACTIVATION_FACTORS`), times the microbatches
-  in flight (GPipe: all of them; 1F1B: pp − stage, torch's warm-up depth — its steady phase runs the oldest
-  backward before the next forward; unpipelined: the rank's whole batch), in the compute
+  in flight of each of the rank's stages as torch's schedule holds them (worker/site/pipeline_memory.py:
+  GPipe all of them; 1F1B pp − stage; interleaved 1F1B read off torch's own action list; unpipelined: the
+  rank's whole batch), in the compute
   dtype; plus the attention matrix where attention is not fused (the CPU's math kernel). With
   `--activation-checkpoint full` a block keeps only its input per token, and one block's intermediates
   exist at a time while it is recomputed.
@@ -51,13 +52,14 @@ replicated state only — which the site keeps for the next checkpoint; "sync" s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass, field
 
-from dilocox.common.config.run import ModelConfig, ParallelConfig, RunConfig
+from dilocox.common.config.run import RunConfig
 from dilocox.worker.models.chunked_loss import chunk_rows
 from dilocox.worker.site.mesh import SiteShape
+from dilocox.worker.site.model_shape import ModelShape, model_shape
+from dilocox.worker.site.pipeline_memory import in_flight_layers, last_stage_in_flight
 from dilocox.worker.site.reshard import BATCH_ELEMENTS, StageResharder, held_rows, owners_by_size
 from dilocox.worker.train.light_adamw import moment_bytes
 
@@ -85,42 +87,6 @@ CHECKPOINT_BYTES_PER_OWNED = 4  # the residuals (the replica is written from its
 def exchange_bytes_per_param(parallel) -> int:  # noqa: ANN001
     """Host bytes the exchange keeps per owned parameter for this site's settings (a ParallelConfig)."""
     return EXCHANGE_BYTES_PER_PARAM - (SPILLED_BYTES_PER_PARAM if parallel.spill_dir else 0)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs of a model: every parameter's (name, shape) by stage, and its sizes."""
-
-    stages: list[list[tuple[str, tuple[int, ...]]]]  # per stage, in order
-    blocks: list[list[int]]  # per stage, the element count of each transformer block
-    width: int
-    mlp: int
-    heads: int
-    vocab: int
-    gated: bool = False  # a gated MLP (Llama's gate_proj/up_proj): four hidden tensors per token, not two
-    # Of a whole model (one stage): each parameter's block, -1 before the blocks (embeddings: the first
-    # stage's) and len(blocks) after them (final norm, head: the last stage's) — what `split` cuts by.
-    layer_of: tuple[int, ...] = ()
-
-    @property
-    def params(self) -> int:
-        return sum(math.prod(shape) for stage in self.stages for _, shape in stage)
-
-    def split(self, pp: int) -> "ModelShape":
-        """This whole model's shape cut into `pp` stages as `split_model` cuts it (`stage_layers`), from
-        the one meta build: the layout search plans every stage count without building the model again."""
-        from dilocox.worker.train.pipeline_stage import stage_layers
-
-        if len(self.stages) != 1 or len(self.layer_of) != len(self.stages[0]):
-            raise ValueError("ModelShape.split: needs the shape of a whole model (model_shape with --pp 1)")
-        layers = len(self.blocks[0])
-        stage_of_layer = {layer: stage for stage in range(pp) for layer in stage_layers(layers, stage, pp)}
-        stage_of_layer.update({-1: 0, layers: pp - 1})
-        stages: list[list[tuple[str, tuple[int, ...]]]] = [[] for _ in range(pp)]
-        for spec, layer in zip(self.stages[0], self.layer_of):
-            stages[stage_of_layer[layer]].append(spec)
-        blocks = [[self.blocks[0][layer] for layer in stage_layers(layers, stage, pp)] for stage in range(pp)]
-        return dataclasses.replace(self, stages=stages, blocks=blocks, layer_of=())
 
 
 @dataclass
@@ -174,6 +140,12 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.gpu_bytes is None or self.peak_device.device_need <= self.gpu_bytes
 
+    checkpoint_bytes: int = 0  # one site checkpoint on disk (`checkpoint_disk_bytes`; 0 in a quick plan)
+
+    def checkpoint_disk(self, keep: int = 2) -> int:
+        """The disk a run's checkpoints take: `keep` committed ones and the next being written."""
+        return (keep + 1) * self.checkpoint_bytes
+
     @property
     def margin(self) -> int | None:
         """What the fullest GPU has left once tensors and overheads are in (negative: over)."""
@@ -195,69 +167,16 @@ def planned_precision(config: RunConfig, on_gpu: bool) -> RunConfig:
     return dataclasses.replace(config, parallel=dataclasses.replace(par, precision="bf16" if on_gpu else "fp32"))
 
 
-def model_shape(config: RunConfig, vocab: int) -> ModelShape:
-    """The model's stages and sizes from its meta structure (no memory); built once per model, vocabulary
-    and stage count in a process (`dilocox plan` asks for the same one several times)."""
-    return _model_shape(config.model, vocab, config.parallel.pp)
-
-
-@functools.lru_cache(maxsize=16)
-def _model_shape(model_config: ModelConfig, vocab: int, pp: int) -> ModelShape:
-    whole = _decoder_shape(model_config, vocab)  # a Llama-shaped config.json: no transformers, no build
-    if whole is not None:
-        return whole if pp == 1 else whole.split(pp)
-    config = RunConfig(model=model_config, parallel=ParallelConfig(pp=pp, microbatches=max(pp, 4)))
-    from dilocox.worker.models.bounds import check_fields
-    from dilocox.worker.models.build import meta_model
-    from dilocox.worker.models.spec import resolve_model
-    from dilocox.worker.site.parallelize import transformer_blocks
-    from dilocox.worker.train.pipeline_stage import split_model
-
-    model = meta_model(config.model, vocab)
-    sizes = check_fields(resolve_model(config.model.model), config.model)
-    pp = config.parallel.pp
-    stages = [model] if pp == 1 else [split_model(model, s, pp) for s in range(pp)]
-    specs = [[(n, tuple(p.shape)) for n, p in stage.named_parameters()] for stage in stages]
-    blocks = [[sum(p.numel() for p in block.parameters()) for block in transformer_blocks(stage)] for stage in stages]
-    heads = getattr(getattr(model, "config", None), "num_attention_heads", None) or config.model.n_head
-    width = sizes.get("width") or config.model.n_embd
-    gated = any(name.endswith("gate_proj.weight") for stage in specs for name, _ in stage)
-    layer_of: tuple[int, ...] = ()
-    if pp == 1:
-        in_block = {id(p): i for i, block in enumerate(transformer_blocks(model)) for p in block.parameters()}
-        seen_block, marks = False, []
-        for _, p in model.named_parameters():
-            layer = in_block.get(id(p))
-            seen_block |= layer is not None
-            marks.append(layer if layer is not None else (len(blocks[0]) if seen_block else -1))
-        layer_of = tuple(marks)
-    return ModelShape(specs, blocks, width, sizes.get("mlp") or 4 * width, int(heads), vocab, gated, layer_of)
-
-
-def _decoder_shape(model_config: ModelConfig, vocab: int) -> ModelShape | None:
-    """The whole model's shape from its config.json where worker/models/decoder_shapes.py knows the family."""
-    from dilocox.worker.models.decoder_shapes import decoder_param_specs
-    from dilocox.worker.models.spec import resolve_model
-
-    spec = resolve_model(model_config.model)
-    if spec.kind != "hf" or not spec.hf_config:
-        return None
-    config = spec.hf_config
-    if config.get("tie_word_embeddings"):  # one parameter on two stages: the build refuses --pp > 1 by name
-        return None
-    specs = decoder_param_specs(config, vocab if spec.from_preset else int(config.get("vocab_size") or vocab))
-    if specs is None:
-        return None
-    layers = int(config["num_hidden_layers"])
-    layer_of = tuple(int(n.split(".")[2]) if n.startswith("model.layers.") else (-1 if n.startswith("model.embed_tokens") else layers)
-                     for n, _ in specs)  # fmt: skip
-    blocks = [0] * layers
-    for (_, shape), layer in zip(specs, layer_of):
-        if 0 <= layer < layers:
-            blocks[layer] += math.prod(shape)
-    width = int(config["hidden_size"])
-    return ModelShape([specs], [blocks], width, int(config["intermediate_size"]), int(config["num_attention_heads"]), vocab,
-                      gated=True, layer_of=layer_of)  # fmt: skip
+def _held_summary(model: ModelShape, stage: int, shard: int, shards: int, state: str) -> tuple[int, int, int]:
+    """(elements held, the largest parameter's, AdamW's moment bytes) of a rank holding FSDP chunk `shard`
+    of `shards` of `stage` — kept on the shape, which the layout search plans hundreds of times."""
+    key = (stage, shard, shards, state)
+    if key not in model.memo:
+        shapes = dict(model.stages[stage])
+        by_tensor = _held_by_tensor(shapes, shard, shards)
+        moments = sum(moment_bytes(shapes[name], n, state) for name, n in by_tensor.items())
+        model.memo[key] = (sum(by_tensor.values()), max(by_tensor.values(), default=0), moments)
+    return model.memo[key]
 
 
 def _held_by_tensor(shapes: dict[str, tuple[int, ...]], shard: int, shards: int) -> dict[str, int]:
@@ -345,20 +264,25 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
     pipelined = shape.pp > 1
     cuda = par.device != "cpu"
     ranks = []
-    reshard_kind = _BoundedReshard if quick else _ExactReshard
-    reshards = [reshard_kind(specs, shape, sharded, batch_elements) for specs in model.stages]
+    if quick:  # the same owners for every candidate of a stage count and dp: planned once
+        key = ("bounded", shape.dp, sharded, batch_elements)
+        if key not in model.memo:
+            model.memo[key] = [_BoundedReshard(specs, shape, sharded, batch_elements) for specs in model.stages]
+        reshards = model.memo[key]
+    else:
+        reshards = [_ExactReshard(specs, shape, sharded, batch_elements) for specs in model.stages]
     for rank in ([s * shape.dp for s in range(shape.pp)] if quick else range(shape.world_size)):
         stage, replica = shape.stage_of(rank), shape.replica_of(rank)
         shapes = dict(model.stages[stage])
         stage_params = sum(math.prod(s) for s in shapes.values())
         blocks = model.blocks[stage]
         root = stage_params - sum(blocks)
-        by_tensor = _held_by_tensor(shapes, shape.shard_coordinate(replica), shape.dp_shard if sharded else 1)
-        held = sum(by_tensor.values())
+        held, largest_local, moments = _held_summary(model, stage, shape.shard_coordinate(replica), shape.dp_shard if sharded else 1,
+                                                     par.optimizer_state)  # fmt: skip
         plan = RankPlan(rank, stage, replica, held=held)
         d = plan.device
         d["weights"], d["grads"] = 4 * held, 4 * held
-        d["optimizer"] = sum(moment_bytes(shapes[name], n, par.optimizer_state) for name, n in by_tensor.items())
+        d["optimizer"] = moments
         largest_block = max(blocks, default=0)
         if not sharded:
             d["gathered"], d["grad_accumulators"] = 0, 0
@@ -370,30 +294,29 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         micro = par.microbatches if pipelined else 1
         tokens = inner.batch_size // micro * block
         micro *= inner.grad_accum if pipelined else 1  # a step's accumulated batches go through one schedule step
-        if not pipelined:
-            in_flight = 1
-        elif par.schedule == "gpipe":
-            in_flight = micro
-        else:  # torch's 1F1B: pp − stage forwards in its warm-up, then a backward before each next forward
-            in_flight = min(shape.pp - stage, micro)
+        chunks = model.layers_of_chunks(stage)  # the blocks of each of the rank's stages
+        # blocks × microbatches held at once (worker/site/pipeline_memory.py: as torch's schedule runs)
+        in_flight = in_flight_layers(par.schedule, stage, shape.pp, micro, chunks) if pipelined else len(blocks)
         width_factor, mlp_factor = ACTIVATION_FACTORS[model.gated]
         per_token_layer = width_factor * model.width + mlp_factor * model.mlp
         if not fused_attention:
             per_token_layer += 2 * model.heads * block  # the attention probabilities and their dropout/softmax copy
         if par.activation_checkpoint == "full":  # each block keeps its input; one block's intermediates are rebuilt at a time
-            d["activations"] = (in_flight * tokens * len(blocks) * model.width + tokens * per_token_layer * min(1, len(blocks))) * act_bytes
+            d["activations"] = (in_flight * tokens * model.width + tokens * per_token_layer * min(1, len(blocks))) * act_bytes
         else:
-            d["activations"] = in_flight * tokens * len(blocks) * per_token_layer * act_bytes
+            d["activations"] = in_flight * tokens * per_token_layer * act_bytes
         last = stage == shape.pp - 1
-        last_in_flight = 1 if not pipelined or par.schedule == "1f1b" else micro
+        last_in_flight = last_stage_in_flight(par.schedule, shape.pp, micro, par.stages_per_rank) if pipelined else 1
         d["logits"] = _logits_bytes(tokens, model.vocab, last_in_flight, bf16) if last else 0
-        # Receive buffers, one per microbatch of the step (and of eval): activations in, their gradients back.
+        # Receive buffers, one per microbatch of the step (and of eval) and per stage of the rank: the
+        # activations it is sent (all stages of the model but its first), their gradients (all but its last).
         micro_tokens = tokens * model.width * act_bytes
-        receives = (stage > 0) + (stage < shape.pp - 1)
-        d["pipeline_buffers"] = (receives * micro + (stage > 0) * par.microbatches) * micro_tokens if pipelined else 0
+        virtual = shape.pp * par.stages_per_rank
+        stage_indices = [stage + k * shape.pp for k in range(par.stages_per_rank)]
+        receives = sum((s > 0) * (micro + par.microbatches) + (s < virtual - 1) * micro for s in stage_indices)
+        d["pipeline_buffers"] = receives * micro_tokens if pipelined else 0
         reshard = reshards[stage]
         d["reshard"] = 4 * reshard.buffers[replica] if shape.dp > 1 else 0
-        largest_local = max(by_tensor.values(), default=0)
         d["optimizer_step"] = _optimizer_step_bytes(par.optimizer_state, cuda, held, largest_local)
         if cuda:
             plan.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "fragmentation": int(FRAGMENTATION * plan.device_total)}
@@ -413,7 +336,15 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         }
         ranks.append(plan)
     return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard,
-                      bool(par.spill_dir), par.checkpoint_staging, par.optimizer_state)  # fmt: skip
+                      bool(par.spill_dir), par.checkpoint_staging, par.optimizer_state,
+                      0 if quick else checkpoint_disk_bytes(model, par.optimizer_state))  # fmt: skip
+
+
+def checkpoint_disk_bytes(model: ModelShape, optimizer_state: str) -> int:
+    """One site checkpoint's bytes: fp32 weights and AdamW's moments as kept (replicas write them once), and
+    per parameter the error-feedback residual and the replica of the global model — weights and outer
+    momentum (worker/checkpoint.py): 4 + moments + 12 B a parameter."""
+    return sum(4 * math.prod(s) + moment_bytes(s, math.prod(s), optimizer_state) + 12 * math.prod(s) for stage in model.stages for _, s in stage)
 
 
 def _logits_bytes(tokens: int, vocab: int, in_flight: int, bf16: bool) -> int:

@@ -10,7 +10,8 @@ import dataclasses
 
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_from_args
 from dilocox.worker.site.layout_search import H100_BF16_TFLOPS, Cluster, RankedLayout, rank_layouts
-from dilocox.worker.site.memory_plan import GB, MemoryPlan, model_shape, plan_memory, planned_precision
+from dilocox.worker.site.memory_plan import GB, MemoryPlan, plan_memory, planned_precision
+from dilocox.worker.site.model_shape import model_shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,8 @@ def render(plan: MemoryPlan) -> str:
         owned = max(1, r.owned)
         lines.append(f"{r.rank:>4} {r.stage:>5}  {_gb(r.host['build']):>11}  {_gb(r.host['exchange']):>17}  {_gb(r.host['checkpoint']):>20}"
                      f"   {r.host['exchange'] / owned:.1f} / {(r.host['exchange'] + r.host['checkpoint']) / owned:.1f}")  # fmt: skip
+    lines.append(f"a site checkpoint: {_gb(plan.checkpoint_bytes)} GB on a disk every rank sees; with --checkpoint-keep 2 and the next "
+                 f"one being written, {_gb(plan.checkpoint_disk(2))} GB")  # fmt: skip
     if plan.gpu_bytes:
         worst = plan.peak_device
         verdict = "fits" if plan.fits() else "does NOT fit"
@@ -99,7 +102,8 @@ def _distinct(plan: MemoryPlan) -> list:
 def _flags(config: RunConfig) -> str:
     c = config.parallel
     mode = f" --pipeline-reshard {c.pipeline_reshard}" if c.pp > 1 and c.dp > 1 and c.pipeline_reshard != "auto" else ""
-    return f"--pp {c.pp} --dp {c.dp} --dp-replicate {c.dp_replicate} --microbatches {c.microbatches}{mode}"
+    schedule = f" --schedule {c.schedule} --stages-per-rank {c.stages_per_rank}" if c.stages_per_rank > 1 else ""
+    return f"--pp {c.pp} --dp {c.dp} --dp-replicate {c.dp_replicate} --microbatches {c.microbatches}{schedule}{mode}"
 
 
 def render_layouts(config: RunConfig, args: argparse.Namespace, vocab: int, gpu_bytes: int | None,

@@ -30,7 +30,7 @@ import time
 import structlog
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from dilocox.common.config.run import RunConfig
 from dilocox.worker.data.corpus import BatchSampler, as_token_array, check_split, data_part, eval_windows, gather_windows
@@ -43,7 +43,7 @@ from dilocox.worker.site.mesh import SiteMesh
 from dilocox.worker.site.parallelize import checkpoint_blocks, local_part, reshard_all, shard_stage
 from dilocox.worker.site.pipeline_fsdp import MicrobatchReshardStage
 from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
-from dilocox.worker.train.pipeline_stage import split_model
+from dilocox.worker.train.pipeline_stage import RankStages, rank_stages, split_model, stage_modules
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 log = structlog.get_logger()
@@ -78,13 +78,20 @@ def build_site_module(config: RunConfig, vocab_size: int, mesh: SiteMesh, pipeli
     from the run's seed, bit-identical to one process (worker/models/materialize.py), or read from
     `--weights`. A `module:function` model (its init its own code's) is built whole and then sharded."""
     plan = blueprint(config.model, vocab_size, config.seed)
-    module = plan.module if mesh.shape.pp == 1 else split_model(plan.module, mesh.stage, mesh.shape.pp)
+    pp, per_rank = mesh.shape.pp, config.parallel.stages_per_rank
+    if pp == 1:
+        module = plan.module
+    elif per_rank == 1:
+        module = split_model(plan.module, mesh.stage, pp)
+    else:  # this rank's stages of pp · v, together under the model's names (each one its own FSDP root)
+        module = RankStages([split_model(plan.module, s, pp * per_rank) for s in rank_stages(mesh.stage, pp, per_rank)])
     if plan.built:
         module = module.to(mesh.device)
     if config.parallel.activation_checkpoint == "full":
         checkpoint_blocks(module)
     if mesh.fsdp_mesh is not None:
-        shard_stage(module, mesh.fsdp_mesh, mesh.compute.bf16, keep_gathered=mesh.shape.pp > 1 and pipeline_reshard == "step")
+        for part in stage_modules(module):
+            shard_stage(part, mesh.fsdp_mesh, mesh.compute.bf16, keep_gathered=pp > 1 and pipeline_reshard == "step")
     if not plan.built:
         materialize(module, mesh.device, config.seed, plan.init_fn, plan.skeleton, fill=not config.model.weights)
         torch.manual_seed(config.seed)  # what draws next (dropout) starts from the seed, as in one process
@@ -114,21 +121,30 @@ class SiteTrainer:
                                     part.count, split=part.split)  # fmt: skip
         self.schedule = self.eval_schedule = None
         if shape.pp > 1:
-            # One schedule step per inner step: the accumulated batches' microbatches all go through one
-            # schedule (m·A of them), so FSDP gathers and reduces a block once per step, not once per batch.
-            stage_class = MicrobatchReshardStage if self.pipeline_reshard == "microbatch" else PipelineStage
-            stage = stage_class(self.module, mesh.stage, shape.pp, self.device, group=mesh.pp_group)
-            micro = config.parallel.microbatches
-            self.schedule = SCHEDULES[config.parallel.schedule](stage, micro * config.inner.grad_accum, loss_fn=causal_lm_loss,
-                                                                scale_grads=False)  # fmt: skip
-            # Eval has a stage and schedule of its own: torch re-runs a stage's shape inference (a round of
-            # metadata messages between stages) each time one schedule switches between step() and eval().
-            eval_stage = PipelineStage(self.module, mesh.stage, shape.pp, self.device, group=mesh.pp_group)
-            self.eval_schedule = ScheduleGPipe(eval_stage, micro, loss_fn=causal_lm_loss, scale_grads=False)
+            self.schedule, self.eval_schedule = self._schedules()
         self.optimizer = make_inner_optimizer(config, self.module.parameters())
         self.step = 0
         self.tokens_seen = 0
         mesh.settle()  # ranks done building at different times meet on the host, not in a training collective
+
+    def _schedules(self):  # noqa: ANN202
+        """The training schedule and eval's. One schedule step per inner step: the accumulated batches'
+        microbatches all go through one schedule (m·A of them), so FSDP gathers and reduces a block once per
+        step, not once per batch. Eval has stages and a schedule of its own: torch re-runs a stage's shape
+        inference (a round of metadata messages between stages) each time one schedule switches between
+        step() and eval(). With several stages a rank, torch's interleaved 1F1B runs them (each stage a
+        PipelineStage of its own), and eval the same schedule forward only."""
+        par, mesh = self.config.parallel, self.mesh
+        micro, pp, per_rank = par.microbatches, mesh.shape.pp, par.stages_per_rank
+        stage_class = MicrobatchReshardStage if self.pipeline_reshard == "microbatch" else PipelineStage
+        parts, indices = stage_modules(self.module), rank_stages(mesh.stage, pp, per_rank)
+        make = lambda cls: [cls(part, i, pp * per_rank, self.device, group=mesh.pp_group) for part, i in zip(parts, indices)]  # noqa: E731
+        steps = micro * self.config.inner.grad_accum
+        if per_rank == 1:
+            schedule = SCHEDULES[par.schedule](make(stage_class)[0], steps, loss_fn=causal_lm_loss, scale_grads=False)
+            return schedule, ScheduleGPipe(make(PipelineStage)[0], micro, loss_fn=causal_lm_loss, scale_grads=False)
+        schedule = ScheduleInterleaved1F1B(make(stage_class), steps, loss_fn=causal_lm_loss, scale_grads=False)
+        return schedule, ScheduleInterleaved1F1B(make(PipelineStage), micro, loss_fn=causal_lm_loss, scale_grads=False)
 
     # ------------------------------------------------------------------ LocalTrainer
     @property
@@ -139,8 +155,9 @@ class SiteTrainer:
         """The stage's parameters as this rank holds them: FSDP's sharded DTensors (every unit resharded
         first), or the plain tensors of an unsharded stage."""
         if self.sharded:
-            reshard_all(self.module)
-        return list(self.module.named_parameters())
+            for part in stage_modules(self.module):  # each stage's root unit too (a RankStages' tree has none)
+                reshard_all(part)
+        return list(self.module.named_parameters())  # a RankStages: its stages' parameters, by the model's names
 
     def train_steps(self, n: int) -> tuple[float, int, float]:
         """Run `n` inner steps; returns (mean train loss, tokens the whole site trained, seconds)."""

@@ -55,6 +55,7 @@ class OptimizerStateError(ValueError):
     """An optimizer state this installation cannot keep (torchao missing)."""
 
 
+@functools.lru_cache(maxsize=4096)
 def int8_block(shape: tuple[int, ...]) -> int | None:
     """The 8-bit block of a parameter of global `shape`, or None: its moments stay fp32. Decided on the
     global shape so that every rank and every layout agrees."""

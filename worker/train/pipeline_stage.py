@@ -141,6 +141,65 @@ def split_model(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     return DecoderStage(model, stage, num_stages)
 
 
+def rank_stages(rank_stage: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The virtual stages of pipeline rank `rank_stage` when each rank holds `stages_per_rank` of the
+    pp · v: rank r holds r, r + pp, r + 2·pp, … (the "looped" placement torch's interleaved schedules use),
+    so the model's first stage and its last sit on the first and the last rank as with one stage each."""
+    return [rank_stage + k * pp for k in range(stages_per_rank)]
+
+
+class RankStages(nn.Module):
+    """A pipeline rank's stages together (`--stages-per-rank` > 1), under the whole model's parameter names.
+
+    torch's interleaved schedules drive each stage on its own (`chunks`, one PipelineStage each, each its
+    own FSDP root); everything that works by name — the exchange, DCP checkpoints, weights, the memory plan
+    — sees one module whose tree is the union of the stages' trees: `blocks.3` and `blocks.11` side by side,
+    the embedding where stage 0 is, the head where the last is. The same module objects, not copies."""
+
+    def __init__(self, chunks: list[nn.Module]) -> None:
+        super().__init__()
+        self.__dict__["chunks"] = list(chunks)  # not submodules: their names would prefix every parameter's
+        for chunk in chunks:
+            _merge_into(self, chunk)
+
+    def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        raise RuntimeError("RankStages is not called: its pipeline schedule runs each of its stages (chunks)")
+
+    def train(self, mode: bool = True) -> "RankStages":
+        super().train(mode)
+        for chunk in self.chunks:  # the stages' own roots are not in this tree
+            chunk.train(mode)
+        return self
+
+
+def stage_modules(module: nn.Module) -> list[nn.Module]:
+    """The stages a rank computes: a RankStages' chunks, or the module itself."""
+    return list(module.chunks) if isinstance(module, RankStages) else [module]
+
+
+def _merge_into(target: nn.Module, source: nn.Module) -> None:
+    """Add `source`'s children to `target` by name: one `target` lacks is added as it is (a container —
+    a ModuleDict of blocks, a plain `nn.Module` holding others — as a fresh one merged into, so that later
+    stages can join it); the same object twice (a rotary embedding every stage computes) is kept once."""
+    for name, child in source.named_children():
+        mine = target._modules.get(name)
+        if mine is child:
+            continue
+        if mine is None and not _is_container(child):
+            target.add_module(name, child)
+        elif mine is None or (_is_container(mine) and _is_container(child)):
+            if mine is None:
+                mine = nn.ModuleDict() if isinstance(child, nn.ModuleDict) else nn.Module()
+                target.add_module(name, mine)
+            _merge_into(mine, child)
+        else:
+            raise ValueError(f"RankStages: two stages both hold {name!r}, as different modules")
+
+
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, nn.ModuleDict) or type(module) is nn.Module
+
+
 def build_stage(config: ModelConfig, vocab_size: int, seed: int, stage: int, num_stages: int) -> nn.Module:
     """The stage of the model every cluster builds from `seed`, on the CPU, bit-identical to the same
     parameters of the single-process model: cut from the model's meta blueprint, then only the stage's
