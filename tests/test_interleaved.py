@@ -1,5 +1,5 @@
 """Several pipeline stages a rank (`--schedule interleaved-1f1b --stages-per-rank v`): torch's
-ScheduleInterleaved1F1B over the rank's stages, each its own FSDP root, together under the model's names
+ScheduleInterleaved1F1B (or ScheduleInterleavedZeroBubble, `interleaved-zb`) over the rank's stages, each its own FSDP root, together under the model's names
 (RankStages). Each microbatch meets the same blocks in the same order as under 1F1B and the gradients add
 up in the same order, so the site trains bit for bit as the 1F1B site does — on gloo ranks in both
 reshard modes, and as a whole run against real shards (0 replay mismatches)."""
@@ -31,7 +31,7 @@ def _interleaved(rank: int, world: int, port: int, out_dir: str, reshard: str) -
     mesh = SiteMesh(config(2, 2).parallel, collective_timeout_s=120)
     result = {}
     try:
-        for name, (schedule, per_rank) in LAYOUTS.items():
+        for name, (schedule, per_rank) in {**LAYOUTS, **({"zero-bubble": ("interleaved-zb", 2)} if reshard == "step" else {})}.items():
             cfg = config(2, 2, accum=2, reshard=reshard)
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="gpt", n_layer=4, n_embd=64),
                                       parallel=dataclasses.replace(cfg.parallel, schedule=schedule, stages_per_rank=per_rank))  # fmt: skip
@@ -49,11 +49,12 @@ def test_two_stages_a_rank_train_bit_for_bit_as_one(reshard, tmp_path):
     world = 4
     mp.spawn(_interleaved, args=(world, free_port(), str(tmp_path), reshard), nprocs=world, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for part in parts:
-        assert part["1f1b"]["losses"] == part["interleaved"]["losses"] and part["1f1b"]["eval"] == part["interleaved"]["eval"]
     one = {n: t for part in parts for n, t in part["1f1b"]["weights"].items()}  # the whole model, from its ranks
-    two = {n: t for part in parts for n, t in part["interleaved"]["weights"].items()}
-    assert one.keys() == two.keys() and all(torch.equal(one[n], two[n]) for n in one)
+    for other in ("interleaved", "zero-bubble") if reshard == "step" else ("interleaved",):
+        for part in parts:
+            assert part["1f1b"]["losses"] == part[other]["losses"] and part["1f1b"]["eval"] == part[other]["eval"], other
+        two = {n: t for part in parts for n, t in part[other]["weights"].items()}
+        assert one.keys() == two.keys() and all(torch.equal(one[n], two[n]) for n in one), other
     # rank 0 holds stages 0 and 2 of 4 (the embeddings, blocks 0 and 2), rank 2 stages 1 and 3 (blocks 1 and 3, the head)
     assert [n.split(".")[1] for n in parts[0]["interleaved"]["names"] if n.startswith("blocks.")][::12] == ["0", "2"]
     assert parts[2]["interleaved"]["names"][-1] == "head.weight"
@@ -84,5 +85,10 @@ def test_the_plan_counts_what_torchs_interleaved_schedule_holds_and_idles():
     assert bubble_fraction(2, 8, 2) < 0.1 <= bubble_fraction(2, 8)
     assert [in_flight_layers("1f1b", r, 4, 8, (10,)) for r in range(4)] == [40, 30, 20, 10]
     assert [in_flight_layers("interleaved-1f1b", r, 4, 8, (5, 5)) for r in range(4)] == [55, 45, 35, 25]
-    with pytest.raises(ValueError, match="more than one stage a rank is the interleaved schedule's"):
+    with pytest.raises(ValueError, match="more than one stage a rank is the interleaved schedules'"):
         ParallelConfig(pp=2, stages_per_rank=2)
+    with pytest.raises(ValueError, match="interleaved-zb splits each backward in two"):
+        ParallelConfig(pp=2, schedule="interleaved-zb", pipeline_reshard="microbatch")
+    # zero bubble: weight backwards fill most of the idle slots, for more activations held
+    assert bubble_fraction(4, 8, 2, "interleaved-zb") < bubble_fraction(4, 8, 2) / 2
+    assert in_flight_layers("interleaved-zb", 0, 4, 8, (5, 5)) >= in_flight_layers("interleaved-1f1b", 3, 4, 8, (5, 5))

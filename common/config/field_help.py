@@ -65,7 +65,7 @@ FIELD_HELP = {
     "parallel__dp": "data-parallel ranks per stage (FSDP2)",
     "parallel__dp_replicate": "of the dp ranks, how many hold whole replicas: 1 = FSDP, dp = replication, between = HSDP",
     "parallel__microbatches": "micro-batches per batch through the pipeline (divides the batch size; 1f1b needs ≥ pp)",
-    "parallel__schedule": "pipeline schedule: 1f1b, gpipe, or interleaved-1f1b (with --stages-per-rank ≥ 2: a smaller bubble)",
+    "parallel__schedule": "pipeline schedule: 1f1b, gpipe, interleaved-1f1b (with --stages-per-rank ≥ 2: a smaller bubble) or interleaved-zb (zero bubble: backward split into input and weight halves; --pipeline-reshard step)",
     "parallel__stages_per_rank": "pipeline stages each rank holds: 1, or with --schedule interleaved-1f1b 2 or more (the model cut into pp × this many stages, rank r holding r, r + pp, …)",
     "parallel__device": "auto (CUDA where there is one), cpu, cuda (each rank its LOCAL_RANK's GPU) or cuda:N (one process)",
     "parallel__activation_checkpoint": "none, or full: recompute every transformer block's forward in the backward (activations: its input per token and layer, not every intermediate)",

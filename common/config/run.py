@@ -150,7 +150,7 @@ class WireConfig:
         return options
 
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb")
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,9 @@ class ParallelConfig:
     dp_replicate: int = 1
     microbatches: int = 4  # per inner step, through the pipeline (must divide the batch size; 1f1b: ≥ pp)
     # gpipe | 1f1b | interleaved-1f1b (torch's ScheduleInterleaved1F1B over `stages_per_rank` stages a rank:
-    # the bubble (pp − 1) / (v·m + pp − 1) instead of (pp − 1) / (m + pp − 1))
+    # the bubble (pp − 1) / (v·m + pp − 1) instead of (pp − 1) / (m + pp − 1)) | interleaved-zb (torch's
+    # ScheduleInterleavedZeroBubble: each backward split into its input's and its weights' halves, the
+    # latter filling the bubble; blocks stay gathered through the step, --pipeline-reshard step)
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     device: str = "auto"  # auto (cuda where there is one) | cpu | cuda | cuda:N (one process only)
@@ -213,9 +215,14 @@ class ParallelConfig:
             raise ValueError(f"dp_replicate must be ≥ 1 and divide dp, got dp_replicate={self.dp_replicate} dp={self.dp}")
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
-        if self.stages_per_rank < 1 or (self.stages_per_rank > 1) != (self.schedule == "interleaved-1f1b"):
+        if self.stages_per_rank < 1 or (self.stages_per_rank > 1 and not self.schedule.startswith("interleaved")) or (
+                self.schedule == "interleaved-1f1b" and self.stages_per_rank == 1):  # fmt: skip
             raise ValueError(f"--stages-per-rank {self.stages_per_rank} with --schedule {self.schedule}: more than one stage a rank "
-                             "is the interleaved schedule's (--schedule interleaved-1f1b --stages-per-rank 2 or more)")  # fmt: skip
+                             "is the interleaved schedules' (--schedule interleaved-1f1b --stages-per-rank 2 or more, or "
+                             "interleaved-zb)")  # fmt: skip
+        if self.schedule == "interleaved-zb" and self.pipeline_reshard == "microbatch":
+            raise ValueError("--schedule interleaved-zb splits each backward in two, which --pipeline-reshard microbatch cannot "
+                             "reshard between: use --pipeline-reshard step (or auto)")  # fmt: skip
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be ≥ 1, got {self.microbatches}")
         if self.schedule == "1f1b" and self.pp > 1 and self.microbatches < self.pp:

@@ -91,7 +91,7 @@ def estimate_step(config: RunConfig, model: ModelShape, cluster: Cluster, reshar
         stage_flops.append((8 if recompute else 6) * params + len(blocks) * attention * (4 / 3 if recompute else 1))
     peak = cluster.gpu_tflops * 1e12 * cluster.mfu
     slot = max(stage_flops) * micro_tokens / peak  # one microbatch through a rank's stages, the slowest rank's
-    bubble = bubble_fraction(shape.pp, micro, par.stages_per_rank)
+    bubble = bubble_fraction(shape.pp, micro, par.stages_per_rank, par.schedule)
     compute = slot * micro / (1 - bubble)
     # FSDP: one stage's shard group; the busiest (most parameters) stage sets the pace
     stage_params = max(sum(_numel(s) for _, s in specs) for specs in model.stages)
@@ -156,7 +156,8 @@ def candidate_layouts(config: RunConfig, gpus: int, layers: int) -> list[RunConf
         dp = gpus // pp
         micros = [m for m in range(pp, batch + 1) if batch % m == 0] if pp > 1 else [config.parallel.microbatches]  # ≥ pp: no idle stage
         # 1F1B (one stage a rank) and the interleaved 1F1B with 2, 4 or 8 stages a rank where the blocks allow
-        schedules = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 4, 8) if pp > 1 and pp * v <= layers]
+        schedules = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 4, 8) if pp > 1 and pp * v <= layers] + [
+            ("interleaved-zb", v) for v in (1, 2) if pp > 1 and pp * v <= layers]  # fmt: skip
         for micro, (schedule, per_rank), replicate in itertools.product(micros, schedules, (r for r in range(1, dp + 1) if dp % r == 0)):
             steps = micro * config.inner.grad_accum
             if per_rank > 1 and steps % interleaved_rounds(pp, steps)[0]:

@@ -209,6 +209,8 @@ def resolve_pipeline_reshard(config: RunConfig, vocab: int, gpu_bytes: int | Non
     par = config.parallel
     if par.pipeline_reshard != "auto":
         return config
+    if par.schedule == "interleaved-zb":  # its split backward runs with blocks gathered through the step
+        return dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="step"))
     step = dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="step"))
     if gpu_bytes is None or par.pp == 1 or par.dp == 1 or plan_memory(step, vocab, gpu_bytes, fused_attention, model, quick=quick).fits():
         return step

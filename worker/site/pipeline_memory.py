@@ -7,7 +7,8 @@
   every B takes one away), the peak taken over the run weighted by each stage's blocks — a chunk of few
   blocks in flight costs less than one of many.
 * **The bubble**: the share of a rank's step it idles, (pp − 1) / (v · m + pp − 1) for m microbatches and
-  v stages a rank (Narayanan et al. 2021; v = 1: GPipe and 1F1B).
+  v stages a rank (Narayanan et al. 2021; v = 1: GPipe and 1F1B); the zero-bubble schedule's (Qi et al.
+  2024), whose weight backwards fill most of it, counted on torch's own order for it.
 """
 
 from __future__ import annotations
@@ -16,11 +17,28 @@ import functools
 from types import SimpleNamespace
 
 
-def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """The share of each rank's slots idle in a step of `microbatches` (the step's, accumulated included)."""
+def bubble_fraction(pp: int, microbatches: int, stages_per_rank: int = 1, schedule: str = "1f1b") -> float:
+    """The share of each rank's slots idle in a step of `microbatches` (the step's, accumulated included).
+    The zero-bubble schedule's is read off torch's own order for it: its idle slots among forwards, input
+    backwards and weight backwards, each taken as one slot (the zero-bubble paper's cost model)."""
     if pp <= 1:
         return 0.0
+    if schedule == "interleaved-zb":
+        order = _zero_bubble_order(pp, microbatches, stages_per_rank)
+        return max(sum(a is None for a in acts) / len(acts) for acts in order.values())
     return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _zero_bubble_order(pp: int, microbatches: int, stages_per_rank: int) -> dict:
+    """torch's ScheduleInterleavedZeroBubble order for every rank, idle slots included (None)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as zb
+
+    rounds, per_round = interleaved_rounds(pp, microbatches)
+    plan = SimpleNamespace(n_local_stages=stages_per_rank, microbatches_per_round=per_round, pp_group_size=pp,
+                           _n_microbatches=microbatches, number_of_rounds=rounds)  # fmt: skip
+    plan.pipeline_order = {rank: zb._calculate_single_rank_operations(plan, rank) for rank in range(pp)}
+    return zb._add_bubbles_to_actions(plan, stages_per_rank * pp)
 
 
 def interleaved_rounds(pp: int, microbatches: int) -> tuple[int, int]:
@@ -37,7 +55,7 @@ def in_flight_layers(schedule: str, rank_stage: int, pp: int, microbatches: int,
         return microbatches * sum(chunk_layers)
     if schedule == "1f1b":
         return min(pp - rank_stage, microbatches) * sum(chunk_layers)
-    return _interleaved_peak(rank_stage, pp, microbatches, chunk_layers)
+    return _interleaved_peak(schedule, rank_stage, pp, microbatches, chunk_layers)
 
 
 def last_stage_in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> int:
@@ -46,30 +64,38 @@ def last_stage_in_flight(schedule: str, pp: int, microbatches: int, stages_per_r
         return 1
     if schedule == "gpipe":
         return microbatches
-    counts = _interleaved_counts(pp - 1, pp, microbatches, stages_per_rank)
+    counts = _interleaved_counts(schedule, pp - 1, pp, microbatches, stages_per_rank)
     last = pp * stages_per_rank - 1
     return max(c.get(last, 0) for c in counts)
 
 
 @functools.lru_cache(maxsize=1024)
-def _interleaved_counts(rank_stage: int, pp: int, microbatches: int, stages_per_rank: int) -> tuple[dict[int, int], ...]:
-    """The microbatches in flight per stage after each of the rank's actions, from torch's own schedule."""
+def _interleaved_counts(schedule: str, rank_stage: int, pp: int, microbatches: int, stages_per_rank: int) -> tuple[dict[int, int], ...]:
+    """The microbatches in flight per stage after each of the rank's actions, from torch's own schedule: a
+    forward (F) adds one, a full backward (B) frees it — in the zero-bubble schedule its weight half (W),
+    as the input half (I) leaves what the weights' gradient needs."""
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
-    _, per_round = interleaved_rounds(pp, microbatches)
-    plan = SimpleNamespace(n_local_stages=stages_per_rank, microbatches_per_round=per_round, pp_group_size=pp, _n_microbatches=microbatches)
+    if schedule == "interleaved-zb":
+        actions = _zero_bubble_order(pp, microbatches, stages_per_rank)[rank_stage]
+    else:
+        _, per_round = interleaved_rounds(pp, microbatches)
+        plan = SimpleNamespace(n_local_stages=stages_per_rank, microbatches_per_round=per_round, pp_group_size=pp,
+                               _n_microbatches=microbatches)  # fmt: skip
+        actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(plan, rank_stage)
     counts: dict[int, int] = {}
     timeline = []
-    for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(plan, rank_stage):
+    for action in actions:
         if action is None:
             continue
-        kind = getattr(action.computation_type, "value", action.computation_type)  # "F", "B" (full backward), …
-        counts[action.stage_index] = counts.get(action.stage_index, 0) + {"F": 1, "B": -1}.get(kind, 0)
+        kind = getattr(action.computation_type, "value", action.computation_type)  # "F", "B", "I", "W"
+        counts[action.stage_index] = counts.get(action.stage_index, 0) + {"F": 1, "B": -1, "W": -1}.get(kind, 0)
         timeline.append(dict(counts))
     return tuple(timeline)
 
 
-def _interleaved_peak(rank_stage: int, pp: int, microbatches: int, chunk_layers: tuple[int, ...]) -> int:
+def _interleaved_peak(schedule: str, rank_stage: int, pp: int, microbatches: int, chunk_layers: tuple[int, ...]) -> int:
     v = len(chunk_layers)
     layers_of = {rank_stage + k * pp: chunk_layers[k] for k in range(v)}
-    return max((sum(n * layers_of[s] for s, n in c.items()) for c in _interleaved_counts(rank_stage, pp, microbatches, v)), default=0)
+    timeline = _interleaved_counts(schedule, rank_stage, pp, microbatches, v)
+    return max((sum(n * layers_of[s] for s, n in c.items()) for c in timeline), default=0)

@@ -30,7 +30,8 @@ import time
 import structlog
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                           ScheduleInterleavedZeroBubble)
 
 from dilocox.common.config.run import RunConfig
 from dilocox.worker.data.corpus import BatchSampler, as_token_array, check_split, data_part, eval_windows, gather_windows
@@ -46,6 +47,7 @@ from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
 from dilocox.worker.train.pipeline_stage import RankStages, rank_stages, split_model, stage_modules
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MULTI_STAGE_SCHEDULES = {"interleaved-1f1b": ScheduleInterleaved1F1B, "interleaved-zb": ScheduleInterleavedZeroBubble}
 log = structlog.get_logger()
 
 
@@ -132,18 +134,18 @@ class SiteTrainer:
         microbatches all go through one schedule (m·A of them), so FSDP gathers and reduces a block once per
         step, not once per batch. Eval has stages and a schedule of its own: torch re-runs a stage's shape
         inference (a round of metadata messages between stages) each time one schedule switches between
-        step() and eval(). With several stages a rank, torch's interleaved 1F1B runs them (each stage a
-        PipelineStage of its own), and eval the same schedule forward only."""
+        step() and eval(). With several stages a rank, torch's interleaved 1F1B or zero-bubble schedule
+        runs them (each stage a PipelineStage of its own), and eval the interleaved 1F1B forward only."""
         par, mesh = self.config.parallel, self.mesh
         micro, pp, per_rank = par.microbatches, mesh.shape.pp, par.stages_per_rank
         stage_class = MicrobatchReshardStage if self.pipeline_reshard == "microbatch" else PipelineStage
         parts, indices = stage_modules(self.module), rank_stages(mesh.stage, pp, per_rank)
         make = lambda cls: [cls(part, i, pp * per_rank, self.device, group=mesh.pp_group) for part, i in zip(parts, indices)]  # noqa: E731
         steps = micro * self.config.inner.grad_accum
-        if per_rank == 1:
+        if par.schedule in SCHEDULES:
             schedule = SCHEDULES[par.schedule](make(stage_class)[0], steps, loss_fn=causal_lm_loss, scale_grads=False)
             return schedule, ScheduleGPipe(make(PipelineStage)[0], micro, loss_fn=causal_lm_loss, scale_grads=False)
-        schedule = ScheduleInterleaved1F1B(make(stage_class), steps, loss_fn=causal_lm_loss, scale_grads=False)
+        schedule = MULTI_STAGE_SCHEDULES[par.schedule](make(stage_class), steps, loss_fn=causal_lm_loss, scale_grads=False)
         return schedule, ScheduleInterleaved1F1B(make(PipelineStage), micro, loss_fn=causal_lm_loss, scale_grads=False)
 
     # ------------------------------------------------------------------ LocalTrainer
