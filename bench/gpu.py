@@ -12,6 +12,8 @@ shards' weights bit-identical to theirs, on CUDA arithmetic):
 * ``accum``  — pp2 with 2 accumulated batches per step;
 * ``lean``   — pp1 as a lean rank: the round's start spilled to disk (--spill-dir) and checkpoints written
   synchronously, the exchange's host bytes per parameter against pp1's (issue 43);
+* ``int8`` / ``bf16state`` — pp1 with AdamW's moments in 8 bits / bf16 (`--optimizer-state`): planned against
+  measured peak and tokens/s beside pp1's fp32 (torchao's compiled step on CUDA);
 * ``resume`` — the largest site that fits, stopped by SIGTERM after round 2 and started with --resume.
 
 A check that needs more GPUs than the machine has is skipped with the reason. Per check: tokens/s,
@@ -31,9 +33,10 @@ import tempfile
 
 from dilocox.bench.site_layouts import VARIANTS, LayoutRun, _cli, layout_flags, planned_device_mb, run_worker, shard_processes, summarize
 
-CHECKS = ("sim", "pp1", "pp2", "dp2", "pp2dp2", "accum", "lean", "resume")
+CHECKS = ("sim", "pp1", "pp2", "dp2", "pp2dp2", "accum", "lean", "int8", "bf16state", "resume")
 LAYOUTS = {"pp1": (1, 1, ()), "pp2": (2, 1, ()), "dp2": (1, 2, ()), "pp2dp2": (2, 2, ()), "accum": (2, 1, ("--inner-grad-accum", "2")),
-           "lean": (1, 1, VARIANTS["lean"])}
+           "lean": (1, 1, VARIANTS["lean"]), "int8": (1, 1, ("--optimizer-state", "int8")),
+           "bf16state": (1, 1, ("--optimizer-state", "bf16"))}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
