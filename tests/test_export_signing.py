@@ -245,3 +245,41 @@ def test_export_command_signs_and_verify_checks_it(tmp_path, pki, capsys):
     capsys.readouterr()
     assert main(["verify", str(tmp_path / "model"), "--key", str(pki["run-cert"])]) == 1
     assert "FAILED model.safetensors: file changed" in capsys.readouterr().err
+
+
+def _change_a_header_digit(path: pathlib.Path) -> None:
+    """One digit of a tensor's data offsets in a safetensors header: the header no longer parses."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    size = struct.unpack("<Q", data[:8])[0]
+    header = data[8 : 8 + size].decode()
+    at = header.index(",", header.index('"data_offsets":[')) + 1
+    data[8 + at] = ord("9" if header[at] != "9" else "8")
+    path.write_bytes(bytes(data))
+
+
+def test_a_changed_digit_of_the_weights_header_fails_by_name_not_with_a_traceback(tmp_path, pki, capsys):
+    """Issue 63 (item 6): safetensors refuses such a header with an error of its own type, which the rounds
+    chain's weight check did not catch: `dilocox verify` printed a traceback, signed or --unsigned."""
+    from dilocox.common.wire.assignment import model_digest
+    from dilocox.common.wire.framing import EncodedSlice
+    from dilocox.server import checkpoint
+    from dilocox.server.shard import Shard
+
+    params = [("w", (8, 6)), ("b", (6,))]
+    shard = Shard(0, 1, RUN)
+    shard.join(RUN, "cluster-a", model_digest(params), params, "{}")
+    full = {n: torch.randn(s, generator=torch.Generator().manual_seed(0)) for n, s in params}
+    shard.commit_push("cluster-a", 0, 1.0, [EncodedSlice.exact(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()])
+    checkpoint.save(shard, tmp_path / "ckpt")
+    model = tmp_path / "model"
+    assert main(["export", "--checkpoints", str(tmp_path / "ckpt"), "--out", str(model), "--sign-key", str(pki["run-key"]),
+                 "--sign-cert", str(pki["run-cert"])]) == 0  # fmt: skip
+    _change_a_header_digit(model / "model.safetensors")
+    capsys.readouterr()
+    for flags in (["--cert", str(pki["run-ca"])], ["--unsigned"]):
+        assert main(["verify", str(model), *flags]) == 1
+        err = capsys.readouterr().err
+        assert "FAILED model.safetensors: file changed" in err, err
+        assert "FAILED provenance.json: model.safetensors: cannot be read to check it against the rounds chain" in err, err

@@ -143,7 +143,7 @@ def check_section(record: Mapping[str, Any], weights: pathlib.Path | None = None
 
 def _check_weights(path: pathlib.Path, shards: list[Mapping[str, Any]], version: Any) -> list[str]:
     """Each shard's weights digest (its chain's last record) against its slices of the exported weights."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     wanted: dict[str, list[tuple[int, SliceKey]]] = {}
     for shard in shards:
@@ -160,7 +160,7 @@ def _check_weights(path: pathlib.Path, shards: list[Mapping[str, Any]], version:
                 for index, key in slices:
                     part = ParamSlice(name, tuple(full.shape), key.row_start, key.row_stop, index).view(full)
                     per_shard[index][key] = slice_digest(key, part, None, XXH3_128)
-    except (OSError, ValueError, RuntimeError) as error:  # safetensors raises its own errors as these
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:  # a damaged header is safetensors' own error
         return [f"{path.name}: cannot be read to check it against the rounds chain ({error})"]
     problems = []
     for shard in shards:
