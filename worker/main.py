@@ -18,7 +18,7 @@ from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.worker.exchange.adaptive_steps import steps_controller_for
-from dilocox.worker.exchange.stop import FORCED_EXIT, StopSignal
+from dilocox.worker.exchange.stop import FORCED_EXIT, STOP_GRACE_S, StopSignal
 from dilocox.worker.train.slowdown import SlowedTrainer
 from dilocox.worker.exchange.aggregator_client import AggregatorError
 from dilocox.worker.exchange.admission import LateJoin, RunFinished, RunLengthMismatch
@@ -80,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "reduce-scatter, a pipeline send; NCCL on GPUs) for its peers before the site fails — a step "
                              "plus a margin (default 600, torch's NCCL default); the exchange's waits end in agreements "
                              "on the host, never here")  # fmt: skip
+    parser.add_argument("--stop-grace-s", type=float, default=STOP_GRACE_S, metavar="S",
+                        help="after SIGTERM or Ctrl-C, how long the exchange in flight still gets, also while the round "
+                             "boundary waits for a late round's result (default 30; give launchers a step, this and a "
+                             "checkpoint write before their SIGKILL); a second signal exits at once")  # fmt: skip
     parser.add_argument("--join-late", action="store_true",
                         help="join a run whose first rounds have closed, training only the rounds left (default: refuse, exit 3)")
     add_metrics_arguments(parser, default_host="0.0.0.0")  # served by the cluster's rank 0 only
@@ -121,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dilocox worker: {error}") from None
     for problem in site_wait_problems(args.shard_wait_s, args.pull_wait_s, args.boundary_margin_s):
         raise SystemExit(f"dilocox worker: {problem}")
+    if not args.stop_grace_s >= 0:
+        raise SystemExit(f"dilocox worker: --stop-grace-s must be ≥ 0, got {args.stop_grace_s:g}")
     if not args.step_timeout_s > 0:
         raise SystemExit(f"dilocox worker: --step-timeout-s must be > 0, got {args.step_timeout_s:g}")
     if config.parallel.spill_dir:
@@ -161,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     # Between steps, not at any bytecode: the staged checkpoint commits (worker/exchange/stop.py).
-    stop = StopSignal().install(signal.SIGTERM)
+    stop = StopSignal(args.stop_grace_s).install(signal.SIGTERM, signal.SIGINT)  # Ctrl-C stops as SIGTERM does
     cluster = args.cluster or f"cluster-{args.cluster_index}"
     mesh = None
     try:
@@ -264,5 +270,5 @@ def run(args: argparse.Namespace) -> int:
             mesh.close()
     if dx.cluster.stopped_by is not None:
         log.info("worker_stopped", cluster=cluster, signal=dx.cluster.stopped_by, round=dx.cluster.round)
-        return FORCED_EXIT
+        return stop.exit_code if stop.requested else FORCED_EXIT
     return 0

@@ -105,6 +105,7 @@ class AggregatorClient:
         # communicator sets it for the length of one exchange, so one rank's exchange stays inside the
         # site's agreement timeout (common/config/waits.py).
         self.outage_deadline: float | None = None
+        self._closed = False
         self.shard_wait_s = shard_wait_s
         self.pull_wait_s = pull_wait_s
         self.tokenizer = tokenizer
@@ -156,9 +157,12 @@ class AggregatorClient:
         return sum(len(item.payload) for item in list(self._own.values()))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Close the channels, which ends any call still in flight (an exchange abandoned at a stop) at once
+        rather than at its server-side wait, then let the pool's threads finish."""
+        self._closed = True
         for channel in self._channels:
             channel.close()
+        self._pool.shutdown(wait=True)
 
     def __enter__(self) -> "AggregatorClient":
         return self
@@ -512,4 +516,4 @@ class AggregatorClient:
         if self.outage_deadline is not None:  # inside an exchange: never past its end (Communicator._exchange)
             wait_s = min(wait_s, max(0.0, self.outage_deadline - time.monotonic()))
         waited = WAITED_FOR + (grpc.StatusCode.DEADLINE_EXCEEDED,) if deadline_is_outage else WAITED_FOR
-        return call_waiting(fn, address, self._channel_of[address], wait_s, on_reconnect, call, waited)
+        return call_waiting(fn, address, self._channel_of[address], wait_s, on_reconnect, call, waited, closed=lambda: self._closed)

@@ -56,6 +56,7 @@ from dilocox.worker.exchange.outgoing import NextStart, OutgoingFold
 from dilocox.worker.exchange.replica_state import resume_summary
 from dilocox.worker.exchange.round_report import RoundReport
 from dilocox.worker.exchange.step_driven import StepDriven
+from dilocox.worker.exchange.stop import wait_exchange
 
 if TYPE_CHECKING:  # torch.distributed.checkpoint: a heavy import, only where a run checkpoints
     from dilocox.worker.checkpoint import SiteCheckpoint
@@ -148,6 +149,9 @@ class DilocoCluster(StepDriven):
         self.round = 0  # the round being trained (set by `begin`)
         self.done = False  # the last round and the end of the run are in
         self.stopped_by: str | None = None  # the signal a `run` stopped for
+        self._stop = None  # the StopSignal a `run` watches, also while its boundary waits for an exchange
+        self._stop_waited = False  # a stop ended a boundary's wait: the exchange in flight had its grace
+        self._collected_before_stop: int | None = None
         self.loss_watch = LossWatch()  # the eval of the model each round starts from: spikes, non-finite values
         self._closed = False
         self._reset_round()
@@ -219,6 +223,7 @@ class DilocoCluster(StepDriven):
         if self.communicator.in_flight is not None:  # the previous round's exchange (delayed rounds)
             with timer("collect"):
                 exchange, idle, refused = self._collect()
+            self._check_stop(exchange)
         self._check_refusal(round_, refused, tokens)
         self._check_tokens_agree(round_, tokens)
         trained = round_
@@ -253,6 +258,7 @@ class DilocoCluster(StepDriven):
             self.communicator.submit(round_, weight, outgoing, facts=(self.inner_steps, idle, staleness), formed=True)
             with timer("collect"):
                 exchange, waited, refused = self._collect()
+            self._check_stop(exchange)
             idle += waited
             self._check_refusal(round_, refused, tokens)
             self._commit(round_)
@@ -357,7 +363,11 @@ class DilocoCluster(StepDriven):
         discards the round trained on top of it. What the refusing shard lacked is carried into the next
         push by the client."""
         try:
-            exchange, idle = self.communicator.collect()
+            waited = wait_exchange(self.communicator, self._stop, log)
+            if waited is None:  # a stop came while this rank waited, and the exchange had its grace
+                self._stop_waited = True
+                return None, 0.0, None
+            exchange, idle = waited
             return exchange, idle, None
         except AggregatorError as error:
             if error.code != grpc.StatusCode.FAILED_PRECONDITION:

@@ -58,6 +58,7 @@ class Communicator:
         self._lock = threading.Lock()
         self._pushed = threading.Event()  # the round in flight has been pushed (or its push failed)
         self._pushed.set()
+        self.pushed_round: int | None = None  # the last round whose push every shard took
 
     @property
     def in_flight(self) -> int | None:
@@ -107,8 +108,9 @@ class Communicator:
         """Finish or abandon what is in flight, never hanging longer than `timeout`.
 
         Returns "idle" (nothing was in flight), "completed" (the pending round's push and pull finished),
-        or "abandoned" (it did not finish in time or failed; the shard never saw a partial push, because
-        a push stream only counts once complete).
+        "pushed" (its push reached every shard but its result did not come in time: the shards have the
+        round's part), or "abandoned" (not pushed in time, or failed; the shard never saw a partial push,
+        because a push stream only counts once complete).
         """
         outcome = "idle"
         pending = self._in_flight
@@ -118,8 +120,9 @@ class Communicator:
                 future.result(timeout=timeout)
                 outcome = "completed"
             except FutureTimeout:
-                outcome = "abandoned"
-                log.warning("pending_round_abandoned", round=round_, reason=f"not finished within {timeout:.0f}s")
+                outcome = "pushed" if self.pushed_round == round_ else "abandoned"
+                log.warning("pending_round_abandoned", round=round_, pushed=outcome == "pushed",
+                            reason=f"not finished within {timeout:.0f}s")  # fmt: skip
             except Exception as error:  # noqa: BLE001 - reported, then shutdown goes on
                 outcome = "abandoned"
                 log.warning("pending_round_abandoned", round=round_, reason=str(error))
@@ -148,6 +151,7 @@ class Communicator:
         result = None  # the round's result, when a refused push found it published already
         try:
             bytes_up = self.client.push(round_, weight, slices, codec=codec, facts=facts, formed=formed)
+            self.pushed_round = round_
         except AggregatorError as error:
             result = self._closed_without_us(round_) if error.code == grpc.StatusCode.FAILED_PRECONDITION else None
             if result is None:

@@ -57,13 +57,15 @@ def call_waiting(
     on_reconnect: Callable[[], None] | None = None,
     call: str = "call",
     waited_for: tuple[grpc.StatusCode, ...] = WAITED_FOR,
+    closed: Callable[[], bool] = lambda: False,
 ) -> T:
     """Run `fn` (an idempotent call); while the shard is unreachable (UNAVAILABLE, or CANCELLED by a shard
     that stopped mid-call), wait for `channel` to connect and call again, for up to `wait_s` seconds in
     all. One log line per attempt says how long it has been and how long is left. `on_reconnect` runs after the channel connected again, before the next call
     (e.g. to re-send what a restarted shard has lost). Any other status, a certificate that does not
     name the host, or the end of the wait raises `AggregatorError`. `call` names the call in logs;
-    `waited_for`: the codes waited out (a push adds DEADLINE_EXCEEDED: its reply lost, it is retried)."""
+    `waited_for`: the codes waited out (a push adds DEADLINE_EXCEEDED: its reply lost, it is retried);
+    `closed`: once true, a failure is raised at once (the client closed its channels under the call)."""
     started = time.monotonic()
     deadline = started + wait_s
     attempt = 0
@@ -78,6 +80,8 @@ def call_waiting(
             if code == grpc.StatusCode.UNAVAILABLE and is_hostname_mismatch(details):  # no retry fixes a certificate
                 raise AggregatorError(address, code, f"{explain_hostname_mismatch(address)} [{details}]") from None
             now = time.monotonic()
+            if closed():  # the client was closed under the call (an exchange abandoned at a stop): no waiting
+                raise AggregatorError(address, code, f"{details} (the client closed: not waited for)") from None
             if code not in waited_for or now >= deadline:
                 if code in waited_for and attempt:
                     details = f"{details} (gave up after waiting {now - started:.0f}s, --shard-wait-s {wait_s:g})"

@@ -17,10 +17,11 @@ import torch
 from dilocox.worker.exchange.aggregator_client import AggregatorError
 from dilocox.worker.exchange.communicator import Communicator
 from dilocox.worker.exchange.round_report import RoundReport
-from dilocox.worker.exchange.stop import StopSignal
+from dilocox.worker.exchange.stop import STOP_GRACE_S, StopDuringExchange, StopSignal
 
 if TYPE_CHECKING:
     from dilocox.worker.exchange.adaptive_steps import RoundTimeBox
+    from dilocox.worker.exchange.communicator import RoundExchange
 
 log = structlog.get_logger()
 # A stoppable run trains a fixed-H round in about this many pieces, agreeing after each whether to stop.
@@ -130,10 +131,10 @@ class StepDriven:
             return
         self._closed = True
         pending = self.communicator.in_flight
-        outcome = self.communicator.close()
+        outcome = self.communicator.close(timeout=self._stop.grace_s if self._stop is not None else STOP_GRACE_S)
         log.info("communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending)
-        if outcome == "completed" and pending is not None:
-            self._commit(pending)  # its exchange made it: that round is durable now
+        if outcome in ("completed", "pushed") and pending is not None:
+            self._commit(pending)  # its part is on the shards: that round is durable now
         if self.checkpoint is not None:
             self.checkpoint.close()
 
@@ -142,6 +143,7 @@ class StepDriven:
         With `stop` (worker/exchange/stop.py) it trains a round in a few pieces and, after each, the ranks
         agree whether a stop was asked for; then it leaves the loop (the round being trained is not pushed)
         and `close` commits what the shards have."""
+        self._stop = stop
         try:
             self.begin()
             while not self.done:
@@ -149,14 +151,41 @@ class StepDriven:
                 if stop is not None:
                     steps = min(steps, max(1, -(-self.inner_steps // STOP_CHECKS_PER_ROUND)))
                 train_loss, tokens, compute_s = self.trainer.train_steps(steps)
-                self.after_steps(steps, tokens, train_loss, compute_s)
+                try:
+                    self.after_steps(steps, tokens, train_loss, compute_s)
+                except StopDuringExchange:  # the boundary's wait gave up for the stop (worker/exchange/stop.py)
+                    self._stopping(stop, "the round just trained is not pushed; the exchange in flight had its grace")
+                    self._commit_after_stop()
+                    break
                 if stop is not None and not self.done and self.access.agree_any(stop.requested):
-                    self.stopped_by = stop.name or "another rank's signal"
-                    log.warning("worker_stopping", cluster=self.client.cluster, signal=self.stopped_by, round=self.round,
-                                steps_in_round=self._steps, in_flight=self.communicator.in_flight,
-                                reason="the round being trained is not pushed; the exchange in flight may finish and "
-                                       "commit its checkpoint")  # fmt: skip
+                    self._stopping(stop, "the round being trained is not pushed; the exchange in flight may finish and "
+                                         "commit its checkpoint")  # fmt: skip
                     break
         finally:
             self.close()
         return self.reports
+
+    def _check_stop(self, exchange: "RoundExchange | None") -> None:
+        """Under `run(stop)`: leave the boundary on every rank if any rank gave up waiting for a stop. A rank
+        whose exchange did come back keeps its round for the agreed commit (`_commit_after_stop`)."""
+        if self._stop is not None and self.access.agree_any(self._stop_waited):
+            self._stop_waited = True
+            self._collected_before_stop = exchange.round if exchange is not None else None
+            raise StopDuringExchange()
+
+    def _commit_after_stop(self) -> None:
+        """After `StopDuringExchange`, on every rank: the round whose part every rank has on the shards (its
+        exchange came back, or at least its push got through) is committed — agreed, as the commit is
+        collective; a round any rank could not push stays uncommitted (a resume trains it again)."""
+        pending = self.communicator.in_flight
+        outcome = self.communicator.close(timeout=0.0)
+        mine = pending if pending is not None and outcome in ("completed", "pushed") else self._collected_before_stop
+        agreed = self.access.agree_min(mine if mine is not None else -1)
+        if agreed >= 0 and self.access.agree_max(mine if mine is not None else -1) == agreed:
+            self._commit(agreed)
+        log.info("communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending, committed=agreed >= 0)
+
+    def _stopping(self, stop: StopSignal, reason: str) -> None:
+        self.stopped_by = stop.name or "another rank's signal"
+        log.warning("worker_stopping", cluster=self.client.cluster, signal=self.stopped_by, round=self.round,
+                    steps_in_round=self._steps, in_flight=self.communicator.in_flight, reason=reason)  # fmt: skip

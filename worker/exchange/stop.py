@@ -11,24 +11,43 @@ site's `close()` then lets the exchange in flight finish (bounded) and commits t
 its round, or says why not. The round being trained is not pushed: a resume trains it again from the
 last committed round, which the shards have.
 
-A second SIGTERM while the first is being honoured (a boundary waiting for unreachable shards, say)
-exits at once, as before.
+A stop that comes while the boundary waits for the exchange in flight (a round's result held up by a
+paused peer, a shard that is down) is not left to that wait, which may last the pull wait (an hour): the
+wait looks at the signal twice a second and gives the exchange `STOP_GRACE_S` more, then the site's
+ranks agree to leave (`StopDuringExchange`); a round whose push reached the shards is committed even
+without its result. SIGINT (Ctrl-C) stops as SIGTERM does. A second signal while the first is being
+honoured exits at once — `os._exit`, which no thread still waiting on a shard can hold up.
 """
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
 import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dilocox.worker.exchange.communicator import Communicator, RoundExchange
 
 FORCED_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process the signal ended
+STOP_GRACE_S = 30.0  # what the exchange in flight still gets once a stop is asked for
+_POLL_S = 0.5
+
+
+class StopDuringExchange(Exception):
+    """Raised on every rank of a site once they agree that a stop came while the boundary waited for an
+    exchange: the run loop leaves as it does between steps."""
 
 
 class StopSignal:
     """Installed once per process, on its main thread (`install`); `requested` says whether a stop came."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = STOP_GRACE_S) -> None:
+        """`grace_s`: how long the exchange in flight still gets once a stop is asked for."""
         self.signals: list[int] = []
+        self.grace_s = grace_s
 
     @property
     def requested(self) -> bool:
@@ -38,13 +57,41 @@ class StopSignal:
     def name(self) -> str | None:
         return signal.Signals(self.signals[0]).name if self.signals else None
 
+    @property
+    def exit_code(self) -> int:
+        """128 + the first signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports it."""
+        return 128 + self.signals[0] if self.signals else FORCED_EXIT
+
     def _on_signal(self, signum: int, _frame: object) -> None:
-        if self.signals:  # asked twice: stop now
-            sys.exit(FORCED_EXIT)
+        if self.signals:  # asked twice: stop now, whatever thread still waits (sys.exit would wait for them)
+            os.write(2, f"second {signal.Signals(signum).name}: exiting now, without waiting for the exchange in flight\n".encode())
+            os._exit(128 + signum)
         self.signals.append(signum)
 
     def install(self, *signums: int) -> "StopSignal":
         if threading.current_thread() is threading.main_thread():
-            for signum in signums or (signal.SIGTERM,):
+            for signum in signums or (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, self._on_signal)
         return self
+
+
+def wait_exchange(communicator: "Communicator", stop: StopSignal | None, log) -> "tuple[RoundExchange, float] | None":  # noqa: ANN001
+    """Collect the exchange in flight (`communicator.collect`); with `stop`, look at it every half second,
+    and once a stop is asked for give the exchange `stop.grace_s` more: None if it has not finished by then
+    (the caller's ranks agree to leave). Errors of the exchange are raised as `collect` raises them."""
+    if stop is None:
+        return communicator.collect()
+    grace_s = stop.grace_s
+    started, asked = time.perf_counter(), None
+    while True:
+        try:
+            exchange, _ = communicator.collect(timeout=_POLL_S)
+            return exchange, time.perf_counter() - started
+        except FutureTimeout:
+            pass
+        if stop.requested and asked is None:
+            asked = time.monotonic()
+            log.warning("worker_stop_waiting", signal=stop.name, round=communicator.in_flight, grace_s=grace_s,
+                        reason="a stop came while this rank waited for the round's result: it gets this long more")  # fmt: skip
+        if asked is not None and time.monotonic() - asked >= grace_s:
+            return None
