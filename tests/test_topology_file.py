@@ -234,6 +234,17 @@ BAD = {
     "a NodePort outside the range": (("count = 2", "count = 2\nexpose = \"NodePort\""), r"shards\.addresses\[0\]: .* 30000-32767"),
     "expose for shards not on Kubernetes": ((KUBERNETES_SHARDS, "launcher = \"external\"\nexpose = \"NodePort\"\n"),
                                             r"shards\.expose: only for shards on Kubernetes"),
+    # Issue 63 (item 3): values that would break, or run something in, what is rendered from them.
+    "a newline in a host": (('"gpu2.lab.example.edu"', '"gpu2\\ntouch /tmp/pwned"'), r"sites\.lab\.hosts\[1\]: .* control character"),
+    "a host that is no host": (('"gpu2.lab.example.edu"', '"gpu2;reboot"'), r"sites\.lab\.hosts\[1\]: .* is not a host name or IP"),
+    "a newline in the run id": (('run_id = "run-x"', 'run_id = "run-x\\necho hi"'), r"run_id: 'run-x\\necho hi': use letters"),
+    "a run id that cannot name things": (('run_id = "run-x"', 'run_id = "run x"'), r"run_id: 'run x': use letters"),
+    "port 0": (("203.0.113.7:8443", "203.0.113.7:0"), r"shards\.addresses\[1\]: 0 is not a port"),
+    "port 99999": (("203.0.113.7:8443", "203.0.113.7:99999"), r"shards\.addresses\[1\]: 99999 is not a port"),
+    "a newline in another value": (('partition = "debug"', 'partition = "debug\\n#SBATCH --uid=0"'), r"sites\.hpc\.partition: .* control"),
+    "a huge worker_flags": (('"--inner-batch-size 16"', '"' + "x" * 10_000_000 + '"'), r"sites\.hpc\.worker_flags: 10000000 characters"),
+    "a rendezvous port past the last": (('checkpoint_dir = "/nfs/lab"', 'checkpoint_dir = "/nfs/lab"\nrdzv_port = 70000'),
+                                        r"sites\.lab\.rdzv_port: 70000 is not a port"),
 }
 
 
@@ -337,3 +348,27 @@ def test_the_docs_example_file_renders_as_described():
     for name, text in files.items():
         for obj in _docs(text) if name.endswith(".yaml") else ():
             kubernetes_validate.validate(obj, "1.28", strict=True)
+
+
+def test_two_sites_whose_launch_scripts_would_share_a_name_are_refused_not_dropped():
+    """Issue 63 (item 2): site `a` on host `b-c` and site `a-b` on host `c` in one cluster both rendered
+    `site-a-b-c.sh`; one silently replaced the other (exit 0, a site without a script)."""
+    text = topology_text() + """
+[sites.a]
+launcher = "bare-metal"
+cluster = "lab"
+gpus_per_node = 1
+hosts = ["b-c"]
+tls_dir = "/etc/dilocox/tls"
+
+[sites.a-b]
+launcher = "bare-metal"
+cluster = "lab"
+gpus_per_node = 1
+hosts = ["c"]
+tls_dir = "/etc/dilocox/tls"
+"""
+    with pytest.raises(TopologyFileError, match=r"site a-b and site a would both be rendered as lab/site-a-b-c\.sh"):
+        render(parse(text))
+    files = render(parse(text.replace('hosts = ["c"]', 'hosts = ["d"]')))  # distinct names: every site has its script
+    assert {"lab/site-a-b-c.sh", "lab/site-a-b-d.sh"} <= set(files)

@@ -31,6 +31,13 @@ SHARD_LAUNCHERS = (*LAUNCHERS, "external")
 EXPOSE = ("LoadBalancer", "NodePort")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # site and cluster names become file, folder and object names
 ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
+HOST = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|[0-9a-fA-F:.]*:[0-9a-fA-F:.]*)$")  # a name, IPv4 or IPv6
+# Every value reaches a rendered file: a control character (a newline above all) would become a line of a
+# script or a manifest, a very long one is a mistake (and shlex is quadratic on one long token).
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MAX_TEXT = 4096  # characters of one string value
+MAX_FLAGS = 16384  # characters of a worker_flags value
+MAX_ITEMS = 1024  # items of a list, entries of a table
 
 
 class TopologyFileError(ValueError):
@@ -158,21 +165,56 @@ def _key(where: str, key: str) -> str:
 def _typed(value: object, hint: object, key: str) -> object:
     """`value` checked against a field's annotation (str, int, float, bool, tuple[...], dict[str, str])."""
     origin = typing.get_origin(hint)
+    if isinstance(value, (list, dict)) and len(value) > MAX_ITEMS:
+        raise TopologyFileError(f"{key}: {len(value)} items, more than the {MAX_ITEMS} a list or table may have")
     if origin is tuple:
         if not isinstance(value, list):
-            raise TopologyFileError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+            raise TopologyFileError(f"{key}: expected a list, got {type(value).__name__} {_shown(value)}")
         return tuple(_typed(item, typing.get_args(hint)[0], f"{key}[{i}]") for i, item in enumerate(value))
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
-            raise TopologyFileError(f"{key}: expected a table, got {type(value).__name__} {value!r}")
-        if origin is dict:
-            for k, v in value.items():
+            raise TopologyFileError(f"{key}: expected a table, got {type(value).__name__} {_shown(value)}")
+        for k, v in value.items():
+            _text(k, f"{key}.{k}")
+            if origin is dict:
                 _typed(v, typing.get_args(hint)[1], f"{key}.{k}")
+            elif isinstance(v, str):
+                _text(v, f"{key}.{k}")
         return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise TopologyFileError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {value!r}")
+        raise TopologyFileError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {_shown(value)}")
+    if isinstance(value, str):
+        _text(value, key)
+    return value
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}… ({len(text)} characters)"
+
+
+def _text(value: str, key: str, limit: int = MAX_TEXT) -> str:
+    """A string value that may reach a rendered file: no control character, a sane length."""
+    if len(value) > limit:
+        raise TopologyFileError(f"{key}: {len(value)} characters, more than the {limit} a value may have")
+    if CONTROL.search(value):
+        raise TopologyFileError(f"{key}: {_shown(value)} holds a control character (a newline would become a line of a "
+                                "rendered script or manifest)")  # fmt: skip
+    return value
+
+
+def _host(value: str, key: str) -> str:
+    if len(value) > 253 or not HOST.match(value):
+        raise TopologyFileError(f"{key}: {_shown(value)} is not a host name or IP address")
+    return value
+
+
+def _port(value: int, key: str, span: int = 1) -> int:
+    """A TCP port, or the first of `span` consecutive ones."""
+    if not 1 <= value <= 65536 - span:
+        raise TopologyFileError(f"{key}: {value} is not a port" + (f" with {span - 1} more after it" if span > 1 else "") + " (1-65535)")
     return value
 
 
@@ -187,8 +229,10 @@ def _build(cls: type, table: dict, where: str, **fixed: object) -> object:
 def _flags(text: object, key: str) -> tuple[str, ...]:
     if isinstance(text, list):
         return typing.cast(tuple, _typed(text, tuple[str, ...], key))
-    try:
-        return tuple(shlex.split(typing.cast(str, _typed(text, str, key))))
+    if not isinstance(text, str):
+        raise TopologyFileError(f"{key}: expected str, got {type(text).__name__} {_shown(text)}")
+    try:  # bounded before shlex, which is quadratic on one long token
+        return tuple(shlex.split(_text(text, key, MAX_FLAGS)))
     except ValueError as error:
         raise TopologyFileError(f"{key}: {error}") from None
 
@@ -246,6 +290,7 @@ def _site(name: str, table: object) -> SiteSpec:
     if isinstance(settings, BareMetalSettings) and len(settings.hosts) != nodes:
         raise TopologyFileError(f"{where}.hosts: a bare-metal site names one host per node: {nodes} node(s), "
                                 f"{len(settings.hosts)} host(s) given")  # fmt: skip
+    _check_settings(settings, where)
     return SiteSpec(
         name=name, launcher=launcher, cluster=_name(table.get("cluster", name), f"{where}.cluster"),
         nodes=nodes, gpus_per_node=gpus, pp=pp, dp=dp, data=typing.cast(str, _typed(table.get("data", ""), str, f"{where}.data")),
@@ -267,7 +312,8 @@ def _shards(table: object) -> ShardsSpec:
     addresses = typing.cast(tuple, _typed(table.get("addresses", []), tuple[str, ...], "shards.addresses"))
     for i, address in enumerate(addresses):
         if not ADDRESS.match(address):
-            raise TopologyFileError(f"shards.addresses[{i}]: {address!r} is not host:port")
+            raise TopologyFileError(f"shards.addresses[{i}]: {_shown(address)} is not host:port")
+        _port(int(address.rsplit(":", 1)[1]), f"shards.addresses[{i}]")
     if addresses and len(addresses) != count:
         raise TopologyFileError(f"shards.addresses: one per shard: {count} shard(s), {len(addresses)} address(es)")
     settings = None if settings_cls is None else typing.cast(Settings, _build(settings_cls, own, "shards"))
@@ -279,7 +325,9 @@ def _shards(table: object) -> ShardsSpec:
     expose = _choice(table.get("expose", "LoadBalancer"), EXPOSE, "shards.expose")
     if "expose" in table and launcher != "kubernetes":
         raise TopologyFileError(f"shards.expose: only for shards on Kubernetes (these run on {launcher})")
-    port = _positive(typing.cast(int, _typed(table.get("port", SHARD_PORT), int, "shards.port")), "shards.port")
+    port = _port(typing.cast(int, _typed(table.get("port", SHARD_PORT), int, "shards.port")), "shards.port", count)
+    if settings is not None:
+        _check_settings(settings, "shards", count)
     if "port" in table and launcher in ("kubernetes", "external"):
         raise TopologyFileError(f"shards.port: only for shards on Slurm or bare metal ({launcher} shards: the port is in addresses)")
     if launcher == "kubernetes" and expose == "NodePort":
@@ -289,6 +337,15 @@ def _shards(table: object) -> ShardsSpec:
                                         "shard's nodePort, 30000-32767")  # fmt: skip
     cluster = _name(table.get("cluster", "shards"), "shards.cluster")
     return ShardsSpec(count, launcher, cluster, port, addresses, expose, settings)
+
+
+def _check_settings(settings: Settings, where: str, processes: int = 1) -> None:
+    """What the renderers put on a command line or a host's network: host names, ports."""
+    for i, host in enumerate(getattr(settings, "hosts", ())):
+        _host(host, f"{where}.hosts[{i}]")
+    for name in ("rdzv_port", "metrics_port"):
+        if hasattr(settings, name):
+            _port(getattr(settings, name), f"{where}.{name}", processes)
 
 
 TOP_KEYS = ("run_id", "rounds", "inner_steps", "min_clusters", "round_deadline_s", "worker_flags", "tls", "shards", "sites")
@@ -309,6 +366,7 @@ def parse(text: str, source: str = "topology") -> TopologyFile:
     top = {k: v for k, v in raw.items() if k not in ("shards", "sites", "worker_flags")}
     if "run_id" not in top:
         raise TopologyFileError("run_id: missing (the run's id, the same at every site)")
+    _name(top["run_id"], "run_id")
     model = typing.cast(TopologyFile, _build(TopologyFile, top, "", shards=shards, sites=sites,
                                              worker_flags=_flags(raw.get("worker_flags", ""), "worker_flags")))  # fmt: skip
     _check_reach(model)

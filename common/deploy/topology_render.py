@@ -164,9 +164,16 @@ def render(model: TopologyFile) -> dict[str, str]:
     """DIR-relative path → text, for every cluster of the run."""
     _check_object_names(model)
     topology = topology_of(model)
-    files = {f"{model.shards.cluster}/{name}": text for name, text in _shard_files(model, topology).items()}
-    for index, spec in enumerate(model.sites):
-        files |= {f"{spec.cluster}/{name}": text for name, text in _site_files(model, topology, index).items()}
+    files, made_by = {}, {}
+    parts = [("the shards", model.shards.cluster, _shard_files(model, topology))]
+    parts += [(f"site {spec.name}", spec.cluster, _site_files(model, topology, index)) for index, spec in enumerate(model.sites)]
+    for who, cluster, rendered in parts:
+        for name, text in rendered.items():
+            path = f"{cluster}/{name}"
+            if path in files:  # two renderings of one name: one would silently replace the other
+                raise TopologyFileError(f"{who} and {made_by[path]} would both be rendered as {path}: rename a site, a cluster "
+                                        "or a host so that their launch files differ")  # fmt: skip
+            files[path], made_by[path] = text, who
     return files
 
 
