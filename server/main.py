@@ -176,6 +176,33 @@ def _checkpoint_keys(args: argparse.Namespace):  # noqa: ANN202
     return signer, trust
 
 
+FINAL_SAVE_RETRY_S = 10.0
+
+
+def _save_final_version(shard, checkpointer, signalled: list[int], checkpoint_dir, port: int) -> bool:  # noqa: ANN001
+    """At the run's end, still serving: save the final version, and while the storage refuses it, say so at
+    error level — with the two ways out: free space (retried every `FINAL_SAVE_RETRY_S`), or export the
+    final model from the live shards now — and keep serving, so that the export can read it. False only
+    when a signal ends the wait first. Before, the shard stopped at once with exit 1 and an info line, and
+    its final version was on no disk and could no longer be exported."""
+    attempts = 0
+    while not checkpointer.save_now():
+        attempts += 1
+        log.error("final_checkpoint_failed", shard=shard.shard_index, version=shard.version, kept_version=checkpointer.written_version,
+                  checkpoint_dir=str(checkpoint_dir), attempts=attempts, retry_in_s=FINAL_SAVE_RETRY_S,
+                  recover=f"free space in {checkpoint_dir} (the save is retried every {FINAL_SAVE_RETRY_S:g} s), or export the final "
+                          f"model from the live shards now — `dilocox export --servers <every shard, this one on port {port}> "
+                          "--out DIR` — then stop the shard (SIGTERM); it serves until then")  # fmt: skip
+        deadline = time.monotonic() + FINAL_SAVE_RETRY_S
+        while time.monotonic() < deadline:
+            if signalled:
+                return False
+            time.sleep(SIGNAL_POLL_S)
+    if attempts:
+        log.info("final_checkpoint_saved", shard=shard.shard_index, version=shard.version, attempts=attempts + 1)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     keep_freed_heap()  # a message's buffers reused, not faulted in afresh (common/heap.py)
@@ -283,12 +310,22 @@ def run(args: argparse.Namespace) -> int:
         shard.on_finished = on_finished
     while not signalled and not stop.wait(SIGNAL_POLL_S):
         pass
+    saved = None
+    if not signalled and checkpointer is not None:  # the run's end: its final version must reach the disk
+        saved = _save_final_version(shard, checkpointer, signalled, args.checkpoint_dir, port)
     if signalled:
         log.info("shard_stopping", shard=args.shard_index, signal=signal.Signals(signalled[0]).name)
     server.stop(grace=2.0).wait()
     if metrics_server is not None:
         metrics_server.close()
-    saved = checkpointer is None or checkpointer.save_now()  # a refused save is logged (checkpoint_failed) there
-    log.info("shard_stopped", shard=args.shard_index, saved=saved,
-             **{k: v for k, v in shard.status().items() if k in ("version", "bytes_in", "bytes_out")})  # fmt: skip
-    return 0 if saved else 1
+    if saved is None:
+        saved = checkpointer is None or checkpointer.save_now()  # a refused save is logged (checkpoint_failed) there
+    state = {k: v for k, v in shard.status().items() if k in ("version", "bytes_in", "bytes_out")}
+    if not saved:
+        kept = checkpointer.written_version if checkpointer else None
+        log.error("shard_stopped_unsaved", shard=args.shard_index, kept_version=kept, checkpoint_dir=str(args.checkpoint_dir), **state,
+                  effect=f"version {state.get('version')} is on no disk: a restart with --resume starts from version {kept}, and "
+                         "the sites' --resume brings them back to it (docs/operations.md, 'Damaged checkpoints and full disks')")  # fmt: skip
+        return 1
+    log.info("shard_stopped", shard=args.shard_index, saved=saved, **state)
+    return 0

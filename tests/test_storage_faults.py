@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -101,8 +102,8 @@ def test_a_full_checkpoint_disk_never_fails_a_round_and_a_restart_resumes_from_t
         assert len(failed) == 1 and failed[0]["version"] == 3 and failed[0]["path"] == str(checkpoint_path(folder, 0))
         assert failed[0]["kept_version"] == 2 and failed[0]["reason"]
         assert failures >= 4 and failing >= 4  # versions 3–6 at least (the stop's save adds one)
-        stopped = next(e for e in events if e.get("event") == "shard_stopped")
-        assert stopped["saved"] is False and stopped["version"] == 6
+        stopped = next(e for e in events if e.get("event") == "shard_stopped_unsaved")
+        assert stopped["level"] == "error" and stopped["version"] == 6 and stopped["kept_version"] == 2
         assert status.checkpoint_failing_rounds >= 4 and status.checkpoint_error == failed[0]["reason"]
         assert not list(folder.glob("*.tmp"))  # a failed save leaves nothing behind
         assert checkpoint.load(checkpoint_path(folder, 0))["snapshot"]["version"] == 2  # the newest intact, untouched
@@ -125,6 +126,49 @@ def test_a_full_checkpoint_disk_never_fails_a_round_and_a_restart_resumes_from_t
         assert next(e for e in events if e.get("event") == "checkpoint_restored")["version"] == 2
         assert next(e for e in events if e.get("event") == "checkpoint_temporary_removed")["files"] == ["shard-0.ptk1ll3d.tmp"]
         assert not list(folder.glob("*.tmp"))
+
+
+def test_a_final_version_the_disk_refuses_is_said_kept_served_and_saved_once_space_is_freed(tmp_path):
+    """Issue 63 (item 1): at the run's end a shard whose checkpoint disk is full used to stop at once, exit 1,
+    `shard_stopped saved=false` at level info, its final version on no disk and no longer exportable. Now it
+    says so at error level with the way out, keeps serving — an export from it gets the final version — and
+    saves it and stops cleanly once space is freed."""
+    from dilocox.common.cli import main
+    from dilocox.common.config.run import RunConfig, as_dict
+
+    final = 3
+    run = json.dumps(as_dict(RunConfig(run_id=RUN, rounds=final, compress=RunConfig().compress.__class__(codec="fp32"))))
+    with small_filesystem(tmp_path / "ckpt", 8) as folder:
+        port, log = free_port(), tmp_path / "shard.log"
+        with open(log, "w") as err:
+            proc = subprocess.Popen(_shard_cmd(port, folder), stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            _wait_listening(port, proc)
+            with AggregatorClient([f"127.0.0.1:{port}"], RUN, "a", shard_wait_s=0) as client:
+                client.join(PARAMS, run)
+                for round_ in range(final + 1):
+                    if round_ == final:  # the disk fills up before the final version
+                        fill(folder / "filler")
+                    client.push(round_, 1.0, slice_tensors(client.assignment, _tensors(round_)))
+                    assert client.pull(round_, wait_seconds=20)[0] == round_
+            deadline = time.monotonic() + 30
+            while not any(e.get("event") == "final_checkpoint_failed" for e in _events(log)):
+                assert proc.poll() is None and time.monotonic() < deadline, open(log).read()[-3000:]
+                time.sleep(0.2)
+            assert proc.poll() is None  # still serving: the final version can be read from it
+            assert main(["export", "--servers", f"127.0.0.1:{port}", "--out", str(tmp_path / "model"), "--insecure"]) == 0
+            assert json.loads((tmp_path / "model" / "provenance.json").read_text())["version"] == final
+            os.remove(folder / "filler")
+            assert proc.wait(timeout=30) == 0  # the retry saved it, then the shard stopped by itself
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        events = _events(log)
+        failed = next(e for e in events if e.get("event") == "final_checkpoint_failed")
+        assert failed["level"] == "error" and failed["version"] == final and "dilocox export --servers" in failed["recover"]
+        assert any(e.get("event") == "final_checkpoint_saved" for e in events)
+        assert next(e for e in events if e.get("event") == "shard_stopped")["saved"] is True
+        assert checkpoint.load(checkpoint_path(folder, 0))["snapshot"]["version"] == final
 
 
 def test_injected_write_errors_count_once_logged_retry_every_version_and_keep_the_newest(tmp_path, monkeypatch):
