@@ -23,7 +23,7 @@ RUN = "signing-run"
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> dict[str, pathlib.Path]:
     """The run's CA (as `dilocox certs` makes it) with a signer's certificate, and another CA with one."""
-    return two_authorities(tmp_path_factory.mktemp("pki"), "signer", "exporter")
+    return two_authorities(tmp_path_factory.mktemp("pki"), "signer", "exporter", usage="signer")
 
 
 def _signer(pki, name: str = "run", with_cert: bool = True) -> Signer:
@@ -61,7 +61,7 @@ def test_sign_then_verify_with_the_ca_the_key_and_the_files_own_key(signed, pki)
     for trust in ({"ca": pki["run-ca"]}, {"key": pki["run-cert"]}, {}):
         result = verify_folder(signed, **trust)
         assert result.ok, result.problems
-    assert result.signer == "CN=dilocox client exporter"
+    assert result.signer == "CN=dilocox signer exporter"
     assert [f.path for f in result.files] == ["export.json", "extra/generation_config.json", "model.safetensors",
                                               "tokenizer.json", PROVENANCE_FILE]  # fmt: skip
     record = result.provenance
@@ -196,7 +196,7 @@ def test_a_manifest_naming_a_path_outside_the_folder_is_malformed():
 def test_verify_command_messages_and_exit_codes(signed, pki, tmp_path, capsys):
     assert main(["verify", str(signed), "--cert", str(pki["run-ca"])]) == 0
     out = capsys.readouterr().out
-    assert "ok: 5 files as signed by CN=dilocox client exporter" in out and f"run {RUN} version 3 of 3" in out
+    assert "ok: 5 files as signed by CN=dilocox signer exporter" in out and f"run {RUN} version 3 of 3" in out
     _flip(signed / "model.safetensors")
     assert main(["verify", str(signed), "--cert", str(pki["run-ca"])]) == 1
     err = capsys.readouterr().err
@@ -283,3 +283,20 @@ def test_a_changed_digit_of_the_weights_header_fails_by_name_not_with_a_tracebac
         err = capsys.readouterr().err
         assert "FAILED model.safetensors: file changed" in err, err
         assert "FAILED provenance.json: model.safetensors: cannot be read to check it against the rounds chain" in err, err
+
+
+def test_a_site_certificate_of_the_run_ca_does_not_vouch_for_an_export(tmp_path, pki, capsys):
+    """Issue 63: `verify --cert` accepted an export signed with any certificate of the run's CA — the CA that
+    issues every site's client certificate. Now only a signer's (code-signing usage, `dilocox certs --role
+    signer`) vouches for an export, and `export --sign-cert` refuses another before exporting anything."""
+    from dilocox.common.deploy.certs import issue, load_ca
+    from dilocox.common.deploy.signing_keys import load_signer
+
+    site = issue(load_ca(pki["run-ca"].parent), tmp_path / "site", "site", "client", ("site-a",))
+    folder = _export(tmp_path / "by-a-site", load_signer(str(site["site-key"]), str(site["site"])))
+    problems = _problems(folder, ca=pki["run-ca"])
+    assert len(problems) == 1 and "CN=dilocox client site-a's certificate is not a signer's (no code-signing usage" in problems[0]
+    assert not _problems(folder, key=site["site"])  # with the site's own key given: the files are as that key signed them
+    assert main(["export", "--checkpoints", str(tmp_path / "none"), "--out", str(tmp_path / "model"), "--sign-key", str(site["site-key"]),
+                 "--sign-cert", str(site["site"])]) == 1  # fmt: skip
+    assert "not a signer's certificate (no code-signing usage" in capsys.readouterr().err and not (tmp_path / "model").exists()

@@ -46,7 +46,7 @@ from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.data.token_data import add_data_arguments
 from dilocox.worker.export_chain import chain_of_checkpoint, export_section, fetch_chain
 from dilocox.worker.export_checkpoints import gather, pick_versions
-from dilocox.common.deploy.signing_keys import Signer, SigningError, load_signer
+from dilocox.common.deploy.signing_keys import Signer, SigningError, load_signer, signs_code
 from dilocox.worker.export_provenance import write_provenance
 
 EXPORT_FORMAT = "dilocox-export"
@@ -384,6 +384,10 @@ def run(args: argparse.Namespace) -> int:
         if args.sign_cert and not args.sign_key:
             raise SigningError("--sign-cert needs --sign-key (the certificate's private key)")
         signer = load_signer(args.sign_key, args.sign_cert) if args.sign_key else None  # a bad key fails before the export
+        if signer is not None and signer.certificates and not signs_code(signer.certificates[0]):
+            raise SigningError(f"--sign-cert {args.sign_cert}: not a signer's certificate (no code-signing usage: a TLS "
+                               "server's or client's), which `dilocox verify --cert` refuses; issue one with `dilocox certs "
+                               "--out DIR --ca CA-DIR --role signer`")  # fmt: skip
         if args.servers:
             tls, token = security_from_args(args, "worker")
             addresses = [a.strip() for a in args.servers.split(",") if a.strip()]

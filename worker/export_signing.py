@@ -30,7 +30,7 @@ import os
 import pathlib
 from dataclasses import dataclass, field
 
-from dilocox.common.deploy.signing_keys import (Signer, SigningError, check_chain, describe_key, key_id, load_certificates,
+from dilocox.common.deploy.signing_keys import (Signer, SigningError, check_chain, describe_key, key_id, load_certificates, signs_code,
                                         load_public_key, to_pem, verify_signature)  # fmt: skip
 
 SIGNATURE_FILE = "dilocox-signature.json"
@@ -278,6 +278,10 @@ def verify_folder(folder: str | os.PathLike, ca: str | os.PathLike | None = None
         chain_problem = check_chain(envelope.certificates, load_certificates(_read(ca, "--cert"), f"--cert {ca}"))
         if chain_problem:
             return Verification(signer, against, problems=[Problem(SIGNATURE_FILE, f"the signer's certificate does not chain to {ca}: {chain_problem}")])
+        if not signs_code(envelope.certificates[0]):  # the run's CA also issues every site's client certificate
+            return Verification(signer, against, problems=[Problem(SIGNATURE_FILE, f"{signer}'s certificate is not a signer's (no code-signing "
+                                                                   "usage: a TLS server's or site's certificate of the run's CA), so it does "
+                                                                   "not vouch for an export; sign with one from `dilocox certs --role signer`")])  # fmt: skip
     else:
         with_key, against = envelope.public_key, "the public key in the signature file"
     if not verify_signature(with_key, envelope.signature, _pae(PAYLOAD_TYPE, envelope.payload)):

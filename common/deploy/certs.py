@@ -69,14 +69,16 @@ def load_ca(folder: pathlib.Path):
 
 
 def issue(ca, out: pathlib.Path, stem: str, role: str, hosts: tuple[str, ...], days: int = DEFAULT_DAYS) -> dict[str, pathlib.Path]:  # noqa: ANN001
-    """A `role` ("server" or "client") certificate for `hosts`, signed by `ca` = (cert, key): <stem>.pem + <stem>-key.pem."""
+    """A `role` ("server", "client" or "signer": code signing, for exports) certificate for `hosts`, signed by
+    `ca` = (cert, key): <stem>.pem + <stem>-key.pem."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
     ca_cert, ca_key = ca
-    usage = {"server": ExtendedKeyUsageOID.SERVER_AUTH, "client": ExtendedKeyUsageOID.CLIENT_AUTH}[role]
+    usage = {"server": ExtendedKeyUsageOID.SERVER_AUTH, "client": ExtendedKeyUsageOID.CLIENT_AUTH,
+             "signer": ExtendedKeyUsageOID.CODE_SIGNING}[role]  # signer: exports (`dilocox export --sign-cert`)
     sans = [x509.IPAddress(ipaddress.ip_address(h)) if _is_ip(h) else x509.DNSName(h) for h in hosts]
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
@@ -104,12 +106,14 @@ def _is_ip(host: str) -> bool:
 
 def make_dev_certificates(out_dir: str | pathlib.Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
                           days: int = DEFAULT_DAYS) -> dict[str, pathlib.Path]:  # fmt: skip
-    """A new CA (ca.pem, ca-key.pem) with server.pem/server-key.pem for `hosts` and client.pem/client-key.pem."""
+    """A new CA (ca.pem, ca-key.pem) with server.pem/server-key.pem for `hosts`, client.pem/client-key.pem,
+    and signer.pem/signer-key.pem for signing exports (code signing: what `dilocox verify --cert` accepts)."""
     out = pathlib.Path(out_dir)
     ca = make_ca(out)
     paths = {"ca": out / "ca.pem", "ca-key": out / "ca-key.pem"}
     paths |= issue(ca, out, "server", "server", hosts, days)
     paths |= issue(ca, out, "client", "client", hosts, days)
+    paths |= issue(ca, out, "signer", "signer", ("exporter",), days)
     return paths
 
 
@@ -120,7 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a run's topology file (`dilocox deploy topology`): every name its sites dial a shard by, "
                              "plus --hosts")  # fmt: skip
     parser.add_argument("--ca", type=pathlib.Path, help="an existing CA folder (ca.pem + ca-key.pem): issue from it instead of a new CA")
-    parser.add_argument("--role", choices=("server", "client"), default="server", help="with --ca: what to issue (default server)")
+    parser.add_argument("--role", choices=("server", "client", "signer"), default="server",
+                        help="with --ca: what to issue (default server; signer: a code-signing certificate for `dilocox export "
+                             "--sign-cert`, the only kind `dilocox verify --cert` accepts)")  # fmt: skip
     parser.add_argument("--name", help="with --ca: file stem of the new certificate (default <role>-<first host>)")
     parser.add_argument("--days", type=int, default=DEFAULT_DAYS, help=f"validity of the certificates in days (default {DEFAULT_DAYS})")
 
@@ -157,4 +163,5 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         print("shards:  --tls-cert server.pem --tls-key server-key.pem --tls-ca ca.pem   (mTLS)")
         print("workers: --tls-ca ca.pem --tls-cert client.pem --tls-key client-key.pem")
+        print("export:  --sign-key signer-key.pem --sign-cert signer.pem   (dilocox verify --cert ca.pem)")
     return 0

@@ -202,6 +202,19 @@ def load_signer(key_path: str, cert_path: str | None = None, flags: tuple[str, s
     return Signer(key, certificates)
 
 
+def signs_code(certificate) -> bool:  # noqa: ANN001
+    """Whether `certificate` is a signer's: its extended key usage names code signing (`dilocox certs --role
+    signer`), not only a TLS server's or client's."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        usage = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return False
+    return ExtendedKeyUsageOID.CODE_SIGNING in usage
+
+
 def check_chain(chain: list, cas: list, at: datetime.datetime | None = None) -> str:
     """'' when `chain` (the signer's certificate first, then intermediates) leads to one of `cas` and
     every certificate on the way is valid `at` (now by default); otherwise what is wrong, in one line."""
