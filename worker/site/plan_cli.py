@@ -14,7 +14,25 @@ from dilocox.worker.site.memory_plan import GB, MemoryPlan, plan_memory, planned
 from dilocox.worker.site.model_shape import model_shape
 
 
+TERMS = """the terms, per GPU (worker/site/memory_plan.py; on the CPU the same bytes are host memory):
+  weights, grads   FSDP2's sharded fp32 parameters and their gradients: 4 + 4 B per element a rank holds
+  optimizer        AdamW's two moments: 8 B (fp32), 4 (--optimizer-state bf16) or ~2 (int8)
+  gathered         parameters FSDP2 has all-gathered to compute (the whole stage with --pipeline-reshard step)
+  grad_accum       gradient accumulators: unsharded fp32 gradients before FSDP's reduce-scatter
+  activations      what autograd keeps per token and block, times the microbatches in flight
+  logits           the last stage's logits and the loss's transients
+  pp_buffers       torch's pipeline receive buffers, one per microbatch and stage boundary
+  reshard          the round boundary's buffers between FSDP's layout and the exchange's
+  opt_step         AdamW's transient at its step (none for fused fp32 on a GPU)
+  cuda+nccl        beside the tensors, on a GPU: the CUDA context and NCCL's buffers (3 GB)
+  fragment         the caching allocator's fragmentation, 3 % with expandable_segments
+per rank, host: build (one whole parameter while it is made), exchange (16 B per owned parameter, 12 with
+--spill-dir), checkpoint (the staged copy with --checkpoint-staging async)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = TERMS
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("model_name", nargs="?", metavar="MODEL",
                         help="what --model takes: gpt, a preset (llama-1b, …), a config.json path (default: --model's)")  # fmt: skip
     parser.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB", help="memory of one GPU, GB (default 80)")
@@ -149,14 +167,18 @@ def run(args: argparse.Namespace) -> int:
     fused = config.parallel.device != "cpu" and not (args.measure and not config.parallel.device.startswith("cuda"))
     layout_given = args.parallel__pp is not None or args.parallel__dp is not None or args.parallel__dp_replicate is not None
     ranked = []
+    if layout_given or not args.gpus:  # the layout asked for, first
+        plan = plan_memory(config, vocab, gpu_bytes, fused_attention=fused)
+        print(render(plan))
     if args.gpus:
         text, ranked = render_layouts(config, args, vocab, gpu_bytes, fused)
         print(text)
-    if args.gpus and ranked and not layout_given:  # the fastest layout's own table, in full, instead of one GPU's
-        config = ranked[0].config
-        print(f"the fastest, rank by rank ({_flags(config)}):")
-    plan = plan_memory(config, vocab, gpu_bytes, fused_attention=fused)
-    print(render(plan))
+    if args.gpus and not layout_given:  # the fastest layout's own table, in full, rather than one GPU's
+        if ranked:
+            config = ranked[0].config
+            print(f"the fastest, rank by rank ({_flags(config)}):")
+        plan = plan_memory(config, vocab, gpu_bytes, fused_attention=fused)
+        print(render(plan))
     if args.measure:
         from dilocox.worker.site.plan_measure import measure, measured_config, planned_init, planned_step
 
