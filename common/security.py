@@ -9,6 +9,7 @@ Certificates themselves are made by `dilocox certs` (common/deploy/certs.py).
 from __future__ import annotations
 
 import hmac
+import os
 import pathlib
 from dataclasses import dataclass
 
@@ -26,6 +27,16 @@ class TlsFiles:
     cert: pathlib.Path | None = None
     key: pathlib.Path | None = None
     ca: pathlib.Path | None = None
+
+    def __post_init__(self) -> None:
+        """Paths as `str` or any `os.PathLike` are taken too (docs/api.md says "PEM paths"): a string used to
+        fail with AttributeError deep inside the first connection, after the model was built."""
+        for name in ("cert", "key", "ca"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, pathlib.Path):
+                if not isinstance(value, (str, os.PathLike)):
+                    raise TypeError(f"TlsFiles.{name}: a path (str or os.PathLike), not {type(value).__name__}")
+                object.__setattr__(self, name, pathlib.Path(value))
 
     def read(self) -> tuple[bytes | None, bytes | None, bytes | None]:
         def load(path: pathlib.Path | None) -> bytes | None:
