@@ -278,7 +278,7 @@ def test_a_signed_export_covers_the_chain(tmp_path, capsys):
     from dilocox.common.deploy.certs import issue, load_ca, make_dev_certificates
 
     made = make_dev_certificates(tmp_path / "pki")
-    issued = issue(load_ca(tmp_path / "pki"), tmp_path / "pki", "signer", "client", ("exporter",))
+    issued = issue(load_ca(tmp_path / "pki"), tmp_path / "pki", "signer", "signer", ("exporter",))
     out = _exported_from_checkpoints(tmp_path, ["--sign-key", str(issued["signer-key"]), "--sign-cert", str(issued["signer"])])
     assert main(["verify", str(out), "--cert", str(made["ca"])]) == 0
     assert "rounds chain: 2 of 2 shard(s)" in capsys.readouterr().out

@@ -80,6 +80,7 @@ log = structlog.get_logger()
 # one key DCP would keep only one stage's (torchtitan flattens for the same reason).
 OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _ROUND_DIR = re.compile(r"^round-(\d+)$")
+SEAL_WAIT_S = 600.0  # how long a rank's sealer waits for rank 0's COMMITTED of the round it seals
 
 
 class SiteCheckpoint:
@@ -211,12 +212,12 @@ class SiteCheckpoint:
                 log.warning("worker_checkpoint_replica_failed", round=round_, error=replica_error)
             if self.group is not None:  # every rank's replica file is in before rank 0 hashes the folder (DCP's
                 dist.barrier(group=self.group)  # collectives on this group are over: each rank's save returned)
-        # Each rank hashes what it wrote, in a thread of its own; rank 0 commits the folder's listing now
-        # and prunes, never behind a hash (worker/checkpoint_manifest.py).
-        self._sealer = self._sealer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
-        self._sealing.append(self._sealer.submit(self._seal, round_))
+        # Rank 0 commits the folder's listing now and prunes, never behind a hash; each rank then hashes
+        # what it wrote, in a thread of its own, once the listing is there (worker/checkpoint_manifest.py).
         if self.rank == 0:
             self._commit_listing(round_)
+        self._sealer = self._sealer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
+        self._sealing.append(self._sealer.submit(self._seal, round_))
 
     def _failed(self, round_: int, error: BaseException) -> None:
         """A save the storage refused (full disk, I/O error, read-only folder): the site trains on and a
@@ -248,10 +249,17 @@ class SiteCheckpoint:
                  bytes=sum(f["bytes"] for f in record["files"].values()))  # fmt: skip
 
     def _seal(self, round_: int) -> None:
-        """Every rank, in the sealer thread: hash the files it wrote into its seal. A failure leaves that
-        part checked by size only at a resume (said then), never the run stopped."""
+        """Every rank, in the sealer thread: hash the files it wrote into its seal, once rank 0's `COMMITTED`
+        is there — never into a folder whose commit failed (rank 0 removes it: a seal written meanwhile would
+        leave a folder that is neither committed nor gone). A failure leaves that part checked by size only
+        at a resume (said then), never the run stopped."""
         started = time.perf_counter()
         path = self.path_of(round_)
+        deadline = time.monotonic() + SEAL_WAIT_S
+        while not (path / COMMITTED).exists():
+            if not path.is_dir() or time.monotonic() > deadline:  # the commit failed, or never came: nothing to seal
+                return
+            time.sleep(0.2)
         try:
             record = seal(path, round_, self.rank)
         except OSError as error:
