@@ -372,3 +372,68 @@ tls_dir = "/etc/dilocox/tls"
         render(parse(text))
     files = render(parse(text.replace('hosts = ["c"]', 'hosts = ["d"]')))  # distinct names: every site has its script
     assert {"lab/site-a-b-c.sh", "lab/site-a-b-d.sh"} <= set(files)
+
+
+POLICY = """
+[shards.policy]
+grace_s = 30
+grace_min_s = 2.5
+expect_clusters = 3
+update_check = "exclude"
+keep_rounds = 8
+keep_serving = true
+"""
+POLICY_FLAGS = ["--grace-s", "30", "--grace-min-s", "2.5", "--expect-clusters", "3", "--update-check", "exclude", "--keep-rounds", "8",
+                "--keep-serving"]  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["kubernetes", "slurm", "bare-metal"])
+def test_the_shards_policy_reaches_every_shard_by_its_flag_names(where):
+    """Issue 65 (item 1): grace, expected sites, the update check and the rest of a shard's settings were
+    `unknown key`s, set by hand on the rendered files. Now [shards.policy] takes them by their `dilocox
+    server` flag names and every rendered shard runs with them."""
+    shards = KUBERNETES_SHARDS if where == "kubernetes" else SHARDS_ELSEWHERE[where]
+    text = topology_text(shards=shards.rstrip() + "\n" + POLICY)
+    if where == "slurm":
+        text = text.replace('state_dir = "/shared/state"\ntls_dir = "/shared/certs"\nsetup', 'tls_dir = "/shared/certs"\nsetup')
+    files = render(parse(text))
+    if where == "kubernetes":
+        (shard,) = [o for o in _docs(files["cloud/shards.yaml"]) if o["kind"] == "StatefulSet"]
+        argv = shard["spec"]["template"]["spec"]["containers"][0]["command"]
+    elif where == "slurm":  # the line of the task script srun runs (inside its bash -c '…')
+        argv = next(line for line in files["hpc/shards.sbatch"].splitlines() if "dilocox server" in line).split()
+    else:
+        argv = shlex.split(files["lab/shard-0-agg1.lab.example.edu.sh"].splitlines()[-1].removeprefix("exec "))
+    text_argv = " ".join(argv)
+    assert " ".join(POLICY_FLAGS) in text_argv, text_argv
+
+
+def test_every_policy_key_is_a_dilocox_server_flag_of_its_type():
+    import argparse
+
+    from dilocox.common.deploy.topology_file import SHARD_POLICY, UPDATE_CHECKS
+    from dilocox.server.main import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    actions = {a.dest: a for a in parser._actions}
+    for key, kind in SHARD_POLICY.items():
+        action = actions[key]
+        if kind is bool:
+            assert isinstance(action, argparse._StoreTrueAction), key
+        else:
+            assert (action.type or str) is kind or (kind is str and action.type is None) or (action.type and kind.__name__ in str(action.type)), (key, action.type)
+    assert tuple(actions["update_check"].choices) == UPDATE_CHECKS
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('grace = 30', r"shards\.policy\.grace: not a shard setting; did you mean 'shards\.policy\.grace_s'"),
+    ('operator_token = "hunter2"', r"shards\.policy\.operator_token: set by the shards' environment, DILOCOX_OPERATOR_TOKEN"),
+    ('min_clusters = 2', r"shards\.policy\.min_clusters: set by min_clusters \(top level\)"),
+    ('update_check = "strict"', r"shards\.policy\.update_check: 'strict' is not one of off, warn, clip, exclude"),
+    ('keep_rounds = -1', r"shards\.policy\.keep_rounds: must be ≥ 0"),
+    ('grace_s = "30"', r"shards\.policy\.grace_s: expected float, got str"),
+])  # fmt: skip
+def test_a_bad_shard_policy_is_refused_by_key(bad, message):
+    with pytest.raises(TopologyFileError, match=message):
+        parse(topology_text(shards=KUBERNETES_SHARDS + f"\n[shards.policy]\n{bad}\n"))

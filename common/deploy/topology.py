@@ -62,6 +62,7 @@ class Topology:
     host_port_base: int = 57051
     host_metrics_base: int = 59100
     extra_worker_flags: tuple[str, ...] = field(default=())
+    extra_server_flags: tuple[str, ...] = field(default=())  # every shard's, after its own (a topology's [shards.policy])
     # The simulation's worker flags (its small GPT's shape, one thread per rank, --join-late). A real run's
     # launch files (`dilocox deploy`) leave them out: its model and data come from extra_worker_flags.
     simulation: bool = True
@@ -137,7 +138,7 @@ def shard_command(topology: Topology, index: int, placement: Placement, checkpoi
     directory = CHECKPOINT_DIR if placement.compose else checkpoint_dir
     if directory:
         command += ["--checkpoint-dir", directory]
-    return command + list(extra)
+    return command + list(topology.extra_server_flags) + list(extra)
 
 
 def site_commands(topology: Topology, index: int, placement: Placement, *, security: Sequence[str] = INSECURE) -> list[list[str]]:

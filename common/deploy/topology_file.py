@@ -125,6 +125,7 @@ class ShardsSpec:
     addresses: tuple[str, ...] = ()  # host:port per shard, dialled from outside the shards' cluster
     expose: str = "LoadBalancer"  # Kubernetes: the Service type per shard that `addresses` reach
     settings: Settings | None = None  # None: external
+    policy: tuple[str, ...] = ()  # `dilocox server` flags from [shards.policy], in the order given
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,46 @@ def _choice(value: object, choices: tuple[str, ...], key: str) -> str:
 
 
 SITE_KEYS = ("launcher", "cluster", "nodes", "gpus_per_node", "layout", "data", "worker_flags")
-SHARD_KEYS = ("count", "launcher", "cluster", "port", "addresses", "expose")
+SHARD_KEYS = ("count", "launcher", "cluster", "port", "addresses", "expose", "policy")
+# [shards.policy]: the shards' own settings, by their `dilocox server` flag names, typed (tests/test_topology_file.py
+# holds each against the server's parser). What the file sets elsewhere is not here, nor is a secret.
+SHARD_POLICY = {
+    "outer_lr": float, "outer_momentum": float, "expect_clusters": int, "grace_s": float, "grace_min_s": float,
+    "keep_rounds": int, "checkpoint_every": int, "checkpoint_keep": int, "keep_serving": bool, "push_idle_timeout_s": float,
+    "push_streams_per_cluster": int, "pull_cache_mb": int, "update_check": str, "update_check_norm_ratio": float,
+    "update_check_min_cosine": float, "update_check_quarantine_rounds": int, "health_stall_s": float, "work_threads": int,
+    "checkpoint_sign_key": str, "checkpoint_sign_cert": str, "checkpoint_verify_key": str, "checkpoint_ca": str,
+}  # fmt: skip
+UPDATE_CHECKS = ("off", "warn", "clip", "exclude")
+POLICY_ELSEWHERE = {  # a shard flag the file sets another way, and where
+    "min_clusters": "min_clusters (top level)", "round_deadline_s": "round_deadline_s (top level)", "run_id": "run_id",
+    "num_shards": "shards.count", "port": "shards.port", "checkpoint_dir": "shards.checkpoint_dir / state_dir",
+    "operator_token": "the shards' environment, DILOCOX_OPERATOR_TOKEN (a secret: not in a file several organisations read)",
+    "token": "shards.token_file / token_secret (a secret)",
+}
+
+
+def _policy(table: object) -> tuple[str, ...]:
+    """[shards.policy] → `dilocox server` flags, each key a flag name, typed and checked."""
+    if not isinstance(table, dict):
+        raise TopologyFileError(f"shards.policy: expected a table, got {_shown(table)}")
+    flags: list[str] = []
+    for key, value in table.items():
+        where = f"shards.policy.{key}"
+        if key in POLICY_ELSEWHERE:
+            raise TopologyFileError(f"{where}: set by {POLICY_ELSEWHERE[key]}, not here")
+        if key not in SHARD_POLICY:
+            close = difflib.get_close_matches(key, list(SHARD_POLICY), n=1, cutoff=0.5)
+            hint = f"; did you mean 'shards.policy.{close[0]}'?" if close else ""
+            raise TopologyFileError(f"{where}: not a shard setting{hint} (valid: {', '.join(sorted(SHARD_POLICY))})")
+        value = _typed(value, SHARD_POLICY[key], where)
+        if key == "update_check":
+            _choice(value, UPDATE_CHECKS, where)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise TopologyFileError(f"{where}: must be ≥ 0, got {value}")
+        flag = "--" + key.replace("_", "-")
+        flags += ([flag] if value else []) if isinstance(value, bool) else [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return tuple(flags)
 
 
 def _name(value: object, key: str) -> str:
@@ -336,7 +376,8 @@ def _shards(table: object) -> ShardsSpec:
                 raise TopologyFileError(f"shards.addresses[{i}]: {address!r}: with expose = \"NodePort\" the port is the "
                                         "shard's nodePort, 30000-32767")  # fmt: skip
     cluster = _name(table.get("cluster", "shards"), "shards.cluster")
-    return ShardsSpec(count, launcher, cluster, port, addresses, expose, settings)
+    policy = _policy(table["policy"]) if "policy" in table else ()
+    return ShardsSpec(count, launcher, cluster, port, addresses, expose, settings, policy)
 
 
 def _check_settings(settings: Settings, where: str, processes: int = 1) -> None:

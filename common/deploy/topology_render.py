@@ -41,6 +41,7 @@ def topology_of(model: TopologyFile) -> Topology:
         run_id=model.run_id, num_shards=model.shards.count, sites=tuple(Site(s.name, s.pp, s.dp) for s in model.sites),
         rounds=model.rounds, inner_steps=model.inner_steps, min_clusters=model.min_clusters or len(model.sites),
         round_deadline_s=model.round_deadline_s, extra_worker_flags=model.worker_flags, simulation=False,
+        extra_server_flags=model.shards.policy,
     )  # fmt: skip
 
 
