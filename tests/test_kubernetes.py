@@ -64,7 +64,8 @@ def _parses(argv: list[str]) -> argparse.Namespace:
 
 
 def _env(container: dict) -> dict[str, dict]:
-    return {e["name"]: e["valueFrom"] for e in container.get("env", [])}
+    """The variables a container reads from elsewhere (its pod, a Secret), by name."""
+    return {e["name"]: e["valueFrom"] for e in container.get("env", []) if "valueFrom" in e}
 
 
 def _site_jobs(objects: list[dict]) -> dict[str, dict]:
@@ -311,3 +312,16 @@ def test_server_resume_if_present_starts_on_an_empty_volume_and_resumes_a_full_o
     command = [sys.executable, "-m", "dilocox.common.cli", "server", "--run-id", RUN, "--insecure", "--resume-if-present"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--resume-if-present needs --checkpoint-dir" in done.stderr
+
+
+def test_a_stopping_site_is_given_what_it_needs_before_it_is_killed(tmp_path):
+    """Issue 65 (item 2): a stopped 2-rank site was SIGKILLed by torchrun at its 30 s, and the site Job set no
+    termination grace: now torchrun waits STOP_TIMEOUT_S for its ranks (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, in the
+    site's container, its Slurm script and its bare-metal script) and the pod is given 30 s more."""
+    from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
+
+    for job in _site_jobs(_render(tmp_path)).values():
+        pod = job["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == STOP_TIMEOUT_S + 30
+        (container,) = pod["containers"]
+        assert {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(STOP_TIMEOUT_S)} in container["env"]

@@ -93,3 +93,13 @@ def test_a_multi_node_site_runs_one_torchrun_per_node_with_the_rendezvous_on_the
     assert "--tls-ca /shared/tls/ca.pem" in script and "--insecure" not in script and "--resume-if-present" in script
     with pytest.raises(SystemExit, match="ranks per node"):
         site_script(Topology(sites=parse_sites("odd:3x1")), 0, SlurmOptions(gpus_per_node=2))
+
+
+def test_every_rendered_site_gives_torchrun_the_stop_timeout():
+    """Issue 65 (item 2): torchrun's own 30 s killed a stopping site; rendered scripts export the project's
+    (an operator's own TORCH_ELASTIC_SHUTDOWN_TIMEOUT wins)."""
+    from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
+    from dilocox.common.deploy.topology import Site
+
+    script = site_script(Topology(run_id="r", sites=(Site("a", 2, 1),), simulation=False), 0, SlurmOptions(servers="agg:50051"))
+    assert f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{STOP_TIMEOUT_S}}}" in script

@@ -12,8 +12,8 @@ import structlog
 import torch
 
 from dilocox.common.config.run import ParallelConfig, add_config_arguments, config_from_args
-from dilocox.common.config.waits import (MARGIN_S, PULL_WAIT_S, SHARD_WAIT_S, STEP_TIMEOUT_S, collective_timeout_for,
-                                         site_wait_problems)
+from dilocox.common.config.waits import (MARGIN_S, PULL_WAIT_S, SHARD_WAIT_S, STEP_TIMEOUT_S, STOP_TIMEOUT_S,
+                                         collective_timeout_for, site_wait_problems)
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after SIGTERM or Ctrl-C, how long the exchange in flight still gets, also while the round "
                              "boundary waits for a late round's result (default 30; give launchers a step, this and a "
                              "checkpoint write before their SIGKILL); a second signal exits at once")  # fmt: skip
+    parser.add_argument("--stop-timeout-s", type=float, default=STOP_TIMEOUT_S, metavar="S",
+                        help="a multi-rank site this worker starts as its own torchrun job: how long torchrun lets the ranks "
+                             "stop after a signal before it kills them (default 300; torchrun's own is 30 s)")  # fmt: skip
     parser.add_argument("--join-late", action="store_true",
                         help="join a run whose first rounds have closed, training only the rounds left (default: refuse, exit 3)")
     add_metrics_arguments(parser, default_host="0.0.0.0")  # served by the cluster's rank 0 only
@@ -127,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"dilocox worker: {problem}")
     if not args.stop_grace_s >= 0:
         raise SystemExit(f"dilocox worker: --stop-grace-s must be ≥ 0, got {args.stop_grace_s:g}")
+    if not args.stop_timeout_s > args.stop_grace_s:
+        raise SystemExit(f"dilocox worker: --stop-timeout-s {args.stop_timeout_s:g} must exceed --stop-grace-s {args.stop_grace_s:g}: "
+                         "torchrun would kill the ranks while the exchange still has its grace")  # fmt: skip
     if not args.step_timeout_s > 0:
         raise SystemExit(f"dilocox worker: --step-timeout-s must be > 0, got {args.step_timeout_s:g}")
     if config.parallel.spill_dir:
@@ -163,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     except (ModelSpecError, PipelineSplitError) as error:
         raise SystemExit(f"dilocox worker: {error}") from None
     if parallel and not under_torchrun():
-        relaunch_with_torchrun(config.parallel.world_size)  # does not return
+        relaunch_with_torchrun(config.parallel.world_size, args.stop_timeout_s)  # does not return
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     # Between steps, not at any bytecode: the staged checkpoint commits (worker/exchange/stop.py).

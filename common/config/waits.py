@@ -16,6 +16,13 @@ SHARD_WAIT_S = 1800.0  # an unreachable shard (restarting, link down)
 PULL_WAIT_S = 3600.0  # a round's result, after the push
 MARGIN_S = 600.0  # a boundary's own work on top (reshard, checkpoint staging, eval)
 RPC_TIMEOUT_S = 600.0  # one push or pull call's own limit (a stalled stream), beyond the waits above
+# What a stopping site is given before its launcher kills it: an eighth of a round's steps, the exchange's
+# grace (`--stop-grace-s`, 30 s) and the checkpoint write in flight. torchrun's own default is 30 s, which
+# SIGKILLed a 2-rank site 24.6 s into its stop: every launcher the project starts or renders gives torchrun
+# this (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, read by torch ≥ 2.9, ignored before) and a Kubernetes site pod this
+# and 30 s more (`terminationGracePeriodSeconds`).
+STOP_TIMEOUT_S = 300
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 # A training collective (FSDP's all-gather and reduce-scatter, a pipeline send, a reshard's all-to-all): how
 # long a rank waits in one for its peers before the site fails (NCCL's watchdog on GPUs). Never an exchange
 # wait — those end in an agreement on the host (`collective_timeout_for`) — so a step plus a margin: torch's

@@ -16,6 +16,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
 from dilocox.common.deploy.topology import HostPorts, Topology, shard_command, site_commands, tls_flags
 from dilocox.common.deploy.topology_file import BareMetalSettings
 
@@ -36,7 +37,8 @@ def transport(settings: BareMetalSettings, tls: bool, role: str) -> list[str]:
 
 def script(what: str, settings: BareMetalSettings, argv: list[str]) -> str:
     lines = ["#!/bin/bash", f"# {what}", "# Rendered by `dilocox deploy topology`; rerunning it resumes from the checkpoint folder.",
-             "set -euo pipefail", *settings.setup]  # fmt: skip
+             "set -euo pipefail", *settings.setup,
+             f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{STOP_TIMEOUT_S}}}"]  # a stopping site's ranks: not torchrun's 30 s
     if settings.token_file:
         lines.append(f'export DILOCOX_TOKEN="$(cat {shlex.quote(settings.token_file)})"')
     return "\n".join([*lines, "exec " + shlex.join(argv)]) + "\n"

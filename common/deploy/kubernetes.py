@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
 from dilocox.common.deploy.kubernetes_placement import add_placement_arguments, exposed_services, scheduling
 from dilocox.common.deploy.topology import (
     CHECKPOINT_DIR, INSECURE, METRICS_PORT, SHARD_PORT, Placement, Site, Topology, shard_command, site_commands, tls_flags,
@@ -297,7 +298,8 @@ def site_objects(topology: Topology, index: int, options: Options, names: Names,
     tls_volumes, tls_mounts = _tls(options, CLIENT_FILES)
     rank = {"NODE_RANK": "metadata.annotations['batch.kubernetes.io/job-completion-index']"} if pods > 1 else {}
     container = {
-        "name": "worker", "image": options.image, "imagePullPolicy": "IfNotPresent", "env": _env(options, **rank),
+        "name": "worker", "image": options.image, "imagePullPolicy": "IfNotPresent",
+        "env": [*_env(options, **rank), {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(STOP_TIMEOUT_S)}],
         "command": site_command(topology, index, options, names, placement),
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}, {"name": "rdzv", "containerPort": RDZV_PORT}],
         "resources": _resources(options.site_cpu, options.site_memory, options.gpus_per_rank * per_pod),
@@ -308,7 +310,9 @@ def site_objects(topology: Topology, index: int, options: Options, names: Names,
     if claim is not None:
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}})
         container["volumeMounts"].append({"name": "checkpoints", "mountPath": SITE_CHECKPOINT_DIR})
-    pod = {"restartPolicy": "Never", "containers": [container], "volumes": volumes, **scheduling(options)}
+    # A stopping site is given what it needs (common/config/waits.py): torchrun's wait, and 30 s more to exit.
+    pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": STOP_TIMEOUT_S + 30, "containers": [container], "volumes": volumes,
+           **scheduling(options)}  # fmt: skip
     pod |= {"subdomain": name} if pods > 1 else {}
     final = {"containerName": "worker", "operator": "In", "values": [FINAL_EXIT_CODE]}
     evicted = [{"type": "DisruptionTarget", "status": "True"}]  # preempted, drained: not the site's fault

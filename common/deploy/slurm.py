@@ -23,6 +23,7 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
+from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
 from dilocox.common.deploy.topology import (
     METRICS_PORT, SHARD_PORT, HostPorts, Site, Topology, shard_command, site_commands, tls_flags,
 )  # fmt: skip
@@ -119,7 +120,10 @@ def _header(job_name: str, options: SlurmOptions, lines: list[str]) -> list[str]
 
 def _prologue(topology: Topology, options: SlurmOptions) -> list[str]:
     default_state = options.state_dir or f"$SLURM_SUBMIT_DIR/dilocox-state/{topology.run_id}"
-    lines = ["set -euo pipefail", *options.setup, f'STATE="${{DILOCOX_STATE_DIR:-{default_state}}}"', "export STATE"]
+    lines = ["set -euo pipefail", *options.setup, f'STATE="${{DILOCOX_STATE_DIR:-{default_state}}}"', "export STATE",
+             # torchrun's wait for stopping ranks before it kills them (common/config/waits.py); Slurm's own
+             # SIGKILL comes KillWait after its SIGTERM: ask for as long where a site stops by scancel
+             f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{STOP_TIMEOUT_S}}}"]  # fmt: skip
     if options.token_file:
         lines.append(f"export DILOCOX_TOKEN=\"$(cat {shlex.quote(options.token_file)})\"")
     return lines

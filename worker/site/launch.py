@@ -16,6 +16,8 @@ import sys
 
 import structlog
 
+from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
+
 log = structlog.get_logger()
 
 
@@ -23,12 +25,15 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def relaunch_with_torchrun(world_size: int) -> None:
-    """Run a standalone torchrun job of `world_size` copies of this command; exits with the job's outcome."""
+def relaunch_with_torchrun(world_size: int, stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Run a standalone torchrun job of `world_size` copies of this command; exits with the job's outcome.
+    `stop_timeout_s`: how long torchrun lets its ranks stop after a signal before it kills them (its own
+    default, 30 s, is shorter than a stopping site needs); an operator's TORCH_ELASTIC_SHUTDOWN_TIMEOUT wins."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    os.environ.setdefault(SHUTDOWN_TIMEOUT_ENV, str(int(stop_timeout_s)))
     argv = ["--standalone", f"--nproc-per-node={world_size}", "-m", "dilocox.common.cli", *sys.argv[1:]]
     try:
         torchrun(argv)
