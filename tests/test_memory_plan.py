@@ -84,6 +84,24 @@ def test_a_stage_is_held_once_over_its_shards_and_replicated_over_replicas():
     assert plan.params == sum(math.prod(s) for stage in shape.stages for _, s in stage)
 
 
+def test_an_unsharded_bf16_rank_counts_autocasts_weight_copies_and_cublas_workspaces():
+    """Without FSDP, bf16 is autocast: autograd keeps its bf16 copy of every weight for the backward — 1.25 GB
+    of a Llama 1B's peak on an H200 that the plan had missed; checkpointed blocks keep none but the one
+    recomputed. cuBLAS's workspaces come from the caching allocator too (GPUs only)."""
+    def one(checkpoint: str, device: str = "cuda", precision: str = "bf16") -> dict:
+        config = gpt(1, 1, checkpoint=checkpoint, layers=8)
+        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device=device, precision=precision))
+        return plan_memory(config, 256).ranks[0].device
+
+    params = model_shape(gpt(1, 1, layers=8), 256).params
+    whole, checkpointed = one("none"), one("full")
+    assert whole["gathered"] == 2 * params
+    block = model_shape(gpt(1, 1, layers=8), 256).blocks[0][0]
+    assert checkpointed["gathered"] == 2 * (params - 8 * block + 2 * block)
+    assert whole["workspace"] == 3 * 32 * MB
+    assert one("none", device="cpu", precision="fp32")["gathered"] == 0 and "workspace" not in one("none", device="cpu", precision="fp32")
+
+
 def test_the_schedule_sets_the_microbatches_in_flight():
     """4 microbatches on 2 stages: GPipe holds all 4 on each stage; 1F1B holds pp − stage (2, then 1): torch's
     Schedule1F1B warms up with pp − stage forwards, then runs the oldest backward before each next forward."""

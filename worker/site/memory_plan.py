@@ -10,7 +10,9 @@ Device, per GPU (on the CPU the same bytes are host memory):
   moments — 4 + 4 + 8 B per element this rank holds (its Shard(0) rows; all rows unsharded); with
   `--optimizer-state bf16` the moments are 4 B, with `int8` 2 B and a scale per block of a row (1-D and narrow
   tensors keep fp32 moments: worker/train/light_adamw.py).
-* `gathered`: parameters FSDP2 has all-gathered for compute (bf16 or fp32). Unpipelined, or pipelined with
+* `gathered`: parameters FSDP2 has all-gathered for compute (bf16 or fp32); without FSDP (dp 1) in bf16,
+  autocast's bf16 copy of the weights, which autograd saves for the backward (with `--activation-checkpoint
+  full`: the root's and the recomputed block's); 1.25 GB of a Llama 1B's peak on an H200 the plan missed. Unpipelined, or pipelined with
   `--pipeline-reshard microbatch`: the root unit (embeddings, head, final norm) and two blocks (the one
   computing and the next, prefetched). Pipelined with `step`: every block of the stage stays gathered
   from its first forward to the end of the step's backward (worker/site/parallelize.py) — the whole stage.
@@ -36,6 +38,8 @@ Device, per GPU (on the CPU the same bytes are host memory):
 * `optimizer_step`: AdamW's transient: none for torch's fused kernel (fp32 on GPUs); on the CPU torch's
   per-tensor path copies one tensor at a time; light state computes each parameter's moments in fp32, one
   parameter at a time (compiled on GPUs: the two moments; eager on the CPU: a dozen temporaries).
+
+* `workspace` (GPUs): cuBLAS's workspaces, taken from the caching allocator (`CUBLAS_WORKSPACE_BYTES`).
 
 Beside these tensors, what the caching allocator never sees, on GPUs only (`overheads`): the CUDA context
 and NCCL's buffers for the site's communicators (`CUDA_CONTEXT_BYTES`), and the allocator's fragmentation
@@ -68,6 +72,11 @@ GB = 1e9
 # site's communicators (world, pipeline, FSDP shard group, stage group: several channels × peers × 4 MiB
 # each), allowed for as one figure (what torchtitan's and Megatron's users report at 8–64 GPUs: 1.5–3 GB).
 CUDA_CONTEXT_BYTES = int(3 * GB)
+# cuBLAS's workspaces, which torch takes from the caching allocator (so `max_memory_allocated` counts them):
+# 32 MiB per (handle, stream) on Hopper, a handle per thread — the forward's, autograd's backward thread's,
+# and one more (eval, the optimizer). Measured on an H200: 83 MB of a 25.6M-parameter rank's peak that no
+# tensor term explained (docs/performance.md, "The plan against a GPU").
+CUBLAS_WORKSPACE_BYTES = 3 * 32 * 2**20
 # The caching allocator's fragmentation with `expandable_segments:True` (which the worker sets): reserved
 # above allocated, as a share of the allocated peak. Without it ~6 % is typical of FSDP runs.
 FRAGMENTATION = 0.03
@@ -286,8 +295,10 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         d["weights"], d["grads"] = 4 * held, 4 * held
         d["optimizer"] = moments
         largest_block = max(blocks, default=0)
-        if not sharded:
-            d["gathered"], d["grad_accumulators"] = 0, 0
+        if not sharded:  # no FSDP: bf16 is autocast, whose bf16 copy of each weight autograd keeps for backward
+            # (the whole stage's, the embedding counted too; checkpointed blocks keep none but the one recomputed)
+            cast = root + 2 * largest_block if par.activation_checkpoint == "full" else stage_params
+            d["gathered"], d["grad_accumulators"] = (2 * cast if bf16 else 0), 0
         elif pipelined and par.pipeline_reshard == "step":
             d["gathered"], d["grad_accumulators"] = param_bytes * stage_params, 4 * stage_params
         else:
@@ -321,6 +332,7 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         d["reshard"] = 4 * reshard.buffers[replica] if shape.dp > 1 else 0
         d["optimizer_step"] = _optimizer_step_bytes(par.optimizer_state, cuda, held, largest_local)
         if cuda:
+            d["workspace"] = CUBLAS_WORKSPACE_BYTES
             plan.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "fragmentation": int(FRAGMENTATION * plan.device_total)}
         owned_names = reshard.owned(shapes, replica)
         owned = sum(math.prod(shapes[n]) for n in owned_names)

@@ -71,7 +71,10 @@ def planned_step(plan: MemoryPlan, rank: int) -> int:
 def _rank(rank: int, world: int, port: int, config: RunConfig, init_only: bool, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
-    torch.set_num_threads(1)
+    # One thread on the CPU (the measure is the rank's own memory); on GPUs the host only draws the initial
+    # weights (worker/models/materialize.py), which at 8B took over 90 s on one thread: give it the cores.
+    on_cuda = config.parallel.device.startswith("cuda")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world) if on_cuda else 1)
     from dilocox.worker.data.corpus import load_corpus
     from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
     from dilocox.worker.models.build import meta_model
