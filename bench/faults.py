@@ -81,8 +81,8 @@ class FaultRun:
                 continue
             rounds = self.verdicts.setdefault(shard.shard_index, {})
 
-            def recorded(figures, weights, shard=shard, review=check.review, rounds=rounds):  # noqa: ANN001
-                verdicts = review(figures, weights)
+            def recorded(figures, weights, judged=True, shard=shard, review=check.review, rounds=rounds):  # noqa: ANN001
+                verdicts = review(figures, weights, judged)
                 rounds[shard.open_round] = tuple(verdicts)
                 return verdicts
 
@@ -102,7 +102,7 @@ class FaultRun:
         checked = bool(shards)
         flagged = {s: self.rounds_of(s, lambda v: v.reasons) for s in shards}
         first = [next((r for r in flagged[s] if r >= self.fault_round), None) for s in shards]
-        faulty_rounds = rounds + 1 - self.fault_round + 1  # the fault's rounds, the end-of-run flush included
+        faulty_rounds = rounds - self.fault_round + 1  # the fault's training rounds (the end-of-run flush is not judged)
         honest = self.honest()
         cos = [c for v in honest for c in (v.cosine_others, v.cosine_previous) if c is not None]
         ratios = [v.norm_ratio for v in honest if v.norm_ratio is not None]
@@ -188,8 +188,9 @@ def run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
     notes = (
         f"{args.sites} sites × {args.shards} shards, the built-in GPT (2 layers, width {args.n_embd}), {args.rounds} rounds × "
         f"H={args.inner_steps}, default compression and one-step delay, every run on the same data ({args.data_split} split); the last site "
-        f"(cluster-{args.sites - 1}) faulty from round {args.fault_round} on, its end-of-run flush (round {args.rounds + 1}) "
-        f"included. Check: norm ratio > {args.norm_ratio:g}, cosine < {args.min_cosine:g}, replay, quarantine after 2 "
+        f"(cluster-{args.sites - 1}) faulty from round {args.fault_round} on, its end-of-run flush (round {args.rounds + 1}: "
+        f"residuals, not judged) too. Check against the round's peers: norm ratio > {args.norm_ratio:g}, cosine < {args.min_cosine:g}, "
+        "replay, acting on at most half a round, quarantine after 2 "
         "flagged rounds in a row (left out, under clip and exclude, until 2 pass in a row). `final_eval_loss`: the honest sites' mean at the end (each ends on the global model); "
         "`loss_vs_clean`: against the clean run of the same mode. Per shard, separated by ' / ': `first_flagged`, the first "
         "round from the fault's on in which the shard flagged the faulty site; `flagged_rounds`, in how many of the "

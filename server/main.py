@@ -111,16 +111,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bytes (other clusters' contributions, the weights); a larger stream is framed per pull; 0: off")  # fmt: skip
     checks = UpdateCheckConfig()
     parser.add_argument("--update-check", default=checks.mode, choices=MODES,
-                        help="look at each site's update before the merge (its norm against the accepted ones, its cosine with "
-                             "the other sites' mean and with the previous round's update, a replayed payload): warn logs and "
-                             "counts; clip merges an update flagged only for its size scaled down to the median norm and leaves "
-                             "any other flagged one out; exclude leaves every flagged or quarantined site out of the round "
-                             "(docs/decisions.md)")  # fmt: skip
+                        help="look at each site's update before the merge, against the round's peers (its norm against the "
+                             "other sites' accepted ones, its cosine with the other sites' mean — with two sites, with the other "
+                             "site, the previous round's update breaking a tie — a replayed payload): warn logs and counts; clip "
+                             "merges an update flagged only for its size scaled down to the reference norm and leaves any other "
+                             "flagged one out; exclude leaves every flagged or quarantined site out of the round. Neither acts "
+                             "on more than --update-check-max-flagged of a round (docs/decisions.md)")  # fmt: skip
     parser.add_argument("--update-check-norm-ratio", type=float, default=checks.norm_ratio,
-                        help="flag an update whose norm exceeds this many times the median of the norms accepted lately")
+                        help="flag an update whose norm exceeds this many times the median of the other sites' norms accepted lately")
     parser.add_argument("--update-check-min-cosine", type=float, default=checks.min_cosine,
-                        help="flag an update whose cosine with the other sites' mean (3 or more sites) or with the previous "
-                             "round's update is below this")  # fmt: skip
+                        help="flag an update whose cosine with the other sites' mean (3 or more sites) is below this; of two "
+                             "sites below it with each other, the one whose cosine with the previous round's update is below "
+                             "it and the lower")  # fmt: skip
+    parser.add_argument("--update-check-max-flagged", type=float, default=checks.max_flagged,
+                        help="act (clip, exclude, quarantine) only while at most this share of a round's sites is flagged; "
+                             "above it the round merges as usual and the shard logs update_check_overruled (default 0.5: "
+                             "never a majority)")  # fmt: skip
     parser.add_argument("--update-check-quarantine-rounds", type=int, default=checks.quarantine_rounds,
                         help="flagged this many rounds in a row, a site is quarantined: with exclude or clip, left out "
                              "until it passes as many rounds in a row or an operator readmits it (dilocox readmit)")  # fmt: skip
@@ -226,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
             grace=GraceWindow(args.grace_min_s, args.grace_s) if args.grace_s > 0 else None,
             keep_rounds=args.keep_rounds,
             update_check=UpdateCheckConfig(args.update_check, args.update_check_norm_ratio, args.update_check_min_cosine,
-                                           args.update_check_quarantine_rounds),  # fmt: skip
+                                           args.update_check_quarantine_rounds, max_flagged=args.update_check_max_flagged),  # fmt: skip
             operator_token=args.operator_token or None,
         )
     except ValueError as error:

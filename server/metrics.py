@@ -50,6 +50,8 @@ class _ShardStateCollector(Collector):
                                   "(their clusters deliver them the next round)", value=self.shard.dropped_bytes)  # fmt: skip
         yield GaugeMetricFamily("dilocox_kept_round_bytes", "Payload bytes of the newest versions' contributions kept "
                                 "for sites that come back behind (--keep-rounds)", value=self.shard.recent.bytes_kept(self.shard.snapshot))  # fmt: skip
+        yield CounterMetricFamily("dilocox_update_check_overruled", "Rounds the update check flagged more sites of than "
+                                  "--update-check-max-flagged allows: merged as usual, nobody left out", value=self.shard.rounds_overruled)  # fmt: skip
         yield CounterMetricFamily("dilocox_checkpoint_failures", "Shard checkpoint saves that failed (disk full, I/O error, "
                                   "read-only): the rounds went on, unsaved", value=status["checkpoint_failures"])  # fmt: skip
         yield GaugeMetricFamily("dilocox_checkpoint_failing_rounds", "Versions in a row whose checkpoint save failed, up to "

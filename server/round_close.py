@@ -133,7 +133,7 @@ class SiteRecord:
 
     def checked(self, verdict, round_: int) -> None:  # noqa: ANN001 - an update_check.SiteVerdict
         self.quarantined = verdict.quarantined
-        if verdict.reasons:
+        if verdict.reasons and not verdict.overruled:  # an overruled round is one alert of its own, not one a site
             self.rounds_flagged += 1
             self.last_flag, self.last_flag_round = ",".join(verdict.reasons), round_
         self.rounds_excluded += int(verdict.excluded)

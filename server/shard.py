@@ -123,6 +123,7 @@ class Shard(RoundClosing, PullServing):
         self.bytes_in = 0
         self.bytes_out = 0
         self.dropped_bytes = 0  # partial contributions discarded when a deadline closed a round without them
+        self.rounds_overruled = 0  # rounds the update check flagged more of than it may act on (server/update_check.py)
         self.last_round: RoundStats | None = None  # set just before the round's version is published
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None

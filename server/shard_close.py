@@ -13,6 +13,7 @@ import time
 
 import structlog
 
+from dilocox.common.config.run import flush_version_of
 from dilocox.common.wire.errors import CheckOff, NotAnOperator
 from dilocox.server.provenance_chain import ChainedVersion, chain_round
 from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
@@ -99,7 +100,8 @@ class RoundClosing:
             return ()
         check = self.update_check
         figures = round_figures(closing.acc.contributions, closing.snapshot.contributions, check.last_flagged)
-        verdicts = tuple(check.review(figures, closing.acc.cluster_weights))
+        flush = closing.acc.round == flush_version_of(self.run_config_json)  # residuals, not a training round's update
+        verdicts = tuple(check.review(figures, closing.acc.cluster_weights, judged=not flush))
         out = excluded(verdicts)
         if out:
             closing.acc.keep_only(set(closing.acc.cluster_weights) - out)
@@ -144,9 +146,15 @@ class RoundClosing:
         left_out = excluded(verdicts)
         if verdicts:
             log.info("update_checked", shard=self.shard_index, round=acc.round, sites=len(verdicts), **margins(verdicts))
+        if any(v.overruled for v in verdicts):
+            self.rounds_overruled += 1
+            log.warning("update_check_overruled", shard=self.shard_index, round=acc.round, sites=len(verdicts),
+                        flagged=sorted(v.cluster for v in verdicts if v.reasons), max_flagged=self.update_check.config.max_flagged,
+                        reason="more of the round was flagged than the check may act on: it is wrong about the round, not "
+                               "the sites; merged as usual, no streak counted (a learning-rate or data change moves every site)")  # fmt: skip
         for verdict in verdicts:
             self.sites.setdefault(verdict.cluster, SiteRecord()).checked(verdict, acc.round)
-            if verdict.reasons or verdict.quarantined:
+            if (verdict.reasons and not verdict.overruled) or verdict.quarantined:
                 log.warning("update_flagged", shard=self.shard_index, cluster=verdict.cluster, round=acc.round, reasons=list(verdict.reasons),
                             quarantined=verdict.quarantined, excluded=verdict.excluded, mode=self.update_check.config.mode,
                             **({"clipped_by": round(verdict.scale, 6)} if verdict.scale != 1.0 else {}), **verdict.figures())  # fmt: skip

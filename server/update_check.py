@@ -9,20 +9,30 @@ payload through its factors, never its product; server/round_figures.py): what i
 of the sites' updates (G_ij = ⟨Δ_i, Δ_j⟩, summed over slices) and each update's inner product with the
 previous round's global update, from the contributions the shard keeps for replay. From them, per site:
 
-* `norm_ratio` — ‖Δ_i‖ over the reference norm: the median of the norms this shard accepted over the last
-  `history` rounds (or, before any, this round's median where three or more sites pushed);
+* `norm_ratio` — ‖Δ_i‖ over its reference norm: the median of the norms this shard accepted from the *other*
+  sites over the last `history` rounds (so a site cannot raise its own bar by growing a little each round), or,
+  before any, the median of this round's other norms where two or more;
 * `cosine_others` — cos(Δ_i, the weighted mean of the other sites' updates, each as a unit vector and the
-  outsized ones left out, so one huge update cannot drown the others' direction), with three or more sites
-  (with two, neither is a majority: the check then has only the norm, the previous update and the replay);
+  outsized ones left out, so one huge update cannot drown the others' direction), with three or more sites;
+  with two, the cosine of the pair;
 * `cosine_previous` — cos(Δ_i, the previous round's global update: the weighted mean of the contributions
-  it merged), from the second round on. (Not the outer momentum: against a dense buffer a low-rank
-  update costs rows × cols × rank per site, as much as the step's own decode.)
+  it merged), from the second round on. Reported, and a tie-breaker only: honest sites' consecutive rounds
+  can point in unrelated directions (a learning-rate or data-mix change, a momentum swing), and judged
+  against it alone the check once excluded all four honest sites of a round (issue 62). (Not the outer
+  momentum: against a dense buffer a low-rank update costs rows × cols × rank per site.)
 * `replayed` — its whole contribution here (every payload, byte for byte) equal to one this shard received
   in the last `history` rounds, from any site (an old round's update pushed again); a zero update is not
   counted (it carries nothing to replay).
 
-A site is flagged when its figures are not finite (an update so large that its squared norm exceeds fp32's range), its norm
-ratio exceeds `norm_ratio`, a cosine is below `min_cosine`, or it replayed;
+A site is judged against its peers in the round. It is flagged when its figures are not finite (an update so
+large that its squared norm exceeds fp32's range), its norm ratio exceeds `norm_ratio`, its cosine with the
+others is below `min_cosine` (with two sites: the pair's cosine is below it, and this site's cosine with the
+previous update is below it and below the other's — the previous direction breaks a tie, never flags alone),
+or it replayed. **Never a majority**: where more than `max_flagged` of the round's sites would be acted on
+(flagged, or quarantined), the check is wrong about the round, not the sites — nobody is left out or clipped
+(but an overflowing update, which would turn every weight to inf), no streak counts, every verdict says
+`overruled`, the shard logs one `update_check_overruled` line, and the round's norms join the history (the
+new normal after a schedule change). The end-of-run flush (residuals, not an update) is not judged at all;
 flagged `quarantine_rounds` rounds in a row it is quarantined: under `exclude` and `clip` left out of every
 round, passing or not, until it passes `quarantine_rounds` rounds in a row (its statistics are still
 computed) or an operator readmits it (`dilocox readmit`). One clean round is not enough: a faulty site that
@@ -63,6 +73,7 @@ class UpdateCheckConfig:
     min_cosine: float = 0.0  # flag an update pointing away from the others' mean or the previous update
     quarantine_rounds: int = 2  # flagged this many rounds in a row: left out until it passes this many in a row
     history: int = 8  # rounds of accepted norms and of payload digests kept
+    max_flagged: float = 0.5  # act (exclude, clip) only while at most this share of the round's sites is flagged
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -71,6 +82,8 @@ class UpdateCheckConfig:
             raise ValueError(f"--update-check-norm-ratio must be > 1, got {self.norm_ratio}")
         if not -1 <= self.min_cosine < 1:
             raise ValueError(f"--update-check-min-cosine must be in [-1, 1), got {self.min_cosine}")
+        if not 0 < self.max_flagged <= 1:
+            raise ValueError(f"--update-check-max-flagged must be in (0, 1], got {self.max_flagged}")
         if self.quarantine_rounds < 1 or self.history < 1:
             raise ValueError("--update-check-quarantine-rounds and the history must be ≥ 1")
 
@@ -89,11 +102,13 @@ class SiteVerdict:
     quarantined: bool  # flagged quarantine_rounds rounds in a row, and not yet passed as many (or readmitted)
     excluded: bool  # left out of the round (mode exclude, or clip for a flag other than size)
     scale: float = 1.0  # mode clip: merged as scale·Δ (< 1: clipped to the reference norm)
+    overruled: bool = False  # more than max_flagged of the round flagged: nobody left out or clipped, no streak
 
     def record(self) -> dict:
         """What the rounds chain keeps of it (server/provenance_chain.py): the figures and the outcome."""
         return {**self.figures(), "replayed": self.replayed, "reasons": list(self.reasons), "quarantined": self.quarantined,
-                "excluded": self.excluded, **({"scale": self.scale} if self.scale != 1.0 else {})}  # fmt: skip
+                "excluded": self.excluded, **({"scale": self.scale} if self.scale != 1.0 else {}),
+                **({"overruled": True} if self.overruled else {})}  # fmt: skip
 
     def figures(self) -> dict:
         rounded = lambda x: None if x is None else round(x, 4) if math.isfinite(x) else str(x)  # noqa: E731 - JSON has no inf
@@ -110,14 +125,16 @@ class UpdateCheck:
 
     def __init__(self, config: UpdateCheckConfig | None = None) -> None:
         self.config = config or UpdateCheckConfig()
-        self._norms: deque[list[float]] = deque(maxlen=self.config.history)
+        self._norms: deque[list[tuple[str, float]]] = deque(maxlen=self.config.history)  # (cluster, norm) accepted
         self._digests: deque[set[bytes]] = deque(maxlen=self.config.history)
         self.streak: dict[str, int] = {}  # cluster -> rounds flagged in a row
         self.passed: dict[str, int] = {}  # quarantined cluster -> rounds passed in a row since
         self.quarantined: set[str] = set()
         self.last_flagged: frozenset[str] = frozenset()  # flagged in the last round reviewed: not a reference
 
-    def review(self, figures: RoundFigures, weights: Mapping[str, float]) -> list[SiteVerdict]:
+    def review(self, figures: RoundFigures, weights: Mapping[str, float], judged: bool = True) -> list[SiteVerdict]:
+        """The round's verdicts. `judged=False` (the end-of-run flush: residuals, not a training round's
+        update): figures only — no flag, no streak, no norm into the history; a quarantine still holds."""
         cfg, clusters = self.config, figures.clusters
         # A site whose own figures overflow (an exponent flipped to huge values) is flagged as such and
         # left out of every other site's figures, which would otherwise turn NaN and pass unflagged.
@@ -126,11 +143,8 @@ class UpdateCheck:
         for i in bad:
             sq[i] = 0.0
         norms = [math.inf if i in bad else max(0.0, float(sq[i])) ** 0.5 for i in range(len(clusters))]
-        finite = [x for x in norms if math.isfinite(x)]
-        history = [x for accepted in self._norms for x in accepted]
-        reference = statistics.median(history) if history else statistics.median(finite) if len(finite) >= 3 else None
+        ratios = [self._ratio(i, clusters, norms) for i in range(len(clusters))]
         seen = set().union(*self._digests) if self._digests else set()
-        ratios = [norms[i] / reference if reference else None for i in range(len(clusters))]
         # The others' direction: each site's update as a unit vector (by its weight), outsized or overflowing
         # ones left out, so that one huge update cannot make every honest one look orthogonal to "the others".
         suspect = bad | {i for i, r in enumerate(ratios) if r is not None and r > cfg.norm_ratio}
@@ -138,47 +152,91 @@ class UpdateCheck:
                           for i, c in enumerate(clusters)], dtype=torch.float64)  # fmt: skip
         gw, wgw = figures.weighted(w) if len(clusters) >= 3 else (None, 0.0)
         weighted_sites = int((w != 0).sum())
-        verdicts = []
+        pair = self._pair_cosine(figures, sq) if len(clusters) == 2 and not bad else None
+        cos_prev = [self._cos_previous(figures, sq, i, bad) for i in range(len(clusters))]
+        figures_of, reasons_of = [], []
         for i, cluster in enumerate(clusters):
             ratio = ratios[i]
-            cos_others = None
+            cos_others = pair
             if gw is not None and weighted_sites - int(w[i] != 0) > 0:  # others = w less site i: its own term taken back out
                 own, g_ii, gw_i = float(w[i]), float(sq[i]), float(gw[i])
                 dot, rest = (gw_i - own * g_ii, wgw - 2 * own * gw_i + own * own * g_ii) if own else (gw_i, wgw)
                 cos_others = _cosine(dot, g_ii, rest)
-            # None where the previous update's own figures overflow fp32 (a faulty one merged: warn mode)
-            cos_prev = None if i in bad or not figures.previous_sq <= FP32_MAX else _cosine(float(figures.with_previous[i]), float(sq[i]), figures.previous_sq)
-            if cos_prev is not None and not math.isfinite(cos_prev):
-                cos_prev = None
             replayed = norms[i] > 0 and figures.contribution_digests.get(cluster) in seen
-            reasons = tuple(r for r, hit in (("non_finite", i in bad),
-                                             ("outsized", ratio is not None and ratio > cfg.norm_ratio),
-                                             ("disagrees", cos_others is not None and cos_others < cfg.min_cosine),
-                                             ("against_previous", cos_prev is not None and cos_prev < cfg.min_cosine),
-                                             ("replayed", replayed)) if hit)  # fmt: skip
-            self._count(cluster, bool(reasons))
-            scale = 1.0
-            if cfg.mode == "clip" and reasons == ("outsized",) and cluster not in self.quarantined:
-                scale = reference / norms[i]  # ratio > norm_ratio > 1: reference is set and norms[i] > it
+            low = lambda c: c is not None and c < cfg.min_cosine  # noqa: E731
+            if len(clusters) == 2:  # two sites that disagree: the previous update breaks the tie, never alone
+                other = cos_prev[1 - i]
+                disagrees = low(pair) and low(cos_prev[i]) and (other is None or cos_prev[i] < other)
+            else:
+                disagrees = low(cos_others)
+            outsized = ratio is not None and ratio > cfg.norm_ratio
+            flagged = i in bad or outsized or disagrees or replayed  # the previous direction alone flags nothing:
+            reasons = tuple(r for r, hit in (("non_finite", i in bad), ("outsized", outsized), ("disagrees", disagrees),
+                                             ("against_previous", flagged and low(cos_prev[i])), ("replayed", replayed)) if hit)  # fmt: skip
+            figures_of.append((norms[i], ratio, cos_others, cos_prev[i], replayed))  # it is a note beside a flag
+            reasons_of.append(reasons if judged else ())
+        # Never act on a majority: a check that flags most of a round is wrong about the round, not the sites.
+        # Overflowing updates are left out regardless (merged, they would turn every weight to inf or NaN).
+        acting = cfg.mode in ("exclude", "clip")
+        would = {c for c, r in zip(clusters, reasons_of) if r and r != ("non_finite",)} | (self.quarantined & set(clusters))
+        overruled = judged and len(would) > cfg.max_flagged * len(clusters)
+        if judged and not overruled:
+            for cluster, reasons in zip(clusters, reasons_of):
+                self._count(cluster, bool(reasons))
+        verdicts = []
+        for i, cluster in enumerate(clusters):
+            reasons, quarantined, scale = reasons_of[i], cluster in self.quarantined, 1.0
+            if overruled:  # a quarantine stands (decided in a round where at most max_flagged was flagged)
+                excluded = acting and (i in bad or quarantined)
+            elif cfg.mode == "clip" and reasons == ("outsized",) and not quarantined:
+                scale = 1.0 / ratios[i]  # ratio > norm_ratio > 1: clipped to the reference norm
                 excluded = False
             else:
-                excluded = cfg.mode in ("exclude", "clip") and (bool(reasons) or cluster in self.quarantined)
-            verdicts.append(SiteVerdict(cluster, norms[i], ratio, cos_others, cos_prev, replayed, reasons, cluster in self.quarantined,
-                                        excluded, scale))  # fmt: skip
-        accepted = [v.norm for v in verdicts if not v.reasons]
-        if accepted:
-            self._norms.append(accepted)
+                excluded = acting and (bool(reasons) or quarantined)
+            verdicts.append(SiteVerdict(cluster, *figures_of[i], reasons, quarantined, excluded, scale, overruled))
+        if judged:  # an overruled round's norms are the new normal (a learning-rate change moves every site)
+            accepted = [(v.cluster, v.norm) for v in verdicts if math.isfinite(v.norm) and (overruled or not v.reasons)]
+            if accepted:
+                self._norms.append(accepted)
         self._digests.append(set(figures.contribution_digests.values()))
-        self.last_flagged = frozenset(v.cluster for v in verdicts if v.reasons)
+        self.last_flagged = frozenset(v.cluster for v in verdicts if v.reasons and not v.overruled)
         return verdicts
+
+    def _ratio(self, i: int, clusters: tuple[str, ...] | list[str], norms: list[float]) -> float | None:
+        """‖Δ_i‖ over its reference: the median of the norms accepted from the *other* sites over the last
+        `history` rounds (a site cannot move its own reference, e.g. by growing a little every round), or,
+        before any, the median of this round's other finite norms where two or more (three sites in all)."""
+        cluster = clusters[i]
+        others = sorted(x for accepted in self._norms for c, x in accepted if c != cluster)
+        if not others:
+            others = sorted(x for j, x in enumerate(norms) if j != i and math.isfinite(x))
+            if len(others) < 2:
+                return None
+        reference = statistics.median(others)
+        return norms[i] / reference if reference > 0 else None
+
+    @staticmethod
+    def _pair_cosine(figures: RoundFigures, sq: torch.Tensor) -> float | None:
+        """cos(Δ_0, Δ_1) of a two-site round, through the figures' weighted product (G e_0)."""
+        gw, _ = figures.weighted(torch.tensor([1.0, 0.0], dtype=torch.float64))
+        return _cosine(float(gw[1]), float(sq[0]), float(sq[1]))
+
+    @staticmethod
+    def _cos_previous(figures: RoundFigures, sq: torch.Tensor, i: int, bad: set[int]) -> float | None:
+        # None where the previous update's own figures overflow fp32 (a faulty one merged: warn mode)
+        if i in bad or not figures.previous_sq <= FP32_MAX:
+            return None
+        cos = _cosine(float(figures.with_previous[i]), float(sq[i]), figures.previous_sq)
+        return cos if cos is not None and math.isfinite(cos) else None
 
     def as_state(self) -> dict:
         """What a shard checkpoint keeps (a restarted shard must not forget a quarantine): small."""
-        return {"norms": [list(n) for n in self._norms], "digests": [sorted(d) for d in self._digests], "streak": dict(self.streak),
+        return {"norms": [[[c, x] for c, x in n] for n in self._norms], "digests": [sorted(d) for d in self._digests], "streak": dict(self.streak),
                 "passed": dict(self.passed), "quarantined": sorted(self.quarantined), "last_flagged": sorted(self.last_flagged)}  # fmt: skip
 
     def load_state(self, state: dict) -> None:
-        self._norms.extend(list(n) for n in state.get("norms", []))
+        # (cluster, norm) pairs; a checkpoint from before the reference left each site out kept bare norms
+        self._norms.extend([(c, x) for c, x in (e if isinstance(e, list) else ("", e) for e in n)] for n in state.get("norms", []))
         self._digests.extend(set(d) for d in state.get("digests", []))
         self.streak, self.passed = dict(state.get("streak", {})), dict(state.get("passed", {}))
         self.quarantined, self.last_flagged = set(state.get("quarantined", [])), frozenset(state.get("last_flagged", []))

@@ -127,8 +127,9 @@ def test_the_drill_flags_and_leaves_out_a_x100_site_and_raises_no_false_alarm(tm
         assert row["final_eval_loss"] == row["final_eval_loss"] and row["false_alarms"] == 0, row
     assert rows["clean"]["excluded_rounds"] == "- / -" and rows["clean"]["loss_vs_clean"] == "+0.00%"
     scale = rows["scale"]
-    # Both shards flag it from its first faulty round on, every round (the end-of-run flush, round 5, too), and leave it out.
-    assert scale["first_flagged"] == "2 / 2" and scale["flagged_rounds"] == "4/4 / 4/4" and scale["excluded_rounds"] == "2-5 / 2-5"
+    # Both shards flag it from its first faulty round on, every training round, and leave it out — of the
+    # end-of-run flush (round 5, not judged) too: it is quarantined by then.
+    assert scale["first_flagged"] == "2 / 2" and scale["flagged_rounds"] == "3/3 / 3/3" and scale["excluded_rounds"] == "2-5 / 2-5"
     assert "outsized" in scale["reasons"]
     assert abs(float(scale["loss_vs_clean"].rstrip("%"))) < 5  # left out: the others' run, not a ×100 one
     assert "no false alarm: met" in text and "| scale | exclude |" in text

@@ -76,7 +76,7 @@ class Round:
             return torch.randn(SHAPES[k][0], 3, generator=self.g) @ torch.randn(3, SHAPES[k][1], generator=self.g)
         return torch.randn(SHAPES[k], generator=self.g)
 
-    def contributions(self, faults: dict[int, str] | None = None, replay: dict | None = None) -> tuple[dict, dict]:
+    def contributions(self, faults: dict[int, str | float] | None = None, replay: dict | None = None) -> tuple[dict, dict]:
         faults = faults or {}
         # Pseudo-gradients are close to low rank (what the low-rank codec relies on) and the direction of
         # training persists from round to round: a rank-3 shared part, most of it the same every round.
@@ -89,6 +89,8 @@ class Round:
                 kind = faults.get(i)
                 if kind == "scale":
                     delta = 100 * delta
+                elif isinstance(kind, float):  # a site whose update is this many times an honest one's
+                    delta = kind * delta
                 elif kind == "sign":
                     delta = -delta
                 elif kind == "noise":
@@ -293,23 +295,93 @@ def test_exclude_leaves_a_quarantined_site_out_while_it_passes_and_a_restart_kee
     assert not released.quarantined and not released.excluded
 
 
-def test_with_two_sites_the_check_has_the_norm_history_and_the_previous_update():
+def test_with_two_sites_the_pair_is_compared_and_the_previous_update_only_breaks_a_tie():
     sites = Round(n=2)
     check = UpdateCheck(UpdateCheckConfig(mode="exclude"))
     previous, weights = sites.contributions()
     first = review(check, previous, weights)
-    assert all(v.norm_ratio is None and v.cosine_others is None and v.cosine_previous is None for v in first.values())
+    assert all(v.norm_ratio is None and v.cosine_previous is None and v.cosine_others > 0.5 for v in first.values())
     current, _ = sites.contributions()
     second = review(check, current, weights, previous)
     assert not any(v.reasons for v in second.values()) and all(v.cosine_previous > 0.5 for v in second.values())
     scaled = review(check, sites.contributions({0: "scale"})[0], weights, current)
     assert "outsized" in scaled["site0"].reasons and not scaled["site1"].reasons
     flipped = review(check, sites.contributions({1: "sign"})[0], weights, current)
-    assert flipped["site1"].reasons == ("against_previous",) and not flipped["site0"].reasons
+    assert flipped["site1"].reasons == ("disagrees", "against_previous") and flipped["site1"].excluded
+    assert not flipped["site0"].reasons
+    # Both sites turn together (a learning-rate or data-mix change): they agree with each other, so the
+    # previous update, which both now point away from, flags neither.
+    sites.base = {k: -sites.base[k] for k in KEYS}
+    turned = review(check, sites.contributions()[0], weights, current)
+    assert all(v.cosine_previous < 0 and v.cosine_others > 0.5 and not v.reasons for v in turned.values()), turned
+
+
+@pytest.mark.parametrize("mode", ["exclude", "clip"])
+def test_honest_sites_whose_rounds_point_in_unrelated_directions_are_all_merged_every_round(mode):
+    """Issue 62: four honest sites, each round's direction drawn afresh (unrelated to the last): the old
+    check flagged them against the previous update and once excluded all four. Judged against their peers,
+    none is flagged, excluded or quarantined in 30 rounds."""
+    sites = Round(seed=3)
+    check = UpdateCheck(UpdateCheckConfig(mode=mode))
+    previous: dict = {}
+    lowest_previous = 1.0
+    for _ in range(30):
+        sites.base = {k: sites._direction(k) for k in KEYS}
+        contributions, weights = sites.contributions()
+        verdicts = review(check, contributions, weights, previous)
+        assert not any(v.reasons or v.excluded or v.quarantined or v.scale != 1.0 for v in verdicts.values()), verdicts
+        lowest_previous = min([lowest_previous, *(v.cosine_previous for v in verdicts.values() if v.cosine_previous is not None)])
+        previous = contributions
+    assert lowest_previous < 0  # the previous update was no guide: what the old check flagged on
+
+
+def test_a_check_that_would_flag_most_of_a_round_acts_on_none_and_says_so():
+    """Every site's update 30× larger (a learning-rate change): all four outsized. More than half flagged is
+    the check being wrong about the round: nobody is left out or clipped, no streak grows (no quarantine),
+    each verdict says overruled; the new norms join the history, so the flags stop by themselves."""
+    sites = Round()
+    check = UpdateCheck(UpdateCheckConfig(mode="exclude"))
+    for _ in range(3):
+        review(check, *sites.contributions())
+    rounds = [review(check, *sites.contributions(dict.fromkeys(range(4), "scale"))) for _ in range(8)]
+    assert all(v.overruled and not v.excluded and not v.quarantined for v in rounds[0].values())
+    assert set(rounds[0]["site0"].reasons) == {"outsized"} and rounds[0]["site0"].record()["overruled"] is True
+    assert all(not v.excluded and not v.quarantined for r in rounds for v in r.values())
+    assert not any(v.reasons for v in rounds[-1].values()), rounds[-1]  # the history has caught up
+    assert not check.streak or not any(check.streak.values())
+    # One faulty site of four is still acted on (a quarter flagged: at most half).
+    flipped = review(check, *sites.contributions({0: "scale", 1: "scale", 2: "scale", 3: "sign"}))
+    assert flipped["site3"].excluded and not flipped["site3"].overruled and "disagrees" in flipped["site3"].reasons
+
+
+def test_a_site_cannot_move_its_own_reference_norm():
+    """Two sites; one's update grows 1.3× a round. Its reference is the *other* site's accepted norms, so it
+    is flagged outsized within a dozen rounds (1.3⁹ > 10); with the reference over both, its own growth
+    dragged the median along."""
+    sites = Round(n=2)
+    check = UpdateCheck(UpdateCheckConfig(mode="exclude"))
+    flagged_at = None
+    for round_ in range(14):
+        verdicts = review(check, *sites.contributions({0: 1.3**round_}))
+        assert not verdicts["site1"].reasons, (round_, verdicts)
+        if "outsized" in verdicts["site0"].reasons and flagged_at is None:
+            flagged_at = round_
+    assert flagged_at is not None and flagged_at <= 10, flagged_at
+
+
+def test_the_end_of_run_flush_is_not_judged_by_training_rules():
+    sites = Round()
+    check = UpdateCheck(UpdateCheckConfig(mode="exclude"))
+    for _ in range(3):
+        review(check, *sites.contributions())
+    contributions, weights = sites.contributions({1: "sign"})
+    flush = {v.cluster: v for v in check.review(round_figures(contributions, None, check.last_flagged), weights, judged=False)}
+    assert not any(v.reasons or v.excluded for v in flush.values()) and flush["site1"].cosine_others < 0
+    assert not any(check.streak.values())
 
 
 def test_settings_are_checked():
-    for bad in ({"mode": "clamp"}, {"norm_ratio": 1.0}, {"min_cosine": 1.5}, {"quarantine_rounds": 0}):
+    for bad in ({"mode": "clamp"}, {"norm_ratio": 1.0}, {"min_cosine": 1.5}, {"quarantine_rounds": 0}, {"max_flagged": 0}, {"max_flagged": 1.5}):
         with pytest.raises(ValueError):
             UpdateCheckConfig(**bad)
 
@@ -399,3 +471,38 @@ def _assert_restored_alike(original, tmp_path) -> None:  # noqa: ANN001 - a serv
     factors = lambda shard: {(k, c): x.scale for k, per in shard.snapshot.contributions.items() for c, x in per.items()}  # noqa: E731
     assert factors(restored) == factors(original) and any(f < 1 for f in factors(original).values())
     assert restored.update_check.as_state() == original.update_check.as_state()  # its streaks and history too
+
+
+@pytest.mark.parametrize("mode", ["exclude", "clip"])
+def test_real_shards_merge_four_honest_sites_whose_rounds_are_unrelated_as_a_plain_run_does(shard_set, mode):
+    """Issue 62's acceptance: four honest sites, each round's direction new (the previous update no guide),
+    under exclude and clip against two real shards: every site merged in every round, nobody flagged or
+    quarantined, and the shards' weights and momentum bit for bit those of the same rounds with the check off;
+    every replica equals its shards'."""
+    from tests import four_sites
+    from tests.test_downlink import assert_replica_equals_shards, client
+
+    runs = {}
+    for check in (mode, "off"):
+        shards = shard_set(2, "run-downlink", min_clusters=4, update_check=UpdateCheckConfig(mode=check))
+        clients = [client(shards.addresses, f"site{i}") for i in range(4)]
+        try:
+            four_sites.start(clients)
+            for round_ in range(1, 9):
+                four_sites.play(clients, round_, faulty=False, lasting=False)
+                for shard in shards.shards:
+                    assert shard.last_round.clusters == ("site0", "site1", "site2", "site3") and not shard.last_round.excluded, (round_, shard.last_round)
+            for c in clients:
+                assert_replica_equals_shards(c, shards)
+            if check != "off":
+                for shard in shards.shards:
+                    assert all(s["rounds_flagged"] == 0 and not s["quarantined"] for s in shard.status()["sites"]), shard.status()["sites"]
+                    assert shard.rounds_overruled == 0
+            runs[check] = [({k: t.clone() for k, t in s.snapshot.tensors.items()}, {k: t.clone() for k, t in s.optimizer.buffers.items()})
+                           for s in shards.shards]  # fmt: skip
+        finally:
+            for c in clients:
+                c.close()
+    for (weights, momentum), (plain_weights, plain_momentum) in zip(runs[mode], runs["off"]):
+        assert weights.keys() == plain_weights.keys() and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+        assert all(torch.equal(momentum[k], plain_momentum[k]) for k in momentum)
