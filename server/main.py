@@ -28,6 +28,7 @@ from dilocox.server.health_watch import STALL_S
 from dilocox.server.pull_framing import DEFAULT_BUDGET_MB
 from dilocox.server.push_intake import PushLimits
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
+from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE
 from dilocox.server.update_check import MODES, UpdateCheckConfig
 
 log = structlog.get_logger()
@@ -130,6 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--update-check-quarantine-rounds", type=int, default=checks.quarantine_rounds,
                         help="flagged this many rounds in a row, a site is quarantined: with exclude or clip, left out "
                              "until it passes as many rounds in a row or an operator readmits it (dilocox readmit)")  # fmt: skip
+    parser.add_argument("--max-weight-multiple", type=float, default=DEFAULT_MAX_WEIGHT_MULTIPLE,
+                        help="a site's weight in a round's mean is at most this many times the median of the other sites' "
+                             "tokens: tokens are a claim, and one site saying 1000x the others' would take over the step "
+                             "(the round record keeps both; 0: weigh as said)")  # fmt: skip
     parser.add_argument("--operator-token", default=None,
                         help="what an operator's request must carry (dilocox readmit: release a site the update check "
                              "quarantined); keep it from the sites, which hold the run token only (default: none, such "
@@ -234,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
             update_check=UpdateCheckConfig(args.update_check, args.update_check_norm_ratio, args.update_check_min_cosine,
                                            args.update_check_quarantine_rounds, max_flagged=args.update_check_max_flagged),  # fmt: skip
             operator_token=args.operator_token or None,
+            max_weight_multiple=args.max_weight_multiple,
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None

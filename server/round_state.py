@@ -17,7 +17,7 @@ from dilocox.common.wire.aggregation import apply_round, decode_by_blocks
 from dilocox.common.wire.errors import InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.common.wire.staleness import cap_stale_weights
+from dilocox.common.wire.staleness import cap_claimed_weights, cap_stale_weights
 
 
 @dataclass(frozen=True)
@@ -92,18 +92,24 @@ class RoundAccumulator:
         self.delivered = {c: n for c, n in self.delivered.items() if c in clusters}
         return dropped
 
-    def weigh_stale(self) -> dict[str, tuple[int, float, float]]:
-        """Before the step (on the sealed round): cap each stale contribution's weight at the mean of the
-        on-time ones (common/wire/staleness.py). The capped weight is the contribution's from here on — the
-        shard's mean and what it forwards, so the clusters replay the same arithmetic. Returns the clusters
-        whose weight changed: (age, tokens said, weight used)."""
-        capped = cap_stale_weights(self.cluster_weights, self.cluster_ages)
-        changed = {c: (self.cluster_ages.get(c, 0), w, capped[c]) for c, w in self.cluster_weights.items() if capped[c] != w}
+    def weigh(self, claim_multiple: float = 0.0) -> dict[str, tuple[int, float, float, float]]:
+        """Before the step (on the sealed round): each contribution's weight — its said tokens capped at
+        `claim_multiple` × the median of the other sites' (tokens are a claim), then, if stale, at the mean of
+        the on-time ones (common/wire/staleness.py). The capped weight is the contribution's from here on —
+        the shard's mean and what it forwards, so the clusters replay the same arithmetic. Returns the
+        clusters whose weight changed: (age, tokens said, after the claim cap, weight used)."""
+        claimed = cap_claimed_weights(self.cluster_weights, claim_multiple)
+        capped = cap_stale_weights(claimed, self.cluster_ages)
+        changed = {c: (self.cluster_ages.get(c, 0), w, claimed[c], capped[c]) for c, w in self.cluster_weights.items() if capped[c] != w}
         if changed:
             for per_key in self.contributions.values():
                 for cluster in [c for c in per_key if c in changed]:
                     per_key[cluster] = replace(per_key[cluster], weight=capped[cluster])
         return changed
+
+    def used_weights(self) -> dict[str, float]:
+        """The weight each cluster's contributions carry into the mean (after `weigh`), by cluster."""
+        return {c: x.weight for per_key in self.contributions.values() for c, x in per_key.items()}
 
     def clip(self, factors: dict[str, float]) -> None:
         """Before the step (on the sealed round): the update check's clip factors, on every slice of each

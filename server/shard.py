@@ -37,6 +37,7 @@ from dilocox.common.wire.errors import (
 )
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
+from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE
 from dilocox.server.grace import GraceWindow
 from dilocox.server.provenance_chain import RoundsChain, digest_payloads, init_record, version_digests
 from dilocox.server.round_close import SiteRecord
@@ -69,6 +70,7 @@ class Shard(RoundClosing, PullServing):
         keep_rounds: int = DEFAULT_KEEP_ROUNDS,
         update_check: UpdateCheckConfig | None = None,
         operator_token: str | None = None,
+        max_weight_multiple: float = DEFAULT_MAX_WEIGHT_MULTIPLE,
     ) -> None:
         """`round_deadline_s`: once a round's first contribution is in, close it after this long with the
         clusters that completed (at least `min_clusters`); the others are marked inactive.
@@ -80,7 +82,9 @@ class Shard(RoundClosing, PullServing):
         many versions behind (a restart from its checkpoint, a late site) replays them instead of pulling the
         weights and momentum in full (issue 44); they cost their compressed bytes in memory.
         `update_check`: how each site's update is looked at before the merge (server/update_check.py;
-        default: warn). `operator_token`: what an operator's readmission must carry (none: refused)."""
+        default: warn). `operator_token`: what an operator's readmission must carry (none: refused).
+        `max_weight_multiple`: a site's weight in a round's mean is at most this many times the median of the
+        other sites' said tokens (tokens are a claim; common/wire/staleness.py; 0: as said)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
         if min_clusters < 1:
@@ -95,6 +99,9 @@ class Shard(RoundClosing, PullServing):
         if round_deadline_s is not None and round_deadline_s <= 0:
             raise ValueError(f"round deadline must be positive, got {round_deadline_s}")
         self.round_deadline_s = round_deadline_s
+        if max_weight_multiple != 0 and not max_weight_multiple >= 1:
+            raise ValueError(f"--max-weight-multiple must be ≥ 1 (or 0: off), got {max_weight_multiple}")
+        self.max_weight_multiple = max_weight_multiple
         self.grace = grace
         self.optimizer = OuterNesterov(outer_lr, outer_momentum)
         check = update_check or UpdateCheckConfig()

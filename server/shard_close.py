@@ -84,9 +84,13 @@ class RoundClosing:
         if decision is None:
             return None
         self._settle_membership(acc, decision)
-        for cluster, (age, said, weight) in acc.weigh_stale().items():
-            log.warning("stale_contribution_capped", shard=self.shard_index, cluster=cluster, round=acc.round, staleness=age,
-                        tokens=said, weight=weight, reason="work older than the round weighs at most the mean of the on-time contributions")  # fmt: skip
+        for cluster, (age, said, claimed, weight) in acc.weigh(self.max_weight_multiple).items():
+            if claimed != said:
+                log.warning("token_claim_capped", shard=self.shard_index, cluster=cluster, round=acc.round, tokens=said, weight=claimed,
+                            multiple=self.max_weight_multiple, reason="a site weighs at most --max-weight-multiple times the median of the others' tokens")  # fmt: skip
+            if weight != claimed:
+                log.warning("stale_contribution_capped", shard=self.shard_index, cluster=cluster, round=acc.round, staleness=age,
+                            tokens=said, weight=weight, reason="work older than the round weighs at most the mean of the on-time contributions")  # fmt: skip
         # In place only when no pull streams the current version; none is handed out until the publish.
         closing = SealedRound(acc, decision, self.snapshot, in_place=not self._readers.get(id(self.snapshot)))
         self.accumulator, self._round_closing = None, closing
@@ -101,7 +105,7 @@ class RoundClosing:
         check = self.update_check
         figures = round_figures(closing.acc.contributions, closing.snapshot.contributions, check.last_flagged)
         flush = closing.acc.round == flush_version_of(self.run_config_json)  # residuals, not a training round's update
-        verdicts = tuple(check.review(figures, closing.acc.cluster_weights, judged=not flush))
+        verdicts = tuple(check.review(figures, closing.acc.used_weights(), judged=not flush))  # capped claims, not said ones
         out = excluded(verdicts)
         if out:
             closing.acc.keep_only(set(closing.acc.cluster_weights) - out)

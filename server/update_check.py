@@ -12,7 +12,7 @@ previous round's global update, from the contributions the shard keeps for repla
 * `norm_ratio` — ‖Δ_i‖ over its reference norm: the median of the norms this shard accepted from the *other*
   sites over the last `history` rounds (so a site cannot raise its own bar by growing a little each round), or,
   before any, the median of this round's other norms where two or more;
-* `cosine_others` — cos(Δ_i, the weighted mean of the other sites' updates, each as a unit vector and the
+* `cosine_others` — cos(Δ_i, the mean of the other sites' updates, each as a unit vector (one vote a site) and the
   outsized ones left out, so one huge update cannot drown the others' direction), with three or more sites;
   with two, the cosine of the pair;
 * `cosine_previous` — cos(Δ_i, the previous round's global update: the weighted mean of the contributions
@@ -145,11 +145,12 @@ class UpdateCheck:
         norms = [math.inf if i in bad else max(0.0, float(sq[i])) ** 0.5 for i in range(len(clusters))]
         ratios = [self._ratio(i, clusters, norms) for i in range(len(clusters))]
         seen = set().union(*self._digests) if self._digests else set()
-        # The others' direction: each site's update as a unit vector (by its weight), outsized or overflowing
-        # ones left out, so that one huge update cannot make every honest one look orthogonal to "the others".
+        # The others' direction: each site's update as a unit vector, one vote a site (not its tokens: a claim
+        # a site makes, and one claiming 1000x would otherwise *be* "the others" for every honest site),
+        # outsized or overflowing ones left out, so one huge update cannot make every honest one look
+        # orthogonal to the others.
         suspect = bad | {i for i, r in enumerate(ratios) if r is not None and r > cfg.norm_ratio}
-        w = torch.tensor([0.0 if i in suspect or norms[i] == 0 else float(weights.get(c, 1.0)) / norms[i]
-                          for i, c in enumerate(clusters)], dtype=torch.float64)  # fmt: skip
+        w = torch.tensor([0.0 if i in suspect or norms[i] == 0 else 1.0 / norms[i] for i in range(len(clusters))], dtype=torch.float64)
         gw, wgw = figures.weighted(w) if len(clusters) >= 3 else (None, 0.0)
         weighted_sites = int((w != 0).sum())
         pair = self._pair_cosine(figures, sq) if len(clusters) == 2 and not bad else None

@@ -9,7 +9,7 @@ import torch
 from dilocox.common.wire.aggregation import weighted_mean
 from dilocox.common.wire.errors import InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
-from dilocox.common.wire.staleness import cap_stale_weights, stale_discount
+from dilocox.common.wire.staleness import cap_claimed_weights, cap_stale_weights, stale_discount
 from dilocox.server.round_state import RoundAccumulator
 from dilocox.worker.exchange.carry import UndeliveredCarry
 from dilocox.worker.exchange.cluster import slice_tensors
@@ -63,12 +63,29 @@ def test_the_sealed_round_steps_on_the_capped_weights_and_checks_each_cluster_sa
         acc.check_weight("late", 90.0, staleness=1)
     with pytest.raises(InvalidFrame, match="≥ 0"):
         acc.check_weight("b", 1.0, staleness=-1)
-    assert acc.weigh_stale() == {"late": (2, 90.0, 10.0)}
+    assert acc.weigh(claim_multiple=0) == {"late": (2, 90.0, 90.0, 10.0)}
     weights = {c: x.weight for c, x in acc.contributions[SliceKey("w", 0, 2)].items()}
     assert weights == {"a": 10.0, "late": 10.0}  # what the step uses and the shard forwards
     assert acc.cluster_weights == {"a": 10.0, "late": 90.0}  # the tokens as said (status, metrics)
     mean = weighted_mean([(c, w, (lambda v=v: torch.full((2, 3), v))) for c, w, v in (("a", 10.0, 1.0), ("late", 10.0, 3.0))])
     assert torch.equal(mean, torch.full((2, 3), 2.0))
+
+
+def test_tokens_are_a_claim_capped_at_a_multiple_of_the_other_sites_median():
+    """Leave-one-out: a site claiming 1000× weighs 4× the others' median; honest uneven sites (a site 3× the
+    others) keep their tokens; two sites cap each other; one site, or multiple 0, as said."""
+    said = {"a": 100.0, "b": 110.0, "c": 90.0, "liar": 100_000.0}
+    assert cap_claimed_weights(said, 4.0) == {"a": 100.0, "b": 110.0, "c": 90.0, "liar": 400.0}
+    uneven = {"a": 100.0, "b": 100.0, "big": 300.0}
+    assert cap_claimed_weights(uneven, 4.0) == uneven
+    assert cap_claimed_weights({"a": 100.0, "liar": 1e6}, 4.0) == {"a": 100.0, "liar": 400.0}
+    assert cap_claimed_weights({"a": 1e6}, 4.0) == {"a": 1e6} and cap_claimed_weights(said, 0) == said
+    acc = RoundAccumulator(3)
+    for cluster, tokens in said.items():
+        acc.check_weight(cluster, tokens)
+        acc.add(cluster, tokens, _slice(1.0))
+    assert acc.weigh(4.0) == {"liar": (0, 100_000.0, 400.0, 400.0)}
+    assert acc.used_weights()["liar"] == 400.0 and acc.cluster_weights["liar"] == 100_000.0  # used vs said
 
 
 def test_a_caught_up_push_is_capped_by_the_shards_and_every_replica_replays_it_bit_for_bit(shard_set):

@@ -506,3 +506,43 @@ def test_real_shards_merge_four_honest_sites_whose_rounds_are_unrelated_as_a_pla
     for (weights, momentum), (plain_weights, plain_momentum) in zip(runs[mode], runs["off"]):
         assert weights.keys() == plain_weights.keys() and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
         assert all(torch.equal(momentum[k], plain_momentum[k]) for k in momentum)
+
+
+def test_real_shards_weigh_an_inflated_token_claim_at_a_multiple_of_the_others_and_leave_its_negation_out(shard_set):
+    """Issue 62: tokens are a claim. A site saying 1000× the others' tokens weighs 4× their median (the
+    round record keeps both: said and used), its claim cannot make it "the others" for the honest sites
+    (one vote a site), and once it pushes its update negated it alone is flagged and left out."""
+    from tests import four_sites
+    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
+    from dilocox.worker.exchange.cluster import slice_tensors
+
+    shards = shard_set(2, "run-downlink", min_clusters=4, update_check=UpdateCheckConfig(mode="exclude"))
+    clients = [client(shards.addresses, f"site{i}") for i in range(4)]
+    try:
+        four_sites.start(clients)
+        base = low_rank_delta(100)
+        for round_ in range(1, 5):
+            fresh = {n: base[n] + 0.5 * t for n, t in low_rank_delta(100 + round_).items()}
+            for i, c in enumerate(clients):
+                own = low_rank_delta(10 * round_ + i)
+                delta = {n: fresh[n] + 0.3 * own[n] for n, _ in PARAMS}
+                liar = i == 3
+                if liar and round_ >= 3:
+                    delta = {n: -t for n, t in delta.items()}
+                c.push(round_, 100_000.0 if liar else 100.0, slice_tensors(c.assignment, delta))
+            for c in clients:
+                assert c.pull(round_, wait_seconds=10)[0] == round_
+            for shard in shards.shards:
+                record = shard.chain.entries[-1]
+                used = {s["cluster"]: (s["tokens"], s["weight"]) for s in record["sites"]}
+                if round_ < 3:  # honest direction, inflated claim: merged at 4 × the others' median
+                    assert not shard.last_round.excluded and used["site3"] == (100_000.0, 400.0), (round_, used)
+                else:
+                    assert shard.last_round.excluded == ("site3",), (round_, shard.last_round)
+                flagged = {s["cluster"] for s in shard.status()["sites"] if s["rounds_flagged"]}
+                assert flagged == (set() if round_ < 3 else {"site3"}), (round_, flagged)
+        for c in clients:
+            assert_replica_equals_shards(c, shards)
+    finally:
+        for c in clients:
+            c.close()

@@ -15,6 +15,12 @@ model up. Two guards, one on each side of the wire:
   (`cap_stale_weights`), so one late site never outweighs those that kept time, whatever tokens it
   claims. The capped weights are the ones forwarded, so the clusters' replay stays bit-exact.
 
+A third guard is not about age: **tokens are a claim, not a fact** (issue 62). A site that says it trained
+1000× the others' tokens would take over the mean; the shard caps each site's weight at `multiple` × the
+median of the *other* sites' said tokens (`cap_claimed_weights`, the shards' `--max-weight-multiple`,
+default 4: a site four times the size of the others' median still counts whole). Leave-one-out, so a site
+cannot raise its own cap; with one site there is nothing to compare with. Forwarded like the stale cap.
+
 `lenient` forgives one round (a part carried past a grace window by a hair counts whole, as before)
 and discounts older work by 1/age; `full` keeps the weights as they were (the shard's cap still holds):
 the comparisons `dilocox bench uneven --modes stall` measures.
@@ -22,9 +28,11 @@ the comparisons `dilocox bench uneven --modes stall` measures.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 
 STALE_WEIGHTINGS = ("inverse", "lenient", "full")
+DEFAULT_MAX_WEIGHT_MULTIPLE = 4.0  # a site's weight: at most this × the median of the other sites' tokens
 
 
 def check_rule(rule: str) -> str:
@@ -54,3 +62,14 @@ def cap_stale_weights(weights: Mapping[str, float], ages: Mapping[str, int]) -> 
         return dict(weights)
     fair = sum(on_time) / len(on_time)
     return {cluster: (min(w, fair) if ages.get(cluster, 0) > 0 else w) for cluster, w in weights.items()}
+
+
+def cap_claimed_weights(weights: Mapping[str, float], multiple: float) -> dict[str, float]:
+    """Each site's weight at most `multiple` × the median of the other sites' (0: no cap; one site: as said)."""
+    if multiple <= 0 or len(weights) < 2:
+        return dict(weights)
+    values = list(weights.values())
+    out = {}
+    for i, (cluster, w) in enumerate(weights.items()):
+        out[cluster] = min(w, multiple * statistics.median(values[:i] + values[i + 1 :]))
+    return out
