@@ -29,6 +29,7 @@ from dilocox.server.pull_framing import DEFAULT_BUDGET_MB
 from dilocox.server.push_intake import PushLimits
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE
+from dilocox.server.robust_mean import AGGREGATES, AggregateConfig
 from dilocox.server.update_check import MODES, UpdateCheckConfig
 
 log = structlog.get_logger()
@@ -135,6 +136,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a site's weight in a round's mean is at most this many times the median of the other sites' "
                              "tokens: tokens are a claim, and one site saying 1000x the others' would take over the step "
                              "(the round record keeps both; 0: weigh as said)")  # fmt: skip
+    parser.add_argument("--aggregate", default="mean", choices=AGGREGATES,
+                        help="a round's step: the sites' weighted mean, or clipped-mean — each site's update scaled down to at "
+                             "most --aggregate-clip-multiple times the median of the other sites' norms first, so a site under "
+                             "the update check's bounds still moves the step by a bounded share (server/robust_mean.py)")  # fmt: skip
+    parser.add_argument("--aggregate-clip-multiple", type=float, default=AggregateConfig().clip_multiple,
+                        help="clipped-mean: the bound, as a multiple of the median of the other sites' update norms")
     parser.add_argument("--operator-token", default=None,
                         help="what an operator's request must carry (dilocox readmit: release a site the update check "
                              "quarantined); keep it from the sites, which hold the run token only (default: none, such "
@@ -240,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
                                            args.update_check_quarantine_rounds, max_flagged=args.update_check_max_flagged),  # fmt: skip
             operator_token=args.operator_token or None,
             max_weight_multiple=args.max_weight_multiple,
+            aggregate=AggregateConfig(args.aggregate, args.aggregate_clip_multiple),
         )
     except ValueError as error:
         raise SystemExit(f"dilocox server: {error}") from None

@@ -100,6 +100,7 @@ def round_record(acc: RoundAccumulator, decision: CloseDecision, digests: Versio
             "payload_bytes": sum(len(c.slice.payload) for c in mine),
             "codecs": sorted({c.slice.codec for c in mine}),
             "payload_sha256": own_contribution_digest({c.slice.key: c.slice.sha256 for c in mine}).hex(),
+            **({"scale": mine[0].scale} if mine and mine[0].scale != 1.0 else {}),  # merged as scale·Δ (clipped)
         })  # fmt: skip
     record = {"kind": "round", "version": acc.round, "round": acc.round, "sites": sites, "late": list(decision.late),
               "dropped": list(decision.dropped), "left_out": sorted(set(decision.include) - set(acc.cluster_weights)),

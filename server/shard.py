@@ -47,6 +47,7 @@ from dilocox.server.run_record import admit_tokenizer, extended_run_config
 from dilocox.server.shard_close import RoundClosing
 from dilocox.server.shard_pulls import PullServing
 from dilocox.server.shard_records import JoinResult, PushResult, RoundStats, SealedRound, Snapshot
+from dilocox.server.robust_mean import AggregateConfig
 from dilocox.server.update_check import UpdateCheck, UpdateCheckConfig
 
 log = structlog.get_logger("dilocox.shard")
@@ -71,6 +72,7 @@ class Shard(RoundClosing, PullServing):
         update_check: UpdateCheckConfig | None = None,
         operator_token: str | None = None,
         max_weight_multiple: float = DEFAULT_MAX_WEIGHT_MULTIPLE,
+        aggregate: AggregateConfig | None = None,
     ) -> None:
         """`round_deadline_s`: once a round's first contribution is in, close it after this long with the
         clusters that completed (at least `min_clusters`); the others are marked inactive.
@@ -84,7 +86,8 @@ class Shard(RoundClosing, PullServing):
         `update_check`: how each site's update is looked at before the merge (server/update_check.py;
         default: warn). `operator_token`: what an operator's readmission must carry (none: refused).
         `max_weight_multiple`: a site's weight in a round's mean is at most this many times the median of the
-        other sites' said tokens (tokens are a claim; common/wire/staleness.py; 0: as said)."""
+        other sites' said tokens (tokens are a claim; common/wire/staleness.py; 0: as said). `aggregate`: the
+        round's mean, or its clipped mean (server/robust_mean.py)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
         if min_clusters < 1:
@@ -102,6 +105,7 @@ class Shard(RoundClosing, PullServing):
         if max_weight_multiple != 0 and not max_weight_multiple >= 1:
             raise ValueError(f"--max-weight-multiple must be ≥ 1 (or 0: off), got {max_weight_multiple}")
         self.max_weight_multiple = max_weight_multiple
+        self.aggregate = aggregate or AggregateConfig()
         self.grace = grace
         self.optimizer = OuterNesterov(outer_lr, outer_momentum)
         check = update_check or UpdateCheckConfig()

@@ -18,6 +18,7 @@ from dilocox.common.wire.errors import CheckOff, NotAnOperator
 from dilocox.server.provenance_chain import ChainedVersion, chain_round
 from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
 from dilocox.server.round_figures import round_figures
+from dilocox.server.robust_mean import clip_factors
 from dilocox.server.round_state import RoundAccumulator
 from dilocox.server.shard_records import RoundStats, SealedRound, Snapshot
 from dilocox.server.update_check import SiteVerdict, clipped, excluded, margins
@@ -100,16 +101,25 @@ class RoundClosing:
         """Each site's update looked at before the merge (server/update_check.py); in `exclude` mode a
         flagged or quarantined site's contributions leave the sealed round, so neither the step nor what
         the version forwards for replay holds them. No lock held, as for the step."""
-        if self.update_check is None or not closing.acc.contributions:
+        robust = self.aggregate.rule == "clipped-mean"
+        if (self.update_check is None and not robust) or not closing.acc.contributions:
             return ()
         check = self.update_check
-        figures = round_figures(closing.acc.contributions, closing.snapshot.contributions, check.last_flagged)
+        figures = round_figures(closing.acc.contributions, closing.snapshot.contributions, check.last_flagged if check else frozenset())
         flush = closing.acc.round == flush_version_of(self.run_config_json)  # residuals, not a training round's update
-        verdicts = tuple(check.review(figures, closing.acc.used_weights(), judged=not flush))  # capped claims, not said ones
+        verdicts = tuple(check.review(figures, closing.acc.used_weights(), judged=not flush)) if check else ()  # capped claims
         out = excluded(verdicts)
         if out:
             closing.acc.keep_only(set(closing.acc.cluster_weights) - out)
         factors = clipped(verdicts)
+        if robust and not flush:  # --aggregate clipped-mean: no site's update past a multiple of its peers' median
+            norms = {c: float(sq) ** 0.5 for c, sq in zip(figures.clusters, figures.sq_norms.tolist()) if c not in out}
+            bounded = clip_factors(norms, self.aggregate.clip_multiple)
+            for cluster, factor in bounded.items():
+                factors[cluster] = min(factor, factors.get(cluster, 1.0))
+            if bounded:
+                log.info("round_clipped", shard=self.shard_index, round=closing.acc.round, multiple=self.aggregate.clip_multiple,
+                         factors={c: round(f, 6) for c, f in sorted(bounded.items())})  # fmt: skip
         if factors:
             closing.acc.clip(factors)
         return verdicts

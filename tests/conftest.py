@@ -36,12 +36,12 @@ class ShardSet:
                  wire: WireConfig | None = None, round_deadline_s: float | None = None,
                  added_latency_s: float | list[float] = 0.0, grace_s: tuple[float, float] | None = None,
                  keep_rounds: int = DEFAULT_KEEP_ROUNDS, expect_clusters: int | None = None, update_check=None,  # noqa: ANN001
-                 **serve) -> None:  # fmt: skip
+                 aggregate=None, **serve) -> None:  # noqa: ANN001  # fmt: skip
         """`grace_s`: (min, max) of a quorum + grace window (server/grace.py), one window per shard; `serve`:
         more of `start_server`'s settings (e.g. `pull_cache_bytes`)."""
         self.shards = [Shard(i, num_shards, run_id, outer_lr, outer_momentum, min_clusters, round_deadline_s,
                              GraceWindow(*grace_s) if grace_s else None, expect_clusters=expect_clusters, keep_rounds=keep_rounds,
-                             update_check=update_check)
+                             update_check=update_check, aggregate=aggregate)
                        for i in range(num_shards)]  # fmt: skip
         self.servers = []
         self.addresses = []

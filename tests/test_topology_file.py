@@ -411,7 +411,7 @@ def test_the_shards_policy_reaches_every_shard_by_its_flag_names(where):
 def test_every_policy_key_is_a_dilocox_server_flag_of_its_type():
     import argparse
 
-    from dilocox.common.deploy.topology_file import SHARD_POLICY, UPDATE_CHECKS
+    from dilocox.common.deploy.topology_file import CHOICES, SHARD_POLICY, UPDATE_CHECKS
     from dilocox.server.main import add_arguments
 
     parser = argparse.ArgumentParser()
@@ -424,6 +424,7 @@ def test_every_policy_key_is_a_dilocox_server_flag_of_its_type():
         else:
             assert (action.type or str) is kind or (kind is str and action.type is None) or (action.type and kind.__name__ in str(action.type)), (key, action.type)
     assert tuple(actions["update_check"].choices) == UPDATE_CHECKS
+    assert all(tuple(actions[key].choices) == choices for key, choices in CHOICES.items())
 
 
 @pytest.mark.parametrize("bad, message", [

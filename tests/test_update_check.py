@@ -546,3 +546,63 @@ def test_real_shards_weigh_an_inflated_token_claim_at_a_multiple_of_the_others_a
     finally:
         for c in clients:
             c.close()
+
+
+def test_clip_factors_bound_each_site_by_the_other_sites_median_norm():
+    from dilocox.server.robust_mean import AggregateConfig, clip_factors
+
+    assert clip_factors({"a": 1.0, "b": 1.2, "c": 0.9, "d": 1.5}, 2.0) == {}  # honest spread: nobody clipped
+    assert clip_factors({"a": 1.0, "b": 1.2, "c": 0.9, "big": 9.5}, 2.0) == {"big": pytest.approx(2.0 / 9.5)}
+    assert clip_factors({"a": 1.0, "big": 9.5}, 2.0) == {"big": pytest.approx(2.0 / 9.5)}  # two sites: the other's norm
+    assert clip_factors({"a": 1.0, "inf": float("inf")}, 2.0) == {"inf": 0.0} and clip_factors({"alone": 50.0}, 2.0) == {}
+    with pytest.raises(ValueError):
+        AggregateConfig("median")
+    with pytest.raises(ValueError):
+        AggregateConfig("clipped-mean", 0.5)
+
+
+def test_real_shards_clipped_mean_bounds_a_site_under_the_checks_bounds_and_replays_stay_exact(shard_set):
+    """Issue 62: a site pushing its update ×6 every round (under the check's 10×: never flagged) makes a plain
+    mean's step (3 + 6) / 4 = 2.25 honest ones; under --aggregate clipped-mean each shard scales it to 2× the
+    others' median (1.25), forwards the factor (the round record says it), and every replica equals its
+    shards' bit for bit."""
+    from tests import four_sites
+    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
+    from dilocox.server.robust_mean import AggregateConfig
+    from dilocox.worker.exchange.cluster import slice_tensors
+
+    steps = {}
+    for rule in ("mean", "clipped-mean"):
+        shards = shard_set(2, "run-downlink", min_clusters=4, update_check=UpdateCheckConfig(mode="exclude"),
+                           aggregate=AggregateConfig(rule))  # fmt: skip
+        clients = [client(shards.addresses, f"site{i}") for i in range(4)]
+        try:
+            four_sites.start(clients)
+            base = low_rank_delta(100)
+            norms = []
+            for round_ in range(1, 5):
+                before = [{k: t.clone() for k, t in shard.snapshot.tensors.items()} for shard in shards.shards]
+                fresh = {n: base[n] + 0.5 * t for n, t in low_rank_delta(100 + round_).items()}
+                for i, c in enumerate(clients):
+                    own = low_rank_delta(10 * round_ + i)
+                    delta = {n: (6.0 if i == 3 else 1.0) * (fresh[n] + 0.3 * own[n]) for n, _ in PARAMS}
+                    c.push(round_, 100.0, slice_tensors(c.assignment, delta))
+                for c in clients:
+                    assert c.pull(round_, wait_seconds=10)[0] == round_
+                norms.append(sum(float((s.snapshot.tensors[k] - b[k]).norm() ** 2) for s, b in zip(shards.shards, before) for k in b) ** 0.5)
+                for shard in shards.shards:
+                    assert not shard.last_round.excluded and not any(s["rounds_flagged"] for s in shard.status()["sites"])
+                    scales = {s["cluster"]: s.get("scale") for s in shard.chain.entries[-1]["sites"]}
+                    if rule == "clipped-mean":
+                        assert scales["site3"] is not None and 0.25 < scales["site3"] < 0.45, scales
+                        assert all(scales[f"site{i}"] is None for i in range(3)), scales
+                    else:
+                        assert all(v is None for v in scales.values()), scales
+            for c in clients:
+                assert_replica_equals_shards(c, shards)
+                assert c.replay_check.mismatches == 0
+            steps[rule] = norms
+        finally:
+            for c in clients:
+                c.close()
+    assert all(clipped < 0.65 * plain for clipped, plain in zip(steps["clipped-mean"][1:], steps["mean"][1:])), steps

@@ -259,10 +259,12 @@ SHARD_POLICY = {
     "keep_rounds": int, "checkpoint_every": int, "checkpoint_keep": int, "keep_serving": bool, "push_idle_timeout_s": float,
     "push_streams_per_cluster": int, "pull_cache_mb": int, "update_check": str, "update_check_norm_ratio": float,
     "update_check_min_cosine": float, "update_check_quarantine_rounds": int,
-    "update_check_max_flagged": float, "max_weight_multiple": float, "health_stall_s": float, "work_threads": int,
+    "update_check_max_flagged": float, "max_weight_multiple": float,
+    "aggregate": str, "aggregate_clip_multiple": float, "health_stall_s": float, "work_threads": int,
     "checkpoint_sign_key": str, "checkpoint_sign_cert": str, "checkpoint_verify_key": str, "checkpoint_ca": str,
 }  # fmt: skip
 UPDATE_CHECKS = ("off", "warn", "clip", "exclude")
+CHOICES = {"update_check": UPDATE_CHECKS, "aggregate": ("mean", "clipped-mean")}  # the server's own choices (tests hold them)
 POLICY_ELSEWHERE = {  # a shard flag the file sets another way, and where
     "min_clusters": "min_clusters (top level)", "round_deadline_s": "round_deadline_s (top level)", "run_id": "run_id",
     "num_shards": "shards.count", "port": "shards.port", "checkpoint_dir": "shards.checkpoint_dir / state_dir",
@@ -285,8 +287,8 @@ def _policy(table: object) -> tuple[str, ...]:
             hint = f"; did you mean 'shards.policy.{close[0]}'?" if close else ""
             raise TopologyFileError(f"{where}: not a shard setting{hint} (valid: {', '.join(sorted(SHARD_POLICY))})")
         value = _typed(value, SHARD_POLICY[key], where)
-        if key == "update_check":
-            _choice(value, UPDATE_CHECKS, where)
+        if key in CHOICES:
+            _choice(value, CHOICES[key], where)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
             raise TopologyFileError(f"{where}: must be ≥ 0, got {value}")
         flag = "--" + key.replace("_", "-")
