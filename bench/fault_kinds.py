@@ -18,6 +18,13 @@ changed and encoded again), so the shards see what such a site would push:
 * ``replay`` — the exact payload it pushed in the round before the fault, pushed again under every later
   round (a site stuck on an old update, or restored from the wrong checkpoint).
 
+Evasions (issue 62), faults made to stay under the check's bounds:
+
+* ``underbound`` — its update × 9 every round, under the check's default 10× norm bound;
+* ``drift`` — its update × 1.3 more each round (×1.3, ×1.69, …): the bound's reference, if the site could
+  move it, would move along;
+* ``halfsign`` — half its tensors negated (by name): its cosine with the others stays near 0 rather than −1.
+
 Random draws are seeded by (seed, round, slice): a run is repeatable.
 """
 
@@ -33,8 +40,10 @@ from dilocox.common.wire import codecs
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.lowrank import encode_lowrank, lowrank_factors
 
-KINDS = ("scale", "sign", "noise", "bitflip", "bitflip-low", "replay")
+KINDS = ("scale", "sign", "noise", "bitflip", "bitflip-low", "replay", "underbound", "drift", "halfsign")
 SCALE = 100.0
+UNDER_BOUND = 9.0  # under the update check's default norm bound (10×)
+DRIFT = 1.3  # per round of the fault
 EXPONENT_BITS = {"bitflip": tuple(range(23, 31)), "bitflip-low": tuple(range(23, 30))}  # of an fp32: bits 23–30
 
 
@@ -119,6 +128,13 @@ class SiteFault:
             values[0].mul_(SCALE)  # P (or the tensor): the product scales with it
         elif self.kind == "sign":
             values[0].neg_()
+        elif self.kind == "underbound":
+            values[0].mul_(UNDER_BOUND)
+        elif self.kind == "drift":
+            values[0].mul_(DRIFT ** (round_ - self.from_round + 1))
+        elif self.kind == "halfsign":
+            if zlib.crc32(key.name.encode()) % 2:  # every slice of a tensor alike: the tensor negated whole
+                values[0].neg_()
         elif self.kind == "noise":
             honest = _norm_sq(values, lowrank)
             values = [torch.randn(v.shape, generator=generator) for v in values]

@@ -7,6 +7,8 @@ import pathlib
 from dilocox.bench.plots import matplotlib_missing
 
 LOSS_GOAL = 0.01  # exclude: final eval loss within 1 % of the clean run's
+EVASIONS = ("underbound", "drift", "halfsign")  # made to stay under the check's bounds: bounded, not necessarily flagged
+EVASION_GOAL = 0.02  # issue 62: under clip or exclude, an evasion's final eval within 2 % of the clean run's
 CAUGHT_WITHIN = 2  # rounds, counting the fault's first
 
 
@@ -31,7 +33,7 @@ def goals(rows: list[dict], fault_round: int) -> str:
     lines.append(f"* no false alarm: {'met' if clean_alarms == 0 else 'NOT met'} — {clean_alarms} flags on the clean runs' sites; "
                  f"{other_alarms} on the honest sites of the faulty runs")  # fmt: skip
     late = []
-    for kind in sorted({r["kind"] for r in checked if r["kind"] != "clean"}):
+    for kind in sorted({r["kind"] for r in checked if r["kind"] not in ("clean", *EVASIONS)}):
         for row in (r for r in checked if r["kind"] == kind):
             if any(f is None or f > fault_round + CAUGHT_WITHIN - 1 for f in row["_first"]):
                 late.append(f"{kind} ({row['mode']}: first flagged {row['first_flagged']})")
@@ -43,6 +45,12 @@ def goals(rows: list[dict], fault_round: int) -> str:
         over = [f"{r['kind']} ({r['loss_vs_clean']})" for r in excluded if not r["_loss_ratio"] <= LOSS_GOAL]
         within = "met" if not over else "NOT met for " + ", ".join(over)
         lines.append(f"* with exclude, final eval loss within {100 * LOSS_GOAL:g} % of the clean run's: {within}")
+    evasive = [r for r in rows if r["kind"] in EVASIONS and r["mode"] in ("clip", "exclude")]
+    if evasive:
+        over = [f"{r['kind']} ({r['mode']}: {r['loss_vs_clean']})" for r in evasive if not r["_loss_ratio"] <= EVASION_GOAL]
+        within = "met" if not over else "NOT met for " + ", ".join(over)
+        lines.append(f"* evasions ({', '.join(sorted({r['kind'] for r in evasive}))}) under clip or exclude, final eval loss within "
+                     f"{100 * EVASION_GOAL:g} % of the clean run's (issue 62): {within}")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

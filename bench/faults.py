@@ -32,6 +32,7 @@ from dilocox.bench.fault_kinds import KINDS, SiteFault
 from dilocox.bench.fault_report import goals, plot_curves, ranges
 from dilocox.bench.report import write_report
 from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
+from dilocox.server.robust_mean import AGGREGATES, AggregateConfig
 from dilocox.server.shard import Shard
 from dilocox.server.update_check import MODES, SiteVerdict, UpdateCheckConfig
 from dilocox.sim.inprocess import run_in_process
@@ -55,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how the sites share the corpus: interleaved (each a sample of all of it) or contiguous (each "
                              "its own stretch: per-site data, the non-IID case the check must not flag) (default interleaved)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run (default 900)")
+    parser.add_argument("--aggregate", default="mean", choices=AGGREGATES,
+                        help="the shards' round mean, or clipped-mean (server/robust_mean.py; default mean)")
+    parser.add_argument("--aggregate-clip-multiple", type=float, default=AggregateConfig().clip_multiple,
+                        help="clipped-mean's bound, × the other sites' median norm (default: the shards')")
 
 
 @dataclass
@@ -147,7 +152,7 @@ def run_one(args: argparse.Namespace, kind: str, mode: str) -> FaultRun:
     try:
         result = run_in_process(_config(args), num_clusters=args.sites, num_shards=args.shards, evaluate_every_round=True,
                                 timeout_s=args.timeout_s, on_round=record, update_check=check, push_fault=fault,
-                                before_start=run.instrument)  # fmt: skip
+                                before_start=run.instrument, aggregate=AggregateConfig(args.aggregate, args.aggregate_clip_multiple))  # fmt: skip
         honest = [c.final_eval_loss for c in result.clusters if c.client.cluster != faulty or kind == CLEAN]
         run.final_eval_loss = sum(honest) / len(honest)
     except Exception as error:  # noqa: BLE001 - a fault may stop the run (a refused push, a failed close, NaN): a result
@@ -185,8 +190,9 @@ def run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
     plots = plot_curves(out_dir, runs, args.fault_round)
     (out_dir / "faults_curves.json").write_text(json.dumps([{"kind": r.kind, "mode": r.mode, "curve": r.curve} for r in runs]))
     flipped = "; ".join(f"{r.kind} ({r.mode}) {r.flipped}" for r in runs if r.flipped)
+    mean = f"clipped mean ({args.aggregate_clip_multiple:g}× the others' median norm)" if args.aggregate == "clipped-mean" else "the plain mean"
     notes = (
-        f"{args.sites} sites × {args.shards} shards, the built-in GPT (2 layers, width {args.n_embd}), {args.rounds} rounds × "
+        f"{args.sites} sites × {args.shards} shards, {mean}, the built-in GPT (2 layers, width {args.n_embd}), {args.rounds} rounds × "
         f"H={args.inner_steps}, default compression and one-step delay, every run on the same data ({args.data_split} split); the last site "
         f"(cluster-{args.sites - 1}) faulty from round {args.fault_round} on, its end-of-run flush (round {args.rounds + 1}: "
         f"residuals, not judged) too. Check against the round's peers: norm ratio > {args.norm_ratio:g}, cosine < {args.min_cosine:g}, "

@@ -16,6 +16,7 @@ from typing import Callable
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.config.run import RunConfig, as_dict
 from dilocox.server.grpc_server import start_server
+from dilocox.server.robust_mean import AggregateConfig
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 from dilocox.server.update_check import UpdateCheckConfig
 from dilocox.sim.push_fault import FaultyPushClient, PushFault
@@ -62,6 +63,7 @@ def run_in_process(
     update_check: UpdateCheckConfig | None = None,
     push_fault: PushFault | None = None,
     before_start: Callable[[list[Shard]], None] | None = None,
+    aggregate: AggregateConfig | None = None,
 ) -> InProcessResult:
     """Train `config.rounds` rounds with `num_clusters` clusters against `num_shards` shards.
 
@@ -72,11 +74,12 @@ def run_in_process(
     `update_check`: the shards' check of each site's update (server/update_check.py; None: the shard's default);
     `push_fault(cluster, round, slice)`: every cluster's pushed slices go through it (sim/push_fault.py: a
     drill's faulty site, `dilocox bench faults`); None: plain clients;
-    `before_start(shards)`: called once the shards serve, before any cluster starts (a benchmark instruments them)."""
+    `before_start(shards)`: called once the shards serve, before any cluster starts (a benchmark instruments them);
+    `aggregate`: the shards' mean or clipped mean (server/robust_mean.py; None: the plain mean)."""
     corpus = corpus if corpus is not None else load_corpus(None)
     shards = [
         Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters, keep_rounds=keep_rounds,
-              update_check=update_check)
+              update_check=update_check, aggregate=aggregate)
         for i in range(num_shards)
     ]
     servers, addresses = [], []

@@ -62,6 +62,21 @@ def test_each_kind_changes_what_the_faulty_site_sends_in_the_same_codec(kind, ho
     assert fault.flipped > 0 if kind.startswith("bitflip") else fault.flipped == 0
 
 
+def test_the_evasions_stay_under_the_checks_bounds_by_construction(honest):
+    """underbound: × 9 (under the default 10×); drift: × 1.3 per round of the fault (the third: 1.3³); halfsign:
+    a tensor negated whole or not at all, by its name (so half the model's tensors)."""
+    import zlib
+
+    under, drift, half = (SiteFault("site-3", kind, from_round=3) for kind in ("underbound", "drift", "halfsign"))
+    for item in honest:
+        before = item.decode()
+        assert float(under("site-3", 4, item).decode().norm() / before.norm()) == pytest.approx(9, rel=1e-3)
+        assert float(drift("site-3", 5, item).decode().norm() / before.norm()) == pytest.approx(1.3**3, rel=1e-3)
+        negated = bool(zlib.crc32(item.key.name.encode()) % 2)
+        assert cosine(half("site-3", 4, item).decode(), before) == pytest.approx(-1.0 if negated else 1.0, abs=1e-3)
+    assert {bool(zlib.crc32(k.name.encode()) % 2) for k in (MATRIX, VECTOR)} == {True, False}  # the fixture shows both
+
+
 def test_flips_hit_only_exponent_bits_and_the_low_kind_stays_far_from_overflow():
     g = torch.Generator().manual_seed(0)
     values = torch.rand(20_000, generator=g) * 0.1 + 1e-4
