@@ -16,6 +16,7 @@ import json
 import pathlib
 from dataclasses import asdict, dataclass, field
 
+from dilocox.worker.export_openssf import sign_openssf
 from dilocox.worker.export_signing import PROVENANCE_FILE, FileDigest, digest_files, sign_folder
 from dilocox.common.deploy.signing_keys import Signer
 
@@ -66,4 +67,5 @@ def write_provenance(folder: pathlib.Path, run_id: str, version: int, rounds: in
     (folder / PROVENANCE_FILE).write_text(record.as_json())
     if signer is not None:
         sign_folder(folder, signer, files)
+        sign_openssf(folder, signer)  # last: over every file, ours included (where model-signing is installed)
     return record

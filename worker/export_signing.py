@@ -2,12 +2,13 @@
 
 Why: an exported model leaves the run — to a model hub, a bucket, another team. Whoever loads it should
 be able to tell that the files are the ones the run's operator exported, unchanged, with nothing added
-or taken away, and where they came from (`provenance.json`, worker/export_provenance.py). The OpenSSF
-`model-signing` package does this for models but cannot be installed here (offline), so this module
-uses the standard pieces it is built from: an in-toto Statement v1 (one subject per file: its name and
-SHA-256) in a DSSE envelope, signed with the exporter's key — ECDSA P-256/SHA-256 as `dilocox certs`
+or taken away, and where they came from (`provenance.json`, worker/export_provenance.py). This module
+writes dilocox's own signature from the standard pieces (checked with no extra package): an in-toto
+Statement v1 (one subject per file: its name and SHA-256) in a DSSE envelope, signed with the exporter's key — ECDSA P-256/SHA-256 as `dilocox certs`
 makes them, or Ed25519, or RSA-PSS — with the signer's public key, and its certificate chain when one is
-given, beside it (docs/decisions.md, "How is an exported model signed, and checked?").
+given, beside it (docs/decisions.md, "How is an exported model signed, and checked?"). Beside it, where the
+`signing` extra is installed, worker/export_openssf.py writes the OpenSSF model-signing `model.sig` that
+`model_signing verify` reads.
 
 `dilocox-signature.json`:
 
@@ -34,6 +35,7 @@ from dilocox.common.deploy.signing_keys import (Signer, SigningError, check_chai
                                         load_public_key, to_pem, verify_signature)  # fmt: skip
 
 SIGNATURE_FILE = "dilocox-signature.json"
+OPENSSF_SIGNATURE = "model.sig"  # written after ours, over ours too (worker/export_openssf.py): never in our manifest
 PROVENANCE_FILE = "provenance.json"
 MEDIA_TYPE = "application/vnd.dilocox.signature.v1+json"
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -100,7 +102,7 @@ def listing(folder: pathlib.Path) -> tuple[list[str], list[str]]:
     return sorted(files), sorted(links)
 
 
-def digest_files(folder: str | os.PathLike, exclude: frozenset[str] = frozenset({SIGNATURE_FILE, PROVENANCE_FILE})) -> list[FileDigest]:
+def digest_files(folder: str | os.PathLike, exclude: frozenset[str] = frozenset({SIGNATURE_FILE, PROVENANCE_FILE, OPENSSF_SIGNATURE})) -> list[FileDigest]:
     """Every file under `folder` but `exclude`, with its size and SHA-256, sorted by path."""
     folder = pathlib.Path(folder)
     files, links = listing(folder)
@@ -253,7 +255,7 @@ def _check_files(folder: pathlib.Path, files: list[FileDigest], provenance: str)
         if digest != f.sha256:
             problems.append(Problem(f.path, f"{what} changed: sha256 {digest[:16]}…, signed {f.sha256[:16]}…"))
     problems += [Problem(p, "not in the signed manifest: added after signing") for p in present
-                 if p not in signed and p != SIGNATURE_FILE]  # fmt: skip
+                 if p not in signed and p not in (SIGNATURE_FILE, OPENSSF_SIGNATURE)]  # fmt: skip
     return sorted(problems, key=lambda p: p.path)
 
 

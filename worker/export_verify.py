@@ -16,8 +16,9 @@ import pathlib
 import sys
 
 from dilocox.worker.export_chain import check_section
-from dilocox.common.deploy.signing_keys import SigningError
-from dilocox.worker.export_signing import PROVENANCE_FILE, SIGNATURE_FILE, Problem, listing, sha256_file, verify_folder
+from dilocox.common.deploy.signing_keys import SigningError, load_public_key, to_pem
+from dilocox.worker.export_signing import (OPENSSF_SIGNATURE, PROVENANCE_FILE, SIGNATURE_FILE, Problem, listing, sha256_file,
+                                           verify_folder)  # fmt: skip
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -52,8 +53,30 @@ def check_unsigned(folder: pathlib.Path, record: dict) -> list[Problem]:
         elif file.stat().st_size != f.get("size") or sha256_file(file) != f.get("sha256"):
             problems.append(Problem(str(path), "file changed: not the size and SHA-256 provenance.json lists"))
     problems += [Problem(p, "not listed in provenance.json: added after the export") for p in present
-                 if p not in listed and p not in (PROVENANCE_FILE, SIGNATURE_FILE)]  # fmt: skip
+                 if p not in listed and p not in (PROVENANCE_FILE, SIGNATURE_FILE, OPENSSF_SIGNATURE)]  # fmt: skip
     return problems
+
+
+def _openssf_problems(folder: pathlib.Path, args: argparse.Namespace) -> list[Problem]:
+    """`model.sig` (worker/export_openssf.py), checked as `model_signing verify` would — with --cert as its CA,
+    --key, or the public key our signature file carries — where model-signing is installed; else a note."""
+    from dilocox.worker import export_openssf
+
+    if not (folder / OPENSSF_SIGNATURE).is_file():
+        return []
+    if not export_openssf.available():
+        print(f"note: {OPENSSF_SIGNATURE} (OpenSSF model-signing) not checked here: {export_openssf.INSTALL_HINT}", file=sys.stderr)
+        return []
+    if args.cert is not None:
+        wrong = export_openssf.verify_openssf(folder, ca=args.cert)
+    else:
+        try:
+            pem = (to_pem(load_public_key(pathlib.Path(args.key).read_bytes(), f"--key {args.key}")).encode() if args.key is not None
+                   else json.loads((folder / SIGNATURE_FILE).read_text())["verificationMaterial"]["publicKey"].encode())  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, SigningError) as error:
+            return [Problem(OPENSSF_SIGNATURE, f"no public key to check it with: {error}")]
+        wrong = export_openssf.verify_openssf(folder, public_key_pem=pem)
+    return [Problem(OPENSSF_SIGNATURE, f"does not verify (OpenSSF model-signing): {wrong}")] if wrong else []
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"dilocox verify: {error}", file=sys.stderr)
             return 1
         problems, who = list(result.problems), result
+        problems += _openssf_problems(folder, args)
         # The chain is checked even where provenance.json changed: its lines say which record.
         record = result.provenance or (_provenance(folder) if result.files else None) or {}
     chain = check_section(record, folder / WEIGHTS_FILE if (folder / WEIGHTS_FILE).is_file() else None) if record else None

@@ -161,6 +161,7 @@ class Signer:
 
     key: object
     certificates: tuple = ()
+    key_path: str | None = None  # the PEM it was read from: OpenSSF model-signing reads the key from a file itself
 
     def sign(self, data: bytes) -> bytes:
         return sign_bytes(self.key, data)
@@ -199,7 +200,7 @@ def load_signer(key_path: str, cert_path: str | None = None, flags: tuple[str, s
         if key_id(certificates[0].public_key()) != key_id(key.public_key()):
             raise SigningError(f"{cert_flag} {cert_path} ({certificates[0].subject.rfc4514_string()}) is not the certificate "
                                f"of {key_flag} {key_path}")  # fmt: skip
-    return Signer(key, certificates)
+    return Signer(key, certificates, key_path)
 
 
 def signs_code(certificate) -> bool:  # noqa: ANN001
