@@ -112,7 +112,7 @@ class RoundClosing:
         if out:
             closing.acc.keep_only(set(closing.acc.cluster_weights) - out)
         factors = clipped(verdicts)
-        if robust and not flush:  # --aggregate clipped-mean: no site's update past a multiple of its peers' median
+        if robust:  # --aggregate clipped-mean: no site's update past a multiple of its peers' median (the flush's too)
             norms = {c: float(sq) ** 0.5 for c, sq in zip(figures.clusters, figures.sq_norms.tolist()) if c not in out}
             bounded = clip_factors(norms, self.aggregate.clip_multiple)
             for cluster, factor in bounded.items():
