@@ -207,6 +207,8 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
     assert shard.version == rounds + 1  # the rounds, then the end-of-run flush of the residuals
     events = {e["event"]: e for e in map(json.loads, filter(lambda line: line.startswith("{"), second_log.splitlines()))}
     restored, joined_at = events["worker_checkpoint_restored"]["round"], events["cluster_started"]["version"]
+    # Issue 62: the loss watch's best eval comes back with the checkpoint (a restart no longer forgets it).
+    assert 0 < events["worker_checkpoint_restored"]["eval_best"] < 10, events["worker_checkpoint_restored"]
     # Issue 44: the checkpoint held the replica, so the resume pulled only the rounds since it, checked by
     # the shard's state digest (a mismatch would have been a full pull, said as such).
     resumed = events["replica_resumed"]

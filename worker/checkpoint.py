@@ -46,6 +46,7 @@ system across nodes), as DCP requires.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -132,7 +133,8 @@ class SiteCheckpoint:
             "model": written_once(get_model_state_dict(module)),
             "optim": written_once(get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)),
             "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen),
-                         "optimizer_state": optimizer_state_of(optimizer)},  # fmt: skip
+                         "optimizer_state": optimizer_state_of(optimizer),
+                         "eval_best": float(getattr(trainer, "eval_best", math.inf))},  # the loss watch's best (issue 62)  # fmt: skip
             "data": {f"replica{self.replica}": pack(trainer.sampler.state_dict())},
             "exchange": exchange,
         }
@@ -392,7 +394,7 @@ class SiteCheckpoint:
         state = {
             "model": get_model_state_dict(module),
             "optim": get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS),
-            "progress": {"step": 0, "tokens_seen": 0},
+            "progress": {"step": 0, "tokens_seen": 0, **({"eval_best": 0.0} if "progress.eval_best" in saved else {})},
             "data": {data_key: b""} if f"data.{data_key}" in saved else {},
             "exchange": {name: b"" for name in names if f"exchange.{name}" in saved},
         }
@@ -401,6 +403,8 @@ class SiteCheckpoint:
         set_optimizer_state_dict(module, optimizer, state["optim"], options=OPTIM_OPTIONS)
         trainer.step = int(state["progress"]["step"])
         trainer.tokens_seen = int(state["progress"]["tokens_seen"])
+        if "eval_best" in state["progress"]:  # the loss watch's best before the restart (worker/exchange/loss_watch.py)
+            trainer.eval_best = float(state["progress"]["eval_best"])
         reason = "the checkpoint has no sampler for this replica (another --dp)"
         if state["data"]:
             try:
@@ -418,7 +422,8 @@ class SiteCheckpoint:
         replica_slices = 0
         if client is not None:  # the files of every rank: another layout's owner of a name may have written it
             replica_slices = client.restore_replica_slices(read_replica(sorted(path.glob(f"{REPLICA_FILE_PREFIX}*.pt")), names), names)
-        log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step, replica_slices=replica_slices)
+        log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step, replica_slices=replica_slices,
+                 eval_best=getattr(trainer, "eval_best", None))  # fmt: skip
         return round_
 
 

@@ -89,6 +89,8 @@ class WorkerMetrics:
                                    "L2 norm of what compression still holds back (error-feedback residuals)", registry=r)  # fmt: skip
         self.eval_to_best = Gauge("dilocox_eval_loss_to_best_ratio", "The last round's eval loss over the best before it "
                                   "(> 1.5: a spike, worker/exchange/loss_watch.py; +Inf: not finite)", registry=r)  # fmt: skip
+        self.rising_rounds = Gauge("dilocox_eval_loss_rising_rounds", "Rounds in a row the eval loss has been over 1.1× its "
+                                   "best (≥ 3: loss_rising, worker/exchange/loss_watch.py)", registry=r)  # fmt: skip
         self.nonfinite = Counter("dilocox_nonfinite_losses", "Rounds whose train or eval loss was not finite", registry=r)
         self.train_loss.set(math.nan)
         self.eval_loss.set(math.nan)
@@ -112,6 +114,7 @@ class WorkerMetrics:
             self.nonfinite.inc()
         if not math.isnan(report.eval_to_best) or report.loss_alarm == "nonfinite":
             self.eval_to_best.set(math.inf if report.loss_alarm == "nonfinite" else report.eval_to_best)
+            self.rising_rounds.set(report.loss_rising_rounds)
         self.compute_seconds.inc(max(0.0, report.compute_s))
         self.idle_seconds.inc(max(0.0, report.idle_s))
         self.comm_seconds.inc(max(0.0, report.comm_s))

@@ -31,6 +31,7 @@ train, a rejoin) agreed over the site first (`access.agree_*`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import asdict
@@ -345,13 +346,17 @@ class DilocoCluster(StepDriven):
             log.error("loss_nonfinite", cluster=self.client.cluster, round=report.round, train_loss=report.train_loss,
                       reason="the inner steps' loss is not finite")  # fmt: skip
         if evaluated:
+            # The best survives a restart: the site's checkpoint carries it on the trainer (`eval_best`).
+            self.loss_watch.best = min(self.loss_watch.best, getattr(self.trainer, "eval_best", math.inf))
             verdict = self.loss_watch.observe(report.round, report.eval_loss)
-            report.eval_to_best = self.loss_watch.last_ratio
+            report.eval_to_best, report.loss_rising_rounds = self.loss_watch.last_ratio, self.loss_watch.rising
+            with contextlib.suppress(AttributeError):  # a user's trainer that takes no attributes: not kept
+                self.trainer.eval_best = self.loss_watch.best
             if verdict is not None:
-                finite = math.isfinite(report.eval_loss)
-                report.loss_alarm = report.loss_alarm or ("spike" if finite else "nonfinite")
-                log.error("loss_spike" if finite else "loss_nonfinite", cluster=self.client.cluster, round=report.round,
-                          eval_loss=report.eval_loss, best=self.loss_watch.best, reason=verdict)  # fmt: skip
+                kind = self.loss_watch.kind
+                report.loss_alarm = report.loss_alarm or kind
+                log.error(f"loss_{kind}", cluster=self.client.cluster, round=report.round, eval_loss=report.eval_loss,
+                          best=self.loss_watch.best, reason=verdict)  # fmt: skip
 
     def _log_memory(self) -> None:
         self._memory_logged = True

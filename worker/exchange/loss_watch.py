@@ -6,6 +6,12 @@ from (the global weights less its own residual and round in flight: where the gl
 goes), logs `loss_spike` / `loss_nonfinite` and exports the ratio to its best eval so far, which the
 shipped alert rules read per site and over all sites (every site spiking at once is the global model);
 the sim watches the global model itself (sim/global_eval.py).
+
+A spike is not the only harm (issue 62): a faulty partner merged at full weight once took an honest site's
+eval from 2.52 to 2.99 (+19 %), round by round, never 1.5× in one. So the watch also calls a **rise**: the
+eval above `RISE_RATIO` × the best for `RISE_ROUNDS` rounds in a row (`loss_rising`). And it keeps its best
+across a site's restarts (the site's checkpoint carries it, `eval_best`): a restarted faulty site whose eval
+went 4.8 → 16.4 raised nothing, its best forgotten.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ import math
 # A round's eval more than this many times the best so far is a spike. Ordinary training noise between
 # rounds is a few percent; a merged update that blows a model up multiplies the loss.
 SPIKE_RATIO = 1.5
+# Above the best by more than this, this many rounds in a row, is a rise: DiLoCo's eval moves a few percent
+# between rounds as the outer momentum swings, and comes back within a round or two.
+RISE_RATIO = 1.1
+RISE_ROUNDS = 3
 
 
 class LossWatch:
@@ -25,17 +35,25 @@ class LossWatch:
         self.best = math.inf
         self.last_ratio = math.nan  # the last observed loss over the best before it (nan: nothing to compare)
         self.nonfinite = 0  # non-finite losses seen
+        self.rising = 0  # rounds in a row above RISE_RATIO × the best
+        self.kind: str | None = None  # what the last alarming observation was: spike, rising, nonfinite
 
     def observe(self, round_: int, loss: float) -> str | None:
         """Take round `round_`'s loss; returns why it is alarming, or None."""
+        self.kind = None
         if not math.isfinite(loss):
             self.nonfinite += 1
             self.last_ratio = math.inf
+            self.kind = "nonfinite"
             return f"round {round_}'s loss is {loss}"
         verdict = None
         if math.isfinite(self.best):
             self.last_ratio = loss / self.best if self.best > 0 else math.nan
+            self.rising = self.rising + 1 if loss > RISE_RATIO * self.best else 0
             if loss > self.ratio * self.best:
-                verdict = f"round {round_}'s loss {loss:.4f} is over {self.ratio:g}× the best so far ({self.best:.4f})"
+                verdict, self.kind = f"round {round_}'s loss {loss:.4f} is over {self.ratio:g}× the best so far ({self.best:.4f})", "spike"
+            elif self.rising >= RISE_ROUNDS:
+                verdict, self.kind = (f"round {round_}'s loss {loss:.4f} has been over {RISE_RATIO:g}× the best so far ({self.best:.4f}) "
+                                      f"for {self.rising} rounds in a row"), "rising"  # fmt: skip
         self.best = min(self.best, loss)
         return verdict

@@ -28,7 +28,9 @@ class RoundReport:
     # Mean rank of this rank's low-rank tensors in its latest compressed push (0.0 without a low-rank codec);
     # like residual_norm, with the delay it may lag a round.
     compress_rank: float = 0.0
-    # What the site's loss watch made of the round (worker/exchange/loss_watch.py): "spike", "nonfinite" or
-    # "" — and its eval over the best eval before it (nan: not evaluated, or nothing to compare yet).
+    # What the site's loss watch made of the round (worker/exchange/loss_watch.py): "spike", "rising",
+    # "nonfinite" or "" — its eval over the best eval before it (nan: not evaluated, or nothing to compare
+    # yet), and the rounds in a row its eval has been over RISE_RATIO × the best.
     loss_alarm: str = ""
     eval_to_best: float = float("nan")
+    loss_rising_rounds: int = 0
