@@ -6,7 +6,7 @@ clusters' own evals — replicas that, under quorum + grace, include a stale one
 weights as an observer (no membership: no round waits for it) each time a version is published, and
 evaluates them on the run's eval split, in the sim's own process. A round's eval is then the global
 model's, whichever sites made it; a jump past `SPIKE_RATIO` × the best so far, or a non-finite loss, is
-logged as a warning (`global_eval_spike`).
+logged as a warning (`global_eval_spike`, `global_eval_rising`, `global_eval_nonfinite`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class GlobalEvalWatch:
                 loss = self.evaluate(model.tensors)
             verdict = self.watch.observe(model.version, loss)
             if verdict:
-                log.warning("global_eval_spike", version=model.version, eval_loss=round(loss, 4) if math.isfinite(loss) else loss,
+                log.warning(f"global_eval_{self.watch.kind}", version=model.version, eval_loss=round(loss, 4) if math.isfinite(loss) else loss,
                             best=round(self.watch.best, 4), reason=verdict)  # fmt: skip
             self.on_eval(model.version, loss)
             wanted = model.version + 1
