@@ -9,6 +9,7 @@ so a retried push is recognised and never double-counted.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -106,6 +107,13 @@ class RoundAccumulator:
                 for cluster in [c for c in per_key if c in changed]:
                     per_key[cluster] = replace(per_key[cluster], weight=capped[cluster])
         return changed
+
+    def reweigh(self, weights: Mapping[str, float]) -> None:
+        """Before the step: these clusters' contributions carry these weights from here on (forwarded, so the
+        clusters replay the same arithmetic) — the update check's count of copies as one."""
+        for per_key in self.contributions.values():
+            for cluster in [c for c in per_key if c in weights]:
+                per_key[cluster] = replace(per_key[cluster], weight=weights[cluster])
 
     def used_weights(self) -> dict[str, float]:
         """The weight each cluster's contributions carry into the mean (after `weigh`), by cluster."""

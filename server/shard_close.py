@@ -21,7 +21,7 @@ from dilocox.server.round_figures import round_figures
 from dilocox.server.robust_mean import clip_factors
 from dilocox.server.round_state import RoundAccumulator
 from dilocox.server.shard_records import RoundStats, SealedRound, Snapshot
-from dilocox.server.update_check import SiteVerdict, clipped, excluded, margins
+from dilocox.server.update_check import SiteVerdict, clipped, copied_weights, excluded, margins
 
 log = structlog.get_logger("dilocox.shard")
 
@@ -111,6 +111,11 @@ class RoundClosing:
         out = excluded(verdicts)
         if out:
             closing.acc.keep_only(set(closing.acc.cluster_weights) - out)
+        copied = copied_weights(verdicts, closing.acc.used_weights(), figures.contribution_digests) if check and check.config.mode in ("clip", "exclude") else {}
+        if copied:
+            closing.acc.reweigh(copied)
+            log.warning("update_copies_counted_once", shard=self.shard_index, round=closing.acc.round, weights={c: round(w, 4) for c, w in sorted(copied.items())},
+                        reason="byte-identical contributions from several sites: which is the copy cannot be told, so together they weigh one")  # fmt: skip
         factors = clipped(verdicts)
         if robust:  # --aggregate clipped-mean: no site's update past a multiple of its peers' median (the flush's too)
             norms = {c: float(sq) ** 0.5 for c, sq in zip(figures.clusters, figures.sq_norms.tolist()) if c not in out}

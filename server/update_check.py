@@ -103,12 +103,13 @@ class SiteVerdict:
     excluded: bool  # left out of the round (mode exclude, or clip for a flag other than size)
     scale: float = 1.0  # mode clip: merged as scale·Δ (< 1: clipped to the reference norm)
     overruled: bool = False  # more than max_flagged of the round flagged: nobody left out or clipped, no streak
+    copies: int = 1  # sites whose contribution here is byte for byte this one's (> 1: a copy; counted once)
 
     def record(self) -> dict:
         """What the rounds chain keeps of it (server/provenance_chain.py): the figures and the outcome."""
         return {**self.figures(), "replayed": self.replayed, "reasons": list(self.reasons), "quarantined": self.quarantined,
                 "excluded": self.excluded, **({"scale": self.scale} if self.scale != 1.0 else {}),
-                **({"overruled": True} if self.overruled else {})}  # fmt: skip
+                **({"overruled": True} if self.overruled else {}), **({"copies": self.copies} if self.copies > 1 else {})}  # fmt: skip
 
     def figures(self) -> dict:
         rounded = lambda x: None if x is None else round(x, 4) if math.isfinite(x) else str(x)  # noqa: E731 - JSON has no inf
@@ -176,6 +177,14 @@ class UpdateCheck:
                                              ("against_previous", flagged and low(cos_prev[i])), ("replayed", replayed)) if hit)  # fmt: skip
             figures_of.append((norms[i], ratio, cos_others, cos_prev[i], replayed))  # it is a note beside a flag
             reasons_of.append(reasons if judged else ())
+        # A site pushing another's update byte for byte (free-riding, or doubling one site's say) is not judged
+        # — which of the two is the copy cannot be told — but counted once (`copied_weights`).
+        same: dict[bytes, int] = {}
+        for i, cluster in enumerate(clusters):
+            digest = figures.contribution_digests.get(cluster)
+            if digest is not None and norms[i] > 0:
+                same[digest] = same.get(digest, 0) + 1
+        copies = [same.get(figures.contribution_digests.get(c), 1) if norms[i] > 0 else 1 for i, c in enumerate(clusters)]
         # Never act on a majority: a check that flags most of a round is wrong about the round, not the sites.
         # Overflowing updates are left out regardless (merged, they would turn every weight to inf or NaN).
         acting = cfg.mode in ("exclude", "clip")
@@ -194,7 +203,7 @@ class UpdateCheck:
                 excluded = False
             else:
                 excluded = acting and (bool(reasons) or quarantined)
-            verdicts.append(SiteVerdict(cluster, *figures_of[i], reasons, quarantined, excluded, scale, overruled))
+            verdicts.append(SiteVerdict(cluster, *figures_of[i], reasons, quarantined, excluded, scale, overruled, copies[i]))
         if judged:  # an overruled round's norms are the new normal (a learning-rate change moves every site)
             accepted = [(v.cluster, v.norm) for v in verdicts if math.isfinite(v.norm) and (overruled or not v.reasons)]
             if accepted:
@@ -264,6 +273,16 @@ class UpdateCheck:
             self.quarantined.discard(cluster)
             return True
         return False
+
+
+def copied_weights(verdicts: Iterable[SiteVerdict], weights: Mapping[str, float], digests: Mapping[str, bytes]) -> dict[str, float]:
+    """The weights that count each byte-identical update once (mode clip or exclude): every site of a group of
+    k copies weighs the group's smallest weight / k, so together they weigh what one of them would."""
+    groups: dict[bytes, list[str]] = {}
+    for v in verdicts:
+        if v.copies > 1 and not v.excluded and v.cluster in digests:
+            groups.setdefault(digests[v.cluster], []).append(v.cluster)
+    return {c: min(weights[d] for d in group) / len(group) for group in groups.values() if len(group) > 1 for c in group}
 
 
 def excluded(verdicts: Iterable[SiteVerdict]) -> set[str]:

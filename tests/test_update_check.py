@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -606,3 +608,64 @@ def test_real_shards_clipped_mean_bounds_a_site_under_the_checks_bounds_and_repl
             for c in clients:
                 c.close()
     assert all(clipped < 0.65 * plain for clipped, plain in zip(steps["clipped-mean"][1:], steps["mean"][1:])), steps
+
+
+def test_a_byte_identical_copy_is_not_judged_but_counted_once():
+    """A site pushing another's update byte for byte: neither is flagged (which is the copy cannot be told),
+    each verdict says `copies` 2, and under clip or exclude the two weigh together what one would."""
+    from dilocox.server.update_check import copied_weights
+
+    sites = Round()
+    check = UpdateCheck(UpdateCheckConfig(mode="exclude"))
+    review(check, *sites.contributions())
+    contributions, weights = sites.contributions()
+    for key in KEYS:
+        contributions[key]["site3"] = dataclasses.replace(contributions[key]["site1"], cluster="site3")
+    figures = round_figures(contributions, None, check.last_flagged)
+    verdicts = {v.cluster: v for v in check.review(figures, weights)}
+    assert [verdicts[c].copies for c in ("site0", "site1", "site2", "site3")] == [1, 2, 1, 2]
+    assert not any(v.reasons or v.excluded for v in verdicts.values()) and verdicts["site3"].record()["copies"] == 2
+    counted = copied_weights(verdicts.values(), {**weights, "site3": 1000.0}, figures.contribution_digests)
+    assert counted == {"site1": 50.0, "site3": 50.0}  # the group's smallest weight, shared
+
+
+def test_real_shards_count_a_site_copying_anothers_update_once(shard_set):
+    """Issue 62: site3 pushes site1's update byte for byte every round (free-riding). Under exclude nobody is
+    flagged or left out, the two weigh 50 + 50 tokens instead of 100 + 100 (the round record says so),
+    replicas stay bit-exact, and the weights end as a run without the copier ends (to rounding)."""
+    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
+    from dilocox.worker.exchange.cluster import slice_tensors
+
+    def run(copier: bool) -> list[dict]:
+        sites = 4 if copier else 3
+        shards = shard_set(2, "run-downlink", min_clusters=sites, update_check=UpdateCheckConfig(mode="exclude"))
+        clients = [client(shards.addresses, f"site{i}") for i in range(sites)]
+        try:
+            for c in clients:
+                c.join(PARAMS)
+            clients[0].push(0, 1.0, slice_tensors(clients[0].assignment, {n: torch.zeros(s) for n, s in PARAMS}))
+            for c in clients:
+                assert c.pull(0, wait_seconds=10)[0] == 0
+            base = low_rank_delta(100)
+            for round_ in range(1, 5):
+                fresh = {n: base[n] + 0.5 * t for n, t in low_rank_delta(100 + round_).items()}
+                for i, c in enumerate(clients):
+                    own = low_rank_delta(10 * round_ + (1 if i == 3 else i))  # site3: site1's update
+                    c.push(round_, 100.0, slice_tensors(c.assignment, {n: fresh[n] + 0.3 * own[n] for n, _ in PARAMS}))
+                for c in clients:
+                    assert c.pull(round_, wait_seconds=10)[0] == round_
+                for shard in shards.shards:
+                    assert not shard.last_round.excluded and not any(s["rounds_flagged"] for s in shard.status()["sites"])
+                    if copier:
+                        used = {s["cluster"]: s["weight"] for s in shard.chain.entries[-1]["sites"]}
+                        assert used == {"site0": 100.0, "site1": 50.0, "site2": 100.0, "site3": 50.0}, used
+            for c in clients:
+                assert_replica_equals_shards(c, shards)
+            return [{k: t.clone() for k, t in s.snapshot.tensors.items()} for s in shards.shards]
+        finally:
+            for c in clients:
+                c.close()
+
+    with_copier, without = run(True), run(False)
+    for a, b in zip(with_copier, without):
+        assert all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
