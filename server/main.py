@@ -125,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="flag an update whose cosine with the other sites' mean (3 or more sites) is below this; of two "
                              "sites below it with each other, the one whose cosine with the previous round's update is below "
                              "it and the lower")  # fmt: skip
+    parser.add_argument("--update-check-min-agreement", type=float, default=checks.min_agreement,
+                        help="judge a site's direction only where the other sites agree among themselves at least this much "
+                             "(their mean pairwise cosine; with two sites, where the pair's cosine is below minus this): late "
+                             "in training honest updates are mostly noise and a cosine bound alone flags honest sites")  # fmt: skip
     parser.add_argument("--update-check-max-flagged", type=float, default=checks.max_flagged,
                         help="act (clip, exclude, quarantine) only while at most this share of a round's sites is flagged; "
                              "above it the round merges as usual and the shard logs update_check_overruled (default 0.5: "
@@ -244,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
             grace=GraceWindow(args.grace_min_s, args.grace_s) if args.grace_s > 0 else None,
             keep_rounds=args.keep_rounds,
             update_check=UpdateCheckConfig(args.update_check, args.update_check_norm_ratio, args.update_check_min_cosine,
-                                           args.update_check_quarantine_rounds, max_flagged=args.update_check_max_flagged),  # fmt: skip
+                                           args.update_check_quarantine_rounds, max_flagged=args.update_check_max_flagged,
+                                           min_agreement=args.update_check_min_agreement),  # fmt: skip
             operator_token=args.operator_token or None,
             max_weight_multiple=args.max_weight_multiple,
             aggregate=AggregateConfig(args.aggregate, args.aggregate_clip_multiple),

@@ -74,6 +74,7 @@ class UpdateCheckConfig:
     quarantine_rounds: int = 2  # flagged this many rounds in a row: left out until it passes this many in a row
     history: int = 8  # rounds of accepted norms and of payload digests kept
     max_flagged: float = 0.5  # act (exclude, clip) only while at most this share of the round's sites is flagged
+    min_agreement: float = 0.05  # judge a direction only where the others' mean pairwise cosine is at least this
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -82,6 +83,8 @@ class UpdateCheckConfig:
             raise ValueError(f"--update-check-norm-ratio must be > 1, got {self.norm_ratio}")
         if not -1 <= self.min_cosine < 1:
             raise ValueError(f"--update-check-min-cosine must be in [-1, 1), got {self.min_cosine}")
+        if not 0 <= self.min_agreement < 1:
+            raise ValueError(f"--update-check-min-agreement must be in [0, 1), got {self.min_agreement}")
         if not 0 < self.max_flagged <= 1:
             raise ValueError(f"--update-check-max-flagged must be in (0, 1], got {self.max_flagged}")
         if self.quarantine_rounds < 1 or self.history < 1:
@@ -159,18 +162,27 @@ class UpdateCheck:
         figures_of, reasons_of = [], []
         for i, cluster in enumerate(clusters):
             ratio = ratios[i]
-            cos_others = pair
-            if gw is not None and weighted_sites - int(w[i] != 0) > 0:  # others = w less site i: its own term taken back out
+            cos_others, agreement = pair, None
+            others = weighted_sites - int(w[i] != 0)
+            if gw is not None and others > 0:  # others = w less site i: its own term taken back out
                 own, g_ii, gw_i = float(w[i]), float(sq[i]), float(gw[i])
                 dot, rest = (gw_i - own * g_ii, wgw - 2 * own * gw_i + own * own * g_ii) if own else (gw_i, wgw)
                 cos_others = _cosine(dot, g_ii, rest)
+                # The others' mean pairwise cosine: ‖Σ û_j‖² = m + Σ_{j≠k} cos(û_j, û_k) over their unit vectors.
+                agreement = (rest - others) / (others * (others - 1)) if others >= 2 else None
             replayed = norms[i] > 0 and figures.contribution_digests.get(cluster) in seen
             low = lambda c: c is not None and c < cfg.min_cosine  # noqa: E731
+            # A direction is judged only where the peers' own agreement makes one meaningful: late in training
+            # honest updates are mostly noise (pairwise cosines of ±0.02), and a bound at 0 flagged and then
+            # quarantined honest sites over a 200-round run.
             if len(clusters) == 2:  # two sites that disagree: the previous update breaks the tie, never alone
                 other = cos_prev[1 - i]
-                disagrees = low(pair) and low(cos_prev[i]) and (other is None or cos_prev[i] < other)
-            else:
-                disagrees = low(cos_others)
+                clear = pair is not None and pair < min(cfg.min_cosine, -cfg.min_agreement)
+                disagrees = clear and low(cos_prev[i]) and (other is None or cos_prev[i] < other)
+            elif agreement is not None:
+                disagrees = low(cos_others) and agreement >= cfg.min_agreement
+            else:  # one other site to compare with: as a pair
+                disagrees = low(cos_others) and cos_others < -cfg.min_agreement
             outsized = ratio is not None and ratio > cfg.norm_ratio
             flagged = i in bad or outsized or disagrees or replayed  # the previous direction alone flags nothing:
             reasons = tuple(r for r, hit in (("non_finite", i in bad), ("outsized", outsized), ("disagrees", disagrees),

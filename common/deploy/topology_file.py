@@ -259,7 +259,7 @@ SHARD_POLICY = {
     "keep_rounds": int, "checkpoint_every": int, "checkpoint_keep": int, "keep_serving": bool, "push_idle_timeout_s": float,
     "push_streams_per_cluster": int, "pull_cache_mb": int, "update_check": str, "update_check_norm_ratio": float,
     "update_check_min_cosine": float, "update_check_quarantine_rounds": int,
-    "update_check_max_flagged": float, "max_weight_multiple": float,
+    "update_check_max_flagged": float, "update_check_min_agreement": float, "max_weight_multiple": float,
     "aggregate": str, "aggregate_clip_multiple": float, "health_stall_s": float, "work_threads": int,
     "checkpoint_sign_key": str, "checkpoint_sign_cert": str, "checkpoint_verify_key": str, "checkpoint_ca": str,
 }  # fmt: skip
