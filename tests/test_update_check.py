@@ -182,10 +182,12 @@ def test_honest_rounds_raise_no_flag_and_each_fault_kind_is_caught(lowrank):
         assert reason in verdicts["site2"].reasons and verdicts["site2"].excluded, (fault, verdicts["site2"])
         assert not any(verdicts[c].reasons for c in ("site0", "site1", "site3")), (fault, verdicts)
         review(check, *sites.contributions())  # a clean round between faults: no streak carries over
-    # Noise of an honest update's size points nowhere: its cosine with the others is about 0, so at the
-    # default threshold (0) it is flagged in about half its rounds (docs/decisions.md says so).
+    # Noise of an honest update's size points nowhere: its cosine with the others is about 0 — off its peers,
+    # not against them (below −0.5 × their median cosine, where a sign flip sits), so its direction is not
+    # flagged (docs/decisions.md says why: honest sites late in training look the same); the clipped mean
+    # bounds what it can do.
     noisy = [review(check, *sites.contributions({2: "noise"}))["site2"] for _ in range(8)]
-    assert all(abs(v.cosine_others) < 0.2 for v in noisy) and any("disagrees" in v.reasons for v in noisy), noisy
+    assert all(abs(v.cosine_others) < 0.2 and "disagrees" not in v.reasons for v in noisy), noisy
 
 
 def test_clip_scales_an_update_flagged_only_for_its_size_to_the_reference_norm_and_leaves_other_flags_out():
