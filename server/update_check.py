@@ -26,9 +26,10 @@ previous round's global update, from the contributions the shard keeps for repla
 
 A site is judged against its peers in the round. It is flagged when its figures are not finite (an update so
 large that its squared norm exceeds fp32's range), its norm ratio exceeds `norm_ratio`, its cosine with the
-others is below `min_cosine` (with two sites: the pair's cosine is below it, and this site's cosine with the
-previous update is below it and below the other's — the previous direction breaks a tie, never flags alone),
-or it replayed. **Never a majority**: where more than `max_flagged` of the round's sites would be acted on
+others is below `min_cosine` *and* opposes them — below −`OPPOSITION` × the median of the other sites' own
+cosines, where the others agree among themselves (mean pairwise cosine ≥ `min_agreement`; with two sites:
+the pair's cosine is below −`min_agreement`, and this site's cosine with the previous update is below
+`min_cosine` and below the other's — the previous direction breaks a tie, never flags alone), or it replayed. **Never a majority**: where more than `max_flagged` of the round's sites would be acted on
 (flagged, or quarantined), the check is wrong about the round, not the sites — nobody is left out or clipped
 (but an overflowing update, which would turn every weight to inf), no streak counts, every verdict says
 `overruled`, the shard logs one `update_check_overruled` line, and the round's norms join the history (the
