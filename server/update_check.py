@@ -37,9 +37,9 @@ new normal after a schedule change). The end-of-run flush (residuals, not an upd
 flagged `quarantine_rounds` rounds in a row it is quarantined: under `exclude` and `clip` left out of every
 round, passing or not, until it passes `quarantine_rounds` rounds in a row (its statistics are still
 computed) or an operator readmits it (`dilocox readmit`). One clean round is not enough: a faulty site that
-passes now and then — noise of an honest update's size is flagged in about half its rounds — would slip a
-faulty update into every round it happens to pass. `mode`: `off`; `warn` (log, count, merge anyway: the default);
-`exclude` (a flagged or quarantined site's contributions are left out of the round, so its version and
+passes now and then would slip a faulty update into every round it happens to pass. `mode`: `off`; `warn` (log, count, merge anyway: the default);
+`exclude` (a flagged or quarantined site's contributions are left out of the round — flagged for its
+direction alone, only once quarantined: one round's cosine is noisy late in training — so its version and
 the contributions every site replays from are made without them — the clients' replay stays bit-exact
 because what is left out is simply not forwarded); `clip` (an update whose only flag is its size is
 merged scaled down to the reference norm, c·Δ with c = reference / ‖Δ‖, at its full weight — the
@@ -218,7 +218,11 @@ class UpdateCheck:
                 scale = 1.0 / ratios[i]  # ratio > norm_ratio > 1: clipped to the reference norm
                 excluded = False
             else:
-                excluded = acting and (bool(reasons) or quarantined)
+                # A direction alone (noisy late in training: an honest site's cosine dipped to −0.1 against peers
+                # near +0.1 on a 200-round run) leaves a site out only once repeated, by quarantine; a size, a
+                # replay or an overflow at once.
+                direction_only = set(reasons) <= DIRECTION_REASONS
+                excluded = acting and ((bool(reasons) and not direction_only) or quarantined)
             verdicts.append(SiteVerdict(cluster, *figures_of[i], reasons, quarantined, excluded, scale, overruled, copies[i]))
         if judged:  # an overruled round's norms are the new normal (a learning-rate change moves every site)
             accepted = [(v.cluster, v.norm) for v in verdicts if math.isfinite(v.norm) and (overruled or not v.reasons)]
@@ -300,6 +304,7 @@ class UpdateCheck:
         return False
 
 
+DIRECTION_REASONS = frozenset({"disagrees", "against_previous"})
 OPPOSITION = 0.5  # a site is opposed when its cosine is below minus this × the median of the other sites' cosines
 
 

@@ -179,8 +179,15 @@ def test_honest_rounds_raise_no_flag_and_each_fault_kind_is_caught(lowrank):
     for fault, reason in (("scale", "outsized"), ("sign", "disagrees"), ("replay", "replayed")):
         contributions, weights = sites.contributions({2: fault}, replay=kept)
         verdicts = review(check, contributions, weights)
-        assert reason in verdicts["site2"].reasons and verdicts["site2"].excluded, (fault, verdicts["site2"])
+        # A size or a replay is left out at once; a direction alone once repeated (quarantine): one round's
+        # cosine is noisy late in training.
+        assert reason in verdicts["site2"].reasons and verdicts["site2"].excluded == (fault != "sign"), (fault, verdicts["site2"])
         assert not any(verdicts[c].reasons for c in ("site0", "site1", "site3")), (fault, verdicts)
+        if fault == "sign":
+            again = review(check, *sites.contributions({2: fault}))["site2"]
+            assert again.quarantined and again.excluded, again
+            for _ in range(2):  # passes 2 in a row: released
+                review(check, *sites.contributions())
         review(check, *sites.contributions())  # a clean round between faults: no streak carries over
     # Noise of an honest update's size points nowhere: its cosine with the others is about 0 — off its peers,
     # not against them (below −0.5 × their median cosine, where a sign flip sits), so its direction is not
@@ -311,7 +318,7 @@ def test_with_two_sites_the_pair_is_compared_and_the_previous_update_only_breaks
     scaled = review(check, sites.contributions({0: "scale"})[0], weights, current)
     assert "outsized" in scaled["site0"].reasons and not scaled["site1"].reasons
     flipped = review(check, sites.contributions({1: "sign"})[0], weights, current)
-    assert flipped["site1"].reasons == ("disagrees", "against_previous") and flipped["site1"].excluded
+    assert flipped["site1"].reasons == ("disagrees", "against_previous") and not flipped["site1"].excluded  # until repeated
     assert not flipped["site0"].reasons
     # Both sites turn together (a learning-rate or data-mix change): they agree with each other, so the
     # previous update, which both now point away from, flags neither.
@@ -355,7 +362,9 @@ def test_a_check_that_would_flag_most_of_a_round_acts_on_none_and_says_so():
     assert not check.streak or not any(check.streak.values())
     # One faulty site of four is still acted on (a quarter flagged: at most half).
     flipped = review(check, *sites.contributions({0: "scale", 1: "scale", 2: "scale", 3: "sign"}))
-    assert flipped["site3"].excluded and not flipped["site3"].overruled and "disagrees" in flipped["site3"].reasons
+    assert not flipped["site3"].overruled and "disagrees" in flipped["site3"].reasons  # acted on: a quarter flagged
+    again = review(check, *sites.contributions({3: "sign"}))["site3"]
+    assert again.excluded and again.quarantined and not again.overruled
 
 
 def test_a_site_cannot_move_its_own_reference_norm():
@@ -515,7 +524,7 @@ def test_real_shards_merge_four_honest_sites_whose_rounds_are_unrelated_as_a_pla
 def test_real_shards_weigh_an_inflated_token_claim_at_a_multiple_of_the_others_and_leave_its_negation_out(shard_set):
     """Issue 62: tokens are a claim. A site saying 1000× the others' tokens weighs 4× their median (the
     round record keeps both: said and used), its claim cannot make it "the others" for the honest sites
-    (one vote a site), and once it pushes its update negated it alone is flagged and left out."""
+    (one vote a site), and once it pushes its update negated it alone is flagged, and left out when that repeats."""
     from tests import four_sites
     from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
     from dilocox.worker.exchange.cluster import slice_tensors
@@ -542,7 +551,8 @@ def test_real_shards_weigh_an_inflated_token_claim_at_a_multiple_of_the_others_a
                 if round_ < 3:  # honest direction, inflated claim: merged at 4 × the others' median
                     assert not shard.last_round.excluded and used["site3"] == (100_000.0, 400.0), (round_, used)
                 else:
-                    assert shard.last_round.excluded == ("site3",), (round_, shard.last_round)
+                    # flagged for its direction in round 3, left out once that repeats (quarantine, round 4)
+                    assert shard.last_round.excluded == (("site3",) if round_ >= 4 else ()), (round_, shard.last_round)
                 flagged = {s["cluster"] for s in shard.status()["sites"] if s["rounds_flagged"]}
                 assert flagged == (set() if round_ < 3 else {"site3"}), (round_, flagged)
         for c in clients:
