@@ -86,8 +86,8 @@ class FaultRun:
                 continue
             rounds = self.verdicts.setdefault(shard.shard_index, {})
 
-            def recorded(figures, weights, judged=True, shard=shard, review=check.review, rounds=rounds):  # noqa: ANN001
-                verdicts = review(figures, weights, judged)
+            def recorded(figures, judged=True, shard=shard, review=check.review, rounds=rounds):  # noqa: ANN001
+                verdicts = review(figures, judged)
                 rounds[shard.open_round] = tuple(verdicts)
                 return verdicts
 

@@ -21,6 +21,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Mapping
 
+from dilocox.common.wire.peer_median import medians_of_others
+
 AGGREGATES = ("mean", "clipped-mean")
 
 
@@ -40,12 +42,15 @@ def clip_factors(norms: Mapping[str, float], multiple: float) -> dict[str, float
     """The factor (< 1) for each site whose update's norm exceeds `multiple` × the median of the other
     sites' finite norms; sites within it, and a lone site, are not listed. A non-finite norm is scaled to 0
     where others exist (nothing of it can be merged)."""
+    finite = {c: x for c, x in norms.items() if math.isfinite(x)}
+    others = medians_of_others(finite)  # a non-finite site's others: every finite one
+    everyone = statistics.median(finite.values()) if finite else None
     out = {}
     for cluster, norm in norms.items():
-        others = [x for c, x in norms.items() if c != cluster and math.isfinite(x)]
-        if not others or math.isnan(norm):
+        reference = others[cluster] if cluster in finite else everyone
+        if reference is None or math.isnan(norm):
             continue
-        bound = multiple * statistics.median(others)
+        bound = multiple * reference
         if norm > bound:
             out[cluster] = bound / norm if math.isfinite(norm) else 0.0
     return out

@@ -107,7 +107,7 @@ class RoundClosing:
         check = self.update_check
         figures = round_figures(closing.acc.contributions, closing.snapshot.contributions, check.last_flagged if check else frozenset())
         flush = closing.acc.round == flush_version_of(self.run_config_json)  # residuals, not a training round's update
-        verdicts = tuple(check.review(figures, closing.acc.used_weights(), judged=not flush)) if check else ()  # capped claims
+        verdicts = tuple(check.review(figures, judged=not flush)) if check else ()
         out = excluded(verdicts)
         if out:
             closing.acc.keep_only(set(closing.acc.cluster_weights) - out)

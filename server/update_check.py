@@ -59,6 +59,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from dilocox.common.wire.peer_median import median_without, medians_of_others
 from dilocox.server.round_figures import RoundFigures
 
 MODES = ("off", "warn", "clip", "exclude")
@@ -137,7 +138,7 @@ class UpdateCheck:
         self.quarantined: set[str] = set()
         self.last_flagged: frozenset[str] = frozenset()  # flagged in the last round reviewed: not a reference
 
-    def review(self, figures: RoundFigures, weights: Mapping[str, float], judged: bool = True) -> list[SiteVerdict]:
+    def review(self, figures: RoundFigures, judged: bool = True) -> list[SiteVerdict]:
         """The round's verdicts. `judged=False` (the end-of-run flush: residuals, not a training round's
         update): figures only — no flag, no streak, no norm into the history; a quarantine still holds."""
         cfg, clusters = self.config, figures.clusters
@@ -148,7 +149,7 @@ class UpdateCheck:
         for i in bad:
             sq[i] = 0.0
         norms = [math.inf if i in bad else max(0.0, float(sq[i])) ** 0.5 for i in range(len(clusters))]
-        ratios = [self._ratio(i, clusters, norms) for i in range(len(clusters))]
+        ratios = self._ratios(clusters, norms)
         seen = set().union(*self._digests) if self._digests else set()
         # The others' direction: each site's update as a unit vector, one vote a site (not its tokens: a claim
         # a site makes, and one claiming 1000x would otherwise *be* "the others" for every honest site),
@@ -160,20 +161,14 @@ class UpdateCheck:
         weighted_sites = int((w != 0).sum())
         pair = self._pair_cosine(figures, sq) if len(clusters) == 2 and not bad else None
         cos_prev = [self._cos_previous(figures, sq, i, bad) for i in range(len(clusters))]
-        cosines = [self._cos_others(i, w, gw, wgw, sq, weighted_sites) for i in range(len(clusters))]
+        against = [self._against_others(i, w, gw, wgw, sq, weighted_sites) for i in range(len(clusters))]
+        cosines = [cosine for cosine, _ in against]
+        low = lambda c: c is not None and c < cfg.min_cosine  # noqa: E731
         figures_of, reasons_of = [], []
         for i, cluster in enumerate(clusters):
             ratio = ratios[i]
-            cos_others, agreement = pair, None
-            others = weighted_sites - int(w[i] != 0)
-            if gw is not None and others > 0:  # others = w less site i: its own term taken back out
-                own, g_ii, gw_i = float(w[i]), float(sq[i]), float(gw[i])
-                dot, rest = (gw_i - own * g_ii, wgw - 2 * own * gw_i + own * own * g_ii) if own else (gw_i, wgw)
-                cos_others = _cosine(dot, g_ii, rest)
-                # The others' mean pairwise cosine: ‖Σ û_j‖² = m + Σ_{j≠k} cos(û_j, û_k) over their unit vectors.
-                agreement = (rest - others) / (others * (others - 1)) if others >= 2 else None
+            cos_others, agreement = against[i] if against[i][0] is not None else (pair, None)
             replayed = norms[i] > 0 and figures.contribution_digests.get(cluster) in seen
-            low = lambda c: c is not None and c < cfg.min_cosine  # noqa: E731
             # A direction is judged only where the peers' own agreement makes one meaningful: late in training
             # honest updates are mostly noise (pairwise cosines of ±0.02), and a bound at 0 flagged and then
             # quarantined honest sites over a 200-round run.
@@ -232,27 +227,38 @@ class UpdateCheck:
         self.last_flagged = frozenset(v.cluster for v in verdicts if v.reasons and not v.overruled)
         return verdicts
 
-    def _ratio(self, i: int, clusters: tuple[str, ...] | list[str], norms: list[float]) -> float | None:
-        """‖Δ_i‖ over its reference: the median of the norms accepted from the *other* sites over the last
+    def _ratios(self, clusters: tuple[str, ...] | list[str], norms: list[float]) -> list[float | None]:
+        """Each ‖Δ_i‖ over its reference: the median of the norms accepted from the *other* sites over the last
         `history` rounds (a site cannot move its own reference, e.g. by growing a little every round), or,
-        before any, the median of this round's other finite norms where two or more (three sites in all)."""
-        cluster = clusters[i]
-        others = sorted(x for accepted in self._norms for c, x in accepted if c != cluster)
-        if not others:
-            others = sorted(x for j, x in enumerate(norms) if j != i and math.isfinite(x))
-            if len(others) < 2:
-                return None
-        reference = statistics.median(others)
-        return norms[i] / reference if reference > 0 else None
+        before any, the median of this round's other finite norms where two or more (three sites in all).
+        One sort of the history for every site (common/wire/peer_median.py)."""
+        accepted = [(c, x) for round_ in self._norms for c, x in round_]
+        ordered = sorted(x for _, x in accepted)
+        own: dict[str, list[float]] = {}
+        for c, x in accepted:
+            own.setdefault(c, []).append(x)
+        finite = {j: x for j, x in enumerate(norms) if math.isfinite(x)}
+        in_round = medians_of_others(finite)
+        ratios = []
+        for i, cluster in enumerate(clusters):
+            reference = median_without(ordered, sorted(own.get(cluster, ())))
+            if reference is None:  # no other site's norm accepted yet: this round's others, two or more
+                others = len(finite) - (i in finite)
+                reference = None if others < 2 else in_round[i] if i in finite else statistics.median(finite.values())
+            ratios.append(norms[i] / reference if reference is not None and reference > 0 else None)
+        return ratios
 
     @staticmethod
-    def _cos_others(i: int, w: torch.Tensor, gw: torch.Tensor | None, wgw: float, sq: torch.Tensor, weighted_sites: int) -> float | None:
-        """cos(Δ_i, the others' unit vectors summed), three or more sites (the loop's own figure, for every site)."""
-        if gw is None or weighted_sites - int(w[i] != 0) <= 0:
-            return None
-        own, g_ii, gw_i = float(w[i]), float(sq[i]), float(gw[i])
+    def _against_others(i: int, w: torch.Tensor, gw: torch.Tensor | None, wgw: float, sq: torch.Tensor,
+                        weighted_sites: int) -> tuple[float | None, float | None]:  # fmt: skip
+        """(cos(Δ_i, the others' unit vectors summed), the others' mean pairwise cosine), three or more sites;
+        (None, None) where there is no other. ‖Σ û_j‖² = m + Σ_{j≠k} cos(û_j, û_k) gives the second."""
+        others = weighted_sites - int(w[i] != 0)
+        if gw is None or others <= 0:
+            return None, None
+        own, g_ii, gw_i = float(w[i]), float(sq[i]), float(gw[i])  # others = w less site i: its own term taken back out
         dot, rest = (gw_i - own * g_ii, wgw - 2 * own * gw_i + own * own * g_ii) if own else (gw_i, wgw)
-        return _cosine(dot, g_ii, rest)
+        return _cosine(dot, g_ii, rest), (rest - others) / (others * (others - 1)) if others >= 2 else None
 
     @staticmethod
     def _pair_cosine(figures: RoundFigures, sq: torch.Tensor) -> float | None:

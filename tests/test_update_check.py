@@ -103,7 +103,8 @@ class Round:
 
 
 def review(check: UpdateCheck, contributions: dict, weights: dict, previous: dict | None = None) -> dict:
-    return {v.cluster: v for v in check.review(round_figures(contributions, previous, check.last_flagged), weights)}
+    """`weights`: the round's tokens, as `Round.contributions` returns them — the check gives each site one vote."""
+    return {v.cluster: v for v in check.review(round_figures(contributions, previous, check.last_flagged))}
 
 
 def _pairwise(contributions: dict, previous: dict, skip: frozenset[str]) -> tuple[list[str], torch.Tensor, torch.Tensor, float]:
@@ -388,7 +389,7 @@ def test_the_end_of_run_flush_is_not_judged_by_training_rules():
     for _ in range(3):
         review(check, *sites.contributions())
     contributions, weights = sites.contributions({1: "sign"})
-    flush = {v.cluster: v for v in check.review(round_figures(contributions, None, check.last_flagged), weights, judged=False)}
+    flush = {v.cluster: v for v in check.review(round_figures(contributions, None, check.last_flagged), judged=False)}
     assert not any(v.reasons or v.excluded for v in flush.values()) and flush["site1"].cosine_others < 0
     assert not any(check.streak.values())
 
@@ -634,7 +635,7 @@ def test_a_byte_identical_copy_is_not_judged_but_counted_once():
     for key in KEYS:
         contributions[key]["site3"] = dataclasses.replace(contributions[key]["site1"], cluster="site3")
     figures = round_figures(contributions, None, check.last_flagged)
-    verdicts = {v.cluster: v for v in check.review(figures, weights)}
+    verdicts = {v.cluster: v for v in check.review(figures)}
     assert [verdicts[c].copies for c in ("site0", "site1", "site2", "site3")] == [1, 2, 1, 2]
     assert not any(v.reasons or v.excluded for v in verdicts.values()) and verdicts["site3"].record()["copies"] == 2
     counted = copied_weights(verdicts.values(), {**weights, "site3": 1000.0}, figures.contribution_digests)

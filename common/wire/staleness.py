@@ -28,8 +28,9 @@ the comparisons `dilocox bench uneven --modes stall` measures.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping
+
+from dilocox.common.wire.peer_median import medians_of_others
 
 STALE_WEIGHTINGS = ("inverse", "lenient", "full")
 DEFAULT_MAX_WEIGHT_MULTIPLE = 4.0  # a site's weight: at most this × the median of the other sites' tokens
@@ -68,8 +69,5 @@ def cap_claimed_weights(weights: Mapping[str, float], multiple: float) -> dict[s
     """Each site's weight at most `multiple` × the median of the other sites' (0: no cap; one site: as said)."""
     if multiple <= 0 or len(weights) < 2:
         return dict(weights)
-    values = list(weights.values())
-    out = {}
-    for i, (cluster, w) in enumerate(weights.items()):
-        out[cluster] = min(w, multiple * statistics.median(values[:i] + values[i + 1 :]))
-    return out
+    others = medians_of_others(weights)
+    return {cluster: min(w, multiple * others[cluster]) for cluster, w in weights.items()}
