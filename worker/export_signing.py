@@ -76,6 +76,7 @@ class Verification:
     files: list[FileDigest] = field(default_factory=list)  # as signed (provenance.json included)
     problems: list[Problem] = field(default_factory=list)
     provenance: dict = field(default_factory=dict)  # provenance.json, when intact
+    key: object = None  # the public key the signature was checked with (--key's, or the file's own), once known
 
     @property
     def ok(self) -> bool:
@@ -289,9 +290,9 @@ def verify_folder(folder: str | os.PathLike, ca: str | os.PathLike | None = None
     if not verify_signature(with_key, envelope.signature, _pae(PAYLOAD_TYPE, envelope.payload)):
         whose = f"signed by {describe_key(envelope.public_key)}, " if key is not None else ""
         return Verification(signer, against, problems=[Problem(SIGNATURE_FILE, f"the signature does not verify with {against} "
-                                                               f"({whose}or the signature or its manifest was changed)")])  # fmt: skip
+                                                               f"({whose}or the signature or its manifest was changed)")], key=with_key)  # fmt: skip
     files, provenance = _signed_files(envelope.payload)
-    result = Verification(signer, against, files, _check_files(folder, files, provenance))
+    result = Verification(signer, against, files, _check_files(folder, files, provenance), key=with_key)
     if not any(p.path == provenance for p in result.problems):
         try:
             result.provenance = json.loads((folder / provenance).read_text())

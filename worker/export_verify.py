@@ -16,9 +16,9 @@ import pathlib
 import sys
 
 from dilocox.worker.export_chain import check_section
-from dilocox.common.deploy.signing_keys import SigningError, load_public_key, to_pem
-from dilocox.worker.export_signing import (OPENSSF_SIGNATURE, PROVENANCE_FILE, SIGNATURE_FILE, Problem, listing, sha256_file,
-                                           verify_folder)  # fmt: skip
+from dilocox.common.deploy.signing_keys import SigningError, to_pem
+from dilocox.worker.export_signing import (OPENSSF_SIGNATURE, PROVENANCE_FILE, SIGNATURE_FILE, Problem, Verification, listing,
+                                           sha256_file, verify_folder)  # fmt: skip
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -57,9 +57,10 @@ def check_unsigned(folder: pathlib.Path, record: dict) -> list[Problem]:
     return problems
 
 
-def _openssf_problems(folder: pathlib.Path, args: argparse.Namespace) -> list[Problem]:
+def _openssf_problems(folder: pathlib.Path, args: argparse.Namespace, result: Verification) -> list[Problem]:
     """`model.sig` (worker/export_openssf.py), checked as `model_signing verify` would — with --cert as its CA,
-    --key, or the public key our signature file carries — where model-signing is installed; else a note."""
+    else with the key our signature was just checked with (--key's, or the file's own) — where model-signing
+    is installed; else a note."""
     from dilocox.worker import export_openssf
 
     if not (folder / OPENSSF_SIGNATURE).is_file():
@@ -69,13 +70,10 @@ def _openssf_problems(folder: pathlib.Path, args: argparse.Namespace) -> list[Pr
         return []
     if args.cert is not None:
         wrong = export_openssf.verify_openssf(folder, ca=args.cert)
+    elif result.key is None:
+        return [Problem(OPENSSF_SIGNATURE, "no public key to check it with")]
     else:
-        try:
-            pem = (to_pem(load_public_key(pathlib.Path(args.key).read_bytes(), f"--key {args.key}")).encode() if args.key is not None
-                   else json.loads((folder / SIGNATURE_FILE).read_text())["verificationMaterial"]["publicKey"].encode())  # fmt: skip
-        except (OSError, ValueError, KeyError, TypeError, SigningError) as error:
-            return [Problem(OPENSSF_SIGNATURE, f"no public key to check it with: {error}")]
-        wrong = export_openssf.verify_openssf(folder, public_key_pem=pem)
+        wrong = export_openssf.verify_openssf(folder, public_key_pem=to_pem(result.key).encode())
     return [Problem(OPENSSF_SIGNATURE, f"does not verify (OpenSSF model-signing): {wrong}")] if wrong else []
 
 
@@ -94,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"dilocox verify: {error}", file=sys.stderr)
             return 1
         problems, who = list(result.problems), result
-        problems += _openssf_problems(folder, args)
+        problems += _openssf_problems(folder, args, result)
         # The chain is checked even where provenance.json changed: its lines say which record.
         record = result.provenance or (_provenance(folder) if result.files else None) or {}
     chain = check_section(record, folder / WEIGHTS_FILE if (folder / WEIGHTS_FILE).is_file() else None) if record else None

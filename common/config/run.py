@@ -353,21 +353,23 @@ def config_flags(config: RunConfig) -> list[str]:
     return argv
 
 
+def _recorded(run_config_json: str) -> RunConfig | None:
+    """A run configuration recorded as JSON (the first cluster's, on the shards); None if unknown or unreadable."""
+    try:
+        data = json.loads(run_config_json or "{}")
+        return from_dict(data) if data else None
+    except (ValueError, TypeError):
+        return None
+
+
 def flush_version_of(run_config_json: str) -> int | None:
     """The version the end-of-run flush of the residuals makes, of a run recorded as JSON; None where the run
     has no flush or is unknown. The shards' update check does not judge it by training rounds' rules."""
-    try:
-        data = json.loads(run_config_json or "{}")
-        config = from_dict(data) if data else None
-    except (ValueError, TypeError):
-        return None
+    config = _recorded(run_config_json)
     return config.final_version if config is not None and config.final_version > config.rounds else None
 
 
 def final_version_of(run_config_json: str) -> int | None:
     """The final version of a run recorded as JSON (the first cluster's, on the shards); None if unknown."""
-    try:
-        data = json.loads(run_config_json or "{}")
-        return from_dict(data).final_version if data else None
-    except (ValueError, TypeError):
-        return None
+    config = _recorded(run_config_json)
+    return config.final_version if config is not None else None
