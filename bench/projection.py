@@ -44,12 +44,10 @@ def opt_1_3b() -> list[tuple[str, tuple[int, ...]]]:
     return specs + [("final_norm.weight", (d,)), ("final_norm.bias", (d,))]
 
 
-def dense_107b() -> list[tuple[str, tuple[int, ...]]]:
-    """A Llama-shaped stand-in of the paper's 107B model (its card is not in our references): d 8192,
-    64 heads with 8 KV heads, FFN 28672, 122 layers, vocab 152064, untied head — 106.9B parameters."""
-    d, kv, ffn, vocab = 8192, 1024, 28672, 152064
+def _llama(d: int, kv: int, ffn: int, layers: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A Llama-shaped parameter list: untied head, grouped KV, SwiGLU FFN, RMS norms."""
     specs = [("embed_tokens", (vocab, d))]
-    for i in range(122):
+    for i in range(layers):
         p = f"layers.{i}."
         specs += [(p + "q_proj", (d, d)), (p + "k_proj", (kv, d)), (p + "v_proj", (kv, d)), (p + "o_proj", (d, d))]
         specs += [(p + "gate_proj", (ffn, d)), (p + "up_proj", (ffn, d)), (p + "down_proj", (d, ffn))]
@@ -57,7 +55,19 @@ def dense_107b() -> list[tuple[str, tuple[int, ...]]]:
     return specs + [("norm", (d,)), ("lm_head", (vocab, d))]
 
 
-MODELS = {"opt-1.3b": opt_1_3b, "dense-107b": dense_107b}
+def dense_107b() -> list[tuple[str, tuple[int, ...]]]:
+    """A Llama-shaped stand-in of the paper's 107B model (its card is not in our references): d 8192,
+    64 heads with 8 KV heads, FFN 28672, 122 layers, vocab 152064, untied head — 106.9B parameters."""
+    return _llama(8192, 1024, 28672, 122, 152064)
+
+
+def llama_3_70b() -> list[tuple[str, tuple[int, ...]]]:
+    """Llama-3-70B's shapes (its published config.json): d 8192, 8 KV heads of 128, FFN 28672, 80 layers,
+    vocab 128256 — 70.6B parameters."""
+    return _llama(8192, 1024, 28672, 80, 128256)
+
+
+MODELS = {"opt-1.3b": opt_1_3b, "llama-3-70b": llama_3_70b, "dense-107b": dense_107b}
 
 
 def compressed_bytes(specs, shards: int, config: CompressionConfig = CompressionConfig()) -> int:

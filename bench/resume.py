@@ -18,10 +18,11 @@ included: a restart kept no copy), against 8 bytes per parameter in full.
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
-from dilocox.bench.projection import compressed_bytes, dense_107b
+from dilocox.bench.projection import MODELS, compressed_bytes, dense_107b
 from dilocox.bench.report import write_report
 from dilocox.common.config.run import CompressionConfig, InnerConfig, ModelConfig, RunConfig
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
@@ -38,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=2, help="shards of each run (default 2)")
     parser.add_argument("--link-gbit", type=float, default=1.0, help="the WAN link of the projection, Gbit/s (default 1)")
     parser.add_argument("--project-sites", default="2,8,20", help="sites of the 107B projection (default 2,8,20)")
+    parser.add_argument("--away-models", default="llama-3-70b,dense-107b", help="models of the a-day-away projection")
+    parser.add_argument("--away-s", type=float, default=86_400.0,
+                        help="how long a site is away in that projection (default a day: the shards' --keep-rounds-s)")
+    parser.add_argument("--round-s", type=float, default=1_000.0,
+                        help="one round's time in it (default 1,000 s: H = 100 inner steps of 10 s)")
 
 
 def _config(model: str, args: argparse.Namespace) -> RunConfig:
@@ -127,10 +133,28 @@ def projection(args: argparse.Namespace, behind: list[int]) -> list[dict]:
     return rows
 
 
+def away_projection(args: argparse.Namespace) -> list[dict]:
+    """A site back after `away_s`: the rounds it missed against the whole model, and what the shards keep on
+    disk to serve them (server/rounds_on_disk.py): every site's compressed round of the window, over all shards."""
+    rows = []
+    missed = math.ceil(args.away_s / args.round_s)
+    for name in [m.strip() for m in args.away_models.split(",") if m.strip()]:
+        specs = MODELS[name]()
+        params = sum(torch.Size(shape).numel() for _, shape in specs)
+        round_bytes, full = compressed_bytes(specs, args.shards), 8 * params
+        for sites in [int(s) for s in args.project_sites.split(",") if s.strip()]:
+            delta = missed * sites * round_bytes
+            rows.append({"model": name, "sites": sites, "away_s": args.away_s, "rounds_missed": missed,
+                         "delta_gb": round(delta / 1e9, 1), "delta_s": round(delta * 8 / (args.link_gbit * 1e9)),
+                         "full_gb": round(full / 1e9, 1), "full_s": round(full * 8 / (args.link_gbit * 1e9)),
+                         "kept_on_disk_gb": round(delta / 1e9, 1), "delta_bytes": delta, "full_bytes": full})  # fmt: skip
+    return rows
+
+
 def run(args: argparse.Namespace, out_dir) -> str:
     behind = sorted({int(k) for k in args.behind.split(",") if k.strip()})
     rows = [row for model in args.models.split(",") if model.strip() for row in measure(model.strip(), args, behind)]
-    projected = projection(args, behind)
+    projected, away = projection(args, behind), away_projection(args)
     notes = (f"Measured: {args.clusters} sites × {args.shards} shards in this process over localhost gRPC, {args.rounds} rounds of "
              f"{args.inner_steps} inner steps, the default compressor; bytes at the gRPC message layer. `replica_equal`: "
              "the resumed replica (weights and outer momentum) equals a full pull's bit for bit.\n\n"
@@ -138,9 +162,13 @@ def run(args: argparse.Namespace, out_dir) -> str:
              + _table(projected, ["sites", "behind", "delta_gb", "full_gb", "share_of_full", "delta_s", "full_s"])
              + "\n\nOne cluster's compressed round at 107B is exact (the default compressor at its highest rank); a site k "
              "rounds behind in a run of M sites replays k × M of them. Past the point where they outweigh the weights and "
-             "momentum, the shards send those instead.")  # fmt: skip
+             "momentum, the shards send those instead.\n\n"
+             f"## Projected: a site back after {args.away_s:g} s, at {args.round_s:g} s a round, over {args.link_gbit:g} Gbit/s\n\n"
+             + _table(away, ["model", "sites", "rounds_missed", "delta_gb", "delta_s", "full_gb", "full_s", "kept_on_disk_gb"])
+             + "\n\nThe shards keep every round of the window on disk (`--keep-rounds-s`, default a day; `kept_on_disk_gb`: over "
+             "all shards, every site's compressed round), so the site replays them instead of pulling the model.")  # fmt: skip
     return write_report(out_dir, "resume", "What a restart pulls: the rounds missed against the whole model", rows, COLUMNS,
-                        notes=notes, meta={"args": vars(args), "projection": projected})  # fmt: skip
+                        notes=notes, meta={"args": vars(args), "projection": projected, "away": away})  # fmt: skip
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:

@@ -25,20 +25,9 @@ from typing import Callable
 
 import structlog
 
-from dilocox.common.wire.checkpoint_format import (
-    FORMAT_VERSION,
-    checkpoint_path,
-    key_tuple,
-    load_state,
-    loaded_payload,
-    one_line,
-    save_state,
-    saved_payload,
-    slice_key,
-)
-from dilocox.common.wire.framing import EncodedSlice
+from dilocox.common.wire.checkpoint_format import FORMAT_VERSION, checkpoint_path, key_tuple, load_state, one_line, save_state, slice_key
+from dilocox.server.contribution_state import contributions_from_state, contributions_state
 from dilocox.server.provenance_chain import resume_chain
-from dilocox.server.round_state import Contribution
 from dilocox.server.shard import Shard
 from dilocox.server.shard_records import Snapshot
 
@@ -78,11 +67,7 @@ def shard_state(shard: Shard) -> dict:
             "version": snap.version,
             "tensors": {key(k): t for k, t in snap.tensors.items()},
             "momentum": {key(k): t for k, t in snap.momentum.items()},
-            "contributions": {
-                key(k): {c: (x.weight, x.slice.codec, x.slice.dtype, x.slice.shape, saved_payload(x.slice.payload), x.scale)
-                         for c, x in per.items()}  # fmt: skip
-                for k, per in snap.contributions.items()
-            },
+            "contributions": contributions_state(snap.contributions),
         },
     }
 
@@ -134,14 +119,7 @@ def restore(shard: Shard, state: dict) -> None:
         return
     tensors = {slice_key(k): t for k, t in snap["tensors"].items()}
     momentum = {slice_key(k): t for k, t in snap["momentum"].items()}
-    contributions = {
-        slice_key(k): {
-            # (weight, codec, dtype, shape, payload[, clip scale]): checkpoints from before the clip have no scale
-            c: Contribution(c, w, EncodedSlice(slice_key(k), codec, dtype, tuple(shape), loaded_payload(payload)), *rest)
-            for c, (w, codec, dtype, shape, payload, *rest) in per.items()
-        }
-        for k, per in snap["contributions"].items()
-    }
+    contributions = contributions_from_state(snap["contributions"])
     shard.snapshot = Snapshot(snap["version"], tensors, momentum, contributions)
     # Shared with the snapshot, as after any close: the next close updates them in place only when no
     # pull holds this version (a clone here cost one more copy of the momentum at every restore).

@@ -27,6 +27,7 @@ from dilocox.server.grpc_server import start_server
 from dilocox.server.health_watch import STALL_S
 from dilocox.server.pull_framing import DEFAULT_BUDGET_MB
 from dilocox.server.push_intake import PushLimits
+from dilocox.server.rounds_on_disk import DEFAULT_KEEP_ROUNDS_DISK_GB, DEFAULT_KEEP_ROUNDS_S, RoundsOnDisk
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE
 from dilocox.server.robust_mean import AGGREGATES, AggregateConfig
@@ -76,6 +77,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "versions behind (a restart from its checkpoint) pulls those rounds instead of the weights and momentum in "
         f"full; costs their compressed bytes in memory (default {DEFAULT_KEEP_ROUNDS}; 1 = the newest only)",
     )  # fmt: skip
+    parser.add_argument(
+        "--keep-rounds-s", type=float, default=DEFAULT_KEEP_ROUNDS_S,
+        help="also keep every version's contributions on disk (--keep-rounds-dir) for this long, so a site back within it "
+        "(a requeue, a reschedule, a night away) resumes by delta, not by pulling the whole model; 0 = memory only "
+        f"(--keep-rounds). Default {DEFAULT_KEEP_ROUNDS_S:g} (a day)",
+    )  # fmt: skip
+    parser.add_argument("--keep-rounds-dir", type=pathlib.Path,
+                        help="where --keep-rounds-s keeps them (default: <--checkpoint-dir>/recent-rounds; without either, "
+                             "memory only)")  # fmt: skip
+    parser.add_argument("--keep-rounds-disk-gb", type=float, default=DEFAULT_KEEP_ROUNDS_DISK_GB,
+                        help="at most this much disk for them: past it the oldest go first, and the shard says how far back it "
+                             f"then reaches (recent_rounds_budget_reached). Default {DEFAULT_KEEP_ROUNDS_DISK_GB:g} (84 MB a site "
+                             "and round at 107B)")  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="write shard-<index>.pt here (atomically)")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every k published versions (default 1)")
     parser.add_argument("--keep-serving", action="store_true",
@@ -225,6 +239,22 @@ def _save_final_version(shard, checkpointer, signalled: list[int], checkpoint_di
     return True
 
 
+def _keep_rounds_on_disk(shard, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """Keep every version's contributions on disk for --keep-rounds-s (server/rounds_on_disk.py), where
+    there is a folder for them."""
+    folder = args.keep_rounds_dir or (args.checkpoint_dir / "recent-rounds" if args.checkpoint_dir else None)
+    if args.keep_rounds_s <= 0 or folder is None:
+        log.info("recent_rounds_in_memory_only", shard=args.shard_index, keep_rounds=args.keep_rounds,
+                 why="--keep-rounds-s 0" if args.keep_rounds_s <= 0 else "no --checkpoint-dir or --keep-rounds-dir",
+                 effect=f"a site more than {args.keep_rounds} versions behind pulls the whole model")  # fmt: skip
+        return
+    try:
+        disk = RoundsOnDisk(folder, args.shard_index, args.run_id, args.keep_rounds_s, int(args.keep_rounds_disk_gb * 1e9))
+        shard.recent.keep_on_disk(disk, shard.snapshot, resumed=bool(args.resume))
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"dilocox server: --keep-rounds-dir {folder}: {error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     keep_freed_heap()  # a message's buffers reused, not faulted in afresh (common/heap.py)
@@ -301,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise SystemExit(f"dilocox server: {error}") from None
         shard.on_publish = checkpointer
+    _keep_rounds_on_disk(shard, args)
     metrics_server = None
     if args.metrics_port:
         from dilocox.server.metrics import ShardMetrics
@@ -341,6 +372,7 @@ def run(args: argparse.Namespace) -> int:
     if signalled:
         log.info("shard_stopping", shard=args.shard_index, signal=signal.Signals(signalled[0]).name)
     server.stop(grace=2.0).wait()
+    shard.recent.close()
     if metrics_server is not None:
         metrics_server.close()
     if saved is None:

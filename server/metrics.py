@@ -13,6 +13,8 @@ Names start with `dilocox_`; docs/deploy.md lists the ones worth alerting on.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -50,6 +52,14 @@ class _ShardStateCollector(Collector):
                                   "(their clusters deliver them the next round)", value=self.shard.dropped_bytes)  # fmt: skip
         yield GaugeMetricFamily("dilocox_kept_round_bytes", "Payload bytes of the newest versions' contributions kept "
                                 "for sites that come back behind (--keep-rounds)", value=self.shard.recent.bytes_kept(self.shard.snapshot))  # fmt: skip
+        if (disk := self.shard.recent.disk) is not None:
+            yield GaugeMetricFamily("dilocox_kept_rounds_disk_bytes", "Bytes of the versions' contributions kept on disk for sites "
+                                    "back within --keep-rounds-s", value=disk.bytes_on_disk())  # fmt: skip
+            yield GaugeMetricFamily("dilocox_kept_rounds_disk_budget_bytes", "The disk they may use (--keep-rounds-disk-gb)",
+                                    value=disk.budget_bytes)  # fmt: skip
+            oldest = disk.oldest_saved_at()
+            yield GaugeMetricFamily("dilocox_kept_rounds_reach_seconds", "How long ago the oldest version kept on disk was "
+                                    "published: a site away longer pulls the whole model", value=0 if oldest is None else time.time() - oldest)  # fmt: skip
         yield CounterMetricFamily("dilocox_update_check_overruled", "Rounds the update check flagged more sites of than "
                                   "--update-check-max-flagged allows: merged as usual, nobody left out", value=self.shard.rounds_overruled)  # fmt: skip
         yield CounterMetricFamily("dilocox_checkpoint_failures", "Shard checkpoint saves that failed (disk full, I/O error, "

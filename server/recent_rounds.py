@@ -6,7 +6,9 @@ over the WAN, 856 GB at 107B — it needs only the rounds since, compressed as t
 newest version's contributions are in its `Snapshot` already (the steady-state downlink forwards them);
 this keeps those of the `keep_rounds - 1` versions before it, without gaps, so a site up to
 `keep_rounds` versions behind replays. They cost their compressed bytes (`bytes_kept`, a metric): per
-version, the sum over clusters of their pushes to this shard.
+version, the sum over clusters of their pushes to this shard. With a disk (`keep_on_disk`:
+server/rounds_on_disk.py) every published version's contributions are also kept there for a day by
+default, and a version no longer in memory is read back from it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from dilocox.server.contribution_state import Contributions
+from dilocox.server.rounds_on_disk import RoundsOnDisk
 from dilocox.server.shard_records import Snapshot
-
-Contributions = dict  # SliceKey -> {cluster: Contribution}, as a round's accumulator holds them
 
 
 class RecentRounds:
@@ -26,6 +28,20 @@ class RecentRounds:
         self.keep_rounds = keep_rounds
         self._older: deque[tuple[int, Contributions]] = deque(maxlen=keep_rounds - 1)  # oldest first
         self._lock = threading.Lock()
+        self.disk: RoundsOnDisk | None = None
+
+    def keep_on_disk(self, disk: RoundsOnDisk, newest: Snapshot | None, resumed: bool) -> None:
+        """Keep every version from now on on `disk` as well; it keeps what it holds up to `newest` when the
+        shard `resumed` from a checkpoint at it (the same run), else nothing. `newest`'s own contributions go
+        to disk too (a restore holds them in its snapshot)."""
+        disk.open(newest.version if resumed and newest is not None else None)
+        self.disk = disk
+        if newest is not None and newest.version not in disk.versions():
+            disk.put(newest.version, newest.contributions)
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
 
     def published(self, previous: Snapshot | None, snapshot: Snapshot) -> None:
         """`snapshot` replaces `previous` as the newest version: keep the previous one's contributions when
@@ -35,6 +51,8 @@ class RecentRounds:
                 self._older.append((previous.version, previous.contributions))
             else:
                 self._older.clear()
+        if self.disk is not None:
+            self.disk.put(snapshot.version, snapshot.contributions)
 
     def since(self, have: int, snapshot: Snapshot) -> list[tuple[int, Contributions]] | None:
         """(version, contributions) of every version after `have` up to `snapshot`'s, oldest first; None
@@ -45,8 +63,14 @@ class RecentRounds:
             kept = dict(self._older)
         kept[snapshot.version] = snapshot.contributions
         wanted = range(have + 1, snapshot.version + 1)
-        if any(version not in kept for version in wanted):
+        missing = [version for version in wanted if version not in kept]
+        if missing and (self.disk is None or not set(missing) <= self.disk.versions()):
             return None
+        for version in missing:  # older than memory holds: read back from the disk
+            contributions = self.disk.get(version)
+            if contributions is None:
+                return None
+            kept[version] = contributions
         return [(version, kept[version]) for version in wanted]
 
     def bytes_kept(self, newest: Snapshot | None) -> int:

@@ -256,7 +256,7 @@ SHARD_KEYS = ("count", "launcher", "cluster", "port", "addresses", "expose", "po
 # holds each against the server's parser). What the file sets elsewhere is not here, nor is a secret.
 SHARD_POLICY = {
     "outer_lr": float, "outer_momentum": float, "expect_clusters": int, "grace_s": float, "grace_min_s": float,
-    "keep_rounds": int, "checkpoint_every": int, "checkpoint_keep": int, "keep_serving": bool, "push_idle_timeout_s": float,
+    "keep_rounds": int, "keep_rounds_s": float, "keep_rounds_disk_gb": float, "checkpoint_every": int, "checkpoint_keep": int, "keep_serving": bool, "push_idle_timeout_s": float,
     "push_streams_per_cluster": int, "pull_cache_mb": int, "update_check": str, "update_check_norm_ratio": float,
     "update_check_min_cosine": float, "update_check_quarantine_rounds": int,
     "update_check_max_flagged": float, "update_check_min_agreement": float, "max_weight_multiple": float,
@@ -268,6 +268,7 @@ CHOICES = {"update_check": UPDATE_CHECKS, "aggregate": ("mean", "clipped-mean")}
 POLICY_ELSEWHERE = {  # a shard flag the file sets another way, and where
     "min_clusters": "min_clusters (top level)", "round_deadline_s": "round_deadline_s (top level)", "run_id": "run_id",
     "num_shards": "shards.count", "port": "shards.port", "checkpoint_dir": "shards.checkpoint_dir / state_dir",
+    "keep_rounds_dir": "shards.checkpoint_dir / state_dir (kept in its recent-rounds folder)",
     "operator_token": "the shards' environment, DILOCOX_OPERATOR_TOKEN (a secret: not in a file several organisations read)",
     "token": "shards.token_file / token_secret (a secret)",
 }

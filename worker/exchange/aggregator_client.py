@@ -447,7 +447,7 @@ class AggregatorClient:
                     self.replay_check.verify(shard, self.held_versions[shard], own_keys, self.held, self.outer.buffers, digest)
 
             have = self.held_versions.get(shard, -1)
-            why_full = "no replica held" if have < 0 else "the shard no longer keeps every round since (its --keep-rounds)"
+            why_full = "no replica held" if have < 0 else "the shard no longer keeps every round since (its --keep-rounds in memory, --keep-rounds-s on disk)"
             try:
                 attempt(have)
             except ReplayMismatch:
