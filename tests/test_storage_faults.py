@@ -70,7 +70,10 @@ def _metric(port: int, name: str) -> float:
 def test_a_full_checkpoint_disk_never_fails_a_round_and_a_restart_resumes_from_the_newest_intact(tmp_path):
     with small_filesystem(tmp_path / "ckpt", 8) as folder:
         port, metrics_port, log = free_port(), free_port(), tmp_path / "shard.log"
-        cmd = _shard_cmd(port, folder, "--checkpoint-keep", "2", "--metrics-port", str(metrics_port))
+        # The rounds kept for returning sites go elsewhere: this is the checkpoints' disk filling up (on a shared
+        # disk the rounds' writer, refused first, deletes what it kept and so frees room: tests/test_rounds_on_disk.py).
+        cmd = _shard_cmd(port, folder, "--checkpoint-keep", "2", "--metrics-port", str(metrics_port),
+                         "--keep-rounds-dir", str(tmp_path / "rounds"))  # fmt: skip
         with open(log, "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
         try:
