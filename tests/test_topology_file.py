@@ -68,6 +68,9 @@ cluster = "{k8s_cluster}"
 nodes = 2
 gpus_per_node = 8
 data = "/data/tokens"
+data_claim = "gke-tokens"
+inner_round_time_s = 120
+stop_timeout_s = 900
 worker_flags = ["--eval-batches", "3"]
 namespace = "research"
 image = "eu.gcr.io/lab/dilocox:cuda"
@@ -184,6 +187,54 @@ def test_every_kubernetes_object_validates_strictly_on_1_28_1_30_and_latest(file
             kubernetes_validate.validate(obj, version, strict=True)
 
 
+def test_a_sites_data_volume_time_box_and_stop_timeout_reach_its_launcher(files):
+    """Issue 65: nothing hand-edited after rendering — a Kubernetes site's data claim mounted read-only where its
+    --data points, its time box on its worker, its stop timeout as torchrun's wait and the pod's grace (30 s more);
+    a Slurm site without them keeps the defaults."""
+    job = _job(_docs(files["gke/site-gke.yaml"]))
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = _parses(container["command"])
+    assert str(args.data) == "/data/tokens" and args.inner__round_time_s == 120 and args.stop_timeout_s == 900
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "gke-tokens", "readOnly": True}} in pod["volumes"]
+    assert {"name": "data", "mountPath": "/data", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "900"} in container["env"]
+    assert pod["terminationGracePeriodSeconds"] == 930
+    script = files["hpc/site-hpc.sbatch"]
+    argv, _ = _slurm_worker(script)
+    assert "--inner-round-time-s" not in argv and "--stop-timeout-s" not in argv
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}" in script
+    # Per site: the Slurm and bare-metal sites' own time boxes and stop timeouts reach their scripts too.
+    text = topology_text().replace('cpus_per_rank = 1', 'cpus_per_rank = 1\ninner_round_time_s = 90.5\nstop_timeout_s = 600', 1)
+    text = text.replace('checkpoint_dir = "/nfs/lab"', 'checkpoint_dir = "/nfs/lab"\nstop_timeout_s = 450', 1)
+    others = render(parse(text))
+    script = others["hpc/site-hpc.sbatch"]
+    args = _parses(_slurm_worker(script)[0])
+    assert args.inner__round_time_s == 90.5 and args.stop_timeout_s == 600
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}" in script
+    lab = others["lab/site-lab-gpu1.lab.example.edu.sh"]
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-450}" in lab and _parses(shlex.split(lab.splitlines()[-1].removeprefix("exec "))).stop_timeout_s == 450
+
+
+def test_a_kubernetes_sites_data_on_any_volume_and_checkpoints_on_an_existing_claim_validate():
+    text = topology_text().replace('data_claim = "gke-tokens"',
+                                   'data_volume = { nfs = { server = "nfs.example.org", path = "/exports/tokens", readOnly = true } }\n'
+                                   'data_mount = "/mnt/corpus"\ncheckpoint_claim = "gke-site-ckpt"', 1).replace(
+                                   'data = "/data/tokens"', 'data = "/mnt/corpus/tokens"', 1)  # fmt: skip
+    objects = _docs(render(parse(text))["gke/site-gke.yaml"])
+    assert not any(o["kind"] == "PersistentVolumeClaim" for o in objects)  # the operator's own claim, none rendered
+    pod = _job(objects)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert {"name": "data", "nfs": {"server": "nfs.example.org", "path": "/exports/tokens", "readOnly": True}} in pod["volumes"]
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "gke-site-ckpt"}} in pod["volumes"]
+    assert {"name": "data", "mountPath": "/mnt/corpus", "readOnly": True} in container["volumeMounts"]
+    args = _parses(container["command"])
+    assert str(args.data) == "/mnt/corpus/tokens" and args.resume_if_present and str(args.checkpoint_dir) == "/var/lib/dilocox/site"
+    for obj in objects:
+        for version in VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
 def test_a_kubernetes_site_in_the_shards_cluster_dials_their_in_cluster_names():
     files = render(parse(topology_text(k8s_cluster="cloud")))
     assert "cloud/site-gke.yaml" in files
@@ -217,6 +268,19 @@ def test_the_certificate_names_every_address_a_site_dials(tmp_path):
 
 
 BAD = {
+    # Issue 65: a site's volumes, time box and stop timeout, checked by key.
+    "data outside the data volume": (('data = "/data/tokens"', 'data = "/scratch/tokens"'), r"sites\.gke\.data: '/scratch/tokens' is not inside data_mount '/data'"),
+    "no data path with a data volume": (('data = "/data/tokens"\n', ''), r"sites\.gke\.data: missing: the path of the site's data inside data_mount"),
+    "a claim name Kubernetes refuses": (('data_claim = "gke-tokens"', 'data_claim = "GKE_tokens"'), r"sites\.gke\.data_claim: 'GKE_tokens' is not a PersistentVolumeClaim name"),
+    "a claim and a volume": (('data_claim = "gke-tokens"', 'data_claim = "gke-tokens"\ndata_volume = { nfs = { server = "nfs", path = "/x" } }'),
+                             r"sites\.gke\.data_volume: give data_claim or data_volume, not both"),
+    "a data volume of two sources": (('data_claim = "gke-tokens"', 'data_volume = { nfs = { server = "nfs", path = "/x" }, hostPath = { path = "/y" } }'),
+                                     r"sites\.gke\.data_volume: one volume source"),
+    "a data volume for the shards": (('memory = "16Gi"\n', 'memory = "16Gi"\ndata_claim = "tokens"\n'), r"shards\.data_claim: only for a Kubernetes site"),
+    "a negative time box": (("inner_round_time_s = 120", "inner_round_time_s = -1"), r"sites\.gke\.inner_round_time_s: must be ≥ 0"),
+    "a stop timeout within the stop grace": (("stop_timeout_s = 900", "stop_timeout_s = 20"), r"sites\.gke\.stop_timeout_s: 20 s would kill the ranks"),
+    "a time box given twice": (('worker_flags = ["--eval-batches", "3"]', 'worker_flags = ["--inner-round-time-s", "60"]'),
+                               r"sites\.gke\.worker_flags: --inner-round-time-s is set by sites\.gke\.inner_round_time_s; give it once"),
     "unknown key, closest named": (("partition = \"debug\"", "partiton = \"debug\""), r"sites\.hpc\.partiton: unknown key; did you mean 'sites\.hpc\.partition'"),
     "a setting of another launcher": (("hosts = [\"gpu1", "partition = \"x\"\nhosts = [\"gpu1"), r"sites\.lab\.partition: unknown key"),
     "wrong type": (("nodes = 2\ngpus_per_node = 8", "nodes = \"2\"\ngpus_per_node = 8"), r"sites\.gke\.nodes: expected int, got str"),

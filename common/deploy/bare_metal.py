@@ -35,10 +35,10 @@ def transport(settings: BareMetalSettings, tls: bool, role: str) -> list[str]:
     return list(tls_flags(settings.tls_dir, role)) if tls else ["--insecure"]
 
 
-def script(what: str, settings: BareMetalSettings, argv: list[str]) -> str:
+def script(what: str, settings: BareMetalSettings, argv: list[str], stop_timeout_s: int = STOP_TIMEOUT_S) -> str:
     lines = ["#!/bin/bash", f"# {what}", "# Rendered by `dilocox deploy topology`; rerunning it resumes from the checkpoint folder.",
              "set -euo pipefail", *settings.setup,
-             f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{STOP_TIMEOUT_S}}}"]  # a stopping site's ranks: not torchrun's 30 s
+             f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{stop_timeout_s}}}"]  # a stopping site's ranks: not torchrun's 30 s
     if settings.token_file:
         lines.append(f'export DILOCOX_TOKEN="$(cat {shlex.quote(settings.token_file)})"')
     return "\n".join([*lines, "exec " + shlex.join(argv)]) + "\n"
@@ -60,7 +60,8 @@ def shard_scripts(topology: Topology, settings: BareMetalSettings, port: int, tl
     return files
 
 
-def site_scripts(topology: Topology, index: int, settings: BareMetalSettings, servers: tuple[str, ...], tls: bool) -> dict[str, str]:
+def site_scripts(topology: Topology, index: int, settings: BareMetalSettings, servers: tuple[str, ...], tls: bool,
+                 stop_timeout_s: int = STOP_TIMEOUT_S) -> dict[str, str]:  # fmt: skip
     """`site-<name>-<host>.sh` → its script, one per host of site `index`."""
     site = topology.sites[index]
     placement = FixedPlacement(servers=servers, metrics_port_base=settings.metrics_port)
@@ -74,5 +75,5 @@ def site_scripts(topology: Topology, index: int, settings: BareMetalSettings, se
             argv = ["torchrun", "--nnodes", str(len(hosts)), "--node-rank", str(rank), "--nproc-per-node", str(site.ranks // len(hosts)),
                     "--master-addr", hosts[0], "--master-port", str(settings.rdzv_port + index), "-m", "dilocox.common.cli", *worker[1:]]  # fmt: skip
         what = f"site {site.name} of run {topology.run_id!r}, node {rank} of {len(hosts)}, on {host}"
-        files[f"site-{site.name}-{file_name(host)}.sh"] = script(what, settings, argv)
+        files[f"site-{site.name}-{file_name(host)}.sh"] = script(what, settings, argv, stop_timeout_s)
     return files

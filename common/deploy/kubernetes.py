@@ -75,6 +75,11 @@ class Options:
     storage_class: str | None = None
     site_checkpoint_storage: str = "20Gi"  # '': no site checkpoints (a rerun site starts its local state over)
     site_storage_class: str | None = None
+    site_checkpoint_claim: str = ""  # an existing claim for the site's checkpoints: none is rendered
+    data_claim: str = ""  # an existing claim holding the site's data, mounted read-only at data_mount
+    data_volume: dict = dataclasses.field(default_factory=dict)  # or any volume source ({"nfs": {...}}), the same way
+    data_mount: str = "/data"
+    site_stop_timeout_s: int = STOP_TIMEOUT_S  # torchrun's wait for stopping ranks; the pod's grace is 30 s more
     shard_cpu: str = "2"
     shard_memory: str = "8Gi"
     site_cpu: str = "8"
@@ -280,7 +285,7 @@ def site_command(topology: Topology, index: int, options: Options, names: Names,
     """The worker's argv from the topology; across pods, under a torchrun whose node rank is the pod's index."""
     site = topology.sites[index]
     worker = site_commands(topology, index, placement, security=CLIENT_TLS if options.tls_secret else INSECURE)[-1]
-    if options.site_checkpoint_storage:
+    if options.site_checkpoint_storage or options.site_checkpoint_claim:
         worker += ["--checkpoint-dir", SITE_CHECKPOINT_DIR, "--resume-if-present"]
     pods, per_pod = pods_of(site, options)
     if pods == 1:
@@ -299,7 +304,7 @@ def site_objects(topology: Topology, index: int, options: Options, names: Names,
     rank = {"NODE_RANK": "metadata.annotations['batch.kubernetes.io/job-completion-index']"} if pods > 1 else {}
     container = {
         "name": "worker", "image": options.image, "imagePullPolicy": "IfNotPresent",
-        "env": [*_env(options, **rank), {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(STOP_TIMEOUT_S)}],
+        "env": [*_env(options, **rank), {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(options.site_stop_timeout_s)}],
         "command": site_command(topology, index, options, names, placement),
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}, {"name": "rdzv", "containerPort": RDZV_PORT}],
         "resources": _resources(options.site_cpu, options.site_memory, options.gpus_per_rank * per_pod),
@@ -307,11 +312,17 @@ def site_objects(topology: Topology, index: int, options: Options, names: Names,
     }  # fmt: skip
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *tls_volumes]
     claim = _site_claim(name, names, labels, options, pods)
-    if claim is not None:
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}})
+    checkpoint_claim = options.site_checkpoint_claim or (claim["metadata"]["name"] if claim is not None else "")
+    if checkpoint_claim:
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_claim}})
         container["volumeMounts"].append({"name": "checkpoints", "mountPath": SITE_CHECKPOINT_DIR})
+    if options.data_claim or options.data_volume:  # the site's data, read-only: every rank reads, none writes
+        source = {"persistentVolumeClaim": {"claimName": options.data_claim, "readOnly": True}} if options.data_claim else options.data_volume
+        volumes.append({"name": "data", **source})
+        container["volumeMounts"].append({"name": "data", "mountPath": options.data_mount, "readOnly": True})
     # A stopping site is given what it needs (common/config/waits.py): torchrun's wait, and 30 s more to exit.
-    pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": STOP_TIMEOUT_S + 30, "containers": [container], "volumes": volumes,
+    pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": options.site_stop_timeout_s + 30, "containers": [container],
+           "volumes": volumes,
            **scheduling(options)}  # fmt: skip
     pod |= {"subdomain": name} if pods > 1 else {}
     final = {"containerName": "worker", "operator": "In", "values": [FINAL_EXIT_CODE]}
@@ -336,7 +347,7 @@ def site_objects(topology: Topology, index: int, options: Options, names: Names,
 def _site_claim(name: str, names: Names, labels: dict, options: Options, pods: int) -> dict | None:
     """The site's checkpoint volume: every rank writes its share of a round into one folder, so the pods
     of a site across nodes share it (ReadWriteMany)."""
-    if not options.site_checkpoint_storage:
+    if not options.site_checkpoint_storage or options.site_checkpoint_claim:
         return None
     spec = {"accessModes": ["ReadWriteOnce" if pods == 1 else "ReadWriteMany"],
             "resources": {"requests": {"storage": options.site_checkpoint_storage}}}  # fmt: skip

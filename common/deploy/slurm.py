@@ -49,6 +49,7 @@ class SlurmOptions:
     tls_dir: str = ""  # empty: --insecure
     token_file: str = ""
     setup: tuple[str, ...] = ()  # shell lines run first (e.g. activate a virtual environment)
+    stop_timeout_s: int = STOP_TIMEOUT_S  # torchrun's wait for a stopping site's ranks (common/config/waits.py)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SlurmOptions:
@@ -123,7 +124,7 @@ def _prologue(topology: Topology, options: SlurmOptions) -> list[str]:
     lines = ["set -euo pipefail", *options.setup, f'STATE="${{DILOCOX_STATE_DIR:-{default_state}}}"', "export STATE",
              # torchrun's wait for stopping ranks before it kills them (common/config/waits.py); Slurm's own
              # SIGKILL comes KillWait after its SIGTERM: ask for as long where a site stops by scancel
-             f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{STOP_TIMEOUT_S}}}"]  # fmt: skip
+             f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{options.stop_timeout_s}}}"]  # fmt: skip
     if options.token_file:
         lines.append(f"export DILOCOX_TOKEN=\"$(cat {shlex.quote(options.token_file)})\"")
     return lines

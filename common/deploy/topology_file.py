@@ -19,29 +19,21 @@ import dataclasses
 import difflib
 import pathlib
 import re
-import shlex
 import tomllib
 import typing
 from dataclasses import dataclass, field
 
+from dilocox.common.config.waits import STOP_TIMEOUT_S
 from dilocox.common.deploy.topology import SHARD_PORT
+from dilocox.common.deploy.topology_values import (
+    ADDRESS, TopologyFileError, build_from, check_host, check_name, check_port, choice, parse_flags, positive,
+    shown, take_keys, typed_value,
+)  # fmt: skip
 
 LAUNCHERS = ("slurm", "kubernetes", "bare-metal")
 SHARD_LAUNCHERS = (*LAUNCHERS, "external")
 EXPOSE = ("LoadBalancer", "NodePort")
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # site and cluster names become file, folder and object names
-ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})$")
-HOST = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|[0-9a-fA-F:.]*:[0-9a-fA-F:.]*)$")  # a name, IPv4 or IPv6
-# Every value reaches a rendered file: a control character (a newline above all) would become a line of a
-# script or a manifest, a very long one is a mistake (and shlex is quadratic on one long token).
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-MAX_TEXT = 4096  # characters of one string value
-MAX_FLAGS = 16384  # characters of a worker_flags value
-MAX_ITEMS = 1024  # items of a list, entries of a table
 
-
-class TopologyFileError(ValueError):
-    """A topology file that cannot be rendered; the message names the key (e.g. `sites.hpc.nodes`)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +67,12 @@ class KubernetesSettings:
     tls_secret: str = "dilocox-tls"
     token_secret: str = "dilocox-token"
     backoff_limit: int = 4
+    # Sites only: the data (an existing claim, or any volume source as a table, e.g. {nfs = {...}}), mounted
+    # read-only at data_mount, and an existing claim for the checkpoints instead of a rendered one.
+    data_claim: str = ""
+    data_volume: dict = field(default_factory=dict)
+    data_mount: str = "/data"
+    checkpoint_claim: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,6 +103,8 @@ class SiteSpec:
     dp: int
     data: str = ""  # the worker's --data at this site
     worker_flags: tuple[str, ...] = ()
+    inner_round_time_s: float = 0.0  # the site's time box (--inner-round-time-s); 0: H steps a round
+    stop_timeout_s: int = STOP_TIMEOUT_S  # torchrun's wait for stopping ranks; a Kubernetes pod's grace is 30 s more
     settings: Settings = field(default_factory=SlurmSettings)
 
     @property
@@ -149,108 +149,10 @@ class TopologyFile:
 
 
 # --------------------------------------------------------------------------- parsing
-def _take(table: dict, where: str, allowed: typing.Iterable[str]) -> None:
-    """Refuse keys outside `allowed`, naming the closest valid one."""
-    allowed = sorted(allowed)
-    for key in table:
-        if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
-            hint = f"; did you mean {'.'.join(filter(None, [where, close[0]]))!r}?" if close else ""
-            raise TopologyFileError(f"{_key(where, key)}: unknown key{hint} (valid here: {', '.join(allowed)})")
-
-
-def _key(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
-
-
-def _typed(value: object, hint: object, key: str) -> object:
-    """`value` checked against a field's annotation (str, int, float, bool, tuple[...], dict[str, str])."""
-    origin = typing.get_origin(hint)
-    if isinstance(value, (list, dict)) and len(value) > MAX_ITEMS:
-        raise TopologyFileError(f"{key}: {len(value)} items, more than the {MAX_ITEMS} a list or table may have")
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise TopologyFileError(f"{key}: expected a list, got {type(value).__name__} {_shown(value)}")
-        return tuple(_typed(item, typing.get_args(hint)[0], f"{key}[{i}]") for i, item in enumerate(value))
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise TopologyFileError(f"{key}: expected a table, got {type(value).__name__} {_shown(value)}")
-        for k, v in value.items():
-            _text(k, f"{key}.{k}")
-            if origin is dict:
-                _typed(v, typing.get_args(hint)[1], f"{key}.{k}")
-            elif isinstance(v, str):
-                _text(v, f"{key}.{k}")
-        return dict(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise TopologyFileError(f"{key}: expected {hint.__name__}, got {type(value).__name__} {_shown(value)}")
-    if isinstance(value, str):
-        _text(value, key)
-    return value
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}… ({len(text)} characters)"
-
-
-def _text(value: str, key: str, limit: int = MAX_TEXT) -> str:
-    """A string value that may reach a rendered file: no control character, a sane length."""
-    if len(value) > limit:
-        raise TopologyFileError(f"{key}: {len(value)} characters, more than the {limit} a value may have")
-    if CONTROL.search(value):
-        raise TopologyFileError(f"{key}: {_shown(value)} holds a control character (a newline would become a line of a "
-                                "rendered script or manifest)")  # fmt: skip
-    return value
-
-
-def _host(value: str, key: str) -> str:
-    if len(value) > 253 or not HOST.match(value):
-        raise TopologyFileError(f"{key}: {_shown(value)} is not a host name or IP address")
-    return value
-
-
-def _port(value: int, key: str, span: int = 1) -> int:
-    """A TCP port, or the first of `span` consecutive ones."""
-    if not 1 <= value <= 65536 - span:
-        raise TopologyFileError(f"{key}: {value} is not a port" + (f" with {span - 1} more after it" if span > 1 else "") + " (1-65535)")
-    return value
-
-
-def _build(cls: type, table: dict, where: str, **fixed: object) -> object:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name not in fixed]
-    _take(table, where, names)
-    values = {name: _typed(table[name], hints[name], _key(where, name)) for name in names if name in table}
-    return cls(**values, **fixed)
-
-
-def _flags(text: object, key: str) -> tuple[str, ...]:
-    if isinstance(text, list):
-        return typing.cast(tuple, _typed(text, tuple[str, ...], key))
-    if not isinstance(text, str):
-        raise TopologyFileError(f"{key}: expected str, got {type(text).__name__} {_shown(text)}")
-    try:  # bounded before shlex, which is quadratic on one long token
-        return tuple(shlex.split(_text(text, key, MAX_FLAGS)))
-    except ValueError as error:
-        raise TopologyFileError(f"{key}: {error}") from None
-
-
-def _positive(value: int, key: str, least: int = 1) -> int:
-    if value < least:
-        raise TopologyFileError(f"{key}: must be ≥ {least}, got {value}")
-    return value
-
-
-def _choice(value: object, choices: tuple[str, ...], key: str) -> str:
-    if value not in choices:
-        raise TopologyFileError(f"{key}: {value!r} is not one of {', '.join(choices)}")
-    return typing.cast(str, value)
-
-
-SITE_KEYS = ("launcher", "cluster", "nodes", "gpus_per_node", "layout", "data", "worker_flags")
+SITE_KEYS = ("launcher", "cluster", "nodes", "gpus_per_node", "layout", "data", "worker_flags", "inner_round_time_s", "stop_timeout_s")
+SITE_FLAGS = {"inner_round_time_s": "--inner-round-time-s", "stop_timeout_s": "--stop-timeout-s", "data": "--data"}  # keys that are worker flags
+KUBERNETES_SITE_ONLY = ("data_claim", "data_volume", "data_mount", "checkpoint_claim")
+STOP_GRACE_S = 30  # the worker's default --stop-grace-s: a stop timeout must leave the ranks more than it
 SHARD_KEYS = ("count", "launcher", "cluster", "port", "addresses", "expose", "policy")
 # [shards.policy]: the shards' own settings, by their `dilocox server` flag names, typed (tests/test_topology_file.py
 # holds each against the server's parser). What the file sets elsewhere is not here, nor is a secret.
@@ -277,7 +179,7 @@ POLICY_ELSEWHERE = {  # a shard flag the file sets another way, and where
 def _policy(table: object) -> tuple[str, ...]:
     """[shards.policy] → `dilocox server` flags, each key a flag name, typed and checked."""
     if not isinstance(table, dict):
-        raise TopologyFileError(f"shards.policy: expected a table, got {_shown(table)}")
+        raise TopologyFileError(f"shards.policy: expected a table, got {shown(table)}")
     flags: list[str] = []
     for key, value in table.items():
         where = f"shards.policy.{key}"
@@ -287,9 +189,9 @@ def _policy(table: object) -> tuple[str, ...]:
             close = difflib.get_close_matches(key, list(SHARD_POLICY), n=1, cutoff=0.5)
             hint = f"; did you mean 'shards.policy.{close[0]}'?" if close else ""
             raise TopologyFileError(f"{where}: not a shard setting{hint} (valid: {', '.join(sorted(SHARD_POLICY))})")
-        value = _typed(value, SHARD_POLICY[key], where)
+        value = typed_value(value, SHARD_POLICY[key], where)
         if key in CHOICES:
-            _choice(value, CHOICES[key], where)
+            choice(value, CHOICES[key], where)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
             raise TopologyFileError(f"{where}: must be ≥ 0, got {value}")
         flag = "--" + key.replace("_", "-")
@@ -297,32 +199,26 @@ def _policy(table: object) -> tuple[str, ...]:
     return tuple(flags)
 
 
-def _name(value: object, key: str) -> str:
-    if not isinstance(value, str) or not NAME.match(value):
-        raise TopologyFileError(f"{key}: {value!r}: use letters, digits, '.', '_' and '-' (it names files and objects)")
-    return value
-
-
 def _site(name: str, table: object) -> SiteSpec:
     where = f"sites.{name}"
-    _name(name, where)
+    check_name(name, where)
     if not isinstance(table, dict):
         raise TopologyFileError(f"{where}: expected a table ([{where}]), got {table!r}")
     if "launcher" not in table:
         raise TopologyFileError(f"{where}.launcher: missing; one of {', '.join(LAUNCHERS)}")
-    launcher = _choice(table["launcher"], LAUNCHERS, f"{where}.launcher")
+    launcher = choice(table["launcher"], LAUNCHERS, f"{where}.launcher")
     settings_cls = SETTINGS[launcher]
     own = {k: v for k, v in table.items() if k not in SITE_KEYS}
-    _take(own, where, [*SITE_KEYS, *(f.name for f in dataclasses.fields(settings_cls))])
-    settings = typing.cast(Settings, _build(settings_cls, own, where))
+    take_keys(own, where, [*SITE_KEYS, *(f.name for f in dataclasses.fields(settings_cls))])
+    settings = typing.cast(Settings, build_from(settings_cls, own, where))
     if "gpus_per_node" not in table:
         raise TopologyFileError(f"{where}.gpus_per_node: missing (GPUs each node gives the site; 0 for CPU)")
-    nodes = _positive(typing.cast(int, _typed(table.get("nodes", 1), int, f"{where}.nodes")), f"{where}.nodes")
-    gpus = _positive(typing.cast(int, _typed(table["gpus_per_node"], int, f"{where}.gpus_per_node")), f"{where}.gpus_per_node", 0)
+    nodes = positive(typing.cast(int, typed_value(table.get("nodes", 1), int, f"{where}.nodes")), f"{where}.nodes")
+    gpus = positive(typing.cast(int, typed_value(table["gpus_per_node"], int, f"{where}.gpus_per_node")), f"{where}.gpus_per_node", 0)
     per_node = gpus or 1
     pp, dp = 1, nodes * per_node
     if "layout" in table:
-        layout = typing.cast(str, _typed(table["layout"], str, f"{where}.layout"))
+        layout = typing.cast(str, typed_value(table["layout"], str, f"{where}.layout"))
         try:
             pp, dp = (int(x) for x in layout.lower().split("x"))
         except ValueError:
@@ -335,11 +231,47 @@ def _site(name: str, table: object) -> SiteSpec:
         raise TopologyFileError(f"{where}.hosts: a bare-metal site names one host per node: {nodes} node(s), "
                                 f"{len(settings.hosts)} host(s) given")  # fmt: skip
     _check_settings(settings, where)
+    data = typing.cast(str, typed_value(table.get("data", ""), str, f"{where}.data"))
+    worker_flags = parse_flags(table.get("worker_flags", ""), f"{where}.worker_flags")
+    for key, flag in SITE_FLAGS.items():
+        if key in table and any(f == flag or f.startswith(flag + "=") for f in worker_flags):
+            raise TopologyFileError(f"{where}.worker_flags: {flag} is set by {where}.{key}; give it once")
+    box = typing.cast(float, typed_value(table.get("inner_round_time_s", 0.0), float, f"{where}.inner_round_time_s"))
+    if box < 0:
+        raise TopologyFileError(f"{where}.inner_round_time_s: must be ≥ 0 (0: H inner steps a round), got {box:g}")
+    stop = typing.cast(int, typed_value(table.get("stop_timeout_s", STOP_TIMEOUT_S), int, f"{where}.stop_timeout_s"))
+    if stop <= STOP_GRACE_S:
+        raise TopologyFileError(f"{where}.stop_timeout_s: {stop} s would kill the ranks within the worker's {STOP_GRACE_S} s stop grace; "
+                                "give a step plus the exchange's grace (default 300)")  # fmt: skip
+    if isinstance(settings, KubernetesSettings):
+        _check_site_volumes(settings, data, where)
     return SiteSpec(
-        name=name, launcher=launcher, cluster=_name(table.get("cluster", name), f"{where}.cluster"),
-        nodes=nodes, gpus_per_node=gpus, pp=pp, dp=dp, data=typing.cast(str, _typed(table.get("data", ""), str, f"{where}.data")),
-        worker_flags=_flags(table.get("worker_flags", ""), f"{where}.worker_flags"), settings=settings,
+        name=name, launcher=launcher, cluster=check_name(table.get("cluster", name), f"{where}.cluster"),
+        nodes=nodes, gpus_per_node=gpus, pp=pp, dp=dp, data=data, worker_flags=worker_flags, inner_round_time_s=box,
+        stop_timeout_s=stop, settings=settings,
     )  # fmt: skip
+
+
+def _check_site_volumes(settings: KubernetesSettings, data: str, where: str) -> None:
+    """A Kubernetes site's data volume and checkpoint claim: names Kubernetes accepts, a data path inside the mount."""
+    for key in ("data_claim", "checkpoint_claim"):
+        value = getattr(settings, key)
+        if value and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", value):
+            raise TopologyFileError(f"{where}.{key}: {value!r} is not a PersistentVolumeClaim name (lowercase, digits, '-', '.')")
+    if settings.data_claim and settings.data_volume:
+        raise TopologyFileError(f"{where}.data_volume: give data_claim or data_volume, not both")
+    if settings.data_volume and len(settings.data_volume) != 1:
+        raise TopologyFileError(f"{where}.data_volume: one volume source (e.g. {{nfs = {{server = \"…\", path = \"/…\"}}}}), "
+                                f"got keys {sorted(settings.data_volume)}")  # fmt: skip
+    mount = settings.data_mount
+    if not mount.startswith("/") or mount.rstrip("/") in ("", "/etc", "/dev", "/proc", "/sys"):
+        raise TopologyFileError(f"{where}.data_mount: {mount!r}: an absolute folder of its own in the pod (default /data)")
+    if settings.data_claim or settings.data_volume:
+        inside = data == mount or data.startswith(mount.rstrip("/") + "/")
+        if not inside:
+            raise TopologyFileError(f"{where}.data: {data!r} is not inside data_mount {mount!r}, where the data volume is mounted "
+                                    "(give the path of the site's token file or manifest there)" if data else
+                                    f"{where}.data: missing: the path of the site's data inside data_mount {mount!r}")  # fmt: skip
 
 
 def _shards(table: object) -> ShardsSpec:
@@ -347,31 +279,36 @@ def _shards(table: object) -> ShardsSpec:
         raise TopologyFileError("shards: missing ([shards] with count and launcher)")
     if "launcher" not in table:
         raise TopologyFileError(f"shards.launcher: missing; one of {', '.join(SHARD_LAUNCHERS)}")
-    launcher = _choice(table["launcher"], SHARD_LAUNCHERS, "shards.launcher")
+    launcher = choice(table["launcher"], SHARD_LAUNCHERS, "shards.launcher")
     settings_cls = SETTINGS.get(launcher)
     fields = [] if settings_cls is None else [f.name for f in dataclasses.fields(settings_cls)]
     own = {k: v for k, v in table.items() if k not in SHARD_KEYS}
-    _take(own, "shards", [*SHARD_KEYS, *fields])
-    count = _positive(typing.cast(int, _typed(table.get("count", 2), int, "shards.count")), "shards.count")
-    addresses = typing.cast(tuple, _typed(table.get("addresses", []), tuple[str, ...], "shards.addresses"))
+    take_keys(own, "shards", [*SHARD_KEYS, *fields])
+    count = positive(typing.cast(int, typed_value(table.get("count", 2), int, "shards.count")), "shards.count")
+    addresses = typing.cast(tuple, typed_value(table.get("addresses", []), tuple[str, ...], "shards.addresses"))
     for i, address in enumerate(addresses):
         if not ADDRESS.match(address):
-            raise TopologyFileError(f"shards.addresses[{i}]: {_shown(address)} is not host:port")
-        _port(int(address.rsplit(":", 1)[1]), f"shards.addresses[{i}]")
+            raise TopologyFileError(f"shards.addresses[{i}]: {shown(address)} is not host:port")
+        check_port(int(address.rsplit(":", 1)[1]), f"shards.addresses[{i}]")
     if addresses and len(addresses) != count:
         raise TopologyFileError(f"shards.addresses: one per shard: {count} shard(s), {len(addresses)} address(es)")
-    settings = None if settings_cls is None else typing.cast(Settings, _build(settings_cls, own, "shards"))
+    settings = None if settings_cls is None else typing.cast(Settings, build_from(settings_cls, own, "shards"))
     if launcher == "external" and not addresses:
         raise TopologyFileError("shards.addresses: external shards need their addresses (host:port, one per shard)")
     if isinstance(settings, BareMetalSettings) and len(settings.hosts) != count:
         raise TopologyFileError(f"shards.hosts: bare-metal shards name one host per shard: {count} shard(s), "
                                 f"{len(settings.hosts)} host(s) given")  # fmt: skip
-    expose = _choice(table.get("expose", "LoadBalancer"), EXPOSE, "shards.expose")
+    expose = choice(table.get("expose", "LoadBalancer"), EXPOSE, "shards.expose")
     if "expose" in table and launcher != "kubernetes":
         raise TopologyFileError(f"shards.expose: only for shards on Kubernetes (these run on {launcher})")
-    port = _port(typing.cast(int, _typed(table.get("port", SHARD_PORT), int, "shards.port")), "shards.port", count)
+    port = check_port(typing.cast(int, typed_value(table.get("port", SHARD_PORT), int, "shards.port")), "shards.port", count)
     if settings is not None:
         _check_settings(settings, "shards", count)
+    if isinstance(settings, KubernetesSettings):
+        for key in KUBERNETES_SITE_ONLY:
+            if key in table:
+                raise TopologyFileError(f"shards.{key}: only for a Kubernetes site (a shard's checkpoints are a volume of its own "
+                                        "per pod: checkpoint_storage, storage_class)")  # fmt: skip
     if "port" in table and launcher in ("kubernetes", "external"):
         raise TopologyFileError(f"shards.port: only for shards on Slurm or bare metal ({launcher} shards: the port is in addresses)")
     if launcher == "kubernetes" and expose == "NodePort":
@@ -379,7 +316,7 @@ def _shards(table: object) -> ShardsSpec:
             if not 30000 <= int(address.rsplit(":", 1)[1]) <= 32767:
                 raise TopologyFileError(f"shards.addresses[{i}]: {address!r}: with expose = \"NodePort\" the port is the "
                                         "shard's nodePort, 30000-32767")  # fmt: skip
-    cluster = _name(table.get("cluster", "shards"), "shards.cluster")
+    cluster = check_name(table.get("cluster", "shards"), "shards.cluster")
     policy = _policy(table["policy"]) if "policy" in table else ()
     return ShardsSpec(count, launcher, cluster, port, addresses, expose, settings, policy)
 
@@ -387,10 +324,10 @@ def _shards(table: object) -> ShardsSpec:
 def _check_settings(settings: Settings, where: str, processes: int = 1) -> None:
     """What the renderers put on a command line or a host's network: host names, ports."""
     for i, host in enumerate(getattr(settings, "hosts", ())):
-        _host(host, f"{where}.hosts[{i}]")
+        check_host(host, f"{where}.hosts[{i}]")
     for name in ("rdzv_port", "metrics_port"):
         if hasattr(settings, name):
-            _port(getattr(settings, name), f"{where}.{name}", processes)
+            check_port(getattr(settings, name), f"{where}.{name}", processes)
 
 
 TOP_KEYS = ("run_id", "rounds", "inner_steps", "min_clusters", "round_deadline_s", "worker_flags", "tls", "shards", "sites")
@@ -402,7 +339,7 @@ def parse(text: str, source: str = "topology") -> TopologyFile:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise TopologyFileError(f"{source}: not valid TOML: {error}") from None
-    _take(raw, "", TOP_KEYS)
+    take_keys(raw, "", TOP_KEYS)
     sites_table = raw.get("sites")
     if not isinstance(sites_table, dict) or not sites_table:
         raise TopologyFileError("sites: missing; add a [sites.<name>] table per site")
@@ -411,9 +348,9 @@ def parse(text: str, source: str = "topology") -> TopologyFile:
     top = {k: v for k, v in raw.items() if k not in ("shards", "sites", "worker_flags")}
     if "run_id" not in top:
         raise TopologyFileError("run_id: missing (the run's id, the same at every site)")
-    _name(top["run_id"], "run_id")
-    model = typing.cast(TopologyFile, _build(TopologyFile, top, "", shards=shards, sites=sites,
-                                             worker_flags=_flags(raw.get("worker_flags", ""), "worker_flags")))  # fmt: skip
+    check_name(top["run_id"], "run_id")
+    model = typing.cast(TopologyFile, build_from(TopologyFile, top, "", shards=shards, sites=sites,
+                                             worker_flags=parse_flags(raw.get("worker_flags", ""), "worker_flags")))  # fmt: skip
     _check_reach(model)
     return model
 

@@ -25,6 +25,7 @@ import sys
 
 import structlog
 
+from dilocox.common.config.waits import STOP_TIMEOUT_S
 from dilocox.common.deploy import bare_metal, kubernetes, slurm
 from dilocox.common.deploy.topology import SHARD_PORT, Site, Topology
 from dilocox.common.deploy.topology_file import (
@@ -46,8 +47,12 @@ def topology_of(model: TopologyFile) -> Topology:
 
 
 def for_site(topology: Topology, site: SiteSpec) -> Topology:
-    """The topology as `site` sees it: the run's worker flags, its data, then its own flags (last wins)."""
-    flags = (*topology.extra_worker_flags, *(("--data", site.data) if site.data else ()), *site.worker_flags)
+    """The topology as `site` sees it: the run's worker flags, its data, time box and stop timeout, then its own
+    flags (last wins)."""
+    own = [*(("--data", site.data) if site.data else ()),
+           *(("--inner-round-time-s", f"{site.inner_round_time_s:g}") if site.inner_round_time_s else ()),
+           *(("--stop-timeout-s", str(site.stop_timeout_s)) if site.stop_timeout_s != STOP_TIMEOUT_S else ())]  # fmt: skip
+    flags = (*topology.extra_worker_flags, *own, *site.worker_flags)
     return dataclasses.replace(topology, extra_worker_flags=flags)
 
 
@@ -121,7 +126,8 @@ def _site_files(model: TopologyFile, topology: Topology, index: int) -> dict[str
     spec = model.sites[index]
     topology, servers, settings = for_site(topology, spec), addresses_for(model, spec), spec.settings
     if isinstance(settings, SlurmSettings):
-        more: dict = {"servers": ",".join(servers), "gpus_per_node": spec.gpus_per_node, "ranks_per_node": spec.ranks_per_node}
+        more: dict = {"servers": ",".join(servers), "gpus_per_node": spec.gpus_per_node, "ranks_per_node": spec.ranks_per_node,
+                      "stop_timeout_s": spec.stop_timeout_s}
         if not servers:  # the shards' own Slurm cluster: their address files, under their state folder
             shared = model.shards.settings
             assert isinstance(shared, SlurmSettings)  # in_shards_cluster: the same launcher
@@ -131,14 +137,16 @@ def _site_files(model: TopologyFile, topology: Topology, index: int) -> dict[str
             settings = dataclasses.replace(settings, state_dir=shared.state_dir)
         return {f"site-{spec.name}.sbatch": slurm.site_script(topology, index, _slurm_options(model, settings, **more))}
     if isinstance(settings, BareMetalSettings):
-        return bare_metal.site_scripts(topology, index, settings, servers, model.tls)
+        return bare_metal.site_scripts(topology, index, settings, servers, model.tls, spec.stop_timeout_s)
     assert isinstance(settings, KubernetesSettings)
     defaults = kubernetes.Options()
     options = _kubernetes_options(
         model, settings, servers=",".join(servers), gpus_per_rank=1 if spec.gpus_per_node else 0, ranks_per_pod=spec.ranks_per_node,
         site_cpu=settings.cpu or defaults.site_cpu, site_memory=settings.memory or defaults.site_memory,
         site_checkpoint_storage=settings.checkpoint_storage or defaults.site_checkpoint_storage,
-        site_storage_class=settings.storage_class or None)  # fmt: skip
+        site_storage_class=settings.storage_class or None, site_checkpoint_claim=settings.checkpoint_claim,
+        data_claim=settings.data_claim, data_volume=settings.data_volume, data_mount=settings.data_mount,
+        site_stop_timeout_s=spec.stop_timeout_s)  # fmt: skip
     names = kubernetes.Names(kubernetes.dns_label(model.run_id, 30), options.namespace)
     placement = kubernetes.ClusterPlacement(compose=True, names=names, servers=servers)
     objects = kubernetes.site_objects(topology, index, options, names, placement)
