@@ -68,5 +68,8 @@ def test_steps_grow_until_the_slow_link_is_hidden():
     assert trainer.steps_run[0] == 2 and max(trainer.steps_run) >= 20  # an exchange ≈ 0.3 s, a step 0.01 s
     adapted = [e for e in logs if e["event"] == "inner_steps_adapted"]
     assert adapted and all("exchange took" in e["reason"] for e in adapted)
+    # Once grown, each exchange runs beside a round's compute that is as long as an exchange: of it, at least
+    # what the compute covered is hidden (a share of wall time would be a timing bound a loaded machine breaks).
     late = cluster.reports[-2:]
-    assert all(r.idle_s < 0.2 * r.seconds for r in late), [(r.idle_s, r.seconds) for r in late]
+    shown = [(round(r.idle_s, 3), round(r.comm_s, 3), round(r.compute_s, 3)) for r in late]
+    assert all(r.comm_s - r.idle_s >= 0.8 * min(r.comm_s, r.compute_s) for r in late), shown
