@@ -38,3 +38,34 @@ def test_a_restarted_site_judges_against_the_best_before_its_restart():
     watch = LossWatch()
     watch.best = min(watch.best, 2.5)  # as DilocoCluster._watch_losses does from trainer.eval_best
     assert watch.observe(30, 4.8) is not None and watch.kind == "spike"
+
+
+def test_a_spike_right_after_a_catch_up_is_a_warning_and_one_that_stays_is_a_rise():
+    """A slow site that caught up on rounds closed without it starts from much newer global weights: its own
+    eval jumped 3.78 → 8.31 for one round (nothing for an operator to do). Not paged; if it stays, it is."""
+    import structlog
+
+    from dilocox.worker.exchange.loss_watch import watch_round
+    from dilocox.worker.exchange.round_report import RoundReport
+
+    def report(round_: int, eval_loss: float) -> RoundReport:
+        return RoundReport(round_, 3.0, eval_loss, 100, 0, 0, 1.0, 0.0, 0.0, 1.0, 1.0)
+
+    watch, trainer = LossWatch(), type("Trainer", (), {})()
+    with structlog.testing.capture_logs() as logs:
+        for r, loss, caught_up in [(1, 3.9, False), (2, 3.78, False), (3, 8.31, True), (4, 3.8, False)]:
+            rep = report(r, loss)
+            watch_round(watch, rep, "slow", trainer, evaluated=True, caught_up=caught_up)
+            assert rep.loss_alarm == "", (r, rep)
+    assert [e["event"] for e in logs] == ["loss_after_catch_up"] and logs[0]["round"] == 3
+    assert trainer.eval_best == 3.78 and math.isclose(watch.last_ratio, 3.8 / 3.78)
+    # The same jump without a catch-up pages; a catch-up whose loss stays up is a rise three rounds on.
+    rep = report(5, 8.0)
+    watch_round(watch, rep, "slow", trainer, evaluated=True, caught_up=False)
+    assert rep.loss_alarm == "spike"
+    alarms = []
+    for r in (6, 7, 8):
+        rep = report(r, 4.5)
+        watch_round(watch, rep, "slow", trainer, evaluated=True, caught_up=True)
+        alarms.append(rep.loss_alarm)
+    assert alarms == ["", "rising", "rising"]  # over 1.1× the best for 3 rounds in a row (5, 6, 7)

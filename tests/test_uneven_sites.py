@@ -12,6 +12,7 @@ import threading
 import time
 
 import grpc
+import structlog
 import pytest
 import torch
 from prometheus_client import generate_latest
@@ -453,3 +454,44 @@ def test_shard_processes_on_a_quorum_keep_a_4x_slower_fixed_h_site_in_and_equal_
                 assert torch.equal(weights[key], expected[key]), key
     finally:
         _stop(procs)
+
+
+def test_an_always_slower_site_pushes_to_the_round_the_shards_have_open_and_is_merged(shard_set):
+    """A site slower than the quorum + grace every round once pushed each round's work to the round after
+    the version it held — closed rounds ago by then — so its work was carried from refusal to refusal and
+    never merged (a 3× slower site of three: 0 of 8 rounds, `dilocox status` ROUNDS MADE 0). Behind, it
+    now asks the shards which round is open and pushes there, weighed by its age."""
+    shards = shard_set(1, "always-slower", min_clusters=1, outer_lr=LR, outer_momentum=MOMENTUM, grace_s=(0.1, 0.1), expect_clusters=2)
+    shard = shards.shards[0]
+    trainer = ToyTrainer(1)
+    slow = DilocoCluster(trainer, AggregatorClient(shards.addresses, "always-slower", "slow", connect_timeout=10, rpc_timeout=30),
+                         rounds=10, inner_steps=1, delay=1)  # fmt: skip
+    fast = AggregatorClient(shards.addresses, "always-slower", "fast", connect_timeout=10, rpc_timeout=30)
+    try:
+        slow.start()
+        fast.join([(n, tuple(p.shape)) for n, p in trainer.named_parameters()])
+        fast.pull(min_version=0)
+
+        def fast_round(r: int) -> None:
+            fast.push(r, 32.0, slice_tensors(fast.assignment, {n: 0.01 * torch.ones(p.shape) for n, p in trainer.named_parameters()}))
+            shards.wait_version(r)
+            fast.pull(min_version=r)
+
+        for r in range(1, 5):  # the slow site trains its round 1 meanwhile
+            fast_round(r)
+        trainer.train_steps(1)
+        slow.close_round(1, 0.0, 32, 0.0)  # round 1 closed long ago: refused, carried; the result pulled is version 4
+        for r in (5, 6):  # ... and its round 2
+            fast_round(r)
+        trainer.train_steps(1)
+        with structlog.testing.capture_logs() as logs:
+            slow.close_round(2, 0.0, 32, 0.0)  # held 4, the shards' open round 7: its work (and round 1's) goes there
+        caught_up = next(e for e in logs if e["event"] == "round_caught_up")
+        assert caught_up["pushed"] == 7 and caught_up["staleness"] == 5, caught_up
+        fast_round(7)
+        assert shard.last_round.clusters == ("fast", "slow") and shard.sites["slow"].rounds_made == 1
+        assert shard.sites["slow"].rounds_late >= 5
+    finally:
+        slow.communicator.close(timeout=5)
+        slow.client.close()
+        fast.close()

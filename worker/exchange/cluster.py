@@ -31,8 +31,6 @@ train, a rejoin) agreed over the site first (`access.agree_*`).
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Callable, Protocol
@@ -52,7 +50,7 @@ from dilocox.worker.exchange.boundary import BoundaryTimer, log_exchange_memory
 from dilocox.worker.exchange.communicator import Communicator, RoundExchange
 from dilocox.worker.exchange.delayed_start import check_rule
 from dilocox.worker.exchange.host_buffers import HostBuffers
-from dilocox.worker.exchange.loss_watch import LossWatch
+from dilocox.worker.exchange.loss_watch import LossWatch, watch_round
 from dilocox.worker.exchange.outgoing import NextStart, OutgoingFold
 from dilocox.worker.exchange.replica_state import resume_summary
 from dilocox.worker.exchange.round_report import RoundReport
@@ -235,7 +233,8 @@ class DilocoCluster(StepDriven):
         # A shard that gave any rank the run's final version takes nothing more (and stops once its members
         # have it): the run is over for the whole site even where another shard's answer was older.
         over = self._run_over_without(trained, tokens, max(held, self.client.newest_version))
-        round_ = self.rounds if over else self._round_to_push(round_, held)
+        behind = not over and self.access.agree_any(held + 1 > round_ or bool(exchange is not None and exchange.late))
+        round_ = self.rounds if over else self._round_to_push(round_, held, self._open_round(held) if behind else None)
         # Work pushed to a later round than it was trained for weighs less by its age (and the shards cap
         # it at the on-time contributions' mean): common/wire/staleness.py.
         staleness = round_ - trained
@@ -267,6 +266,9 @@ class DilocoCluster(StepDriven):
                 self._start_from_held(keep_unsent=True)
         elif not over:
             self.communicator.submit(round_, weight, outgoing, facts=(self.inner_steps, idle, staleness), formed=True)
+        # A boundary that skipped versions (the site caught up on rounds closed without it) starts its model
+        # from weights rounds newer than the ones it trained on: its own eval may jump for a round.
+        caught_up = round_ != trained or (exchange is not None and exchange.version > self.version + 1)
         if exchange is not None:
             self.version = exchange.version
         if self.time_box is not None:  # a late site's next box is shorter, to get back in phase
@@ -289,7 +291,7 @@ class DilocoCluster(StepDriven):
             compress_rank=round(self.client.compressor.mean_rank(), 2) if self.client.compressor else 0.0,
             inner_steps=self.inner_steps, late=bool(exchange and exchange.late),
         )
-        self._watch_losses(report, evaluated=self.evaluate_every_round or round_ == self.rounds)
+        self._watch_losses(report, evaluated=self.evaluate_every_round or round_ == self.rounds, caught_up=caught_up)
         log.info("round_done", cluster=self.client.cluster, delay=delay, **asdict(report))
         log.info("boundary_done", round=round_, rss_before_mb=timer.rss_before_mb, **timer.seconds())
         if not self._memory_logged and round_ > 1:
@@ -331,32 +333,27 @@ class DilocoCluster(StepDriven):
             raise ValueError(f"round {round_}: the site's ranks report different tokens ({low} to {high}); every rank "
                              f"must pass the whole site's tokens (the same number) to step()/close_round")  # fmt: skip
 
-    def _round_to_push(self, round_: int, version: int) -> int:
+    def _round_to_push(self, round_: int, version: int, open_round: int | None = None) -> int:
         """The round this boundary's pseudo-gradient goes to: the one trained, unless the shards have
         already closed it (a late site under quorum + grace: server/round_close.py), then the open one —
         never past the run's last round, whose refusal the carry keeps for the end-of-run flush.
-        `version`: the newest the site holds."""
-        return max(round_, min(version + 1, self.rounds))
+        `version`: the newest the site holds; `open_round`: the shards' open round, asked when the site is
+        behind (the version it holds can be rounds old by then)."""
+        return max(round_, min(max(version + 1, open_round or 0), self.rounds))
 
-    def _watch_losses(self, report: RoundReport, evaluated: bool) -> None:
-        """Say it when the model this site starts from blows up (worker/exchange/loss_watch.py); the verdict
-        goes into the report (metrics and alerts read it)."""
-        if not math.isfinite(report.train_loss) and self._loss_steps:  # nan without a loss: none was given
-            report.loss_alarm = "nonfinite"
-            log.error("loss_nonfinite", cluster=self.client.cluster, round=report.round, train_loss=report.train_loss,
-                      reason="the inner steps' loss is not finite")  # fmt: skip
-        if evaluated:
-            # The best survives a restart: the site's checkpoint carries it on the trainer (`eval_best`).
-            self.loss_watch.best = min(self.loss_watch.best, getattr(self.trainer, "eval_best", math.inf))
-            verdict = self.loss_watch.observe(report.round, report.eval_loss)
-            report.eval_to_best, report.loss_rising_rounds = self.loss_watch.last_ratio, self.loss_watch.rising
-            with contextlib.suppress(AttributeError):  # a user's trainer that takes no attributes: not kept
-                self.trainer.eval_best = self.loss_watch.best
-            if verdict is not None:
-                kind = self.loss_watch.kind
-                report.loss_alarm = report.loss_alarm or kind
-                log.error(f"loss_{kind}", cluster=self.client.cluster, round=report.round, eval_loss=report.eval_loss,
-                          best=self.loss_watch.best, reason=verdict)  # fmt: skip
+    def _open_round(self, held: int) -> int:
+        """The shards' open round, the same on every rank (the highest any rank was told). A site that is
+        always slower than the quorum + grace once pushed every round to the round after the version it
+        held — closed rounds ago by then — so its work was carried from refusal to refusal and never merged
+        (a 3× slower site of three: 0 of 8 rounds). A round that closes between the question and the push
+        refuses the part, which is carried as before."""
+        asked = self.client.open_round()
+        return self.access.agree_max(asked if asked is not None else held + 1)
+
+    def _watch_losses(self, report: RoundReport, evaluated: bool, caught_up: bool = False) -> None:
+        """The round's losses through the site's loss watch (worker/exchange/loss_watch.py: `watch_round`)."""
+        watch_round(self.loss_watch, report, self.client.cluster, self.trainer, evaluated, caught_up,
+                    train_loss_given=bool(self._loss_steps))  # fmt: skip
 
     def _log_memory(self) -> None:
         self._memory_logged = True

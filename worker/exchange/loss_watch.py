@@ -16,7 +16,12 @@ went 4.8 → 16.4 raised nothing, its best forgotten.
 
 from __future__ import annotations
 
+import contextlib
 import math
+
+import structlog
+
+log = structlog.get_logger()
 
 # A round's eval more than this many times the best so far is a spike. Ordinary training noise between
 # rounds is a few percent; a merged update that blows a model up multiplies the loss.
@@ -57,3 +62,32 @@ class LossWatch:
                                       f"for {self.rising} rounds in a row"), "rising"  # fmt: skip
         self.best = min(self.best, loss)
         return verdict
+
+
+def watch_round(watch: LossWatch, report, cluster: str, trainer: object, evaluated: bool, caught_up: bool,  # noqa: ANN001
+                train_loss_given: bool = True) -> None:  # fmt: skip
+    """Say it when the model a site starts from blows up; the verdict goes into `report` (a RoundReport:
+    metrics and alerts read it). The best eval survives a restart: the site's checkpoint carries it on the
+    trainer (`eval_best`). A spike at a boundary that `caught_up` (the site started from global weights
+    rounds newer than those it trained on) is a warning, `loss_after_catch_up`, not an alarm: an honest slow
+    site went 3.78 → 8.31 for one round and back, paging an operator with nothing to do; if it stays up,
+    `loss_rising` fires as it would."""
+    if not math.isfinite(report.train_loss) and train_loss_given:  # nan without a loss: none was given
+        report.loss_alarm = "nonfinite"
+        log.error("loss_nonfinite", cluster=cluster, round=report.round, train_loss=report.train_loss,
+                  reason="the inner steps' loss is not finite")  # fmt: skip
+    if not evaluated:
+        return
+    watch.best = min(watch.best, getattr(trainer, "eval_best", math.inf))
+    verdict = watch.observe(report.round, report.eval_loss)
+    report.eval_to_best, report.loss_rising_rounds = watch.last_ratio, watch.rising
+    with contextlib.suppress(AttributeError):  # a user's trainer that takes no attributes: not kept
+        trainer.eval_best = watch.best
+    if verdict is None:
+        return
+    if caught_up and watch.kind == "spike":
+        log.warning("loss_after_catch_up", cluster=cluster, round=report.round, eval_loss=report.eval_loss, best=watch.best,
+                    reason=verdict + "; right after a catch-up: not an alarm unless it stays up")  # fmt: skip
+        return
+    report.loss_alarm = report.loss_alarm or watch.kind
+    log.error(f"loss_{watch.kind}", cluster=cluster, round=report.round, eval_loss=report.eval_loss, best=watch.best, reason=verdict)
