@@ -89,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stop after a signal before it kills them (default 300; torchrun's own is 30 s)")  # fmt: skip
     parser.add_argument("--join-late", action="store_true",
                         help="join a run whose first rounds have closed, training only the rounds left (default: refuse, exit 3)")
-    add_metrics_arguments(parser, default_host="0.0.0.0")  # served by the cluster's rank 0 only
+    # Served by the cluster's rank 0 only; on this host unless asked (the rendered launchers ask for every
+    # interface: Prometheus scrapes them from elsewhere). Before, 0.0.0.0 by default.
+    add_metrics_arguments(parser, default_host="127.0.0.1")
     add_tracking_arguments(parser)  # written by the cluster's rank 0 only
     add_security_arguments(parser, "worker")
     add_config_arguments(parser)

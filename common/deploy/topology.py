@@ -153,6 +153,7 @@ def site_commands(topology: Topology, index: int, placement: Placement, *, secur
         "--rounds", str(topology.rounds), "--inner-steps", str(topology.inner_steps),
         *(_simulation_flags(topology) if topology.simulation else []),
         "--metrics-port", str(placement.metrics_port(topology, topology.num_shards + index)),
+        "--metrics-host", "0.0.0.0",  # scraped from another host or pod (a worker alone listens on 127.0.0.1)
         "--log-format", "json", *security,
         # with --min-clusters 1 the first site up may close rounds before the other joins
         *(["--join-late"] if topology.simulation else []),
