@@ -34,10 +34,18 @@ image = "registry.example.org/dilocox:cpu"
 cpu = "4"
 memory = "16Gi"
 """
+RUN_POLICY = """
+[shards.policy]
+grace_s = 30
+expect_clusters = 3
+update_check = "clip"
+aggregate = "clipped-mean"
+keep_rounds_s = 172800
+"""
 
 
 def topology_text(state: str = "/shared/state", setup: str = "source ~/venv/bin/activate", k8s_cluster: str = "gke",
-                  shards: str = KUBERNETES_SHARDS) -> str:
+                  shards: str = KUBERNETES_SHARDS + RUN_POLICY) -> str:
     return f"""
 run_id = "run-x"
 rounds = 7
@@ -171,6 +179,9 @@ def test_shards_on_kubernetes_get_a_load_balancer_per_shard_at_the_addresses_the
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "registry.example.org/dilocox:cpu"
     assert container["resources"]["requests"] == {"cpu": "4", "memory": "16Gi"}
+    # Issue 65: the run's shard policy from the same file (its sites' data volume: the gke site's test above).
+    args = _parses([a.replace("$(SHARD_INDEX)", "0") for a in container["command"]])  # the kubelet substitutes the pod's ordinal
+    assert (args.grace_s, args.expect_clusters, args.update_check, args.aggregate, args.keep_rounds_s) == (30, 3, "clip", "clipped-mean", 172800)
     external = [o for o in objects if o["kind"] == "Service" and o["spec"].get("type") == "LoadBalancer"]
     assert len(external) == 2
     for index, service in enumerate(external):
