@@ -96,6 +96,7 @@ def round_record(acc: RoundAccumulator, decision: CloseDecision, digests: Versio
             "tokens": acc.cluster_weights.get(cluster, mine[0].weight if mine else 0.0),
             "weight": mine[0].weight if mine else 0.0,
             "staleness": acc.cluster_ages.get(cluster, 0),
+            **({"staleness_said": acc.declared_ages[cluster]} if cluster in acc.declared_ages else {}),  # understated: the age used is above
             "slices": len(mine),
             "payload_bytes": sum(len(c.slice.payload) for c in mine),
             "codecs": sorted({c.slice.codec for c in mine}),

@@ -18,7 +18,7 @@ from dilocox.common.wire.aggregation import apply_round, decode_by_blocks
 from dilocox.common.wire.errors import InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.common.wire.staleness import cap_claimed_weights, cap_stale_weights
+from dilocox.common.wire.staleness import cap_claimed_weights, cap_stale_weights, stale_discount
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class RoundAccumulator:
     contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
     cluster_weights: dict[str, float] = field(default_factory=dict)  # tokens, as each cluster said
     cluster_ages: dict[str, int] = field(default_factory=dict)  # rounds its work is older than this round (0: on time)
+    # The newest version each cluster had pulled from this shard when its first part of the round came: its
+    # work was trained from that version or an older one, whatever age it declares.
+    trained_from: dict[str, int] = field(default_factory=dict)
+    declared_ages: dict[str, int] = field(default_factory=dict)  # an age `weigh` found understated, as the cluster said it
     bytes_in: int = 0
     first_push_at: float | None = None  # monotonic time of the round's first contribution: starts the deadline
     quorum_at: float | None = None  # monotonic time `min_clusters` had completed: starts the grace window
@@ -60,10 +64,13 @@ class RoundAccumulator:
     def is_duplicate(self, cluster: str, key: SliceKey) -> bool:
         return cluster in self.contributions.get(key, {})
 
-    def add(self, cluster: str, weight: float, encoded: EncodedSlice, staleness: int = 0) -> None:
-        """Record one vetted slice; callers have checked shape, values and duplicates already."""
+    def add(self, cluster: str, weight: float, encoded: EncodedSlice, staleness: int = 0, held: int | None = None) -> None:
+        """Record one vetted slice; callers have checked shape, values and duplicates already. `held`: the
+        newest version the cluster has pulled from this shard (None: not known, e.g. since a shard restart)."""
         self.cluster_weights[cluster] = weight
         self.cluster_ages[cluster] = staleness
+        if held is not None:
+            self.trained_from.setdefault(cluster, held)
         per_key = self.contributions.setdefault(encoded.key, {})
         if cluster not in per_key:
             self.delivered[cluster] = self.delivered.get(cluster, 0) + 1
@@ -90,18 +97,35 @@ class RoundAccumulator:
                 dropped += len(per_key.pop(cluster).slice.payload)
         self.cluster_weights = {c: w for c, w in self.cluster_weights.items() if c in clusters}
         self.cluster_ages = {c: a for c, a in self.cluster_ages.items() if c in clusters}
+        self.trained_from = {c: v for c, v in self.trained_from.items() if c in clusters}
         self.delivered = {c: n for c, n in self.delivered.items() if c in clusters}
         return dropped
 
-    def weigh(self, claim_multiple: float = 0.0) -> dict[str, tuple[int, float, float, float]]:
-        """Before the step (on the sealed round): each contribution's weight — its said tokens capped at
-        `claim_multiple` × the median of the other sites' (tokens are a claim), then, if stale, at the mean of
-        the on-time ones (common/wire/staleness.py). The capped weight is the contribution's from here on —
-        the shard's mean and what it forwards, so the clusters replay the same arithmetic. Returns the
-        clusters whose weight changed: (age, tokens said, after the claim cap, weight used)."""
-        claimed = cap_claimed_weights(self.cluster_weights, claim_multiple)
+    def understated_ages(self) -> dict[str, tuple[int, int]]:
+        """Clusters whose declared age is younger than their work can be: work pushed to round r by a cluster
+        that had pulled at most version v was trained from v or older, so it is at least r − 1 − v rounds
+        old (an on-time site holds r − 1 when it pushes r, with the delay or without). (declared, least)."""
+        least = {c: self.round - 1 - held for c, held in self.trained_from.items()}
+        return {c: (self.cluster_ages.get(c, 0), age) for c, age in least.items() if age > self.cluster_ages.get(c, 0)}
+
+    def weigh(self, claim_multiple: float = 0.0, stale_rule: str = "inverse",
+              check_ages: bool = True) -> dict[str, tuple[int, float, float, float]]:  # fmt: skip
+        """Before the step (on the sealed round): each contribution's weight — its said tokens, re-discounted
+        by its age where the declared one is younger than the version it was trained from allows
+        (`understated_ages`, by the run's `stale_rule`: an age is a claim too), capped at `claim_multiple` ×
+        the median of the other sites' (tokens are a claim), then, if stale, at the mean of the on-time ones
+        (common/wire/staleness.py). The capped weight is the contribution's from here on — the shard's mean
+        and what it forwards, so the clusters replay the same arithmetic. Returns the clusters whose weight
+        changed: (age, tokens said, after the claim cap, weight used). `check_ages` False: the end-of-run
+        flush (residuals, pushed before a late site catches its replica up), taken at its declared age."""
+        said = dict(self.cluster_weights)
+        for cluster, (declared, least) in (self.understated_ages() if check_ages else {}).items():
+            said[cluster] *= stale_discount(least, stale_rule) / stale_discount(declared, stale_rule)
+            self.declared_ages[cluster], self.cluster_ages[cluster] = declared, least  # the record and the stale cap use `least`
+        claimed = cap_claimed_weights(said, claim_multiple)
         capped = cap_stale_weights(claimed, self.cluster_ages)
-        changed = {c: (self.cluster_ages.get(c, 0), w, claimed[c], capped[c]) for c, w in self.cluster_weights.items() if capped[c] != w}
+        changed = {c: (self.cluster_ages.get(c, 0), said[c], claimed[c], capped[c]) for c in self.cluster_weights
+                   if capped[c] != self.cluster_weights[c]}  # fmt: skip
         if changed:
             for per_key in self.contributions.values():
                 for cluster in [c for c in per_key if c in changed]:

@@ -37,7 +37,7 @@ from dilocox.common.wire.errors import (
 )
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE
+from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE, STALE_WEIGHTINGS
 from dilocox.server.grace import GraceWindow
 from dilocox.server.provenance_chain import RoundsChain, digest_payloads, init_record, version_digests
 from dilocox.server.round_close import SiteRecord
@@ -151,6 +151,7 @@ class Shard(RoundClosing, PullServing):
         self.pulled_final: dict[str, set[str]] = {}  # cluster -> names of owned slices it pulled at the final version
         self.on_finished: Callable[[], None] | None = None
         self.replay_mismatches: dict[str, int] = {}  # cluster -> replays that differed, as it last reported
+        self.held_by: dict[str, int] = {}  # cluster -> the newest version it pulled from this shard (since this process started)
         self._digest_lock = threading.Lock()  # one computation of a version's digests, however many pull
         self._readers: dict[int, int] = {}  # id(snapshot) -> pulls streaming it (the close then copies)
         self.chain = RoundsChain(run_id, shard_index, num_shards)  # one record per published version (server/provenance_chain.py)
@@ -280,7 +281,7 @@ class Shard(RoundClosing, PullServing):
             acc.check_weight(cluster, weight, staleness)
             fresh = [item for item in encoded if not acc.is_duplicate(cluster, item.key)]
             for item in fresh:
-                acc.add(cluster, weight, item, staleness)
+                acc.add(cluster, weight, item, staleness, held=self.held_by.get(cluster))
             self.last_seen[cluster] = time.monotonic()
             self.sites.setdefault(cluster, SiteRecord()).said(inner_steps, idle_s)
             acc.bytes_in += bytes_in
@@ -365,6 +366,15 @@ class Shard(RoundClosing, PullServing):
         if self._final_for != self.run_config_json:
             self._final_version, self._final_for = final_version_of(self.run_config_json), self.run_config_json
         return self._final_version
+
+    @property
+    def stale_rule(self) -> str:
+        """How the run weighs late work (its sites' --stale-weighting), from the recorded run configuration."""
+        try:
+            rule = json.loads(self.run_config_json or "{}").get("stale_weighting", "inverse")
+        except (ValueError, AttributeError):
+            return "inverse"
+        return rule if rule in STALE_WEIGHTINGS else "inverse"
 
     def extend_rounds(self, rounds: int) -> None:
         """Raise the run's rounds (and so its final version) to `rounds`: `dilocox server --resume --rounds N`.

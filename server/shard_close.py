@@ -85,7 +85,12 @@ class RoundClosing:
         if decision is None:
             return None
         self._settle_membership(acc, decision)
-        for cluster, (age, said, claimed, weight) in acc.weigh(self.max_weight_multiple).items():
+        flush = acc.round == flush_version_of(self.run_config_json)
+        for cluster, (declared, least) in ({} if flush else acc.understated_ages()).items():
+            log.warning("staleness_understated", shard=self.shard_index, cluster=cluster, round=acc.round, declared=declared, least=least,
+                        trained_from=acc.trained_from[cluster], reason="work pushed by a site that had pulled no newer version is at least "
+                        "this old: weighed by that age, and capped as stale work")  # fmt: skip
+        for cluster, (age, said, claimed, weight) in acc.weigh(self.max_weight_multiple, self.stale_rule, check_ages=not flush).items():
             if claimed != said:
                 log.warning("token_claim_capped", shard=self.shard_index, cluster=cluster, round=acc.round, tokens=said, weight=claimed,
                             multiple=self.max_weight_multiple, reason="a site weighs at most --max-weight-multiple times the median of the others' tokens")  # fmt: skip

@@ -95,6 +95,8 @@ class PullServing:
         over for this shard once every member holds the final version of every slice it owns."""
         final = self.final_version
         with self._cond:
+            if version > self.held_by.get(cluster, -1):  # what its next push's work can at most be trained from
+                self.held_by[cluster] = version
             if final is None or version < final or cluster not in self.members:
                 return
             owned = {key.name for key in self.owned}

@@ -111,3 +111,43 @@ def test_a_caught_up_push_is_capped_by_the_shards_and_every_replica_replays_it_b
 
 def test_the_lenient_rule_forgives_one_round_and_discounts_older_work():
     assert [stale_discount(a, "lenient") for a in (0, 1, 2, 4)] == [1.0, 1.0, 0.5, 0.25]
+
+
+def test_work_declared_fresher_than_the_version_it_was_trained_from_is_weighed_by_its_least_age(shard_set):
+    """An age is a claim too (issue 62): a site that pulled nothing after version 2 and pushes rounds 4 and 5
+    saying its work is on time (staleness 0) trained it from version 2 at the newest — at least 1 and 2
+    rounds old. Each shard weighs it by that age (tokens × 1/(1 + age)), records the age it used, says so,
+    and forwards the weight: the honest site's replica replays it bit for bit. Honest late work declared at
+    its age, and on-time work, are untouched."""
+    import structlog
+
+    shards = shard_set(2, RUN, min_clusters=2, outer_lr=LR, outer_momentum=MOMENTUM)
+    a, liar = _started(shards.addresses, ("a", "liar"))
+    try:
+        for r in (1, 2, 3):
+            a.push(r, 10.0, slice_tensors(a.assignment, _tensors(10 * r)))
+            liar.push(r, 10.0, slice_tensors(liar.assignment, _tensors(10 * r + 1)))
+            a.pull(min_version=r)
+            if r < 3:
+                liar.pull(min_version=r)  # ... and then no more: it holds version 2
+            for shard in shards.shards:
+                assert {c: x.weight for per in shard.snapshot.contributions.values() for c, x in per.items()} == {"a": 10.0, "liar": 10.0}
+        with structlog.testing.capture_logs() as logs:
+            for r, least in ((4, 1), (5, 2)):
+                a.push(r, 10.0, slice_tensors(a.assignment, _tensors(10 * r)))
+                liar.push(r, 10.0, slice_tensors(liar.assignment, _tensors(10 * r + 1)))  # "on time"
+                a.pull(min_version=r)
+                for shard in shards.shards:
+                    used = {c: x.weight for per in shard.snapshot.contributions.values() for c, x in per.items()}
+                    assert used.keys() == {"a", "liar"} and used["a"] == 10.0, (r, used)
+                    assert used["liar"] == pytest.approx(10.0 / (1 + least), rel=1e-12), (r, used)
+                    assert dict(shard.last_round.tokens) == {"a": 10.0, "liar": 10.0}  # as said, for status
+                    site = next(s for s in shard.chain.entries[-1]["sites"] if s["cluster"] == "liar")
+                    assert (site["staleness"], site["staleness_said"], site["weight"]) == (least, 0, used["liar"])
+                    for key, tensor in shard.snapshot.tensors.items():
+                        assert torch.equal(a.held[key], tensor), key
+        said = [e for e in logs if e["event"] == "staleness_understated"]
+        assert [(e["round"], e["declared"], e["least"], e["trained_from"]) for e in said] == [(4, 0, 1, 2)] * 2 + [(5, 0, 2, 2)] * 2
+    finally:
+        a.close()
+        liar.close()
