@@ -19,18 +19,9 @@ from dilocox.server import checkpoint
 from dilocox.server.rounds_on_disk import RoundsOnDisk
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from tests.test_checkpoint import PARAMS, slices, tensors
 
 RUN = "disk-rounds"
-PARAMS = [("emb", (40, 8)), ("w", (8, 24)), ("b", (24,))]
-
-
-def _tensors(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: 0.01 * torch.randn(s, generator=g) for n, s in PARAMS}
-
-
-def _slices(shard: Shard, full: dict[str, torch.Tensor]):
-    return [(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()]
 
 
 def _shard(tmp_path, keep_s: float = 3600.0, budget: int = 10**9, clock=time.time, resumed_from: Shard | None = None) -> Shard:  # noqa: ANN001
@@ -46,10 +37,10 @@ def _run(shard: Shard, rounds: range) -> None:
     if shard.snapshot is None:
         for c in ("a", "b"):
             shard.join(RUN, c, model_digest(PARAMS), PARAMS)
-        shard.commit_push("a", 0, 1.0, _slices(shard, _tensors(0)))
+        shard.commit_push("a", 0, 1.0, slices(shard, tensors(0)))
     for r in rounds:
-        shard.commit_push("a", r, 3.0, _slices(shard, _tensors(10 * r)))
-        shard.commit_push("b", r, 1.0, _slices(shard, _tensors(10 * r + 1)))
+        shard.commit_push("a", r, 3.0, slices(shard, tensors(10 * r)))
+        shard.commit_push("b", r, 1.0, slices(shard, tensors(10 * r + 1)))
 
 
 def _flushed(shard: Shard) -> None:
