@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import signal
-import statistics
 import subprocess
 import sys
 import time
