@@ -10,7 +10,8 @@ ordinary restart into a delta, bounded by `--keep-rounds-disk-gb`: past it the o
 shard says once how far back it then reaches.
 
 One file a version (`<dir>/shard-<i>/v<version>.pt`), sealed with its digest and written atomically, as
-checkpoints are, by a thread of its own: the round's close never waits for the disk. A file that cannot
+checkpoints are, by a thread of its own: the round's close never waits for the disk; read back with
+torch's weights-only loader, so a changed file can be refused but never run. A file that cannot
 be read or belongs to another run is never served (the site pulls in full); a write the disk refuses is
 logged and skipped, and the versions before it are no longer a chain, so a site that far behind pulls in
 full. On a restart the shard keeps the files up to the version it resumed from (the same run's rounds)
@@ -30,7 +31,8 @@ from typing import Callable
 
 import structlog
 
-from dilocox.common.wire.checkpoint_format import CheckpointError, load_state, one_line, save_state
+from dilocox.common.wire import checkpoint_integrity as integrity
+from dilocox.common.wire.checkpoint_format import CheckpointError, one_line, save_state
 from dilocox.server.contribution_state import Contributions, contributions_from_state, contributions_state
 
 log = structlog.get_logger()
@@ -114,9 +116,8 @@ class RoundsOnDisk:
                 return None
         path = self._path(version)
         try:
-            state = load_state(path, {"run_id": self.run_id, "shard_index": self.shard_index, "version": version})
-            return contributions_from_state(state["contributions"])
-        except (CheckpointError, KeyError, TypeError, ValueError, OSError) as error:
+            return contributions_from_state(self._load(path, version)["contributions"])
+        except Exception as error:  # noqa: BLE001 - whatever a damaged zip or pickle raises, the round is not served
             log.warning("recent_round_unreadable", shard=self.shard_index, version=version, path=str(path), error=one_line(error),
                         effect="not served: a site that needs it pulls the weights in full")  # fmt: skip
             with self._lock:
@@ -135,6 +136,22 @@ class RoundsOnDisk:
     def oldest_saved_at(self) -> float | None:
         with self._lock:
             return min((saved for _, saved in self._files.values()), default=None)
+
+    def _load(self, path: pathlib.Path, version: int) -> dict:
+        """A kept round's state, read without running any code a changed file could hold (torch's
+        weights-only loader: these files are plain tables of tensors), its digest and identity checked."""
+        import torch
+
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: not a kept round (holds a {type(state).__name__})")
+        problem = integrity.check(state)
+        if problem is not None:
+            raise CheckpointError(f"{path}: damaged: {problem}")
+        for field, want in (("format", FORMAT), ("run_id", self.run_id), ("shard_index", self.shard_index), ("version", version)):
+            if state.get(field) != want:
+                raise CheckpointError(f"{path}: {field} is {state.get(field)!r}, not {want!r}")
+        return state
 
     # ------------------------------------------------------------------ the writer
     def _path(self, version: int) -> pathlib.Path:

@@ -5,6 +5,7 @@ chain bounded by age and by a disk budget."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -121,6 +122,20 @@ def test_a_damaged_file_is_not_served_and_the_site_pulls_in_full(tmp_path):
     assert shard.recent.since(2, shard.snapshot) is None
     assert not damaged.exists() and 3 not in shard.recent.disk.versions()
     assert [v for v, _ in shard.recent.since(3, shard.snapshot)] == [4, 5, 6, 7]
+    # A file replaced by a pickle that would run code when loaded is refused, never run (weights-only loader).
+    marker = tmp_path / "ran"
+    torch.save({"contributions": _MakesFolder(str(marker))}, tmp_path / "rounds" / "shard-0" / "v5.pt")
+    assert shard.recent.since(4, shard.snapshot) is None and not marker.exists() and 5 not in shard.recent.disk.versions()
+    _MakesFolder(str(marker)).__reduce__()[0](str(marker))  # the call it holds does make the folder, when run
+    assert marker.is_dir()
+
+
+class _MakesFolder:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # noqa: ANN204 - what a hostile file would hold: a call made on unpickling
+        return (os.mkdir, (self.path,))
 
 
 def test_a_write_the_disk_refuses_ends_the_chain_there(tmp_path, monkeypatch):
