@@ -18,7 +18,7 @@ changed and encoded again), so the shards see what such a site would push:
 * ``replay`` — the exact payload it pushed in the round before the fault, pushed again under every later
   round (a site stuck on an old update, or restored from the wrong checkpoint).
 
-Evasions (issue 62), faults made to stay under the check's bounds:
+Evasions, faults made to stay under the check's bounds:
 
 * ``underbound`` — its update × 9 every round, under the check's default 10× norm bound;
 * ``drift`` — its update × 1.3 more each round (×1.3, ×1.69, …): the bound's reference, if the site could

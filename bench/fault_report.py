@@ -8,7 +8,7 @@ from dilocox.bench.plots import matplotlib_missing
 
 LOSS_GOAL = 0.01  # exclude: final eval loss within 1 % of the clean run's
 EVASIONS = ("underbound", "drift", "halfsign")  # made to stay under the check's bounds: bounded, not necessarily flagged
-EVASION_GOAL = 0.02  # issue 62: under clip or exclude, an evasion's final eval within 2 % of the clean run's
+EVASION_GOAL = 0.02  # the goal for an evasion: under clip or exclude, an evasion's final eval within 2 % of the clean run's
 CAUGHT_WITHIN = 2  # rounds, counting the fault's first
 
 
@@ -27,7 +27,7 @@ def goals(rows: list[dict], fault_round: int) -> str:
     """The issue's three goals, each met or not, with the figures that say so. `rows` carry `_first`
     (each shard's first flagged round, None: never) and `_loss_ratio` (final loss / clean − 1)."""
     checked = [r for r in rows if r["mode"] != "off"]
-    lines = ["Goals (issue 46):"]
+    lines = ["Goals:"]
     clean_alarms = sum(r["false_alarms"] for r in checked if r["kind"] == "clean")
     other_alarms = sum(r["false_alarms"] for r in checked if r["kind"] != "clean")
     lines.append(f"* no false alarm: {'met' if clean_alarms == 0 else 'NOT met'} — {clean_alarms} flags on the clean runs' sites; "
@@ -50,7 +50,7 @@ def goals(rows: list[dict], fault_round: int) -> str:
         over = [f"{r['kind']} ({r['mode']}: {r['loss_vs_clean']})" for r in evasive if not r["_loss_ratio"] <= EVASION_GOAL]
         within = "met" if not over else "NOT met for " + ", ".join(over)
         lines.append(f"* evasions ({', '.join(sorted({r['kind'] for r in evasive}))}) under clip or exclude, final eval loss within "
-                     f"{100 * EVASION_GOAL:g} % of the clean run's (issue 62): {within}")  # fmt: skip
+                     f"{100 * EVASION_GOAL:g} % of the clean run's: {within}")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

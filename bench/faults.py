@@ -1,6 +1,6 @@
 """`dilocox bench faults`: what one faulty site does to a run, with and without the shards' update check.
 
-The fault drill of issue 46. Four sites (in-process clusters on threads, sim/inprocess.py) train the
+The fault drill. Four sites (in-process clusters on threads, sim/inprocess.py) train the
 built-in GPT against two shards on localhost gRPC, default compression and one-step delay. One run is
 clean; in each of the others the last site is faulty from `--fault-round` on (bench/fault_kinds.py:
 ×100, sign flip, noise of equal norm, exponent bit flips — any of the 8, or the 7 lower ones — and a

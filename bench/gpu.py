@@ -11,7 +11,7 @@ shards' weights bit-identical to theirs, on CUDA arithmetic):
 * ``pp2dp2`` — both, 4 ranks;
 * ``accum``  — pp2 with 2 accumulated batches per step;
 * ``lean``   — pp1 as a lean rank: the round's start spilled to disk (--spill-dir) and checkpoints written
-  synchronously, the exchange's host bytes per parameter against pp1's (issue 43);
+  synchronously, the exchange's host bytes per parameter against pp1's;
 * ``int8`` / ``bf16state`` — pp1 with AdamW's moments in 8 bits / bf16 (`--optimizer-state`): planned against
   measured peak and tokens/s beside pp1's fp32 (torchao's compiled step on CUDA);
 * ``resume`` — the largest site that fits, stopped by SIGTERM after round 2 and started with --resume.
@@ -87,7 +87,7 @@ def _resume_check(args: argparse.Namespace, workdir: pathlib.Path, gpus: int) ->
         first, _ = run_worker(cmd, workdir / "resume-first.log", None, timeout_s=900, stop_after_round=2)
         rc, events = run_worker([*cmd, "--resume"], workdir / "resume-second.log", None, timeout_s=900)
     restored = sorted({e["round"] for e in events if e.get("event") == "worker_checkpoint_restored"})
-    resumed = [e for e in events if e.get("event") == "replica_resumed"]  # issue 44: by delta, from the replica
+    resumed = [e for e in events if e.get("event") == "replica_resumed"]  # by delta, from the replica
     ok = first == 143 and rc == 0 and len(restored) == 1 and restored[0] >= 1 and all(e["how"] == "delta" for e in resumed) and resumed
     return {"check": "resume", "layout": f"pp{pp}×dp{dp}", "status": "ok" if ok else f"FAILED (exits {first}, {rc}; {workdir})",
             "resumed_from_round": restored[0] if restored else None,

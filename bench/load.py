@@ -1,5 +1,5 @@
 """`dilocox bench load`: many clusters against 2 real shard processes — does a round still close with
-every cluster, and how does its latency grow (issue 33)?
+every cluster, and how does its latency grow?
 
 Each cluster is a raw `AggregatorClient` in a thread of this process (a tiny model: the shards' work per
 round is negligible, so what is measured is the service's handling of many concurrent calls): per

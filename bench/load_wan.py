@@ -1,5 +1,5 @@
 """`dilocox bench load --wan-mbit R`: many sites against real shard processes (2; `--shards`), each site's push and pull
-paced to a link of R Mbit/s, beside push streams that stall (issue 45).
+paced to a link of R Mbit/s, beside push streams that stall.
 
 At WAN pace a push is in transit for seconds (a 256 KB compressed push at 1 Mbit/s: 2 s per shard), so
 hundreds are in flight at once — the load that starved the old shard's 32 work threads. Each site is a raw

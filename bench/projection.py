@@ -1,4 +1,4 @@
-"""`dilocox bench projection`: DiLoCoX at the paper's sizes, projected from costs measured here (issue 19).
+"""`dilocox bench projection`: DiLoCoX at the paper's sizes, projected from costs measured here.
 
 Nothing here trains or sends anything. Bytes per round are exact: the default compressor's payload sizes
 (low rank at the rank error feedback keeps it at, int4 factors; small and 1-D tensors int4) for every
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
         "`down_MB`: the other sites' pushes, forwarded. `H_hides`: the smallest H for which send + cluster CPU + shard close "
         "fit in one round of compute (one-step delay). `shards_needed`: the fewest shards whose close takes no longer than a cluster's send + CPU and whose "
         "state (peak RSS / owned as measured) fits a shard machine. `ratio_vs_allreduce`: (T + ring AllReduce of fp32 gradients) / T, DiLoCoX's step costing T "
-        "once H ≥ H_hides (its loss is issue 20's question, not this table's).\n"
+        "once H ≥ H_hides (its loss is docs/performance.md's 'The loss gap', not this table's).\n"
     )
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "costs": costs}
     return write_report(out_dir, "projection", "DiLoCoX at the paper's sizes, projected", rows, list(rows[0]), notes, meta)

@@ -1,5 +1,5 @@
 """`dilocox bench resume`: what a site's restart costs over the WAN — the rounds it missed, replayed on
-the replica its checkpoint holds, against pulling the weights and momentum in full (issue 44).
+the replica its checkpoint holds, against pulling the weights and momentum in full.
 
 Measured, not modelled: a real run in this process (`run_in_process`: gRPC shards on localhost, clusters
 training the model on the bundled corpus, the default compressor) keeps the first cluster's replica after

@@ -1,4 +1,4 @@
-"""`dilocox bench scale`: the aggregation service at real model sizes (issue 19, first part).
+"""`dilocox bench scale`: the aggregation service at real model sizes.
 
 Real shard processes on localhost gRPC and real clients — the project's own `AggregatorClient`, its
 compressor and its replay of the outer step — fed synthetic pseudo-gradients with the parameter list of

@@ -15,11 +15,11 @@ For each site count and slowdown, three modes run with the same model, data and 
 
 Each of them also runs with even sites (F = 1): "the new mode costs nothing there".
 
-``stall`` (issue 47): even sites, time-boxed rounds and quorum + grace, the last site stopped (SIGSTOP)
+``stall``: even sites, time-boxed rounds and quorum + grace, the last site stopped (SIGSTOP)
 for `--stall-boxes` boxes early in round 3, then continued: its late work merged with each
 `--stale-weightings` rule (`stall-<rule>`), against the same run without the stall (`calm-<rule>`);
 ``throttle``: the same site instead runs at a tenth of its speed for that long (stopped 90 ms of every
-100), its steps slowing after its round's H was estimated — the incident of issue 47. Reported per run: the
+100), its steps slowing after its round's H was estimated — an incident seen in a real run. Reported per run: the
 fast sites' idle share (seconds blocked on the network over their rounds' wall time), the run's
 tokens/s, the final eval loss, and the eval loss at the wall time and at the tokens the runs share;
 plots of eval loss against wall time and tokens.

@@ -1,6 +1,6 @@
 """The shard's gRPC methods on `grpc.aio`: a waiting pull is parked on the event loop, not on a thread.
 
-Why (issue 33): with the thread-pool server every long-polling pull held one of its 32 threads for the
+Why: with the thread-pool server every long-polling pull held one of its 32 threads for the
 whole round, so a 33rd puller queued — and so did the pushes that would have closed the round: 48
 clusters took 10 s a round, 64 took 60 s, every round waiting out a pull's timeout. Pullers are ranks,
 not sites, so three sites of 16 ranks were enough. Here a pull that waits for a version awaits an
@@ -12,7 +12,7 @@ Status, Provenance and Readmit run on two threads of their own, never queued beh
 The work itself is the thread-pool servicer's own code (`servicer.py`), called from pool threads: one
 set of rules for parsing, refusing and streaming. Its `context.abort` becomes an exception that the
 async method turns into the call's status; a push's request stream is read on the event loop, whole,
-before its work goes to the pool (server/push_intake.py: issue 45). gRPC's asyncio server ends a
+before its work goes to the pool (server/push_intake.py). gRPC's asyncio server ends a
 request stream cut by an over-size message as if it were complete (it merges a failed read with the end
 of the stream), so every push header declares how many chunks follow, and a push that ends before them
 is refused whole (servicer.py).

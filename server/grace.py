@@ -1,5 +1,5 @@
 """When a shard closes a round under a quorum: once `min_clusters` have delivered, how long it waits for
-the rest (issue 36: uneven sites).
+the rest (uneven sites).
 
 Waiting for every site lets the slowest one set the pace of the run; closing at the quorum leaves out a
 site that was a moment late. The grace window sits between: it follows how far apart the sites have

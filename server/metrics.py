@@ -74,7 +74,7 @@ class _ShardStateCollector(Collector):
 
 
 def _site_families(sites: list[dict]):  # noqa: ANN202 - metric families
-    """Per site, as this shard saw its rounds (issue 36): made, late, and what its last push said."""
+    """Per site, as this shard saw its rounds: made, late, and what its last push said."""
     families = {
         "rounds_made": CounterMetricFamily("dilocox_site_rounds_made", "Rounds closed with the site's contribution", labels=["cluster"]),
         "rounds_late": CounterMetricFamily("dilocox_site_rounds_late", "Rounds closed without the site while it stayed in "

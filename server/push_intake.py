@@ -1,6 +1,6 @@
 """A push's request stream, read on the event loop: no thread waits on the network.
 
-Why (issue 45): the shard's work pool (32 threads) served joins, status, pull framing and pushes, and a
+Why: the shard's work pool (32 threads) served joins, status, pull framing and pushes, and a
 push's stream was read by a pool thread blocking on each next message. Push streams that sent a header
 and a chunk and then stayed silent (the client alive, answering keepalives: a stalled NAT, a half-closed
 proxy, a hostile site) each held a thread for good: with 32 of them no round closed and `Status`, joins

@@ -1,5 +1,5 @@
 """`dilocox server --resume`: find the newest checkpoint of this shard that is intact, and fall back to an
-older kept version when the newest is damaged (issue 32).
+older kept version when the newest is damaged.
 
 Why falling back is safe: a shard restored from an older version is the case a kill -9 with
 `--checkpoint-every` > 1 already makes, and the clusters handle it (docs/deploy.md, "A shard restored

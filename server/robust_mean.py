@@ -2,7 +2,7 @@
 
 Why: the update check (server/update_check.py) catches what stands out — ×100, a sign flip, a replay —
 but a site that stays under its bounds is merged whole. An update ×9.5 every round (just under the check's
-10×) was never flagged and raised the final eval 70.8 % (issue 62). Robust aggregation bounds any minority's
+10×) was never flagged and raised the final eval 70.8 %. Robust aggregation bounds any minority's
 influence whether or not it is caught: here, norm clipping to the round's peers — each site's update scaled
 down to at most `clip_multiple` × the median of the *other* sites' norms (leave-one-out, so a site cannot
 raise its own bound; with two sites, the other's norm). Honest sites' norms sit within 1.5× of the median

@@ -6,7 +6,7 @@ Three ways a round closes once `min_clusters` clusters have delivered every slic
 * every member has delivered: at once, in every mode;
 * **deadline** (no grace window): `deadline_s` after the round's first contribution, with the clusters
   that completed it; the others are marked inactive and rejoin (their refused part is carried);
-* **quorum + grace** (issue 36): `grace.seconds()` after the quorum was reached. A member with nothing in
+* **quorum + grace**: `grace.seconds()` after the quorum was reached. A member with nothing in
   by then stays a member: it is *late*, its push for the closed round is refused and its client folds it,
   with its tokens, into its next push (worker/exchange/carry.py). A member whose delivery is under way
   (part of its slices in: a pipeline's ranks push their shares apart) gets up to `grace.max_s` more,

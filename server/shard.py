@@ -82,7 +82,7 @@ class Shard(RoundClosing, PullServing):
         clusters have joined (`round_close.first_round_waits`).
         `keep_rounds`: the contributions of this many of the newest versions are kept, so a site up to that
         many versions behind (a restart from its checkpoint, a late site) replays them instead of pulling the
-        weights and momentum in full (issue 44); they cost their compressed bytes in memory.
+        weights and momentum in full; they cost their compressed bytes in memory.
         `update_check`: how each site's update is looked at before the merge (server/update_check.py;
         default: warn). `operator_token`: what an operator's readmission must carry (none: refused).
         `max_weight_multiple`: a site's weight in a round's mean is at most this many times the median of the

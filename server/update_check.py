@@ -18,7 +18,7 @@ previous round's global update, from the contributions the shard keeps for repla
 * `cosine_previous` — cos(Δ_i, the previous round's global update: the weighted mean of the contributions
   it merged), from the second round on. Reported, and a tie-breaker only: honest sites' consecutive rounds
   can point in unrelated directions (a learning-rate or data-mix change, a momentum swing), and judged
-  against it alone the check once excluded all four honest sites of a round (issue 62). (Not the outer
+  against it alone the check once excluded all four honest sites of a round. (Not the outer
   momentum: against a dense buffer a low-rank update costs rows × cols × rank per site.)
 * `replayed` — its whole contribution here (every payload, byte for byte) equal to one this shard received
   in the last `history` rounds, from any site (an old round's update pushed again); a zero update is not

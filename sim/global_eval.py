@@ -1,4 +1,4 @@
-"""The sim's view of the global model: evaluated at every version the shards publish (issue 47, item 5).
+"""The sim's view of the global model: evaluated at every version the shards publish.
 
 The sim used to print a line per round only once *every* cluster had reported it, with the mean of the
 clusters' own evals — replicas that, under quorum + grace, include a stale one: an uneven run showed 3 of

@@ -134,7 +134,7 @@ class SiteCheckpoint:
             "optim": written_once(get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)),
             "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen),
                          "optimizer_state": optimizer_state_of(optimizer),
-                         "eval_best": float(getattr(trainer, "eval_best", math.inf))},  # the loss watch's best (issue 62)  # fmt: skip
+                         "eval_best": float(getattr(trainer, "eval_best", math.inf))},  # the loss watch's best  # fmt: skip
             "data": {f"replica{self.replica}": pack(trainer.sampler.state_dict())},
             "exchange": exchange,
         }

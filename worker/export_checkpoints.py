@@ -1,4 +1,4 @@
-"""Which shard checkpoint files an offline `dilocox export` reads (issue 32).
+"""Which shard checkpoint files an offline `dilocox export` reads.
 
 A shard's checkpoint folder holds its newest `shard-<i>.pt` and the versions kept before it
 (`shard-<i>.v<N>.pt`). The export needs one version on every shard, every file intact (its digest

@@ -82,7 +82,7 @@ class InnerConfig:
     # the exchange time includes waiting for the slowest cluster, and runs compare at equal tokens.
     adaptive_steps: bool = False
     max_steps: int = 200
-    # Time-boxed rounds (issue 36): > 0 makes every site train about this many seconds per round, setting
+    # Time-boxed rounds: > 0 makes every site train about this many seconds per round, setting
     # its own H from its measured step time (within min_steps..max_steps), so uneven sites deliver
     # together; its pseudo-gradient carries its true tokens. 0: every site trains H = `steps` (the paper).
     round_time_s: float = 0.0

@@ -1,4 +1,4 @@
-"""Where a run's pods land and how shards are reached from outside their cluster (issue 48).
+"""Where a run's pods land and how shards are reached from outside their cluster.
 
 Two things the single-cluster manifests (kubernetes.py) did not say:
 

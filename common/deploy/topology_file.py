@@ -1,4 +1,4 @@
-"""The topology file: one TOML description of a run that spans clusters (issue 48), from which
+"""The topology file: one TOML description of a run that spans clusters, from which
 `dilocox deploy topology` renders every cluster's launch files and `dilocox certs --topology` the names
 the server certificate must hold.
 

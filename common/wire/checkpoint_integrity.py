@@ -1,5 +1,5 @@
 """A checkpoint's own integrity: one SHA-256 over everything it holds, computed when it is saved and
-checked whenever it is read (issue 32).
+checked whenever it is read.
 
 `torch.load` does not check the CRC-32 of a zip entry, and a float with flipped bits is still a float: a
 shard resumed from a damaged file served wrong weights without a word, and saved them again as a fresh

@@ -1,4 +1,4 @@
-"""How much work trained for an earlier round weighs when it is merged into a later one (issue 47).
+"""How much work trained for an earlier round weighs when it is merged into a later one.
 
 A round's mean is Σ w_i Δ_i / Σ w_i over the clusters that made it, w_i the tokens each trained. Work can
 arrive *late*: a part a shard closed its round without is carried into the site's next push
@@ -15,7 +15,7 @@ model up. Two guards, one on each side of the wire:
   (`cap_stale_weights`), so one late site never outweighs those that kept time, whatever tokens it
   claims. The capped weights are the ones forwarded, so the clusters' replay stays bit-exact.
 
-A third guard is not about age: **tokens are a claim, not a fact** (issue 62). A site that says it trained
+A third guard is not about age: **tokens are a claim, not a fact**. A site that says it trained
 1000× the others' tokens would take over the mean; the shard caps each site's weight at `multiple` × the
 median of the *other* sites' said tokens (`cap_claimed_weights`, the shards' `--max-weight-multiple`,
 default 4: a site four times the size of the others' median still counts whole). Leave-one-out, so a site

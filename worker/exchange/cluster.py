@@ -227,7 +227,7 @@ class DilocoCluster(StepDriven):
         self._check_tokens_agree(round_, tokens)
         trained = round_
         # The newest version the whole site holds: each rank's is the oldest over its own shards, and the
-        # site decides on the oldest of those (issue 44), so that every rank pushes to the same round and
+        # site decides on the oldest of those, so that every rank pushes to the same round and
         # checkpoints into the same folder. (A shard already past it refuses that part: carried, not lost.)
         held = self.access.agree_min(exchange.version if exchange is not None else self.version)
         # A shard that gave any rank the run's final version takes nothing more (and stops once its members

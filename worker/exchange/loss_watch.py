@@ -1,4 +1,4 @@
-"""What blows a model up, seen in its loss curve: a non-finite value, or a jump past a bound (issue 47).
+"""What blows a model up, seen in its loss curve: a non-finite value, or a jump past a bound.
 
 A late site's stale work merged at 95 % weight once took both sites' eval loss from 6.8 to 29 with no
 alert and two warnings that did not say so. Each site watches the eval of the model it starts every round
@@ -7,7 +7,7 @@ goes), logs `loss_spike` / `loss_nonfinite` and exports the ratio to its best ev
 shipped alert rules read per site and over all sites (every site spiking at once is the global model);
 the sim watches the global model itself (sim/global_eval.py).
 
-A spike is not the only harm (issue 62): a faulty partner merged at full weight once took an honest site's
+A spike is not the only harm: a faulty partner merged at full weight once took an honest site's
 eval from 2.52 to 2.99 (+19 %), round by round, never 1.5× in one. So the watch also calls a **rise**: the
 eval above `RISE_RATIO` × the best for `RISE_ROUNDS` rounds in a row (`loss_rising`). And it keeps its best
 across a site's restarts (the site's checkpoint carries it, `eval_best`): a restarted faulty site whose eval

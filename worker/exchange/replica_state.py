@@ -1,4 +1,4 @@
-"""The site's replica of the global model in its checkpoint, so a restart resumes by delta (issue 44).
+"""The site's replica of the global model in its checkpoint, so a restart resumes by delta.
 
 Every cluster keeps a copy of the shards' state for the slices it exchanges — weights, outer momentum and
 the version of each shard (`AggregatorClient.held`, `.outer`, `.held_versions`) — and replays each round's

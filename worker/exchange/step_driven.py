@@ -1,5 +1,5 @@
 """The step-driven half of a cluster's round loop: a user's loop (or `run`) reports inner steps, and a
-round closes when its H is trained or its time box says so (issue 34's API, issue 47's clock).
+round closes when its H is trained or its time box says so (the API's step() calls, or the time box's clock).
 
 Mixed into `DilocoCluster` (worker/exchange/cluster.py), whose state and boundary (`close_round`,
 `finish`, `communicator`, `checkpoint`, …) it uses; kept apart so that each half stays readable.
