@@ -116,7 +116,8 @@ class RoundAccumulator:
         the median of the other sites' (tokens are a claim), then, if stale, at the mean of the on-time ones
         (common/wire/staleness.py). The capped weight is the contribution's from here on — the shard's mean
         and what it forwards, so the clusters replay the same arithmetic. Returns the clusters whose weight
-        changed: (age, tokens said, after the claim cap, weight used). `check_ages` False: the end-of-run
+        changed: (age used, tokens said — re-discounted where the age was understated —, after the claim cap,
+        weight used). `check_ages` False: the end-of-run
         flush (residuals, pushed before a late site catches its replica up), taken at its declared age."""
         said = dict(self.cluster_weights)
         for cluster, (declared, least) in (self.understated_ages() if check_ages else {}).items():
