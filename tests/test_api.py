@@ -1,4 +1,4 @@
-"""The public API (issue 34): a user's own loop over `dilocox.DiLoCoX` is a site like the CLI's.
+"""The public API: a user's own loop over `dilocox.DiLoCoX` is a site like the CLI's.
 
 Real shards on localhost ports, real processes for the sites: `dilocox worker` and a user-written loop
 (tests/sites/own_loop_site.py) train one run together to its end; alone, each gives the same bits for the
@@ -109,7 +109,7 @@ def test_a_site_reloaded_from_its_state_dict_ends_on_the_shards_model(shard_set,
     assert all(s.version == stop_after for s in shards.shards)  # the round in flight at the stop reached the shards
     out = _finish(_loop_site(servers, config, 0, 1, tmp_path / "final.pt", "--resume", str(tmp_path / "state.pt")))[0]
     assert f"rounds={CONFIG.rounds - stop_after}" in out  # it trained the rounds left, not the run again
-    resumed = next(line for line in out.splitlines() if "replica_resumed" in line)  # issue 44: by delta, from the
+    resumed = next(line for line in out.splitlines() if "replica_resumed" in line)  # by delta, from the
     assert "how=delta" in resumed and ("rounds_replayed=1" in resumed or "rounds_replayed=0" in resumed), resumed  # state's replica
     assert all(s.version == CONFIG.final_version for s in shards.shards)
     _assert_model_is_the_shards(torch.load(tmp_path / "final.pt"), shards)

@@ -78,7 +78,7 @@ def test_text_is_written_whole_before_the_signal(sigterm_raises, tmp_path):
 
 
 def test_a_durable_marker_is_synced_before_its_rename_and_its_folder_after(tmp_path, monkeypatch):
-    """Issue 44 (item 6): a checkpoint's COMMITTED must never be left empty or missing by a crash."""
+    """A checkpoint's COMMITTED must never be left empty or missing by a crash."""
     synced: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append("fsync"), real_fsync(fd))[1])

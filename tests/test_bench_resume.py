@@ -1,4 +1,4 @@
-"""`dilocox bench resume` (issue 44): a restart k versions behind pulls the rounds it missed, and its
+"""`dilocox bench resume`: a restart k versions behind pulls the rounds it missed, and its
 replica equals a full pull's; a replica older than the shards keep is pulled in full."""
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def start_shard(port: int, ckpt_dir, resume: bool) -> subprocess.Popen:
 
 
 def test_killed_shard_resumes_from_its_checkpoint(tmp_path):
-    """Issue 7, acceptance 2: kill -9 a shard mid-round, restart with --resume: weights equal the
+    """Kill -9 a shard mid-round, restart with --resume: weights equal the
     checkpoint exactly, the interrupted round is applied exactly once after the clients re-push. The waits
     bound failures only (a pull returns once its version is out): a loaded machine once ran past 10 s."""
     port = free_port()
@@ -173,7 +173,7 @@ def test_communicator_repushes_a_round_the_shard_lost(shard_set):
 
 
 def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
-    """Issue 7: a cluster stopped with SIGTERM and restarted with --resume carries on where it was:
+    """A cluster stopped with SIGTERM and restarted with --resume carries on where it was:
     same round count, AdamW step and data position as an uninterrupted run."""
     shards = shard_set(1, RUN)
     shard = shards.shards[0]
@@ -207,9 +207,9 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
     assert shard.version == rounds + 1  # the rounds, then the end-of-run flush of the residuals
     events = {e["event"]: e for e in map(json.loads, filter(lambda line: line.startswith("{"), second_log.splitlines()))}
     restored, joined_at = events["worker_checkpoint_restored"]["round"], events["cluster_started"]["version"]
-    # Issue 62: the loss watch's best eval comes back with the checkpoint (a restart no longer forgets it).
+    # The loss watch's best eval comes back with the checkpoint (a restart no longer forgets it).
     assert 0 < events["worker_checkpoint_restored"]["eval_best"] < 10, events["worker_checkpoint_restored"]
-    # Issue 44: the checkpoint held the replica, so the resume pulled only the rounds since it, checked by
+    # The checkpoint held the replica, so the resume pulled only the rounds since it, checked by
     # the shard's state digest (a mismatch would have been a full pull, said as such).
     resumed = events["replica_resumed"]
     assert resumed["how"] == "delta" and resumed["reason"] == "", resumed
@@ -246,7 +246,7 @@ def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
         err = log.open("w") if log is not None else subprocess.PIPE  # a full pipe nobody reads would stall the ranks
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
 
-    # Issue 43: the first run keeps its start on disk and writes its checkpoints from the live state (nothing
+    # The first run keeps its start on disk and writes its checkpoints from the live state (nothing
     # staged); the resume reads what it wrote and goes on with the defaults.
     first = site("--spill-dir", str(tmp_path / "spill"), "--checkpoint-staging", "sync", log=tmp_path / "first.log")
     try:
@@ -273,7 +273,7 @@ def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
     assert len(set(started.values())) == 1  # the ranks agree on the round to go on from
     resumed_from, joined_at = restored[0], started[0]
     assert 1 <= resumed_from <= joined_at <= killed_at + 1
-    # Issue 44: every rank's replica came back with the checkpoint; each pulled only the rounds since
+    # Every rank's replica came back with the checkpoint; each pulled only the rounds since
     replicas = {e["rank"]: e for e in events if e["event"] == "replica_resumed"}
     assert sorted(replicas) == [0, 1, 2, 3], replicas
     assert all(e["how"] == "delta" and e["bytes_down"] < e["full_pull_bytes"] / 2 for e in replicas.values()), replicas
@@ -302,7 +302,7 @@ def kill_tree(pid: int) -> None:
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.05, 0.3])
 def test_sigterm_after_a_checkpoint_is_staged_commits_it_and_says_so(shard_set, tmp_path, delay_s):
-    """Issue 47, item 4: a SIGTERM at several moments after `worker_checkpoint_staged` never loses the staged
+    """A SIGTERM at several moments after `worker_checkpoint_staged` never loses the staged
     round: the worker logs the signal, leaves between steps, lets the round's exchange finish, and its
     checkpoint is COMMITTED when the process exits (or the log says why not)."""
     from dilocox.worker.checkpoint import COMMITTED
@@ -348,7 +348,7 @@ def test_sigterm_after_a_checkpoint_is_staged_commits_it_and_says_so(shard_set, 
 
 
 def test_a_time_boxed_site_of_two_ranks_agrees_on_its_steps_and_on_a_sigterm(shard_set, tmp_path):
-    """Issue 47, items 1 and 4, on a torchrun site (dp 2, gloo): its ranks end every time-boxed round on the
+    """On a torchrun site (dp 2, gloo): its ranks end every time-boxed round on the
     same step, set by the clock, not the configured H; a SIGTERM to the job stops both ranks at the same
     step, and the checkpoint of the last pushed round is committed."""
     from dilocox.worker.checkpoint import COMMITTED

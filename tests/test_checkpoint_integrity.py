@@ -1,4 +1,4 @@
-"""Checkpoints carry their own integrity (issue 32): a digest over everything a shard checkpoint holds,
+"""Checkpoints carry their own integrity: a digest over everything a shard checkpoint holds,
 checked on every load; a damaged newest file is refused and `--resume` and the offline export fall back
 to the newest intact kept version; a site's DCP checkpoint commits a manifest of its files' SHA-256."""
 
@@ -329,7 +329,7 @@ def test_site_checkpoint_commits_a_manifest_and_resume_falls_back_past_a_damaged
 
 @pytest.mark.parametrize("staging", ["async", "sync"])
 def test_site_checkpoints_reuse_their_staging_buffers_or_stage_nothing(tmp_path, staging):
-    """Issue 43 (item 5): async checkpoints refill the buffers the first one staged into (DCP's stager
+    """Async checkpoints refill the buffers the first one staged into (DCP's stager
     kept by the site: no new allocation, and on a GPU no new pinning, per checkpoint); sync ones stage
     nothing. Either way the newest committed checkpoint restores the trainer bit for bit."""
     from dilocox.worker.checkpoint import SiteCheckpoint

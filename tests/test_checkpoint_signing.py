@@ -1,4 +1,4 @@
-"""Signed shard checkpoints (issue 46, item 3): `dilocox server --checkpoint-sign-key` signs each checkpoint's
+"""Signed shard checkpoints: `dilocox server --checkpoint-sign-key` signs each checkpoint's
 digest with its identity; `--resume --checkpoint-verify-key | --checkpoint-ca` refuses, by name, a file whose
 signature is missing or does not hold — a changed byte with a recomputed digest included — and falls back to
 an older kept version that verifies, as for a damaged one."""

@@ -239,7 +239,7 @@ def test_invalid_values_raise(data):
 
 
 def test_every_flag_of_every_command_says_what_it_does():
-    """Issue 34, item 5: no `--help` line is only a type and a default (the run configuration's ~55 flags
+    """No `--help` line is only a type and a default (the run configuration's ~55 flags
     take theirs from common/config/field_help.py); every command's help renders."""
     from dilocox.common.config.field_help import FIELD_HELP
     from dilocox.common.config.run import flag_dests

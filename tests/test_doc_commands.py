@@ -1,4 +1,4 @@
-"""The documentation's runnable command blocks run as written (issue 49, item 4).
+"""The documentation's runnable command blocks run as written.
 
 A line `<!-- runnable -->` (or `<!-- runnable timeout=120 -->`) right before a ```bash fence in README.md
 or docs/*.md marks that block: it is run here with `bash -euo pipefail` from the repository root, with

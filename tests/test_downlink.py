@@ -76,7 +76,7 @@ def test_replicas_stay_bit_identical_and_joiners_resync(shard_set):
         # A cluster that lost the bytes of its own contribution still replays: it gets them back.
         for i, c in enumerate((a, b, joiner)):
             c.push(6, 50.0, slice_tensors(c.assignment, low_rank_delta(200 + i)))
-        a._own.clear()  # (issue 44: it says so, and the shards send its part like the others')
+        a._own.clear()  # a restarted client keeps no own copies: it says so, and the shards send its part like the others'
         version, _, received = a.pull(6, wait_seconds=10)
         assert version == 6 and received < dense / 4 and a.pull_kinds == {0: ("rounds", 1, ""), 1: ("rounds", 1, "")}
         assert_replica_equals_shards(a, shards)
@@ -116,7 +116,7 @@ def test_a_round_only_we_contributed_to_comes_as_one_summary_per_shard(shard_set
 
 
 def test_default_model_traffic_is_fifty_times_below_dense_fp32():
-    """Issue 5, acceptance 2 (loose form): uplink and downlink per round ≥ 50× below dense fp32 on the
+    """Uplink and downlink per round ≥ 50× below dense fp32 on the
     default model with the default compression (rank ≤ 8 with error feedback, slice bundles; the long
     run measures ≈ 101–103×, docs/performance.md)."""
     config = RunConfig(rounds=4, delay=0, inner=InnerConfig(steps=4, batch_size=4))
@@ -141,7 +141,7 @@ def test_default_model_traffic_is_fifty_times_below_dense_fp32():
 
 
 def test_a_replica_several_versions_behind_replays_the_rounds_the_shards_keep(shard_set):
-    """Issue 44 (resume by delta): a cluster restarted from a checkpoint's replica (weights, momentum,
+    """A cluster restarted from a checkpoint's replica (weights, momentum,
     versions) pulls only the rounds since — each shard keeps the last `keep_rounds` versions' contributions
     — and ends bit-identical to the shards; further behind than they keep, it pulls in full and says why."""
     shards = shard_set(2, RUN, min_clusters=2, keep_rounds=3)

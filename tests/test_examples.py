@@ -57,7 +57,7 @@ def test_torchrun_fsdp2_example_one_site_of_two_ranks(shard_set):
 
 
 def test_the_hf_trainer_under_a_multi_process_launch_is_refused_by_name():
-    """Issue 44 (item 4): a `Trainer` launched over several processes (torchrun, `accelerate launch`: DDP or
+    """A `Trainer` launched over several processes (torchrun, `accelerate launch`: DDP or
     FSDP under accelerate) would join the run once per process as the same site; the callback's site refuses
     it by name, with the fix, before anything joins (the shard address here answers nothing)."""
     job = _start("hf_trainer.py", "--servers", "127.0.0.1:9", torchrun=True)

@@ -1,4 +1,4 @@
-"""Issue 35: the exchange's faster paths give the bits of the plain forms they replace.
+"""The exchange's faster paths give the bits of the plain forms they replace.
 
 * the low-rank decode by steps of rows (`OrderedProduct`), whole, by any row range, and subtracted in
   place, equals the plain ordered sum of rank-1 terms;

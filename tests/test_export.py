@@ -77,7 +77,7 @@ def test_export_of_a_tiny_llama_loads_with_from_pretrained(tmp_path):
     with torch.no_grad():
         assert loaded(x).logits.shape == (2, 16, 256)
     assert evaluate_export(out) == pytest.approx(result.clusters[0].final_eval_loss, abs=1e-4)
-    # Its record holds the model's own fields, not the built-in GPT's shape (issue 34, item 5).
+    # Its record holds the model's own fields, not the built-in GPT's shape.
     model_fields = json.loads((out / "export.json").read_text())["run_config"]["model"]
     assert model_fields["model"] == "llama-tiny" and "block_size" in model_fields
     assert not {"n_layer", "n_head", "n_embd", "dropout", "vocab_size"} & set(model_fields)
@@ -135,7 +135,7 @@ def test_export_command_errors_are_clear(tmp_path, shard_set):
 
 
 def test_the_readmes_export_commands_work_as_written_with_and_without_the_shards_running(tmp_path):
-    """The two `dilocox export` lines of docs/operations.md (in the README until issue 49), only the shards'
+    """The two `dilocox export` lines of docs/operations.md, only the shards'
     addresses and `$W` replaced: live while the shards serve, and offline from the one folder both shards
     checkpoint into once they stopped."""
     import pathlib

@@ -1,4 +1,4 @@
-"""Standard signatures (issue 62, item 5): an export signed by `dilocox export --sign-key` also carries an OpenSSF
+"""Standard signatures: an export signed by `dilocox export --sign-key` also carries an OpenSSF
 model-signing `model.sig` that `model_signing verify` accepts — with the key, or the certificate and the run's
 CA — and refuses with a changed byte, a missing or an extra file, as `dilocox verify` does."""
 

@@ -1,4 +1,4 @@
-"""Signed exports (issue 46, item 3): `dilocox export --sign-key` signs a manifest of every exported file
+"""Signed exports: `dilocox export --sign-key` signs a manifest of every exported file
 and provenance.json; `dilocox verify` finds any changed, added or removed file by name, a changed
 signature, the wrong key and a certificate from another CA — each as a line, exit 1, no traceback."""
 
@@ -263,7 +263,7 @@ def _change_a_header_digit(path: pathlib.Path) -> None:
 
 
 def test_a_changed_digit_of_the_weights_header_fails_by_name_not_with_a_traceback(tmp_path, pki, capsys):
-    """Issue 63 (item 6): safetensors refuses such a header with an error of its own type, which the rounds
+    """safetensors refuses such a header with an error of its own type, which the rounds
     chain's weight check did not catch: `dilocox verify` printed a traceback, signed or --unsigned."""
     from dilocox.common.wire.assignment import model_digest
     from dilocox.common.wire.framing import EncodedSlice
@@ -289,7 +289,7 @@ def test_a_changed_digit_of_the_weights_header_fails_by_name_not_with_a_tracebac
 
 
 def test_a_site_certificate_of_the_run_ca_does_not_vouch_for_an_export(tmp_path, pki, capsys):
-    """Issue 63: `verify --cert` accepted an export signed with any certificate of the run's CA — the CA that
+    """`verify --cert` accepted an export signed with any certificate of the run's CA — the CA that
     issues every site's client certificate. Now only a signer's (code-signing usage, `dilocox certs --role
     signer`) vouches for an export, and `export --sign-cert` refuses another before exporting anything."""
     from dilocox.common.deploy.certs import issue, load_ca

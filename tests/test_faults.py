@@ -56,7 +56,7 @@ def kill_all(procs) -> None:
 
 
 def test_killed_cluster_does_not_stall_the_run_and_rejoins(shard_set, tmp_path):
-    """Issue 7, acceptance 1: kill -9 one of 3 clusters; rounds go on past the deadline without it; it
+    """Kill -9 one of 3 clusters; rounds go on past the deadline without it; it
     restarts and rejoins; the final model is finite and its eval loss close to a run without the fault."""
     baseline = shard_set(1, RUN, min_clusters=2, round_deadline_s=DEADLINE_S, added_latency_s=LATENCY_S)
     logs = {name: tmp_path / f"nofault-{name}.log" for name in CLUSTERS}

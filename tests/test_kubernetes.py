@@ -1,4 +1,4 @@
-"""`dilocox deploy kubernetes` (issue 37, item 2): every rendered object validates against the official
+"""`dilocox deploy kubernetes`: every rendered object validates against the official
 Kubernetes schemas (strict: no unknown field), and says what the run needs: each shard's index is its
 pod ordinal, probes that speak the shard's transport, checkpoint volumes, the sites dialling every shard
 by its stable DNS name, torchrun across a site's pods, GPUs, secrets. Also the server's
@@ -315,7 +315,7 @@ def test_server_resume_if_present_starts_on_an_empty_volume_and_resumes_a_full_o
 
 
 def test_a_stopping_site_is_given_what_it_needs_before_it_is_killed(tmp_path):
-    """Issue 65 (item 2): a stopped 2-rank site was SIGKILLed by torchrun at its 30 s, and the site Job set no
+    """A stopped 2-rank site was SIGKILLed by torchrun at its 30 s, and the site Job set no
     termination grace: now torchrun waits STOP_TIMEOUT_S for its ranks (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, in the
     site's container, its Slurm script and its bare-metal script) and the pod is given 30 s more."""
     from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S

@@ -1,4 +1,4 @@
-"""A cluster late on one shard only (issue 26, item 4): the shard that closed the round without it
+"""A cluster late on one shard only: the shard that closed the round without it
 refuses the push, the cluster keeps that part and delivers it with the next round, and the final
 weights equal a replay of the shards' rule that includes it — nothing it computed is lost, nothing
 delivered twice. Real shards over localhost gRPC, exact fp32 pushes so the replay is checkable."""

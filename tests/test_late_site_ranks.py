@@ -1,4 +1,4 @@
-"""Issue 44 (acceptance): a pp 1 × dp 2 site that is late at the end of a quorum run, against two shards
+"""A pp 1 × dp 2 site that is late at the end of a quorum run, against two shards
 of which one answers later than the other, so its two ranks can hold different versions when the run
 ends. It finishes (or refuses) cleanly within its timeouts — never hangs in a barrier one rank entered
 and the other skipped — and both ranks end alike."""

@@ -1,4 +1,4 @@
-"""Bad launches are refused before they cost anything (issue 33): a model's sizes checked field by field
+"""Bad launches are refused before they cost anything: a model's sizes checked field by field
 and its memory against the machine before any weight is built; a torchrun job of the wrong world size;
 a first connection bounded by --shard-wait-s."""
 
@@ -104,7 +104,7 @@ def test_server_rounds_needs_resume(tmp_path):
 
 
 def test_sigterm_of_a_torchrun_site_stops_it_cleanly_without_a_traceback(shard_set):
-    """Issue 34, item 5: `dilocox worker --dp 2` runs its torchrun job in-process; a SIGTERM reaches every
+    """`dilocox worker --dp 2` runs its torchrun job in-process; a SIGTERM reaches every
     rank (each finishes its round in flight), and the launcher ends with one line and exit 143."""
     import signal
 

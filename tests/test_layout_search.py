@@ -90,7 +90,7 @@ def test_the_bubble_and_the_links_follow_the_layout():
 
 
 def test_a_16_gpu_site_trains_llama_3_70b_and_a_32_gpu_site_the_107b_with_8_bit_moments():
-    """Issue 61's acceptance, as plans: with int8 moments the 70B fits 16 × 80 GB and the 107B 32 with FSDP
+    """With int8 moments the 70B fits 16 × 80 GB and the 107B 32 with FSDP
     inside each node; with fp32 moments neither fits, with bf16 only by sharding across nodes. The search keeps FSDP inside a node, ranks by tokens per second, and
     its quick plans are never below the full plan of the layout it lists."""
     cluster = Cluster()

@@ -14,7 +14,7 @@ def test_a_spike_a_sustained_rise_and_a_non_finite_loss_are_each_named():
     assert watch.observe(4, 4.0) is not None and watch.kind == "spike"
     watch = LossWatch()
     assert [watch.observe(r, loss) for r, loss in enumerate((3.0, 2.6, 2.52), 1)] == [None, None, None]
-    # Issue 62's honest site: 2.52 → 2.99 over rounds, never 1.5× in one. A rise is called on the third
+    # An honest site next to a faulty partner: 2.52 → 2.99 over rounds, never 1.5× in one. A rise is called on the third
     # round in a row above 1.1× the best, and not before.
     kinds = []
     for r, loss in enumerate((2.8, 2.9, 2.99, 2.95), 5):

@@ -124,7 +124,7 @@ def test_auto_keeps_stages_gathered_only_where_that_fits():
 
 
 def test_a_lean_site_plans_12_host_bytes_per_owned_parameter_steady_and_16_at_a_checkpoint():
-    """Issue 43 (item 5): the start on disk and checkpoints written from the live state (tests/test_spill.py
+    """The start on disk and checkpoints written from the live state (tests/test_spill.py
     for the bits); by default the start in memory and async staging kept between checkpoints."""
     def per_owned(**parallel) -> list[tuple[float, float]]:
         config = RunConfig(model=ModelConfig(model="llama-3-70b", block_size=1024), inner=InnerConfig(batch_size=8),
@@ -240,7 +240,7 @@ def test_the_reshard_buffers_are_bounded_by_the_batch_limit_whatever_the_largest
 
 
 def test_the_api_refuses_a_rank_whose_exchange_does_not_fit_the_host(monkeypatch):
-    """Issue 43: the public API's size guard is the plan's — EXCHANGE_BYTES_PER_PARAM per exchanged
+    """The public API's size guard is the plan's — EXCHANGE_BYTES_PER_PARAM per exchanged
     parameter against the host's available memory — checked before the site joins."""
     from dilocox import DiLoCoX
     from dilocox.worker.models.spec import ModelSpecError

@@ -87,7 +87,7 @@ def test_promtool_checks_the_rules():
 
 
 def test_promtool_fires_the_loss_alerts_for_one_site_and_for_all_of_them(tmp_path):
-    """Issue 47, item 3: one site's spike is a site alert; every site's at once is the global model's; a
+    """One site's spike is a site alert; every site's at once is the global model's; a
     non-finite loss is critical. Prometheus' own rule tests (`promtool test rules`) on the shipped rules."""
     promtool = shutil.which("promtool")
     if promtool is None:

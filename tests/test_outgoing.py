@@ -1,4 +1,4 @@
-"""Issue 43 (item 5): the round boundary folds θ into the outgoing buffer and the next start as it arrives.
+"""The round boundary folds θ into the outgoing buffer and the next start as it arrives.
 
 Held against the arithmetic the boundary did before over whole buffers (θ into a work buffer, Δ = s − θ,
 the start from the replica minus the residual, the compressor's e += Δ): bit for bit, for both delayed

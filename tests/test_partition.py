@@ -1,4 +1,4 @@
-"""A push whose reply is lost on a half-open connection (issue 33): the shard took the push, the reply and
+"""A push whose reply is lost on a half-open connection: the shard took the push, the reply and
 every later byte from the shard vanish, and the connection stays open — as when a link goes down just
 after a shard answered. gRPC keepalive notices the dead connection, the push is retried over a new one
 like after an outage, and the shard answers it as a duplicate: the round is applied once."""

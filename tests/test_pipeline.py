@@ -15,7 +15,7 @@ from dilocox.worker.site.reshard import StageResharder, held_rows
 from dilocox.worker.train.pipeline_stage import GPTStage, stage_layers
 
 def test_stages_hold_only_their_parameters():
-    """Issue 3, acceptance 3 (memory): stages partition the model's parameters, with the full names."""
+    """Stages partition the model's parameters, with the full names."""
     config = ModelConfig(n_layer=5, n_embd=32)
     torch.manual_seed(0)
     model = GPT(config)

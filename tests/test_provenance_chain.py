@@ -1,4 +1,4 @@
-"""The rounds chain (issue 46, item 3): each shard hash-chains one record per published version — the sites
+"""The rounds chain: each shard hash-chains one record per published version — the sites
 merged, their tokens and payload digests, the resulting state digest — keeps it in its checkpoints, serves
 it (`Provenance`), and `dilocox export` writes it into provenance.json, where `dilocox verify` recomputes it
 and names a changed record by shard and version."""

@@ -1,4 +1,4 @@
-"""The public surface (issue 34): `from dilocox import …` gives exactly the names docs/api.md documents,
+"""The public surface: `from dilocox import …` gives exactly the names docs/api.md documents,
 each resolves, importing `dilocox` loads nothing heavy, and `load_run_config` reads the CLI's files."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 24: every replayed outer step is checked against the shard's state digest; a cluster whose
+"""Every replayed outer step is checked against the shard's state digest; a cluster whose
 replay differs resyncs in the same round and is counted; no false alarm on identical hardware; a shard
 that replays without a valid digest is refused before anything is applied. Real shards over gRPC."""
 

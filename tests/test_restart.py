@@ -1,4 +1,4 @@
-"""Restarts lose nothing (issue 26, first part): a shard started without --resume never overwrites its
+"""Restarts lose nothing: a shard started without --resume never overwrites its
 checkpoint, --fresh moves it aside, the last versions are kept and never replaced by older ones, SIGTERM
 answers held pulls at once and exits in seconds, and an empty push is refused."""
 

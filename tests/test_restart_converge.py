@@ -1,4 +1,4 @@
-"""Shards at different versions converge without an operator (issue 26, item 3): one of two shards
+"""Shards at different versions converge without an operator: one of two shards
 goes back to an older checkpoint mid-run (a kill -9 with checkpoints every few versions); the sites'
 next pushes are for a round the other shard has closed, which refuses them; the sites keep that part
 for the next round, rejoin at the older version, and the lagging shard catches up."""

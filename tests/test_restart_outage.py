@@ -1,4 +1,4 @@
-"""Sites ride out a shard outage longer than the old give-up time (issue 26, item 3): a PP=2 gloo site
+"""Sites ride out a shard outage longer than the old give-up time: a PP=2 gloo site
 and a single-process site keep training through a 70 s restart of their shard, and the first push the
 restarted shard accepts comes within a second of it serving."""
 

@@ -1,4 +1,4 @@
-"""A run's end is explicit (issue 25, part): the shards know the run's final version from its recorded
+"""A run's end is explicit: the shards know the run's final version from its recorded
 configuration, `dilocox status` says `finished`, and a site that starts after the end exits non-zero
 naming the run's state instead of training nothing."""
 

@@ -43,7 +43,7 @@ def test_mtls_with_the_right_certificates_and_token_works(mtls_shard, certs):
 
 
 def test_tls_files_given_as_strings_work_too(mtls_shard, certs):
-    """Issue 65 (item 6): docs/api.md says "PEM paths"; strings crashed with AttributeError inside the first
+    """docs/api.md says "PEM paths"; strings crashed with AttributeError inside the first
     connection. Now any path-like is taken, and anything else is refused where TlsFiles is made."""
     join(mtls_shard, TlsFiles(str(certs["client"]), str(certs["client-key"]), str(certs["ca"])), TOKEN)
     with pytest.raises(TypeError, match="TlsFiles.ca: a path"):

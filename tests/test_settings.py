@@ -157,7 +157,7 @@ def test_config_show_for_a_command_applies_its_own_table_and_environment(tmp_pat
 
 
 def test_config_show_leaves_out_the_gpt_shape_for_a_hugging_face_model(capsys):
-    """Issue 34, item 5: a preset or config.json has its own shape; n_layer & co. would only mislead."""
+    """A preset or config.json has its own shape; n_layer & co. would only mislead."""
     assert cli.main(["config", "show", "--model", "llama-tiny", "--n-layer", "9"]) == 0
     text = capsys.readouterr().out
     model = tomllib.loads(text)["model"]

@@ -329,7 +329,7 @@ def test_a_round_is_stepped_outside_the_lock_and_nothing_sees_it_half_done(tmp_p
 
 
 def test_a_sites_second_rank_pushing_caught_up_work_is_checked_with_its_own_staleness():
-    """A late site's ranks push their parts of the open round with the same staleness (issue 47): the
+    """A late site's ranks push their parts of the open round with the same staleness: the
     check before the chunks are read takes the header's staleness, so the second rank's part is let in
     (it was refused as "staleness 2, now 0", and the site exited: found by tests/test_late_site_ranks.py);
     a part saying another staleness than the first is still refused."""

@@ -56,7 +56,7 @@ def test_sim_trains_and_reports_every_round(sim_of):
 
 
 def test_sim_delay_one_converges_like_delay_zero(sim_of):
-    """Issue 4, acceptance 3 (short form): equal tokens, a looser margin than the 5% of the long run."""
+    """Equal tokens, a looser margin than the 5% of the long run."""
     _, sync = sim_of("--delay", "0")
     _, delayed = sim_of()  # the default: delay 1
     assert sync["tokens"] == delayed["tokens"]
@@ -79,7 +79,7 @@ def _round_reports(summary: dict, cluster: str) -> list[dict]:
 
 
 def test_sim_writes_tensorboard_scalars_one_point_per_round(sim_of):
-    """Issue 37, item 3: every cluster's rank 0 leaves one TensorBoard run under <log dir>/tensorboard/<cluster>
+    """Every cluster's rank 0 leaves one TensorBoard run under <log dir>/tensorboard/<cluster>
     with one point per round for each scalar, the values of its `round_done` lines; the sim says how to view them."""
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     from dilocox.worker.exchange.round_report import RoundReport
@@ -127,7 +127,7 @@ def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
 
 
 def test_sim_compressed_converges_like_uncompressed_synchronous(sim_of):
-    """Issue 5, acceptance 3 (short form): the default DiLoCoX (one-step delay + default compression,
+    """The default DiLoCoX (one-step delay + default compression,
     ending with the flush of the error-feedback residuals) against dense fp32 synchronous DiLoCo at
     equal tokens, with a looser margin than the long run's 5% (docs/performance.md: +3.6% there).
     Measured here: 2.810 vs 2.798 (+0.4%); without the flush 2.959 (+5.8%), since 4 rounds leave error
@@ -141,7 +141,7 @@ def test_sim_compressed_converges_like_uncompressed_synchronous(sim_of):
 
 
 def test_sim_says_why_a_cluster_failed(tmp_path):
-    """Issue 34, item 5: a failed cluster is reported with its exit code, its own last error and its log."""
+    """A failed cluster is reported with its exit code, its own last error and its log."""
     summary_path = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "dilocox.common.cli", "sim", *SMALL, "--model", "no-such-model", "--clusters", "1",
            "--log-dir", str(tmp_path / "logs"), "--summary-json", str(summary_path), "--timeout", "120"]  # fmt: skip

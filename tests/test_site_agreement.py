@@ -1,4 +1,4 @@
-"""Issue 44 (item 1): a site's ranks decide at the boundary on agreed values, never on what one rank saw.
+"""A site's ranks decide at the boundary on agreed values, never on what one rank saw.
 
 Two real ranks on a gloo process group, each with its own view: the run is over for both when one rank's
 shard has published the final version (else one would enter the checkpoint's barrier and the other the
@@ -72,7 +72,7 @@ def _without_mesh(rank: int) -> str:
 
 
 def test_a_multi_process_job_without_a_mesh_is_refused_by_name(monkeypatch):
-    """Issue 44 (item 4): DDP (and accelerate, FSDP1, ZeRO) ranks would each join as the same site."""
+    """DDP (and accelerate, FSDP1, ZeRO) ranks would each join as the same site."""
     results = on_gloo_ranks(_without_mesh, 2)
     assert all("one of 2 (torch.distributed is initialised) but no mesh was given" in why and "SiteMesh" in why
                for why in results), results  # fmt: skip
@@ -84,7 +84,7 @@ def test_a_multi_process_job_without_a_mesh_is_refused_by_name(monkeypatch):
 
 
 def test_the_sites_collective_timeout_outlasts_the_longest_legitimate_exchange_wait():
-    """Issue 44 (item 2): one rank may wait PULL_WAIT_S for a round's result plus --shard-wait-s for a shard
+    """One rank may wait PULL_WAIT_S for a round's result plus --shard-wait-s for a shard
     that is down; its peers wait for it in the next agreement (gloo, on the host) with this timeout. It was
     --shard-wait-s + 600 = 2,400 s by default, shorter than the pull wait alone. One call's own limit in
     flight at the exchange's end counts too (tests/test_shard_wait.py: no wait goes past that end)."""
@@ -108,7 +108,7 @@ def test_the_sites_collective_timeout_outlasts_the_longest_legitimate_exchange_w
 
 
 def test_shard_settings_that_break_the_order_of_the_waits_are_refused_by_name(tmp_path):
-    """Issue 44 (item 2): a round deadline longer than a site's pull wait, or a grace window not shorter
+    """A round deadline longer than a site's pull wait, or a grace window not shorter
     than the deadline, is refused by `dilocox server` and by `dilocox config show --command server`."""
     import subprocess
     import sys
@@ -144,7 +144,7 @@ def _adopt(rank: int, dims: tuple, names: tuple) -> tuple:
 
 
 def test_a_jobs_own_device_mesh_is_adopted_and_tensor_parallel_refused_by_name():
-    """Issue 44 (item 4): a job that made its process group and mesh (torchtitan's dimension names)
+    """A job that made its process group and mesh (torchtitan's dimension names)
     gives it to DiLoCoX as it is; a mesh that splits parameters over tp is refused, naming it."""
     assert on_gloo_ranks(_adopt, 2, (2,), ("dp_shard",)) == [(1, 2, 1, 0, 0, 2), (1, 2, 1, 0, 1, 2)]
     assert on_gloo_ranks(_adopt, 2, (2, 1), ("pp", "dp_shard")) == [(2, 1, 1, 0, 0, 1), (2, 1, 1, 1, 0, 1)]

@@ -1,4 +1,4 @@
-"""Issue 44 (item 3): the exchange state round-trips through `torch.distributed.checkpoint`.
+"""The exchange state round-trips through `torch.distributed.checkpoint`.
 
 `DiLoCoX.state_dict()` keys each owned parameter's error-feedback state by its name, so a fresh site —
 before it has joined and knows its slices — is a template DCP loads every residual into (it used to load
@@ -87,7 +87,7 @@ def test_a_residual_held_in_the_flat_exchange_buffer_is_saved_as_its_own_element
 
 
 def test_replica_files_are_read_by_name_whichever_rank_wrote_them(tmp_path):
-    """Issue 44: each rank writes its replica beside DCP's files, keyed by parameter name; a resume with
+    """Each rank writes its replica beside DCP's files, keyed by parameter name; a resume with
     another layout takes each name it now owns from whichever file holds it, bit for bit, as copies (the
     replica is updated in place afterwards); a slice that views a larger buffer is written as itself."""
     from dilocox.worker.exchange.replica_state import read_replica, write_replica

@@ -1,4 +1,4 @@
-"""Issue 44 (acceptance): a shard slower than the site's old collective timeout does not kill the site.
+"""A shard slower than the site's old collective timeout does not kill the site.
 
 The old timeout was `--shard-wait-s` + a margin: it forgot that one rank may wait for a round's result
 (up to the pull wait) while its peers already sit in the boundary's next collective. Here a pp 1 × dp 2

@@ -96,7 +96,7 @@ def test_a_multi_node_site_runs_one_torchrun_per_node_with_the_rendezvous_on_the
 
 
 def test_every_rendered_site_gives_torchrun_the_stop_timeout():
-    """Issue 65 (item 2): torchrun's own 30 s killed a stopping site; rendered scripts export the project's
+    """The 30 s torchrun gives by default killed a stopping site; rendered scripts export the project's
     (an operator's own TORCH_ELASTIC_SHUTDOWN_TIMEOUT wins)."""
     from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
     from dilocox.common.deploy.topology import Site

@@ -1,4 +1,4 @@
-"""Issue 43 (item 5): the round's start on local disk between boundaries (`--spill-dir`,
+"""The round's start on local disk between boundaries (`--spill-dir`,
 worker/exchange/spill.py) — out of host memory, back with the same bits, and a run that ends on the same
 global model as one that keeps it in memory."""
 
@@ -81,7 +81,7 @@ def test_a_site_with_its_start_on_disk_ends_on_the_same_bits_with_12_bytes_per_p
 
 
 def test_page_locked_buffers_are_registered_not_rounded_up():
-    """Issue 43 (item 5): a pinned host buffer is registered with CUDA at its own size, not taken from
+    """A pinned host buffer is registered with CUDA at its own size, not taken from
     torch's caching host allocator (which rounds each block up to a power of two); without CUDA it is a
     plain pageable buffer."""
     from dilocox.worker.exchange.host_buffers import host_empty

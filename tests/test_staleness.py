@@ -1,4 +1,4 @@
-"""Stale work is weighed by its age (issue 47, item 2): the sites' discount, the shards' cap, and the
+"""Stale work is weighed by its age: the sites' discount, the shards' cap, and the
 clients' replay of a capped round staying bit-exact."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_the_lenient_rule_forgives_one_round_and_discounts_older_work():
 
 
 def test_work_declared_fresher_than_the_version_it_was_trained_from_is_weighed_by_its_least_age(shard_set):
-    """An age is a claim too (issue 62): a site that pulled nothing after version 2 and pushes rounds 4 and 5
+    """An age is a claim too: a site that pulled nothing after version 2 and pushes rounds 4 and 5
     saying its work is on time (staleness 0) trained it from version 2 at the newest — at least 1 and 2
     rounds old. Each shard weighs it by that age (tokens × 1/(1 + age)), records the age it used, says so,
     and forwards the weight: the honest site's replica replays it bit for bit. Honest late work declared at

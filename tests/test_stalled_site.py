@@ -1,4 +1,4 @@
-"""A site stopped (SIGSTOP) for many times its time box in the middle of its inner steps (issue 47):
+"""A site stopped (SIGSTOP) for many times its time box in the middle of its inner steps:
 when it continues, the clock ends that round at once — not the H estimated before the stall — its late
 work enters weighed by its age, and the run ends close to the same run without the stall.
 

@@ -1,4 +1,4 @@
-"""Push streams that stall never take a shard down (issue 45): 40 streams that send a header and a chunk and
+"""Push streams that stall never take a shard down: 40 streams that send a header and a chunk and
 then stay silent — their client alive — beside two honest sites. With the old servicer each held one of
 the shard's 32 work threads, and nothing closed or answered until their client died."""
 

@@ -1,4 +1,4 @@
-"""A stop honours its bound in every state of the round loop (issue 63, items 4 and 5).
+"""A stop honours its bound in every state of the round loop.
 
 A site whose round cannot close (the shards wait for a second site that never comes) sits at its round
 boundary waiting for the round's result: before, a SIGTERM there was acted on only once the wait ended —

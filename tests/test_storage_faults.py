@@ -1,4 +1,4 @@
-"""Storage faults degrade, never fail a round (issue 45): a shard whose checkpoint folder fills up goes on
+"""Storage faults degrade, never fail a round: a shard whose checkpoint folder fills up goes on
 closing and serving rounds, says so once, counts it, keeps its newest intact checkpoint, leaves no
 temporary files, and resumes from that checkpoint once space is freed."""
 
@@ -132,7 +132,7 @@ def test_a_full_checkpoint_disk_never_fails_a_round_and_a_restart_resumes_from_t
 
 
 def test_a_final_version_the_disk_refuses_is_said_kept_served_and_saved_once_space_is_freed(tmp_path):
-    """Issue 63 (item 1): at the run's end a shard whose checkpoint disk is full used to stop at once, exit 1,
+    """At the run's end a shard whose checkpoint disk is full used to stop at once, exit 1,
     `shard_stopped saved=false` at level info, its final version on no disk and no longer exportable. Now it
     says so at error level with the way out, keeps serving — an export from it gets the final version — and
     saves it and stops cleanly once space is freed."""

@@ -1,4 +1,4 @@
-"""`dilocox deploy topology` (issue 48 item 1): one TOML file renders a run across three clusters — a
+"""`dilocox deploy topology`: one TOML file renders a run across three clusters — a
 Slurm site, a Kubernetes site, a bare-metal site, the shards on a second Kubernetes cluster exposed by a
 LoadBalancer Service each — and every site dials the shards' external addresses, which the server
 certificate names; each site keeps its own data, flags, image and resources; the Kubernetes objects
@@ -179,7 +179,7 @@ def test_shards_on_kubernetes_get_a_load_balancer_per_shard_at_the_addresses_the
     (container,) = statefulset["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "registry.example.org/dilocox:cpu"
     assert container["resources"]["requests"] == {"cpu": "4", "memory": "16Gi"}
-    # Issue 65: the run's shard policy from the same file (its sites' data volume: the gke site's test above).
+    # The run's shard policy from the same file (its sites' data volume: the gke site's test above).
     args = _parses([a.replace("$(SHARD_INDEX)", "0") for a in container["command"]])  # the kubelet substitutes the pod's ordinal
     assert (args.grace_s, args.expect_clusters, args.update_check, args.aggregate, args.keep_rounds_s) == (30, 3, "clip", "clipped-mean", 172800)
     external = [o for o in objects if o["kind"] == "Service" and o["spec"].get("type") == "LoadBalancer"]
@@ -199,7 +199,7 @@ def test_every_kubernetes_object_validates_strictly_on_1_28_1_30_and_latest(file
 
 
 def test_a_sites_data_volume_time_box_and_stop_timeout_reach_its_launcher(files):
-    """Issue 65: nothing hand-edited after rendering — a Kubernetes site's data claim mounted read-only where its
+    """Nothing hand-edited after rendering — a Kubernetes site's data claim mounted read-only where its
     --data points, its time box on its worker, its stop timeout as torchrun's wait and the pod's grace (30 s more);
     a Slurm site without them keeps the defaults."""
     job = _job(_docs(files["gke/site-gke.yaml"]))
@@ -279,7 +279,7 @@ def test_the_certificate_names_every_address_a_site_dials(tmp_path):
 
 
 BAD = {
-    # Issue 65: a site's volumes, time box and stop timeout, checked by key.
+    # A site's volumes, time box and stop timeout, checked by key.
     "data outside the data volume": (('data = "/data/tokens"', 'data = "/scratch/tokens"'), r"sites\.gke\.data: '/scratch/tokens' is not inside data_mount '/data'"),
     "no data path with a data volume": (('data = "/data/tokens"\n', ''), r"sites\.gke\.data: missing: the path of the site's data inside data_mount"),
     "a claim name Kubernetes refuses": (('data_claim = "gke-tokens"', 'data_claim = "GKE_tokens"'), r"sites\.gke\.data_claim: 'GKE_tokens' is not a PersistentVolumeClaim name"),
@@ -309,7 +309,7 @@ BAD = {
     "a NodePort outside the range": (("count = 2", "count = 2\nexpose = \"NodePort\""), r"shards\.addresses\[0\]: .* 30000-32767"),
     "expose for shards not on Kubernetes": ((KUBERNETES_SHARDS, "launcher = \"external\"\nexpose = \"NodePort\"\n"),
                                             r"shards\.expose: only for shards on Kubernetes"),
-    # Issue 63 (item 3): values that would break, or run something in, what is rendered from them.
+    # Values that would break, or run something in, what is rendered from them.
     "a newline in a host": (('"gpu2.lab.example.edu"', '"gpu2\\ntouch /tmp/pwned"'), r"sites\.lab\.hosts\[1\]: .* control character"),
     "a host that is no host": (('"gpu2.lab.example.edu"', '"gpu2;reboot"'), r"sites\.lab\.hosts\[1\]: .* is not a host name or IP"),
     "a newline in the run id": (('run_id = "run-x"', 'run_id = "run-x\\necho hi"'), r"run_id: 'run-x\\necho hi': use letters"),
@@ -426,7 +426,7 @@ def test_the_docs_example_file_renders_as_described():
 
 
 def test_two_sites_whose_launch_scripts_would_share_a_name_are_refused_not_dropped():
-    """Issue 63 (item 2): site `a` on host `b-c` and site `a-b` on host `c` in one cluster both rendered
+    """Site `a` on host `b-c` and site `a-b` on host `c` in one cluster both rendered
     `site-a-b-c.sh`; one silently replaced the other (exit 0, a site without a script)."""
     text = topology_text() + """
 [sites.a]
@@ -464,7 +464,7 @@ POLICY_FLAGS = ["--grace-s", "30", "--grace-min-s", "2.5", "--expect-clusters", 
 
 @pytest.mark.parametrize("where", ["kubernetes", "slurm", "bare-metal"])
 def test_the_shards_policy_reaches_every_shard_by_its_flag_names(where):
-    """Issue 65 (item 1): grace, expected sites, the update check and the rest of a shard's settings were
+    """Grace, expected sites, the update check and the rest of a shard's settings were
     `unknown key`s, set by hand on the rendered files. Now [shards.policy] takes them by their `dilocox
     server` flag names and every rendered shard runs with them."""
     shards = KUBERNETES_SHARDS if where == "kubernetes" else SHARDS_ELSEWHERE[where]

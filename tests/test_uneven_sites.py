@@ -1,4 +1,4 @@
-"""Uneven sites (issue 36): time-boxed rounds, and a shard closing on a quorum plus a grace window.
+"""Uneven sites: time-boxed rounds, and a shard closing on a quorum plus a grace window.
 
 Real shards over localhost gRPC; exact fp32 pushes, so what the shards hold can be replayed bit for bit
 from what went over the wire (each client records every push a shard accepted)."""
@@ -383,7 +383,7 @@ def test_time_box_sets_h_from_the_measured_step_time_within_bounds():
 
 
 def test_time_box_ends_the_round_by_the_clock_and_its_ranks_agree_at_check_points():
-    """Issue 47, item 1: the clock ends a time-boxed round, not an H estimated beforehand."""
+    """The clock ends a time-boxed round, not an H estimated beforehand."""
     one = RoundTimeBox(1000, seconds=60.0, min_steps=1, max_steps=5000, single_process=True)
     one.begin_round(1, time.monotonic())
     assert not any(one.ends_after(n, lambda v: v) for n in range(1, 50))  # far from its box: no end at the estimate

@@ -330,7 +330,7 @@ def test_with_two_sites_the_pair_is_compared_and_the_previous_update_only_breaks
 
 @pytest.mark.parametrize("mode", ["exclude", "clip"])
 def test_honest_sites_whose_rounds_point_in_unrelated_directions_are_all_merged_every_round(mode):
-    """Issue 62: four honest sites, each round's direction drawn afresh (unrelated to the last): the old
+    """Four honest sites, each round's direction drawn afresh (unrelated to the last): the old
     check flagged them against the previous update and once excluded all four. Judged against their peers,
     none is flagged, excluded or quarantined in 30 rounds."""
     sites = Round(seed=3)
@@ -489,7 +489,7 @@ def _assert_restored_alike(original, tmp_path) -> None:  # noqa: ANN001 - a serv
 
 @pytest.mark.parametrize("mode", ["exclude", "clip"])
 def test_real_shards_merge_four_honest_sites_whose_rounds_are_unrelated_as_a_plain_run_does(shard_set, mode):
-    """Issue 62's acceptance: four honest sites, each round's direction new (the previous update no guide),
+    """Four honest sites, each round's direction new (the previous update no guide),
     under exclude and clip against two real shards: every site merged in every round, nobody flagged or
     quarantined, and the shards' weights and momentum bit for bit those of the same rounds with the check off;
     every replica equals its shards'."""
@@ -523,7 +523,7 @@ def test_real_shards_merge_four_honest_sites_whose_rounds_are_unrelated_as_a_pla
 
 
 def test_real_shards_weigh_an_inflated_token_claim_at_a_multiple_of_the_others_and_leave_its_negation_out(shard_set):
-    """Issue 62: tokens are a claim. A site saying 1000× the others' tokens weighs 4× their median (the
+    """Tokens are a claim. A site saying 1000× the others' tokens weighs 4× their median (the
     round record keeps both: said and used), its claim cannot make it "the others" for the honest sites
     (one vote a site), and once it pushes its update negated it alone is flagged, and left out when that repeats."""
     from tests import four_sites
@@ -577,7 +577,7 @@ def test_clip_factors_bound_each_site_by_the_other_sites_median_norm():
 
 
 def test_real_shards_clipped_mean_bounds_a_site_under_the_checks_bounds_and_replays_stay_exact(shard_set):
-    """Issue 62: a site pushing its update ×6 every round (under the check's 10×: never flagged) makes a plain
+    """A site pushing its update ×6 every round (under the check's 10×: never flagged) makes a plain
     mean's step (3 + 6) / 4 = 2.25 honest ones; under --aggregate clipped-mean each shard scales it to 2× the
     others' median (1.25), forwards the factor (the round record says it), and every replica equals its
     shards' bit for bit."""
@@ -643,7 +643,7 @@ def test_a_byte_identical_copy_is_not_judged_but_counted_once():
 
 
 def test_real_shards_count_a_site_copying_anothers_update_once(shard_set):
-    """Issue 62: site3 pushes site1's update byte for byte every round (free-riding). Under exclude nobody is
+    """Site3 pushes site1's update byte for byte every round (free-riding). Under exclude nobody is
     flagged or left out, the two weigh 50 + 50 tokens instead of 100 + 100 (the round record says so),
     replicas stay bit-exact, and the weights end as a run without the copier ends (to rounding)."""
     from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
