@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shutil
 import signal
 import threading
 import time
@@ -86,10 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-rounds-dir", type=pathlib.Path,
                         help="where --keep-rounds-s keeps them (default: <--checkpoint-dir>/recent-rounds; without either, "
                              "memory only)")  # fmt: skip
-    parser.add_argument("--keep-rounds-disk-gb", type=float, default=DEFAULT_KEEP_ROUNDS_DISK_GB,
+    parser.add_argument("--keep-rounds-disk-gb", type=float,
                         help="at most this much disk for them: past it the oldest go first, and the shard says how far back it "
-                             f"then reaches (recent_rounds_budget_reached). Default {DEFAULT_KEEP_ROUNDS_DISK_GB:g} (84 MB a site "
-                             "and round at 107B)")  # fmt: skip
+                             f"then reaches (recent_rounds_budget_reached). Default: half the folder's free space at start, at most "
+                             f"{DEFAULT_KEEP_ROUNDS_DISK_GB:g} (84 MB a site and round at 107B), so they never crowd out the "
+                             "checkpoints on a shared volume")  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, help="write shard-<index>.pt here (atomically)")
     parser.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every k published versions (default 1)")
     parser.add_argument("--keep-serving", action="store_true",
@@ -249,7 +251,10 @@ def _keep_rounds_on_disk(shard, args: argparse.Namespace) -> None:  # noqa: ANN0
                  effect=f"a site more than {args.keep_rounds} versions behind pulls the whole model")  # fmt: skip
         return
     try:
-        disk = RoundsOnDisk(folder, args.shard_index, args.run_id, args.keep_rounds_s, int(args.keep_rounds_disk_gb * 1e9))
+        folder.mkdir(parents=True, exist_ok=True)
+        budget = (int(args.keep_rounds_disk_gb * 1e9) if args.keep_rounds_disk_gb is not None
+                  else min(int(DEFAULT_KEEP_ROUNDS_DISK_GB * 1e9), shutil.disk_usage(folder).free // 2))  # fmt: skip
+        disk = RoundsOnDisk(folder, args.shard_index, args.run_id, args.keep_rounds_s, max(budget, 1))
         shard.recent.keep_on_disk(disk, shard.snapshot, resumed=bool(args.resume))
     except (ValueError, OSError) as error:
         raise SystemExit(f"dilocox server: --keep-rounds-dir {folder}: {error}") from None
