@@ -456,6 +456,9 @@ def test_shard_processes_on_a_quorum_keep_a_4x_slower_fixed_h_site_in_and_equal_
         _stop(procs)
 
 
+@pytest.mark.xfail(strict=True, reason="known: a site slower than the grace window every round pushes to rounds closed by "
+                   "then; pushing to the shards' open round fixed it but a stalled site's run ended worse in 2 of 3 runs "
+                   "(global eval 1.066x, 1.136x the unstalled run's, against 0.966x, 0.985x before): docs/decisions.md")
 def test_an_always_slower_site_pushes_to_the_round_the_shards_have_open_and_is_merged(shard_set):
     """A site slower than the quorum + grace every round once pushed each round's work to the round after
     the version it held — closed rounds ago by then — so its work was carried from refusal to refusal and

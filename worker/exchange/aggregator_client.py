@@ -498,13 +498,6 @@ class AggregatorClient:
         return len(slices)
 
     # ------------------------------------------------------------------ status
-    def open_round(self, timeout: float = 5.0) -> int | None:
-        """The round the shards take pushes for now: the lowest any shard has open (a shard that closed it
-        already refuses the part, which is carried; one that has not refuses a later round). None when no
-        shard answers."""
-        rounds = [reply.open_round for reply in self.status_each(timeout) if not isinstance(reply, AggregatorError)]
-        return min(rounds) if rounds else None
-
     def status_each(self, timeout: float = 10.0) -> list[pb.StatusReply | AggregatorError]:
         """Status of every address, in order; a shard that fails answers with its AggregatorError."""
         replies: list[pb.StatusReply | AggregatorError] = []

@@ -233,8 +233,7 @@ class DilocoCluster(StepDriven):
         # A shard that gave any rank the run's final version takes nothing more (and stops once its members
         # have it): the run is over for the whole site even where another shard's answer was older.
         over = self._run_over_without(trained, tokens, max(held, self.client.newest_version))
-        behind = not over and self.access.agree_any(held + 1 > round_ or bool(exchange is not None and exchange.late))
-        round_ = self.rounds if over else self._round_to_push(round_, held, self._open_round(held) if behind else None)
+        round_ = self.rounds if over else self._round_to_push(round_, held)
         # Work pushed to a later round than it was trained for weighs less by its age (and the shards cap
         # it at the on-time contributions' mean): common/wire/staleness.py.
         staleness = round_ - trained
@@ -333,22 +332,13 @@ class DilocoCluster(StepDriven):
             raise ValueError(f"round {round_}: the site's ranks report different tokens ({low} to {high}); every rank "
                              f"must pass the whole site's tokens (the same number) to step()/close_round")  # fmt: skip
 
-    def _round_to_push(self, round_: int, version: int, open_round: int | None = None) -> int:
+    def _round_to_push(self, round_: int, version: int) -> int:
         """The round this boundary's pseudo-gradient goes to: the one trained, unless the shards have
-        already closed it (a late site under quorum + grace: server/round_close.py), then the open one —
-        never past the run's last round, whose refusal the carry keeps for the end-of-run flush.
-        `version`: the newest the site holds; `open_round`: the shards' open round, asked when the site is
-        behind (the version it holds can be rounds old by then)."""
-        return max(round_, min(max(version + 1, open_round or 0), self.rounds))
-
-    def _open_round(self, held: int) -> int:
-        """The shards' open round, the same on every rank (the highest any rank was told). A site that is
-        always slower than the quorum + grace once pushed every round to the round after the version it
-        held — closed rounds ago by then — so its work was carried from refusal to refusal and never merged
-        (a 3× slower site of three: 0 of 8 rounds). A round that closes between the question and the push
-        refuses the part, which is carried as before."""
-        asked = self.client.open_round()
-        return self.access.agree_max(asked if asked is not None else held + 1)
+        already closed it (a late site under quorum + grace: server/round_close.py), then the one after the
+        version the site holds — never past the run's last round, whose refusal the carry keeps for the
+        end-of-run flush. A site slower than the grace window every round finds that round closed too, every
+        time (tests/test_uneven_sites.py, an expected failure: see docs/decisions.md)."""
+        return max(round_, min(version + 1, self.rounds))
 
     def _watch_losses(self, report: RoundReport, evaluated: bool, caught_up: bool = False) -> None:
         """The round's losses through the site's loss watch (worker/exchange/loss_watch.py: `watch_round`)."""
