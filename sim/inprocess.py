@@ -101,7 +101,7 @@ def run_in_process(
             hook = (lambda report, _steps, _version, client=client: on_round(client, report)) if on_round else None
             clusters.append(DilocoCluster(trainer, client, config.rounds, config.inner.steps, config.delay,
                                           json.dumps(as_dict(config)), evaluate_every_round=evaluate_every_round,
-                                          on_round=hook, sync_rounds=config.sync_rounds, delayed_start=config.delayed_start,
+                                          on_round=hook, sync_rounds=config.sync_rounds, delayed_start=config.delayed_start, overlap_steps=config.overlap_steps,
                                           num_clusters=num_clusters))  # fmt: skip
         errors: list[BaseException] = []
 

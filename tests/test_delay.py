@@ -69,11 +69,15 @@ class RecordingCluster(DilocoCluster):
         return report
 
 
-def reference_delayed(seeds: list[int], rounds: int, h: int, rule: str = "own", sync_rounds: int = 0) -> tuple[list[list[dict]], dict]:
+def reference_delayed(seeds: list[int], rounds: int, h: int, rule: str = "own", sync_rounds: int = 0,
+                      overlap: int = 0) -> tuple[list[list[dict]], dict]:  # fmt: skip
     """The delayed algorithm of DESIGN.md §3 written out in torch, with torch.optim.SGD as the outer step.
-    `rule`: where a delayed round's successor starts — "own": θ_{t-1} − Δ_t; "eager": SGD's Nesterov
-    step from θ_{t-1} with momentum v_{t-1} on ĝ = Δ_t/M + (1 − 1/M)(1 − μ)·v_{t-1}. The first
-    `sync_rounds` rounds are synchronous (every cluster adopts θ_t at once)."""
+    `rule`: where a delayed round's successor starts — "own": θ_{t-1} − Δ_t; "estimate": SGD's Nesterov
+    step from θ_{t-1} with momentum v_{t-1} on ĝ = Δ_t/M + (1 − 1/M)(1 − μ)·v_{t-1}; "eager" (Eager
+    updates): each cluster's own torch SGD, stepped on g̃_t = ḡ_{t-1} + (Δ_t − Δ_{t-1})/M, its
+    parameters the next start. The first `sync_rounds` rounds are synchronous (every cluster adopts θ_t
+    at once). `overlap` τ: θ_{t-1} is taken in τ steps into round t (x ← x − s_t + θ_{t-1}, s_t ← θ_{t-1}),
+    and a round's successor starts where it ended."""
     trainers = [ToyTrainer(s) for s in seeds]
     global_params = {n: torch.nn.Parameter(p.detach().clone()) for n, p in trainers[0].model.named_parameters()}
     outer = torch.optim.SGD(list(global_params.values()), lr=LR, momentum=MOMENTUM, nesterov=True)
@@ -81,6 +85,11 @@ def reference_delayed(seeds: list[int], rounds: int, h: int, rule: str = "own", 
     history: list[list[dict]] = [[] for _ in trainers]
     previous_global = None  # θ_{t-1} as the clusters receive it (one round late)
     share = 1.0 / len(trainers)
+    # Eager updates: every cluster's own outer optimiser, and the mean and its own Δ of the last round
+    own_params = [{n: torch.nn.Parameter(p.detach().clone()) for n, p in global_params.items()} for _ in trainers]
+    own_outer = [torch.optim.SGD(list(p.values()), lr=LR, momentum=MOMENTUM, nesterov=True) for p in own_params]
+    last_mean: dict | None = None
+    last_own: list[dict | None] = [None for _ in trainers]
 
     def assign(t, weights):
         with torch.no_grad():
@@ -92,16 +101,30 @@ def reference_delayed(seeds: list[int], rounds: int, h: int, rule: str = "own", 
         momentum = {n: outer.state[p]["momentum_buffer"].clone() for n, p in global_params.items() if "momentum_buffer" in outer.state[p]}
         deltas, tokens = [], []
         for i, t in enumerate(trainers):
-            _, n_tokens, _ = t.train_steps(h)
+            if overlap and previous_global is not None and not sync:
+                _, first_tokens, _ = t.train_steps(overlap)
+                assign(t, {n: p.detach() - starts[i][n] + previous_global[n] for n, p in t.model.named_parameters()})
+                starts[i] = dict(previous_global)
+                _, n_tokens, _ = t.train_steps(h - overlap)
+                n_tokens += first_tokens
+            else:
+                _, n_tokens, _ = t.train_steps(h)
             local = {n: p.detach().clone() for n, p in t.model.named_parameters()}
             delta = {n: starts[i][n] - local[n] for n in local}
             deltas.append(delta)
             tokens.append(float(n_tokens))
             if sync:
                 continue
-            base = previous_global if previous_global is not None else starts[i]
+            base = previous_global if previous_global is not None and not overlap else starts[i]
             if rule == "own":
                 merged = {n: base[n] - delta[n] for n in delta}
+            elif rule == "eager":
+                for n, p in own_params[i].items():
+                    stale = last_mean[n] - share * last_own[i][n] if last_mean is not None else 0.0
+                    p.grad = stale + share * delta[n]
+                own_outer[i].step()
+                merged = {n: p.detach().clone() for n, p in own_params[i].items()}
+                last_own[i] = delta
             else:
                 v = {n: momentum.get(n, torch.zeros_like(delta[n])) for n in delta}
                 estimate = {n: delta[n] * share + (1 - share) * (1 - MOMENTUM) * v[n] for n in delta}
@@ -111,6 +134,7 @@ def reference_delayed(seeds: list[int], rounds: int, h: int, rule: str = "own", 
             history[i].append(merged)
         for n, p in global_params.items():
             p.grad = sum(w * d[n] for w, d in zip(tokens, deltas)) / sum(tokens)
+        last_mean = {n: p.grad.clone() for n, p in global_params.items()}
         outer.step()
         new_global = {n: p.detach().clone() for n, p in global_params.items()}
         if sync:
@@ -175,14 +199,18 @@ def test_delayed_weights_equal_pure_torch_reference(shard_set):
     assert any(not torch.equal(first_a[n], first_b[n]) for n in first_a)
 
 
-@pytest.mark.parametrize("rule, sync_rounds", [("eager", 0), ("eager", 2), ("own", 2)])
-def test_delayed_start_rules_and_warm_up_equal_the_reference(shard_set, rule, sync_rounds):
-    """The eager start (the outer step on Δ_t/M plus the replicated momentum's estimate of the others)
-    and a synchronous warm-up, at every boundary, against the torch reference."""
+@pytest.mark.parametrize("rule, sync_rounds, overlap", [("estimate", 0, 0), ("estimate", 2, 0), ("own", 2, 0), ("eager", 0, 0),
+                                                        ("own", 0, 3), ("own", 2, 1)])  # fmt: skip
+def test_delayed_start_rules_and_warm_up_equal_the_reference(shard_set, rule, sync_rounds, overlap):
+    """The start rules — Eager updates (each cluster's own outer step on the last mean with its own stale
+    part swapped for its fresh one), the estimate (the outer step on Δ_t/M plus the replicated momentum's
+    estimate of the others) — a synchronous warm-up, and the merge τ steps into the next round
+    (`overlap_steps`, waited for at τ), at every boundary, against the torch reference."""
     seeds, rounds, h = [11, 22], 6, 4
     shards = shard_set(2, RUN, min_clusters=2)
-    clusters = run_clusters(shards.addresses, seeds, rounds, h, delay=1, delayed_start=rule, sync_rounds=sync_rounds)
-    expected, final_global = reference_delayed(seeds, rounds, h, rule=rule, sync_rounds=sync_rounds)
+    clusters = run_clusters(shards.addresses, seeds, rounds, h, delay=1, delayed_start=rule, sync_rounds=sync_rounds,
+                            overlap_steps=overlap, merge_wait=True)  # fmt: skip
+    expected, final_global = reference_delayed(seeds, rounds, h, rule=rule, sync_rounds=sync_rounds, overlap=overlap)
     for cluster, reference in zip(clusters, expected):
         assert [r.round for r in cluster.reports] == list(range(1, rounds + 1))
         for got, want in zip(cluster.after_boundary, reference, strict=True):
@@ -194,6 +222,29 @@ def test_delayed_start_rules_and_warm_up_equal_the_reference(shard_set, rule, sy
         a, b = clusters[0].after_boundary, clusters[1].after_boundary
         assert all(torch.equal(a[r][n], b[r][n]) for r in range(sync_rounds) for n in a[r])
         assert any(not torch.equal(a[sync_rounds][n], b[sync_rounds][n]) for n in a[sync_rounds])
+
+def test_the_merge_is_taken_in_mid_round_at_the_first_step_it_is_back(shard_set):
+    """`overlap_steps` without waiting: from τ steps in, each step asks whether the exchange is back and
+    merges then — never blocking mid-round; what is not back by the round's end the boundary takes in (H).
+    The run ends on the shards' model, the same in both clusters."""
+    seeds, rounds, h = [11, 22], 5, 12
+    shards = shard_set(2, RUN, min_clusters=2)
+    clusters = []
+    for i, seed in enumerate(seeds):
+        client = AggregatorClient(shards.addresses, RUN, f"c{i}", connect_timeout=10, rpc_timeout=30)
+        clusters.append(RecordingCluster(ToyTrainer(seed, step_s=0.02), client, rounds, h, delay=1, num_clusters=2, overlap_steps=2))
+    run_concurrently(clusters)
+    for cluster in clusters:
+        reports = cluster.reports
+        assert [r.round for r in reports] == list(range(1, rounds + 1))
+        assert reports[0].merged_at_step == 0  # nothing in flight in round 1
+        assert all(2 <= r.merged_at_step <= h for r in reports[1:]), [r.merged_at_step for r in reports]
+        assert any(r.merged_at_step < h for r in reports[1:]), "no round merged before its end"
+    a, b = clusters
+    assert all(torch.equal(a.params[n], b.params[n]) for n in a.params)  # both end on θ_T
+    plain = run_clusters(shard_set(2, RUN, min_clusters=2).addresses, seeds, 3, 4, delay=1)
+    assert [r.merged_at_step for r in plain[0].reports] == [0, 4, 4]  # the one-step delay: at the boundary
+
 
 def slow_shard(delay_s: float, min_clusters: int = 1):
     shard = Shard(0, 1, RUN, LR, MOMENTUM, min_clusters)
@@ -328,7 +379,12 @@ def test_delay_options_are_checked():
 
     with pytest.raises(ValueError, match="sync_rounds must be ≥ 0"):
         RunConfig(sync_rounds=-1)
-    with pytest.raises(ValueError, match="delayed_start must be 'own' or 'eager'"):
+    with pytest.raises(ValueError, match="delayed_start must be one of own, eager, estimate"):
         RunConfig(delayed_start="later")
     with pytest.raises(ValueError, match="delayed start must be one of own, eager"):
         DilocoCluster(ToyTrainer(1), None, rounds=1, inner_steps=1, delayed_start="later")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="overlap_steps must be ≥ 0"):
+        RunConfig(overlap_steps=-1)
+    client = AggregatorClient(["127.0.0.1:9"], RUN, "c0", connect_timeout=1, rpc_timeout=1)  # never called
+    eager = DilocoCluster(ToyTrainer(1), client, rounds=1, inner_steps=4, delayed_start="eager", overlap_steps=2)
+    assert eager.overlap_steps == 0  # the mid-round rebase is the `own` rule: the others merge at the round's end

@@ -1,8 +1,8 @@
 """The round boundary folds θ into the outgoing buffer and the next start as it arrives.
 
 Held against the arithmetic the boundary did before over whole buffers (θ into a work buffer, Δ = s − θ,
-the start from the replica minus the residual, the compressor's e += Δ): bit for bit, for both delayed
-start rules, from the replica or from s_t, with error feedback kept in the weights, classic with a decay,
+the start from the replica minus the residual, the compressor's e += Δ): bit for bit, for every delayed
+start rule, from the replica or from s_t, with error feedback kept in the weights, classic with a decay,
 and none; θ handed over in uneven row pieces and cut into chunks. And on gloo: a site's gather lands
 every owned row once, with the values the whole-buffer gather gives.
 """
@@ -57,7 +57,7 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("start", [None, ("own", True), ("own", False), ("eager", True), ("eager", False)])
+@pytest.mark.parametrize("start", [None, ("own", True), ("own", False), ("estimate", True), ("estimate", False), ("eager", True), ("eager", False)])
 def test_fold_is_the_whole_buffer_arithmetic_bit_for_bit(mode, start, monkeypatch):
     monkeypatch.setattr(outgoing_module, "CHUNK_ELEMENTS", 7)  # chunks that cut rows and slices
     g = torch.Generator().manual_seed(1)
@@ -86,7 +86,7 @@ def test_fold_is_the_whole_buffer_arithmetic_bit_for_bit(mode, start, monkeypatc
                 if residual is not None:
                     base.sub_(residual)
             momentum = outer.buffers.get(sl.key)
-            next_start(rule, base, base, d, momentum, outer, 0.5)
+            next_start(rule, base, base, d, momentum, outer, 0.5, torch.zeros_like(d) if rule == "eager" else None)
         e = reference.residual(sl.key) if reference is not None and config.error_feedback else None
         if e is None:
             expected_out[sl.key] = d.clone()
@@ -115,6 +115,38 @@ def test_fold_is_the_whole_buffer_arithmetic_bit_for_bit(mode, start, monkeypatc
         assert torch.equal(out, expected_out[key]), key
     if compressor is not None and config.error_feedback:  # the residual is the outgoing buffer itself
         assert all(buffers.holds(compressor.residual(sl.key)) for sl in slices)
+
+
+@pytest.mark.parametrize("mode", ["local", "uncompressed"])
+def test_a_mid_round_merge_rebases_the_live_model_on_theta_bit_for_bit(mode, monkeypatch):
+    """`overlap_steps`: the rebase writes x − s + (θ − e) for the model, piece by piece and in chunks, as the
+    whole-buffer arithmetic gives it; the start then becomes θ − e."""
+    monkeypatch.setattr(outgoing_module, "CHUNK_ELEMENTS", 7)
+    g = torch.Generator().manual_seed(3)
+    slices = _slices()
+    s_t = {n: _random(shape, g) for n, shape in SHAPES.items()}
+    live = {n: s_t[n] - 0.01 * _random(shape, g) for n, shape in SHAPES.items()}
+    held = {sl.key: sl.view(s_t[sl.name]) + 0.001 * _random(sl.slice_shape, g) for sl in slices}
+    config = MODES[mode]
+    compressor = _restored(config, {sl.key: 0.01 * _random(sl.slice_shape, g) for sl in slices}) if config else None
+    expected = {n: live[n].clone() for n in SHAPES}
+    for sl in slices:
+        target = sl.view(expected[sl.name])
+        target.sub_(sl.view(s_t[sl.name])).add_(held[sl.key])
+        if compressor is not None:
+            target.sub_(compressor.residual(sl.key))
+    buffers = HostBuffers(SHAPES)
+    fold = OutgoingFold(buffers, slices, compressor)
+    for n in SHAPES:
+        buffers.start[n].copy_(s_t[n])
+    rebase = fold.rebase(held)
+    for name, shape in SHAPES.items():
+        rows, flat = (shape[0] if shape else 1), live[name].reshape(-1)
+        width = math.prod(shape[1:]) if len(shape) > 1 else 1
+        for a, b in ([(0, 1), (1, 5), (5, rows)] if rows > 5 else [(0, rows)]):
+            rebase(name, a, b, flat[a * width : b * width].clone())
+    for n in SHAPES:
+        assert torch.equal(buffers.start[n], expected[n]), n
 
 
 def test_compressing_the_formed_buffer_sends_and_keeps_what_compressing_delta_did():

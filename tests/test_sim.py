@@ -103,11 +103,14 @@ def test_sim_writes_tensorboard_scalars_one_point_per_round(sim_of):
 
 
 def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
-    """A site of pp=2 × dp=2 ranks (FSDP2 inside each stage, gloo) with the default delay and compression
+    """A site of pp=2 × dp=2 ranks (FSDP2 inside each stage, gloo) with the one-step delay and compression
     converges like one process on the same global batch, and every rank's replica of the shards' weights
     stays exact (the replay check finds no mismatch)."""
-    _, single = run_sim(tmp_path / "pp1", "--clusters", "1", "--inner-batch-size", "16")
-    _, site = run_sim(tmp_path / "pp2dp2", "--clusters", "1", "--pp", "2", "--dp", "2", "--microbatches", "4")
+    # The plain delay (merged at the boundary) on both: a merge mid-round comes at the step the exchange is
+    # back, which timing decides, and a 4-round run magnifies where it landed (the site's merge: below).
+    plain = ("--overlap-steps", "0")
+    _, single = run_sim(tmp_path / "pp1", "--clusters", "1", "--inner-batch-size", "16", *plain)
+    _, site = run_sim(tmp_path / "pp2dp2", "--clusters", "1", "--pp", "2", "--dp", "2", "--microbatches", "4", *plain)
     assert site["ok"] and site["tokens"] == single["tokens"]
     assert abs(site["final_eval_loss"] - single["final_eval_loss"]) < 0.05 * single["final_eval_loss"], (single, site)
     assert site["replay_mismatches"] == 0
@@ -124,6 +127,22 @@ def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
     assert {e["rank"] for e in events if e["event"] == "exchange_memory"} == {0, 1, 2, 3}
     if site["tensorboard_dir"]:  # the site's rank 0 alone tracks the run: one event file for its four ranks
         assert len(list(pathlib.Path(site["tensorboard_dir"], "cluster-0").glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_site_merges_the_update_mid_round_on_every_rank_at_the_same_step(tmp_path):
+    """The default `--overlap-steps 1` in a site of pp=2 ranks: the previous round's update is taken in
+    mid-round at a step all ranks agree on (each rank rebases its own share), the replicas stay exact,
+    and the run converges."""
+    _, site = run_sim(tmp_path / "pp2", "--clusters", "1", "--pp", "2", "--microbatches", "4", "--rounds", "3")
+    assert site["ok"] and site["replay_mismatches"] == 0
+    events = [json.loads(line) for line in (tmp_path / "pp2" / "logs" / "cluster-0.log").read_text().splitlines() if line.startswith("{")]
+    merged: dict[int, set[int]] = {}
+    for e in events:
+        if e["event"] == "round_done":
+            merged.setdefault(e["round"], set()).add(e["merged_at_step"])
+    assert sorted(merged) == [1, 2, 3] and all(len(steps) == 1 for steps in merged.values()), merged  # agreed
+    assert merged[1] == {0} and all(1 <= step <= 15 for r in (2, 3) for step in merged[r]), merged
+    assert site["final_eval_loss"] < site["initial_eval_loss"] - 1.0, site
 
 
 def test_sim_compressed_converges_like_uncompressed_synchronous(sim_of):

@@ -153,7 +153,7 @@ class WireConfig:
 
 # worker/data/corpus.py, data_part: "own" = every site's --data is its own, trained on whole by that site
 DATA_SPLITS = ("interleaved", "contiguous", "own")
-DELAYED_STARTS = ("own", "eager")  # worker/exchange/delayed_start.py
+DELAYED_STARTS = ("own", "eager", "estimate")  # worker/exchange/delayed_start.py
 
 
 @dataclass(frozen=True)
@@ -169,10 +169,17 @@ class RunConfig:
     # 1: one-step-delay overlap (DiLoCoX); 0: synchronous DiLoCo, the reference.
     delay: int = 1
     # With the delay: the first `sync_rounds` rounds synchronous (a warm-up, while pseudo-gradients are
-    # large), and where the next round starts: "own" (θ_{t-1} − Δ_t, DESIGN.md §3) or "eager" (the outer
-    # step on an estimate of the round's mean), see worker/exchange/delayed_start.py.
+    # large), and where the next round starts: "own" (θ_{t-1} − Δ_t, DESIGN.md §3), "eager" (Eager updates,
+    # arXiv 2502.12996) or "estimate" (the outer step on an estimate of the round's mean), see
+    # worker/exchange/delayed_start.py.
     sync_rounds: int = 0
     delayed_start: str = "own"
+    # With the delay: take the previous round's merged model in from this many inner steps into the next
+    # round on (Streaming DiLoCo's overlap τ), at the first step it is back, instead of at that round's
+    # end; 0 (or ≥ H): at the end, the plain one-step delay. Never waits mid-round: what is not back by
+    # the round's end the boundary takes in (worker/exchange/cluster.py, docs/decisions.md). With the
+    # `own` start only: the other rules take it in at the round's end.
+    overlap_steps: int = 1
     # How work pushed later than the round it was trained for weighs (a carried part, a late site catching
     # up): "inverse" (its tokens × 1/(1 + age in rounds)), "lenient" (a round late counts whole, older work
     # 1/age) or "full" (its tokens); the shards cap it at the mean of the round's on-time contributions
@@ -209,10 +216,13 @@ class RunConfig:
             raise ValueError(f"delay must be 0 or 1, got {self.delay}")
         if self.sync_rounds < 0:
             raise ValueError(f"sync_rounds must be ≥ 0, got {self.sync_rounds}")
+        if self.overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be ≥ 0, got {self.overlap_steps}")
+
         if self.data_split not in DATA_SPLITS:
             raise ValueError(f"data_split must be one of {', '.join(DATA_SPLITS)}, got {self.data_split!r}")
         if self.delayed_start not in DELAYED_STARTS:
-            raise ValueError(f"delayed_start must be 'own' or 'eager', got {self.delayed_start!r}")
+            raise ValueError(f"delayed_start must be one of {', '.join(DELAYED_STARTS)}, got {self.delayed_start!r}")
         if self.stale_weighting not in STALE_WEIGHTINGS:
             raise ValueError(f"stale_weighting must be one of {', '.join(STALE_WEIGHTINGS)}, got {self.stale_weighting!r}")
         if self.rounds < 1:

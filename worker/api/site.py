@@ -212,7 +212,7 @@ class DiLoCoX:
                                        tls=tls, token=token, shard_wait_s=shard_wait_s, pull_wait_s=pull_wait_s, tokenizer=tokenizer_identity(tokenizer))  # fmt: skip
         self.cluster = DilocoCluster(
             trainer, self.client, self.config.rounds, self.config.inner.steps, self.config.delay, json.dumps(as_dict(self.config)),
-            access=access, allow_late_join=join_late, sync_rounds=self.config.sync_rounds, delayed_start=self.config.delayed_start,
+            access=access, allow_late_join=join_late, sync_rounds=self.config.sync_rounds, delayed_start=self.config.delayed_start, overlap_steps=self.config.overlap_steps,
             num_clusters=num_clusters, spill_dir=self.config.parallel.spill_dir, on_round=(lambda report, _h, _v: on_round(report)) if on_round else None,
             checkpoint=builtin.checkpoint if builtin else None, steps_controller=builtin.steps_controller if builtin else steps_controller_for(self.config.inner, single_process=False),
         )  # fmt: skip

@@ -99,6 +99,8 @@ class DilocoCluster(StepDriven):
         delayed_start: str = "own",
         num_clusters: int = 1,
         spill_dir: str = "",
+        overlap_steps: int = 0,
+        merge_wait: bool = False,
     ) -> None:
         """`access`: how to read and write the parameters this rank exchanges (default: all of the
         trainer's, in this process; a site rank passes `worker.site.access.SiteAccess`).
@@ -108,7 +110,11 @@ class DilocoCluster(StepDriven):
         `sync_rounds`: with the delay, the first rounds run synchronously; `delayed_start` ("own" or
         "eager", worker/exchange/delayed_start.py) and `num_clusters` (this cluster's share 1/M of a
         round's mean) decide where a delayed round's successor starts. `spill_dir`: the start lives in a
-        file there between boundaries (worker/exchange/spill.py)."""
+        file there between boundaries (worker/exchange/spill.py). `overlap_steps` (τ, with the delay): the
+        previous round's merged model is taken in from τ inner steps into the next round on, at the first
+        step it is back, instead of at its end (`merge_in_flight`; 0, or τ ≥ H: at the boundary — the
+        one-step delay of DESIGN.md §3); `merge_wait`: at step τ exactly, waiting for it (deterministic:
+        tests against a reference)."""
         if delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {delay}")
         self.trainer = trainer
@@ -119,6 +125,11 @@ class DilocoCluster(StepDriven):
         self.delay = delay
         self.sync_rounds = sync_rounds
         self.delayed_start = check_rule(delayed_start)
+        if overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be ≥ 0, got {overlap_steps}")
+        self.overlap_steps = overlap_steps if delayed_start == "own" else 0  # the rebase is the `own` rule
+        self.merge_wait = merge_wait
+        self._merged: tuple[RoundExchange, float, int] | None = None  # taken in mid-round (exchange, idle, step)
         self.share = 1.0 / max(1, num_clusters)
         self.run_config_json = run_config_json
         self.evaluate_every_round = evaluate_every_round
@@ -217,7 +228,8 @@ class DilocoCluster(StepDriven):
         timer = BoundaryTimer()
         delay = 0 if round_ <= self.sync_rounds else self.delay
         exchange: RoundExchange | None = None
-        idle = 0.0
+        merged, self._merged = self._merged, None
+        idle = merged[1] if merged is not None else 0.0
         refused: AggregatorError | None = None
         if self.communicator.in_flight is not None:  # the previous round's exchange (delayed rounds)
             with timer("collect"):
@@ -268,10 +280,11 @@ class DilocoCluster(StepDriven):
         # A boundary that skipped versions (the site caught up on rounds closed without it) starts its model
         # from weights rounds newer than the ones it trained on: its own eval may jump for a round.
         caught_up = round_ != trained or (exchange is not None and exchange.version > self.version + 1)
+        reported = exchange or (merged[0] if merged is not None else None)  # what this round's figures show
         if exchange is not None:
             self.version = exchange.version
         if self.time_box is not None:  # a late site's next box is shorter, to get back in phase
-            self.time_box.late = self.access.agree_any(bool(exchange is not None and exchange.late))
+            self.time_box.late = self.access.agree_any(bool(reported is not None and reported.late))
         self._adopt_held = over or (delay == 0 and round_ == self.rounds)
         self._last_weight = float(tokens)
         with timer("write"):
@@ -279,16 +292,17 @@ class DilocoCluster(StepDriven):
         self.buffers.rest_start()  # a spilled start goes back to disk while the next round trains
         with timer("eval"):
             eval_loss = self.trainer.evaluate() if self.evaluate_every_round or round_ == self.rounds else float("nan")
-        comm_s = exchange.comm_s if exchange else 0.0
+        comm_s = reported.comm_s if reported else 0.0
         report = RoundReport(  # fmt: skip
             round=round_, train_loss=round(train_loss, 4), eval_loss=round(eval_loss, 4), tokens=tokens,
-            bytes_up=exchange.bytes_up if exchange else 0, bytes_down=exchange.bytes_down if exchange else 0,
+            bytes_up=reported.bytes_up if reported else 0, bytes_down=reported.bytes_down if reported else 0,
             compute_s=round(compute_s, 3), comm_s=round(comm_s, 3), idle_s=round(idle, 3),
             seconds=round(time.perf_counter() - began, 3),
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
             residual_norm=round(self.client.compressor.residual_norm(), 4) if self.client.compressor else 0.0,
             compress_rank=round(self.client.compressor.mean_rank(), 2) if self.client.compressor else 0.0,
-            inner_steps=self.inner_steps, late=bool(exchange and exchange.late),
+            inner_steps=self.inner_steps, late=bool(reported and reported.late),
+            merged_at_step=merged[2] if merged is not None else (self.inner_steps if exchange is not None and not synchronous else 0),
         )
         self._watch_losses(report, evaluated=self.evaluate_every_round or round_ == self.rounds, caught_up=caught_up)
         log.info("round_done", cluster=self.client.cluster, delay=delay, **asdict(report))
@@ -305,6 +319,24 @@ class DilocoCluster(StepDriven):
                         staleness=staleness, tokens=tokens, weight=round(weight, 3),
                         reason="the shards closed the rounds in between without this site: its work goes to the open round")  # fmt: skip
         return report
+
+    def merge_in_flight(self, round_: int, tokens: int) -> None:
+        """τ steps into round `round_`: collect the previous round's exchange and take the merged model in
+        now, keeping the τ steps' own progress on top (`outgoing.Rebase`); the round's start becomes
+        θ − e, so its pseudo-gradient at the boundary is all of its own progress. The boundary then finds
+        nothing in flight and goes on from the model as it is (the `own` rule without a θ). Streaming
+        DiLoCo's overlap of τ steps (arXiv 2501.18512) with its α = 0 and this framework's start rule."""
+        exchange, idle, refused = self._collect()
+        self._check_stop(exchange)
+        self._check_refusal(round_, refused, tokens)
+        assert exchange is not None and self.outgoing is not None
+        self._commit(exchange.round)
+        self.version = exchange.version
+        self.access.read_rows(self.outgoing.rebase(self.client.held), keep_buffer=self.buffers.spill is None)
+        self.access.write(self.buffers.start)
+        self._start_from_held(keep_unsent=True)
+        self.buffers.rest_start()
+        self._merged = (exchange, idle, self._steps)
 
     @property
     def final_version(self) -> int:

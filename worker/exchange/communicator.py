@@ -77,6 +77,12 @@ class Communicator:
             self._pushed = threading.Event()
             self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices, codec, self._pushed, facts, formed))
 
+    @property
+    def ready(self) -> bool:
+        """Whether the round in flight has come back (or failed): collecting it would not block."""
+        pending = self._in_flight
+        return pending is not None and pending[1].done()
+
     def wait_pushed(self) -> None:
         """Return once the round in flight (if any) has been pushed — its compression done, so the
         compressor's state is settled — without waiting for the round's result."""

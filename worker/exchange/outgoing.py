@@ -59,6 +59,7 @@ class OutgoingFold:
         self.decay = config.error_decay if config is not None else 1.0
         self.local_residual = bool(compressor is not None and compressor.keeps_local_residual)
         self._scratch = torch.empty(0)
+        self.own_momentum: dict[SliceKey, torch.Tensor] = {}  # W per slice, for the `eager` start only
         if self.feedback:
             assert compressor is not None
             for s in slices:  # the residual lives in `outgoing` from now on (a restored one is copied in)
@@ -66,6 +67,10 @@ class OutgoingFold:
 
     def outgoing_slices(self) -> dict[SliceKey, torch.Tensor]:
         return {s.key: s.view(self.buffers.outgoing[s.name]) for group in self.by_name.values() for s in group}
+
+    def rebase(self, held: dict[SliceKey, torch.Tensor]) -> "Rebase":
+        """A `land` for `read_rows` at a mid-round merge (`Rebase`)."""
+        return Rebase(self, held)
 
     def fold(self, held: dict[SliceKey, torch.Tensor], start: NextStart | None, outer: OuterNesterov | None) -> "Folding":
         """A `land` for `read_rows`: Δ into `outgoing`, and with `start` (a delayed round) the next start
@@ -78,13 +83,11 @@ class OutgoingFold:
         return self._scratch[:n]
 
 
-class Folding:
-    """One boundary's fold; `nonfinite` names a slice whose Δ held NaN or Inf (its chunk left unfolded)."""
+class RowWalk:
+    """Hands each piece of θ that `read_rows` lands to `_chunk`, cut at the owner's slices and in chunks of
+    at most `CHUNK_ELEMENTS`, with the matching chunks of the two buffers."""
 
-    def __init__(self, owner: OutgoingFold, held: dict[SliceKey, torch.Tensor], start: NextStart | None,
-                 outer: OuterNesterov | None) -> None:  # fmt: skip
-        self.owner, self.held, self.start, self.outer = owner, held, start, outer
-        self.nonfinite: SliceKey | None = None
+    owner: OutgoingFold
 
     def __call__(self, name: str, first: int, last: int, theta: torch.Tensor) -> None:
         buffers = self.owner.buffers
@@ -102,6 +105,35 @@ class Folding:
                 m = min(CHUNK_ELEMENTS, n - c)
                 self._chunk(s.key, start_flat[at + c : at + c + m], outgoing_flat[at + c : at + c + m],
                             theta[in_piece + c : in_piece + c + m], in_slice + c, m)  # fmt: skip
+
+    def _chunk(self, key: SliceKey, s: torch.Tensor, out: torch.Tensor, theta: torch.Tensor, offset: int, m: int) -> None:
+        raise NotImplementedError
+
+
+class Rebase(RowWalk):
+    """A mid-round merge (`overlap_steps`): the merged model θ_t arrived τ steps into round t+1, whose
+    start s holds the model as round t ended. Each piece of the live model x becomes x + (θ_t − e) − s —
+    the merged model with the τ steps' own progress on top, as the boundary's `own` rule keeps a round's
+    — written into `start`, from which the caller writes the model and then sets the start to θ_t − e."""
+
+    def __init__(self, owner: OutgoingFold, held: dict[SliceKey, torch.Tensor]) -> None:
+        self.owner, self.held = owner, held
+
+    def _chunk(self, key: SliceKey, s: torch.Tensor, out: torch.Tensor, theta: torch.Tensor, offset: int, m: int) -> None:
+        owner = self.owner
+        held = self.held[key].reshape(-1)[offset : offset + m]
+        s.neg_().add_(theta).add_(held)  # x − s + θ_t
+        if owner.local_residual:
+            s.sub_(owner.compressor.residual(key).reshape(-1)[offset : offset + m])  # type: ignore[union-attr]
+
+
+class Folding(RowWalk):
+    """One boundary's fold; `nonfinite` names a slice whose Δ held NaN or Inf (its chunk left unfolded)."""
+
+    def __init__(self, owner: OutgoingFold, held: dict[SliceKey, torch.Tensor], start: NextStart | None,
+                 outer: OuterNesterov | None) -> None:  # fmt: skip
+        self.owner, self.held, self.start, self.outer = owner, held, start, outer
+        self.nonfinite: SliceKey | None = None
 
     def _chunk(self, key: SliceKey, s: torch.Tensor, out: torch.Tensor, theta: torch.Tensor, offset: int, m: int) -> None:
         owner = self.owner
@@ -131,4 +163,8 @@ class Folding:
                 s.copy_(held)
         momentum = self.outer.buffers.get(key) if self.outer is not None else None
         momentum = momentum.reshape(-1)[offset : offset + m] if momentum is not None else None
-        next_start(rule.rule, s, s, d, momentum, self.outer, rule.share)
+        own = None
+        if rule.rule == "eager":
+            numel = self.held[key].numel()
+            own = self.owner.own_momentum.setdefault(key, torch.zeros(numel)).reshape(-1)[offset : offset + m]
+        next_start(rule.rule, s, s, d, momentum, self.outer, rule.share, own)

@@ -28,6 +28,10 @@ class RoundReport:
     # Mean rank of this rank's low-rank tensors in its latest compressed push (0.0 without a low-rank codec);
     # like residual_norm, with the delay it may lag a round.
     compress_rank: float = 0.0
+    # Inner steps of this round trained before the previous round's merged model was taken in: H with the
+    # plain one-step delay (at this boundary), fewer where `overlap_steps` merged it mid-round, 0 where
+    # nothing was in flight (the first round, a synchronous one).
+    merged_at_step: int = 0
     # What the site's loss watch made of the round (worker/exchange/loss_watch.py): "spike", "rising",
     # "nonfinite" or "" — its eval over the best eval before it (nan: not evaluated, or nothing to compare
     # yet), and the rounds in a row its eval has been over RISE_RATIO × the best.

@@ -39,9 +39,24 @@ class StepDriven:
         with a time box the steps to its next check of the clock (the round closes there if time is up)."""
         if self.done:
             return 0
-        if self.time_box is not None:
-            return self.time_box.steps_to_check(self._steps)
-        return self.inner_steps - self._steps
+        left = self.time_box.steps_to_check(self._steps) if self.time_box is not None else self.inner_steps - self._steps
+        if self._merge_pending():  # from τ steps in, every step asks whether the exchange is back
+            left = min(left, max(1, self.overlap_steps - self._steps))
+        return left
+
+    def _merge_pending(self) -> bool:
+        """Whether the previous round's exchange may still be merged inside this round (`overlap_steps`):
+        from τ steps in, at the first step it is back; what is not back by the round's end the boundary
+        waits for and takes in, as the plain one-step delay does."""
+        return 0 < self.overlap_steps < self.inner_steps and self.communicator.in_flight is not None
+
+    def _merge_now(self) -> bool:
+        """τ or more steps in and the exchange back on every rank of the site (`merge_wait`: waited for at τ)."""
+        if not self._merge_pending() or self._steps < self.overlap_steps:
+            return False
+        if self.merge_wait:
+            return self._steps == self.overlap_steps
+        return not self.access.agree_any(not self.communicator.ready)
 
     @property
     def steps_in_round(self) -> int:
@@ -79,10 +94,15 @@ class StepDriven:
             self._loss_steps += steps
         if compute_s is not None:
             self._compute_s = (self._compute_s or 0.0) + compute_s
-        if not self._round_complete():
+        complete = self._round_complete()
+        merge = not complete and self._merge_now()
+        if not (complete or merge):
             return None
         compute_s = time.perf_counter() - self._round_began if self._compute_s is None else self._compute_s
         try:
+            if merge:  # τ steps in: the previous round's merged model is taken in now (`overlap_steps`)
+                self.merge_in_flight(self.round, self._tokens)
+                return None
             train_loss = float(self._loss_sum) / self._loss_steps if self._loss_steps else float("nan")  # nan: no loss given
             report = self.close_round(self.round, train_loss, self._tokens, compute_s)
         except AggregatorError as error:
