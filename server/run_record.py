@@ -8,9 +8,32 @@ calls them under its lock and keeps the results.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
+from dilocox.common.config.run import final_version_of, flush_version_of
 from dilocox.common.wire.assignment import tokenizer_digest_of
+from dilocox.common.wire.staleness import STALE_WEIGHTINGS
 from dilocox.common.wire.errors import InvalidFrame, TokenizerMismatch
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """What the shard reads from the run configuration its first cluster sent, parsed once per recorded
+    configuration (every pull asks for the final version, every close for the other two)."""
+
+    source: str
+    final_version: int | None  # the run's last version; None if unknown
+    flush_version: int | None  # the end-of-run flush's version: not judged by training rounds' rules
+    stale_rule: str  # how the run weighs late work (its sites' --stale-weighting)
+
+    @classmethod
+    def of(cls, run_config_json: str) -> "RecordedRun":
+        try:
+            rule = json.loads(run_config_json or "{}").get("stale_weighting", "inverse")
+        except (ValueError, AttributeError):
+            rule = "inverse"
+        rule = rule if rule in STALE_WEIGHTINGS else "inverse"
+        return cls(run_config_json, final_version_of(run_config_json), flush_version_of(run_config_json), rule)
 
 
 def admit_tokenizer(recorded: tuple[str, str], cluster: str, digest: str, definition: str) -> tuple[str, str]:

@@ -23,7 +23,6 @@ import torch
 
 from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices, model_digest, slices_of_shard
-from dilocox.common.config.run import final_version_of
 from dilocox.common.wire.errors import (
     InvalidFrame,
     ModelMismatch,
@@ -37,13 +36,13 @@ from dilocox.common.wire.errors import (
 )
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE, STALE_WEIGHTINGS
+from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE
 from dilocox.server.grace import GraceWindow
 from dilocox.server.provenance_chain import RoundsChain, digest_payloads, init_record, version_digests
 from dilocox.server.round_close import SiteRecord
 from dilocox.server.recent_rounds import RecentRounds
 from dilocox.server.round_state import RoundAccumulator
-from dilocox.server.run_record import admit_tokenizer, extended_run_config
+from dilocox.server.run_record import RecordedRun, admit_tokenizer, extended_run_config
 from dilocox.server.shard_close import RoundClosing
 from dilocox.server.shard_pulls import PullServing
 from dilocox.server.shard_records import JoinResult, PushResult, RoundStats, SealedRound, Snapshot
@@ -144,8 +143,7 @@ class Shard(RoundClosing, PullServing):
         # The grpc.aio server parks its pulls on these instead of a thread each (server/aio_servicer.py).
         self.version_listeners: list[Callable[[], None]] = []
         self.known: set[str] = set()  # every cluster that ever joined (members drop the inactive ones)
-        self._final_for: str | None = None  # the run configuration `_final_version` was parsed from
-        self._final_version: int | None = None
+        self._recorded: RecordedRun | None = None  # the recorded run configuration, parsed
         # Clusters that have pulled the run's final version; once every member has, `on_finished` runs
         # (`dilocox server` stops itself then, unless --keep-serving).
         self.pulled_final: dict[str, set[str]] = {}  # cluster -> names of owned slices it pulled at the final version
@@ -360,21 +358,21 @@ class Shard(RoundClosing, PullServing):
         return sum(s.numel for s in self.owned.values())
 
     @property
+    def recorded(self) -> RecordedRun:
+        """The recorded run configuration's figures, parsed once per configuration (server/run_record.py)."""
+        if self._recorded is None or self._recorded.source != self.run_config_json:
+            self._recorded = RecordedRun.of(self.run_config_json)
+        return self._recorded
+
+    @property
     def final_version(self) -> int | None:
-        """The run's last version, from the run configuration its first cluster sent; None if unknown.
-        Parsed once per recorded configuration: every pull asks for it."""
-        if self._final_for != self.run_config_json:
-            self._final_version, self._final_for = final_version_of(self.run_config_json), self.run_config_json
-        return self._final_version
+        """The run's last version, from the run configuration its first cluster sent; None if unknown."""
+        return self.recorded.final_version
 
     @property
     def stale_rule(self) -> str:
         """How the run weighs late work (its sites' --stale-weighting), from the recorded run configuration."""
-        try:
-            rule = json.loads(self.run_config_json or "{}").get("stale_weighting", "inverse")
-        except (ValueError, AttributeError):
-            return "inverse"
-        return rule if rule in STALE_WEIGHTINGS else "inverse"
+        return self.recorded.stale_rule
 
     def extend_rounds(self, rounds: int) -> None:
         """Raise the run's rounds (and so its final version) to `rounds`: `dilocox server --resume --rounds N`.

@@ -13,7 +13,6 @@ import time
 
 import structlog
 
-from dilocox.common.config.run import flush_version_of
 from dilocox.common.wire.errors import CheckOff, NotAnOperator
 from dilocox.server.provenance_chain import ChainedVersion, chain_round
 from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
@@ -85,7 +84,7 @@ class RoundClosing:
         if decision is None:
             return None
         self._settle_membership(acc, decision)
-        flush = acc.round == flush_version_of(self.run_config_json)
+        flush = acc.round == self.recorded.flush_version
         for cluster, (declared, least) in ({} if flush else acc.understated_ages()).items():
             log.warning("staleness_understated", shard=self.shard_index, cluster=cluster, round=acc.round, declared=declared, least=least,
                         trained_from=acc.trained_from[cluster], reason="work pushed by a site that had pulled no newer version is at least "
@@ -111,7 +110,7 @@ class RoundClosing:
             return ()
         check = self.update_check
         figures = round_figures(closing.acc.contributions, closing.snapshot.contributions, check.last_flagged if check else frozenset())
-        flush = closing.acc.round == flush_version_of(self.run_config_json)  # residuals, not a training round's update
+        flush = closing.acc.round == self.recorded.flush_version  # residuals, not a training round's update
         verdicts = tuple(check.review(figures, judged=not flush)) if check else ()
         out = excluded(verdicts)
         if out:
