@@ -21,6 +21,7 @@ from dilocox.server import checkpoint
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
+from tests.tiny_worker import stop_once_at, tiny_worker
 
 RUN = "ckpt-run"
 PARAMS = [("emb", (40, 8)), ("w", (8, 24)), ("b", (24,))]
@@ -179,31 +180,17 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
     shard = shards.shards[0]
     rounds, h = 24, 3  # enough rounds that the SIGTERM lands mid-run even on a starved CI core
 
-    def worker(*extra: str) -> subprocess.Popen:
-        cmd = [
-            sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", RUN,
-            "--cluster", "solo", "--rounds", str(rounds), "--inner-steps", str(h), "--n-layer", "1", "--n-embd", "32",
-            "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1", "--insecure",
-            "--checkpoint-dir", str(tmp_path), "--log-format", "json", *extra,
-        ]  # fmt: skip
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-    first = worker()
+    flags = ("--cluster", "solo", "--rounds", str(rounds), "--inner-steps", str(h), "--checkpoint-dir", str(tmp_path))
+    stop_once_at(tiny_worker(shards.addresses, RUN, *flags), shard, 3)
+    stopped_at = shard.version
+    assert 3 <= stopped_at < rounds
+    second = tiny_worker(shards.addresses, RUN, *flags, "--resume")
     try:
-        deadline = time.monotonic() + 120
-        while shard.version < 3 and time.monotonic() < deadline and first.poll() is None:
-            time.sleep(0.05)
-        first.send_signal(signal.SIGTERM)
-        code = first.wait(timeout=60)
-        assert code == 143, f"exit {code}: " + first.stderr.read()[-3000:]
-        stopped_at = shard.version
-        assert 3 <= stopped_at < rounds
-        second = worker("--resume")
         _, second_log = second.communicate(timeout=180)
-        assert second.returncode == 0, second_log[-3000:]
     finally:
-        if first.poll() is None:
-            first.kill()
+        if second.poll() is None:
+            second.kill()
+    assert second.returncode == 0, second_log[-3000:]
     assert shard.version == rounds + 1  # the rounds, then the end-of-run flush of the residuals
     events = {e["event"]: e for e in map(json.loads, filter(lambda line: line.startswith("{"), second_log.splitlines()))}
     restored, joined_at = events["worker_checkpoint_restored"]["round"], events["cluster_started"]["version"]

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import torch
@@ -21,6 +18,7 @@ from dilocox.server.rounds_on_disk import RoundsOnDisk
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from tests.test_checkpoint import PARAMS, slices, tensors
+from tests.tiny_worker import stop_once_at, tiny_worker
 
 RUN = "disk-rounds"
 
@@ -165,25 +163,8 @@ def test_a_site_stopped_for_20_rounds_resumes_by_delta(shard_set, tmp_path):
     shard.recent.keep_on_disk(RoundsOnDisk(tmp_path / "rounds", 0, RUN), None, resumed=False)
     rounds = 26
 
-    def worker(*extra: str) -> subprocess.Popen:
-        cmd = [
-            sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", RUN,
-            "--cluster", "away", "--rounds", str(rounds), "--inner-steps", "2", "--n-layer", "1", "--n-embd", "32",
-            "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1", "--insecure",
-            "--checkpoint-dir", str(tmp_path / "site"), "--log-format", "json", *extra,
-        ]  # fmt: skip
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-    first = worker()
-    try:
-        deadline = time.monotonic() + 120
-        while shard.version < 3 and time.monotonic() < deadline and first.poll() is None:
-            time.sleep(0.05)
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=60) == 143, first.stderr.read()[-3000:]
-    finally:
-        if first.poll() is None:
-            first.kill()
+    flags = ("--cluster", "away", "--rounds", str(rounds), "--inner-steps", "2", "--checkpoint-dir", str(tmp_path / "site"))
+    stop_once_at(tiny_worker(shards.addresses, RUN, *flags), shard, 3)
     stopped_at = shard.version
     # Another site goes on alone for 20 rounds: the first waits out the deadline for the stopped site.
     steady = AggregatorClient(shards.addresses, RUN, "steady", compressor=TensorCompressor(CompressionConfig(), seed=1),
@@ -197,7 +178,7 @@ def test_a_site_stopped_for_20_rounds_resumes_by_delta(shard_set, tmp_path):
     finally:
         steady.close()
     assert shard.version == stopped_at + 20
-    second = worker("--resume")
+    second = tiny_worker(shards.addresses, RUN, *flags, "--resume")
     try:
         _, log = second.communicate(timeout=240)
     finally:
