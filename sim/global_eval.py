@@ -22,7 +22,7 @@ from dilocox.common.config.run import RunConfig
 from dilocox.common.security import TlsFiles
 from dilocox.worker.data.corpus import evaluate_run
 from dilocox.worker.data.token_data import TokenData
-from dilocox.worker.export import ExportError, from_servers
+from dilocox.worker.export.model import ExportError, from_servers
 from dilocox.worker.exchange.loss_watch import LossWatch
 from dilocox.worker.models.build import build_model
 

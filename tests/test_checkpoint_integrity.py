@@ -20,7 +20,7 @@ from dilocox.common.wire.checkpoint_integrity import seal, state_digest
 from dilocox.common.wire.framing import EncodedSlice
 from dilocox.server import checkpoint, resume
 from dilocox.server.shard import Shard
-from dilocox.worker.export import ExportError, from_checkpoints
+from dilocox.worker.export.model import ExportError, from_checkpoints
 
 RUN = "integrity-run"
 PARAMS = [("w", (8, 6)), ("b", (6,))]

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("model_signing", reason="OpenSSF model-signing: the signing extra")
 
 from dilocox.common.cli import main  # noqa: E402
-from dilocox.worker.export_signing import SIGNATURE_FILE  # noqa: E402
+from dilocox.worker.export.signing import SIGNATURE_FILE  # noqa: E402
 from tests.test_export_signing import _export, _flip, _signer, pki  # noqa: E402,F401 - the module's PKI fixture
 
 CLI = [sys.executable, "-c", "from model_signing._cli import main; main()"]

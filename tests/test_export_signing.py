@@ -13,8 +13,8 @@ import torch
 
 from dilocox.common.cli import main
 from dilocox.common.deploy.signing_keys import Signer, SigningError, _check_chain_directly, check_chain, load_certificates, load_signer
-from dilocox.worker.export_provenance import write_provenance
-from dilocox.worker.export_signing import PROVENANCE_FILE, SIGNATURE_FILE, _signed_files, sign_folder, verify_folder
+from dilocox.worker.export.provenance import write_provenance
+from dilocox.worker.export.signing import PROVENANCE_FILE, SIGNATURE_FILE, _signed_files, sign_folder, verify_folder
 from tests.pki import two_authorities
 
 RUN = "signing-run"
@@ -200,7 +200,7 @@ def test_verify_command_messages_and_exit_codes(signed, pki, tmp_path, capsys):
     _flip(signed / "model.safetensors")
     assert main(["verify", str(signed), "--cert", str(pki["run-ca"])]) == 1
     err = capsys.readouterr().err
-    from dilocox.worker.export_openssf import available
+    from dilocox.worker.export.openssf import available
 
     expected = 2 if available() else 1  # model.sig (OpenSSF) fails too where model-signing wrote and checks it
     assert "FAILED model.safetensors: file changed" in err and f"{expected} problem(s)" in err

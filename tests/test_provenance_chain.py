@@ -27,8 +27,8 @@ from dilocox.server.provenance_chain import RoundsChain
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
-from dilocox.worker.export import from_checkpoints, from_servers, write_export
-from dilocox.worker.export_chain import check_section, fetch_chain
+from dilocox.worker.export.model import from_checkpoints, from_servers, write_export
+from dilocox.worker.export.chain import check_section, fetch_chain
 
 pytest.importorskip("safetensors")
 

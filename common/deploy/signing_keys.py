@@ -1,4 +1,4 @@
-"""The keys and certificates of a signed export (worker/export_signing.py) and of signed shard checkpoints
+"""The keys and certificates of a signed export (worker/export/signing.py) and of signed shard checkpoints
 (server/checkpoint_signing.py): loading them, signing and checking with them, and whether a signer's
 certificate chains to a CA. Here, under common/, because both the exporter and the shards sign.
 

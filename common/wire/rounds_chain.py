@@ -13,7 +13,7 @@ the weights digest of its last record — that an export's weights are the state
 does not: that those payloads were honest training (an update check's job), or anything a shard lied about.
 
 Pure functions: the shard appends (server/provenance_chain.py), `dilocox verify` recomputes
-(worker/export_chain.py), with exactly these.
+(worker/export/chain.py), with exactly these.
 """
 
 from __future__ import annotations

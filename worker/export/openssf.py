@@ -1,7 +1,7 @@
 """The export's OpenSSF model signature, `model.sig`: what `model_signing verify` (OpenSSF model-signing,
 https://github.com/sigstore/model-transparency) and a user's supply-chain tooling read.
 
-Why beside `dilocox-signature.json` (worker/export_signing.py), not instead of it: ours also names the
+Why beside `dilocox-signature.json` (worker/export/signing.py), not instead of it: ours also names the
 provenance record and is checked without any extra package; `model.sig` is the standard a consumer outside
 the run already verifies — `model_signing verify key FOLDER --signature FOLDER/model.sig --public_key K`
 (or `verify certificate … --certificate_chain CA`). It is written last, over every file of the folder —
@@ -24,7 +24,7 @@ from typing import Iterator
 import structlog
 
 from dilocox.common.deploy.signing_keys import Signer, to_pem
-from dilocox.worker.export_signing import OPENSSF_SIGNATURE
+from dilocox.worker.export.signing import OPENSSF_SIGNATURE
 
 log = structlog.get_logger()
 INSTALL_HINT = 'pip install "dilocox[signing]" (OpenSSF model-signing)'

@@ -7,10 +7,10 @@ to one version, and writes a folder:
 
 * `model.safetensors` — every parameter by its full name, fp32;
 * `export.json` — run id, version, parameter count, the run's configuration;
-* `provenance.json` — where the model came from, every file's digest (worker/export_provenance.py) and the
-  shards' rounds chains up to the exported version (worker/export_chain.py), and
+* `provenance.json` — where the model came from, every file's digest (worker/export/provenance.py) and the
+  shards' rounds chains up to the exported version (worker/export/chain.py), and
   with `--sign-key` `dilocox-signature.json` over all of them, which `dilocox verify` checks
-  (worker/export_signing.py);
+  (worker/export/signing.py);
 * for a Hugging Face model also `config.json` (+ `tokenizer.json` and `tokenizer_config.json` where the
   run's tokenizer is found), so `AutoModelForCausalLM.from_pretrained(folder)` loads it; the built-in GPT
   loads with `dilocox worker --weights folder` or `build_model(config, vocab, seed)` with `weights` set.
@@ -44,10 +44,10 @@ from dilocox.common.wire.framing import SliceKey, assemble_units
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.data.token_data import add_data_arguments
-from dilocox.worker.export_chain import chain_of_checkpoint, export_section, fetch_chain
-from dilocox.worker.export_checkpoints import gather, pick_versions
+from dilocox.worker.export.chain import chain_of_checkpoint, export_section, fetch_chain
+from dilocox.worker.export.checkpoints import gather, pick_versions
 from dilocox.common.deploy.signing_keys import Signer, SigningError, load_signer, signs_code
-from dilocox.worker.export_provenance import write_provenance
+from dilocox.worker.export.provenance import write_provenance
 
 EXPORT_FORMAT = "dilocox-export"
 
@@ -115,7 +115,7 @@ def from_checkpoints(locations: Iterable[str | pathlib.Path], report: Callable[[
     """Offline: the shards' checkpoint files (one per shard), or folders holding them. In a folder a shard
     has its newest `shard-<i>.pt` and the versions kept before it (`shard-<i>.v<N>.pt`): the newest
     version every shard has intact (its digest checked) is used, damaged newer files are skipped
-    (worker/export_checkpoints.py). `report` gets one line per shard naming the file and version used,
+    (worker/export/checkpoints.py). `report` gets one line per shard naming the file and version used,
     and one per file skipped."""
     report = report or (lambda line: None)
     try:

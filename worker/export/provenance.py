@@ -1,11 +1,11 @@
 """`provenance.json`: where an exported model came from, written into every export folder, and the
-step that signs the folder when the exporter has a key (worker/export_signing.py).
+step that signs the folder when the exporter has a key (worker/export/signing.py).
 
 Why a record of its own beside `export.json`: export.json says what the model is (for loading and
 `--eval`); provenance.json says where it came from — which run, which global version after how many
 rounds, which tokenizer (by digest), the run's configuration, which shards or checkpoint files it was
 read from, which dilocox and when — the digest of every exported file, and the shards' rounds chains up to
-the exported version (`rounds_chain`, worker/export_chain.py). The signature covers its digest, so a
+the exported version (`rounds_chain`, worker/export/chain.py). The signature covers its digest, so a
 signed export's provenance cannot be edited unnoticed.
 """
 
@@ -16,8 +16,8 @@ import json
 import pathlib
 from dataclasses import asdict, dataclass, field
 
-from dilocox.worker.export_openssf import sign_openssf
-from dilocox.worker.export_signing import PROVENANCE_FILE, FileDigest, digest_files, sign_folder
+from dilocox.worker.export.openssf import sign_openssf
+from dilocox.worker.export.signing import PROVENANCE_FILE, FileDigest, digest_files, sign_folder
 from dilocox.common.deploy.signing_keys import Signer
 
 PROVENANCE_FORMAT = "dilocox-provenance/1"

@@ -5,7 +5,7 @@ A shard's checkpoint folder holds its newest `shard-<i>.pt` and the versions kep
 checked on load): the newest such version is used, and a damaged newer file is skipped and said so,
 not exported. Explicit file paths are taken as given, one per shard.
 
-Errors are `CheckpointError`s with the message the user sees; `worker/export.py` turns them into its
+Errors are `CheckpointError`s with the message the user sees; `worker/export/model.py` turns them into its
 `ExportError`.
 """
 

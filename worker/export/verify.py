@@ -1,7 +1,7 @@
-"""`dilocox verify DIR`: check a signed export before loading it (worker/export_signing.py does the work).
+"""`dilocox verify DIR`: check a signed export before loading it (worker/export/signing.py does the work).
 
 Exit 0 when the signature holds, every file is as signed and the shards' rounds chains in provenance.json
-recompute (worker/export_chain.py); 1 otherwise, with one line per problem naming its file (a chain's by
+recompute (worker/export/chain.py); 1 otherwise, with one line per problem naming its file (a chain's by
 shard and version), or one line saying why nothing could be checked (no signature, a malformed signature
 file, an unreadable key) — never a traceback: the person running it is deciding whether to trust a model.
 `--unsigned` checks an export written without a key: its files against the digests provenance.json lists,
@@ -15,9 +15,9 @@ import json
 import pathlib
 import sys
 
-from dilocox.worker.export_chain import check_section
+from dilocox.worker.export.chain import check_section
 from dilocox.common.deploy.signing_keys import SigningError, to_pem
-from dilocox.worker.export_signing import (OPENSSF_SIGNATURE, PROVENANCE_FILE, SIGNATURE_FILE, Problem, Verification, listing,
+from dilocox.worker.export.signing import (OPENSSF_SIGNATURE, PROVENANCE_FILE, SIGNATURE_FILE, Problem, Verification, listing,
                                            sha256_file, verify_folder)  # fmt: skip
 
 WEIGHTS_FILE = "model.safetensors"
@@ -58,10 +58,10 @@ def check_unsigned(folder: pathlib.Path, record: dict) -> list[Problem]:
 
 
 def _openssf_problems(folder: pathlib.Path, args: argparse.Namespace, result: Verification) -> list[Problem]:
-    """`model.sig` (worker/export_openssf.py), checked as `model_signing verify` would — with --cert as its CA,
+    """`model.sig` (worker/export/openssf.py), checked as `model_signing verify` would — with --cert as its CA,
     else with the key our signature was just checked with (--key's, or the file's own) — where model-signing
     is installed; else a note."""
-    from dilocox.worker import export_openssf
+    from dilocox.worker.export import openssf as export_openssf
 
     if not (folder / OPENSSF_SIGNATURE).is_file():
         return []

@@ -2,12 +2,12 @@
 
 Why: an exported model leaves the run — to a model hub, a bucket, another team. Whoever loads it should
 be able to tell that the files are the ones the run's operator exported, unchanged, with nothing added
-or taken away, and where they came from (`provenance.json`, worker/export_provenance.py). This module
+or taken away, and where they came from (`provenance.json`, worker/export/provenance.py). This module
 writes dilocox's own signature from the standard pieces (checked with no extra package): an in-toto
 Statement v1 (one subject per file: its name and SHA-256) in a DSSE envelope, signed with the exporter's key — ECDSA P-256/SHA-256 as `dilocox certs`
 makes them, or Ed25519, or RSA-PSS — with the signer's public key, and its certificate chain when one is
 given, beside it (docs/decisions.md, "How is an exported model signed, and checked?"). Beside it, where the
-`signing` extra is installed, worker/export_openssf.py writes the OpenSSF model-signing `model.sig` that
+`signing` extra is installed, worker/export/openssf.py writes the OpenSSF model-signing `model.sig` that
 `model_signing verify` reads.
 
 `dilocox-signature.json`:
@@ -35,7 +35,7 @@ from dilocox.common.deploy.signing_keys import (Signer, SigningError, check_chai
                                         load_public_key, to_pem, verify_signature)  # fmt: skip
 
 SIGNATURE_FILE = "dilocox-signature.json"
-OPENSSF_SIGNATURE = "model.sig"  # written after ours, over ours too (worker/export_openssf.py): never in our manifest
+OPENSSF_SIGNATURE = "model.sig"  # written after ours, over ours too (worker/export/openssf.py): never in our manifest
 PROVENANCE_FILE = "provenance.json"
 MEDIA_TYPE = "application/vnd.dilocox.signature.v1+json"
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
