@@ -5,7 +5,7 @@ Why: a checkpoint's integrity digest (common/wire/checkpoint_integrity.py) finds
 SHA-256 over the content: whoever can write the checkpoint folder can change the weights, or a record of
 the rounds chain, and recompute it. The signature is over the digest, bound to the run id, shard index,
 shard count and version, made with a key the folder does not hold (the same kinds of keys and certificates
-an export is signed with: common/deploy/signing_keys.py). A file whose signature is missing, is over other
+an export is signed with: common/signing_keys.py). A file whose signature is missing, is over other
 content, or does not verify is refused by name like a damaged one (`CheckpointForged` is a
 `CheckpointCorrupt`): `--resume` falls back to the newest older kept version that verifies, and stops with
 the reasons when none does (server/resume.py).
@@ -26,7 +26,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Callable
 
-from dilocox.common.deploy.signing_keys import (Signer, SigningError, check_chain, load_certificates, load_public_key,
+from dilocox.common.signing_keys import (Signer, SigningError, check_chain, load_certificates, load_public_key,
                                                 to_pem, verify_signature)  # fmt: skip
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, snapshot_version
 from dilocox.common.wire.checkpoint_integrity import FIELD, SIGNATURE_FIELD

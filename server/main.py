@@ -15,7 +15,7 @@ from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.collector import settle_collector
 from dilocox.common.config.run import OuterConfig, WireConfig
 from dilocox.common.config.waits import refusal
-from dilocox.common.deploy.signing_keys import SigningError, load_signer
+from dilocox.common.signing_keys import SigningError, load_signer
 from dilocox.common.heap import keep_freed_heap
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics

@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from dilocox.common.cli import main
-from dilocox.common.deploy.signing_keys import load_signer
+from dilocox.common.signing_keys import load_signer
 from dilocox.common.wire import checkpoint_integrity
 from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, load_state

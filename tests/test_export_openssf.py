@@ -32,7 +32,7 @@ def test_model_signing_and_dilocox_verify_accept_the_export_and_refuse_the_same_
     assert (folder / "model.sig").is_file() and (folder / SIGNATURE_FILE).is_file()
     mode, trust = ("certificate", pki["run-ca"]) if with_cert else ("key", pki["run-cert"])
     if mode == "key":  # model-signing takes a public key: the certificate's, as PEM
-        from dilocox.common.deploy.signing_keys import load_public_key, to_pem
+        from dilocox.common.signing_keys import load_public_key, to_pem
 
         trust = tmp_path / "signer-pub.pem"
         trust.write_text(to_pem(load_public_key(pki["run-cert"].read_bytes(), "cert")))
@@ -56,7 +56,7 @@ def test_model_signing_and_dilocox_verify_accept_the_export_and_refuse_the_same_
 
 def test_another_key_fails_both_tools(tmp_path, pki, capsys):
     folder = _export(tmp_path / "model", _signer(pki, with_cert=False))
-    from dilocox.common.deploy.signing_keys import load_public_key, to_pem
+    from dilocox.common.signing_keys import load_public_key, to_pem
 
     other = tmp_path / "other-pub.pem"
     other.write_text(to_pem(load_public_key(pki["other-cert"].read_bytes(), "cert")))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dilocox.common.cli import main
-from dilocox.common.deploy.signing_keys import Signer, SigningError, _check_chain_directly, check_chain, load_certificates, load_signer
+from dilocox.common.signing_keys import Signer, SigningError, _check_chain_directly, check_chain, load_certificates, load_signer
 from dilocox.worker.export.provenance import write_provenance
 from dilocox.worker.export.signing import PROVENANCE_FILE, SIGNATURE_FILE, _signed_files, sign_folder, verify_folder
 from tests.pki import two_authorities
@@ -293,7 +293,7 @@ def test_a_site_certificate_of_the_run_ca_does_not_vouch_for_an_export(tmp_path,
     issues every site's client certificate. Now only a signer's (code-signing usage, `dilocox certs --role
     signer`) vouches for an export, and `export --sign-cert` refuses another before exporting anything."""
     from dilocox.common.deploy.certs import issue, load_ca
-    from dilocox.common.deploy.signing_keys import load_signer
+    from dilocox.common.signing_keys import load_signer
 
     site = issue(load_ca(pki["run-ca"].parent), tmp_path / "site", "site", "client", ("site-a",))
     folder = _export(tmp_path / "by-a-site", load_signer(str(site["site-key"]), str(site["site"])))

@@ -46,7 +46,7 @@ from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.data.token_data import add_data_arguments
 from dilocox.worker.export.chain import chain_of_checkpoint, export_section, fetch_chain
 from dilocox.worker.export.checkpoints import gather, pick_versions
-from dilocox.common.deploy.signing_keys import Signer, SigningError, load_signer, signs_code
+from dilocox.common.signing_keys import Signer, SigningError, load_signer, signs_code
 from dilocox.worker.export.provenance import write_provenance
 
 EXPORT_FORMAT = "dilocox-export"

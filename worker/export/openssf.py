@@ -23,7 +23,7 @@ from typing import Iterator
 
 import structlog
 
-from dilocox.common.deploy.signing_keys import Signer, to_pem
+from dilocox.common.signing_keys import Signer, to_pem
 from dilocox.worker.export.signing import OPENSSF_SIGNATURE
 
 log = structlog.get_logger()

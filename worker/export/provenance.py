@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from dilocox.worker.export.openssf import sign_openssf
 from dilocox.worker.export.signing import PROVENANCE_FILE, FileDigest, digest_files, sign_folder
-from dilocox.common.deploy.signing_keys import Signer
+from dilocox.common.signing_keys import Signer
 
 PROVENANCE_FORMAT = "dilocox-provenance/1"
 

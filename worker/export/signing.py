@@ -18,7 +18,7 @@ given, beside it (docs/decisions.md, "How is an exported model signed, and check
      "verificationMaterial": {"publicKey": <PEM>, "certificates": [<PEM>, ...]}}
 
 The file must be byte for byte as this module writes it (canonical JSON, canonical base64): an edit
-anywhere in it is refused, never silently ignored. Key and certificate handling is in common/deploy/signing_keys.py.
+anywhere in it is refused, never silently ignored. Key and certificate handling is in common/signing_keys.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import os
 import pathlib
 from dataclasses import dataclass, field
 
-from dilocox.common.deploy.signing_keys import (Signer, SigningError, check_chain, describe_key, key_id, load_certificates, signs_code,
+from dilocox.common.signing_keys import (Signer, SigningError, check_chain, describe_key, key_id, load_certificates, signs_code,
                                         load_public_key, to_pem, verify_signature)  # fmt: skip
 
 SIGNATURE_FILE = "dilocox-signature.json"

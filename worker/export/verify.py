@@ -16,7 +16,7 @@ import pathlib
 import sys
 
 from dilocox.worker.export.chain import check_section
-from dilocox.common.deploy.signing_keys import SigningError, to_pem
+from dilocox.common.signing_keys import SigningError, to_pem
 from dilocox.worker.export.signing import (OPENSSF_SIGNATURE, PROVENANCE_FILE, SIGNATURE_FILE, Problem, Verification, listing,
                                            sha256_file, verify_folder)  # fmt: skip
 
