@@ -249,7 +249,9 @@ class DiLoCoX:
         """`steps` inner steps (optimizer steps) were just taken, on `tokens` tokens across this site
         (every rank of a site passes the same); `loss` their mean training loss (optional; a tensor is
         read only at the sync). At the round's last step the site syncs: the model's weights change to
-        the next round's start, and the round's report is returned (None otherwise)."""
+        the next round's start, and the round's report is returned (None otherwise). The weights also
+        change at the step, early in a round, where the previous round's merged update is taken in
+        (`overlap_steps`): the merged model with this round's steps so far on top.
         self.start()
         return self.cluster.after_steps(steps, tokens, loss)
 
@@ -273,7 +275,8 @@ class DiLoCoX:
 
     @property
     def steps_to_sync(self) -> int:
-        """Inner steps left before the next sync."""
+        """Inner steps to take before the site next syncs or merges (1 while it waits for the previous
+        round's update to come back, from `overlap_steps` on)."""
         return self.cluster.steps_to_sync
 
     @property
