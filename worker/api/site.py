@@ -251,7 +251,7 @@ class DiLoCoX:
         read only at the sync). At the round's last step the site syncs: the model's weights change to
         the next round's start, and the round's report is returned (None otherwise). The weights also
         change at the step, early in a round, where the previous round's merged update is taken in
-        (`overlap_steps`): the merged model with this round's steps so far on top.
+        (`overlap_steps`): the merged model with this round's steps so far on top."""
         self.start()
         return self.cluster.after_steps(steps, tokens, loss)
 

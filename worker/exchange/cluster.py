@@ -8,7 +8,9 @@ Both forms of DESIGN.md §3, one loop:
   round t computed); Δ_t = s_t − θ_local; θ_local ← θ_{t-1} − Δ_t (the merged model with this round's
   own progress on top); s_{t+1} = θ_local; hand Δ_t to the background communicator. For the first round
   nothing is in flight and θ_{t-1} is s_t itself, so the same rule holds. After the last round the
-  cluster collects θ_T.
+  cluster collects θ_T. With `overlap_steps` τ (runs default to 1) θ_{t-1} is taken in earlier: from τ
+  steps into round t on, at the first step it is back (`merge_in_flight`), with the same rule applied
+  there; the boundary then finds nothing in flight.
 
 Both forms then end alike. With error feedback the compressed rounds leave each cluster a residual the
 shards never received; a flush round (`rounds + 1`, no inner steps) sends it once with a dense
@@ -108,14 +110,14 @@ class DilocoCluster(StepDriven, RunEnd):
         `allow_late_join=False`: a cluster new to the run refuses to start once rounds have closed
         (it would train fewer rounds than asked for); a cluster rejoining, or resumed, always may.
         `on_round(report, inner_steps, version)`: called after every round (metrics, progress).
-        `sync_rounds`: with the delay, the first rounds run synchronously; `delayed_start` ("own" or
-        "eager", worker/exchange/delayed_start.py) and `num_clusters` (this cluster's share 1/M of a
+        `sync_rounds`: with the delay, the first rounds run synchronously; `delayed_start` ("own", "eager"
+        or "estimate", worker/exchange/delayed_start.py) and `num_clusters` (this cluster's share 1/M of a
         round's mean) decide where a delayed round's successor starts. `spill_dir`: the start lives in a
         file there between boundaries (worker/exchange/spill.py). `overlap_steps` (τ, with the delay): the
         previous round's merged model is taken in from τ inner steps into the next round on, at the first
         step it is back, instead of at its end (`merge_in_flight`; 0, or τ ≥ H: at the boundary — the
-        one-step delay of DESIGN.md §3); `merge_wait`: at step τ exactly, waiting for it (deterministic:
-        tests against a reference)."""
+        one-step delay of DESIGN.md §3; runs configure 1, `RunConfig.overlap_steps`); `merge_wait`: at step
+        τ exactly, waiting for it (deterministic: tests against a reference)."""
         if delay not in (0, 1):
             raise ValueError(f"delay must be 0 or 1, got {delay}")
         self.trainer = trainer
@@ -130,7 +132,8 @@ class DilocoCluster(StepDriven, RunEnd):
             raise ValueError(f"overlap_steps must be ≥ 0, got {overlap_steps}")
         self.overlap_steps = overlap_steps if delayed_start == "own" else 0  # the rebase is the `own` rule
         self.merge_wait = merge_wait
-        self._merged: tuple[RoundExchange, float, int] | None = None  # taken in mid-round (exchange, idle, step)
+        # taken in mid-round: (exchange, idle, the step, whether it skipped versions), reported at the boundary
+        self._merged: tuple[RoundExchange, float, int, bool] | None = None
         self.share = 1.0 / max(1, num_clusters)
         self.run_config_json = run_config_json
         self.evaluate_every_round = evaluate_every_round
@@ -281,6 +284,7 @@ class DilocoCluster(StepDriven, RunEnd):
         # A boundary that skipped versions (the site caught up on rounds closed without it) starts its model
         # from weights rounds newer than the ones it trained on: its own eval may jump for a round.
         caught_up = round_ != trained or (exchange is not None and exchange.version > self.version + 1)
+        caught_up = caught_up or (merged is not None and merged[3])
         reported = exchange or (merged[0] if merged is not None else None)  # what this round's figures show
         if exchange is not None:
             self.version = exchange.version
@@ -332,12 +336,13 @@ class DilocoCluster(StepDriven, RunEnd):
         self._check_refusal(round_, refused, tokens)
         assert exchange is not None and self.outgoing is not None
         self._commit(exchange.round)
+        skipped = exchange.version > self.version + 1  # caught up on rounds closed without this site
         self.version = exchange.version
         self.access.read_rows(self.outgoing.rebase(self.client.held), keep_buffer=self.buffers.spill is None)
         self.access.write(self.buffers.start)
         self._start_from_held(keep_unsent=True)
         self.buffers.rest_start()
-        self._merged = (exchange, idle, self._steps)
+        self._merged = (exchange, idle, self._steps, skipped)
 
     def _check_tokens_agree(self, round_: int, tokens: int) -> None:
         """Every rank of a site weighs its slices by the same tokens (the site's): a rank passing its own
