@@ -24,6 +24,9 @@ def test_bench_uneven_quick_runs_every_mode_and_reports_them(tmp_path):
     # Time-boxed: the site slowed 4× trains fewer steps per round than the fast one; fixed H trains the same.
     assert by[4.0, "timebox"]["slow_h"] < by[4.0, "timebox"]["fast_h"]
     assert by[4.0, "fixed"]["slow_h"] == by[4.0, "fixed"]["fast_h"] == 8
-    # Fixed H with a slowed site does the same arithmetic as with even sites, only later.
-    assert by[4.0, "fixed"]["final_eval_loss"] == by[1.0, "fixed"]["final_eval_loss"]
+    # Fixed H with a slowed site does the same rounds as with even sites, only later — the same arithmetic
+    # but for the step each round's merge comes at (the first step its exchange is back: timing decides,
+    # `--overlap-steps`), so the same loss to within a few per cent, not to the bit.
+    fixed_even, fixed_slowed = by[1.0, "fixed"]["final_eval_loss"], by[4.0, "fixed"]["final_eval_loss"]
+    assert abs(fixed_slowed - fixed_even) < 0.03 * fixed_even, (fixed_even, fixed_slowed)
     assert "| 2 | 4 | timebox |" in (out / "uneven.md").read_text()
