@@ -218,7 +218,6 @@ class RunConfig:
             raise ValueError(f"sync_rounds must be ≥ 0, got {self.sync_rounds}")
         if self.overlap_steps < 0:
             raise ValueError(f"overlap_steps must be ≥ 0, got {self.overlap_steps}")
-
         if self.data_split not in DATA_SPLITS:
             raise ValueError(f"data_split must be one of {', '.join(DATA_SPLITS)}, got {self.data_split!r}")
         if self.delayed_start not in DELAYED_STARTS:

@@ -164,7 +164,9 @@ class Folding(RowWalk):
         momentum = self.outer.buffers.get(key) if self.outer is not None else None
         momentum = momentum.reshape(-1)[offset : offset + m] if momentum is not None else None
         own = None
-        if rule.rule == "eager":
-            numel = self.held[key].numel()
-            own = self.owner.own_momentum.setdefault(key, torch.zeros(numel)).reshape(-1)[offset : offset + m]
+        if rule.rule == "eager":  # W is made once per slice, not a fresh zero tensor per chunk
+            momenta = self.owner.own_momentum
+            if key not in momenta:
+                momenta[key] = torch.zeros(self.held[key].numel())
+            own = momenta[key][offset : offset + m]
         next_start(rule.rule, s, s, d, momentum, self.outer, rule.share, own)
