@@ -171,12 +171,12 @@ class LayerExchange:
         state_digest(self.keys, self.replica, self.outer.buffers, ReplayCheck().digest)
 
     def _shard_vet(self) -> None:
-        for k in self.keys:  # as server/servicer.py's assembly vets each pushed slice (codecs.vet)
+        for k in self.keys:  # as server/serving/servicer.py's assembly vets each pushed slice (codecs.vet)
             for s in self.dense_slices[k]:
                 codecs.vet(s.codec, s.payload, s.dtype, s.shape)
 
     def _shard_close(self) -> None:
-        for k in self.keys:  # as server/round_state.py closes a dense fp32 round with no pull holding the version
+        for k in self.keys:  # as server/rounds/round_state.py closes a dense fp32 round with no pull holding the version
             items, names = self._contributions(k, dense=True)
             apply_round(items, self.shard_outer, k, self.shard_weights[k], in_place=True, decode_together=decode_by_blocks(names))
 

@@ -5,7 +5,7 @@ built-in GPT against two shards on localhost gRPC, default compression and one-s
 clean; in each of the others the last site is faulty from `--fault-round` on (bench/fault_kinds.py:
 ×100, sign flip, noise of equal norm, exponent bit flips — any of the 8, or the 7 lower ones — and a
 stale replay), its pushes changed after encoding (sim/push_fault.py). Every run goes once per check mode
-(server/update_check.py):
+(server/checks/update_check.py):
 
 * ``warn`` — flagged and merged anyway: the damage a fault does (the same arithmetic as ``off``), and
   when the check sees it;
@@ -32,9 +32,9 @@ from dilocox.bench.fault_kinds import KINDS, SiteFault
 from dilocox.bench.fault_report import goals, plot_curves, ranges
 from dilocox.bench.report import write_report
 from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
-from dilocox.server.robust_mean import AGGREGATES, AggregateConfig
+from dilocox.server.checks.robust_mean import AGGREGATES, AggregateConfig
 from dilocox.server.shard import Shard
-from dilocox.server.update_check import MODES, SiteVerdict, UpdateCheckConfig
+from dilocox.server.checks.update_check import MODES, SiteVerdict, UpdateCheckConfig
 from dilocox.sim.inprocess import run_in_process
 
 CLEAN = "clean"
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its own stretch: per-site data, the non-IID case the check must not flag) (default interleaved)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run (default 900)")
     parser.add_argument("--aggregate", default="mean", choices=AGGREGATES,
-                        help="the shards' round mean, or clipped-mean (server/robust_mean.py; default mean)")
+                        help="the shards' round mean, or clipped-mean (server/checks/robust_mean.py; default mean)")
     parser.add_argument("--aggregate-clip-multiple", type=float, default=AggregateConfig().clip_multiple,
                         help="clipped-mean's bound, × the other sites' median norm (default: the shards')")
 

@@ -135,7 +135,7 @@ def projection(args: argparse.Namespace, behind: list[int]) -> list[dict]:
 
 def away_projection(args: argparse.Namespace) -> list[dict]:
     """A site back after `away_s`: the rounds it missed against the whole model, and what the shards keep on
-    disk to serve them (server/rounds_on_disk.py): every site's compressed round of the window, over all shards."""
+    disk to serve them (server/state/rounds_on_disk.py): every site's compressed round of the window, over all shards."""
     rows = []
     missed = math.ceil(args.away_s / args.round_s)
     for name in [m.strip() for m in args.away_models.split(",") if m.strip()]:

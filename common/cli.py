@@ -23,7 +23,7 @@ SUBCOMMANDS = {
     "verify": ("dilocox.worker.export.verify", "check a signed export: its signature, every file's digest, nothing added or removed"),
     "status": ("dilocox.worker.status", "print what each shard is doing"),
     "readmit": ("dilocox.worker.readmit", "release a site the shards' update check quarantined (needs the shards' operator token)"),
-    "health": ("dilocox.server.health", "exit 0 if a shard answers the standard gRPC health check with SERVING"),
+    "health": ("dilocox.server.serving.health", "exit 0 if a shard answers the standard gRPC health check with SERVING"),
     "certs": ("dilocox.common.deploy.certs", "make a development CA and server/client certificates for TLS/mTLS"),
     "bench": ("dilocox.bench.main", "benchmarks: wire, overlap, pipeline, wan (vs AllReduce over shaped links), shard; reports in bench/results/"),
     "compose": ("dilocox.common.deploy.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),

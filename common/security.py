@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 TOKEN_HEADER = "authorization"
-# Standard health checks (server/health.py) pass without the token: orchestrators' probes hold no secrets.
+# Standard health checks (server/serving/health.py) pass without the token: orchestrators' probes hold no secrets.
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 
 

@@ -1,5 +1,5 @@
 """The keys and certificates of a signed export (worker/export/signing.py) and of signed shard checkpoints
-(server/checkpoint_signing.py): loading them, signing and checking with them, and whether a signer's
+(server/state/checkpoint_signing.py): loading them, signing and checking with them, and whether a signer's
 certificate chains to a CA. Here, under common/, because both the exporter and the shards sign.
 
 Why these algorithms: `dilocox certs` makes ECDSA P-256 keys, so a run's operator can sign with what the

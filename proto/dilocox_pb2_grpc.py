@@ -99,7 +99,7 @@ class AggregatorServicer:
 
     def Provenance(self, request, context):
         """The shard's rounds chain, a page at a time: its own hash-chained record of every version it published
-        (the sites merged, their tokens and payload digests, the resulting state digest; server/provenance_chain.py),
+        (the sites merged, their tokens and payload digests, the resulting state digest; server/state/provenance_chain.py),
         read by `dilocox export`. Another run's id is refused (PERMISSION_DENIED), as by every other call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

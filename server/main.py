@@ -21,18 +21,18 @@ from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.metrics_http import add_metrics_arguments, serve_metrics
 from dilocox.common.security import add_security_arguments, security_from_args
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, CheckpointError, shard_files
-from dilocox.server import checkpoint, resume
-from dilocox.server.checkpoint_signing import CheckpointTrust, signing
-from dilocox.server.grace import GraceWindow
-from dilocox.server.grpc_server import start_server
-from dilocox.server.health_watch import STALL_S
-from dilocox.server.pull_framing import DEFAULT_BUDGET_MB
-from dilocox.server.push_intake import PushLimits
-from dilocox.server.rounds_on_disk import DEFAULT_KEEP_ROUNDS_DISK_GB, DEFAULT_KEEP_ROUNDS_S, RoundsOnDisk
+from dilocox.server.state import checkpoint, resume
+from dilocox.server.state.checkpoint_signing import CheckpointTrust, signing
+from dilocox.server.rounds.grace import GraceWindow
+from dilocox.server.serving.grpc_server import start_server
+from dilocox.server.serving.health_watch import STALL_S
+from dilocox.server.serving.pull_framing import DEFAULT_BUDGET_MB
+from dilocox.server.serving.push_intake import PushLimits
+from dilocox.server.state.rounds_on_disk import DEFAULT_KEEP_ROUNDS_DISK_GB, DEFAULT_KEEP_ROUNDS_S, RoundsOnDisk
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE
-from dilocox.server.robust_mean import AGGREGATES, AggregateConfig
-from dilocox.server.update_check import MODES, UpdateCheckConfig
+from dilocox.server.checks.robust_mean import AGGREGATES, AggregateConfig
+from dilocox.server.checks.update_check import MODES, UpdateCheckConfig
 
 log = structlog.get_logger()
 # How often the main thread looks for a SIGTERM/SIGINT its handler noted (the stop is this much later at most).
@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--aggregate", default="mean", choices=AGGREGATES,
                         help="a round's step: the sites' weighted mean, or clipped-mean — each site's update scaled down to at "
                              "most --aggregate-clip-multiple times the median of the other sites' norms first, so a site under "
-                             "the update check's bounds still moves the step by a bounded share (server/robust_mean.py)")  # fmt: skip
+                             "the update check's bounds still moves the step by a bounded share (server/checks/robust_mean.py)")  # fmt: skip
     parser.add_argument("--aggregate-clip-multiple", type=float, default=AggregateConfig().clip_multiple,
                         help="clipped-mean: the bound, as a multiple of the median of the other sites' update norms")
     parser.add_argument("--operator-token", default=None,
@@ -242,7 +242,7 @@ def _save_final_version(shard, checkpointer, signalled: list[int], checkpoint_di
 
 
 def _keep_rounds_on_disk(shard, args: argparse.Namespace) -> None:  # noqa: ANN001
-    """Keep every version's contributions on disk for --keep-rounds-s (server/rounds_on_disk.py), where
+    """Keep every version's contributions on disk for --keep-rounds-s (server/state/rounds_on_disk.py), where
     there is a folder for them."""
     folder = args.keep_rounds_dir or (args.checkpoint_dir / "recent-rounds" if args.checkpoint_dir else None)
     if args.keep_rounds_s <= 0 or folder is None:

@@ -37,17 +37,17 @@ from dilocox.common.wire.errors import (
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE
-from dilocox.server.grace import GraceWindow
-from dilocox.server.provenance_chain import RoundsChain, digest_payloads, init_record, version_digests
-from dilocox.server.round_close import SiteRecord
-from dilocox.server.recent_rounds import RecentRounds
-from dilocox.server.round_state import RoundAccumulator
-from dilocox.server.run_record import RecordedRun, admit_tokenizer, extended_run_config
-from dilocox.server.shard_close import RoundClosing
-from dilocox.server.shard_pulls import PullServing
+from dilocox.server.rounds.grace import GraceWindow
+from dilocox.server.state.provenance_chain import RoundsChain, digest_payloads, init_record, version_digests
+from dilocox.server.rounds.round_close import SiteRecord
+from dilocox.server.rounds.recent_rounds import RecentRounds
+from dilocox.server.rounds.round_state import RoundAccumulator
+from dilocox.server.state.run_record import RecordedRun, admit_tokenizer, extended_run_config
+from dilocox.server.rounds.shard_close import RoundClosing
+from dilocox.server.serving.shard_pulls import PullServing
 from dilocox.server.shard_records import JoinResult, PushResult, RoundStats, SealedRound, Snapshot
-from dilocox.server.robust_mean import AggregateConfig
-from dilocox.server.update_check import UpdateCheck, UpdateCheckConfig
+from dilocox.server.checks.robust_mean import AggregateConfig
+from dilocox.server.checks.update_check import UpdateCheck, UpdateCheckConfig
 
 log = structlog.get_logger("dilocox.shard")
 CHECKPOINT_UNSAVED = {"checkpoint_failures": 0, "checkpoint_failing_rounds": 0, "checkpoint_error": ""}  # no --checkpoint-dir
@@ -76,17 +76,17 @@ class Shard(RoundClosing, PullServing):
         """`round_deadline_s`: once a round's first contribution is in, close it after this long with the
         clusters that completed (at least `min_clusters`); the others are marked inactive.
         `grace`: close on a quorum instead — `min_clusters` complete, then the grace window — keeping
-        late members (server/round_close.py); the deadline then only marks silent members gone.
+        late members (server/rounds/round_close.py); the deadline then only marks silent members gone.
         `expect_clusters` (default `min_clusters`): the run's first round does not close before this many
         clusters have joined (`round_close.first_round_waits`).
         `keep_rounds`: the contributions of this many of the newest versions are kept, so a site up to that
         many versions behind (a restart from its checkpoint, a late site) replays them instead of pulling the
         weights and momentum in full; they cost their compressed bytes in memory.
-        `update_check`: how each site's update is looked at before the merge (server/update_check.py;
+        `update_check`: how each site's update is looked at before the merge (server/checks/update_check.py;
         default: warn). `operator_token`: what an operator's readmission must carry (none: refused).
         `max_weight_multiple`: a site's weight in a round's mean is at most this many times the median of the
         other sites' said tokens (tokens are a claim; common/wire/staleness.py; 0: as said). `aggregate`: the
-        round's mean, or its clipped mean (server/robust_mean.py)."""
+        round's mean, or its clipped mean (server/checks/robust_mean.py)."""
         if not 0 <= shard_index < num_shards:
             raise ValueError(f"shard_index {shard_index} outside [0, {num_shards})")
         if min_clusters < 1:
@@ -133,14 +133,14 @@ class Shard(RoundClosing, PullServing):
         self.bytes_in = 0
         self.bytes_out = 0
         self.dropped_bytes = 0  # partial contributions discarded when a deadline closed a round without them
-        self.rounds_overruled = 0  # rounds the update check flagged more of than it may act on (server/update_check.py)
+        self.rounds_overruled = 0  # rounds the update check flagged more of than it may act on (server/checks/update_check.py)
         self.last_round: RoundStats | None = None  # set just before the round's version is published
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None
-        self.checkpoint_health = None  # server/checkpoint.py's CheckpointHealth, where a checkpointer saves this shard
+        self.checkpoint_health = None  # server/state/checkpoint.py's CheckpointHealth, where a checkpointer saves this shard
         self.closing = False  # set by close(): held pulls return at once
         # Called (from any thread) whenever waiting pulls should look again: a publish, a join, a close.
-        # The grpc.aio server parks its pulls on these instead of a thread each (server/aio_servicer.py).
+        # The grpc.aio server parks its pulls on these instead of a thread each (server/serving/aio_servicer.py).
         self.version_listeners: list[Callable[[], None]] = []
         self.known: set[str] = set()  # every cluster that ever joined (members drop the inactive ones)
         self._recorded: RecordedRun | None = None  # the recorded run configuration, parsed
@@ -152,7 +152,7 @@ class Shard(RoundClosing, PullServing):
         self.held_by: dict[str, int] = {}  # cluster -> the newest version it pulled from this shard (since this process started)
         self._digest_lock = threading.Lock()  # one computation of a version's digests, however many pull
         self._readers: dict[int, int] = {}  # id(snapshot) -> pulls streaming it (the close then copies)
-        self.chain = RoundsChain(run_id, shard_index, num_shards)  # one record per published version (server/provenance_chain.py)
+        self.chain = RoundsChain(run_id, shard_index, num_shards)  # one record per published version (server/state/provenance_chain.py)
 
     # ------------------------------------------------------------------ membership
     def join(
@@ -259,7 +259,7 @@ class Shard(RoundClosing, PullServing):
         `slices` are the encoded slices as they travelled (or plain (key, tensor) pairs, taken as exact
         fp32); each must decode to a finite tensor of the owned shape. `inner_steps`, `idle_s`: what the
         site says of the round (kept for `dilocox status`). `staleness`: how many rounds older than `round_`
-        the work is (a late site catching up; its weight is capped at the close, server/round_state.py).
+        the work is (a late site catching up; its weight is capped at the close, server/rounds/round_state.py).
         """
         encoded = [s if isinstance(s, EncodedSlice) else EncodedSlice.exact(*s) for s in slices]
         for item in encoded:
@@ -344,7 +344,7 @@ class Shard(RoundClosing, PullServing):
         for listener in self.version_listeners:
             listener()
 
-    # ------------------------------------------------------------------ pulls: server/shard_pulls.py
+    # ------------------------------------------------------------------ pulls: server/serving/shard_pulls.py
     def close(self) -> None:
         """Stopping: every held pull is answered now (UNAVAILABLE, which clients retry) instead of at the
         end of its wait, so SIGTERM does not keep the process alive for a pull's 30 s."""
@@ -359,7 +359,7 @@ class Shard(RoundClosing, PullServing):
 
     @property
     def recorded(self) -> RecordedRun:
-        """The recorded run configuration's figures, parsed once per configuration (server/run_record.py)."""
+        """The recorded run configuration's figures, parsed once per configuration (server/state/run_record.py)."""
         if self._recorded is None or self._recorded.source != self.run_config_json:
             self._recorded = RecordedRun.of(self.run_config_json)
         return self._recorded

@@ -1,6 +1,6 @@
 """What a shard hands out and keeps about its rounds: the results of a join and a push, a published
 version (`Snapshot`), how the last round closed (`RoundStats`), and a round sealed for its close
-(`SealedRound`). Plain records: the rules that fill them are `server/shard.py` and `server/shard_close.py`."""
+(`SealedRound`). Plain records: the rules that fill them are `server/shard.py` and `server/rounds/shard_close.py`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
-from dilocox.server.round_close import CloseDecision
-from dilocox.server.round_state import Contribution, RoundAccumulator
+from dilocox.server.rounds.round_close import CloseDecision
+from dilocox.server.rounds.round_state import Contribution, RoundAccumulator
 
 
 @dataclass
@@ -64,7 +64,7 @@ class RoundStats:
     late: tuple[str, ...] = ()  # members it closed without (quorum + grace): their part comes next round
     tokens: tuple[tuple[str, float], ...] = ()  # (cluster, weight) of those who made it
     grace_s: float | None = None  # the grace window it was given (quorum + grace only)
-    excluded: tuple[str, ...] = ()  # complete, but left out by the update check (server/update_check.py)
+    excluded: tuple[str, ...] = ()  # complete, but left out by the update check (server/checks/update_check.py)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import Callable
 
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.config.run import RunConfig, as_dict
-from dilocox.server.grpc_server import start_server
-from dilocox.server.robust_mean import AggregateConfig
+from dilocox.server.serving.grpc_server import start_server
+from dilocox.server.checks.robust_mean import AggregateConfig
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
-from dilocox.server.update_check import UpdateCheckConfig
+from dilocox.server.checks.update_check import UpdateCheckConfig
 from dilocox.sim.push_fault import FaultyPushClient, PushFault
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster, RoundReport
@@ -70,12 +70,12 @@ def run_in_process(
     `track_deficit`: the clusters' compressors keep what they withheld (benchmarks read it);
     `on_round(client, report)`: called by each cluster's thread after each of its rounds;
     `before_stop(addresses)`: called once the clusters are done, while the shards still serve;
-    `keep_rounds`: the versions whose contributions the shards keep (server/recent_rounds.py);
-    `update_check`: the shards' check of each site's update (server/update_check.py; None: the shard's default);
+    `keep_rounds`: the versions whose contributions the shards keep (server/rounds/recent_rounds.py);
+    `update_check`: the shards' check of each site's update (server/checks/update_check.py; None: the shard's default);
     `push_fault(cluster, round, slice)`: every cluster's pushed slices go through it (sim/push_fault.py: a
     drill's faulty site, `dilocox bench faults`); None: plain clients;
     `before_start(shards)`: called once the shards serve, before any cluster starts (a benchmark instruments them);
-    `aggregate`: the shards' mean or clipped mean (server/robust_mean.py; None: the plain mean)."""
+    `aggregate`: the shards' mean or clipped mean (server/checks/robust_mean.py; None: the plain mean)."""
     corpus = corpus if corpus is not None else load_corpus(None)
     shards = [
         Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters, keep_rounds=keep_rounds,

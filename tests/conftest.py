@@ -9,8 +9,8 @@ import time
 import pytest
 
 from dilocox.common.config.run import WireConfig
-from dilocox.server.grace import GraceWindow
-from dilocox.server.grpc_server import start_server
+from dilocox.server.rounds.grace import GraceWindow
+from dilocox.server.serving.grpc_server import start_server
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 from tests.leftovers import MARK, left_behind, mark_this_run
 
@@ -37,7 +37,7 @@ class ShardSet:
                  added_latency_s: float | list[float] = 0.0, grace_s: tuple[float, float] | None = None,
                  keep_rounds: int = DEFAULT_KEEP_ROUNDS, expect_clusters: int | None = None, update_check=None,  # noqa: ANN001
                  aggregate=None, **serve) -> None:  # noqa: ANN001  # fmt: skip
-        """`grace_s`: (min, max) of a quorum + grace window (server/grace.py), one window per shard; `serve`:
+        """`grace_s`: (min, max) of a quorum + grace window (server/rounds/grace.py), one window per shard; `serve`:
         more of `start_server`'s settings (e.g. `pull_cache_bytes`)."""
         self.shards = [Shard(i, num_shards, run_id, outer_lr, outer_momentum, min_clusters, round_deadline_s,
                              GraceWindow(*grace_s) if grace_s else None, expect_clusters=expect_clusters, keep_rounds=keep_rounds,

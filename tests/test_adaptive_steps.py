@@ -8,7 +8,7 @@ import pytest
 import structlog
 import torch
 
-from dilocox.server.grpc_server import start_server
+from dilocox.server.serving.grpc_server import start_server
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.adaptive_steps import StepsController
 from dilocox.worker.exchange.aggregator_client import AggregatorClient

@@ -17,7 +17,7 @@ import torch
 from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.subprocesses import stop_gracefully
-from dilocox.server import checkpoint
+from dilocox.server.state import checkpoint
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors

@@ -18,7 +18,7 @@ from dilocox.common.wire.checkpoint_format import (CheckpointCorrupt, Checkpoint
                                                    save_state, shard_files)  # fmt: skip
 from dilocox.common.wire.checkpoint_integrity import seal, state_digest
 from dilocox.common.wire.framing import EncodedSlice
-from dilocox.server import checkpoint, resume
+from dilocox.server.state import checkpoint, resume
 from dilocox.server.shard import Shard
 from dilocox.worker.export.model import ExportError, from_checkpoints
 

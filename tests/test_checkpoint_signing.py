@@ -21,8 +21,8 @@ from dilocox.common.wire import checkpoint_integrity
 from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, load_state
 from dilocox.common.wire.framing import EncodedSlice
-from dilocox.server import checkpoint, resume
-from dilocox.server.checkpoint_signing import CheckpointForged, CheckpointTrust, signing
+from dilocox.server.state import checkpoint, resume
+from dilocox.server.state.checkpoint_signing import CheckpointForged, CheckpointTrust, signing
 from dilocox.server.shard import Shard
 from tests.pki import two_authorities
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dilocox.server.grpc_server import start_server
+from dilocox.server.serving.grpc_server import start_server
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster, slice_tensors

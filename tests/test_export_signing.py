@@ -222,7 +222,7 @@ def test_export_command_signs_and_verify_checks_it(tmp_path, pki, capsys):
     """The whole path: shards' checkpoints → `dilocox export --sign-key --sign-cert` → `dilocox verify --cert`."""
     from dilocox.common.wire.assignment import model_digest
     from dilocox.common.wire.framing import EncodedSlice
-    from dilocox.server import checkpoint
+    from dilocox.server.state import checkpoint
     from dilocox.server.shard import Shard
 
     params = [("w", (8, 6)), ("b", (6,))]
@@ -267,7 +267,7 @@ def test_a_changed_digit_of_the_weights_header_fails_by_name_not_with_a_tracebac
     chain's weight check did not catch: `dilocox verify` printed a traceback, signed or --unsigned."""
     from dilocox.common.wire.assignment import model_digest
     from dilocox.common.wire.framing import EncodedSlice
-    from dilocox.server import checkpoint
+    from dilocox.server.state import checkpoint
     from dilocox.server.shard import Shard
 
     params = [("w", (8, 6)), ("b", (6,))]

@@ -11,8 +11,8 @@ import threading
 
 import grpc
 
-from dilocox.server import health
-from dilocox.server.grpc_server import start_server
+from dilocox.server.serving import health
+from dilocox.server.serving.grpc_server import start_server
 from dilocox.server.shard import Shard
 
 

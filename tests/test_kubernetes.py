@@ -23,7 +23,7 @@ import yaml
 from dilocox.common.cli import build_parser
 from dilocox.common.deploy import kubernetes
 from dilocox.common.deploy.deploy_cli import add_topology_arguments, topology_from_args
-from dilocox.server import checkpoint
+from dilocox.server.state import checkpoint
 from tests.ports import free_port, listening
 from dilocox.server.shard import Shard
 

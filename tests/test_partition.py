@@ -13,7 +13,7 @@ import torch
 
 from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.assignment import model_digest
-from dilocox.server.grpc_server import start_server
+from dilocox.server.serving.grpc_server import start_server
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 

@@ -21,9 +21,9 @@ from dilocox.common.wire.framing import EncodedSlice, own_contribution_digest
 from dilocox.common.wire.rounds_chain import check_chain, genesis, link
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-from dilocox.server import checkpoint
-from dilocox.server.grpc_server import start_server
-from dilocox.server.provenance_chain import RoundsChain
+from dilocox.server.state import checkpoint
+from dilocox.server.serving.grpc_server import start_server
+from dilocox.server.state.provenance_chain import RoundsChain
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors

@@ -1,4 +1,4 @@
-"""A version's pull chunks are framed once for every cluster that pulls the same bytes (server/pull_framing.py)."""
+"""A version's pull chunks are framed once for every cluster that pulls the same bytes (server/serving/pull_framing.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dilocox.proto import dilocox_pb2 as pb
-from dilocox.server.pull_framing import PullFramings, SharedFraming
+from dilocox.server.serving.pull_framing import PullFramings, SharedFraming
 from dilocox.worker.exchange.cluster import slice_tensors
 from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
 

@@ -9,7 +9,7 @@ import structlog
 
 from dilocox.common import cli
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
-from dilocox.server.update_check import UpdateCheckConfig
+from dilocox.server.checks.update_check import UpdateCheckConfig
 
 RUN = "run-downlink"
 OPERATOR = "op-secret"

@@ -10,7 +10,7 @@ import torch
 from dilocox.common.config.run import InnerConfig, RunConfig
 from dilocox.common.wire.framing import is_state_digest
 from dilocox.proto import dilocox_pb2 as pb
-from dilocox.server.servicer import AggregatorServicer
+from dilocox.server.serving.servicer import AggregatorServicer
 from dilocox.sim.inprocess import run_in_process
 from dilocox.worker.exchange.cluster import slice_tensors
 from dilocox.worker.metrics import WorkerMetrics
@@ -80,7 +80,7 @@ class _DigestTampering(AggregatorServicer):
 @pytest.mark.parametrize("mode", ["drop", "corrupt"])
 def test_replay_check_refuses_a_bad_or_missing_digest_before_applying(shard_set, monkeypatch, mode):
     monkeypatch.setattr(_DigestTampering, "mode", mode)
-    monkeypatch.setattr("dilocox.server.grpc_server.AggregatorServicer", _DigestTampering)
+    monkeypatch.setattr("dilocox.server.serving.grpc_server.AggregatorServicer", _DigestTampering)
     shards = shard_set(1, "run-downlink", min_clusters=2)
     a, b = clients = _start(shards)
     try:

@@ -19,7 +19,7 @@ from dilocox.common.wire.checkpoint_format import checkpoint_path
 from dilocox.common.wire.framing import EncodedSlice
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-from dilocox.server import checkpoint
+from dilocox.server.state import checkpoint
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from dilocox.server import checkpoint
+from dilocox.server.state import checkpoint
 from tests.test_faults import finish, kill_all, wait_for
 
 RUN = "converge-run"

@@ -1,4 +1,4 @@
-"""Rounds kept on the shards' disk (server/rounds_on_disk.py): a site away for longer than the rounds a
+"""Rounds kept on the shards' disk (server/state/rounds_on_disk.py): a site away for longer than the rounds a
 shard keeps in memory still resumes by delta — across a shard's own restart — and what is kept stays a
 chain bounded by age and by a disk budget."""
 
@@ -13,8 +13,8 @@ import torch
 from dilocox.common.config.run import CompressionConfig
 from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.wire.assignment import model_digest
-from dilocox.server import checkpoint
-from dilocox.server.rounds_on_disk import RoundsOnDisk
+from dilocox.server.state import checkpoint
+from dilocox.server.state.rounds_on_disk import RoundsOnDisk
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from tests.test_checkpoint import PARAMS, slices, tensors
@@ -137,7 +137,7 @@ class _MakesFolder:
 
 
 def test_a_write_the_disk_refuses_ends_the_chain_there(tmp_path, monkeypatch):
-    from dilocox.server import rounds_on_disk
+    from dilocox.server.state import rounds_on_disk
 
     real = rounds_on_disk.save_state
 

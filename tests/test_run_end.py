@@ -86,7 +86,7 @@ def test_shards_exit_by_themselves_once_every_cluster_holds_the_final_version(tm
     events = [json.loads(line) for line in shard_log.splitlines() if line.startswith("{")]
     finished = [e for e in events if e["event"] == "run_finished"]
     assert finished and finished[0]["version"] == 3 and finished[0]["clusters"] == ["site-0", "site-1"]
-    from dilocox.server import checkpoint
+    from dilocox.server.state import checkpoint
 
     assert checkpoint.load(tmp_path / "shard-0.pt")["snapshot"]["version"] == 3
 

@@ -14,8 +14,8 @@ import torch
 from dilocox.common.config.run import ModelConfig, RunConfig, as_dict
 from dilocox.common.wire.assignment import model_digest, tokenizer_digest_of
 from dilocox.common.wire.errors import InvalidFrame, RunOver, TokenizerMismatch
-from dilocox.server import checkpoint
-from dilocox.server.grpc_server import start_server
+from dilocox.server.state import checkpoint
+from dilocox.server.serving.grpc_server import start_server
 from dilocox.server.shard import Shard
 from dilocox.worker.data.corpus import data_part
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError

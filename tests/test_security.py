@@ -11,7 +11,7 @@ import pytest
 
 from dilocox.common.deploy.certs import make_dev_certificates
 from dilocox.common.security import TlsFiles
-from dilocox.server.grpc_server import start_server
+from dilocox.server.serving.grpc_server import start_server
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 

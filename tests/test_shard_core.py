@@ -277,7 +277,7 @@ def test_a_round_is_stepped_outside_the_lock_and_nothing_sees_it_half_done(tmp_p
     closed to pushes (a retry of an included push is a duplicate), the version being updated in place is
     handed to no pull and written by no checkpoint; the published bits are those of a shard that closed
     the same round with nobody else around."""
-    from dilocox.server.checkpoint import Checkpointer
+    from dilocox.server.state.checkpoint import Checkpointer
 
     shard = Shard(0, 1, RUN, 0.7, 0.9, min_clusters=1, round_deadline_s=5.0)
     init(shard, ["a", "b"], full_tensors(0))
@@ -313,7 +313,7 @@ def test_a_round_is_stepped_outside_the_lock_and_nothing_sees_it_half_done(tmp_p
     closer.join(30)
     saved.join(30)
     assert shard.version == 1 and shard.last_round.clusters == ("a",)
-    from dilocox.server import checkpoint
+    from dilocox.server.state import checkpoint
 
     assert checkpoint.load(checkpoint.checkpoint_path(tmp_path, 0))["snapshot"]["version"] == 1
     held = shard.wait_for_version(RUN, "c", 0, timeout=1, hold=True)

@@ -10,7 +10,7 @@ from dilocox.common.wire.aggregation import weighted_mean
 from dilocox.common.wire.errors import InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.staleness import cap_claimed_weights, cap_stale_weights, stale_discount
-from dilocox.server.round_state import RoundAccumulator
+from dilocox.server.rounds.round_state import RoundAccumulator
 from dilocox.worker.exchange.carry import UndeliveredCarry
 from dilocox.worker.exchange.cluster import slice_tensors
 from tests.test_uneven_sites import LR, MOMENTUM, RUN, _started, _tensors

@@ -125,8 +125,8 @@ def test_forty_stalled_push_streams_beside_two_honest_sites(tmp_path):
 def test_one_cluster_holds_at_most_its_share_of_push_streams():
     """A cluster identity past `--push-streams-per-cluster` streams at once is refused RESOURCE_EXHAUSTED
     (naming the flag), another cluster is not, and a slot frees when a stream ends (here: its idle timeout)."""
-    from dilocox.server.grpc_server import start_server
-    from dilocox.server.push_intake import PushLimits
+    from dilocox.server.serving.grpc_server import start_server
+    from dilocox.server.serving.push_intake import PushLimits
 
     shard = Shard(0, 1, RUN)
     server, port = start_server(shard, "127.0.0.1", 0, push_limits=PushLimits(idle_timeout_s=2.0, streams_per_cluster=2))
@@ -162,8 +162,8 @@ def test_health_is_not_serving_while_the_work_pool_is_starved():
     """Every work thread held (long tasks): the health service, which answers from the event loop, says
     NOT_SERVING once a task has waited `health_stall_s`, and SERVING again once the pool takes work; `Status`,
     on threads of its own, answers at once all along (behind a round's queued pushes it once waited for all)."""
-    from dilocox.server.grpc_server import start_server
-    from dilocox.server.health import check
+    from dilocox.server.serving.grpc_server import start_server
+    from dilocox.server.serving.health import check
 
     shard = Shard(0, 1, RUN)
     server, port = start_server(shard, "127.0.0.1", 0, max_workers=4, health_stall_s=1.0)
@@ -207,7 +207,7 @@ def test_a_pull_takes_its_small_chunks_from_the_pool_together_and_learns_its_end
     it (each hop wakes the event loop and a pool thread); a batch ends at the first chunk that reaches the
     limit, and the batch that runs out says so."""
     from dilocox.proto import dilocox_pb2 as pb
-    from dilocox.server.aio_servicer import PULL_BATCH_BYTES, _take_chunks
+    from dilocox.server.serving.aio_servicer import PULL_BATCH_BYTES, _take_chunks
 
     sizes = [100 << 10, 100 << 10, 100 << 10, 10 << 10, 3 * PULL_BATCH_BYTES, 1 << 10]
     def sent(name: str, size: int) -> bytes:  # a pull's chunk as its stream yields it: its wire bytes
@@ -233,7 +233,7 @@ def test_a_pull_cancelled_while_its_look_runs_gives_back_what_the_look_took():
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
-    from dilocox.server.aio_servicer import AsyncAggregatorServicer
+    from dilocox.server.serving.aio_servicer import AsyncAggregatorServicer
 
     released, closed, running, finish = [], [], threading.Event(), threading.Event()
 

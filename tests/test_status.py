@@ -118,7 +118,7 @@ def test_a_site_record_reads_as_every_field_without_a_deep_copy():
     while every field is a scalar (a nested field would need asdict again)."""
     import dataclasses
 
-    from dilocox.server.round_close import SiteRecord
+    from dilocox.server.rounds.round_close import SiteRecord
 
     record = SiteRecord()
     record.made(2, 5.0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dilocox.common.wire.checkpoint_format import checkpoint_path
-from dilocox.server import checkpoint
+from dilocox.server.state import checkpoint
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors

@@ -21,10 +21,10 @@ from dilocox.common.wire.aggregation import weighted_mean
 from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.framing import EncodedSlice
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.server.grace import GraceWindow
+from dilocox.server.rounds.grace import GraceWindow
 from dilocox.server.metrics import ShardMetrics
-from dilocox.server.round_close import decide, first_round_waits
-from dilocox.server.round_state import RoundAccumulator
+from dilocox.server.rounds.round_close import decide, first_round_waits
+from dilocox.server.rounds.round_state import RoundAccumulator
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.adaptive_steps import RoundTimeBox
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError

@@ -1,4 +1,4 @@
-"""The shards' update check (server/update_check.py): figures from the payloads as they came, verdicts per site."""
+"""The shards' update check (server/checks/update_check.py): figures from the payloads as they came, verdicts per site."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
-from dilocox.server.round_figures import inner, round_figures
-from dilocox.server.round_state import Contribution
-from dilocox.server.update_check import UpdateCheck, UpdateCheckConfig
+from dilocox.server.checks.round_figures import inner, round_figures
+from dilocox.server.rounds.round_state import Contribution
+from dilocox.server.checks.update_check import UpdateCheck, UpdateCheckConfig
 
 KEYS = [SliceKey("w", 0, 48), SliceKey("b", 0, 32)]
 SHAPES = {KEYS[0]: (48, 40), KEYS[1]: (32,)}
@@ -41,8 +41,8 @@ def test_the_gram_of_many_sites_is_the_pairwise_inner_products_and_keeps_a_nan_t
     """The shard's figures in a few BLAS calls per slice (sites² pairs were most of its CPU at 128 sites):
     low-rank factors of different ranks, dense updates and the mixed pairs, against `inner` pair by pair —
     formed whole, and over pieces of a few rows (what bounds its memory with hundreds of sites)."""
-    from dilocox.server import round_figures as figures_module
-    from dilocox.server.round_figures import gram
+    from dilocox.server.checks import round_figures as figures_module
+    from dilocox.server.checks.round_figures import gram
 
     monkeypatch.setattr(figures_module, "GRAM_PIECE_BYTES", piece_bytes)
 
@@ -109,7 +109,7 @@ def review(check: UpdateCheck, contributions: dict, weights: dict, previous: dic
 
 def _pairwise(contributions: dict, previous: dict, skip: frozenset[str]) -> tuple[list[str], torch.Tensor, torch.Tensor, float]:
     """The figures the slow way, pair by pair through `inner`: G, ⟨Δ_i, U⟩ and ‖U‖² (U without `skip`)."""
-    from dilocox.server.round_figures import _factors_or_dense
+    from dilocox.server.checks.round_figures import _factors_or_dense
 
     sites = sorted({c for per in contributions.values() for c in per})
     g, with_prev, prev_sq = torch.zeros(len(sites), len(sites), dtype=torch.float64), torch.zeros(len(sites), dtype=torch.float64), 0.0
@@ -141,7 +141,7 @@ def test_a_rounds_figures_equal_the_pairwise_ones_and_take_no_python_call_per_pa
     figures (sites of different weights, one site missing a slice, one left out of U as flagged)."""
     from dataclasses import replace
 
-    from dilocox.server import round_figures as figures_module
+    from dilocox.server.checks import round_figures as figures_module
 
     sites = Round(n=24, lowrank=lowrank)
     first, _ = sites.contributions()
@@ -477,7 +477,7 @@ def test_real_shards_clip_an_outsized_site_and_every_replica_stays_bit_exact(sha
 
 
 def _assert_restored_alike(original, tmp_path) -> None:  # noqa: ANN001 - a server.shard.Shard
-    from dilocox.server import checkpoint
+    from dilocox.server.state import checkpoint
     from dilocox.server.shard import Shard
 
     restored = Shard(original.shard_index, original.num_shards, original.run_id, update_check=original.update_check.config)
@@ -564,7 +564,7 @@ def test_real_shards_weigh_an_inflated_token_claim_at_a_multiple_of_the_others_a
 
 
 def test_clip_factors_bound_each_site_by_the_other_sites_median_norm():
-    from dilocox.server.robust_mean import AggregateConfig, clip_factors
+    from dilocox.server.checks.robust_mean import AggregateConfig, clip_factors
 
     assert clip_factors({"a": 1.0, "b": 1.2, "c": 0.9, "d": 1.5}, 2.0) == {}  # honest spread: nobody clipped
     assert clip_factors({"a": 1.0, "b": 1.2, "c": 0.9, "big": 9.5}, 2.0) == {"big": pytest.approx(2.0 / 9.5)}
@@ -583,7 +583,7 @@ def test_real_shards_clipped_mean_bounds_a_site_under_the_checks_bounds_and_repl
     shards' bit for bit."""
     from tests import four_sites
     from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
-    from dilocox.server.robust_mean import AggregateConfig
+    from dilocox.server.checks.robust_mean import AggregateConfig
     from dilocox.worker.exchange.cluster import slice_tensors
 
     steps = {}
@@ -626,7 +626,7 @@ def test_real_shards_clipped_mean_bounds_a_site_under_the_checks_bounds_and_repl
 def test_a_byte_identical_copy_is_not_judged_but_counted_once():
     """A site pushing another's update byte for byte: neither is flagged (which is the copy cannot be told),
     each verdict says `copies` 2, and under clip or exclude the two weigh together what one would."""
-    from dilocox.server.update_check import copied_weights
+    from dilocox.server.checks.update_check import copied_weights
 
     sites = Round()
     check = UpdateCheck(UpdateCheckConfig(mode="exclude"))

@@ -1,7 +1,7 @@
 """`dilocox readmit`: an operator releases a site the shards' update check quarantined.
 
 A site flagged `--update-check-quarantine-rounds` rounds in a row is left out of every round (under
-`exclude` or `clip`) until it passes as many in a row (server/update_check.py). When the operator knows
+`exclude` or `clip`) until it passes as many in a row (server/checks/update_check.py). When the operator knows
 why it was flagged and that it is fixed — a site restored from the right checkpoint, a data pipeline
 repaired — waiting those rounds wastes its work: this asks every shard to release it now. Each shard
 checks its operator token (`dilocox server --operator-token`), which the sites do not hold, so a

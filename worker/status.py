@@ -82,7 +82,7 @@ def site_rows(records: list[dict]) -> list[tuple[str, ...]]:
 
 
 def _check_cell(seen: list[dict]) -> str:
-    """The shards' update check on a site (server/update_check.py): ok, or flagged N× (the latest reason
+    """The shards' update check on a site (server/checks/update_check.py): ok, or flagged N× (the latest reason
     and round; the most any shard counted), quarantined where any shard holds it so."""
     flagged = max(s.get("rounds_flagged", 0) for s in seen)
     if not flagged:

@@ -12,7 +12,7 @@ One multi-document file, `dilocox.yaml`. The choices, and why:
   shards let `dilocox status` and `dilocox export` read the model. Delete the StatefulSet once exported.
   With `--servers` the shards run elsewhere (another cluster: `dilocox deploy topology`) and none of
   this is rendered; `--expose-shards` adds a Service per shard for such sites (kubernetes_placement.py).
-* Probes: shards serve grpc.health.v1 (server/health.py). In plaintext the kubelet's native gRPC probe
+* Probes: shards serve grpc.health.v1 (server/serving/health.py). In plaintext the kubelet's native gRPC probe
   asks; it cannot speak TLS, so with TLS an exec probe runs `dilocox health` on localhost with the client
   certificate (mTLS: the shard requires one). A startup probe leaves time for a long `--resume`.
 * Sites: an Indexed Job per site, one pod per node of `--ranks-per-pod` ranks (default: a whole site in

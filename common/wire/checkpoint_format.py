@@ -1,4 +1,4 @@
-"""The shard checkpoint file: written by a shard (server/checkpoint.py), read back by a restarted shard,
+"""The shard checkpoint file: written by a shard (server/state/checkpoint.py), read back by a restarted shard,
 and read offline by `dilocox export` to assemble the global model without a running service.
 
 A file is one `torch.save`d dict per shard (`shard-<index>.pt`): the run's identity (`run_id`,
@@ -12,7 +12,7 @@ files (written before the digest) still load, logged as unverified (docs/decisio
 checkpoint…").
 
 Beside the newest `shard-<i>.pt` a shard keeps older versions as `shard-<i>.v<version>.pt`
-(server/checkpoint.py); `shard_files` lists both, newest first, for a reader that falls back to an
+(server/state/checkpoint.py); `shard_files` lists both, newest first, for a reader that falls back to an
 intact older version. A refused file is renamed `shard-<i>.pt.refused-<date>`, a name no reader lists.
 """
 
@@ -107,7 +107,7 @@ def loaded_payload(saved: torch.Tensor | bytes | bytearray) -> bytearray:
 
 
 def save_state(state: dict, path: str | os.PathLike, sign: Callable[[dict], dict] | None = None) -> pathlib.Path:
-    """Seal the state with its digest (then, with `sign`, add a signature over it: server/checkpoint_signing.py)
+    """Seal the state with its digest (then, with `sign`, add a signature over it: server/state/checkpoint_signing.py)
     and write it atomically; returns the path."""
     sealed = integrity.seal(state)
     return atomic_torch_save(sign(sealed) if sign is not None else sealed, path)

@@ -24,7 +24,7 @@ import torch
 
 ALGORITHM = "sha256"
 FIELD = "integrity"  # the saved dict's field holding "sha256:<hex>"
-# A signed shard checkpoint's signature over that digest (server/checkpoint_signing.py): like the digest
+# A signed shard checkpoint's signature over that digest (server/state/checkpoint_signing.py): like the digest
 # itself, outside what is digested.
 SIGNATURE_FIELD = "checkpoint_signature"
 

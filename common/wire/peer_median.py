@@ -1,6 +1,6 @@
 """The median of the *other* sites' values, for every site at once: the leave-one-out reference that the
-shards' weight cap (common/wire/staleness.py), clipped mean (server/robust_mean.py) and update check
-(server/update_check.py) all judge a site against, so that no site can move its own bound.
+shards' weight cap (common/wire/staleness.py), clipped mean (server/checks/robust_mean.py) and update check
+(server/checks/update_check.py) all judge a site against, so that no site can move its own bound.
 
 Why its own module: the three computed it each their own way, each re-sorting the others per site —
 quadratic in sites, in the round's close, where 256 sites are a measured case. Here one sort serves every

@@ -12,7 +12,7 @@ What it proves: the shards' own account of which sites' payloads (by digest) mad
 the weights digest of its last record — that an export's weights are the state the chain ends in. What it
 does not: that those payloads were honest training (an update check's job), or anything a shard lied about.
 
-Pure functions: the shard appends (server/provenance_chain.py), `dilocox verify` recomputes
+Pure functions: the shard appends (server/state/provenance_chain.py), `dilocox verify` recomputes
 (worker/export/chain.py), with exactly these.
 """
 

@@ -354,7 +354,7 @@ class DilocoCluster(StepDriven, RunEnd):
 
     def _round_to_push(self, round_: int, version: int) -> int:
         """The round this boundary's pseudo-gradient goes to: the one trained, unless the shards have
-        already closed it (a late site under quorum + grace: server/round_close.py), then the one after the
+        already closed it (a late site under quorum + grace: server/rounds/round_close.py), then the one after the
         version the site holds — never past the run's last round, whose refusal the carry keeps for the
         end-of-run flush. A site slower than the grace window every round finds that round closed too, every
         time (tests/test_uneven_sites.py, an expected failure: see docs/decisions.md)."""

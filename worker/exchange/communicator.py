@@ -187,7 +187,7 @@ class Communicator:
 
     def _closed_without_us(self, round_: int) -> tuple[int, dict, int] | None:
         """After a refused push: whether the round is published and we are still in the run — a shard
-        closed it on a quorum without us (server/round_close.py). Our part is in the client's carry then,
+        closed it on a quorum without us (server/rounds/round_close.py). Our part is in the client's carry then,
         and the round's result (returned, as `client.pull` gives it) is what the pull brought. Any other
         refusal (dropped from the run, a shard gone back, the run over) stays the push's error: the site
         rejoins."""

@@ -1,4 +1,4 @@
-"""What a shard's update check computes per round (server/update_check.py judges from it), on the slices it
+"""What a shard's update check computes per round (server/checks/update_check.py judges from it), on the slices it
 owns: of the Gram G of the sites' updates (G_ij = ⟨Δ_i, Δ_j⟩, summed over slices) only what the verdicts
 use — its diagonal, and G w, wᵀ G w for the weights the check picks — plus each update's product with the
 previous global update U = Σ_b w_b y_b and ‖U‖², from the payloads as they came (a low-rank one through
@@ -169,7 +169,7 @@ class RoundFigures:
 
 
 def round_figures(contributions: Mapping, previous: Mapping | None = None, skip: frozenset[str] = frozenset()) -> RoundFigures:
-    """`contributions`: slice -> {cluster: Contribution} (server/round_state.py) of the round being closed;
+    """`contributions`: slice -> {cluster: Contribution} (server/rounds/round_state.py) of the round being closed;
     `previous`: the same of the round before (what the published version forwards for replay), if any,
     less the sites in `skip` (flagged then: in warn mode a merged faulty update must not become the
     reference the honest ones are measured against). Slice by slice, one at a time (a dense U is one slice's

@@ -14,13 +14,13 @@ import time
 import structlog
 
 from dilocox.common.wire.errors import CheckOff, NotAnOperator
-from dilocox.server.provenance_chain import ChainedVersion, chain_round
-from dilocox.server.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
-from dilocox.server.round_figures import round_figures
-from dilocox.server.robust_mean import clip_factors
-from dilocox.server.round_state import RoundAccumulator
+from dilocox.server.state.provenance_chain import ChainedVersion, chain_round
+from dilocox.server.rounds.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
+from dilocox.server.checks.round_figures import round_figures
+from dilocox.server.checks.robust_mean import clip_factors
+from dilocox.server.rounds.round_state import RoundAccumulator
 from dilocox.server.shard_records import RoundStats, SealedRound, Snapshot
-from dilocox.server.update_check import SiteVerdict, clipped, copied_weights, excluded, margins
+from dilocox.server.checks.update_check import SiteVerdict, clipped, copied_weights, excluded, margins
 
 log = structlog.get_logger("dilocox.shard")
 
@@ -102,7 +102,7 @@ class RoundClosing:
         return closing
 
     def _check_updates(self, closing: SealedRound) -> tuple[SiteVerdict, ...]:
-        """Each site's update looked at before the merge (server/update_check.py); in `exclude` mode a
+        """Each site's update looked at before the merge (server/checks/update_check.py); in `exclude` mode a
         flagged or quarantined site's contributions leave the sealed round, so neither the step nor what
         the version forwards for replay holds them. No lock held, as for the step."""
         robust = self.aggregate.rule == "clipped-mean"

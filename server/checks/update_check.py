@@ -5,7 +5,7 @@ GPU with silent data corruption, a fork with a bug, a data pipeline feeding garb
 the wrong checkpoint. Without a check, whatever a joined site pushes is averaged into every site's model.
 
 What a shard computes per round, on the slices it owns, from the payloads as they came (a low-rank
-payload through its factors, never its product; server/round_figures.py): what it needs of the Gram matrix G
+payload through its factors, never its product; server/checks/round_figures.py): what it needs of the Gram matrix G
 of the sites' updates (G_ij = ⟨Δ_i, Δ_j⟩, summed over slices) and each update's inner product with the
 previous round's global update, from the contributions the shard keeps for replay. From them, per site:
 
@@ -60,7 +60,7 @@ from typing import Iterable, Mapping
 import torch
 
 from dilocox.common.wire.peer_median import median_without, medians_of_others
-from dilocox.server.round_figures import RoundFigures
+from dilocox.server.checks.round_figures import RoundFigures
 
 MODES = ("off", "warn", "clip", "exclude")
 # A site whose ‖Δ‖² exceeds fp32's range is flagged `non_finite`: the figures are formed in float64, where
@@ -111,7 +111,7 @@ class SiteVerdict:
     copies: int = 1  # sites whose contribution here is byte for byte this one's (> 1: a copy; counted once)
 
     def record(self) -> dict:
-        """What the rounds chain keeps of it (server/provenance_chain.py): the figures and the outcome."""
+        """What the rounds chain keeps of it (server/state/provenance_chain.py): the figures and the outcome."""
         return {**self.figures(), "replayed": self.replayed, "reasons": list(self.reasons), "quarantined": self.quarantined,
                 "excluded": self.excluded, **({"scale": self.scale} if self.scale != 1.0 else {}),
                 **({"overruled": True} if self.overruled else {}), **({"copies": self.copies} if self.copies > 1 else {})}  # fmt: skip

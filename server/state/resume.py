@@ -37,7 +37,7 @@ from dilocox.common.wire.checkpoint_format import (
 
 log = structlog.get_logger()
 Refused = list[tuple[pathlib.Path, str]]  # damaged files with the reason, newest first
-# Checks a loaded checkpoint beyond its digest (its signature: server/checkpoint_signing.py); raises a
+# Checks a loaded checkpoint beyond its digest (its signature: server/state/checkpoint_signing.py); raises a
 # `CheckpointCorrupt` to refuse it like a damaged file.
 Check = Callable[[pathlib.Path, dict], None]
 

@@ -3,13 +3,13 @@
 Saved: the run's identity and model (digest, parameter list → the same assignment), membership, the
 run's traffic counters, the published version with its global weights, the outer momentum, the
 contributions that made it (so clusters holding the previous version can still replay it), and the rounds
-chain up to it (server/provenance_chain.py; a file from before the chain restores to a new segment). Not saved:
+chain up to it (server/state/provenance_chain.py; a file from before the chain restores to a new segment). Not saved:
 the open round's contributions — clusters re-push after a restart (pushes are idempotent, and the
 client re-pushes while it waits).
 
 Writes are atomic: a temporary file in the same folder, fsync, then rename; a crash mid-write leaves the
 previous checkpoint intact. Every file carries a digest of its content, checked on load: a damaged file
-is refused, and `--resume` falls back to the newest intact kept version (server/resume.py).
+is refused, and `--resume` falls back to the newest intact kept version (server/state/resume.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Callable
 import structlog
 
 from dilocox.common.wire.checkpoint_format import FORMAT_VERSION, checkpoint_path, key_tuple, load_state, one_line, save_state, slice_key
-from dilocox.server.contribution_state import contributions_from_state, contributions_state
-from dilocox.server.provenance_chain import resume_chain
+from dilocox.server.state.contribution_state import contributions_from_state, contributions_state
+from dilocox.server.state.provenance_chain import resume_chain
 from dilocox.server.shard import Shard
 from dilocox.server.shard_records import Snapshot
 
@@ -57,9 +57,9 @@ def shard_state(shard: Shard) -> dict:
         # where they were; as of the checkpoint, so traffic after it and before a crash is not counted.
         "counters": {"bytes_in": shard.bytes_in, "bytes_out": shard.bytes_out, "dropped_bytes": shard.dropped_bytes},
         "outer": {"lr": shard.optimizer.lr, "momentum": shard.optimizer.momentum},
-        # The rounds chain up to this version (server/provenance_chain.py): small, and covered by the integrity digest.
+        # The rounds chain up to this version (server/state/provenance_chain.py): small, and covered by the integrity digest.
         "rounds_chain": shard.chain.as_state(),
-        # The update check's memory (server/update_check.py): a restart must not release a quarantined site.
+        # The update check's memory (server/checks/update_check.py): a restart must not release a quarantined site.
         "update_check": shard.update_check.as_state() if shard.update_check is not None else None,
         "snapshot": None
         if snap is None
@@ -74,7 +74,7 @@ def shard_state(shard: Shard) -> dict:
 
 def save(shard: Shard, directory: str | os.PathLike, sign: Callable[[dict], dict] | None = None) -> pathlib.Path:
     """Atomically write the shard's checkpoint, sealed with its digest (and signed by `sign`:
-    server/checkpoint_signing.py); returns its path."""
+    server/state/checkpoint_signing.py); returns its path."""
     started = time.perf_counter()
     state = shard_state(shard)
     path = save_state(state, checkpoint_path(directory, shard.shard_index), sign)
@@ -154,7 +154,7 @@ class Checkpointer:
         self.directory = pathlib.Path(directory)
         self.every = every
         self.keep = keep
-        self.sign = sign  # `--checkpoint-sign-key`: every checkpoint signed (server/checkpoint_signing.py)
+        self.sign = sign  # `--checkpoint-sign-key`: every checkpoint signed (server/state/checkpoint_signing.py)
         self.written_version = shard.version if checkpoint_path(directory, shard.shard_index).exists() else None
         self.health = shard.checkpoint_health = CheckpointHealth()
         remove_temporary_files(self.directory, shard.shard_index)

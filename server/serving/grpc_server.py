@@ -1,5 +1,5 @@
 """Start a shard's gRPC server: grpc.aio on its own event-loop thread (waiting pulls park on the loop,
-server/aio_servicer.py), the health service, TLS and the run token, the round-deadline timer, and a stop
+server/serving/aio_servicer.py), the health service, TLS and the run token, the round-deadline timer, and a stop
 that turns health NOT_SERVING first.
 """
 
@@ -15,12 +15,12 @@ import structlog
 
 from dilocox.common.config.run import WireConfig
 from dilocox.common.security import AsyncTokenInterceptor, TlsFiles, server_credentials
-from dilocox.server.aio_servicer import AsyncAggregatorServicer, add_servicer
-from dilocox.server.health import add_health_service, mark_serving
-from dilocox.server.health_watch import STALL_S, ServingWatch
-from dilocox.server.pull_framing import DEFAULT_BUDGET_MB, PullFramings
-from dilocox.server.push_intake import PushLimits
-from dilocox.server.servicer import AggregatorServicer
+from dilocox.server.serving.aio_servicer import AsyncAggregatorServicer, add_servicer
+from dilocox.server.serving.health import add_health_service, mark_serving
+from dilocox.server.serving.health_watch import STALL_S, ServingWatch
+from dilocox.server.serving.pull_framing import DEFAULT_BUDGET_MB, PullFramings
+from dilocox.server.serving.push_intake import PushLimits
+from dilocox.server.serving.servicer import AggregatorServicer
 from dilocox.server.shard import Shard
 
 log = structlog.get_logger()
@@ -34,9 +34,9 @@ class ServerHandle:
     def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
                  pool: ThreadPoolExecutor, on_stop, control: ThreadPoolExecutor | None = None) -> None:  # noqa: ANN001  # fmt: skip
         self._server, self._loop, self._thread, self._pool, self._on_stop = server, loop, thread, pool, on_stop
-        self._control = control  # the status calls' own threads (server/aio_servicer.py)
+        self._control = control  # the status calls' own threads (server/serving/aio_servicer.py)
         self._stopped: threading.Event | None = None
-        self.framings: PullFramings | None = None  # the pulls' shared framings (server/pull_framing.py), for metrics
+        self.framings: PullFramings | None = None  # the pulls' shared framings (server/serving/pull_framing.py), for metrics
 
     def stop(self, grace: float | None) -> threading.Event:
         """Health turns NOT_SERVING, held pulls are answered (UNAVAILABLE), calls in flight get `grace`
@@ -86,13 +86,13 @@ def start_server(
     """Start serving `shard`; returns the server and the bound port (useful with port=0).
 
     `max_workers`: threads for the work of calls (decoding pushes, framing pulls); waiting pulls hold none and
-    no thread reads the network (server/aio_servicer.py); None: `default_work_threads()`. `added_latency_s` >
-    0 delays every push and pull (user-space WAN latency, see server/aio_servicer.py). `tls`: serve TLS (mTLS
+    no thread reads the network (server/serving/aio_servicer.py); None: `default_work_threads()`. `added_latency_s` >
+    0 delays every push and pull (user-space WAN latency, see server/serving/aio_servicer.py). `tls`: serve TLS (mTLS
     when it names a CA); `token`: refuse calls without the run's token. `push_limits`: how long a push stream
-    may stay silent and how many one cluster may hold open (server/push_intake.py). `health_stall_s`: health
-    turns NOT_SERVING while a task has waited this long for a work thread (server/health_watch.py).
+    may stay silent and how many one cluster may hold open (server/serving/push_intake.py). `health_stall_s`: health
+    turns NOT_SERVING while a task has waited this long for a work thread (server/serving/health_watch.py).
     `pull_cache_bytes`: what the chunks framed once for every pull of a version may hold
-    (server/pull_framing.py; 0: each pull frames its own).
+    (server/serving/pull_framing.py; 0: each pull frames its own).
     """
     wire = wire or WireConfig()
     max_workers = default_work_threads() if max_workers is None else max_workers

@@ -12,7 +12,7 @@ Cost: the payload digests are taken when a push is committed, on its own thread 
 lock (`digest_payloads`); the state digest is the one a site's replay check asks for anyway, computed at
 the close instead of the first pull and cached on the version for those pulls; the weights digest hashes
 the weights once more. Records are a few hundred bytes per site and round: kept in memory, served to
-`dilocox export` (the `Provenance` RPC) and saved in every checkpoint (server/checkpoint.py).
+`dilocox export` (the `Provenance` RPC) and saved in every checkpoint (server/state/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 from dilocox.common.wire.framing import EncodedSlice, SliceKey, own_contribution_digest
 from dilocox.common.wire.replica_digest import XXH3_128, combined_digest, slice_digest
 from dilocox.common.wire.rounds_chain import CHAIN_FORMAT, HASH_FIELD, check_chain, genesis, link
-from dilocox.server.round_close import CloseDecision
-from dilocox.server.round_state import RoundAccumulator
+from dilocox.server.rounds.round_close import CloseDecision
+from dilocox.server.rounds.round_state import RoundAccumulator
 from dilocox.server.shard_records import Snapshot
 
 log = structlog.get_logger("dilocox.shard")
@@ -125,7 +125,7 @@ def chain_round(acc: RoundAccumulator, decision: CloseDecision, tensors: Mapping
                 momentum: Mapping[SliceKey, torch.Tensor], check: Mapping | None = None) -> ChainedVersion:  # fmt: skip
     """The record of a round just stepped to `tensors` and `momentum` (call without the lock: only the
     closing thread touches the sealed round and the stepped state until it is published). `check`: the
-    update check's verdicts, by site (server/update_check.py)."""
+    update check's verdicts, by site (server/checks/update_check.py)."""
     started = time.perf_counter()
     digests = version_digests(tensors, momentum)
     record = round_record(acc, decision, digests, check)

@@ -5,7 +5,7 @@ health protocol, not our Status RPC, and they must not need the run's token or p
 every shard registers the stock `grpc.health.v1.Health` service: NOT_SERVING while it starts,
 SERVING once it listens (after any `--resume` has restored its state), and NOT_SERVING again as soon
 as it begins to shut down, so traffic drains before the port closes — and NOT_SERVING while its work
-pool cannot take work (server/health_watch.py). Both the overall status ("")
+pool cannot take work (server/serving/health_watch.py). Both the overall status ("")
 and the named service `dilocox.v1.Aggregator` are reported.
 
 `dilocox health` is the client side: exit 0 when the shard answers SERVING, exit 1 otherwise (never 2,
@@ -28,7 +28,7 @@ NAMES = ("", SERVICE)  # the overall status and the named service: both are repo
 
 async def add_health_service(server: grpc.aio.Server) -> health.aio.HealthServicer:
     """Register grpc.health.v1 on `server` (before it starts), reporting NOT_SERVING until `mark_serving`.
-    A shard serves on grpc.aio (server/grpc_server.py), so this is the stock service's asyncio form;
+    A shard serves on grpc.aio (server/serving/grpc_server.py), so this is the stock service's asyncio form;
     `enter_graceful_shutdown()` on it turns every service NOT_SERVING for good."""
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)

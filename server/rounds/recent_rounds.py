@@ -7,7 +7,7 @@ newest version's contributions are in its `Snapshot` already (the steady-state d
 this keeps those of the `keep_rounds - 1` versions before it, without gaps, so a site up to
 `keep_rounds` versions behind replays. They cost their compressed bytes (`bytes_kept`, a metric): per
 version, the sum over clusters of their pushes to this shard. With a disk (`keep_on_disk`:
-server/rounds_on_disk.py) every published version's contributions are also kept there for a day by
+server/state/rounds_on_disk.py) every published version's contributions are also kept there for a day by
 default, and a version no longer in memory is read back from it.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from dilocox.server.contribution_state import Contributions
-from dilocox.server.rounds_on_disk import RoundsOnDisk
+from dilocox.server.state.contribution_state import Contributions
+from dilocox.server.state.rounds_on_disk import RoundsOnDisk
 from dilocox.server.shard_records import Snapshot
 
 

@@ -11,7 +11,7 @@ resumes from its checkpoint. An event loop that stalls needs no watch: the healt
 unanswered, and the probes fail.
 
 A shard that serves but cannot save its checkpoints is not unhealthy — a restart would only make it older
-— so that stays a warning in `dilocox status`, a metric and an alert (server/checkpoint.py).
+— so that stays a warning in `dilocox status`, a metric and an alert (server/state/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 from grpc_health.v1 import health, health_pb2
 
-from dilocox.server.health import NAMES
+from dilocox.server.serving.health import NAMES
 
 log = structlog.get_logger()
 STALL_S = 60.0  # the default: well above a push's decode or a close's outer step at any tested scale

@@ -2,7 +2,7 @@
 
 Nothing here decides anything about rounds or weights; a refused request is refused by the core, and
 this layer only turns the exception into a precise status code and message. Its methods are blocking
-and run on worker threads; `server/aio_servicer.py` serves them on grpc.aio (and parks a pull's wait
+and run on worker threads; `server/serving/aio_servicer.py` serves them on grpc.aio (and parks a pull's wait
 for its version on the event loop before `stream` sends it).
 """
 
@@ -19,7 +19,7 @@ from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.errors import DilocoxError, InvalidFrame
 from dilocox.common.wire.framing import EncodedSlice, assemble_units, frame_slices, own_contribution_digest
 from dilocox.proto import dilocox_pb2 as pb
-from dilocox.server.pull_framing import PullFramings
+from dilocox.server.serving.pull_framing import PullFramings
 from dilocox.server.shard import Shard
 from dilocox.server.shard_records import Snapshot
 
@@ -129,9 +129,9 @@ class AggregatorServicer:
 
     def stream(self, snapshot: Snapshot, request: pb.PullRequest) -> Iterator[bytes]:
         """A pull's chunks of `snapshot` (held by the caller until the stream ends), each a serialized
-        TensorChunk as sent (server/pull_framing.py): the round's contributions to replay, or the weights and
+        TensorChunk as sent (server/serving/pull_framing.py): the round's contributions to replay, or the weights and
         momentum in full, or the weights alone for an observer. Run on a worker thread chunk by chunk
-        (server/aio_servicer.py parks the wait for the version)."""
+        (server/serving/aio_servicer.py parks the wait for the version)."""
         if not request.observer:
             self.shard.note_replay_mismatches(request.cluster, request.replay_mismatches)
         names = set(request.names)
@@ -156,7 +156,7 @@ class AggregatorServicer:
     def _rounds_to_forward(self, snapshot: Snapshot, keys: list, request: pb.PullRequest, full: int) -> list[tuple[int, dict]] | None:
         """The rounds to send instead of the weights (the cluster replays the steps), or None for a full
         pull: every version after the one the cluster holds, when this shard still keeps them all
-        (server/recent_rounds.py), each has contributions to replay, and together they are smaller than the
+        (server/rounds/recent_rounds.py), each has contributions to replay, and together they are smaller than the
         weights plus momentum (`full` bytes). A cluster at the version already gets no round at all (a restart that
         missed nothing: its checkpoint's replica is checked by the state digest alone)."""
         if request.have_version == snapshot.version and snapshot.version > 0:
@@ -224,7 +224,7 @@ class AggregatorServicer:
         return pb.StatusReply(**self.shard.status())
 
     def Provenance(self, request: pb.ProvenanceRequest, context: grpc.ServicerContext) -> pb.ProvenanceReply:
-        """A page of the shard's rounds chain (server/provenance_chain.py), for `dilocox export`."""
+        """A page of the shard's rounds chain (server/state/provenance_chain.py), for `dilocox export`."""
         try:
             records, total, head = self.shard.provenance(request.run_id, request.start, request.max_bytes)
         except DilocoxError as error:

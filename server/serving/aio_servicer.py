@@ -12,7 +12,7 @@ Status, Provenance and Readmit run on two threads of their own, never queued beh
 The work itself is the thread-pool servicer's own code (`servicer.py`), called from pool threads: one
 set of rules for parsing, refusing and streaming. Its `context.abort` becomes an exception that the
 async method turns into the call's status; a push's request stream is read on the event loop, whole,
-before its work goes to the pool (server/push_intake.py). gRPC's asyncio server ends a
+before its work goes to the pool (server/serving/push_intake.py). gRPC's asyncio server ends a
 request stream cut by an over-size message as if it were complete (it merges a failed read with the end
 of the stream), so every push header declares how many chunks follow, and a push that ends before them
 is refused whole (servicer.py).
@@ -37,8 +37,8 @@ from dilocox.common.wire.framing import wire_bytes
 from dilocox.common.wire.replica_digest import DIGESTS
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-from dilocox.server.push_intake import PushIntake, PushLimits
-from dilocox.server.servicer import AggregatorServicer, refuse
+from dilocox.server.serving.push_intake import PushIntake, PushLimits
+from dilocox.server.serving.servicer import AggregatorServicer, refuse
 
 log = structlog.get_logger()
 _END = object()
@@ -74,7 +74,7 @@ class _Handlers:
 
 def add_servicer(servicer: AsyncAggregatorServicer, server: grpc.aio.Server) -> None:
     """The generated `add_AggregatorServicer_to_server`, but Pull sends the bytes its stream yields as they
-    are: a version's chunks are serialized once for every pull of them (server/pull_framing.py)."""
+    are: a version's chunks are serialized once for every pull of them (server/serving/pull_framing.py)."""
     taken = _Handlers()
     pb_grpc.add_AggregatorServicer_to_server(servicer, taken)
     handlers = taken.handlers
@@ -146,7 +146,7 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         return await self._served(self.servicer.Readmit, request, context, self.control)
 
     async def Push(self, request_iterator: AsyncIterator[pb.PushMessage], context: grpc.aio.ServicerContext) -> pb.PushReply:
-        """Read on the loop (server/push_intake.py), then the servicer's Push on a pool thread over the
+        """Read on the loop (server/serving/push_intake.py), then the servicer's Push on a pool thread over the
         messages received: no pool thread waits on the network."""
         if self.latency_s:
             await asyncio.sleep(self.latency_s)

@@ -1,13 +1,13 @@
 """A version's contributions as a file holds them, and back: one layout for the shard's checkpoint
-(server/checkpoint.py) and the rounds it keeps on disk for sites that come back behind
-(server/rounds_on_disk.py), so that what a checkpoint restores and what a restarted site replays are
+(server/state/checkpoint.py) and the rounds it keeps on disk for sites that come back behind
+(server/state/rounds_on_disk.py), so that what a checkpoint restores and what a restarted site replays are
 read the same way."""
 
 from __future__ import annotations
 
 from dilocox.common.wire.checkpoint_format import key_tuple, loaded_payload, saved_payload, slice_key
 from dilocox.common.wire.framing import EncodedSlice
-from dilocox.server.round_state import Contribution
+from dilocox.server.rounds.round_state import Contribution
 
 Contributions = dict  # SliceKey -> {cluster: Contribution}, as a round's accumulator and a Snapshot hold them
 

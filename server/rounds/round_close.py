@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from dilocox.server.grace import GraceWindow
-from dilocox.server.round_state import RoundAccumulator
+from dilocox.server.rounds.grace import GraceWindow
+from dilocox.server.rounds.round_state import RoundAccumulator
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class SiteRecord:
     last_tokens: float = 0.0  # its weight (tokens) in that round
     inner_steps: int = 0  # H of its last accepted push, as its header said (0: not said)
     idle_s: float = 0.0  # its trainer's idle seconds at the boundary that pushed it, as said
-    rounds_flagged: int = 0  # rounds the update check flagged its update (server/update_check.py)
+    rounds_flagged: int = 0  # rounds the update check flagged its update (server/checks/update_check.py)
     rounds_excluded: int = 0  # rounds the update check left it out of (mode exclude, or clip)
     rounds_clipped: int = 0  # rounds the update check merged it clipped (mode clip)
     quarantined: bool = False  # flagged rounds in a row: left out (exclude) until a round passes

@@ -8,7 +8,7 @@ shard count and version, made with a key the folder does not hold (the same kind
 an export is signed with: common/signing_keys.py). A file whose signature is missing, is over other
 content, or does not verify is refused by name like a damaged one (`CheckpointForged` is a
 `CheckpointCorrupt`): `--resume` falls back to the newest older kept version that verifies, and stops with
-the reasons when none does (server/resume.py).
+the reasons when none does (server/state/resume.py).
 
 The signature is the saved dict's `checkpoint_signature` field (left out of the digest, as the digest is):
 

@@ -1,6 +1,6 @@
 """`--aggregate clipped-mean`: no one site moves a round's step by more than a bounded share, flagged or not.
 
-Why: the update check (server/update_check.py) catches what stands out — ×100, a sign flip, a replay —
+Why: the update check (server/checks/update_check.py) catches what stands out — ×100, a sign flip, a replay —
 but a site that stays under its bounds is merged whole. An update ×9.5 every round (just under the check's
 10×) was never flagged and raised the final eval 70.8 %. Robust aggregation bounds any minority's
 influence whether or not it is caught: here, norm clipping to the round's peers — each site's update scaled

@@ -12,7 +12,7 @@ import structlog
 from dilocox.common.wire.errors import InvalidFrame, NotJoined, NotReady, RoundNotOpen, ShuttingDown
 from dilocox.common.wire.framing import SliceKey
 from dilocox.common.wire.replica_digest import combined_digest, slice_digest
-from dilocox.server.provenance_chain import PAGE_BYTES
+from dilocox.server.state.provenance_chain import PAGE_BYTES
 from dilocox.server.shard_records import Snapshot
 
 log = structlog.get_logger("dilocox.shard")

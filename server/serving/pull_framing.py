@@ -16,7 +16,7 @@ pull as before, so a shard serving a model larger than its budget holds no secon
 chunks are the same bytes a per-pull framing makes (tests/test_pull_framing.py).
 
 A chunk is kept and handed out as its wire bytes, serialized once when framed: Pull sends bytes as they
-are (`add_servicer`, server/aio_servicer.py), where each pull of a shared 238 KB chunk used to encode it
+are (`add_servicer`, server/serving/aio_servicer.py), where each pull of a shared 238 KB chunk used to encode it
 three times — twice to count its size, once for gRPC to send it (`ByteSize()` encodes in full).
 """
 

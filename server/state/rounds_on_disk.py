@@ -2,7 +2,7 @@
 Kubernetes reschedule or a night away resumes by delta instead of pulling the whole model.
 
 A restarted site holds the replica of the version its checkpoint saved; it needs every version's
-contributions since (server/recent_rounds.py keeps the newest `--keep-rounds` in memory). Missing one
+contributions since (server/rounds/recent_rounds.py keeps the newest `--keep-rounds` in memory). Missing one
 more round than that used to cost the whole model over the WAN: 565 GB at 70B, about 75 minutes at
 1 Gbit/s, for a site that missed five rounds. A round's compressed contributions are small (84 MB a site
 at 107B), so keeping each published version's on disk for `--keep-rounds-s` (default a day) turns every
@@ -33,7 +33,7 @@ import structlog
 
 from dilocox.common.wire import checkpoint_integrity as integrity
 from dilocox.common.wire.checkpoint_format import CheckpointError, one_line, save_state
-from dilocox.server.contribution_state import Contributions, contributions_from_state, contributions_state
+from dilocox.server.state.contribution_state import Contributions, contributions_from_state, contributions_state
 
 log = structlog.get_logger()
 
