@@ -216,3 +216,13 @@ def test_a_planted_cycle_is_caught(tmp_path):
     tree = _planted_tree(tmp_path, "common/wire/quantize.py", "def _planted():\n    from dilocox.common.wire import codecs")
     cycles = import_cycles(import_graph(tree))
     assert any({"dilocox.common.wire.codecs", "dilocox.common.wire.quantize"} <= set(cycle) for cycle in cycles), cycles
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml names its packages one by one; a sub-package left off is missing from a built wheel
+    (the Docker image installs one) while an editable install still finds it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {name for name, path in module_files(ROOT).items() if path.name == "__init__.py" and name != "dilocox.worker.api"}  # installed as `dilocox`
+    assert folders - listed == set()
