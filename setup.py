@@ -2,7 +2,8 @@
 
 Everything else is in pyproject.toml. The extension is built with IEEE arithmetic kept exactly as
 written (-ffp-contract=off: no fused multiply-add; no -ffast-math): its results must equal the torch
-form bit for bit on every machine (docs/decisions.md, "The exchange at the hardware's speed"). `optional=True`: where no C
+form bit for bit on every machine (docs/decisions.md, "The exchange at the hardware's speed"). `optional=True`: where
+no C
 compiler is there, the install goes on and the decode runs the torch form, with the same bits.
 """
 

@@ -43,8 +43,15 @@ def ring_bytes_per_rank(numel: int, world: int, bytes_per_value: int = 4) -> int
 
 
 class AllReduceTrainer:
-    def __init__(self, trainer: InnerTrainer, world: int, latency_s: float, jitter_s: float,
-                 throttle_bytes_s: float | None, seed: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        trainer: InnerTrainer,
+        world: int,
+        latency_s: float,
+        jitter_s: float,
+        throttle_bytes_s: float | None,
+        seed: int,
+    ) -> None:
         self.trainer = trainer
         self.world = world
         self.params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -98,23 +105,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--latency-ms", type=float, default=0.0, help="one-way, added per ring hop")
     parser.add_argument("--jitter-ms", type=float, default=0.0)
-    parser.add_argument("--throttle-mbit", type=float, default=0.0, help="fallback only: sleep bytes/rate per collective")
+    parser.add_argument(
+        "--throttle-mbit", type=float, default=0.0, help="fallback only: sleep bytes/rate per collective"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--data")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = from_dict(json.loads(args.config_json))
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
-                            timeout=datetime.timedelta(minutes=30))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.master}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=datetime.timedelta(minutes=30),
+    )
     try:
         trainer = InnerTrainer(config, load_run_data(config.tokenizer, args.data), args.rank, args.world)
         with torch.no_grad():  # as DDP does at construction: every rank starts from rank 0's weights
             for p in trainer.model.parameters():
                 dist.broadcast(p, 0)
-        ar = AllReduceTrainer(trainer, args.world, args.latency_ms / 1000, args.jitter_ms / 1000,
-                              args.throttle_mbit * 1e6 / 8 if args.throttle_mbit > 0 else None, seed=args.rank)  # fmt: skip
-        emit("ar_started", rank=args.rank, eval_loss=round(trainer.evaluate(), 4), params=ar.numel, bytes_per_step=ar.bytes_per_step,
-             config=as_dict(config))  # fmt: skip
+        ar = AllReduceTrainer(
+            trainer,
+            args.world,
+            args.latency_ms / 1000,
+            args.jitter_ms / 1000,
+            args.throttle_mbit * 1e6 / 8 if args.throttle_mbit > 0 else None,
+            seed=args.rank,
+        )
+        emit(
+            "ar_started",
+            rank=args.rank,
+            eval_loss=round(trainer.evaluate(), 4),
+            params=ar.numel,
+            bytes_per_step=ar.bytes_per_step,
+            config=as_dict(config),
+        )
         dist.barrier()
         began = time.perf_counter()
         steps, every = config.rounds * config.inner.steps, config.inner.steps
@@ -125,14 +151,32 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(loss)
             if step % every == 0 or step == steps:
                 last_eval = trainer.evaluate()
-                emit("ar_eval", rank=args.rank, step=step, steps=steps, tokens=tokens, train_loss=round(sum(losses) / len(losses), 4),
-                     eval_loss=round(last_eval, 4), seconds=round(time.perf_counter() - began, 3),
-                     compute_s=round(ar.compute_s, 3), comm_s=round(ar.comm_s, 3))  # fmt: skip
+                emit(
+                    "ar_eval",
+                    rank=args.rank,
+                    step=step,
+                    steps=steps,
+                    tokens=tokens,
+                    train_loss=round(sum(losses) / len(losses), 4),
+                    eval_loss=round(last_eval, 4),
+                    seconds=round(time.perf_counter() - began, 3),
+                    compute_s=round(ar.compute_s, 3),
+                    comm_s=round(ar.comm_s, 3),
+                )
                 losses = []
         wall = time.perf_counter() - began
-        emit("ar_done", rank=args.rank, steps=steps, tokens=tokens, final_eval_loss=round(last_eval, 4), seconds=round(wall, 3),
-             compute_s=round(ar.compute_s, 3), comm_s=round(ar.comm_s, 3), idle_fraction=round(ar.comm_s / wall, 4),
-             bytes_sent=ar.bytes_sent)  # fmt: skip
+        emit(
+            "ar_done",
+            rank=args.rank,
+            steps=steps,
+            tokens=tokens,
+            final_eval_loss=round(last_eval, 4),
+            seconds=round(wall, 3),
+            compute_s=round(ar.compute_s, 3),
+            comm_s=round(ar.comm_s, 3),
+            idle_fraction=round(ar.comm_s / wall, 4),
+            bytes_sent=ar.bytes_sent,
+        )
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -22,8 +22,8 @@ import dataclasses
 import time
 
 from dilocox.bench.report import write_report
-from dilocox.common.wire.compression import CompressionConfig
 from dilocox.common.config.run import InnerConfig, RunConfig
+from dilocox.common.wire.compression import CompressionConfig
 from dilocox.sim.inprocess import run_in_process
 
 _NO_EF = dict(error_feedback=False)
@@ -43,29 +43,46 @@ class Setting:
 SETTINGS = {
     "fp32-sync": Setting("dense fp32, synchronous (DiLoCo, the reference)", 0, CompressionConfig(codec="fp32")),
     "fp32-delay": Setting("dense fp32, one-step delay", 1, CompressionConfig(codec="fp32")),
-    "default-sync": Setting("default compression (rank ≤ 8, error feedback kept locally), synchronous", 0,
-                            CompressionConfig()),  # fmt: skip
-    "default": Setting("default DiLoCoX (one-step delay + default compression, ending with the int4 flush of "
-                       "the residuals)", 1, CompressionConfig()),  # fmt: skip
-    "no-flush": Setting("default DiLoCoX without the end-of-run flush (ends on the last round's global model)", 1,
-                        CompressionConfig(flush_codec="none")),  # fmt: skip
+    "default-sync": Setting(
+        "default compression (rank ≤ 8, error feedback kept locally), synchronous", 0, CompressionConfig()
+    ),
+    "default": Setting(
+        "default DiLoCoX (one-step delay + default compression, ending with the int4 flush of the residuals)",
+        1,
+        CompressionConfig(),
+    ),
+    "no-flush": Setting(
+        "default DiLoCoX without the end-of-run flush (ends on the last round's global model)",
+        1,
+        CompressionConfig(flush_codec="none"),
+    ),
     "no-ef-sync": Setting("default ranks without error feedback, synchronous", 0, CompressionConfig(**_NO_EF)),
     "no-ef": Setting("default ranks without error feedback, one-step delay", 1, CompressionConfig(**_NO_EF)),
-    "classic-ef-sync": Setting("default ranks + classic error feedback (residual only re-sent, not kept in "
-                               "the cluster's weights), synchronous", 0, CompressionConfig(**_CLASSIC_EF)),  # fmt: skip
+    "classic-ef-sync": Setting(
+        "default ranks + classic error feedback (residual only re-sent, not kept in "
+        "the cluster's weights), synchronous",
+        0,
+        CompressionConfig(**_CLASSIC_EF),
+    ),
     "r6": Setting("rank ≤ 6 (the lean preset), one-step delay", 1, LEAN_PRESET),
     "r6-sync": Setting("rank ≤ 6 (the lean preset), synchronous", 0, LEAN_PRESET),
-    "previous": Setting("previous default (rank ≤ 24, 95% energy, no error feedback), one-step delay", 1,
-                        PREVIOUS_DEFAULT),  # fmt: skip
+    "previous": Setting(
+        "previous default (rank ≤ 24, 95% energy, no error feedback), one-step delay", 1, PREVIOUS_DEFAULT
+    ),
 }
 REFERENCE = "fp32-sync"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=RunConfig().rounds, help="rounds per setting (default: the sim's)")
+    parser.add_argument(
+        "--rounds", type=int, default=RunConfig().rounds, help="rounds per setting (default: the sim's)"
+    )
     parser.add_argument("--inner-steps", type=int, default=InnerConfig().steps, help="H (default: the sim's)")
-    parser.add_argument("--settings", default=",".join(SETTINGS),
-                        help=f"comma-separated subset of {', '.join(SETTINGS)} (the reference {REFERENCE} always runs)")  # fmt: skip
+    parser.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help=f"comma-separated subset of {', '.join(SETTINGS)} (the reference {REFERENCE} always runs)",
+    )
 
 
 def chosen_settings(text: str) -> list[str]:
@@ -78,7 +95,9 @@ def chosen_settings(text: str) -> list[str]:
 
 def run_setting(name: str, rounds: int, inner_steps: int) -> dict:
     setting = SETTINGS[name]
-    config = RunConfig(rounds=rounds, delay=setting.delay, inner=InnerConfig(steps=inner_steps), compress=setting.compress)
+    config = RunConfig(
+        rounds=rounds, delay=setting.delay, inner=InnerConfig(steps=inner_steps), compress=setting.compress
+    )
     started = time.perf_counter()
     withheld: list[float] = []  # ‖Σ Δ − Σ decoded‖ on cluster 0 after each of its rounds
     relative_withheld = [0.0]  # the same over ‖Σ Δ‖ after the last round (before the end-of-run flush)
@@ -107,7 +126,9 @@ def run_setting(name: str, rounds: int, inner_steps: int) -> dict:
         "flush_bytes_down": round(flush_down),
         "flush_in_rounds": round(flush_up / up, 1),
         "withheld_signal": round(relative_withheld[0], 4),
-        "withheld_norm_by_quarter": " → ".join(f"{withheld[max(0, len(withheld) * q // 4 - 1)]:.3f}" for q in (1, 2, 3, 4))
+        "withheld_norm_by_quarter": " → ".join(
+            f"{withheld[max(0, len(withheld) * q // 4 - 1)]:.3f}" for q in (1, 2, 3, 4)
+        )
         if withheld
         else "",
         "seconds": round(time.perf_counter() - started, 1),
@@ -119,9 +140,20 @@ def run(args: argparse.Namespace, out_dir) -> str:
     reference = rows[0]["final_eval_loss"]
     for row in rows:
         row["loss_vs_reference"] = f"{100 * (row['final_eval_loss'] / reference - 1):+.1f}%"
-    columns = ["setting", "up_bytes_per_round", "down_bytes_per_round", "up_vs_dense_fp32", "down_vs_dense_fp32",
-               "final_eval_loss", "loss_vs_reference", "flush_bytes_up", "flush_in_rounds", "withheld_signal",
-               "withheld_norm_by_quarter", "seconds"]  # fmt: skip
+    columns = [
+        "setting",
+        "up_bytes_per_round",
+        "down_bytes_per_round",
+        "up_vs_dense_fp32",
+        "down_vs_dense_fp32",
+        "final_eval_loss",
+        "loss_vs_reference",
+        "flush_bytes_up",
+        "flush_in_rounds",
+        "withheld_signal",
+        "withheld_norm_by_quarter",
+        "seconds",
+    ]
     notes = (
         f"2 clusters × 2 shards, {args.rounds} rounds × H={args.inner_steps}, the default model and corpus; every "
         "setting trains on the same tokens. Bytes: per cluster per round (rounds ≥ 2), at the gRPC message "
@@ -130,8 +162,16 @@ def run(args: argparse.Namespace, out_dir) -> str:
         "residuals, per cluster, once per run (not in the per-round figures; about as much comes back down); "
         "`flush_in_rounds`: the same in rounds' worth of uplink. `withheld_signal`: ‖ΣΔ − Σ decoded‖ / ‖ΣΔ‖ "
         "over the training rounds (before the flush) on cluster 0's uplink; `withheld_norm_by_quarter`: "
-        "‖ΣΔ − Σ decoded‖ after a quarter, half, three quarters and all of the rounds (with one-step delay the compression runs in the background, so "
-        "a value may lag a round).\n\n" + "\n".join(f"* `{row['setting']}`: {row['description']}" for row in rows) + "\n"
+        "‖ΣΔ − Σ decoded‖ after a quarter, half, three quarters and all of the rounds (with one-step delay the "
+        "compression runs in the background, so "
+        "a value may lag a round).\n\n"
+        + "\n".join(f"* `{row['setting']}`: {row['description']}" for row in rows)
+        + "\n"
     )
-    meta = {"args": vars(args), "settings": {n: dataclasses.asdict(SETTINGS[n]) for n in chosen_settings(args.settings)}}
-    return write_report(out_dir, "compression", "Compression: bytes on the wire vs final eval loss", rows, columns, notes, meta)
+    meta = {
+        "args": vars(args),
+        "settings": {n: dataclasses.asdict(SETTINGS[n]) for n in chosen_settings(args.settings)},
+    }
+    return write_report(
+        out_dir, "compression", "Compression: bytes on the wire vs final eval loss", rows, columns, notes, meta
+    )

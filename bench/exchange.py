@@ -9,14 +9,18 @@ reference that bounds it, measured in the same run and with the same threads:
 | stage | what runs (the project's own functions) | reference |
 | --- | --- | --- |
 | pseudo-gradient | Δ = s − θ into the exchange buffer | a copy |
-| compress + EF | `TensorCompressor.compress` (power iteration, QR, ordering, int4, the residual) | the two matmuls of a rank-r power iteration |
+| compress + EF | `TensorCompressor.compress` (power iteration, QR, ordering, int4, the residual) | the two matmuls of
+a rank-r power iteration |
 | frame + zstd | `frame_payload` | — |
 | vet | `codecs.vet` of a received payload | — |
 | decode | `codecs.decode_lazy` into a buffer (the ordered product, bit-exact everywhere) | an add |
 | replay | `aggregation.apply_round` of M contributions, as a cluster's replay runs it | an add |
-| replay check | `replica_digest.state_digest` over weights and momentum, hashed as a cluster asks | sha256 of the same bytes |
-| shard vet | `codecs.vet` of M dense fp32 payloads, as a shard vets each push on arrival (the finiteness pass) | an add |
-| shard close | `apply_round` of M dense fp32 contributions in place, as a shard closes (vetted: views of their bytes) | an add |
+| replay check | `replica_digest.state_digest` over weights and momentum, hashed as a cluster asks | sha256 of the same
+bytes |
+| shard vet | `codecs.vet` of M dense fp32 payloads, as a shard vets each push on arrival (the finiteness pass) | an
+add |
+| shard close | `apply_round` of M dense fp32 contributions in place, as a shard closes (vetted: views of their bytes)
+| an add |
 
 for 1 thread, 2 threads and all cores. Then the training thread's tokens/s with the exchange running
 beside it, continuously, against the same training alone: the GIL and core contention figure.
@@ -30,7 +34,7 @@ import json
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -44,25 +48,58 @@ from dilocox.common.wire.replica_digest import state_digest
 from dilocox.worker.exchange.replay_check import ReplayCheck
 from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
 
-STAGES = ("pseudo_gradient", "compress_ef", "frame_zstd", "vet", "decode", "replay", "replay_check", "shard_vet", "shard_close")
-REFERENCE = {"pseudo_gradient": "copy", "compress_ef": "matmul", "decode": "add", "replay": "add",
-             "replay_check": "sha256", "shard_vet": "add", "shard_close": "add"}  # fmt: skip
+STAGES = (
+    "pseudo_gradient",
+    "compress_ef",
+    "frame_zstd",
+    "vet",
+    "decode",
+    "replay",
+    "replay_check",
+    "shard_vet",
+    "shard_close",
+)
+REFERENCE = {
+    "pseudo_gradient": "copy",
+    "compress_ef": "matmul",
+    "decode": "add",
+    "replay": "add",
+    "replay_check": "sha256",
+    "shard_vet": "add",
+    "shard_close": "add",
+}
 # A cluster's per-round exchange: its own Δ and push, the M − 1 forwarded payloads it vets, the replay of
 # the M contributions, and the replay check. The shard's vet and close are the shard's, not the cluster's.
 CLUSTER_STAGES = ("pseudo_gradient", "compress_ef", "frame_zstd", "vet", "replay", "replay_check")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-1b", help="preset whose transformer layer gives the matrices (default llama-1b: "
-                        "2048×2048, 256×2048, 5632×2048, 2048×5632)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default="llama-1b",
+        help="preset whose transformer layer gives the matrices (default llama-1b: "
+        "2048×2048, 256×2048, 5632×2048, 2048×5632)",
+    )
     parser.add_argument("--layers", type=int, default=1, help="layers of those matrices timed together (default 1)")
-    parser.add_argument("--clusters", type=int, default=2, help="contributions per round, M, in the replay and the close (default 2)")
-    parser.add_argument("--threads", default="1,2,all", help="torch thread counts to time the stages with (default 1,2,all)")
+    parser.add_argument(
+        "--clusters", type=int, default=2, help="contributions per round, M, in the replay and the close (default 2)"
+    )
+    parser.add_argument(
+        "--threads", default="1,2,all", help="torch thread counts to time the stages with (default 1,2,all)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per stage; the best is kept (default 3)")
-    parser.add_argument("--pace-s", type=float, default=1.0,
-                        help="the paced figure runs one exchange round every this many seconds (default 1)")
-    parser.add_argument("--train-seconds", type=float, default=20.0,
-                        help="seconds of training per side of the training-beside-exchange figure (default 20; 0 skips it)")
+    parser.add_argument(
+        "--pace-s",
+        type=float,
+        default=1.0,
+        help="the paced figure runs one exchange round every this many seconds (default 1)",
+    )
+    parser.add_argument(
+        "--train-seconds",
+        type=float,
+        default=20.0,
+        help="seconds of training per side of the training-beside-exchange figure (default 20; 0 skips it)",
+    )
 
 
 def layer_shapes(model: str, layers: int = 1) -> dict[str, tuple[int, int]]:
@@ -74,8 +111,15 @@ def layer_shapes(model: str, layers: int = 1) -> dict[str, tuple[int, int]]:
     ffn = config.get("intermediate_size") or 4 * hidden
     heads = config.get("num_attention_heads") or config["n_head"]
     kv = (config.get("num_key_value_heads") or heads) * (hidden // heads)
-    one = {"q_proj": (hidden, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, hidden),
-           "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}  # fmt: skip
+    one = {
+        "q_proj": (hidden, hidden),
+        "k_proj": (kv, hidden),
+        "v_proj": (kv, hidden),
+        "o_proj": (hidden, hidden),
+        "gate_proj": (ffn, hidden),
+        "up_proj": (ffn, hidden),
+        "down_proj": (hidden, ffn),
+    }
     return {f"layers.{i}.{name}": shape for i in range(layers) for name, shape in one.items()}
 
 
@@ -107,18 +151,27 @@ class LayerExchange:
         self.deltas = self._views(self.work)
         self._form_delta()
         # Round 1 of every cluster: the payloads of the round to replay, and a residual for the timed round.
-        self.payloads = [{k: c.compress(k, self.deltas[k] * (1 + 0.1 * m)) for k in self.keys} for m, c in enumerate(self.compressors)]
+        self.payloads = [
+            {k: c.compress(k, self.deltas[k] * (1 + 0.1 * m)) for k in self.keys}
+            for m, c in enumerate(self.compressors)
+        ]
         self.replica = {k: torch.randn(self.shapes[k], generator=g) for k in self.keys}
         self.outer = OuterNesterov(lr=0.7, momentum=0.9)
         self.outer.buffers = {k: 1e-3 * torch.randn(self.shapes[k], generator=g) for k in self.keys}
-        self.dense = [{k: codecs.encode("fp32", self.deltas[k] * (1 + 0.1 * m))[0] for k in self.keys} for m in range(clusters)]
+        self.dense = [
+            {k: codecs.encode("fp32", self.deltas[k] * (1 + 0.1 * m))[0] for k in self.keys} for m in range(clusters)
+        ]
         self.shard_weights = {k: self.replica[k].clone() for k in self.keys}
         # The round's contributions as the wire delivered them (built once: reassembly is the push's cost).
-        self.lowrank_slices = {k: [EncodedSlice(k, e.codec, e.dtype, e.shape, bytearray(e.payload)) for e in (p[k] for p in self.payloads)]
-                               for k in self.keys}  # fmt: skip
+        self.lowrank_slices = {
+            k: [EncodedSlice(k, e.codec, e.dtype, e.shape, bytearray(e.payload)) for e in (p[k] for p in self.payloads)]
+            for k in self.keys
+        }
         # As the shard holds them: each vetted as its push arrived (`shard_vet`), so the close decodes views.
-        self.dense_slices = {k: [EncodedSlice(k, "fp32", "float32", self.shapes[k], bytearray(d[k]), vetted=True) for d in self.dense]
-                             for k in self.keys}  # fmt: skip
+        self.dense_slices = {
+            k: [EncodedSlice(k, "fp32", "float32", self.shapes[k], bytearray(d[k]), vetted=True) for d in self.dense]
+            for k in self.keys
+        }
         self.decoded = {k: torch.empty(self.shapes[k]) for k in self.keys}
         self.shard_outer = OuterNesterov(lr=0.7, momentum=0.9)
         self.shard_outer.buffers = {k: v.clone() for k, v in self.outer.buffers.items()}
@@ -155,7 +208,9 @@ class LayerExchange:
         close build it block by block into scratch; a new tensor would add its first-touch page faults)."""
         for k in self.keys:
             enc = self.payloads[0][k]
-            codecs.decode_lazy(enc.codec, bytearray(enc.payload), enc.dtype, enc.shape).rows_into(0, enc.shape[0], self.decoded[k])
+            codecs.decode_lazy(enc.codec, bytearray(enc.payload), enc.dtype, enc.shape).rows_into(
+                0, enc.shape[0], self.decoded[k]
+            )
 
     def _contributions(self, k: SliceKey, dense: bool = False) -> tuple[list, list[str]]:
         """The round's M contributions to slice `k` as `apply_round` takes them from the wire's slices."""
@@ -165,7 +220,9 @@ class LayerExchange:
     def _replay(self) -> None:
         for k in self.keys:  # as worker/exchange/replay.apply_pull
             items, names = self._contributions(k)
-            self.replica[k] = apply_round(items, self.outer, k, self.replica[k], in_place=True, decode_together=decode_by_blocks(names))
+            self.replica[k] = apply_round(
+                items, self.outer, k, self.replica[k], in_place=True, decode_together=decode_by_blocks(names)
+            )
 
     def _replay_check(self) -> None:
         state_digest(self.keys, self.replica, self.outer.buffers, ReplayCheck().digest)
@@ -176,14 +233,31 @@ class LayerExchange:
                 codecs.vet(s.codec, s.payload, s.dtype, s.shape)
 
     def _shard_close(self) -> None:
-        for k in self.keys:  # as server/rounds/round_state.py closes a dense fp32 round with no pull holding the version
+        for (
+            k
+        ) in self.keys:  # as server/rounds/round_state.py closes a dense fp32 round with no pull holding the version
             items, names = self._contributions(k, dense=True)
-            apply_round(items, self.shard_outer, k, self.shard_weights[k], in_place=True, decode_together=decode_by_blocks(names))
+            apply_round(
+                items,
+                self.shard_outer,
+                k,
+                self.shard_weights[k],
+                in_place=True,
+                decode_together=decode_by_blocks(names),
+            )
 
     def stage(self, name: str) -> Callable[[], None]:
-        return {"pseudo_gradient": self._form_delta, "compress_ef": self._compress, "frame_zstd": self._frame,
-                "vet": self._vet, "decode": self._decode, "replay": self._replay, "replay_check": self._replay_check,
-                "shard_vet": self._shard_vet, "shard_close": self._shard_close}[name]  # fmt: skip
+        return {
+            "pseudo_gradient": self._form_delta,
+            "compress_ef": self._compress,
+            "frame_zstd": self._frame,
+            "vet": self._vet,
+            "decode": self._decode,
+            "replay": self._replay,
+            "replay_check": self._replay_check,
+            "shard_vet": self._shard_vet,
+            "shard_close": self._shard_close,
+        }[name]
 
     def round_of_cluster(self) -> None:
         """One cluster's whole per-round exchange, in order (what runs beside training)."""
@@ -214,8 +288,13 @@ class LayerExchange:
                 h.update(data)
             h.digest()
 
-        return {"copy": lambda: out.copy_(self.local), "add": lambda: out.add_(other), "matmul": matmuls(True),
-                "matmul_plain": matmuls(False), "sha256": sha256}  # fmt: skip
+        return {
+            "copy": lambda: out.copy_(self.local),
+            "add": lambda: out.add_(other),
+            "matmul": matmuls(True),
+            "matmul_plain": matmuls(False),
+            "sha256": sha256,
+        }
 
 
 def time_stages(layer: LayerExchange, threads: int, repeats: int) -> list[dict]:
@@ -230,8 +309,16 @@ def time_stages(layer: LayerExchange, threads: int, repeats: int) -> list[dict]:
         per = 1e9 * seconds / layer.params
         ref = REFERENCE.get(name)
         ref_ns = 1e9 * refs[ref] / layer.params if ref else None
-        rows.append({"threads": threads, "stage": name, "ns_per_param": round(per, 2), "reference": ref or "",
-                     "reference_ns": round(ref_ns, 2) if ref_ns else "", "x_reference": round(per / ref_ns, 2) if ref_ns else ""})  # fmt: skip
+        rows.append(
+            {
+                "threads": threads,
+                "stage": name,
+                "ns_per_param": round(per, 2),
+                "reference": ref or "",
+                "reference_ns": round(ref_ns, 2) if ref_ns else "",
+                "x_reference": round(per / ref_ns, 2) if ref_ns else "",
+            }
+        )
     total = sum(r["ns_per_param"] for r in rows if r["stage"] in CLUSTER_STAGES)
     rows.append({"threads": threads, "stage": "cluster exchange (sum)", "ns_per_param": round(total, 2)})
     return rows
@@ -257,8 +344,9 @@ class _Floor:
             time.sleep(0.01)
 
 
-def training_beside_exchange(layer: LayerExchange | _Floor, seconds: float, train_threads: int, exchange_threads: int,
-                             pace_s: float = 0.0) -> dict:  # fmt: skip
+def training_beside_exchange(
+    layer: LayerExchange | _Floor, seconds: float, train_threads: int, exchange_threads: int, pace_s: float = 0.0
+) -> dict:
     """tokens/s of the default GPT's inner steps at `train_threads`, alone and with a cluster's exchange
     beside it on its own thread budget: one round after the other without rest (`pace_s` 0, the worst
     case), or one round every `pace_s` seconds (a round's exchange beside a round's training). Each side
@@ -299,9 +387,16 @@ def training_beside_exchange(layer: LayerExchange | _Floor, seconds: float, trai
         beside.join()
     alone = max(alone, tokens_per_s())  # alone once more: the machine's drift over the run
     kept = with_exchange / alone
-    return {"train_threads": train_threads, "exchange_threads": exchange_threads, "pace_s": pace_s,
-            "tokens_per_s_alone": round(alone), "tokens_per_s_with_exchange": round(with_exchange), "share_kept": round(kept, 3),
-            "exchange_rounds_meanwhile": rounds[0], "lost_s_per_round": round(seconds * (1 - kept) / max(1, rounds[0]), 4)}  # fmt: skip
+    return {
+        "train_threads": train_threads,
+        "exchange_threads": exchange_threads,
+        "pace_s": pace_s,
+        "tokens_per_s_alone": round(alone),
+        "tokens_per_s_with_exchange": round(with_exchange),
+        "share_kept": round(kept, 3),
+        "exchange_rounds_meanwhile": rounds[0],
+        "lost_s_per_round": round(seconds * (1 - kept) / max(1, rounds[0]), 4),
+    }
 
 
 def run(args: argparse.Namespace, out_dir) -> str:
@@ -310,26 +405,34 @@ def run(args: argparse.Namespace, out_dir) -> str:
     shapes = layer_shapes(args.model, args.layers)
     layer = LayerExchange(shapes, args.clusters)
     rows = [row for threads in counts for row in time_stages(layer, threads, args.repeats)]
-    notes = [f"{args.model}, {args.layers} layer(s): {layer.params:,} parameters in {len(shapes)} matrices "
-             f"({', '.join(sorted({f'{r}×{c}' for r, c in shapes.values()}))}); rank {layer.config.rank_max}, int4 factors, "
-             f"error feedback; M = {args.clusters} contributions in the replay and the close; best of {args.repeats}; "
-             f"{cores} cores."]  # fmt: skip
+    notes = [
+        f"{args.model}, {args.layers} layer(s): {layer.params:,} parameters in {len(shapes)} matrices "
+        f"({', '.join(sorted({f'{r}×{c}' for r, c in shapes.values()}))}); rank {layer.config.rank_max}, int4 factors, "
+        f"error feedback; M = {args.clusters} contributions in the replay and the close; best of {args.repeats}; "
+        f"{cores} cores."
+    ]
     meta: dict = {"model": args.model, "params": layer.params, "cores": cores, "clusters": args.clusters}
     if args.train_seconds > 0:
         budget = exchange_thread_budget(0, training_threads=max(1, cores - 1))
         beside = training_beside_exchange(layer, args.train_seconds, max(1, cores - 1), budget)
         paced = training_beside_exchange(layer, args.train_seconds, max(1, cores - 1), budget, args.pace_s)
-        floors = {kind: training_beside_exchange(_Floor(kind, layer.params), args.train_seconds, max(1, cores - 1), budget)
-                  for kind in ("idle", "cache", "stream")}  # fmt: skip
+        floors = {
+            kind: training_beside_exchange(_Floor(kind, layer.params), args.train_seconds, max(1, cores - 1), budget)
+            for kind in ("idle", "cache", "stream")
+        }
         meta["training"] = {"exchange": beside, "paced": paced, **floors}
-        notes.append(f"Training beside the exchange (the default GPT, {args.train_seconds:g} s a side, trainer on "
-                     f"{beside['train_threads']} thread(s), the exchange on {beside['exchange_threads']}, looping "
-                     f"{beside['exchange_rounds_meanwhile']} rounds without rest): {beside['tokens_per_s_with_exchange']:,} "
-                     f"tokens/s against {beside['tokens_per_s_alone']:,} alone, **{beside['share_kept']:.1%} kept**. The same "
-                     f"beside work that is not the exchange, same run: sleeping {floors['idle']['share_kept']:.1%}, an "
-                     f"in-cache add loop {floors['cache']['share_kept']:.1%}, a model-sized add streaming memory "
-                     f"{floors['stream']['share_kept']:.1%}. Training time lost per exchange round: "
-                     f"{beside['lost_s_per_round'] * 1000:.0f} ms. Paced at one exchange round every {args.pace_s:g} s "
-                     f"({paced['exchange_rounds_meanwhile']} rounds): **{paced['share_kept']:.1%} kept**.")  # fmt: skip
+        notes.append(
+            f"Training beside the exchange (the default GPT, {args.train_seconds:g} s a side, trainer on "
+            f"{beside['train_threads']} thread(s), the exchange on {beside['exchange_threads']}, looping "
+            f"{beside['exchange_rounds_meanwhile']} rounds without rest): {beside['tokens_per_s_with_exchange']:,} "
+            f"tokens/s against {beside['tokens_per_s_alone']:,} alone, **{beside['share_kept']:.1%} kept**. The same "
+            f"beside work that is not the exchange, same run: sleeping {floors['idle']['share_kept']:.1%}, an "
+            f"in-cache add loop {floors['cache']['share_kept']:.1%}, a model-sized add streaming memory "
+            f"{floors['stream']['share_kept']:.1%}. Training time lost per exchange round: "
+            f"{beside['lost_s_per_round'] * 1000:.0f} ms. Paced at one exchange round every {args.pace_s:g} s "
+            f"({paced['exchange_rounds_meanwhile']} rounds): **{paced['share_kept']:.1%} kept**."
+        )
     columns = ["threads", "stage", "ns_per_param", "reference", "reference_ns", "x_reference"]
-    return write_report(out_dir, "exchange", "Exchange cost per stage (ns per parameter)", rows, columns, "\n\n".join(notes), meta)
+    return write_report(
+        out_dir, "exchange", "Exchange cost per stage (ns per parameter)", rows, columns, "\n\n".join(notes), meta
+    )

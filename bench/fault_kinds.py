@@ -58,7 +58,9 @@ def _encoded(item: EncodedSlice, values: list[torch.Tensor]) -> EncodedSlice:
     """`values` (as `_values` gave them) encoded as `item` was: same codec, same factor quantiser."""
     if item.codec == "lowrank":
         p_t, q_t = values
-        payload = encode_lowrank(p_t.T, q_t.T, item.payload[2])  # header byte 2: the factors' bits (common/wire/lowrank.py)
+        payload = encode_lowrank(
+            p_t.T, q_t.T, item.payload[2]
+        )  # header byte 2: the factors' bits (common/wire/lowrank.py)
     else:
         payload, _ = codecs.encode(item.codec, values[0])
     return EncodedSlice(item.key, item.codec, item.dtype, item.shape, bytearray(payload))
@@ -72,7 +74,9 @@ def _norm_sq(values: list[torch.Tensor], lowrank: bool) -> float:
     return float(values[0].double().square().sum())
 
 
-def flip_exponent_bits(values: torch.Tensor, fraction: float, generator: torch.Generator, bits: tuple[int, ...] = EXPONENT_BITS["bitflip"]) -> int:
+def flip_exponent_bits(
+    values: torch.Tensor, fraction: float, generator: torch.Generator, bits: tuple[int, ...] = EXPONENT_BITS["bitflip"]
+) -> int:
     """Flip one random bit of `bits` in each value of `values` (fp32, in place) with probability
     `fraction`, each value on its own; returns how many were flipped."""
     flat = values.view(-1)
@@ -121,7 +125,9 @@ class SiteFault:
         if self.kind == "replay":
             return self._before.get(item.key, item)
         key = item.key
-        generator = torch.Generator().manual_seed(self.seed + zlib.crc32(f"{round_}:{key.name}:{key.row_start}:{key.row_stop}".encode()))
+        generator = torch.Generator().manual_seed(
+            self.seed + zlib.crc32(f"{round_}:{key.name}:{key.row_start}:{key.row_stop}".encode())
+        )
         values = _values(item)
         lowrank = item.codec == "lowrank"
         if self.kind == "scale":
@@ -141,7 +147,9 @@ class SiteFault:
             noise = _norm_sq(values, lowrank)
             values[0].mul_((honest / noise) ** 0.5 if noise > 0 else 0.0)
         else:  # bitflip, bitflip-low
-            flipped = sum(flip_exponent_bits(v, self.bitflip_fraction, generator, EXPONENT_BITS[self.kind]) for v in values)
+            flipped = sum(
+                flip_exponent_bits(v, self.bitflip_fraction, generator, EXPONENT_BITS[self.kind]) for v in values
+            )
             with self._lock:
                 self.flipped += flipped
         return _encoded(item, values)

@@ -7,8 +7,14 @@ import pathlib
 from dilocox.bench.plots import matplotlib_missing
 
 LOSS_GOAL = 0.01  # exclude: final eval loss within 1 % of the clean run's
-EVASIONS = ("underbound", "drift", "halfsign")  # made to stay under the check's bounds: bounded, not necessarily flagged
-EVASION_GOAL = 0.02  # the goal for an evasion: under clip or exclude, an evasion's final eval within 2 % of the clean run's
+EVASIONS = (
+    "underbound",
+    "drift",
+    "halfsign",
+)  # made to stay under the check's bounds: bounded, not necessarily flagged
+EVASION_GOAL = (
+    0.02  # the goal for an evasion: under clip or exclude, an evasion's final eval within 2 % of the clean run's
+)
 CAUGHT_WITHIN = 2  # rounds, counting the fault's first
 
 
@@ -30,16 +36,21 @@ def goals(rows: list[dict], fault_round: int) -> str:
     lines = ["Goals:"]
     clean_alarms = sum(r["false_alarms"] for r in checked if r["kind"] == "clean")
     other_alarms = sum(r["false_alarms"] for r in checked if r["kind"] != "clean")
-    lines.append(f"* no false alarm: {'met' if clean_alarms == 0 else 'NOT met'} — {clean_alarms} flags on the clean runs' sites; "
-                 f"{other_alarms} on the honest sites of the faulty runs")  # fmt: skip
+    lines.append(
+        f"* no false alarm: {'met' if clean_alarms == 0 else 'NOT met'} — {clean_alarms} flags on the clean runs' "
+        "sites; "
+        f"{other_alarms} on the honest sites of the faulty runs"
+    )
     late = []
     for kind in sorted({r["kind"] for r in checked if r["kind"] not in ("clean", *EVASIONS)}):
         for row in (r for r in checked if r["kind"] == kind):
             if any(f is None or f > fault_round + CAUGHT_WITHIN - 1 for f in row["_first"]):
                 late.append(f"{kind} ({row['mode']}: first flagged {row['first_flagged']})")
     caught = "met" if not late else "NOT met for " + "; ".join(late)
-    lines.append(f"* every fault kind flagged within {CAUGHT_WITHIN} rounds of its start (round {fault_round} or "
-                 f"{fault_round + CAUGHT_WITHIN - 1}) by every shard: {caught}")  # fmt: skip
+    lines.append(
+        f"* every fault kind flagged within {CAUGHT_WITHIN} rounds of its start (round {fault_round} or "
+        f"{fault_round + CAUGHT_WITHIN - 1}) by every shard: {caught}"
+    )
     excluded = [r for r in rows if r["mode"] == "exclude" and r["kind"] != "clean"]
     if excluded:
         over = [f"{r['kind']} ({r['loss_vs_clean']})" for r in excluded if not r["_loss_ratio"] <= LOSS_GOAL]
@@ -47,10 +58,15 @@ def goals(rows: list[dict], fault_round: int) -> str:
         lines.append(f"* with exclude, final eval loss within {100 * LOSS_GOAL:g} % of the clean run's: {within}")
     evasive = [r for r in rows if r["kind"] in EVASIONS and r["mode"] in ("clip", "exclude")]
     if evasive:
-        over = [f"{r['kind']} ({r['mode']}: {r['loss_vs_clean']})" for r in evasive if not r["_loss_ratio"] <= EVASION_GOAL]
+        over = [
+            f"{r['kind']} ({r['mode']}: {r['loss_vs_clean']})" for r in evasive if not r["_loss_ratio"] <= EVASION_GOAL
+        ]
         within = "met" if not over else "NOT met for " + ", ".join(over)
-        lines.append(f"* evasions ({', '.join(sorted({r['kind'] for r in evasive}))}) under clip or exclude, final eval loss within "
-                     f"{100 * EVASION_GOAL:g} % of the clean run's: {within}")  # fmt: skip
+        lines.append(
+            f"* evasions ({', '.join(sorted({r['kind'] for r in evasive}))}) under clip or exclude, final eval loss "
+            "within "
+            f"{100 * EVASION_GOAL:g} % of the clean run's: {within}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -72,8 +88,13 @@ def plot_curves(out_dir: pathlib.Path, runs: list, fault_round: int) -> list[str
         shown = [-2.0, 2.0]  # at least ±2 %: the linear part of the axis, with sane ticks
         for run in (r for r in runs if r.mode == mode and r.kind != "clean"):
             points = [(r, 100 * (loss / clean[r] - 1)) for r, loss in run.curve if r in clean and loss == loss]
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=2,
-                    label=run.kind + (" (run stopped)" if run.error else ""))  # fmt: skip
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                marker="o",
+                markersize=2,
+                label=run.kind + (" (run stopped)" if run.error else ""),
+            )
             shown += [p[1] for p in points]
         ax.axvline(fault_round - 0.5, color="grey", linewidth=1, linestyle=":")
         ax.axhline(0, color="black", linewidth=0.8)

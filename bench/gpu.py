@@ -31,18 +31,40 @@ import subprocess
 import sys
 import tempfile
 
-from dilocox.bench.site_layouts import VARIANTS, LayoutRun, _cli, layout_flags, planned_device_mb, run_worker, shard_processes, summarize
+from dilocox.bench.site_layouts import (
+    VARIANTS,
+    LayoutRun,
+    _cli,
+    layout_flags,
+    planned_device_mb,
+    run_worker,
+    shard_processes,
+    summarize,
+)
 
 CHECKS = ("sim", "pp1", "pp2", "dp2", "pp2dp2", "accum", "lean", "int8", "bf16state", "resume")
-LAYOUTS = {"pp1": (1, 1, ()), "pp2": (2, 1, ()), "dp2": (1, 2, ()), "pp2dp2": (2, 2, ()), "accum": (2, 1, ("--inner-grad-accum", "2")),
-           "lean": (1, 1, VARIANTS["lean"]), "int8": (1, 1, ("--optimizer-state", "int8")),
-           "bf16state": (1, 1, ("--optimizer-state", "bf16"))}
+LAYOUTS = {
+    "pp1": (1, 1, ()),
+    "pp2": (2, 1, ()),
+    "dp2": (1, 2, ()),
+    "pp2dp2": (2, 2, ()),
+    "accum": (2, 1, ("--inner-grad-accum", "2")),
+    "lean": (1, 1, VARIANTS["lean"]),
+    "int8": (1, 1, ("--optimizer-state", "int8")),
+    "bf16state": (1, 1, ("--optimizer-state", "bf16")),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cuda (default; skipped where there is none) or cpu (the same checks on gloo)")  # fmt: skip
-    parser.add_argument("--only", default=",".join(CHECKS), help=f"comma-separated checks (default all: {','.join(CHECKS)})")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cuda (default; skipped where there is none) or cpu (the same checks on gloo)",
+    )
+    parser.add_argument(
+        "--only", default=",".join(CHECKS), help=f"comma-separated checks (default all: {','.join(CHECKS)})"
+    )
     parser.add_argument("--quick", action="store_true", help="a small model and 3 rounds (CI and trying it out)")
     parser.add_argument("--n-layer", type=int, default=8, help="layers of the GPT the checks train (default 8)")
     parser.add_argument("--n-embd", type=int, default=512, help="its width (default 512)")
@@ -63,11 +85,21 @@ def _gpus(device: str) -> int:
 
 def _layout_check(name: str, args: argparse.Namespace, workdir: pathlib.Path) -> dict:
     pp, dp, extra = LAYOUTS[name]
-    run = LayoutRun(pp, dp, model_flags=_model_flags(args), rounds=3 if args.quick else args.rounds, inner_steps=3,
-                    extra=extra)  # fmt: skip
+    run = LayoutRun(
+        pp, dp, model_flags=_model_flags(args), rounds=3 if args.quick else args.rounds, inner_steps=3, extra=extra
+    )
     with shard_processes(2, f"gpu-{name}", workdir) as addresses:
-        cmd = _cli("worker", "--servers", ",".join(addresses), "--run-id", f"gpu-{name}", "--insecure", "--log-format", "json",
-                   *layout_flags(run, args.device))  # fmt: skip
+        cmd = _cli(
+            "worker",
+            "--servers",
+            ",".join(addresses),
+            "--run-id",
+            f"gpu-{name}",
+            "--insecure",
+            "--log-format",
+            "json",
+            *layout_flags(run, args.device),
+        )
         cmd = [flag.replace("{work}", str(workdir / name)) for flag in cmd]
         rc, run.events = run_worker(cmd, workdir / f"{name}.log", run, timeout_s=900)
     row = summarize(run) if rc == 0 else {}
@@ -82,37 +114,81 @@ def _resume_check(args: argparse.Namespace, workdir: pathlib.Path, gpus: int) ->
     run = LayoutRun(pp, dp, model_flags=_model_flags(args), rounds=5, inner_steps=3)
     ckpt = workdir / "resume-checkpoints"
     with shard_processes(2, "gpu-resume", workdir) as addresses:
-        cmd = _cli("worker", "--servers", ",".join(addresses), "--run-id", "gpu-resume", "--insecure", "--log-format", "json",
-                   "--cluster", "site", "--checkpoint-dir", str(ckpt), *layout_flags(run, args.device))  # fmt: skip
+        cmd = _cli(
+            "worker",
+            "--servers",
+            ",".join(addresses),
+            "--run-id",
+            "gpu-resume",
+            "--insecure",
+            "--log-format",
+            "json",
+            "--cluster",
+            "site",
+            "--checkpoint-dir",
+            str(ckpt),
+            *layout_flags(run, args.device),
+        )
         first, _ = run_worker(cmd, workdir / "resume-first.log", None, timeout_s=900, stop_after_round=2)
         rc, events = run_worker([*cmd, "--resume"], workdir / "resume-second.log", None, timeout_s=900)
     restored = sorted({e["round"] for e in events if e.get("event") == "worker_checkpoint_restored"})
     resumed = [e for e in events if e.get("event") == "replica_resumed"]  # by delta, from the replica
-    ok = first == 143 and rc == 0 and len(restored) == 1 and restored[0] >= 1 and all(e["how"] == "delta" for e in resumed) and resumed
-    return {"check": "resume", "layout": f"pp{pp}×dp{dp}", "status": "ok" if ok else f"FAILED (exits {first}, {rc}; {workdir})",
-            "resumed_from_round": restored[0] if restored else None,
-            "resume_pulled": " ".join(f"{e['how']} {e['bytes_down']:,} B of {e['full_pull_bytes']:,}" for e in resumed[:1])}  # fmt: skip
+    ok = (
+        first == 143
+        and rc == 0
+        and len(restored) == 1
+        and restored[0] >= 1
+        and all(e["how"] == "delta" for e in resumed)
+        and resumed
+    )
+    return {
+        "check": "resume",
+        "layout": f"pp{pp}×dp{dp}",
+        "status": "ok" if ok else f"FAILED (exits {first}, {rc}; {workdir})",
+        "resumed_from_round": restored[0] if restored else None,
+        "resume_pulled": " ".join(f"{e['how']} {e['bytes_down']:,} B of {e['full_pull_bytes']:,}" for e in resumed[:1]),
+    }
 
 
 def _sim_check(args: argparse.Namespace, workdir: pathlib.Path) -> dict:
     summary_path = workdir / "sim.json"
-    flags = ["--rounds", "3" if args.quick else str(args.rounds), "--inner-steps", "20", *_model_flags(args), "--device", args.device]
-    done = subprocess.run(_cli("sim", "--log-dir", str(workdir / "sim"), "--summary-json", str(summary_path), *flags),
-                          capture_output=True, text=True, timeout=1800)  # fmt: skip
+    flags = [
+        "--rounds",
+        "3" if args.quick else str(args.rounds),
+        "--inner-steps",
+        "20",
+        *_model_flags(args),
+        "--device",
+        args.device,
+    ]
+    done = subprocess.run(
+        _cli("sim", "--log-dir", str(workdir / "sim"), "--summary-json", str(summary_path), *flags),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if done.returncode != 0 or not summary_path.exists():
         return {"check": "sim", "status": f"FAILED (exit {done.returncode}; {workdir / 'sim'})"}
     s = json.loads(summary_path.read_text())
     ok = s["ok"] and s["replay_mismatches"] == 0 and s["final_eval_loss"] < s["initial_eval_loss"]
-    return {"check": "sim", "layout": "2 clusters × 1 process", "status": "ok" if ok else "FAILED", "replay_mismatches": s["replay_mismatches"],
-            "eval_loss": f"{s['initial_eval_loss']} → {s['final_eval_loss']}", "wall_s": s["wall_s"]}  # fmt: skip
+    return {
+        "check": "sim",
+        "layout": "2 clusters × 1 process",
+        "status": "ok" if ok else "FAILED",
+        "replay_mismatches": s["replay_mismatches"],
+        "eval_loss": f"{s['initial_eval_loss']} → {s['final_eval_loss']}",
+        "wall_s": s["wall_s"],
+    }
 
 
 def run(args: argparse.Namespace, out_dir) -> str:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        return (f"SKIPPED: no CUDA device here (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
-                "`dilocox bench gpu --device cpu` runs the same checks on the CPU\n")  # fmt: skip
+        return (
+            f"SKIPPED: no CUDA device here (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+            "`dilocox bench gpu --device cpu` runs the same checks on the CPU\n"
+        )
     from dilocox.bench.report import write_report
 
     gpus = _gpus(args.device)
@@ -136,11 +212,28 @@ def run(args: argparse.Namespace, out_dir) -> str:
             print(json.dumps(rows[-1]), file=sys.stderr)
         failed = [r["check"] for r in rows if r["status"].startswith("FAILED")]
         device = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (gloo)"
-        notes = (f"Device: {gpus} × {device}; torch {torch.__version__}. Shards run on the CPU. "
-                 f"{'All checks passed.' if not failed else 'FAILED: ' + ', '.join(failed) + ' (logs were in the temp dir)'}\n")  # fmt: skip
-        columns = ["check", "status", "layout", "tokens_per_s", "device_peak_mb_per_rank", "planned_device_mb_per_rank", "boundary_phases_s",
-                   "exchange_bytes_per_held_param", "replay_mismatches", "eval_loss", "resumed_from_round", "resume_pulled"]  # fmt: skip
-        text = write_report(out_dir, "gpu", "GPU check: a site on this machine's GPUs", rows, columns, notes, {"args": vars(args)})
+        notes = (
+            f"Device: {gpus} × {device}; torch {torch.__version__}. Shards run on the CPU. "
+            + ("All checks passed." if not failed else "FAILED: " + ", ".join(failed) + " (logs were in the temp dir)")
+            + "\n"
+        )
+        columns = [
+            "check",
+            "status",
+            "layout",
+            "tokens_per_s",
+            "device_peak_mb_per_rank",
+            "planned_device_mb_per_rank",
+            "boundary_phases_s",
+            "exchange_bytes_per_held_param",
+            "replay_mismatches",
+            "eval_loss",
+            "resumed_from_round",
+            "resume_pulled",
+        ]
+        text = write_report(
+            out_dir, "gpu", "GPU check: a site on this machine's GPUs", rows, columns, notes, {"args": vars(args)}
+        )
     if failed:
         print(text)
         raise SystemExit(f"dilocox bench gpu: {len(failed)} check(s) failed: {', '.join(failed)}")

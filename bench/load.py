@@ -30,30 +30,61 @@ RUN = "bench-load"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--clusters", default="32,64,128,256", help="comma-separated cluster counts (default 32,64,128,256)")
+    parser.add_argument(
+        "--clusters", default="32,64,128,256", help="comma-separated cluster counts (default 32,64,128,256)"
+    )
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per count, after one warm-up (default 10)")
     parser.add_argument("--pull-wait-s", type=float, default=30.0, help="each pull's long-poll wait (default 30)")
-    parser.add_argument("--wan-mbit", type=float, default=0.0,
-                        help="pace every site's push and pull to a link of this many Mbit/s, so that hundreds of pushes are in "
-                             "transit at once (bench/load_wan.py); 0: as fast as localhost goes (default)")  # fmt: skip
-    parser.add_argument("--push-kb", type=int, default=256, help="with --wan-mbit: each site's compressed push to each shard (default 256)")
-    parser.add_argument("--stalled", type=int, default=20, help="with --wan-mbit: push streams per shard that stall after one chunk (default 20)")
-    parser.add_argument("--pull-cache-mb", default="",
-                        help="with --wan-mbit: the shards' --pull-cache-mb, comma-separated to compare in one run (e.g. 0,512: "
-                             "each pull framing its own chunks against one framing shared; default: the shards' default)")  # fmt: skip
-    parser.add_argument("--shards", type=int, default=2,
-                        help="with --wan-mbit: shard processes, each sent --push-kb by every site (default 2; 1 leaves the other core "
-                             "of a 2-core machine to the simulated sites)")  # fmt: skip
-    parser.add_argument("--pin", action="store_true",
-                        help="with --wan-mbit: each shard process on a core of its own and the simulated sites on the cores left, "
-                             "as on machines of their own (needs --shards + 1 cores)")  # fmt: skip
+    parser.add_argument(
+        "--wan-mbit",
+        type=float,
+        default=0.0,
+        help="pace every site's push and pull to a link of this many Mbit/s, so that hundreds of pushes are in "
+        "transit at once (bench/load_wan.py); 0: as fast as localhost goes (default)",
+    )
+    parser.add_argument(
+        "--push-kb",
+        type=int,
+        default=256,
+        help="with --wan-mbit: each site's compressed push to each shard (default 256)",
+    )
+    parser.add_argument(
+        "--stalled",
+        type=int,
+        default=20,
+        help="with --wan-mbit: push streams per shard that stall after one chunk (default 20)",
+    )
+    parser.add_argument(
+        "--pull-cache-mb",
+        default="",
+        help="with --wan-mbit: the shards' --pull-cache-mb, comma-separated to compare in one run (e.g. 0,512: "
+        "each pull framing its own chunks against one framing shared; default: the shards' default)",
+    )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=2,
+        help="with --wan-mbit: shard processes, each sent --push-kb by every site (default 2; 1 leaves the other core "
+        "of a 2-core machine to the simulated sites)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="with --wan-mbit: each shard process on a core of its own and the simulated sites on the cores left, "
+        "as on machines of their own (needs --shards + 1 cores)",
+    )
 
 
 def measure(clusters: int, rounds: int, pull_wait_s: float) -> dict:
     refused = 0
-    with tempfile.TemporaryDirectory(prefix="dilocox-load-") as tmp, shard_processes(2, RUN, pathlib.Path(tmp)) as addresses:
+    with (
+        tempfile.TemporaryDirectory(prefix="dilocox-load-") as tmp,
+        shard_processes(2, RUN, pathlib.Path(tmp)) as addresses,
+    ):
         pids = [int(pid) for pid in shard_pids(addresses)]
-        clients = [AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(clusters)]
+        clients = [
+            AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(clusters)
+        ]
         pool = ThreadPoolExecutor(max_workers=clusters)
         try:
             clients[0].join(PARAMS)  # the initialiser: the first to join
@@ -86,9 +117,15 @@ def measure(clusters: int, rounds: int, pull_wait_s: float) -> dict:
             for c in clients:
                 c.close()
     cpu = sum(u[1] - b for u, b in zip(usage, cpu_before or [0.0] * len(usage)))
-    return {"clusters": clusters, "rounds_per_s": round(rounds / elapsed, 2), "round_latency_median_s": round(statistics.median(latencies), 3),
-            "round_latency_max_s": round(max(latencies), 3), "shard_rss_mb": [round(u[0]) for u in usage],
-            "shard_cpu_s_per_round": round(cpu / rounds, 4), "refused_calls": refused}  # fmt: skip
+    return {
+        "clusters": clusters,
+        "rounds_per_s": round(rounds / elapsed, 2),
+        "round_latency_median_s": round(statistics.median(latencies), 3),
+        "round_latency_max_s": round(max(latencies), 3),
+        "shard_rss_mb": [round(u[0]) for u in usage],
+        "shard_cpu_s_per_round": round(cpu / rounds, 4),
+        "refused_calls": refused,
+    }
 
 
 def run(args: argparse.Namespace, out_dir) -> str:
@@ -106,11 +143,21 @@ def run(args: argparse.Namespace, out_dir) -> str:
                 raise SystemExit(f"dilocox bench load: {error}") from None
         return _run_wan(args, out_dir)
     rows = [measure(int(n), args.rounds, args.pull_wait_s) for n in args.clusters.split(",") if n.strip()]
-    notes = (f"2 shard processes on localhost; every cluster an AggregatorClient thread in one process (a tiny model); "
-             f"{args.rounds} timed rounds after a warm-up; pulls long-poll up to {args.pull_wait_s:g} s; {os.cpu_count()} CPU cores. "
-             "Round latency: from the round's first push to its last pull's answer.\n")  # fmt: skip
-    columns = ["clusters", "rounds_per_s", "round_latency_median_s", "round_latency_max_s", "shard_rss_mb", "shard_cpu_s_per_round",
-               "refused_calls"]  # fmt: skip
+    notes = (
+        f"2 shard processes on localhost; every cluster an AggregatorClient thread in one process (a tiny model); "
+        f"{args.rounds} timed rounds after a warm-up; pulls long-poll up to {args.pull_wait_s:g} s; {os.cpu_count()} "
+        "CPU cores. "
+        "Round latency: from the round's first push to its last pull's answer.\n"
+    )
+    columns = [
+        "clusters",
+        "rounds_per_s",
+        "round_latency_median_s",
+        "round_latency_max_s",
+        "shard_rss_mb",
+        "shard_cpu_s_per_round",
+        "refused_calls",
+    ]
     return write_report(out_dir, "load", "Many clusters against 2 shards", rows, columns, notes, {"args": vars(args)})
 
 
@@ -119,14 +166,45 @@ def _run_wan(args: argparse.Namespace, out_dir) -> str:
     from dilocox.bench.report import write_report
 
     caches = [int(c) for c in args.pull_cache_mb.split(",") if c.strip()] or [None]
-    rows = [measure_wan(int(n), args.rounds, args.wan_mbit, args.push_kb, args.stalled, cache, args.shards, args.pin)
-            for n in args.clusters.split(",") if n.strip() for cache in caches]  # fmt: skip
-    notes = (f"{args.shards} shard process(es) on localhost; every site a raw grpc.aio client, a coroutine on one event loop of one process, its push ({args.push_kb} KB a "
-             f"shard, framed as the real client frames it) and its pull (the weights) paced to {args.wan_mbit:g} Mbit/s; "
-             f"{args.stalled} push streams per shard stall after one chunk; {args.rounds} rounds; Status polled from every shard "
-             f"every 0.25 s; {os.cpu_count()} CPU cores{'; each shard pinned to a core of its own, the sites to the rest' if args.pin else ''}. "
-             "link_s: the push and the pull at the link's rate alone.\n")  # fmt: skip
-    columns = ["sites", "shards", "mbit", "stalled_streams", "push_kb_per_shard", *(["pull_cache_mb"] if args.pull_cache_mb else []), "link_s", "round_latency_median_s", "round_latency_max_s",
-               "status_median_s", "status_max_s", "status_calls", "one_shard_cpu_ms_per_site_round", "cpu_s_per_round", "pinned"]  # fmt: skip
-    return write_report(out_dir, "load_wan", f"Sites at WAN pace against {args.shards} shard(s), beside stalled pushes", rows, columns, notes,
-                        {"args": vars(args)})  # fmt: skip
+    rows = [
+        measure_wan(int(n), args.rounds, args.wan_mbit, args.push_kb, args.stalled, cache, args.shards, args.pin)
+        for n in args.clusters.split(",")
+        if n.strip()
+        for cache in caches
+    ]
+    notes = (
+        f"{args.shards} shard process(es) on localhost; every site a raw grpc.aio client, a coroutine on one event "
+        f"loop of one process, its push ({args.push_kb} KB a "
+        f"shard, framed as the real client frames it) and its pull (the weights) paced to {args.wan_mbit:g} Mbit/s; "
+        f"{args.stalled} push streams per shard stall after one chunk; {args.rounds} rounds; Status polled from every "
+        "shard "
+        f"every 0.25 s; {os.cpu_count()} CPU "
+        f"cores{'; each shard pinned to a core of its own, the sites to the rest' if args.pin else ''}. "
+        "link_s: the push and the pull at the link's rate alone.\n"
+    )
+    columns = [
+        "sites",
+        "shards",
+        "mbit",
+        "stalled_streams",
+        "push_kb_per_shard",
+        *(["pull_cache_mb"] if args.pull_cache_mb else []),
+        "link_s",
+        "round_latency_median_s",
+        "round_latency_max_s",
+        "status_median_s",
+        "status_max_s",
+        "status_calls",
+        "one_shard_cpu_ms_per_site_round",
+        "cpu_s_per_round",
+        "pinned",
+    ]
+    return write_report(
+        out_dir,
+        "load_wan",
+        f"Sites at WAN pace against {args.shards} shard(s), beside stalled pushes",
+        rows,
+        columns,
+        notes,
+        {"args": vars(args)},
+    )

@@ -57,27 +57,49 @@ class _Site:
     reason a site's push chunks are serialized once, not at every send, and its pulls are read as bytes,
     not parsed: this process shares the machine's cores with the shards it measures."""
 
-    def __init__(self, name: str, client: AggregatorClient, rate: float, seed: int, chunk_bytes: int = WireConfig.chunk_bytes) -> None:
+    def __init__(
+        self, name: str, client: AggregatorClient, rate: float, seed: int, chunk_bytes: int = WireConfig.chunk_bytes
+    ) -> None:
         self.name, self.rate = name, rate
         g = torch.Generator().manual_seed(seed)
         by_shard: dict[int, list[EncodedSlice]] = {}
         for s in client.assignment:
-            by_shard.setdefault(s.shard, []).append(EncodedSlice.exact(s.key, torch.randn(s.slice_shape, generator=g) * 1e-3))
-        self.chunks = {shard: [(message := pb.PushMessage(chunk=c).SerializeToString(), len(message))
-                               for c in frame_slices(items, client.slice_map.index, chunk_bytes, 1)]
-                       for shard, items in by_shard.items()}  # fmt: skip
+            by_shard.setdefault(s.shard, []).append(
+                EncodedSlice.exact(s.key, torch.randn(s.slice_shape, generator=g) * 1e-3)
+            )
+        self.chunks = {
+            shard: [
+                (message := pb.PushMessage(chunk=c).SerializeToString(), len(message))
+                for c in frame_slices(items, client.slice_map.index, chunk_bytes, 1)
+            ]
+            for shard, items in by_shard.items()
+        }
         self.channels: list[grpc.aio.Channel] = []
 
     def open(self, addresses: list[str]) -> None:
         """(On the row's event loop.) A channel per shard."""
-        self.channels = [grpc.aio.insecure_channel(a, options=[("grpc.max_receive_message_length", 64 << 20)]) for a in addresses]
-        self.pushes = [c.stream_unary(SERVICE + "Push", request_serializer=wire_bytes, response_deserializer=pb.PushReply.FromString)
-                       for c in self.channels]  # fmt: skip
-        self.pulls = [c.unary_stream(SERVICE + "Pull", request_serializer=pb.PullRequest.SerializeToString, response_deserializer=None)
-                      for c in self.channels]  # fmt: skip
+        self.channels = [
+            grpc.aio.insecure_channel(a, options=[("grpc.max_receive_message_length", 64 << 20)]) for a in addresses
+        ]
+        self.pushes = [
+            c.stream_unary(
+                SERVICE + "Push", request_serializer=wire_bytes, response_deserializer=pb.PushReply.FromString
+            )
+            for c in self.channels
+        ]
+        self.pulls = [
+            c.unary_stream(
+                SERVICE + "Pull", request_serializer=pb.PullRequest.SerializeToString, response_deserializer=None
+            )
+            for c in self.channels
+        ]
 
     def header(self, shard: int, round_: int) -> pb.PushMessage:
-        return pb.PushMessage(header=pb.PushHeader(run_id=RUN, cluster=self.name, round=round_, weight=1.0, chunks=len(self.chunks[shard])))
+        return pb.PushMessage(
+            header=pb.PushHeader(
+                run_id=RUN, cluster=self.name, round=round_, weight=1.0, chunks=len(self.chunks[shard])
+            )
+        )
 
     async def push(self, round_: int) -> None:
         async def one(shard: int) -> None:
@@ -93,7 +115,9 @@ class _Site:
 
     async def pull(self, version: int) -> None:
         async def one(pull) -> None:  # noqa: ANN001
-            request = pb.PullRequest(run_id=RUN, cluster=self.name, min_version=version, wait_seconds=600, observer=True)
+            request = pb.PullRequest(
+                run_id=RUN, cluster=self.name, min_version=version, wait_seconds=600, observer=True
+            )
             async for chunk in pull(request, timeout=900):  # a chunk's bytes, unparsed
                 await asyncio.sleep(len(chunk) / self.rate)
 
@@ -125,8 +149,9 @@ async def _stall(site: _Site, per_shard: int, release: asyncio.Event) -> None:
     await asyncio.gather(*(one(shard) for shard in site.chunks for _ in range(per_shard)))
 
 
-async def _paced_rounds(addresses: list[str], paced: list[_Site], stalled: _Site | None, per_shard: int, rounds: int,
-                        pids: list[int]) -> tuple[list[float], list[float], float]:  # fmt: skip
+async def _paced_rounds(
+    addresses: list[str], paced: list[_Site], stalled: _Site | None, per_shard: int, rounds: int, pids: list[int]
+) -> tuple[list[float], list[float], float]:
     """Rounds 1..rounds+1 of every paced site at once, beside the stalled streams; round 1 is not timed.
     Returns the timed rounds' latencies and the shards' and this process's CPU seconds before round 2."""
     everyone = [*paced, *([stalled] if stalled else [])]
@@ -152,8 +177,16 @@ async def _paced_rounds(addresses: list[str], paced: list[_Site], stalled: _Site
     return latencies, cpu_before, load_before
 
 
-def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pull_cache_mb: int | None = None, shards: int = 2,
-            pin: bool = False) -> dict:  # fmt: skip
+def measure(
+    sites: int,
+    rounds: int,
+    mbit: float,
+    push_kb: int,
+    stalled: int,
+    pull_cache_mb: int | None = None,
+    shards: int = 2,
+    pin: bool = False,
+) -> dict:
     """One row. `pin`: each shard process on a core of its own and the sites on the cores left (`pin_cores`)."""
     rate = mbit * 1e6 / 8
     rows = max(1, push_kb * 1024 * shards // (4 * WIDTH))  # each shard gets about push_kb of it
@@ -161,8 +194,15 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pu
     status_s: list[float] = []
     # The stalled site is a member: round 1 waits for it until the deadline, then closes without it (a
     # warm-up, not timed); its streams stay open, stalled, through every timed round.
-    server_flags = ("--round-deadline-s", str(STALLED_DEADLINE_S), *(("--pull-cache-mb", str(pull_cache_mb)) if pull_cache_mb is not None else ()))
-    with tempfile.TemporaryDirectory(prefix="dilocox-load-wan-") as tmp, shard_processes(shards, RUN, pathlib.Path(tmp), server_flags) as addresses:
+    server_flags = (
+        "--round-deadline-s",
+        str(STALLED_DEADLINE_S),
+        *(("--pull-cache-mb", str(pull_cache_mb)) if pull_cache_mb is not None else ()),
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="dilocox-load-wan-") as tmp,
+        shard_processes(shards, RUN, pathlib.Path(tmp), server_flags) as addresses,
+    ):
         pids = [int(pid) for pid in shard_pids(addresses)]
         clients = [AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=60, rpc_timeout=600) for i in range(sites)]
         stalled_client = AggregatorClient(addresses, RUN, "stalled", connect_timeout=60)
@@ -176,12 +216,16 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pu
             clients[0].push(0, 1.0, {s.key: torch.zeros(s.slice_shape) for s in clients[0].assignment})
             paced = [_Site(c.cluster, c, rate, seed=10 + i) for i, c in enumerate(clients)]
             push_bytes = max(sum(size for _, size in chunks) for chunks in paced[0].chunks.values())
-            stall_site = _Site("stalled", stalled_client, rate=1e12, seed=1, chunk_bytes=STALL_CHUNK_BYTES) if stalled else None
+            stall_site = (
+                _Site("stalled", stalled_client, rate=1e12, seed=1, chunk_bytes=STALL_CHUNK_BYTES) if stalled else None
+            )
             polling = threading.Event()
             poller = threading.Thread(target=_poll_status, args=(addresses, polling, status_s), daemon=True)
             poller.start()
             settle_collector()  # the sites' client, like a shard: torch's objects out of its collections
-            latencies, cpu_before, load_before = asyncio.run(_paced_rounds(addresses, paced, stall_site, stalled, rounds, pids))
+            latencies, cpu_before, load_before = asyncio.run(
+                _paced_rounds(addresses, paced, stall_site, stalled, rounds, pids)
+            )
             usage, load_cpu = [process_usage(p) for p in pids], _own_cpu_s() - load_before
             polling.set()
             poller.join(timeout=10)
@@ -190,14 +234,27 @@ def measure(sites: int, rounds: int, mbit: float, push_kb: int, stalled: int, pu
                 c.close()
             if cores_before is not None:
                 _set_cores(os.getpid(), cores_before)
-    pull_bytes = rows * WIDTH * 4 // shards + WIDTH * 4  # an observer pull: the weights, about a shard's part of the model
+    pull_bytes = (
+        rows * WIDTH * 4 // shards + WIDTH * 4
+    )  # an observer pull: the weights, about a shard's part of the model
     cpu = sum(u[1] - b for u, b in zip(usage, cpu_before))
-    return {"sites": sites, "shards": shards, "mbit": mbit, "stalled_streams": shards * stalled, "push_kb_per_shard": round(push_bytes / 1024), "pull_cache_mb": pull_cache_mb,
-            "link_s": round((push_bytes + pull_bytes) / rate, 2), "round_latency_median_s": round(statistics.median(latencies), 2),
-            "round_latency_max_s": round(max(latencies), 2), "status_median_s": round(statistics.median(status_s), 3) if status_s else None,
-            "status_max_s": round(max(status_s), 3) if status_s else None, "status_calls": len(status_s),
-            "one_shard_cpu_ms_per_site_round": round(1000 * cpu / (rounds * sites * shards), 2), "pinned": pin,
-            "cpu_s_per_round": f"{cpu / rounds:.1f} shards + {load_cpu / rounds:.1f} sites"}  # fmt: skip
+    return {
+        "sites": sites,
+        "shards": shards,
+        "mbit": mbit,
+        "stalled_streams": shards * stalled,
+        "push_kb_per_shard": round(push_bytes / 1024),
+        "pull_cache_mb": pull_cache_mb,
+        "link_s": round((push_bytes + pull_bytes) / rate, 2),
+        "round_latency_median_s": round(statistics.median(latencies), 2),
+        "round_latency_max_s": round(max(latencies), 2),
+        "status_median_s": round(statistics.median(status_s), 3) if status_s else None,
+        "status_max_s": round(max(status_s), 3) if status_s else None,
+        "status_calls": len(status_s),
+        "one_shard_cpu_ms_per_site_round": round(1000 * cpu / (rounds * sites * shards), 2),
+        "pinned": pin,
+        "cpu_s_per_round": f"{cpu / rounds:.1f} shards + {load_cpu / rounds:.1f} sites",
+    }
 
 
 def pin_cores(shard_pids: list[int]) -> set[int]:
@@ -208,7 +265,7 @@ def pin_cores(shard_pids: list[int]) -> set[int]:
     cores = pinnable_cores(len(shard_pids))
     for pid, core in zip(shard_pids, cores):
         _set_cores(pid, {core})
-    _set_cores(os.getpid(), set(cores[len(shard_pids):]))
+    _set_cores(os.getpid(), set(cores[len(shard_pids) :]))
     return set(cores)
 
 
@@ -216,7 +273,9 @@ def pinnable_cores(shards: int) -> list[int]:
     """This process's cores, if there is one per shard and one for the sites (ValueError if not)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) <= shards:
-        raise ValueError(f"--pin needs a core per shard and one for the sites: {shards} shard(s), {len(cores)} core(s) here")
+        raise ValueError(
+            f"--pin needs a core per shard and one for the sites: {shards} shard(s), {len(cores)} core(s) here"
+        )
     return cores
 
 

@@ -7,20 +7,58 @@ import importlib
 
 BENCHMARKS = {
     "wire": ("dilocox.bench.wire", "bytes per round: DiLoCoX vs dense fp32 vs AllReduce"),
-    "compression": ("dilocox.bench.compression", "bytes on the wire vs final eval loss per compression setting, against dense synchronous DiLoCo"),
+    "compression": (
+        "dilocox.bench.compression",
+        "bytes on the wire vs final eval loss per compression setting, against dense synchronous DiLoCo",
+    ),
     "overlap": ("dilocox.bench.overlap", "compute idle time with and without the one-step delay over a slow link"),
     "pipeline": ("dilocox.bench.pipeline", "inner-step tokens/s of a PP=2 cluster vs one process"),
-    "train": ("dilocox.bench.train", "trainer tokens/s and peak memory per model preset and precision; streaming a large token file"),
-    "wan": ("dilocox.bench.wan", "DiLoCoX vs DiLoCo vs AllReduce over shaped WAN links (namespaces + tc), report and plots"),
-    "shard": ("dilocox.bench.shard_throughput", "MB/s of pseudo-gradients decoded and applied per shard vs memory bandwidth"),
-    "scale": ("dilocox.bench.scale", "the aggregation service at model size: time and memory per round against parameters, clusters and shards"),
-    "gpu": ("dilocox.bench.gpu", "the first thing to run on a GPU machine: a site (sim, pp, FSDP2 dp, accumulation, resume) on its GPUs"),
-    "load": ("dilocox.bench.load", "many clusters (32 to 256) against 2 shards: rounds/s, round latency, shard RSS and CPU, refusals"),
-    "exchange": ("dilocox.bench.exchange", "CPU cost of a round's exchange per stage (ns/parameter) against same-run rooflines, and training beside it"),
-    "uneven": ("dilocox.bench.uneven", "one site 2×/4× slower: fixed H vs time-boxed rounds vs quorum + grace (idle share, tokens/s, loss curves)"),
-    "resume": ("dilocox.bench.resume", "WAN bytes of a site's restart k rounds behind (replayed on its checkpoint's replica) against a full pull; 107B projected"),
-    "faults": ("dilocox.bench.faults", "one faulty site (×100, sign flip, noise, bit flips, stale replay) against the shards' update check: damage, detection, false alarms"),
-    "projection": ("dilocox.bench.projection", "DiLoCoX at OPT-1.3B and 107B over 1 Gbit/s, projected from a `bench scale` report"),
+    "train": (
+        "dilocox.bench.train",
+        "trainer tokens/s and peak memory per model preset and precision; streaming a large token file",
+    ),
+    "wan": (
+        "dilocox.bench.wan",
+        "DiLoCoX vs DiLoCo vs AllReduce over shaped WAN links (namespaces + tc), report and plots",
+    ),
+    "shard": (
+        "dilocox.bench.shard_throughput",
+        "MB/s of pseudo-gradients decoded and applied per shard vs memory bandwidth",
+    ),
+    "scale": (
+        "dilocox.bench.scale",
+        "the aggregation service at model size: time and memory per round against parameters, clusters and shards",
+    ),
+    "gpu": (
+        "dilocox.bench.gpu",
+        "the first thing to run on a GPU machine: a site (sim, pp, FSDP2 dp, accumulation, resume) on its GPUs",
+    ),
+    "load": (
+        "dilocox.bench.load",
+        "many clusters (32 to 256) against 2 shards: rounds/s, round latency, shard RSS and CPU, refusals",
+    ),
+    "exchange": (
+        "dilocox.bench.exchange",
+        "CPU cost of a round's exchange per stage (ns/parameter) against same-run rooflines, and training beside it",
+    ),
+    "uneven": (
+        "dilocox.bench.uneven",
+        "one site 2×/4× slower: fixed H vs time-boxed rounds vs quorum + grace (idle share, tokens/s, loss curves)",
+    ),
+    "resume": (
+        "dilocox.bench.resume",
+        "WAN bytes of a site's restart k rounds behind (replayed on its checkpoint's replica) against a full pull; "
+        "107B projected",
+    ),
+    "faults": (
+        "dilocox.bench.faults",
+        "one faulty site (×100, sign flip, noise, bit flips, stale replay) against the shards' update check: damage, "
+        "detection, false alarms",
+    ),
+    "projection": (
+        "dilocox.bench.projection",
+        "DiLoCoX at OPT-1.3B and 107B over 1 Gbit/s, projected from a `bench scale` report",
+    ),
 }
 
 

@@ -69,7 +69,7 @@ class Topology:
     def hub(self) -> str:
         return self.prefix + "hub"
 
-    def __enter__(self) -> "Topology":
+    def __enter__(self) -> Topology:
         try:
             self.create()
         except BaseException:
@@ -89,8 +89,14 @@ class Topology:
         for i in range(self.sites):
             ns = f"{self.prefix}s{i}"
             self._add_namespace(ns)
-            link = SiteLink(i, ns, f"{self.prefix}{i}a", f"{self.prefix}{i}b",
-                            f"10.{self.subnet}.{i + 1}.2", f"10.{self.subnet}.{i + 1}.1")  # fmt: skip
+            link = SiteLink(
+                i,
+                ns,
+                f"{self.prefix}{i}a",
+                f"{self.prefix}{i}b",
+                f"10.{self.subnet}.{i + 1}.2",
+                f"10.{self.subnet}.{i + 1}.1",
+            )
             _run(["ip", "link", "add", link.device, "type", "veth", "peer", "name", link.hub_device])
             try:
                 _run(["ip", "link", "set", link.device, "netns", ns])
@@ -130,8 +136,12 @@ class Topology:
         link = self.links[site]
         out = _run(["ip", "-n", link.namespace, "-s", "-j", "link", "show", "dev", link.device]).stdout
         stats = json.loads(out)[0]["stats64"]
-        return {"tx_bytes": stats["tx"]["bytes"], "rx_bytes": stats["rx"]["bytes"],
-                "tx_packets": stats["tx"]["packets"], "rx_packets": stats["rx"]["packets"]}  # fmt: skip
+        return {
+            "tx_bytes": stats["tx"]["bytes"],
+            "rx_bytes": stats["rx"]["bytes"],
+            "tx_packets": stats["tx"]["packets"],
+            "rx_packets": stats["rx"]["packets"],
+        }
 
     def qdiscs(self) -> list[str]:
         """What `tc` has in force on every shaped device, for the report."""

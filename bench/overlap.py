@@ -31,19 +31,30 @@ def run(args: argparse.Namespace, out_dir) -> str:
         idle = sum(r.idle_s for r in reports) / len(reports)
         seconds = sum(r.seconds for r in reports) / len(reports)
         comm = sum(r.comm_s for r in reports) / len(reports)
-        rows.append({
-            "delay": delay,
-            "round_s": round(seconds, 3),
-            "compute_s": round(sum(r.compute_s for r in reports) / len(reports), 3),
-            "comm_s": round(comm, 3),
-            "idle_s": round(idle, 3),
-            "idle_fraction": round(idle / seconds, 4),
-            "overlap": round(min(1.0, max(0.0, 1 - idle / comm)), 3) if comm else 1.0,
-            "wall_s": round(time.perf_counter() - started, 1),
-        })  # fmt: skip
+        rows.append(
+            {
+                "delay": delay,
+                "round_s": round(seconds, 3),
+                "compute_s": round(sum(r.compute_s for r in reports) / len(reports), 3),
+                "comm_s": round(comm, 3),
+                "idle_s": round(idle, 3),
+                "idle_fraction": round(idle / seconds, 4),
+                "overlap": round(min(1.0, max(0.0, 1 - idle / comm)), 3) if comm else 1.0,
+                "wall_s": round(time.perf_counter() - started, 1),
+            }
+        )
     notes = (
-        f"Default model, 2 clusters × 2 shards, H={args.inner_steps}, {args.rounds} rounds, {args.latency_ms:.0f} ms added "
+        f"Default model, 2 clusters × 2 shards, H={args.inner_steps}, {args.rounds} rounds, {args.latency_ms:.0f} ms "
+        "added "
         "to every push and every pull. Means over rounds ≥ 2 and both clusters. `comm_s`: push + pull of the exchange "
         "folded in at a boundary; `idle_s`: how long the trainer blocked on it; `overlap` = 1 − idle/comm.\n"
     )
-    return write_report(out_dir, "overlap", "Compute idle time: one-step delay vs synchronous", rows, list(rows[0]), notes, {"args": vars(args)})
+    return write_report(
+        out_dir,
+        "overlap",
+        "Compute idle time: one-step delay vs synchronous",
+        rows,
+        list(rows[0]),
+        notes,
+        {"args": vars(args)},
+    )

@@ -32,7 +32,9 @@ def finish_figure(fig, ax, path: pathlib.Path, xlabel: str, ylabel: str, legend_
     plt.close(fig)
 
 
-def write_plots(out_dir: pathlib.Path, curves: Curves, target: float | None, title: str, unit: str = "nats/byte") -> list[str]:
+def write_plots(
+    out_dir: pathlib.Path, curves: Curves, target: float | None, title: str, unit: str = "nats/byte"
+) -> list[str]:
     """Write loss_vs_tokens.png and loss_vs_time.png; returns their file names ([] without matplotlib).
     `unit`: of the loss — nats/byte for the byte tokenizer, nats/token for any other."""
     if matplotlib_missing():

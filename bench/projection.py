@@ -5,7 +5,8 @@ Nothing here trains or sends anything. Bytes per round are exact: the default co
 slice of the model's parameter list as the service would cut it. Times come from a `dilocox bench
 exchange` report (each stage's CPU per parameter on one thread: what a rank spends on its own share) or
 a `dilocox bench scale` report (the wall times of its largest default-compression row whose clusters all
-replay, contended by everything else on the machine) and from the assumptions printed with the table: sites, link rate, one inner step's time T, and the cores a
+replay, contended by everything else on the machine) and from the assumptions printed with the table: sites, link rate,
+one inner step's time T, and the cores a
 cluster and a shard give to the exchange.
 
 The comparison is the paper's: AllReduce sends every step's fp32 gradients across the WAN (a ring over
@@ -39,7 +40,12 @@ def opt_1_3b() -> list[tuple[str, tuple[int, ...]]]:
         for proj in ("q", "k", "v", "out"):
             specs += [(p + f"{proj}_proj.weight", (d, d)), (p + f"{proj}_proj.bias", (d,))]
         specs += [(p + "attn_norm.weight", (d,)), (p + "attn_norm.bias", (d,))]
-        specs += [(p + "fc1.weight", (ffn, d)), (p + "fc1.bias", (ffn,)), (p + "fc2.weight", (d, ffn)), (p + "fc2.bias", (d,))]
+        specs += [
+            (p + "fc1.weight", (ffn, d)),
+            (p + "fc1.bias", (ffn,)),
+            (p + "fc2.weight", (d, ffn)),
+            (p + "fc2.bias", (d,)),
+        ]
         specs += [(p + "ffn_norm.weight", (d,)), (p + "ffn_norm.bias", (d,))]
     return specs + [("final_norm.weight", (d,)), ("final_norm.bias", (d,))]
 
@@ -70,8 +76,9 @@ def llama_3_70b() -> list[tuple[str, tuple[int, ...]]]:
 MODELS = {"opt-1.3b": opt_1_3b, "llama-3-70b": llama_3_70b, "dense-107b": dense_107b}
 
 
-def compressed_bytes(specs, shards: int, config: CompressionConfig = CompressionConfig()) -> int:
+def compressed_bytes(specs, shards: int, config: CompressionConfig | None = None) -> int:
     """One cluster's uplink per round with the default compressor at its highest rank, slice by slice."""
+    config = config or CompressionConfig()
     total = 0
     for s in assign_slices(specs, shards):
         shape = s.slice_shape
@@ -88,7 +95,9 @@ def measured_costs(report: pathlib.Path) -> dict:
     """Per-parameter costs from a `bench scale` report: its largest default-compression row with error
     feedback on (a push-only cluster compresses as a full one does; only a full one replays, and the
     replay is timed on it)."""
-    rows = [r for r in json.loads(report.read_text())["rows"] if r["codec"] == "default" and r.get("error_feedback", True)]
+    rows = [
+        r for r in json.loads(report.read_text())["rows"] if r["codec"] == "default" and r.get("error_feedback", True)
+    ]
     if not rows:
         raise SystemExit(f"{report}: no default-compression row with error feedback")
     row = max(rows, key=lambda r: (r["params_M"], -r["M"]))
@@ -109,7 +118,11 @@ def exchange_costs(report: pathlib.Path, rss_vs_owned: float) -> dict:
     The shard's memory is not in that report: `rss_vs_owned` (bench scale's figure) stands for it."""
     data = json.loads(report.read_text())
     ns = {row["stage"]: row["ns_per_param"] for row in data["rows"] if row["threads"] == 1}
-    missing = [s for s in ("pseudo_gradient", "compress_ef", "frame_zstd", "vet", "replay", "replay_check", "shard_close") if s not in ns]
+    missing = [
+        s
+        for s in ("pseudo_gradient", "compress_ef", "frame_zstd", "vet", "replay", "replay_check", "shard_close")
+        if s not in ns
+    ]
     if missing:
         raise SystemExit(f"{report}: no one-thread figures for {missing} (run `dilocox bench exchange --threads 1,…`)")
     m = int(data.get("meta", {}).get("clusters", 2))  # contributions in the timed replay and close
@@ -157,27 +170,47 @@ def project(name: str, specs, step_s: float, costs: dict, args: argparse.Namespa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scale-report", type=pathlib.Path, help="scale.json written by `dilocox bench scale`: the costs "
-                        "of its largest default-compression row, and the shard's peak memory per owned byte")  # fmt: skip
-    parser.add_argument("--exchange-report", type=pathlib.Path,
-                        help="exchange.json written by `dilocox bench exchange`: per-stage costs on one thread, which "
-                             "replace the scale report's (its memory figure is kept where given)")  # fmt: skip
-    parser.add_argument("--shard-rss-vs-owned", type=float, default=3.6,
-                        help="with --exchange-report alone: a shard's peak memory per owned fp32 byte (default 3.6, "
-                             "bench scale's llama-350m row)")  # fmt: skip
-    parser.add_argument("--step-s", default="opt-1.3b=4,dense-107b=10",
-                        help="assumed seconds of one inner step per model (default opt-1.3b=4,dense-107b=10)")  # fmt: skip
+    parser.add_argument(
+        "--scale-report",
+        type=pathlib.Path,
+        help="scale.json written by `dilocox bench scale`: the costs "
+        "of its largest default-compression row, and the shard's peak memory per owned byte",
+    )
+    parser.add_argument(
+        "--exchange-report",
+        type=pathlib.Path,
+        help="exchange.json written by `dilocox bench exchange`: per-stage costs on one thread, which "
+        "replace the scale report's (its memory figure is kept where given)",
+    )
+    parser.add_argument(
+        "--shard-rss-vs-owned",
+        type=float,
+        default=3.6,
+        help="with --exchange-report alone: a shard's peak memory per owned fp32 byte (default 3.6, "
+        "bench scale's llama-350m row)",
+    )
+    parser.add_argument(
+        "--step-s",
+        default="opt-1.3b=4,dense-107b=10",
+        help="assumed seconds of one inner step per model (default opt-1.3b=4,dense-107b=10)",
+    )
     parser.add_argument("--sites", type=int, default=2, help="clusters (sites), one per WAN link (default 2)")
-    parser.add_argument("--link-gbit", type=float, default=1.0, help="each site's WAN rate, each way (default 1 Gbit/s)")
+    parser.add_argument(
+        "--link-gbit", type=float, default=1.0, help="each site's WAN rate, each way (default 1 Gbit/s)"
+    )
     parser.add_argument("--shards", type=int, default=4, help="shards the bytes are cut for (default 4)")
     parser.add_argument("--cluster-cores", type=int, default=16, help="cores a cluster's exchange uses (default 16)")
     parser.add_argument("--shard-cores", type=int, default=4, help="cores each shard uses (default 4)")
-    parser.add_argument("--shard-ram-gb", type=float, default=256.0, help="memory of one shard's machine (default 256 GB)")
+    parser.add_argument(
+        "--shard-ram-gb", type=float, default=256.0, help="memory of one shard's machine (default 256 GB)"
+    )
 
 
 def run(args: argparse.Namespace, out_dir) -> str:
     if args.scale_report is None and args.exchange_report is None:
-        raise SystemExit("dilocox bench projection: give --exchange-report (bench exchange) or --scale-report (bench scale)")
+        raise SystemExit(
+            "dilocox bench projection: give --exchange-report (bench exchange) or --scale-report (bench scale)"
+        )
     rss = measured_costs(args.scale_report)["shard_rss_vs_owned"] if args.scale_report else args.shard_rss_vs_owned
     costs = exchange_costs(args.exchange_report, rss) if args.exchange_report else measured_costs(args.scale_report)
     source = args.exchange_report or args.scale_report
@@ -185,16 +218,27 @@ def run(args: argparse.Namespace, out_dir) -> str:
     rows = [project(name, MODELS[name](), steps[name], costs, args) for name in MODELS if name in steps]
     notes = (
         f"Measured costs from {costs['from']} (`{source}`), one core each on a shared 2-core machine: "
-        f"compress {costs['compress_s_per_param'] * 1e9:.1f} ns and pull + replay {costs['replay_s_per_param'] * 1e9:.1f} ns per "
-        f"parameter per cluster; a shard decodes and applies {costs['shard_dense_bytes_per_s'] / 1e6:.0f} MB/s of dense fp32 "
-        f"contributions; shard peak RSS {costs['shard_rss_vs_owned']}× owned. Assumed: {args.sites} sites, {args.link_gbit} Gbit/s "
-        f"each way, {args.shards} shards for the byte count, {args.cluster_cores} cores per cluster and {args.shard_cores} per shard "
-        f"for the exchange (times divided accordingly), {args.shard_ram_gb:.0f} GB per shard machine, inner step T as given. "
-        "`up_MB`: one cluster's push per round at rank 8 with int4 factors (error feedback keeps the rank at its maximum); "
-        "`down_MB`: the other sites' pushes, forwarded. `H_hides`: the smallest H for which send + cluster CPU + shard close "
-        "fit in one round of compute (one-step delay). `shards_needed`: the fewest shards whose close takes no longer than a cluster's send + CPU and whose "
-        "state (peak RSS / owned as measured) fits a shard machine. `ratio_vs_allreduce`: (T + ring AllReduce of fp32 gradients) / T, DiLoCoX's step costing T "
+        f"compress {costs['compress_s_per_param'] * 1e9:.1f} ns and pull + replay "
+        f"{costs['replay_s_per_param'] * 1e9:.1f} ns per "
+        f"parameter per cluster; a shard decodes and applies {costs['shard_dense_bytes_per_s'] / 1e6:.0f} MB/s of "
+        "dense fp32 "
+        f"contributions; shard peak RSS {costs['shard_rss_vs_owned']}× owned. Assumed: {args.sites} sites, "
+        f"{args.link_gbit} Gbit/s "
+        f"each way, {args.shards} shards for the byte count, {args.cluster_cores} cores per cluster and "
+        f"{args.shard_cores} per shard "
+        f"for the exchange (times divided accordingly), {args.shard_ram_gb:.0f} GB per shard machine, inner step T as "
+        "given. "
+        "`up_MB`: one cluster's push per round at rank 8 with int4 factors (error feedback keeps the rank at its "
+        "maximum); "
+        "`down_MB`: the other sites' pushes, forwarded. `H_hides`: the smallest H for which send + cluster CPU + "
+        "shard close "
+        "fit in one round of compute (one-step delay). `shards_needed`: the fewest shards whose close takes no longer "
+        "than a cluster's send + CPU and whose "
+        "state (peak RSS / owned as measured) fits a shard machine. `ratio_vs_allreduce`: (T + ring AllReduce of fp32 "
+        "gradients) / T, DiLoCoX's step costing T "
         "once H ≥ H_hides (its loss is docs/performance.md's 'The loss gap', not this table's).\n"
     )
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "costs": costs}
-    return write_report(out_dir, "projection", "DiLoCoX at the paper's sizes, projected", rows, list(rows[0]), notes, meta)
+    return write_report(
+        out_dir, "projection", "DiLoCoX at the paper's sizes, projected", rows, list(rows[0]), notes, meta
+    )

@@ -110,7 +110,9 @@ async def _serve(link: Link, upstream: tuple[str, int], client_reader, client_wr
         return
     try:
         await asyncio.gather(
-            _forward(client_reader, up_writer, link, "up"), _forward(up_reader, client_writer, link, "down"), return_exceptions=True
+            _forward(client_reader, up_writer, link, "up"),
+            _forward(up_reader, client_writer, link, "down"),
+            return_exceptions=True,
         )
     finally:
         for w in (up_writer, client_writer):
@@ -118,12 +120,15 @@ async def _serve(link: Link, upstream: tuple[str, int], client_reader, client_wr
 
 
 async def main_async(spec: dict) -> None:
-    links = {name: Link(name, LinkSpec(**params), seed=i) for i, (name, params) in enumerate(sorted(spec["links"].items()))}
+    links = {
+        name: Link(name, LinkSpec(**params), seed=i) for i, (name, params) in enumerate(sorted(spec["links"].items()))
+    }
     servers, ports = [], []
     for route in spec["routes"]:
         link, upstream = links[route["link"]], (route["upstream"][0], int(route["upstream"][1]))
-        server = await asyncio.start_server(lambda r, w, link=link, up=upstream: _serve(link, up, r, w),
-                                            route["listen"][0], int(route["listen"][1]))  # fmt: skip
+        server = await asyncio.start_server(
+            lambda r, w, link=link, up=upstream: _serve(link, up, r, w), route["listen"][0], int(route["listen"][1])
+        )
         servers.append(server)
         ports.append(server.sockets[0].getsockname()[1])
     write_text_atomic(spec["ports_file"], json.dumps(ports))
@@ -133,12 +138,17 @@ async def main_async(spec: dict) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     def stats() -> str:
-        return json.dumps({n: {"bytes": l.bytes, "connections": l.connections, "spec": vars(l.spec)} for n, l in links.items()})
+        return json.dumps(
+            {
+                n: {"bytes": link.bytes, "connections": link.connections, "spec": vars(link.spec)}
+                for n, link in links.items()
+            }
+        )
 
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         if spec.get("stats_file"):
             write_text_atomic(spec["stats_file"], stats())

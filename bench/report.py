@@ -8,7 +8,9 @@ import pathlib
 
 
 def results_dir(out: str | None) -> pathlib.Path:
-    path = pathlib.Path(out) if out else pathlib.Path("bench/results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = (
+        pathlib.Path(out) if out else pathlib.Path("bench/results") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    )
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -22,7 +24,15 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_report(out_dir: pathlib.Path, name: str, title: str, rows: list[dict], columns: list[str], notes: str = "", meta: dict | None = None) -> str:
+def write_report(
+    out_dir: pathlib.Path,
+    name: str,
+    title: str,
+    rows: list[dict],
+    columns: list[str],
+    notes: str = "",
+    meta: dict | None = None,
+) -> str:
     """Write <name>.md and <name>.json; returns the Markdown."""
     text = f"# {title}\n\n{markdown_table(rows, columns)}\n\n{notes}".rstrip() + "\n"
     (out_dir / f"{name}.md").write_text(text)

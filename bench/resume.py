@@ -31,25 +31,44 @@ COLUMNS = ["model", "params", "behind", "how", "bytes_down", "full_pull_bytes", 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default="gpt,llama-20m", help="models to run (default gpt,llama-20m: the default GPT and a Llama preset)")
+    parser.add_argument(
+        "--models",
+        default="gpt,llama-20m",
+        help="models to run (default gpt,llama-20m: the default GPT and a Llama preset)",
+    )
     parser.add_argument("--behind", default="1,2,5", help="versions behind to resume from (default 1,2,5)")
     parser.add_argument("--rounds", type=int, default=8, help="rounds of each run (default 8)")
     parser.add_argument("--inner-steps", type=int, default=2, help="inner steps per round (default 2)")
     parser.add_argument("--clusters", type=int, default=2, help="sites of each run (default 2)")
     parser.add_argument("--shards", type=int, default=2, help="shards of each run (default 2)")
-    parser.add_argument("--link-gbit", type=float, default=1.0, help="the WAN link of the projection, Gbit/s (default 1)")
+    parser.add_argument(
+        "--link-gbit", type=float, default=1.0, help="the WAN link of the projection, Gbit/s (default 1)"
+    )
     parser.add_argument("--project-sites", default="2,8,20", help="sites of the 107B projection (default 2,8,20)")
     parser.add_argument("--away-models", default="llama-3-70b,dense-107b", help="models of the a-day-away projection")
-    parser.add_argument("--away-s", type=float, default=86_400.0,
-                        help="how long a site is away in that projection (default a day: the shards' --keep-rounds-s)")
-    parser.add_argument("--round-s", type=float, default=1_000.0,
-                        help="one round's time in it (default 1,000 s: H = 100 inner steps of 10 s)")
+    parser.add_argument(
+        "--away-s",
+        type=float,
+        default=86_400.0,
+        help="how long a site is away in that projection (default a day: the shards' --keep-rounds-s)",
+    )
+    parser.add_argument(
+        "--round-s",
+        type=float,
+        default=1_000.0,
+        help="one round's time in it (default 1,000 s: H = 100 inner steps of 10 s)",
+    )
 
 
 def _config(model: str, args: argparse.Namespace) -> RunConfig:
-    return RunConfig(run_id=f"bench-resume-{model}", rounds=args.rounds, eval_batches=1,
-                     model=ModelConfig(model=model, block_size=64), inner=InnerConfig(steps=args.inner_steps, batch_size=4),
-                     compress=CompressionConfig(flush_codec="none"))  # fmt: skip
+    return RunConfig(
+        run_id=f"bench-resume-{model}",
+        rounds=args.rounds,
+        eval_batches=1,
+        model=ModelConfig(model=model, block_size=64),
+        inner=InnerConfig(steps=args.inner_steps, batch_size=4),
+        compress=CompressionConfig(flush_codec="none"),
+    )
 
 
 def _param_specs(config: RunConfig) -> list[tuple[str, tuple[int, ...]]]:
@@ -59,7 +78,9 @@ def _param_specs(config: RunConfig) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-def _probe(addresses: list[str], config: RunConfig, cluster: str, params, replica: dict | None) -> tuple[AggregatorClient, int]:  # noqa: ANN001
+def _probe(
+    addresses: list[str], config: RunConfig, cluster: str, params, replica: dict | None
+) -> tuple[AggregatorClient, int]:  # noqa: ANN001
     """A restarted `cluster` (given `replica`, or none) that joins and pulls once; with the bytes it pulled."""
     client = AggregatorClient(addresses, config.run_id, cluster, config.wire, connect_timeout=30, rpc_timeout=120)
     names = [name for name, _ in params]
@@ -71,8 +92,11 @@ def _probe(addresses: list[str], config: RunConfig, cluster: str, params, replic
 
 def _same(a: AggregatorClient, b: AggregatorClient) -> bool:
     assert a.outer is not None and b.outer is not None
-    return a.held.keys() == b.held.keys() and all(torch.equal(a.held[k], b.held[k]) for k in a.held) and all(
-        torch.equal(a.outer.buffers[k], b.outer.buffers[k]) for k in b.outer.buffers)  # fmt: skip
+    return (
+        a.held.keys() == b.held.keys()
+        and all(torch.equal(a.held[k], b.held[k]) for k in a.held)
+        and all(torch.equal(a.outer.buffers[k], b.outer.buffers[k]) for k in b.outer.buffers)
+    )
 
 
 def measure(model: str, args: argparse.Namespace, behind: list[int]) -> list[dict]:
@@ -104,16 +128,31 @@ def measure(model: str, args: argparse.Namespace, behind: list[int]) -> list[dic
                 resumed, got = _probe(addresses, config, first, params, saved[version])
                 try:
                     kinds = {kind for kind, _, _ in resumed.pull_kinds.values()}
-                    rows.append({"model": model, "params": total, "behind": k, "how": "delta" if kinds <= {"rounds", "current"} else "full",
-                                 "bytes_down": got, "full_pull_bytes": full_bytes,
-                                 "share_of_full": round(got / full_bytes, 4), "replica_equal": _same(resumed, full)})  # fmt: skip
+                    rows.append(
+                        {
+                            "model": model,
+                            "params": total,
+                            "behind": k,
+                            "how": "delta" if kinds <= {"rounds", "current"} else "full",
+                            "bytes_down": got,
+                            "full_pull_bytes": full_bytes,
+                            "share_of_full": round(got / full_bytes, 4),
+                            "replica_equal": _same(resumed, full),
+                        }
+                    )
                 finally:
                     resumed.close()
         finally:
             full.close()
 
-    run_in_process(config, num_clusters=args.clusters, num_shards=args.shards, on_round=keep_replica, before_stop=probe,
-                   keep_rounds=max(behind) + 1)  # fmt: skip
+    run_in_process(
+        config,
+        num_clusters=args.clusters,
+        num_shards=args.shards,
+        on_round=keep_replica,
+        before_stop=probe,
+        keep_rounds=max(behind) + 1,
+    )
     return rows
 
 
@@ -126,16 +165,26 @@ def projection(args: argparse.Namespace, behind: list[int]) -> list[dict]:
     for sites in [int(s) for s in args.project_sites.split(",") if s.strip()]:
         for k in behind:
             delta = k * sites * round_bytes
-            rows.append({"sites": sites, "behind": k, "delta_bytes": delta, "full_bytes": full,
-                         "delta_gb": round(delta / 1e9, 2), "full_gb": round(full / 1e9, 1),
-                         "share_of_full": round(delta / full, 4), "delta_s": round(delta * 8 / (args.link_gbit * 1e9)),
-                         "full_s": round(full * 8 / (args.link_gbit * 1e9))})  # fmt: skip
+            rows.append(
+                {
+                    "sites": sites,
+                    "behind": k,
+                    "delta_bytes": delta,
+                    "full_bytes": full,
+                    "delta_gb": round(delta / 1e9, 2),
+                    "full_gb": round(full / 1e9, 1),
+                    "share_of_full": round(delta / full, 4),
+                    "delta_s": round(delta * 8 / (args.link_gbit * 1e9)),
+                    "full_s": round(full * 8 / (args.link_gbit * 1e9)),
+                }
+            )
     return rows
 
 
 def away_projection(args: argparse.Namespace) -> list[dict]:
     """A site back after `away_s`: the rounds it missed against the whole model, and what the shards keep on
-    disk to serve them (server/state/rounds_on_disk.py): every site's compressed round of the window, over all shards."""
+    disk to serve them (server/state/rounds_on_disk.py): every site's compressed round of the window, over all
+    shards."""
     rows = []
     missed = math.ceil(args.away_s / args.round_s)
     for name in [m.strip() for m in args.away_models.split(",") if m.strip()]:
@@ -144,10 +193,21 @@ def away_projection(args: argparse.Namespace) -> list[dict]:
         round_bytes, full = compressed_bytes(specs, args.shards), 8 * params
         for sites in [int(s) for s in args.project_sites.split(",") if s.strip()]:
             delta = missed * sites * round_bytes
-            rows.append({"model": name, "sites": sites, "away_s": args.away_s, "rounds_missed": missed,
-                         "delta_gb": round(delta / 1e9, 1), "delta_s": round(delta * 8 / (args.link_gbit * 1e9)),
-                         "full_gb": round(full / 1e9, 1), "full_s": round(full * 8 / (args.link_gbit * 1e9)),
-                         "kept_on_disk_gb": round(delta / 1e9, 1), "delta_bytes": delta, "full_bytes": full})  # fmt: skip
+            rows.append(
+                {
+                    "model": name,
+                    "sites": sites,
+                    "away_s": args.away_s,
+                    "rounds_missed": missed,
+                    "delta_gb": round(delta / 1e9, 1),
+                    "delta_s": round(delta * 8 / (args.link_gbit * 1e9)),
+                    "full_gb": round(full / 1e9, 1),
+                    "full_s": round(full * 8 / (args.link_gbit * 1e9)),
+                    "kept_on_disk_gb": round(delta / 1e9, 1),
+                    "delta_bytes": delta,
+                    "full_bytes": full,
+                }
+            )
     return rows
 
 
@@ -155,20 +215,34 @@ def run(args: argparse.Namespace, out_dir) -> str:
     behind = sorted({int(k) for k in args.behind.split(",") if k.strip()})
     rows = [row for model in args.models.split(",") if model.strip() for row in measure(model.strip(), args, behind)]
     projected, away = projection(args, behind), away_projection(args)
-    notes = (f"Measured: {args.clusters} sites × {args.shards} shards in this process over localhost gRPC, {args.rounds} rounds of "
-             f"{args.inner_steps} inner steps, the default compressor; bytes at the gRPC message layer. `replica_equal`: "
-             "the resumed replica (weights and outer momentum) equals a full pull's bit for bit.\n\n"
-             f"## Projected: the dense 107B model over {args.link_gbit:g} Gbit/s\n\n"
-             + _table(projected, ["sites", "behind", "delta_gb", "full_gb", "share_of_full", "delta_s", "full_s"])
-             + "\n\nOne cluster's compressed round at 107B is exact (the default compressor at its highest rank); a site k "
-             "rounds behind in a run of M sites replays k × M of them. Past the point where they outweigh the weights and "
-             "momentum, the shards send those instead.\n\n"
-             f"## Projected: a site back after {args.away_s:g} s, at {args.round_s:g} s a round, over {args.link_gbit:g} Gbit/s\n\n"
-             + _table(away, ["model", "sites", "rounds_missed", "delta_gb", "delta_s", "full_gb", "full_s", "kept_on_disk_gb"])
-             + "\n\nThe shards keep every round of the window on disk (`--keep-rounds-s`, default a day; `kept_on_disk_gb`: over "
-             "all shards, every site's compressed round), so the site replays them instead of pulling the model.")  # fmt: skip
-    return write_report(out_dir, "resume", "What a restart pulls: the rounds missed against the whole model", rows, COLUMNS,
-                        notes=notes, meta={"args": vars(args), "projection": projected, "away": away})  # fmt: skip
+    notes = (
+        f"Measured: {args.clusters} sites × {args.shards} shards in this process over localhost gRPC, {args.rounds} "
+        "rounds of "
+        f"{args.inner_steps} inner steps, the default compressor; bytes at the gRPC message layer. `replica_equal`: "
+        "the resumed replica (weights and outer momentum) equals a full pull's bit for bit.\n\n"
+        f"## Projected: the dense 107B model over {args.link_gbit:g} Gbit/s\n\n"
+        + _table(projected, ["sites", "behind", "delta_gb", "full_gb", "share_of_full", "delta_s", "full_s"])
+        + "\n\nOne cluster's compressed round at 107B is exact (the default compressor at its highest rank); a site k "
+        "rounds behind in a run of M sites replays k × M of them. Past the point where they outweigh the weights and "
+        "momentum, the shards send those instead.\n\n"
+        f"## Projected: a site back after {args.away_s:g} s, at {args.round_s:g} s a round, over {args.link_gbit:g} "
+        "Gbit/s\n\n"
+        + _table(
+            away, ["model", "sites", "rounds_missed", "delta_gb", "delta_s", "full_gb", "full_s", "kept_on_disk_gb"]
+        )
+        + "\n\nThe shards keep every round of the window on disk (`--keep-rounds-s`, default a day; "
+        "`kept_on_disk_gb`: over "
+        "all shards, every site's compressed round), so the site replays them instead of pulling the model."
+    )
+    return write_report(
+        out_dir,
+        "resume",
+        "What a restart pulls: the rounds missed against the whole model",
+        rows,
+        COLUMNS,
+        notes=notes,
+        meta={"args": vars(args), "projection": projected, "away": away},
+    )
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:

@@ -54,17 +54,32 @@ QUICK = {"models": ["llama-20m"], "clusters": [2], "shards": [1, 2], "codecs": [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default="llama-20m,gpt2-small", help="model presets, comma-separated (default llama-20m,gpt2-small)")
+    parser.add_argument(
+        "--models", default="llama-20m,gpt2-small", help="model presets, comma-separated (default llama-20m,gpt2-small)"
+    )
     parser.add_argument("--clusters", default="2,4", help="values of M, comma-separated (default 2,4)")
     parser.add_argument("--shards", default="1,2", help="values of N, comma-separated (default 1,2)")
     parser.add_argument("--codecs", default="fp32,default", help="fp32 and/or default compression (default both)")
-    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per setting, after one warm-up round (default 2)")
-    parser.add_argument("--full-clusters", type=int, default=0,
-                        help="clusters holding a full replica that replay every round (default 0: all); the others push only")
-    parser.add_argument("--no-error-feedback", dest="error_feedback", action="store_false",
-                        help="no cluster keeps error-feedback residuals (4 bytes per parameter less per full cluster)")
-    parser.add_argument("--plot-only", metavar="REPORTS",
-                        help="run nothing: draw the plots from these scale.json reports (comma-separated), merged")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="timed rounds per setting, after one warm-up round (default 2)"
+    )
+    parser.add_argument(
+        "--full-clusters",
+        type=int,
+        default=0,
+        help="clusters holding a full replica that replay every round (default 0: all); the others push only",
+    )
+    parser.add_argument(
+        "--no-error-feedback",
+        dest="error_feedback",
+        action="store_false",
+        help="no cluster keeps error-feedback residuals (4 bytes per parameter less per full cluster)",
+    )
+    parser.add_argument(
+        "--plot-only",
+        metavar="REPORTS",
+        help="run nothing: draw the plots from these scale.json reports (comma-separated), merged",
+    )
     parser.add_argument("--quick", action="store_true", help="a CI-sized sweep: llama-20m, M=2, N=1,2, both codecs")
 
 
@@ -144,11 +159,35 @@ def _shard(i: int, n: int, clusters: int, work: pathlib.Path, events: list, resu
 
     port_file = work / f"shard-{i}.port"
     port_file.unlink(missing_ok=True)
-    argv = dilocox_cli("server", "--num-shards", str(n), "--shard-index", str(i), "--port", "0", "--port-file", str(port_file),
-                       "--run-id", RUN, "--min-clusters", str(clusters), "--round-deadline-s", "0", "--keep-serving",
-                       "--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-keep", "1",
-                       "--insecure", "--log-format", "json", *(["--resume"] if resume else []))  # fmt: skip
-    return ChildProcess(f"shard-{i}", argv, work / f"shard-{i}{'-resumed' if resume else ''}.log", on_event, env=child_env(1))
+    argv = dilocox_cli(
+        "server",
+        "--num-shards",
+        str(n),
+        "--shard-index",
+        str(i),
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--run-id",
+        RUN,
+        "--min-clusters",
+        str(clusters),
+        "--round-deadline-s",
+        "0",
+        "--keep-serving",
+        "--checkpoint-dir",
+        str(work / "checkpoints"),
+        "--checkpoint-keep",
+        "1",
+        "--insecure",
+        "--log-format",
+        "json",
+        *(["--resume"] if resume else []),
+    )
+    return ChildProcess(
+        f"shard-{i}", argv, work / f"shard-{i}{'-resumed' if resume else ''}.log", on_event, env=child_env(1)
+    )
 
 
 def _start_shards(n: int, clusters: int, work: pathlib.Path, events: list) -> tuple[list[ChildProcess], list[str]]:
@@ -166,7 +205,15 @@ def _time_restore(n: int, clusters: int, work: pathlib.Path, procs: list[ChildPr
 
 
 def run_setting(
-    preset: str, specs, clusters: int, shards: int, codec: str, rounds: int, reference: dict, full: int = 0, error_feedback: bool = True
+    preset: str,
+    specs,
+    clusters: int,
+    shards: int,
+    codec: str,
+    rounds: int,
+    reference: dict,
+    full: int = 0,
+    error_feedback: bool = True,
 ) -> dict:
     params = sum(torch.Size(s).numel() for _, s in specs)
     events: list[dict] = []
@@ -179,8 +226,14 @@ def run_setting(
             full = full or clusters
             light = dataclasses.replace(CODECS[codec], error_feedback=False)  # push-only clusters keep no residuals
             own = CODECS[codec] if error_feedback else light
-            compressors = [_TimedCompressor(own if i < full else light, seed=7) if codec != "fp32" else None for i in range(clusters)]
-            clients = [AggregatorClient(addresses, RUN, f"c{i}", compressor=compressors[i], rpc_timeout=1800) for i in range(clusters)]
+            compressors = [
+                _TimedCompressor(own if i < full else light, seed=7) if codec != "fp32" else None
+                for i in range(clusters)
+            ]
+            clients = [
+                AggregatorClient(addresses, RUN, f"c{i}", compressor=compressors[i], rpc_timeout=1800)
+                for i in range(clusters)
+            ]
             for c in clients:
                 c.join(specs)
             clients[0].push(0, 1.0, _SyntheticDelta(clients[0].assignment, 0, scale=0.02))
@@ -189,29 +242,38 @@ def run_setting(
             timings: list[dict] = []
             light_turn = threading.Lock()
             for round_ in range(1, rounds + 2):  # round 1 is the warm-up
-                before = [(c.traffic.bytes_up, c.traffic.bytes_down, comp.seconds if comp else 0.0) for c, comp in zip(clients, compressors)]
+                before = [
+                    (c.traffic.bytes_up, c.traffic.bytes_down, comp.seconds if comp else 0.0)
+                    for c, comp in zip(clients, compressors)
+                ]
 
                 def one(i: int) -> dict:
                     c = clients[i]
                     started = time.perf_counter()
                     # One push-only cluster at a time: their slices in flight are the bench's, not a cluster's.
                     with contextlib.nullcontext() if i < full else light_turn:
-                        c.push(round_, 1000.0, _SyntheticDelta(c.assignment, 1000 * round_ + i))
+                        # noqa: B023 below: `one` runs on the pool within this round's iteration
+                        c.push(round_, 1000.0, _SyntheticDelta(c.assignment, 1000 * round_ + i))  # noqa: B023
                     pushed = time.perf_counter()
                     if i < full:
-                        c.pull(round_, wait_seconds=1800)
+                        c.pull(round_, wait_seconds=1800)  # noqa: B023
                     return {"push_s": pushed - started, "pull_s": time.perf_counter() - pushed if i < full else 0.0}
 
                 per_cluster = list(pool.map(one, range(clusters)))
                 if round_ == 1:
                     continue
-                timings.append({
-                    "up": sum(c.traffic.bytes_up - b[0] for c, b in zip(clients, before)) / clusters,
-                    "down": sum(c.traffic.bytes_down - b[1] for c, b in zip(clients[:full], before)) / full,
-                    "compress_s": sum((comp.seconds if comp else 0.0) - b[2] for comp, b in zip(compressors, before)) / clusters,
-                    "push_s": max(t["push_s"] for t in per_cluster),
-                    "pull_s": max(t["pull_s"] for t in per_cluster),
-                })  # fmt: skip
+                timings.append(
+                    {
+                        "up": sum(c.traffic.bytes_up - b[0] for c, b in zip(clients, before)) / clusters,
+                        "down": sum(c.traffic.bytes_down - b[1] for c, b in zip(clients[:full], before)) / full,
+                        "compress_s": sum(
+                            (comp.seconds if comp else 0.0) - b[2] for comp, b in zip(compressors, before)
+                        )
+                        / clusters,
+                        "push_s": max(t["push_s"] for t in per_cluster),
+                        "pull_s": max(t["pull_s"] for t in per_cluster),
+                    }
+                )
             client_rss = _peak_rss_mb()
             for c in clients:  # their replicas go before the joiner builds its own
                 c.close()
@@ -273,10 +335,18 @@ def run(args: argparse.Namespace, out_dir) -> str:
     if args.plot_only:
         rows = [row for path in args.plot_only.split(",") for row in json.loads(pathlib.Path(path).read_text())["rows"]]
         names = write_scale_plots(pathlib.Path(out_dir), rows)
-        return f"{len(rows)} rows from {args.plot_only}: " + (", ".join(names) if names else "no plots (matplotlib missing?)")
+        return f"{len(rows)} rows from {args.plot_only}: " + (
+            ", ".join(names) if names else "no plots (matplotlib missing?)"
+        )
     torch.set_num_threads(1)
     if args.quick:
-        models, ms, ns, codecs, rounds = QUICK["models"], QUICK["clusters"], QUICK["shards"], QUICK["codecs"], QUICK["rounds"]
+        models, ms, ns, codecs, rounds = (
+            QUICK["models"],
+            QUICK["clusters"],
+            QUICK["shards"],
+            QUICK["codecs"],
+            QUICK["rounds"],
+        )
     else:
         models, ms, ns = args.models.split(","), _ints(args.clusters), _ints(args.shards)
         codecs, rounds = args.codecs.split(","), args.rounds
@@ -287,18 +357,36 @@ def run(args: argparse.Namespace, out_dir) -> str:
         for codec in codecs:
             for m in ms:
                 for n in ns:
-                    rows.append(run_setting(preset, specs, m, n, codec, rounds, reference, min(args.full_clusters, m), args.error_feedback))
+                    rows.append(
+                        run_setting(
+                            preset,
+                            specs,
+                            m,
+                            n,
+                            codec,
+                            rounds,
+                            reference,
+                            min(args.full_clusters, m),
+                            args.error_feedback,
+                        )
+                    )
                     print(json.dumps(rows[-1]), flush=True)
     notes = (
         f"Synthetic pseudo-gradients with the presets' parameter lists; shards are real `dilocox server` processes "
         f"(1 torch thread each), the M clusters are threads of the bench process. Per round after a warm-up, "
         f"mean of {rounds}. `up_MB`/`down_MB`: per cluster per round (gRPC message bytes). `push_s`, `pull_replay_s`: "
         f"the slowest cluster (the pull waits for the round to close, then replays and checks it). `close_s`: "
-        f"the shard's first push → published (median round). `decode_apply_MB_s`: dense fp32 bytes (M × the shard's elements × 4) "
-        f"per second of the shard's decode + mean + outer step (median round); `vs_copy_bw`: against a torch copy measured in the "
-        f"same run ({reference['torch_copy']:.0f} MB/s read + write); `vs_add`: against an in-place torch add ({reference['torch_add']:.0f} MB/s of its two inputs). `shard_rss_vs_owned`: peak RSS over the fp32 bytes the shard "
+        "the shard's first push → published (median round). `decode_apply_MB_s`: dense fp32 bytes (M × the shard's "
+        "elements × 4) "
+        "per second of the shard's decode + mean + outer step (median round); `vs_copy_bw`: against a torch copy "
+        "measured in the "
+        f"same run ({reference['torch_copy']:.0f} MB/s read + write); `vs_add`: against an in-place torch add "
+        f"({reference['torch_add']:.0f} MB/s of its two inputs). `shard_rss_vs_owned`: peak RSS over the fp32 bytes "
+        "the shard "
         f"owns. `clients_rss_MB`: peak RSS of the bench process holding all M clusters' exchange state.\n"
     )
     plots = write_scale_plots(pathlib.Path(out_dir), rows)
     notes += f"\nPlots: {', '.join(plots)}.\n" if plots else ""
-    return write_report(out_dir, "scale", "The aggregation service at model size", rows, list(rows[0]), notes, {"args": vars(args)})
+    return write_report(
+        out_dir, "scale", "The aggregation service at model size", rows, list(rows[0]), notes, {"args": vars(args)}
+    )

@@ -49,14 +49,52 @@ def write_scale_plots(out_dir: pathlib.Path, rows: list[dict]) -> list[str]:
 
     codecs = sorted({r["codec"] for r in rows})
     # Against parameters: the largest model's M and N, across models.
-    by_params = {c: [r for r in _series(rows, "params_M", {"codec": c}) if (r["M"], r["N"]) == (4, 4) or r["params_M"] < 1000] for c in codecs}
-    by_params = {c: [max((r for r in pts if r["params_M"] == p), key=lambda r: (r["M"] == 4, r["N"] == 2)) for p in sorted({r["params_M"] for r in pts})]
-                 for c, pts in by_params.items()}  # fmt: skip
-    plot("time_vs_params.png", "params_M", "parameters (M), log", {c: pts for c, pts in by_params.items()}, TIMES, "seconds per round, log", True)
-    plot("memory_vs_params.png", "params_M", "parameters (M), log", {c: pts for c, pts in by_params.items()}, MEMORY, "ratio / bytes, log", True)
+    by_params = {
+        c: [r for r in _series(rows, "params_M", {"codec": c}) if (r["M"], r["N"]) == (4, 4) or r["params_M"] < 1000]
+        for c in codecs
+    }
+    by_params = {
+        c: [
+            max((r for r in pts if r["params_M"] == p), key=lambda r: (r["M"] == 4, r["N"] == 2))
+            for p in sorted({r["params_M"] for r in pts})
+        ]
+        for c, pts in by_params.items()
+    }
+    plot(
+        "time_vs_params.png",
+        "params_M",
+        "parameters (M), log",
+        {c: pts for c, pts in by_params.items()},
+        TIMES,
+        "seconds per round, log",
+        True,
+    )
+    plot(
+        "memory_vs_params.png",
+        "params_M",
+        "parameters (M), log",
+        {c: pts for c, pts in by_params.items()},
+        MEMORY,
+        "ratio / bytes, log",
+        True,
+    )
     smallest = min(r["params_M"] for r in rows)
-    plot("time_vs_clusters.png", "M", "clusters M", {f"{c}, N=2": _series(rows, "M", {"codec": c, "N": 2, "params_M": smallest}) for c in codecs},
-         TIMES, "seconds per round", False)  # fmt: skip
-    plot("time_vs_shards.png", "N", "shards N", {f"{c}, M=4": _series(rows, "N", {"codec": c, "M": 4, "params_M": smallest}) for c in codecs},
-         TIMES, "seconds per round", False)  # fmt: skip
+    plot(
+        "time_vs_clusters.png",
+        "M",
+        "clusters M",
+        {f"{c}, N=2": _series(rows, "M", {"codec": c, "N": 2, "params_M": smallest}) for c in codecs},
+        TIMES,
+        "seconds per round",
+        False,
+    )
+    plot(
+        "time_vs_shards.png",
+        "N",
+        "shards N",
+        {f"{c}, M=4": _series(rows, "N", {"codec": c, "M": 4, "params_M": smallest}) for c in codecs},
+        TIMES,
+        "seconds per round",
+        False,
+    )
     return names

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from dilocox.bench.report import write_report
+from dilocox.common.config.run import ModelConfig
 from dilocox.common.wire.assignment import assign_slices, model_digest, slices_of_shard
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
-from dilocox.common.config.run import ModelConfig
 from dilocox.common.wire.framing import EncodedSlice, assemble_units, encode_slice, frame_payload
 from dilocox.server.shard import Shard
 from dilocox.worker.models.build import model_param_specs
@@ -37,13 +37,23 @@ CODECS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--n-layer", type=int, default=4, help="layers of the synthetic GPT whose pseudo-gradients travel (default 4)")
+    parser.add_argument(
+        "--n-layer", type=int, default=4, help="layers of the synthetic GPT whose pseudo-gradients travel (default 4)"
+    )
     parser.add_argument("--n-embd", type=int, default=512, help="its width (default 512: 12.9M parameters)")
     parser.add_argument("--clusters", type=int, default=2, help="clusters pushing each round (default 2)")
-    parser.add_argument("--shards", type=int, default=2, help="the model is split over this many shards; shard 0 is timed")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per codec, after one warm-up round (default 3)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads, for the shard and the reference (default 1)")
-    parser.add_argument("--reference-mb", type=int, default=256, help="size of the memory-bandwidth reference buffer (default 256 MB)")
+    parser.add_argument(
+        "--shards", type=int, default=2, help="the model is split over this many shards; shard 0 is timed"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="timed rounds per codec, after one warm-up round (default 3)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads, for the shard and the reference (default 1)"
+    )
+    parser.add_argument(
+        "--reference-mb", type=int, default=256, help="size of the memory-bandwidth reference buffer (default 256 MB)"
+    )
 
 
 def memory_bandwidth(megabytes: int, tries: int = 5) -> dict[str, float]:
@@ -115,7 +125,9 @@ def measure_codec(specs, compress: CompressionConfig, args: argparse.Namespace) 
     gen = torch.Generator().manual_seed(0)
     weights = {s.key: torch.randn(s.slice_shape, generator=gen) * 0.02 for s in owned}
     shard.commit_push(clusters[0], 0, 1.0, list(weights.items()))
-    compressors = [TensorCompressor(compress, seed=i) if compress.codec != "fp32" else None for i in range(args.clusters)]
+    compressors = [
+        TensorCompressor(compress, seed=i) if compress.codec != "fp32" else None for i in range(args.clusters)
+    ]
     elements = sum(s.numel for s in owned)
     timed_s, wire, status_wait = 0.0, 0, 0.0
     for round_ in range(1, args.rounds + 2):
@@ -133,8 +145,12 @@ def measure_codec(specs, compress: CompressionConfig, args: argparse.Namespace) 
             pushes.append(_encode_push(compressor, owned, deltas))
         started = time.perf_counter()
         for cluster, chunks in zip(clusters, pushes):
-            units = assemble_units(iter(chunks), lambda key, chunk: shard.vet_slice(key, chunk.codec, tuple(chunk.shape)))
-            encoded = [EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), bytes(u.payload)) for u in units]
+            units = assemble_units(
+                iter(chunks), lambda key, chunk: shard.vet_slice(key, chunk.codec, tuple(chunk.shape))
+            )
+            encoded = [
+                EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), bytes(u.payload)) for u in units
+            ]
             if cluster == clusters[-1]:  # this push closes the round: how long does a status call wait meanwhile?
                 with StatusProbe(shard) as probe:
                     result = shard.commit_push(cluster, round_, 1000.0, encoded)
@@ -148,8 +164,15 @@ def measure_codec(specs, compress: CompressionConfig, args: argparse.Namespace) 
             timed_s += elapsed
             wire += sum(c.ByteSize() for chunks in pushes for c in chunks)
     dense = 4 * elements * args.clusters * args.rounds
-    return {"elements": elements, "dense_MB": dense / 1e6, "wire_MB": wire / 1e6, "seconds": timed_s, "status_wait_s": status_wait,
-            "dense_MB_per_s": dense / timed_s / 1e6, "wire_MB_per_s": wire / timed_s / 1e6}  # fmt: skip
+    return {
+        "elements": elements,
+        "dense_MB": dense / 1e6,
+        "wire_MB": wire / 1e6,
+        "seconds": timed_s,
+        "status_wait_s": status_wait,
+        "dense_MB_per_s": dense / timed_s / 1e6,
+        "wire_MB_per_s": wire / timed_s / 1e6,
+    }
 
 
 def run(args: argparse.Namespace, out_dir) -> str:
@@ -161,26 +184,35 @@ def run(args: argparse.Namespace, out_dir) -> str:
     rows = []
     for label, compress in CODECS.items():
         m = measure_codec(specs, compress, args)
-        rows.append({
-            "codec": label,
-            "shard_elements": m["elements"],
-            "dense_MB_per_s": round(m["dense_MB_per_s"], 1),
-            "wire_MB_per_s": round(m["wire_MB_per_s"], 1),
-            "vs_memory_bandwidth": round(m["dense_MB_per_s"] / best_reference, 3),
-            "round_close_s": round(m["seconds"] / args.rounds, 4),
-            "status_wait_max_s": round(m["status_wait_s"], 4),
-        })  # fmt: skip
+        rows.append(
+            {
+                "codec": label,
+                "shard_elements": m["elements"],
+                "dense_MB_per_s": round(m["dense_MB_per_s"], 1),
+                "wire_MB_per_s": round(m["wire_MB_per_s"], 1),
+                "vs_memory_bandwidth": round(m["dense_MB_per_s"] / best_reference, 3),
+                "round_close_s": round(m["seconds"] / args.rounds, 4),
+                "status_wait_max_s": round(m["status_wait_s"], 4),
+            }
+        )
     notes = (
-        f"Synthetic GPT ({args.n_layer} layers × {args.n_embd} wide, {params:,} parameters) split over {args.shards} shards; shard 0 "
-        f"timed with {args.clusters} clusters, {args.rounds} rounds per codec after a warm-up, {args.threads} torch thread(s). "
-        "Timed per round: reassembling + zstd-decompressing the pushed chunks, vetting and recording them, and closing the "
-        "round (decode every contribution, weighted mean, outer Nesterov). `dense_MB_per_s`: fp32 pseudo-gradient bytes "
+        f"Synthetic GPT ({args.n_layer} layers × {args.n_embd} wide, {params:,} parameters) split over {args.shards} "
+        "shards; shard 0 "
+        f"timed with {args.clusters} clusters, {args.rounds} rounds per codec after a warm-up, {args.threads} torch "
+        "thread(s). "
+        "Timed per round: reassembling + zstd-decompressing the pushed chunks, vetting and recording them, and "
+        "closing the "
+        "round (decode every contribution, weighted mean, outer Nesterov). `dense_MB_per_s`: fp32 pseudo-gradient "
+        "bytes "
         "(clusters × elements × 4) per second; `wire_MB_per_s`: serialized chunk bytes per second. "
         "`status_wait_max_s`: the longest a status call from another thread waited while the last push closed a round "
         "(the time the close held the shard's lock; the step itself runs outside it).\n\n"
-        f"Memory-bandwidth reference, same run, same threads (copy of {args.reference_mb} MB, read + write; add: its inputs; best of 5): "
+        f"Memory-bandwidth reference, same run, same threads (copy of {args.reference_mb} MB, read + write; add: its "
+        "inputs; best of 5): "
         + ", ".join(f"{k} {v:,.0f} MB/s" for k, v in reference.items())
         + f". `vs_memory_bandwidth` = dense MB/s / {best_reference:,.0f} MB/s (the faster copy).\n"
     )
     meta = {"args": vars(args), "reference_MB_per_s": reference, "params": params}
-    return write_report(out_dir, "shard", "Shard throughput: pseudo-gradients decoded and applied", rows, list(rows[0]), notes, meta)
+    return write_report(
+        out_dir, "shard", "Shard throughput: pseudo-gradients decoded and applied", rows, list(rows[0]), notes, meta
+    )

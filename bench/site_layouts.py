@@ -20,9 +20,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
-
 
 # Host-memory settings compared in one run (`dilocox bench train --layout-variants`): the start in memory and
 # checkpoints staged asynchronously (kept buffers), against the start on disk and checkpoints written from
@@ -111,10 +110,29 @@ def shard_processes(count: int, run_id: str, workdir: pathlib.Path, extra: tuple
     try:
         for i in range(count):
             port_file = workdir / f"{run_id}-shard{i}.port"
-            shards.append(subprocess.Popen(_cli("server", "--num-shards", str(count), "--shard-index", str(i), "--port", "0",
-                                                "--port-file", str(port_file), "--run-id", run_id, "--insecure",
-                                                "--log-format", "json", *extra),
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+            shards.append(
+                subprocess.Popen(
+                    _cli(
+                        "server",
+                        "--num-shards",
+                        str(count),
+                        "--shard-index",
+                        str(i),
+                        "--port",
+                        "0",
+                        "--port-file",
+                        str(port_file),
+                        "--run-id",
+                        run_id,
+                        "--insecure",
+                        "--log-format",
+                        "json",
+                        *extra,
+                    ),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
             deadline = time.monotonic() + 60
             while not port_file.exists():
                 if time.monotonic() > deadline or shards[-1].poll() is not None:
@@ -134,8 +152,14 @@ def shard_processes(count: int, run_id: str, workdir: pathlib.Path, extra: tuple
 
 def process_usage(pid: int) -> tuple[float, float]:
     """(RSS in MB, CPU seconds) of one process."""
-    rss = next((int(line.split()[1]) / 1024 for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
-                if line.startswith("VmRSS:")), 0.0)  # fmt: skip
+    rss = next(
+        (
+            int(line.split()[1]) / 1024
+            for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines()
+            if line.startswith("VmRSS:")
+        ),
+        0.0,
+    )
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return rss, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -157,8 +181,13 @@ def shard_pids(addresses: list[str]) -> list[str]:
     return found
 
 
-def run_worker(cmd: list[str], log_path: pathlib.Path, run: LayoutRun | None = None, timeout_s: float = 900.0,
-               stop_after_round: int | None = None) -> tuple[int, list[dict]]:
+def run_worker(
+    cmd: list[str],
+    log_path: pathlib.Path,
+    run: LayoutRun | None = None,
+    timeout_s: float = 900.0,
+    stop_after_round: int | None = None,
+) -> tuple[int, list[dict]]:
     """Run one worker (a site), sampling its ranks' peak RSS into `run`; returns (exit code, its events).
     `stop_after_round`: SIGTERM the site once rank 0 has finished that round (to test a resume)."""
     with log_path.open("w") as log_file:
@@ -198,8 +227,23 @@ def layout_flags(run: LayoutRun, device: str = "cpu") -> list[str]:
     layout = ["--pp", str(run.pp), "--dp", str(run.dp)]
     if run.dp_replicate > 1:
         layout += ["--dp-replicate", str(run.dp_replicate)]
-    return [*layout, "--microbatches", str(run.microbatches), "--rounds", str(run.rounds), "--inner-steps", str(run.inner_steps),
-            "--inner-batch-size", str(run.batch_size), "--eval-batches", "1", "--device", device, *run.model_flags, *run.extra]  # fmt: skip
+    return [
+        *layout,
+        "--microbatches",
+        str(run.microbatches),
+        "--rounds",
+        str(run.rounds),
+        "--inner-steps",
+        str(run.inner_steps),
+        "--inner-batch-size",
+        str(run.batch_size),
+        "--eval-batches",
+        "1",
+        "--device",
+        device,
+        *run.model_flags,
+        *run.extra,
+    ]
 
 
 def planned_device_mb(run: LayoutRun, device: str = "cpu") -> list[int]:
@@ -218,14 +262,27 @@ def planned_device_mb(run: LayoutRun, device: str = "cpu") -> list[int]:
     return [round(r.device_total / 2**20) for r in plan.ranks]
 
 
-def run_layout(run: LayoutRun, workdir: pathlib.Path, threads: int = 1, timeout_s: float = 900.0, device: str = "cpu") -> LayoutRun:
+def run_layout(
+    run: LayoutRun, workdir: pathlib.Path, threads: int = 1, timeout_s: float = 900.0, device: str = "cpu"
+) -> LayoutRun:
     """Start the shards and one site of `run`'s layout, wait for the site to finish, collect its events."""
     run_id = f"layout-{run.pp}x{run.dp}x{run.dp_replicate}" + (f"-{run.variant}" if run.variant else "")
     own = workdir / run_id
     flags = [flag.replace("{work}", str(own)) for flag in layout_flags(run, device)]
     with shard_processes(run.shards, run_id, workdir) as addresses:
-        cmd = _cli("worker", "--servers", ",".join(addresses), "--run-id", run_id, "--insecure", "--log-format", "json",
-                   "--threads", str(threads), *flags)  # fmt: skip
+        cmd = _cli(
+            "worker",
+            "--servers",
+            ",".join(addresses),
+            "--run-id",
+            run_id,
+            "--insecure",
+            "--log-format",
+            "json",
+            "--threads",
+            str(threads),
+            *flags,
+        )
         log_path = workdir / f"{run_id}.log"
         rc, run.events = run_worker(cmd, log_path, run, timeout_s)
     if rc != 0:
@@ -250,8 +307,9 @@ def summarize(run: LayoutRun) -> dict:
                     phases.setdefault(key, []).append(value)
     rss = [round(run.peak_rss_kb[r] / 1024) for r in sorted(run.peak_rss_kb)]
     row = {
-        "layout": f"pp{run.pp}×dp{run.dp}" + (f" (replicate {run.dp_replicate})" if run.dp_replicate > 1 else "")
-                  + (f" {run.variant}" if run.variant else ""),
+        "layout": f"pp{run.pp}×dp{run.dp}"
+        + (f" (replicate {run.dp_replicate})" if run.dp_replicate > 1 else "")
+        + (f" {run.variant}" if run.variant else ""),
         "ranks": run.pp * run.dp,
         "tokens_per_s": round(tokens / compute) if compute else 0,
         "boundary_s": round(sum(boundary) / len(boundary), 3) if boundary else 0.0,
@@ -265,8 +323,12 @@ def summarize(run: LayoutRun) -> dict:
     if memory:
         row["exchange_bytes_per_held_param"] = [memory[r]["bytes_per_held_param"] for r in sorted(memory)]
         # Without the payloads of the last push (kept to replay the round: a few KB compressed).
-        row["exchange_bytes_per_owned_param"] = [round((memory[r]["total_bytes"] - memory[r].get("own_push_bytes", 0))
-                                                       / max(1, memory[r]["params_owned"]), 2) for r in sorted(memory)]  # fmt: skip
+        row["exchange_bytes_per_owned_param"] = [
+            round(
+                (memory[r]["total_bytes"] - memory[r].get("own_push_bytes", 0)) / max(1, memory[r]["params_owned"]), 2
+            )
+            for r in sorted(memory)
+        ]
     steady_rss = {}
     for e in run.events:  # resident memory as each round's training ended (round 1 is before any checkpoint is kept)
         if e.get("event") == "boundary_done" and e.get("round", 0) > 1 and "rss_before_mb" in e:
@@ -278,16 +340,25 @@ def summarize(run: LayoutRun) -> dict:
     return row
 
 
-def measure_layouts(layouts: list[tuple[int, int, int]], threads: int = 1, device: str = "cpu", variants: tuple[str, ...] = (),
-                    **options) -> list[dict]:  # fmt: skip
+def measure_layouts(
+    layouts: list[tuple[int, int, int]],
+    threads: int = 1,
+    device: str = "cpu",
+    variants: tuple[str, ...] = (),
+    **options,
+) -> list[dict]:
     """One row per layout and variant (VARIANTS; none: the plain run), in this order."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="dilocox-layouts-") as tmp:
         for pp, dp, replicate in layouts:
             for variant in variants or ("",):
                 extra = VARIANTS[variant] if variant else ()
-                run = run_layout(LayoutRun(pp, dp, replicate, extra=extra, variant=variant, **options), pathlib.Path(tmp), threads,
-                                 device=device)  # fmt: skip
+                run = run_layout(
+                    LayoutRun(pp, dp, replicate, extra=extra, variant=variant, **options),
+                    pathlib.Path(tmp),
+                    threads,
+                    device=device,
+                )
                 rows.append(summarize(run))
                 print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
@@ -295,4 +366,6 @@ def measure_layouts(layouts: list[tuple[int, int, int]], threads: int = 1, devic
 
 if __name__ == "__main__":  # python -m dilocox.bench.site_layouts 1x1 1x2 2x1 2x2 (pp x dp[xreplicate])
     specs = [tuple(int(v) for v in a.split("x")) for a in sys.argv[1:]] or [(1, 1), (1, 2), (2, 1), (2, 2)]
-    measure_layouts([(s[0], s[1], s[2] if len(s) > 2 else 1) for s in specs], threads=int(os.environ.get("THREADS", "1")))
+    measure_layouts(
+        [(s[0], s[1], s[2] if len(s) > 2 else 1) for s in specs], threads=int(os.environ.get("THREADS", "1"))
+    )

@@ -24,25 +24,44 @@ DEFAULT_LAYOUT_MODEL = "--n-layer 4 --n-embd 1024 --block-size 64"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default=DEFAULT_ROWS,
-                        help=f"comma-separated MODEL:TOKENIZER rows (default {DEFAULT_ROWS}; e.g. gpt2-small:bpe:8192 on a GPU)")
-    parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated precisions per model (default fp32,bf16)")
+    parser.add_argument(
+        "--models",
+        default=DEFAULT_ROWS,
+        help=f"comma-separated MODEL:TOKENIZER rows (default {DEFAULT_ROWS}; e.g. gpt2-small:bpe:8192 on a GPU)",
+    )
+    parser.add_argument(
+        "--precisions", default="fp32,bf16", help="comma-separated precisions per model (default fp32,bf16)"
+    )
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (default auto)")
     parser.add_argument("--steps", type=int, default=8, help="timed inner steps per row (default 8, after 2 warm-up)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence (default 128)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per child (default: torch's choice)")
-    parser.add_argument("--stream-mb", type=int, default=512,
-                        help="size of the large prepared token file for the streaming memory rows (default 512; 0 skips them)")
+    parser.add_argument(
+        "--stream-mb",
+        type=int,
+        default=512,
+        help="size of the large prepared token file for the streaming memory rows (default 512; 0 skips them)",
+    )
     parser.add_argument("--data", help="text to train on (default: the bundled tinyshakespeare)")
-    parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
-                        help=f"sites of pp×dp[×replicate] ranks against real shards, on the CPU (default {DEFAULT_LAYOUTS}; '' skips them)")
-    parser.add_argument("--layout-variants", default="",
-                        help="host-memory settings each layout runs with, compared in one run: comma-separated of memory "
-                             "(the start in memory, no checkpoint), checkpointed (+ async checkpoints every round) and lean "
-                             "(the start on disk, checkpoints written synchronously) (default: the plain run)")  # fmt: skip
-    parser.add_argument("--layout-model", default=DEFAULT_LAYOUT_MODEL,
-                        help=f"model flags of the layout rows (default '{DEFAULT_LAYOUT_MODEL}', batch 2 per replica)")
+    parser.add_argument(
+        "--layouts",
+        default=DEFAULT_LAYOUTS,
+        help=f"sites of pp×dp[×replicate] ranks against real shards, on the CPU (default {DEFAULT_LAYOUTS}; '' skips "
+        "them)",
+    )
+    parser.add_argument(
+        "--layout-variants",
+        default="",
+        help="host-memory settings each layout runs with, compared in one run: comma-separated of memory "
+        "(the start in memory, no checkpoint), checkpointed (+ async checkpoints every round) and lean "
+        "(the start on disk, checkpoints written synchronously) (default: the plain run)",
+    )
+    parser.add_argument(
+        "--layout-model",
+        default=DEFAULT_LAYOUT_MODEL,
+        help=f"model flags of the layout rows (default '{DEFAULT_LAYOUT_MODEL}', batch 2 per replica)",
+    )
 
 
 def _child(spec: dict) -> dict:
@@ -56,9 +75,12 @@ def _child(spec: dict) -> dict:
 
     if spec["threads"] > 0:
         torch.set_num_threads(spec["threads"])
-    config = RunConfig(tokenizer=spec["tokenizer"], model=ModelConfig(model=spec["model"], block_size=spec["block_size"]),
-                       inner=InnerConfig(batch_size=spec["batch_size"], warmup_steps=2),
-                       parallel=ParallelConfig(device=spec["device"], precision=spec["precision"]))  # fmt: skip
+    config = RunConfig(
+        tokenizer=spec["tokenizer"],
+        model=ModelConfig(model=spec["model"], block_size=spec["block_size"]),
+        inner=InnerConfig(batch_size=spec["batch_size"], warmup_steps=2),
+        parallel=ParallelConfig(device=spec["device"], precision=spec["precision"]),
+    )
     data = load_run_data(config.tokenizer, spec["data"])
     trainer = InnerTrainer(config, data)
     trainer.train_steps(2)
@@ -77,14 +99,18 @@ def _child(spec: dict) -> dict:
         "tokens_per_s": round(tokens / seconds),
         "loss": round(loss, 3),
         "peak_rss_mb": round(peak_rss_bytes() / 2**20),  # VmHWM: ru_maxrss would carry the parent's peak across exec
-        "cuda_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20) if trainer.compute.device.type == "cuda" else "",
+        "cuda_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20)
+        if trainer.compute.device.type == "cuda"
+        else "",
         "corpus_tokens": data.num_tokens,
         "streamed": data.streamed,
     }
 
 
 def _measure(spec: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", "dilocox.bench.train", json.dumps(spec)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "dilocox.bench.train", json.dumps(spec)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -110,8 +136,14 @@ def run(args: argparse.Namespace, out_dir) -> str:
     from dilocox.bench.report import write_report
     from dilocox.worker.data.sources import default_corpus_path
 
-    base = {"device": args.device, "steps": args.steps, "batch_size": args.batch_size, "block_size": args.block_size,
-            "threads": args.threads, "data": args.data}  # fmt: skip
+    base = {
+        "device": args.device,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "block_size": args.block_size,
+        "threads": args.threads,
+        "data": args.data,
+    }
     rows = []
     for item in [r for r in args.models.split(",") if r]:
         model, _, tokenizer = item.partition(":")
@@ -127,35 +159,78 @@ def run(args: argparse.Namespace, out_dir) -> str:
                 started = time.perf_counter()
                 folder = _prepared(text, size, pathlib.Path(tmp))
                 prepare_s = time.perf_counter() - started
-                result = _measure({**base, "model": "gpt", "tokenizer": "byte", "precision": "fp32", "data": str(folder)})
+                result = _measure(
+                    {**base, "model": "gpt", "tokenizer": "byte", "precision": "fp32", "data": str(folder)}
+                )
                 stream_rows.append({"token_file_mb": round(size / 2**20), "prepare_s": round(prepare_s, 1), **result})
                 print(json.dumps(stream_rows[-1]), file=sys.stderr)
-    notes = (f"{args.steps} timed inner steps after 2 warm-up, batch {args.batch_size} × block {args.block_size}, "
-             f"device {args.device}, {os.cpu_count()} CPU cores, torch threads {args.threads or 'default'}. "
-             "bf16 is autocast (weights and optimiser state fp32). Peak RSS is the child process's maximum resident set.\n")  # fmt: skip
+    notes = (
+        f"{args.steps} timed inner steps after 2 warm-up, batch {args.batch_size} × block {args.block_size}, "
+        f"device {args.device}, {os.cpu_count()} CPU cores, torch threads {args.threads or 'default'}. "
+        "bf16 is autocast (weights and optimiser state fp32). Peak RSS is the child process's maximum resident set.\n"
+    )
     if stream_rows:
         delta = stream_rows[-1].get("peak_rss_mb", 0) - stream_rows[0].get("peak_rss_mb", 0)
-        notes += ("\n## Streaming a large prepared token file\n\nThe built-in GPT trained from a prepared "
-                  "token file of each size (byte-level, the corpus repeated):\n\n")
+        notes += (
+            "\n## Streaming a large prepared token file\n\nThe built-in GPT trained from a prepared "
+            "token file of each size (byte-level, the corpus repeated):\n\n"
+        )
         from dilocox.bench.report import markdown_table
 
-        notes += markdown_table(stream_rows, ["token_file_mb", "corpus_tokens", "streamed", "tokens_per_s", "peak_rss_mb", "prepare_s"])
+        notes += markdown_table(
+            stream_rows, ["token_file_mb", "corpus_tokens", "streamed", "tokens_per_s", "peak_rss_mb", "prepare_s"]
+        )
         notes += f"\n\nPeak RSS with the {stream_rows[-1]['token_file_mb']} MB file minus the 1 MB file: {delta} MB.\n"
     layout_rows = _layout_rows(args)
     if layout_rows:
         from dilocox.bench.report import markdown_table
 
-        notes += ("\n## Sites of pp × dp ranks\n\nOne site (torchrun, gloo, 1 thread per rank) against 2 real shards, "
-                  f"`{args.layout_model}`, batch 2 per replica, 3 rounds × 3 steps; steady rounds (after the first). "
-                  "Boundary: a round's wall time minus its inner steps (eval included).\n\n")  # fmt: skip
-        notes += markdown_table(layout_rows, ["layout", "ranks", "params_held_m", "tokens_per_s", "boundary_s", "peak_rss_mb_per_rank",
-                                              "steady_rss_mb_per_rank",
-                                              "exchange_bytes_per_held_param", "exchange_bytes_per_owned_param", "replay_mismatches"]) + "\n"  # fmt: skip
-    columns = ["model", "tokenizer", "precision", "params_m", "vocab", "device", "tokens_per_s", "peak_rss_mb", "cuda_peak_mb", "loss"]
+        notes += (
+            "\n## Sites of pp × dp ranks\n\nOne site (torchrun, gloo, 1 thread per rank) against 2 real shards, "
+            f"`{args.layout_model}`, batch 2 per replica, 3 rounds × 3 steps; steady rounds (after the first). "
+            "Boundary: a round's wall time minus its inner steps (eval included).\n\n"
+        )
+        notes += (
+            markdown_table(
+                layout_rows,
+                [
+                    "layout",
+                    "ranks",
+                    "params_held_m",
+                    "tokens_per_s",
+                    "boundary_s",
+                    "peak_rss_mb_per_rank",
+                    "steady_rss_mb_per_rank",
+                    "exchange_bytes_per_held_param",
+                    "exchange_bytes_per_owned_param",
+                    "replay_mismatches",
+                ],
+            )
+            + "\n"
+        )
+    columns = [
+        "model",
+        "tokenizer",
+        "precision",
+        "params_m",
+        "vocab",
+        "device",
+        "tokens_per_s",
+        "peak_rss_mb",
+        "cuda_peak_mb",
+        "loss",
+    ]
     if any("error" in r for r in rows):
         columns.append("error")
-    return write_report(out_dir, "train", "Trainer throughput and memory per model and precision", rows, columns, notes,
-                        {"args": vars(args), "stream": stream_rows, "layouts": layout_rows})  # fmt: skip
+    return write_report(
+        out_dir,
+        "train",
+        "Trainer throughput and memory per model and precision",
+        rows,
+        columns,
+        notes,
+        {"args": vars(args), "stream": stream_rows, "layouts": layout_rows},
+    )
 
 
 def _layout_rows(args: argparse.Namespace) -> list[dict]:
@@ -168,9 +243,19 @@ def _layout_rows(args: argparse.Namespace) -> list[dict]:
     variants = tuple(v.strip() for v in getattr(args, "layout_variants", "").split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
-        raise SystemExit(f"dilocox bench train: --layout-variants {','.join(unknown)}: not one of {', '.join(VARIANTS)}")
-    return measure_layouts(layouts, threads=1, model_flags=tuple(args.layout_model.split()), rounds=3, inner_steps=3,
-                           batch_size=2, microbatches=2, variants=variants)  # fmt: skip
+        raise SystemExit(
+            f"dilocox bench train: --layout-variants {','.join(unknown)}: not one of {', '.join(VARIANTS)}"
+        )
+    return measure_layouts(
+        layouts,
+        threads=1,
+        model_flags=tuple(args.layout_model.split()),
+        rounds=3,
+        inner_steps=3,
+        batch_size=2,
+        microbatches=2,
+        variants=variants,
+    )
 
 
 if __name__ == "__main__":

@@ -46,15 +46,27 @@ MODES = ("fixed", "timebox", "quorum", "stall", "throttle")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sites", default="2,4", help="site counts to run, comma-separated (default 2,4)")
-    parser.add_argument("--slowdowns", default="2,4", help="how much slower the last site is, comma-separated (default 2,4)")
-    parser.add_argument("--modes", default=",".join(MODES[:3]), help=f"modes to run, of {','.join(MODES)} (default {','.join(MODES[:3])})")
+    parser.add_argument(
+        "--slowdowns", default="2,4", help="how much slower the last site is, comma-separated (default 2,4)"
+    )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES[:3]),
+        help=f"modes to run, of {','.join(MODES)} (default {','.join(MODES[:3])})",
+    )
     parser.add_argument("--rounds", type=int, default=10, help="rounds per run (default 10)")
     parser.add_argument("--inner-steps", type=int, default=40, help="H of the fixed modes (default 40)")
     parser.add_argument("--shards", type=int, default=2, help="aggregation shards (default 2)")
     parser.add_argument("--quick", action="store_true", help="2 sites, one slowed 4×, 4 rounds of 8 steps: a smoke run")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per run (default 900)")
-    parser.add_argument("--stall-boxes", type=float, default=5.0, help="stall mode: how many time boxes the site is stopped (default 5)")
-    parser.add_argument("--stale-weightings", default="inverse,lenient,full", help="stall mode: the stale-work rules to compare (default inverse,lenient,full)")
+    parser.add_argument(
+        "--stall-boxes", type=float, default=5.0, help="stall mode: how many time boxes the site is stopped (default 5)"
+    )
+    parser.add_argument(
+        "--stale-weightings",
+        default="inverse,lenient,full",
+        help="stall mode: the stale-work rules to compare (default inverse,lenient,full)",
+    )
 
 
 @dataclass
@@ -97,23 +109,37 @@ class UnevenRun:
     def summary(self) -> dict:
         slow = self.of(self.sites - 1)
         return {
-            "sites": self.sites, "slowdown": self.slowdown, "mode": self.mode,
+            "sites": self.sites,
+            "slowdown": self.slowdown,
+            "mode": self.mode,
             "fast_idle_share": round(self.fast_idle_share(), 4),
             "tokens_per_s": round(self.tokens() / self.wall_s, 1) if self.wall_s else float("nan"),
-            "tokens": self.tokens(), "wall_s": round(self.wall_s, 2),
+            "tokens": self.tokens(),
+            "wall_s": round(self.wall_s, 2),
             "fast_h": round(sum(r["inner_steps"] for r in self.of(0)) / max(1, len(self.of(0))), 1),
             "slow_h": round(sum(r["inner_steps"] for r in slow) / max(1, len(slow)), 1),
             "slow_rounds_late": sum(1 for r in slow if r.get("late")),
             "final_eval_loss": round(self.final_eval_loss, 4),
-        }  # fmt: skip
+        }
 
 
 def _config(args: argparse.Namespace, mode: str, round_time_s: float, stale_weighting: str = "inverse") -> RunConfig:
     boxed = mode == "timebox" or mode.startswith(("stall", "throttle", "calm"))
-    inner = InnerConfig(steps=args.inner_steps, batch_size=16, warmup_steps=5, max_steps=max(200, 8 * args.inner_steps),
-                        round_time_s=round_time_s if boxed else 0.0, min_steps=1)  # fmt: skip
-    return RunConfig(run_id="dilocox-bench-uneven", rounds=args.rounds, inner=inner, stale_weighting=stale_weighting,
-                     model=ModelConfig(block_size=64, n_layer=2, n_head=2, n_embd=64))  # fmt: skip
+    inner = InnerConfig(
+        steps=args.inner_steps,
+        batch_size=16,
+        warmup_steps=5,
+        max_steps=max(200, 8 * args.inner_steps),
+        round_time_s=round_time_s if boxed else 0.0,
+        min_steps=1,
+    )
+    return RunConfig(
+        run_id="dilocox-bench-uneven",
+        rounds=args.rounds,
+        inner=inner,
+        stale_weighting=stale_weighting,
+        model=ModelConfig(block_size=64, n_layer=2, n_head=2, n_embd=64),
+    )
 
 
 def _stall_later(worker: ChildProcess, box_s: float, boxes: float, throttle: bool = False) -> None:
@@ -133,8 +159,15 @@ def _stall_later(worker: ChildProcess, box_s: float, boxes: float, throttle: boo
     threading.Thread(target=stall, name="stall", daemon=True).start()
 
 
-def run_one(args: argparse.Namespace, out_dir: pathlib.Path, sites: int, slowdown: float, mode: str, round_time_s: float,
-            stale_weighting: str = "inverse") -> UnevenRun:  # fmt: skip
+def run_one(
+    args: argparse.Namespace,
+    out_dir: pathlib.Path,
+    sites: int,
+    slowdown: float,
+    mode: str,
+    round_time_s: float,
+    stale_weighting: str = "inverse",
+) -> UnevenRun:
     """One run; mode "stall-<rule>" stalls the last site in round 3 and weighs its late work by <rule>,
     "calm-<rule>" is the same run without the stall."""
     config = _config(args, mode, round_time_s, stale_weighting)
@@ -145,7 +178,11 @@ def run_one(args: argparse.Namespace, out_dir: pathlib.Path, sites: int, slowdow
     # A grace window well inside a round: with the delay, the fast sites wait for a close only past it.
     # Every site in round 1 (--expect-clusters): a site slower to start is not left out as a late joiner.
     quorum = mode == "quorum" or mode.startswith(("stall", "throttle", "calm"))
-    grace = ["--min-clusters", str(sites - 1), "--expect-clusters", str(sites), "--grace-s", f"{0.25 * round_time_s:.3g}"] if quorum else []
+    grace = (
+        ["--min-clusters", str(sites - 1), "--expect-clusters", str(sites), "--grace-s", f"{0.25 * round_time_s:.3g}"]
+        if quorum
+        else []
+    )
     stall = mode.startswith(("stall", "throttle"))
     done: dict[str, dict] = {}
 
@@ -166,19 +203,55 @@ def run_one(args: argparse.Namespace, out_dir: pathlib.Path, sites: int, slowdow
         for i in range(args.shards):
             port_file = logs / f"{tag}-shard{i}.port"
             port_file.unlink(missing_ok=True)
-            argv = dilocox_cli("server", "--num-shards", str(args.shards), "--shard-index", str(i), "--port", "0",
-                               "--port-file", str(port_file), "--run-id", config.run_id, "--outer-lr", str(config.outer.lr),
-                               "--outer-momentum", str(config.outer.momentum), "--min-clusters", str(sites),
-                               "--round-deadline-s", "0", "--log-format", "json", "--insecure", *grace)  # fmt: skip
+            argv = dilocox_cli(
+                "server",
+                "--num-shards",
+                str(args.shards),
+                "--shard-index",
+                str(i),
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--run-id",
+                config.run_id,
+                "--outer-lr",
+                str(config.outer.lr),
+                "--outer-momentum",
+                str(config.outer.momentum),
+                "--min-clusters",
+                str(sites),
+                "--round-deadline-s",
+                "0",
+                "--log-format",
+                "json",
+                "--insecure",
+                *grace,
+            )
             shards.append(ChildProcess(f"shard{i}", argv, logs / f"{tag}-shard{i}.log", env=child_env(1)))
             ports.append(port_file)
         servers = ",".join(f"127.0.0.1:{wait_for_file(pf, shards[i])}" for i, pf in enumerate(ports))
         run.started_at = time.monotonic()
         for site in range(sites):
             slow = ["--simulate-slowdown", f"{slowdown:g}"] if site == sites - 1 and slowdown != 1 else []
-            argv = dilocox_cli("worker", "--servers", servers, "--cluster", f"site-{site}", "--cluster-index", str(site),
-                               "--num-clusters", str(sites), "--threads", "1", "--log-format", "json", "--insecure",
-                               *slow, *config_flags(config))  # fmt: skip
+            argv = dilocox_cli(
+                "worker",
+                "--servers",
+                servers,
+                "--cluster",
+                f"site-{site}",
+                "--cluster-index",
+                str(site),
+                "--num-clusters",
+                str(sites),
+                "--threads",
+                "1",
+                "--log-format",
+                "json",
+                "--insecure",
+                *slow,
+                *config_flags(config),
+            )
             workers.append(ChildProcess(f"site-{site}", argv, logs / f"{tag}-site{site}.log", on_event, child_env(1)))
         wait_all(workers, run.started_at + args.timeout_s, tag)
         run.wall_s = time.monotonic() - run.started_at
@@ -214,15 +287,21 @@ def _plots(out_dir: pathlib.Path, runs: list[UnevenRun]) -> list[str]:
         for run in group:
             points = run.curve()[1:]  # from the first round on: the initial loss would flatten the rest
             style = "--" if run.slowdown == 1 else "-"
-            axes[0].plot([p[1] for p in points], [p[2] for p in points], style, marker="o", markersize=2, label=run.label)
-            axes[1].plot([p[0] for p in points], [p[2] for p in points], style, marker="o", markersize=2, label=run.label)
+            axes[0].plot(
+                [p[1] for p in points], [p[2] for p in points], style, marker="o", markersize=2, label=run.label
+            )
+            axes[1].plot(
+                [p[0] for p in points], [p[2] for p in points], style, marker="o", markersize=2, label=run.label
+            )
         name = f"uneven_n{sites}_x{slowdown:g}.png"
         axes[0].set_title(f"{sites} sites, the last {slowdown:g}× slower", fontsize=10)
         axes[0].set_xlabel("seconds since the sites started")
         axes[0].set_ylabel("eval loss (site 0)")
         axes[0].grid(True, alpha=0.3)
         axes[0].legend(fontsize=7)
-        finish_figure(fig, axes[1], out_dir / name, "tokens trained (all sites)", "eval loss (site 0)", legend_fontsize=7)
+        finish_figure(
+            fig, axes[1], out_dir / name, "tokens trained (all sites)", "eval loss (site 0)", legend_fontsize=7
+        )
         names.append(name)
     return names
 
@@ -243,7 +322,9 @@ def run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
     for sites in site_counts:
         # The budget of a time-boxed round: what a site of the even run needed for H steps.
         even_fixed = run_one(args, out_dir, sites, 1.0, "fixed", 0.0)
-        per_round = [r["compute_s"] for r in even_fixed.rounds if r["round"] > 1] or [r["compute_s"] for r in even_fixed.rounds]
+        per_round = [r["compute_s"] for r in even_fixed.rounds if r["round"] > 1] or [
+            r["compute_s"] for r in even_fixed.rounds
+        ]
         budget = round(sum(per_round) / len(per_round), 3)
         runs.append(even_fixed)
         for slowdown in [1.0, *slowdowns]:
@@ -265,18 +346,41 @@ def run(args: argparse.Namespace, out_dir: pathlib.Path) -> str:
         if even is not None and even.curve() and result.curve():
             common_tokens = min(even.curve()[-1][0], result.curve()[-1][0])
             ref = _at(even.curve(), common_tokens, 0)
-            row["loss_vs_even_at_equal_tokens"] = round(_at(result.curve(), common_tokens, 0) / ref - 1, 4) if ref == ref else float("nan")
+            row["loss_vs_even_at_equal_tokens"] = (
+                round(_at(result.curve(), common_tokens, 0) / ref - 1, 4) if ref == ref else float("nan")
+            )
         rows.append(row)
     (out_dir / "uneven_runs.json").write_text(json.dumps([{**r.summary(), "curve": r.curve()} for r in runs], indent=1))
     plots = _plots(out_dir, runs)
     notes = (
-        "fast_idle_share: the fast sites' seconds blocked on the network over their rounds' wall time. tokens_per_s: all "
+        "fast_idle_share: the fast sites' seconds blocked on the network over their rounds' wall time. tokens_per_s: "
+        "all "
         "sites' tokens over the run's wall time. loss_at_common_time: site 0's eval loss at the wall time every run of "
         "the same sites and slowdown reached. loss_vs_even_at_equal_tokens: relative to the same mode with even sites, "
         "at the tokens both trained (stall-<rule>: relative to calm-<rule>, the same run without the stall). "
-        f"Time-box budget: the even fixed run's mean compute per round. Plots: {', '.join(plots) or matplotlib_missing()}"
+        "Time-box budget: the even fixed run's mean compute per round. Plots: "
+        f"{', '.join(plots) or matplotlib_missing()}"
     )
-    columns = ["sites", "slowdown", "mode", "fast_idle_share", "tokens_per_s", "fast_h", "slow_h", "slow_rounds_late",
-               "final_eval_loss", "loss_at_common_time", "loss_vs_even_at_equal_tokens", "wall_s"]  # fmt: skip
-    return write_report(out_dir, "uneven", "Uneven sites: fixed H vs time-boxed vs quorum + grace", rows, columns, notes,
-                        meta={"rounds": args.rounds, "inner_steps": args.inner_steps, "shards": args.shards})  # fmt: skip
+    columns = [
+        "sites",
+        "slowdown",
+        "mode",
+        "fast_idle_share",
+        "tokens_per_s",
+        "fast_h",
+        "slow_h",
+        "slow_rounds_late",
+        "final_eval_loss",
+        "loss_at_common_time",
+        "loss_vs_even_at_equal_tokens",
+        "wall_s",
+    ]
+    return write_report(
+        out_dir,
+        "uneven",
+        "Uneven sites: fixed H vs time-boxed vs quorum + grace",
+        rows,
+        columns,
+        notes,
+        meta={"rounds": args.rounds, "inner_steps": args.inner_steps, "shards": args.shards},
+    )

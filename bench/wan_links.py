@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dilocox.bench.netns import Topology
 from dilocox.bench.wan_procs import ChildProcess, child_env, python_module, stop_all, wait_for_file
@@ -28,7 +28,11 @@ class LinkSettings:
     jitter_ms: float
 
     def relay_spec(self, throttle: bool) -> dict:
-        return {"rate_mbit": self.rate_mbit if throttle else None, "latency_ms": self.latency_ms, "jitter_ms": self.jitter_ms}
+        return {
+            "rate_mbit": self.rate_mbit if throttle else None,
+            "latency_ms": self.latency_ms,
+            "jitter_ms": self.jitter_ms,
+        }
 
 
 class NamespaceLinks:
@@ -43,7 +47,7 @@ class NamespaceLinks:
         self.settings = settings
         self.topology = Topology(sites, settings.rate_mbit)
 
-    def __enter__(self) -> "NamespaceLinks":
+    def __enter__(self) -> NamespaceLinks:
         self.topology.__enter__()
         return self
 
@@ -72,14 +76,20 @@ class NamespaceLinks:
         return self.topology.counters(site)
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "label": self.label, "namespaces": [self.topology.hub, *(l.namespace for l in self.topology.links)],
-                "qdiscs": self.topology.qdiscs()}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "label": self.label,
+            "namespaces": [self.topology.hub, *(link.namespace for link in self.topology.links)],
+            "qdiscs": self.topology.qdiscs(),
+        }
 
 
 class LoopbackLinks:
     kind = "fallback"
-    label = ("IN-PROCESS FALLBACK (no network namespaces): token-bucket throttle on the gRPC byte streams in a "
-             "user-space relay; AllReduce throttled by sleeping bytes/rate after each collective")  # fmt: skip
+    label = (
+        "IN-PROCESS FALLBACK (no network namespaces): token-bucket throttle on the gRPC byte streams in a "
+        "user-space relay; AllReduce throttled by sleeping bytes/rate after each collective"
+    )
     hub_listen_host = "127.0.0.1"
     relay_throttles = True
     allreduce_throttles = True
@@ -89,7 +99,7 @@ class LoopbackLinks:
         self.settings = settings
         self.reason = reason
 
-    def __enter__(self) -> "LoopbackLinks":
+    def __enter__(self) -> LoopbackLinks:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -126,11 +136,15 @@ Links = NamespaceLinks | LoopbackLinks
 class Relay:
     """The user-space WAN relay (bench/relay.py) in the hub: one listening port per route."""
 
-    def __init__(self, links: Links, routes: list[tuple[int, tuple[str, int]]], work_dir: pathlib.Path, name: str = "relay") -> None:
+    def __init__(
+        self, links: Links, routes: list[tuple[int, tuple[str, int]]], work_dir: pathlib.Path, name: str = "relay"
+    ) -> None:
         """`routes`: (site, upstream address) pairs; `ports[i]` is where site `routes[i][0]` dials."""
         spec = {
             "links": {f"s{site}": links.settings.relay_spec(links.relay_throttles) for site in range(links.sites)},
-            "routes": [{"listen": [links.hub_listen_host, 0], "upstream": list(up), "link": f"s{site}"} for site, up in routes],
+            "routes": [
+                {"listen": [links.hub_listen_host, 0], "upstream": list(up), "link": f"s{site}"} for site, up in routes
+            ],
             "ports_file": str(work_dir / f"{name}.ports"),
             "stats_file": str(work_dir / f"{name}.stats"),
         }
@@ -139,7 +153,9 @@ class Relay:
         spec_path = work_dir / f"{name}.json"
         spec_path.write_text(json.dumps(spec, indent=1))
         self.stats_path = pathlib.Path(spec["stats_file"])
-        self.proc = ChildProcess(name, links.hub_argv(python_module("dilocox.bench.relay", str(spec_path))), work_dir / f"{name}.log")
+        self.proc = ChildProcess(
+            name, links.hub_argv(python_module("dilocox.bench.relay", str(spec_path))), work_dir / f"{name}.log"
+        )
         self.ports = json.loads(wait_for_file(pathlib.Path(spec["ports_file"]), self.proc))
 
     def stop(self) -> dict:
@@ -151,8 +167,19 @@ class Relay:
             return {}
 
 
-def _probe(links: Links, work_dir: pathlib.Path, name: str, sink_argv_of, sink_host: str, sender_argv_of, dial, seconds: float,
-           warmup_s: float, relay_site: int | None = None, wire_bytes: Callable[[], int] | None = None) -> dict:  # fmt: skip
+def _probe(
+    links: Links,
+    work_dir: pathlib.Path,
+    name: str,
+    sink_argv_of,
+    sink_host: str,
+    sender_argv_of,
+    dial,
+    seconds: float,
+    warmup_s: float,
+    relay_site: int | None = None,
+    wire_bytes: Callable[[], int] | None = None,
+) -> dict:
     """One bulk transfer. The rate that counts is `wire_mbit_per_s` where the kernel's counters can be read
     (`wire_bytes`: bytes through the shaped device, sampled over the steady middle of the transfer, frames
     as tbf meters them); `goodput_mbit_per_s` is the payload the sink received after its warm-up."""
@@ -160,8 +187,13 @@ def _probe(links: Links, work_dir: pathlib.Path, name: str, sink_argv_of, sink_h
     flowing = pathlib.Path(str(port_file) + ".flowing")
     port_file.unlink(missing_ok=True)
     flowing.unlink(missing_ok=True)
-    sink = ChildProcess(f"{name}-sink", sink_argv_of(python_module("dilocox.bench.link_probe", "sink", sink_host, str(port_file), str(warmup_s))),
-                        work_dir / f"{name}-sink.log", env=child_env(), capture_stdout=True)  # fmt: skip
+    sink = ChildProcess(
+        f"{name}-sink",
+        sink_argv_of(python_module("dilocox.bench.link_probe", "sink", sink_host, str(port_file), str(warmup_s))),
+        work_dir / f"{name}-sink.log",
+        env=child_env(),
+        capture_stdout=True,
+    )
     procs, relay, wire = [sink], None, None
     try:
         port = int(wait_for_file(port_file, sink, 30))
@@ -169,10 +201,16 @@ def _probe(links: Links, work_dir: pathlib.Path, name: str, sink_argv_of, sink_h
         if relay_site is not None:
             relay = Relay(links, [(relay_site, ("127.0.0.1", port))], work_dir, name=f"{name}-relay")
             port = relay.ports[0]
-        budget = int(links.settings.rate_mbit * 1e6 / 8 * seconds * 1.25)  # a little over what the link takes in `seconds`
-        sender = ChildProcess(f"{name}-send", sender_argv_of(python_module("dilocox.bench.link_probe", "send", host, str(port), str(seconds),
-                                                                           str(budget))),
-                              work_dir / f"{name}-send.log")  # fmt: skip
+        budget = int(
+            links.settings.rate_mbit * 1e6 / 8 * seconds * 1.25
+        )  # a little over what the link takes in `seconds`
+        sender = ChildProcess(
+            f"{name}-send",
+            sender_argv_of(
+                python_module("dilocox.bench.link_probe", "send", host, str(port), str(seconds), str(budget))
+            ),
+            work_dir / f"{name}-send.log",
+        )
         procs.append(sender)
         if wire_bytes is not None:
             wait_for_file(flowing, sender, 30)
@@ -191,10 +229,17 @@ def _probe(links: Links, work_dir: pathlib.Path, name: str, sink_argv_of, sink_h
         stop_all(procs)
     configured = links.settings.rate_mbit
     measured = wire if wire is not None else result["mbit_per_s"]
-    return {"configured_mbit_per_s": configured, "mbit_per_s": measured, "ratio": round(measured / configured, 3),
-            "measured_by": "interface counters (frames through the shaped veth)" if wire is not None else "sink (payload bytes)",
-            "goodput_mbit_per_s": result["mbit_per_s"], "goodput_ratio": round(result["mbit_per_s"] / configured, 3),
-            "sink": result}  # fmt: skip
+    return {
+        "configured_mbit_per_s": configured,
+        "mbit_per_s": measured,
+        "ratio": round(measured / configured, 3),
+        "measured_by": "interface counters (frames through the shaped veth)"
+        if wire is not None
+        else "sink (payload bytes)",
+        "goodput_mbit_per_s": result["mbit_per_s"],
+        "goodput_ratio": round(result["mbit_per_s"] / configured, 3),
+        "sink": result,
+    }
 
 
 def measure_links(links: Links, work_dir: pathlib.Path, seconds: float = 3.0, warmup_s: float = 1.0) -> dict[str, dict]:
@@ -206,16 +251,38 @@ def measure_links(links: Links, work_dir: pathlib.Path, seconds: float = 3.0, wa
     if isinstance(links, NamespaceLinks):
         tx0 = lambda: links.counters(0)["tx_bytes"]  # noqa: E731
         rx0 = lambda: links.counters(0)["rx_bytes"]  # noqa: E731
-        results["uplink site0→hub"] = _probe(links, work_dir, "probe-up", hub, "0.0.0.0", site0, links.hub_address(0), seconds, warmup_s,
-                                             wire_bytes=tx0)  # fmt: skip
-        results["downlink hub→site0"] = _probe(links, work_dir, "probe-down", site0, "0.0.0.0", hub, links.site_address(0), seconds,
-                                               warmup_s, wire_bytes=rx0)  # fmt: skip
+        results["uplink site0→hub"] = _probe(
+            links, work_dir, "probe-up", hub, "0.0.0.0", site0, links.hub_address(0), seconds, warmup_s, wire_bytes=tx0
+        )
+        results["downlink hub→site0"] = _probe(
+            links,
+            work_dir,
+            "probe-down",
+            site0,
+            "0.0.0.0",
+            hub,
+            links.site_address(0),
+            seconds,
+            warmup_s,
+            wire_bytes=rx0,
+        )
         if links.sites >= 2:
             site1 = lambda argv: links.site_argv(1, argv)  # noqa: E731
             rx1 = lambda: links.counters(1)["rx_bytes"]  # noqa: E731
-            results["site0→site1 (AllReduce path)"] = _probe(links, work_dir, "probe-s2s", site1, "0.0.0.0", site0, links.site_address(1),
-                                                              seconds, warmup_s, wire_bytes=rx1)  # fmt: skip
+            results["site0→site1 (AllReduce path)"] = _probe(
+                links,
+                work_dir,
+                "probe-s2s",
+                site1,
+                "0.0.0.0",
+                site0,
+                links.site_address(1),
+                seconds,
+                warmup_s,
+                wire_bytes=rx1,
+            )
     else:  # through the relay's token bucket; the sender plays the site, the sink the hub
-        results["uplink site0→hub (relay throttle)"] = _probe(links, work_dir, "probe-up", hub, "127.0.0.1", site0, "127.0.0.1",
-                                                              seconds, warmup_s, relay_site=0)  # fmt: skip
+        results["uplink site0→hub (relay throttle)"] = _probe(
+            links, work_dir, "probe-up", hub, "127.0.0.1", site0, "127.0.0.1", seconds, warmup_s, relay_site=0
+        )
     return results

@@ -39,12 +39,25 @@ ABLATIONS: dict[str, Mode] = {
     m.name: m
     for m in (
         Mode("no-delay", "DiLoCoX without the one-step delay (synchronous, compressed)", "diloco", {"delay": 0}),
-        Mode("no-compression", "DiLoCoX without compression (fp32 uplink, delayed)", "diloco", {"compress": {"codec": "fp32"}}),
+        Mode(
+            "no-compression",
+            "DiLoCoX without compression (fp32 uplink, delayed)",
+            "diloco",
+            {"compress": {"codec": "fp32"}},
+        ),
         Mode("no-ef", "DiLoCoX without error feedback", "diloco", {"compress": {"error_feedback": False}}),
-        Mode("fixed", "DiLoCoX with fixed rank (r_max) and fixed H", "diloco",
-             {"compress": {"adaptive_rank": False}, "inner": {"adaptive_steps": False}}),  # fmt: skip
-        Mode("adaptive-h", "DiLoCoX with adaptive H (grows H while the exchange outlasts compute)", "diloco",
-             {"inner": {"adaptive_steps": True}}),  # fmt: skip
+        Mode(
+            "fixed",
+            "DiLoCoX with fixed rank (r_max) and fixed H",
+            "diloco",
+            {"compress": {"adaptive_rank": False}, "inner": {"adaptive_steps": False}},
+        ),
+        Mode(
+            "adaptive-h",
+            "DiLoCoX with adaptive H (grows H while the exchange outlasts compute)",
+            "diloco",
+            {"inner": {"adaptive_steps": True}},
+        ),
     )
 }
 ALL_MODES: dict[str, Mode] = {**MODES, **ABLATIONS}

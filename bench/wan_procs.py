@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from dilocox.common.subprocesses import stop_gracefully
 
@@ -36,8 +36,15 @@ def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
 class ChildProcess:
     """A process whose stderr is teed to `log_path`; JSON lines on it go to `on_event` as they arrive."""
 
-    def __init__(self, name: str, argv: list[str], log_path: pathlib.Path, on_event: EventHandler | None = None,
-                 env: dict[str, str] | None = None, capture_stdout: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: pathlib.Path,
+        on_event: EventHandler | None = None,
+        env: dict[str, str] | None = None,
+        capture_stdout: bool = False,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
@@ -45,9 +52,14 @@ class ChildProcess:
         self.stdout_text = ""
         self._capture = capture_stdout
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True, bufsize=1, env=env or child_env(),
-        )  # fmt: skip
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if capture_stdout else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=env or child_env(),
+        )
         self._reader = threading.Thread(target=self._read, name=f"log-{name}", daemon=True)
         self._reader.start()
         self._out_reader = threading.Thread(target=self._read_stdout, daemon=True) if capture_stdout else None

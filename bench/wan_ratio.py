@@ -53,10 +53,13 @@ class PaperRegime:
         return self.allreduce_s / self.step_s
 
     def describe(self) -> str:
-        return (f"{self.model} ({self.params / 1e9:.2f}B parameters) over {self.link_gbit:g} Gbit/s between {self.sites} sites, "
-                f"step {self.step_s:g} s, {self.gradient_bytes}-byte gradients: a ring AllReduce moves "
-                f"{self.allreduce_bytes_per_site / 1e9:.1f} GB per site per step, {self.allreduce_s:.1f} s on the link, "
-                f"r = {self.ratio:.0f}")  # fmt: skip
+        return (
+            f"{self.model} ({self.params / 1e9:.2f}B parameters) over {self.link_gbit:g} Gbit/s between {self.sites} "
+            "sites, "
+            f"step {self.step_s:g} s, {self.gradient_bytes}-byte gradients: a ring AllReduce moves "
+            f"{self.allreduce_bytes_per_site / 1e9:.1f} GB per site per step, {self.allreduce_s:.1f} s on the link, "
+            f"r = {self.ratio:.0f}"
+        )
 
 
 def paper_regime(model: str, sites: int, link_gbit: float, step_s: float | None, gradient_bytes: int) -> PaperRegime:
@@ -65,7 +68,9 @@ def paper_regime(model: str, sites: int, link_gbit: float, step_s: float | None,
     if link_gbit <= 0 or (step_s is not None and step_s <= 0) or gradient_bytes not in (2, 4):
         raise SystemExit("dilocox bench wan: --link-gbit and --step-s must be positive, --gradient-bytes 2 or 4")
     params = sum(math.prod(shape) for _, shape in MODELS[model]())
-    return PaperRegime(model, params, sites, link_gbit, step_s if step_s is not None else DEFAULT_STEP_S[model], gradient_bytes)
+    return PaperRegime(
+        model, params, sites, link_gbit, step_s if step_s is not None else DEFAULT_STEP_S[model], gradient_bytes
+    )
 
 
 def unshaped_links(sites: int) -> LoopbackLinks:
@@ -85,17 +90,33 @@ def join_split(mode: Mode, shaped: ModeResult, unshaped: ModeResult, shaped_step
     shaped_comm = shaped.comm_s / shaped_steps
     unshaped_comm = unshaped.comm_s / steps
     tokens_per_step = unshaped.tokens / steps
-    curve = [CurvePoint(p.tokens, round(p.seconds + (p.tokens / tokens_per_step) * (shaped_comm - unshaped_comm), 3), p.eval_loss)
-             for p in unshaped.curve]  # fmt: skip
+    curve = [
+        CurvePoint(
+            p.tokens, round(p.seconds + (p.tokens / tokens_per_step) * (shaped_comm - unshaped_comm), 3), p.eval_loss
+        )
+        for p in unshaped.curve
+    ]
     train_s = round(unshaped.train_s + steps * (shaped_comm - unshaped_comm), 3)
     comm_s = round(shaped_comm * steps, 3)
     return dataclasses.replace(
-        unshaped, label=mode.label, curve=curve, train_s=train_s, comm_s=comm_s,
+        unshaped,
+        label=mode.label,
+        curve=curve,
+        train_s=train_s,
+        comm_s=comm_s,
         idle_fraction=round(comm_s / train_s, 4) if train_s > 0 else float("nan"),
         bytes_sent_per_site=shaped.bytes_sent_per_site / shaped_steps * steps,
         bytes_received_per_site=shaped.bytes_received_per_site / shaped_steps * steps,
-        bytes_source=f"{shaped.bytes_source} over {shaped_steps} shaped steps, × {steps / shaped_steps:.1f}", wall_s=round(shaped.wall_s + unshaped.wall_s, 1),
-        extra={**unshaped.extra, "split": {"shaped_steps": shaped_steps, "shaped_comm_s_per_step": round(shaped_comm, 4),
-                                           "shaped_compute_s_per_step": round(shaped.compute_s / shaped_steps, 4),
-                                           "unshaped_comm_s_per_step": round(unshaped_comm, 4), "unshaped_train_s": unshaped.train_s}},
-    )  # fmt: skip
+        bytes_source=f"{shaped.bytes_source} over {shaped_steps} shaped steps, × {steps / shaped_steps:.1f}",
+        wall_s=round(shaped.wall_s + unshaped.wall_s, 1),
+        extra={
+            **unshaped.extra,
+            "split": {
+                "shaped_steps": shaped_steps,
+                "shaped_comm_s_per_step": round(shaped_comm, 4),
+                "shaped_compute_s_per_step": round(shaped.compute_s / shaped_steps, 4),
+                "unshaped_comm_s_per_step": round(unshaped_comm, 4),
+                "unshaped_train_s": unshaped.train_s,
+            },
+        },
+    )

@@ -8,13 +8,21 @@ import pathlib
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from dilocox.bench.allreduce_baseline import ring_bytes_per_rank
 from dilocox.bench.wan_links import Links, Relay
 from dilocox.bench.wan_modes import CurvePoint, Mode, ModeResult, mean
-from dilocox.bench.wan_procs import ChildProcess, child_env, dilocox_cli, python_module, stop_all, wait_all, wait_for_file
+from dilocox.bench.wan_procs import (
+    ChildProcess,
+    child_env,
+    dilocox_cli,
+    python_module,
+    stop_all,
+    wait_all,
+    wait_for_file,
+)
 from dilocox.common.config.run import RunConfig, as_dict, config_flags
 
 Progress = Callable[[int, dict], None]  # (units done since the last call, fields to show)
@@ -72,14 +80,35 @@ def run_allreduce(links: Links, mode: Mode, config: RunConfig, options: RunOptio
     try:
         for rank in range(links.sites):
             argv = python_module(
-                "dilocox.bench.allreduce_baseline", "--rank", str(rank), "--world", str(links.sites), "--master", master,
-                "--config-json", json.dumps(as_dict(config)), "--latency-ms", str(settings.latency_ms),
-                "--jitter-ms", str(settings.jitter_ms), "--threads", str(options.threads),
-                "--throttle-mbit", str(settings.rate_mbit if links.allreduce_throttles else 0),
+                "dilocox.bench.allreduce_baseline",
+                "--rank",
+                str(rank),
+                "--world",
+                str(links.sites),
+                "--master",
+                master,
+                "--config-json",
+                json.dumps(as_dict(config)),
+                "--latency-ms",
+                str(settings.latency_ms),
+                "--jitter-ms",
+                str(settings.jitter_ms),
+                "--threads",
+                str(options.threads),
+                "--throttle-mbit",
+                str(settings.rate_mbit if links.allreduce_throttles else 0),
                 *(["--data", options.data] if options.data else []),
-            )  # fmt: skip
+            )
             env = child_env(options.threads, GLOO_SOCKET_IFNAME=links.gloo_ifname(rank))
-            procs.append(ChildProcess(f"{mode.name}-rank{rank}", links.site_argv(rank, argv), work / f"{mode.name}-rank{rank}.log", events, env))
+            procs.append(
+                ChildProcess(
+                    f"{mode.name}-rank{rank}",
+                    links.site_argv(rank, argv),
+                    work / f"{mode.name}-rank{rank}.log",
+                    events,
+                    env,
+                )
+            )
         wait_all(procs, started + options.timeout_s, mode.name)
     finally:
         stop_all(procs)
@@ -92,21 +121,34 @@ def run_allreduce(links: Links, mode: Mode, config: RunConfig, options: RunOptio
     t0 = min(t for _, t in starts.values())
     lead = f"{mode.name}-rank0"
     curve = [CurvePoint(0, 0.0, starts[lead][0]["eval_loss"])]
-    curve += [CurvePoint(e["tokens"], round(t - t0, 3), e["eval_loss"]) for name, e, t in events.of("ar_eval") if name == lead]
+    curve += [
+        CurvePoint(e["tokens"], round(t - t0, 3), e["eval_loss"]) for name, e, t in events.of("ar_eval") if name == lead
+    ]
     done = [e for e, _ in dones.values()]
     measured = _link_bytes(links, before, after)
     app_sent = mean([e["bytes_sent"] for e in done])
     return ModeResult(
-        mode=mode.name, label=mode.label, tokens=done[0]["tokens"], train_s=round(max(t for _, t in dones.values()) - t0, 3),
-        initial_eval_loss=starts[lead][0]["eval_loss"], final_eval_loss=dones[lead][0]["final_eval_loss"], curve=curve,
-        idle_fraction=round(mean([e["idle_fraction"] for e in done]), 4), compute_s=round(mean([e["compute_s"] for e in done]), 3),
+        mode=mode.name,
+        label=mode.label,
+        tokens=done[0]["tokens"],
+        train_s=round(max(t for _, t in dones.values()) - t0, 3),
+        initial_eval_loss=starts[lead][0]["eval_loss"],
+        final_eval_loss=dones[lead][0]["final_eval_loss"],
+        curve=curve,
+        idle_fraction=round(mean([e["idle_fraction"] for e in done]), 4),
+        compute_s=round(mean([e["compute_s"] for e in done]), 3),
         comm_s=round(mean([e["comm_s"] for e in done]), 3),
-        bytes_sent_per_site=measured[0] if measured else app_sent, bytes_received_per_site=measured[1] if measured else app_sent,
+        bytes_sent_per_site=measured[0] if measured else app_sent,
+        bytes_received_per_site=measured[1] if measured else app_sent,
         bytes_source="interface counters" if measured else "computed (ring all-reduce, fp32 gradients)",
-        app_bytes_sent_per_site=app_sent, wall_s=round(wall, 1),
-        extra={"bytes_per_step_per_site": done[0]["bytes_sent"] // max(1, done[0]["steps"]), "steps": done[0]["steps"],
-               "ring_bytes_formula": ring_bytes_per_rank(starts[lead][0]["params"], links.sites)},
-    )  # fmt: skip
+        app_bytes_sent_per_site=app_sent,
+        wall_s=round(wall, 1),
+        extra={
+            "bytes_per_step_per_site": done[0]["bytes_sent"] // max(1, done[0]["steps"]),
+            "steps": done[0]["steps"],
+            "ring_bytes_formula": ring_bytes_per_rank(starts[lead][0]["params"], links.sites),
+        },
+    )
 
 
 # --------------------------------------------------------------------------- DiLoCo family
@@ -126,12 +168,37 @@ def run_diloco(links: Links, mode: Mode, config: RunConfig, options: RunOptions,
             port_file = work / f"{mode.name}-shard{i}.port"
             port_file.unlink(missing_ok=True)
             argv = dilocox_cli(
-                "server", "--num-shards", str(shards), "--shard-index", str(i), "--host", "127.0.0.1", "--port", "0",
-                "--port-file", str(port_file), "--run-id", config.run_id, "--outer-lr", str(config.outer.lr),
-                "--outer-momentum", str(config.outer.momentum), "--min-clusters", str(sites), "--round-deadline-s", "0",
-                "--keep-serving", "--log-format", "json", "--insecure",
-            )  # fmt: skip
-            shard_procs.append(ChildProcess(f"{mode.name}-shard{i}", links.hub_argv(argv), work / f"{mode.name}-shard{i}.log", env=child_env(1)))
+                "server",
+                "--num-shards",
+                str(shards),
+                "--shard-index",
+                str(i),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--run-id",
+                config.run_id,
+                "--outer-lr",
+                str(config.outer.lr),
+                "--outer-momentum",
+                str(config.outer.momentum),
+                "--min-clusters",
+                str(sites),
+                "--round-deadline-s",
+                "0",
+                "--keep-serving",
+                "--log-format",
+                "json",
+                "--insecure",
+            )
+            shard_procs.append(
+                ChildProcess(
+                    f"{mode.name}-shard{i}", links.hub_argv(argv), work / f"{mode.name}-shard{i}.log", env=child_env(1)
+                )
+            )
             ports.append((i, port_file))
         shard_ports = [int(wait_for_file(pf, shard_procs[i])) for i, pf in ports]
         routes = [(site, ("127.0.0.1", port)) for site in range(sites) for port in shard_ports]
@@ -139,12 +206,32 @@ def run_diloco(links: Links, mode: Mode, config: RunConfig, options: RunOptions,
         for site in range(sites):
             servers = ",".join(f"{links.hub_address(site)}:{relay.ports[site * shards + i]}" for i in range(shards))
             argv = dilocox_cli(
-                "worker", "--servers", servers, "--cluster", f"cluster-{site}", "--cluster-index", str(site),
-                "--num-clusters", str(sites), "--threads", str(options.threads), "--log-format", "json", "--insecure",
-                *(["--data", options.data] if options.data else []), *config_flags(config),
-            )  # fmt: skip
-            workers.append(ChildProcess(f"cluster-{site}", links.site_argv(site, argv), work / f"{mode.name}-cluster{site}.log", events,
-                                        child_env(options.threads)))  # fmt: skip
+                "worker",
+                "--servers",
+                servers,
+                "--cluster",
+                f"cluster-{site}",
+                "--cluster-index",
+                str(site),
+                "--num-clusters",
+                str(sites),
+                "--threads",
+                str(options.threads),
+                "--log-format",
+                "json",
+                "--insecure",
+                *(["--data", options.data] if options.data else []),
+                *config_flags(config),
+            )
+            workers.append(
+                ChildProcess(
+                    f"cluster-{site}",
+                    links.site_argv(site, argv),
+                    work / f"{mode.name}-cluster{site}.log",
+                    events,
+                    child_env(options.threads),
+                )
+            )
         wait_all(workers, started + options.timeout_s, mode.name)
     finally:
         stop_all(workers)
@@ -167,7 +254,11 @@ def run_diloco(links: Links, mode: Mode, config: RunConfig, options: RunOptions,
     for r in sorted(by_round):
         items = by_round[r]
         tokens += sum(e["tokens"] for e, _ in items)
-        curve.append(CurvePoint(tokens, round(max(t for _, t in items) - t0, 3), round(mean([e["eval_loss"] for e, _ in items]), 4)))
+        curve.append(
+            CurvePoint(
+                tokens, round(max(t for _, t in items) - t0, 3), round(mean([e["eval_loss"] for e, _ in items]), 4)
+            )
+        )
     done = [e for e, _ in dones.values()]
     final = round(mean([e["final_eval_loss"] for e in done]), 4)
     t_end = max(t for _, t in dones.values())
@@ -178,22 +269,36 @@ def run_diloco(links: Links, mode: Mode, config: RunConfig, options: RunOptions,
     per_site_idle = [sum(e["idle_s"] for e in rs) for rs in site_rounds]
     measured = _link_bytes(links, before, after)
     if measured is None and relay_stats:
-        measured = (mean([relay_stats[f"s{s}"]["bytes"]["up"] for s in range(sites)]),
-                    mean([relay_stats[f"s{s}"]["bytes"]["down"] for s in range(sites)]))  # fmt: skip
+        measured = (
+            mean([relay_stats[f"s{s}"]["bytes"]["up"] for s in range(sites)]),
+            mean([relay_stats[f"s{s}"]["bytes"]["down"] for s in range(sites)]),
+        )
         source = "relay (bytes forwarded)"
     else:
         source = "interface counters"
     return ModeResult(
-        mode=mode.name, label=mode.label, tokens=tokens, train_s=round(t_end - t0, 3),
-        initial_eval_loss=curve[0].eval_loss, final_eval_loss=final, curve=curve,
+        mode=mode.name,
+        label=mode.label,
+        tokens=tokens,
+        train_s=round(t_end - t0, 3),
+        initial_eval_loss=curve[0].eval_loss,
+        final_eval_loss=final,
+        curve=curve,
         idle_fraction=round(mean([i / s for i, s in zip(per_site_idle, per_site_seconds) if s > 0]), 4),
         compute_s=round(mean([e["compute_s"] for e in done]), 3),
         comm_s=round(mean([sum(e["comm_s"] for e in rs) for rs in site_rounds]), 3),
-        bytes_sent_per_site=measured[0] if measured else float("nan"), bytes_received_per_site=measured[1] if measured else float("nan"),
-        bytes_source=source if measured else "unavailable", app_bytes_sent_per_site=mean([e["bytes_up"] for e in done]), wall_s=round(wall, 1),
-        extra={"rounds": len(by_round), "delay": config.delay, "codec": config.compress.codec,
-               "app_bytes_received_per_site": mean([e["bytes_down"] for e in done])},
-    )  # fmt: skip
+        bytes_sent_per_site=measured[0] if measured else float("nan"),
+        bytes_received_per_site=measured[1] if measured else float("nan"),
+        bytes_source=source if measured else "unavailable",
+        app_bytes_sent_per_site=mean([e["bytes_up"] for e in done]),
+        wall_s=round(wall, 1),
+        extra={
+            "rounds": len(by_round),
+            "delay": config.delay,
+            "codec": config.compress.codec,
+            "app_bytes_received_per_site": mean([e["bytes_down"] for e in done]),
+        },
+    )
 
 
 RUNNERS = {"allreduce": run_allreduce, "diloco": run_diloco}

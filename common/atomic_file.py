@@ -19,8 +19,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from typing import Iterator
-
+from collections.abc import Iterator
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

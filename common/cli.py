@@ -10,7 +10,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 from dilocox.common.config.sources import SettingsError, add_config_option, apply_sources, subparsers_of
 
@@ -18,20 +18,53 @@ SUBCOMMANDS = {
     "server": ("dilocox.server.main", "run one aggregation shard"),
     "worker": ("dilocox.worker.main", "run one cluster (trains and syncs with the shards)"),
     "sim": ("dilocox.sim.main", "local simulation: shards + clusters as processes on localhost"),
-    "data": ("dilocox.worker.data.prepare", "prepare a corpus: tokenise it into a token file + manifest that workers stream from disk"),
-    "export": ("dilocox.worker.export.model", "write the run's global model (from running shards or their checkpoints) as loadable files"),
-    "verify": ("dilocox.worker.export.verify", "check a signed export: its signature, every file's digest, nothing added or removed"),
+    "data": (
+        "dilocox.worker.data.prepare",
+        "prepare a corpus: tokenise it into a token file + manifest that workers stream from disk",
+    ),
+    "export": (
+        "dilocox.worker.export.model",
+        "write the run's global model (from running shards or their checkpoints) as loadable files",
+    ),
+    "verify": (
+        "dilocox.worker.export.verify",
+        "check a signed export: its signature, every file's digest, nothing added or removed",
+    ),
     "status": ("dilocox.worker.status", "print what each shard is doing"),
-    "readmit": ("dilocox.worker.readmit", "release a site the shards' update check quarantined (needs the shards' operator token)"),
-    "health": ("dilocox.server.serving.health", "exit 0 if a shard answers the standard gRPC health check with SERVING"),
+    "readmit": (
+        "dilocox.worker.readmit",
+        "release a site the shards' update check quarantined (needs the shards' operator token)",
+    ),
+    "health": (
+        "dilocox.server.serving.health",
+        "exit 0 if a shard answers the standard gRPC health check with SERVING",
+    ),
     "certs": ("dilocox.common.deploy.certs", "make a development CA and server/client certificates for TLS/mTLS"),
-    "bench": ("dilocox.bench.main", "benchmarks: wire, overlap, pipeline, wan (vs AllReduce over shaped links), shard; reports in bench/results/"),
-    "compose": ("dilocox.common.deploy.compose_cli", "docker-compose multi-site simulation: render, build offline, check"),
-    "deploy": ("dilocox.common.deploy.deploy_cli", "render a run's launch files: Slurm (sbatch), Kubernetes (manifests), or a run across clusters (topology file)"),
+    "bench": (
+        "dilocox.bench.main",
+        "benchmarks: wire, overlap, pipeline, wan (vs AllReduce over shaped links), shard; reports in bench/results/",
+    ),
+    "compose": (
+        "dilocox.common.deploy.compose_cli",
+        "docker-compose multi-site simulation: render, build offline, check",
+    ),
+    "deploy": (
+        "dilocox.common.deploy.deploy_cli",
+        "render a run's launch files: Slurm (sbatch), Kubernetes (manifests), or a run across clusters (topology file)",
+    ),
     "link": ("dilocox.common.deploy.link_cli", "shape this host's WAN egress (tc) and measure a link's bulk rate"),
-    "plan": ("dilocox.worker.site.plan_cli", "what a site's layout needs per GPU and per rank, and which layouts fit, before anything is built"),
-    "config": ("dilocox.common.config.show", "print the effective run configuration (flags > env > --config file) as TOML"),
-    "docs": ("dilocox.common.config.cli_reference", "regenerate (or --check) docs/reference.md, every command's flags, from these parsers"),
+    "plan": (
+        "dilocox.worker.site.plan_cli",
+        "what a site's layout needs per GPU and per rank, and which layouts fit, before anything is built",
+    ),
+    "config": (
+        "dilocox.common.config.show",
+        "print the effective run configuration (flags > env > --config file) as TOML",
+    ),
+    "docs": (
+        "dilocox.common.config.cli_reference",
+        "regenerate (or --check) docs/reference.md, every command's flags, from these parsers",
+    ),
 }
 
 

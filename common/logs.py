@@ -11,8 +11,12 @@ import structlog
 
 def add_log_format_argument(parser) -> None:  # noqa: ANN001
     """`--log-format`, the same on every command that logs."""
-    parser.add_argument("--log-format", choices=("kv", "json"), default="kv",
-                        help="kv: key=value lines for people (default); json: one JSON object per line, for log shippers")
+    parser.add_argument(
+        "--log-format",
+        choices=("kv", "json"),
+        default="kv",
+        help="kv: key=value lines for people (default); json: one JSON object per line, for log shippers",
+    )
 
 
 # Libraries whose import-time warnings are about kernels a CPU build cannot load or a registration torch
@@ -51,4 +55,3 @@ def configure_logging(fmt: str = "kv", level: str = "info", stream: TextIO | Non
         logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
-

@@ -46,10 +46,13 @@ def serve_metrics(registry: CollectorRegistry, port: int, host: str, role: str, 
 def add_metrics_arguments(parser, default_host: str | None) -> None:  # noqa: ANN001
     """--metrics-port / --metrics-host, the same on every role that serves metrics."""
     parser.add_argument(
-        "--metrics-port", type=int, default=0,
+        "--metrics-port",
+        type=int,
+        default=0,
         help="serve Prometheus metrics at http://<metrics-host>:PORT/metrics (default 0 = off)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--metrics-host", default=default_host,
+        "--metrics-host",
+        default=default_host,
         help="address the metrics endpoint listens on (default " + (default_host or "the same as --host") + ")",
-    )  # fmt: skip
+    )

@@ -74,7 +74,10 @@ class AsyncTokenInterceptor(grpc.aio.ServerInterceptor):
         async def deny(request, context):  # noqa: ANN001 - gRPC handler signature
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong run token")
 
-        self._deny = {"Push": grpc.stream_unary_rpc_method_handler(deny), "Pull": grpc.unary_stream_rpc_method_handler(deny)}
+        self._deny = {
+            "Push": grpc.stream_unary_rpc_method_handler(deny),
+            "Pull": grpc.unary_stream_rpc_method_handler(deny),
+        }
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001
@@ -149,7 +152,9 @@ def certificate_names(address: str, timeout: float = 5.0) -> list[str]:
             with context.wrap_socket(raw, server_hostname=host.strip("[]")) as tls:
                 der = tls.getpeercert(binary_form=True)
         sans = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        return [str(n) for n in sans.get_values_for_type(x509.DNSName)] + [str(n) for n in sans.get_values_for_type(x509.IPAddress)]
+        return [str(n) for n in sans.get_values_for_type(x509.DNSName)] + [
+            str(n) for n in sans.get_values_for_type(x509.IPAddress)
+        ]
     except Exception:  # noqa: BLE001 - best effort, for an error message only
         return []
 
@@ -158,9 +163,11 @@ def explain_hostname_mismatch(address: str) -> str:
     host = address.rpartition(":")[0].strip("[]")
     names = certificate_names(address)
     held = f"it names {', '.join(names)}" if names else "its names could not be read"
-    return (f"TLS host-name mismatch: the certificate of the shard at {address} is not valid for {host!r} ({held}). "
-            f"Connect by a name the certificate holds, or issue one for this host from the run's CA: "
-            f"dilocox certs --out DIR --ca DIR --hosts {host}")  # fmt: skip
+    return (
+        f"TLS host-name mismatch: the certificate of the shard at {address} is not valid for {host!r} ({held}). "
+        f"Connect by a name the certificate holds, or issue one for this host from the run's CA: "
+        f"dilocox certs --out DIR --ca DIR --hosts {host}"
+    )
 
 
 def add_security_arguments(parser, role: str) -> None:  # noqa: ANN001
@@ -190,7 +197,9 @@ def security_from_args(args, role: str) -> tuple[TlsFiles | None, str | None]:  
         return None, token
     if not wants_tls:
         hint = "--tls-cert and --tls-key" if role == "server" else "--tls-ca"
-        raise ValueError(f"no transport security configured: give {hint} (see `dilocox certs`), or --insecure for plaintext")
+        raise ValueError(
+            f"no transport security configured: give {hint} (see `dilocox certs`), or --insecure for plaintext"
+        )
     if role == "server" and not (args.tls_cert and args.tls_key):
         raise ValueError("a TLS server needs both --tls-cert and --tls-key")
     if role == "worker" and not args.tls_ca:

@@ -43,7 +43,9 @@ def _kind(key) -> str:  # noqa: ANN001
     _, _, ec, ed25519, _, rsa = _primitives()
     if isinstance(key, (ec.EllipticCurvePrivateKey, ec.EllipticCurvePublicKey)):
         if key.curve.name not in _EC_HASHES:
-            raise SigningError(f"EC curve {key.curve.name} is not supported: use P-256 (as `dilocox certs` makes), P-384 or P-521")
+            raise SigningError(
+                f"EC curve {key.curve.name} is not supported: use P-256 (as `dilocox certs` makes), P-384 or P-521"
+            )
         return "ec"
     if isinstance(key, (ed25519.Ed25519PrivateKey, ed25519.Ed25519PublicKey)):
         return "ed25519"
@@ -129,8 +131,8 @@ def load_certificates(data: bytes, what: str) -> list:
         raise SigningError(f"{what} is not a PEM certificate ({error})") from None
     for certificate in certificates:
         try:  # cryptography parses fields lazily: read now what a check will read, so damage shows here, in one line
-            certificate.subject.rfc4514_string(), certificate.issuer.rfc4514_string(), list(certificate.extensions)
-            certificate.not_valid_before_utc, certificate.not_valid_after_utc
+            _read = (certificate.subject.rfc4514_string(), certificate.issuer.rfc4514_string())
+            _read += (list(certificate.extensions), certificate.not_valid_before_utc, certificate.not_valid_after_utc)
             key = certificate.public_key()
         except Exception as error:  # noqa: BLE001 — a damaged certificate fails in many ways (ValueError, KeyError, …)
             raise SigningError(f"{what} cannot be read ({type(error).__name__}: {error})") from None
@@ -167,11 +169,15 @@ class Signer:
         return sign_bytes(self.key, data)
 
     def describe(self) -> str:
-        who = self.certificates[0].subject.rfc4514_string() if self.certificates else describe_key(self.key.public_key())
+        who = (
+            self.certificates[0].subject.rfc4514_string() if self.certificates else describe_key(self.key.public_key())
+        )
         return f"{who} ({algorithm(self.key)})"
 
 
-def load_signer(key_path: str, cert_path: str | None = None, flags: tuple[str, str] = ("--sign-key", "--sign-cert")) -> Signer:
+def load_signer(
+    key_path: str, cert_path: str | None = None, flags: tuple[str, str] = ("--sign-key", "--sign-cert")
+) -> Signer:
     """The signer from `--sign-key` (PEM, unencrypted) and `--sign-cert` (PEM: the signer's certificate,
     then any intermediates), checked before anything is signed: the certificate must be the key's.
     `flags`: the two options' names, for the messages."""
@@ -186,7 +192,9 @@ def load_signer(key_path: str, cert_path: str | None = None, flags: tuple[str, s
     try:
         key = serialization.load_pem_private_key(data, password=None)
     except TypeError:
-        raise SigningError(f"{key_flag} {key_path} is encrypted: give an unencrypted PEM key (as `dilocox certs` writes)") from None
+        raise SigningError(
+            f"{key_flag} {key_path} is encrypted: give an unencrypted PEM key (as `dilocox certs` writes)"
+        ) from None
     except (ValueError, UnsupportedAlgorithm) as error:
         raise SigningError(f"{key_flag} {key_path} is not a PEM private key ({str(error).splitlines()[0]})") from None
     _kind(key)
@@ -198,8 +206,10 @@ def load_signer(key_path: str, cert_path: str | None = None, flags: tuple[str, s
             raise SigningError(f"{cert_flag} {cert_path}: {error.strerror or error}") from None
         certificates = tuple(load_certificates(cert_data, f"{cert_flag} {cert_path}"))
         if key_id(certificates[0].public_key()) != key_id(key.public_key()):
-            raise SigningError(f"{cert_flag} {cert_path} ({certificates[0].subject.rfc4514_string()}) is not the certificate "
-                               f"of {key_flag} {key_path}")  # fmt: skip
+            raise SigningError(
+                f"{cert_flag} {cert_path} ({certificates[0].subject.rfc4514_string()}) is not the certificate "
+                f"of {key_flag} {key_path}"
+            )
     return Signer(key, certificates, key_path)
 
 
@@ -219,14 +229,19 @@ def signs_code(certificate) -> bool:  # noqa: ANN001
 def check_chain(chain: list, cas: list, at: datetime.datetime | None = None) -> str:
     """'' when `chain` (the signer's certificate first, then intermediates) leads to one of `cas` and
     every certificate on the way is valid `at` (now by default); otherwise what is wrong, in one line."""
-    at = at or datetime.datetime.now(datetime.timezone.utc)
+    at = at or datetime.datetime.now(datetime.UTC)
     try:
         from cryptography import x509
         from cryptography.x509.verification import Criticality, ExtensionPolicy, PolicyBuilder, Store, VerificationError
     except ImportError:  # cryptography before 45
         return _check_chain_directly(chain, cas, at)
     ca_policy = ExtensionPolicy.permit_all().require_present(x509.BasicConstraints, Criticality.AGNOSTIC, None)
-    builder = PolicyBuilder().store(Store(cas)).time(at).extension_policies(ca_policy=ca_policy, ee_policy=ExtensionPolicy.permit_all())
+    builder = (
+        PolicyBuilder()
+        .store(Store(cas))
+        .time(at)
+        .extension_policies(ca_policy=ca_policy, ee_policy=ExtensionPolicy.permit_all())
+    )
     try:
         builder.build_client_verifier().verify(chain[0], chain[1:])
     except VerificationError as error:
@@ -242,8 +257,11 @@ def _check_chain_directly(chain: list, cas: list, at: datetime.datetime) -> str:
 
     def problem_with(certificate) -> str:  # noqa: ANN001
         if not certificate.not_valid_before_utc <= at <= certificate.not_valid_after_utc:
-            return f"{certificate.subject.rfc4514_string()} is not valid now (valid {certificate.not_valid_before_utc:%Y-%m-%d} to " \
-                   f"{certificate.not_valid_after_utc:%Y-%m-%d})"  # fmt: skip
+            return (
+                f"{certificate.subject.rfc4514_string()} is not valid now (valid "
+                f"{certificate.not_valid_before_utc:%Y-%m-%d} to "
+                f"{certificate.not_valid_after_utc:%Y-%m-%d})"
+            )
         return ""
 
     def issued(child, parent) -> bool:  # noqa: ANN001

@@ -1,7 +1,7 @@
 """DiLoCoX from a plain PyTorch loop, with a model of your own (a byte-level MLP here).
 
-    dilocox server --port 50051 --run-id own-loop --min-clusters 2 --insecure &
-    python examples/plain_pytorch.py --site 0 & python examples/plain_pytorch.py --site 1
+dilocox server --port 50051 --run-id own-loop --min-clusters 2 --insecure &
+python examples/plain_pytorch.py --site 0 & python examples/plain_pytorch.py --site 1
 """
 
 import argparse
@@ -39,7 +39,9 @@ held_out, data = data[: len(data) // 10], data.chunk(args.sites)[args.site]  # e
 generator = torch.Generator().manual_seed(args.site)
 
 
-def batch(tokens: torch.Tensor, n: int = 32, g: torch.Generator | None = generator) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    tokens: torch.Tensor, n: int = 32, g: torch.Generator | None = generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.randint(0, len(tokens) - CONTEXT - 1, (n,), generator=g)
     windows = torch.stack([tokens[s : s + CONTEXT + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, -1]
@@ -49,8 +51,14 @@ x_eval, y_eval = batch(held_out, 256, torch.Generator().manual_seed(0))
 model = ByteMLP()
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 config = RunConfig(run_id="own-loop", rounds=args.rounds, inner=InnerConfig(steps=20))
-with DiLoCoX(model, servers=args.servers, config=config, cluster=f"site-{args.site}", num_clusters=args.sites,
-             evaluate=torch.no_grad()(lambda: F.cross_entropy(model(x_eval), y_eval).item())) as dx:
+with DiLoCoX(
+    model,
+    servers=args.servers,
+    config=config,
+    cluster=f"site-{args.site}",
+    num_clusters=args.sites,
+    evaluate=torch.no_grad()(lambda: F.cross_entropy(model(x_eval), y_eval).item()),
+) as dx:
     while not dx.done:
         x, y = batch(data)
         loss = F.cross_entropy(model(x), y)
@@ -58,5 +66,8 @@ with DiLoCoX(model, servers=args.servers, config=config, cluster=f"site-{args.si
         loss.backward()
         optimizer.step()
         if report := dx.step(tokens=x.numel(), loss=loss.detach()):
-            print(f"site {args.site} round {report.round}: train loss {report.train_loss:.3f}, eval loss {report.eval_loss:.3f}")
+            print(
+                f"site {args.site} round {report.round}: train loss {report.train_loss:.3f}, eval loss "
+                f"{report.eval_loss:.3f}"
+            )
 print(f"site {args.site} done: eval loss {dx.final_eval_loss:.3f} on the run's final model")

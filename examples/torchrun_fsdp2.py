@@ -26,12 +26,15 @@ world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
 config = RunConfig(run_id="fsdp2", rounds=args.rounds, inner=InnerConfig(steps=10), parallel=ParallelConfig(dp=world))
 mesh = SiteMesh(config.parallel)  # the process group and the site's meshes, from torchrun's environment
 
+
 class ByteNet(nn.Module):  # your model: next byte from each byte, through residual MLP blocks
     def __init__(self, width: int = 64, depth: int = 2) -> None:
         super().__init__()
         self.embed, self.head = nn.Embedding(256, width), nn.Linear(width, 256)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
-                                                  nn.Linear(4 * width, width)) for _ in range(depth))  # fmt: skip
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # the loss of predicting x[:, 1:]
         h = self.embed(x[:, :-1])
@@ -50,8 +53,14 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 text = importlib.resources.files("dilocox.common").joinpath("data/tinyshakespeare.txt").read_bytes()
 data = torch.tensor(list(text), dtype=torch.long)[: len(text) // 33 * 33].view(-1, 33)
 generator = torch.Generator().manual_seed(rank)  # each rank its own batches
-with DiLoCoX(model, servers=args.servers, config=config, cluster="fsdp2-site", mesh=mesh,
-             evaluate=torch.no_grad()(lambda: model(data[:64].to(mesh.device)).item())) as dx:  # fmt: skip
+with DiLoCoX(
+    model,
+    servers=args.servers,
+    config=config,
+    cluster="fsdp2-site",
+    mesh=mesh,
+    evaluate=torch.no_grad()(lambda: model(data[:64].to(mesh.device)).item()),
+) as dx:
     while not dx.done:
         x = data[torch.randint(0, len(data), (16,), generator=generator)].to(mesh.device)
         loss = model(x)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import structlog
 import torch
@@ -37,20 +37,24 @@ from dilocox.common.wire.errors import (
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.staleness import DEFAULT_MAX_WEIGHT_MULTIPLE
+from dilocox.server.checks.robust_mean import AggregateConfig
+from dilocox.server.checks.update_check import UpdateCheck, UpdateCheckConfig
 from dilocox.server.rounds.grace import GraceWindow
-from dilocox.server.state.provenance_chain import RoundsChain, digest_payloads, init_record, version_digests
-from dilocox.server.rounds.round_close import SiteRecord
 from dilocox.server.rounds.recent_rounds import RecentRounds
+from dilocox.server.rounds.round_close import SiteRecord
 from dilocox.server.rounds.round_state import RoundAccumulator
-from dilocox.server.state.run_record import RecordedRun, admit_tokenizer, extended_run_config
 from dilocox.server.rounds.shard_close import RoundClosing
 from dilocox.server.serving.shard_pulls import PullServing
 from dilocox.server.shard_records import JoinResult, PushResult, RoundStats, SealedRound, Snapshot
-from dilocox.server.checks.robust_mean import AggregateConfig
-from dilocox.server.checks.update_check import UpdateCheck, UpdateCheckConfig
+from dilocox.server.state.provenance_chain import RoundsChain, digest_payloads, init_record, version_digests
+from dilocox.server.state.run_record import RecordedRun, admit_tokenizer, extended_run_config
 
 log = structlog.get_logger("dilocox.shard")
-CHECKPOINT_UNSAVED = {"checkpoint_failures": 0, "checkpoint_failing_rounds": 0, "checkpoint_error": ""}  # no --checkpoint-dir
+CHECKPOINT_UNSAVED = {
+    "checkpoint_failures": 0,
+    "checkpoint_failing_rounds": 0,
+    "checkpoint_error": "",
+}  # no --checkpoint-dir
 # Versions whose contributions a shard keeps for sites that come back behind (a restart): `--keep-rounds`.
 DEFAULT_KEEP_ROUNDS = 4
 
@@ -133,11 +137,15 @@ class Shard(RoundClosing, PullServing):
         self.bytes_in = 0
         self.bytes_out = 0
         self.dropped_bytes = 0  # partial contributions discarded when a deadline closed a round without them
-        self.rounds_overruled = 0  # rounds the update check flagged more of than it may act on (server/checks/update_check.py)
+        self.rounds_overruled = (
+            0  # rounds the update check flagged more of than it may act on (server/checks/update_check.py)
+        )
         self.last_round: RoundStats | None = None  # set just before the round's version is published
         # Called (under the shard's lock) with every newly published version, e.g. to checkpoint it.
         self.on_publish: Callable[[Snapshot], None] | None = None
-        self.checkpoint_health = None  # server/state/checkpoint.py's CheckpointHealth, where a checkpointer saves this shard
+        self.checkpoint_health = (
+            None  # server/state/checkpoint.py's CheckpointHealth, where a checkpointer saves this shard
+        )
         self.closing = False  # set by close(): held pulls return at once
         # Called (from any thread) whenever waiting pulls should look again: a publish, a join, a close.
         # The grpc.aio server parks its pulls on these instead of a thread each (server/serving/aio_servicer.py).
@@ -149,15 +157,25 @@ class Shard(RoundClosing, PullServing):
         self.pulled_final: dict[str, set[str]] = {}  # cluster -> names of owned slices it pulled at the final version
         self.on_finished: Callable[[], None] | None = None
         self.replay_mismatches: dict[str, int] = {}  # cluster -> replays that differed, as it last reported
-        self.held_by: dict[str, int] = {}  # cluster -> the newest version it pulled from this shard (since this process started)
+        self.held_by: dict[
+            str, int
+        ] = {}  # cluster -> the newest version it pulled from this shard (since this process started)
         self._digest_lock = threading.Lock()  # one computation of a version's digests, however many pull
         self._readers: dict[int, int] = {}  # id(snapshot) -> pulls streaming it (the close then copies)
-        self.chain = RoundsChain(run_id, shard_index, num_shards)  # one record per published version (server/state/provenance_chain.py)
+        self.chain = RoundsChain(
+            run_id, shard_index, num_shards
+        )  # one record per published version (server/state/provenance_chain.py)
 
     # ------------------------------------------------------------------ membership
     def join(
-        self, run_id: str, cluster: str, digest: str, params: Sequence[tuple[str, Sequence[int]]], run_config_json: str = "",
-        tokenizer_digest: str = "", tokenizer_json: str = "",
+        self,
+        run_id: str,
+        cluster: str,
+        digest: str,
+        params: Sequence[tuple[str, Sequence[int]]],
+        run_config_json: str = "",
+        tokenizer_digest: str = "",
+        tokenizer_json: str = "",
     ) -> JoinResult:
         self._check_run(run_id)
         if not cluster:
@@ -176,9 +194,16 @@ class Shard(RoundClosing, PullServing):
                     "the cluster's model has different parameter names or shapes"
                 )
             recorded = (self.tokenizer_digest, self.tokenizer_json)
-            self.tokenizer_digest, self.tokenizer_json = admit_tokenizer(recorded, cluster, tokenizer_digest, tokenizer_json)
+            self.tokenizer_digest, self.tokenizer_json = admit_tokenizer(
+                recorded, cluster, tokenizer_digest, tokenizer_json
+            )
             if not recorded[0] and self.tokenizer_digest:
-                log.info("run_tokenizer_recorded", shard=self.shard_index, cluster=cluster, tokenizer=self.tokenizer_digest[:19])
+                log.info(
+                    "run_tokenizer_recorded",
+                    shard=self.shard_index,
+                    cluster=cluster,
+                    tokenizer=self.tokenizer_digest[:19],
+                )
             rejoin = cluster in self.members or cluster in self.known
             self.members[cluster] = time.time()
             self.last_seen[cluster] = time.monotonic()
@@ -187,9 +212,18 @@ class Shard(RoundClosing, PullServing):
                 self.initialiser = cluster
             needs_init = self.snapshot is None and self.initialiser == cluster
             version = self.snapshot.version if self.snapshot else -1
-            log.info("cluster_joined", shard=self.shard_index, cluster=cluster, rejoin=rejoin, version=version, initialiser=needs_init)
+            log.info(
+                "cluster_joined",
+                shard=self.shard_index,
+                cluster=cluster,
+                rejoin=rejoin,
+                version=version,
+                initialiser=needs_init,
+            )
             self._notify_waiters()
-            return JoinResult(cluster, version, needs_init, list(self.assignment), self.run_config_json, rejoin, self.tokenizer_digest)
+            return JoinResult(
+                cluster, version, needs_init, list(self.assignment), self.run_config_json, rejoin, self.tokenizer_digest
+            )
 
     def describe(self, run_id: str) -> JoinResult:
         """What a read-only observer (`dilocox export`) needs: the slice map, the run's config and the
@@ -197,9 +231,19 @@ class Shard(RoundClosing, PullServing):
         self._check_run(run_id)
         with self._cond:
             if self.digest is None:
-                raise NotReady(f"shard {self.shard_index} holds no model yet: no cluster has joined run {self.run_id!r}")
-            return JoinResult("", self.version, False, list(self.assignment), self.run_config_json, False,
-                              self.tokenizer_digest, self.tokenizer_json)  # fmt: skip
+                raise NotReady(
+                    f"shard {self.shard_index} holds no model yet: no cluster has joined run {self.run_id!r}"
+                )
+            return JoinResult(
+                "",
+                self.version,
+                False,
+                list(self.assignment),
+                self.run_config_json,
+                False,
+                self.tokenizer_digest,
+                self.tokenizer_json,
+            )
 
     # ------------------------------------------------------------------ pushes
     @property
@@ -283,8 +327,16 @@ class Shard(RoundClosing, PullServing):
             self.last_seen[cluster] = time.monotonic()
             self.sites.setdefault(cluster, SiteRecord()).said(inner_steps, idle_s)
             acc.bytes_in += bytes_in
-            log.info("push_accepted", shard=self.shard_index, cluster=cluster, round=round_, slices=len(fresh),
-                     duplicates=len(encoded) - len(fresh), bytes_in=bytes_in, **({"staleness": staleness} if staleness else {}))  # fmt: skip
+            log.info(
+                "push_accepted",
+                shard=self.shard_index,
+                cluster=cluster,
+                round=round_,
+                slices=len(fresh),
+                duplicates=len(encoded) - len(fresh),
+                bytes_in=bytes_in,
+                **({"staleness": staleness} if staleness else {}),
+            )
         closed = self._close_if_due()  # the reply waits for the publish, as a pull of this round would
         return PushResult(round_, len(fresh), len(encoded) - len(fresh), closed)
 
@@ -335,8 +387,13 @@ class Shard(RoundClosing, PullServing):
             try:
                 self.on_publish(snapshot)
             except Exception as error:  # noqa: BLE001 - a hook (checkpoint, metrics) never fails the round it reports
-                log.error("on_publish_failed", shard=self.shard_index, version=snapshot.version, error=repr(error),
-                          effect="the version is published and served all the same")  # fmt: skip
+                log.error(
+                    "on_publish_failed",
+                    shard=self.shard_index,
+                    version=snapshot.version,
+                    error=repr(error),
+                    effect="the version is published and served all the same",
+                )
 
     def _notify_waiters(self) -> None:
         """Wake every waiting pull (call under the lock): the condition's, and the listeners'."""
@@ -383,8 +440,15 @@ class Shard(RoundClosing, PullServing):
                 self.run_config_json, before = extended_run_config(self.run_config_json, rounds)
             except ValueError as error:
                 raise ValueError(f"shard {self.shard_index}: {error}") from None
-            log.info("run_extended", shard=self.shard_index, rounds_before=before, rounds=rounds, final_version_before=final_before,
-                     final_version=self.final_version, version=self.version)  # fmt: skip
+            log.info(
+                "run_extended",
+                shard=self.shard_index,
+                rounds_before=before,
+                rounds=rounds,
+                final_version_before=final_before,
+                final_version=self.final_version,
+                version=self.version,
+            )
 
     def status(self) -> dict:
         with self._cond:
@@ -403,8 +467,13 @@ class Shard(RoundClosing, PullServing):
                 "bytes_out": self.bytes_out,
                 "initialised": self.snapshot is not None,
                 "min_clusters": self.min_clusters,
-                "state": "uninitialised" if self.snapshot is None else (
-                    "finished" if final is not None and self.version >= final else ("collecting" if acc and acc.contributions else "waiting")),
+                "state": "uninitialised"
+                if self.snapshot is None
+                else (
+                    "finished"
+                    if final is not None and self.version >= final
+                    else ("collecting" if acc and acc.contributions else "waiting")
+                ),
                 "last_round_seconds": self.last_round.latency_s if self.last_round else 0.0,
                 "last_round_closed_at": self.last_round.closed_at if self.last_round else 0.0,
                 "final_version": -1 if final is None else final,
@@ -414,7 +483,11 @@ class Shard(RoundClosing, PullServing):
             }
 
     def _site_state(self, cluster: str) -> dict:
-        return {"cluster": cluster, "member": cluster in self.members, **(self.sites.get(cluster) or SiteRecord()).as_status()}
+        return {
+            "cluster": cluster,
+            "member": cluster in self.members,
+            **(self.sites.get(cluster) or SiteRecord()).as_status(),
+        }
 
     def add_bytes_out(self, n: int) -> None:
         with self._cond:
@@ -431,13 +504,19 @@ class Shard(RoundClosing, PullServing):
                 raise RoundNotOpen(f"round 0 (initial weights) is closed; the open round is {self.open_round}")
             return
         if self.snapshot is None:
-            raise RoundNotOpen(f"shard {self.shard_index} is waiting for its initial weights (round 0), got a push for round {round_}")
+            raise RoundNotOpen(
+                f"shard {self.shard_index} is waiting for its initial weights (round 0), got a push for round {round_}"
+            )
         final = self.final_version
         if final is not None and round_ > final:
-            raise RunOver(f"run {self.run_id!r} ends at version {final}: round {round_} is past it. To train longer, restart "
-                          "every shard with --resume --rounds N first (docs/deploy.md, \"Train longer\")")  # fmt: skip
+            raise RunOver(
+                f"run {self.run_id!r} ends at version {final}: round {round_} is past it. To train longer, restart "
+                'every shard with --resume --rounds N first (docs/deploy.md, "Train longer")'
+            )
         if self._round_closing is not None and round_ == self._round_closing.acc.round:
-            raise RoundNotOpen(f"round {round_} is closed (its version is being computed); the open round is {round_ + 1}")
+            raise RoundNotOpen(
+                f"round {round_} is closed (its version is being computed); the open round is {round_ + 1}"
+            )
         if round_ != self.open_round:
             when = "closed" if round_ < self.open_round else "not open yet"
             raise RoundNotOpen(f"round {round_} is {when}; the open round is {self.open_round}")

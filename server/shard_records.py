@@ -48,7 +48,9 @@ class Snapshot:
     tensors: dict[SliceKey, torch.Tensor]
     momentum: dict[SliceKey, torch.Tensor] = field(default_factory=dict)
     contributions: dict[SliceKey, dict[str, Contribution]] = field(default_factory=dict)
-    digests: dict[tuple[str, SliceKey], bytes] = field(default_factory=dict)  # (function, slice) -> state digest, filled on first ask
+    digests: dict[tuple[str, SliceKey], bytes] = field(
+        default_factory=dict
+    )  # (function, slice) -> state digest, filled on first ask
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from dilocox.common.config.run import RunConfig
 from dilocox.common.security import TlsFiles
 from dilocox.worker.data.corpus import evaluate_run
 from dilocox.worker.data.token_data import TokenData
-from dilocox.worker.export.model import ExportError, from_servers
 from dilocox.worker.exchange.loss_watch import LossWatch
+from dilocox.worker.export.model import ExportError, from_servers
 from dilocox.worker.models.build import build_model
 
 log = structlog.get_logger()
@@ -34,8 +34,16 @@ class GlobalEvalWatch:
     `on_eval(version, loss)` is called for each (a version the shards passed while one was evaluated is
     skipped: the next one read is the newest)."""
 
-    def __init__(self, addresses: list[str], config: RunConfig, data: TokenData, last_version: int,
-                 on_eval: Callable[[int, float], None], tls: TlsFiles | None = None, token: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        addresses: list[str],
+        config: RunConfig,
+        data: TokenData,
+        last_version: int,
+        on_eval: Callable[[int, float], None],
+        tls: TlsFiles | None = None,
+        token: str | None = None,
+    ) -> None:
         self.addresses, self.config, self.data, self.last_version = addresses, config, data, last_version
         self.on_eval, self.tls, self.token = on_eval, tls, token
         self.failed = False  # it stopped on an error: the sim's lines fall back to the sites' own evals
@@ -44,7 +52,7 @@ class GlobalEvalWatch:
         self._thread = threading.Thread(target=self._run, name="sim-global-eval", daemon=True)
         self._model: torch.nn.Module | None = None
 
-    def start(self) -> "GlobalEvalWatch":
+    def start(self) -> GlobalEvalWatch:
         self._thread.start()
         return self
 
@@ -73,8 +81,15 @@ class GlobalEvalWatch:
         wanted = 1
         while wanted <= self.last_version and not self._stop.is_set():
             try:  # long-polls each shard for `wanted`; shards a version apart are read again at the newer one
-                model = from_servers(self.addresses, self.config.run_id, self.tls, self.token, timeout=30, min_version=wanted,
-                                     wait_seconds=1.0)  # fmt: skip
+                model = from_servers(
+                    self.addresses,
+                    self.config.run_id,
+                    self.tls,
+                    self.token,
+                    timeout=30,
+                    min_version=wanted,
+                    wait_seconds=1.0,
+                )
             except ExportError as error:  # no site joined yet, none published yet, shards a version apart: again
                 if error.not_ready:
                     self._stop.wait(0.2)
@@ -86,8 +101,13 @@ class GlobalEvalWatch:
                 loss = self.evaluate(model.tensors)
             verdict = self.watch.observe(model.version, loss)
             if verdict:
-                log.warning(f"global_eval_{self.watch.kind}", version=model.version, eval_loss=round(loss, 4) if math.isfinite(loss) else loss,
-                            best=round(self.watch.best, 4), reason=verdict)  # fmt: skip
+                log.warning(
+                    f"global_eval_{self.watch.kind}",
+                    version=model.version,
+                    eval_loss=round(loss, 4) if math.isfinite(loss) else loss,
+                    best=round(self.watch.best, 4),
+                    reason=verdict,
+                )
             self.on_eval(model.version, loss)
             wanted = model.version + 1
 
@@ -104,7 +124,9 @@ def round_line(round_: int, per_rank: dict[tuple[str, int], dict], global_eval: 
 
     return {
         "round": round_,
-        "eval_loss": mean("eval_loss") if global_eval is None else (round(global_eval, 4) if math.isfinite(global_eval) else None),
+        "eval_loss": mean("eval_loss")
+        if global_eval is None
+        else (round(global_eval, 4) if math.isfinite(global_eval) else None),
         "eval_of": "sites" if global_eval is None else "global",
         "sites": len(leads),
         "train_loss": mean("train_loss"),

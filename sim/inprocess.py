@@ -10,20 +10,20 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.config.run import RunConfig, as_dict
-from dilocox.server.serving.grpc_server import start_server
+from dilocox.common.wire.compression import TensorCompressor
 from dilocox.server.checks.robust_mean import AggregateConfig
-from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 from dilocox.server.checks.update_check import UpdateCheckConfig
+from dilocox.server.serving.grpc_server import start_server
+from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
 from dilocox.sim.push_fault import FaultyPushClient, PushFault
-from dilocox.worker.exchange.aggregator_client import AggregatorClient
-from dilocox.worker.exchange.cluster import DilocoCluster, RoundReport
 from dilocox.worker.data.corpus import load_corpus
 from dilocox.worker.data.token_data import TokenData
+from dilocox.worker.exchange.aggregator_client import AggregatorClient
+from dilocox.worker.exchange.cluster import DilocoCluster, RoundReport
 from dilocox.worker.train.inner_trainer import InnerTrainer
 
 
@@ -78,8 +78,17 @@ def run_in_process(
     `aggregate`: the shards' mean or clipped mean (server/checks/robust_mean.py; None: the plain mean)."""
     corpus = corpus if corpus is not None else load_corpus(None)
     shards = [
-        Shard(i, num_shards, config.run_id, config.outer.lr, config.outer.momentum, min_clusters=num_clusters, keep_rounds=keep_rounds,
-              update_check=update_check, aggregate=aggregate)
+        Shard(
+            i,
+            num_shards,
+            config.run_id,
+            config.outer.lr,
+            config.outer.momentum,
+            min_clusters=num_clusters,
+            keep_rounds=keep_rounds,
+            update_check=update_check,
+            aggregate=aggregate,
+        )
         for i in range(num_shards)
     ]
     servers, addresses = [], []
@@ -93,16 +102,40 @@ def run_in_process(
             before_start(shards)
         for i in range(num_clusters):
             trainer = InnerTrainer(config, corpus, i, num_clusters)
-            compressor = TensorCompressor(config.compress, seed=config.seed, track_deficit=track_deficit) if config.compress.codec != "fp32" else None
+            compressor = (
+                TensorCompressor(config.compress, seed=config.seed, track_deficit=track_deficit)
+                if config.compress.codec != "fp32"
+                else None
+            )
             faulty = {"fault": push_fault} if push_fault is not None else {}
-            client = (FaultyPushClient if faulty else AggregatorClient)(addresses, config.run_id, f"cluster-{i}", config.wire, compressor=compressor,
-                                                                       stale_weighting=config.stale_weighting, connect_timeout=30,
-                                                                       rpc_timeout=max(60.0, timeout_s), **faulty)  # fmt: skip
+            client = (FaultyPushClient if faulty else AggregatorClient)(
+                addresses,
+                config.run_id,
+                f"cluster-{i}",
+                config.wire,
+                compressor=compressor,
+                stale_weighting=config.stale_weighting,
+                connect_timeout=30,
+                rpc_timeout=max(60.0, timeout_s),
+                **faulty,
+            )
             hook = (lambda report, _steps, _version, client=client: on_round(client, report)) if on_round else None
-            clusters.append(DilocoCluster(trainer, client, config.rounds, config.inner.steps, config.delay,
-                                          json.dumps(as_dict(config)), evaluate_every_round=evaluate_every_round,
-                                          on_round=hook, sync_rounds=config.sync_rounds, delayed_start=config.delayed_start, overlap_steps=config.overlap_steps,
-                                          num_clusters=num_clusters))  # fmt: skip
+            clusters.append(
+                DilocoCluster(
+                    trainer,
+                    client,
+                    config.rounds,
+                    config.inner.steps,
+                    config.delay,
+                    json.dumps(as_dict(config)),
+                    evaluate_every_round=evaluate_every_round,
+                    on_round=hook,
+                    sync_rounds=config.sync_rounds,
+                    delayed_start=config.delayed_start,
+                    overlap_steps=config.overlap_steps,
+                    num_clusters=num_clusters,
+                )
+            )
         errors: list[BaseException] = []
 
         def run(cluster: DilocoCluster) -> None:

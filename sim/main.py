@@ -24,13 +24,13 @@ from collections import defaultdict
 import structlog
 
 from dilocox.common.config.run import RunConfig, add_config_arguments, config_flags, config_from_args
-from dilocox.common.logs import add_log_format_argument, configure_logging
+from dilocox.common.deploy import prometheus_config
 from dilocox.common.deploy.certs import make_dev_certificates
 from dilocox.common.deploy.topology import tls_flags
-from dilocox.common.deploy import prometheus_config
-from dilocox.worker.data.sources import CorpusError
+from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.security import TlsFiles
 from dilocox.sim.global_eval import GlobalEvalWatch, round_line
+from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments, load_run_data
 from dilocox.worker.data.tokenizer import TokenizerError, resolve_tokenizer
 from dilocox.worker.tracking import tensorboard_available
@@ -40,27 +40,49 @@ log = structlog.get_logger()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=2, help="aggregation shard processes (default 2)")
-    parser.add_argument("--clusters", type=int, default=2, help="cluster processes, each on its own data shard (default 2)")
+    parser.add_argument(
+        "--clusters", type=int, default=2, help="cluster processes, each on its own data shard (default 2)"
+    )
     add_data_arguments(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per cluster process (default 1)")
     parser.add_argument("--log-dir", type=pathlib.Path, help="keep every process's log here (default: a temp dir)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds (default 1800)")
     parser.add_argument(
-        "--round-deadline-s", type=float, default=120.0,
+        "--round-deadline-s",
+        type=float,
+        default=120.0,
         help="shards close a round this long after its first push with the clusters that made it (default 120)",
-    )  # fmt: skip
-    parser.add_argument("--grace-s", type=float, default=0.0,
-                        help="uneven sites: shards close a round once all clusters but one have delivered, plus at most this "
-                             "grace window (docs/deploy.md, \"Uneven sites\"; default 0: wait for every cluster)")  # fmt: skip
-    parser.add_argument("--slow-cluster", type=float, default=1.0, metavar="F",
-                        help="uneven sites: the last cluster trains at 1/F of its speed (dilocox worker --simulate-slowdown; default 1)")
+    )
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=0.0,
+        help="uneven sites: shards close a round once all clusters but one have delivered, plus at most this "
+        'grace window (docs/deploy.md, "Uneven sites"; default 0: wait for every cluster)',
+    )
+    parser.add_argument(
+        "--slow-cluster",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="uneven sites: the last cluster trains at 1/F of its speed (dilocox worker --simulate-slowdown; "
+        "default 1)",
+    )
     parser.add_argument("--summary-json", type=pathlib.Path, help="also write the final summary here as JSON")
-    parser.add_argument("--metrics-port", type=int, default=0, metavar="P",
-                        help="serve Prometheus metrics on 127.0.0.1: shard i on P+i, cluster j on P+shards+j, and write "
-                             "<log-dir>/prometheus.yml scraping them with the shipped alert rules (default 0: off)")  # fmt: skip
-    parser.add_argument("--no-tensorboard", action="store_true",
-                        help="do not write the clusters' per-round TensorBoard scalars (default: under <log-dir>/tensorboard "
-                             "when the tensorboard package is installed)")  # fmt: skip
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="P",
+        help="serve Prometheus metrics on 127.0.0.1: shard i on P+i, cluster j on P+shards+j, and write "
+        "<log-dir>/prometheus.yml scraping them with the shipped alert rules (default 0: off)",
+    )
+    parser.add_argument(
+        "--no-tensorboard",
+        action="store_true",
+        help="do not write the clusters' per-round TensorBoard scalars (default: under <log-dir>/tensorboard "
+        "when the tensorboard package is installed)",
+    )
     add_log_format_argument(parser)
     parser.add_argument(
         "--tls", action="store_true", help="run with mTLS and a run token (dev certificates made in the log dir)"
@@ -100,7 +122,9 @@ class _ClusterLogReader(threading.Thread):
                 if isinstance(event, dict):
                     if event.get("level") in ("error", "critical"):
                         details = {k: v for k, v in event.items() if k not in ("event", "level", "timestamp", "logger")}
-                        self._error_event = f"{event.get('event')}: " + ", ".join(f"{k}={v}" for k, v in details.items())
+                        self._error_event = f"{event.get('event')}: " + ", ".join(
+                            f"{k}={v}" for k, v in details.items()
+                        )
                     self.on_event(self.cluster, event)
 
     def reason(self) -> str:
@@ -110,8 +134,13 @@ class _ClusterLogReader(threading.Thread):
 
 
 class Simulation:
-    def __init__(self, args: argparse.Namespace, config: RunConfig, log_dir: pathlib.Path,
-                 tensorboard_dir: pathlib.Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        config: RunConfig,
+        log_dir: pathlib.Path,
+        tensorboard_dir: pathlib.Path | None = None,
+    ) -> None:
         self.args = args
         self.config = config
         self.log_dir = log_dir
@@ -135,7 +164,9 @@ class Simulation:
         self.round_lines: list[dict] = []
         self.watch: GlobalEvalWatch | None = None  # the global model's eval per version (sim/global_eval.py)
         self.final_global_eval: float | None = None
-        self.replay_mismatches = 0  # a cluster's replica of the shards' weights differed (worker/exchange/replay_check.py)
+        self.replay_mismatches = (
+            0  # a cluster's replica of the shards' weights differed (worker/exchange/replay_check.py)
+        )
 
     # ------------------------------------------------------------------ processes
     def start_shards(self) -> list[str]:
@@ -145,15 +176,34 @@ class Simulation:
             port_file.unlink(missing_ok=True)  # a reused --log-dir: an earlier run's port is not this shard's
             port_files.append(port_file)
             cmd = _cli(
-                "server", "--num-shards", str(self.args.shards), "--shard-index", str(i), "--port", "0",
-                "--port-file", str(port_file), "--run-id", self.config.run_id,
-                "--outer-lr", str(self.config.outer.lr), "--outer-momentum", str(self.config.outer.momentum),
-                "--min-clusters", str(self._min_clusters), "--expect-clusters", str(self.args.clusters),
-                "--round-deadline-s", str(self.args.round_deadline_s),
+                "server",
+                "--num-shards",
+                str(self.args.shards),
+                "--shard-index",
+                str(i),
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--run-id",
+                self.config.run_id,
+                "--outer-lr",
+                str(self.config.outer.lr),
+                "--outer-momentum",
+                str(self.config.outer.momentum),
+                "--min-clusters",
+                str(self._min_clusters),
+                "--expect-clusters",
+                str(self.args.clusters),
+                "--round-deadline-s",
+                str(self.args.round_deadline_s),
                 *(["--grace-s", f"{self.args.grace_s:g}"] if self.args.grace_s > 0 else []),
-                "--keep-serving", "--log-format", "json", *self.server_security,  # the sim exports, then stops them
+                "--keep-serving",
+                "--log-format",
+                "json",
+                *self.server_security,  # the sim exports, then stops them
                 *self._metrics_flags(i),
-            )  # fmt: skip
+            )
             with (self.log_dir / f"shard-{i}.log").open("w") as out:
                 self.shards.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 60
@@ -161,7 +211,9 @@ class Simulation:
         for i, port_file in enumerate(port_files):
             while not port_file.exists():
                 if self.shards[i].poll() is not None:
-                    raise RuntimeError(f"shard {i} exited with {self.shards[i].returncode}; see {self.log_dir}/shard-{i}.log")
+                    raise RuntimeError(
+                        f"shard {i} exited with {self.shards[i].returncode}; see {self.log_dir}/shard-{i}.log"
+                    )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"shard {i} did not start within 60s; see {self.log_dir}/shard-{i}.log")
                 time.sleep(0.05)
@@ -175,8 +227,12 @@ class Simulation:
         if self.config.tokenizer.startswith("bpe:"):
             started = time.monotonic()
             tokenizer = resolve_tokenizer(self.config.tokenizer, self.args.data, self.args.text_field)
-            log.info("sim_tokenizer_ready", tokenizer=tokenizer.spec, vocab=tokenizer.vocab_size,
-                     seconds=round(time.monotonic() - started, 1))  # fmt: skip
+            log.info(
+                "sim_tokenizer_ready",
+                tokenizer=tokenizer.spec,
+                vocab=tokenizer.vocab_size,
+                seconds=round(time.monotonic() - started, 1),
+            )
 
     def start_watch(self, addresses: list[str]) -> GlobalEvalWatch | None:
         """Evaluate the shards' model at every version, in this process (sim/global_eval.py)."""
@@ -188,15 +244,30 @@ class Simulation:
         tls, token = None, None
         if self.args.tls:
             certs = self.log_dir / "certs"
-            tls, token = TlsFiles(cert=certs / "client.pem", key=certs / "client-key.pem", ca=certs / "ca.pem"), self.worker_security[-1]
-        return GlobalEvalWatch(addresses, self.config, data, self.config.final_version, self._on_global_eval, tls, token).start()
+            tls, token = (
+                TlsFiles(cert=certs / "client.pem", key=certs / "client-key.pem", ca=certs / "ca.pem"),
+                self.worker_security[-1],
+            )
+        return GlobalEvalWatch(
+            addresses, self.config, data, self.config.final_version, self._on_global_eval, tls, token
+        ).start()
 
     def export_model(self, addresses: list[str]) -> str | None:
         """The run's global model, read from the still-running shards into <log dir>/model."""
         out = self.log_dir / "model"
-        command = _cli("export", "--servers", ",".join(addresses), "--run-id", self.config.run_id, "--out", str(out),
-                       "--text-field", self.args.text_field, *(["--data", self.args.data] if self.args.data else []),
-                       *self.worker_security)  # fmt: skip
+        command = _cli(
+            "export",
+            "--servers",
+            ",".join(addresses),
+            "--run-id",
+            self.config.run_id,
+            "--out",
+            str(out),
+            "--text-field",
+            self.args.text_field,
+            *(["--data", self.args.data] if self.args.data else []),
+            *self.worker_security,
+        )
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             log.error("sim_export_failed", error=done.stderr.strip()[-2000:])
@@ -214,24 +285,49 @@ class Simulation:
         if not self.args.metrics_port:
             return None
         path = self.log_dir / "prometheus.yml"
-        path.write_text(prometheus_config.render(prometheus_config.sim_targets(self.args.metrics_port, self.args.shards,
-                                                                               self.args.clusters)))  # fmt: skip
-        log.info("sim_prometheus", config=str(path), command=f"prometheus --config.file {shlex.quote(str(path))}",
-                 dashboard=str(prometheus_config.shipped(prometheus_config.DASHBOARD)))  # fmt: skip
+        path.write_text(
+            prometheus_config.render(
+                prometheus_config.sim_targets(self.args.metrics_port, self.args.shards, self.args.clusters)
+            )
+        )
+        log.info(
+            "sim_prometheus",
+            config=str(path),
+            command=f"prometheus --config.file {shlex.quote(str(path))}",
+            dashboard=str(prometheus_config.shipped(prometheus_config.DASHBOARD)),
+        )
         return path
 
     def start_clusters(self, addresses: list[str]) -> None:
         for j in range(self.args.clusters):
             name = f"cluster-{j}"
             cmd = _cli(
-                "worker", "--servers", ",".join(addresses), "--cluster", name, "--cluster-index", str(j),
-                "--num-clusters", str(self.args.clusters), "--threads", str(self.args.threads), "--log-format", "json",
-                *(["--data", self.args.data] if self.args.data else []), "--text-field", self.args.text_field,
-                *config_flags(self.config), *self.worker_security,
+                "worker",
+                "--servers",
+                ",".join(addresses),
+                "--cluster",
+                name,
+                "--cluster-index",
+                str(j),
+                "--num-clusters",
+                str(self.args.clusters),
+                "--threads",
+                str(self.args.threads),
+                "--log-format",
+                "json",
+                *(["--data", self.args.data] if self.args.data else []),
+                "--text-field",
+                self.args.text_field,
+                *config_flags(self.config),
+                *self.worker_security,
                 *(["--tensorboard-dir", str(self.tensorboard_dir)] if self.tensorboard_dir else []),
                 *self._metrics_flags(self.args.shards + j),
-                *(["--simulate-slowdown", f"{self.args.slow_cluster:g}"] if j == self.args.clusters - 1 and self.args.slow_cluster != 1 else []),
-            )  # fmt: skip
+                *(
+                    ["--simulate-slowdown", f"{self.args.slow_cluster:g}"]
+                    if j == self.args.clusters - 1 and self.args.slow_cluster != 1
+                    else []
+                ),
+            )
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
             self.workers[name] = proc
             reader = _ClusterLogReader(name, proc, self.log_dir / f"{name}.log", self._on_event)
@@ -321,7 +417,11 @@ class Simulation:
                 self.watch.stop(timeout=5.0)
             self.stop_all()
         wall = time.monotonic() - started
-        finals = [e["final_eval_loss"] for (_, rank), e in self._final.items() if rank == 0 and e.get("final_eval_loss") is not None]
+        finals = [
+            e["final_eval_loss"]
+            for (_, rank), e in self._final.items()
+            if rank == 0 and e.get("final_eval_loss") is not None
+        ]
         summary = {
             "ok": not failed and len(finals) == self.args.clusters,
             "failed_clusters": failed,
@@ -330,7 +430,9 @@ class Simulation:
             "rounds": len(self.round_lines),  # the rounds the shards closed (or, without the watch, all reported)
             "initial_eval_loss": round(sum(self._initial.values()) / max(1, len(self._initial)), 4),
             "final_eval_loss": round(sum(finals) / len(finals), 4) if finals else None,
-            "tokens": sum(e["tokens"] for per_round in self._rounds.values() for (_, rank), e in per_round.items() if rank == 0),
+            "tokens": sum(
+                e["tokens"] for per_round in self._rounds.values() for (_, rank), e in per_round.items() if rank == 0
+            ),
             "bytes_up": sum(e.get("bytes_up", 0) for e in self._final.values()),
             "bytes_down": sum(e.get("bytes_down", 0) for e in self._final.values()),
             # of which the one-off end-of-run flush of the error-feedback residuals
@@ -363,8 +465,11 @@ def _tensorboard_dir(args: argparse.Namespace, log_dir: pathlib.Path) -> pathlib
     if args.no_tensorboard:
         return None
     if not tensorboard_available():
-        log.warning("sim_tensorboard_off", reason="the tensorboard package is not installed",
-                    fix="pip install 'dilocox[tracking]'")  # fmt: skip
+        log.warning(
+            "sim_tensorboard_off",
+            reason="the tensorboard package is not installed",
+            fix="pip install 'dilocox[tracking]'",
+        )
         return None
     return log_dir / "tensorboard"
 
@@ -385,8 +490,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("dilocox sim: --shards and --clusters must be at least 1")
     log_dir = args.log_dir or pathlib.Path(tempfile.mkdtemp(prefix="dilocox-sim-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    log.info("sim_starting", shards=args.shards, clusters=args.clusters, rounds=config.rounds,
-             inner_steps=config.inner.steps, log_dir=str(log_dir), pid=os.getpid())  # fmt: skip
+    log.info(
+        "sim_starting",
+        shards=args.shards,
+        clusters=args.clusters,
+        rounds=config.rounds,
+        inner_steps=config.inner.steps,
+        log_dir=str(log_dir),
+        pid=os.getpid(),
+    )
     tensorboard_dir = _tensorboard_dir(args, log_dir)
     _log_tensorboard_command(tensorboard_dir)  # to watch the curves while the run goes on
     try:

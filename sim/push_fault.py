@@ -15,7 +15,7 @@ mismatch.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -34,7 +34,9 @@ class FaultyPushClient(AggregatorClient):
         super().__init__(*args, **kwargs)
         self.fault = fault
 
-    def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor, codec: str | None = None, formed: bool = False) -> EncodedSlice:
+    def _encode(
+        self, round_: int, key: SliceKey, tensor: torch.Tensor, codec: str | None = None, formed: bool = False
+    ) -> EncodedSlice:
         item = super()._encode(round_, key, tensor, codec, formed)
         if round_ == 0:
             return item

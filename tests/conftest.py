@@ -32,17 +32,42 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 class ShardSet:
     """N in-process shards, each a real grpc.Server bound to 127.0.0.1:<free port>."""
 
-    def __init__(self, num_shards: int, run_id: str, min_clusters: int = 1, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 wire: WireConfig | None = None, round_deadline_s: float | None = None,
-                 added_latency_s: float | list[float] = 0.0, grace_s: tuple[float, float] | None = None,
-                 keep_rounds: int = DEFAULT_KEEP_ROUNDS, expect_clusters: int | None = None, update_check=None,  # noqa: ANN001
-                 aggregate=None, **serve) -> None:  # noqa: ANN001  # fmt: skip
+    def __init__(
+        self,
+        num_shards: int,
+        run_id: str,
+        min_clusters: int = 1,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        wire: WireConfig | None = None,
+        round_deadline_s: float | None = None,
+        added_latency_s: float | list[float] = 0.0,
+        grace_s: tuple[float, float] | None = None,
+        keep_rounds: int = DEFAULT_KEEP_ROUNDS,
+        expect_clusters: int | None = None,
+        update_check=None,  # noqa: ANN001
+        aggregate=None,
+        **serve,
+    ) -> None:  # noqa: ANN001
         """`grace_s`: (min, max) of a quorum + grace window (server/rounds/grace.py), one window per shard; `serve`:
         more of `start_server`'s settings (e.g. `pull_cache_bytes`)."""
-        self.shards = [Shard(i, num_shards, run_id, outer_lr, outer_momentum, min_clusters, round_deadline_s,
-                             GraceWindow(*grace_s) if grace_s else None, expect_clusters=expect_clusters, keep_rounds=keep_rounds,
-                             update_check=update_check, aggregate=aggregate)
-                       for i in range(num_shards)]  # fmt: skip
+        self.shards = [
+            Shard(
+                i,
+                num_shards,
+                run_id,
+                outer_lr,
+                outer_momentum,
+                min_clusters,
+                round_deadline_s,
+                GraceWindow(*grace_s) if grace_s else None,
+                expect_clusters=expect_clusters,
+                keep_rounds=keep_rounds,
+                update_check=update_check,
+                aggregate=aggregate,
+            )
+            for i in range(num_shards)
+        ]
         self.servers = []
         self.addresses = []
         latencies = added_latency_s if isinstance(added_latency_s, (list, tuple)) else [added_latency_s] * num_shards
@@ -90,3 +115,12 @@ def slurm(tmp_path_factory):
         pytest.skip(f"Slurm: {error}")
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """The run's CA (as `dilocox certs` makes it) with a signer's certificate, and another CA with one: the
+    export-signing tests' keys."""
+    from tests.pki import two_authorities
+
+    return two_authorities(tmp_path_factory.mktemp("pki"), "signer", "exporter", usage="signer")

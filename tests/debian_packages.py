@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import tempfile
 
-
 LOCK_FILE = os.path.join(tempfile.gettempdir(), "dilocox-tests-apt.lock")
 
 

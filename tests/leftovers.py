@@ -44,7 +44,9 @@ def marked_processes(mark: str) -> dict[int, str]:
             ours = RESOURCE_TRACKER in command and _parent_of(int(entry)) == os.getpid()
         except OSError:  # gone meanwhile, or another user's
             continue
-        if command and EXECNET not in command and not ours:  # a zombie has no command line; xdist's workers are the run's own
+        if (
+            command and EXECNET not in command and not ours
+        ):  # a zombie has no command line; xdist's workers are the run's own
             found[int(entry)] = command
     return found
 

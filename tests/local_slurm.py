@@ -49,27 +49,56 @@ class LocalSlurm:
         munge.chmod(0o700)
         (munge / "munge.key").write_bytes(os.urandom(1024))
         (munge / "munge.key").chmod(0o600)
-        subprocess.run(["munged", "--force", f"--key-file={munge}/munge.key", f"--socket={munge}/sock",
-                        f"--pid-file={munge}/pid", f"--log-file={munge}/log", f"--seed-file={munge}/seed"],
-                       check=True, timeout=30)  # fmt: skip
+        subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--key-file={munge}/munge.key",
+                f"--socket={munge}/sock",
+                f"--pid-file={munge}/pid",
+                f"--log-file={munge}/log",
+                f"--seed-file={munge}/seed",
+            ],
+            check=True,
+            timeout=30,
+        )
         cpus = os.cpu_count() or 1
-        self.conf.write_text("\n".join([
-            "ClusterName=dilocoxtest",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
-            # cred_expire: a requeued job waits this long before it may start again (default 120 s)
-            "AuthType=auth/munge", f"AuthInfo=socket={munge}/sock,cred_expire=5", "CredType=cred/munge",
-            "SlurmUser=root", "SlurmdUser=root",
-            f"StateSaveLocation={self.root}/state", f"SlurmdSpoolDir={self.root}/spool",
-            f"SlurmctldPidFile={self.root}/slurmctld.pid", f"SlurmdPidFile={self.root}/slurmd.pid",
-            f"SlurmctldLogFile={self.root}/log/slurmctld.log", f"SlurmdLogFile={self.root}/log/slurmd.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "JobRequeue=1", "ReturnToService=2",
-            "SchedulerParameters=sched_interval=1,bf_interval=1", "KillWait=10",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=2000 State=UNKNOWN",
-            # every job of the test on one small machine: cores are shared (the test's jobs are light)
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:16",
-        ]) + "\n")  # fmt: skip
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=dilocoxtest",
+                    f"SlurmctldHost={self.node}(127.0.0.1)",
+                    f"SlurmctldPort={free_port()}",
+                    f"SlurmdPort={free_port()}",
+                    # cred_expire: a requeued job waits this long before it may start again (default 120 s)
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={munge}/sock,cred_expire=5",
+                    "CredType=cred/munge",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    f"StateSaveLocation={self.root}/state",
+                    f"SlurmdSpoolDir={self.root}/spool",
+                    f"SlurmctldPidFile={self.root}/slurmctld.pid",
+                    f"SlurmdPidFile={self.root}/slurmd.pid",
+                    f"SlurmctldLogFile={self.root}/log/slurmctld.log",
+                    f"SlurmdLogFile={self.root}/log/slurmd.log",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "MpiDefault=none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "JobRequeue=1",
+                    "ReturnToService=2",
+                    "SchedulerParameters=sched_interval=1,bf_interval=1",
+                    "KillWait=10",
+                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=2000 State=UNKNOWN",
+                    # every job of the test on one small machine: cores are shared (the test's jobs are light)
+                    f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP "
+                    "OverSubscribe=FORCE:16",
+                ]
+            )
+            + "\n"
+        )
         subprocess.run(["slurmctld", "-f", str(self.conf)], check=True, timeout=30, env=self.env)
         subprocess.run(["slurmd", "-f", str(self.conf), "-N", self.node], check=True, timeout=30, env=self.env)
         deadline = time.monotonic() + timeout
@@ -82,7 +111,9 @@ class LocalSlurm:
         raise SlurmUnavailable(f"the node did not come up within {timeout:g}s (sinfo: {state!r}); see {self.root}/log")
 
     def run(self, *argv: str, check: bool = True, cwd: pathlib.Path | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), capture_output=True, text=True, env=self.env, cwd=cwd, check=check, timeout=60)
+        return subprocess.run(
+            list(argv), capture_output=True, text=True, env=self.env, cwd=cwd, check=check, timeout=60
+        )
 
     def sbatch(self, script: pathlib.Path, *flags: str) -> str:
         return self.run("sbatch", "--parsable", *flags, str(script), cwd=script.parent).stdout.strip().split(";")[0]

@@ -15,8 +15,11 @@ from dilocox.worker.train.inner_trainer import InnerTrainer
 
 @pytest.mark.parametrize("model", ["gpt", "llama-tiny"])
 def test_checkpointed_blocks_train_the_same_bits_under_the_same_names(model):
-    base = RunConfig(model=ModelConfig(model=model, block_size=32), inner=InnerConfig(batch_size=4, steps=2),
-                     parallel=ParallelConfig(device="cpu", precision="fp32"))  # fmt: skip
+    base = RunConfig(
+        model=ModelConfig(model=model, block_size=32),
+        inner=InnerConfig(batch_size=4, steps=2),
+        parallel=ParallelConfig(device="cpu", precision="fp32"),
+    )
     runs = {}
     for mode in ("none", "full"):
         torch.manual_seed(0)

@@ -59,8 +59,9 @@ def test_steps_grow_until_the_slow_link_is_hidden():
     trainer = SteppedToy(step_s=0.01)
     try:
         with structlog.testing.capture_logs() as logs:
-            cluster = DilocoCluster(trainer, client, rounds=7, inner_steps=2, delay=1,
-                                    steps_controller=StepsController(2, 100, target=0.9))  # fmt: skip
+            cluster = DilocoCluster(
+                trainer, client, rounds=7, inner_steps=2, delay=1, steps_controller=StepsController(2, 100, target=0.9)
+            )
             cluster.run()
     finally:
         client.close()

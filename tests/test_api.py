@@ -21,8 +21,13 @@ from dilocox.worker.exchange.packed_state import unpack
 
 RUN = "api-run"
 HERE = pathlib.Path(__file__).parent
-CONFIG = RunConfig(run_id=RUN, rounds=3, eval_batches=1, model=ModelConfig(n_layer=1, n_embd=32, block_size=32),
-                   inner=InnerConfig(steps=3, batch_size=4, warmup_steps=2))  # fmt: skip
+CONFIG = RunConfig(
+    run_id=RUN,
+    rounds=3,
+    eval_batches=1,
+    model=ModelConfig(n_layer=1, n_embd=32, block_size=32),
+    inner=InnerConfig(steps=3, batch_size=4, warmup_steps=2),
+)
 CLI = [sys.executable, "-m", "dilocox.common.cli"]
 
 
@@ -33,15 +38,57 @@ def _config_file(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def _cli_site(servers: str, config: pathlib.Path, index: int, clusters: int) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, "worker", "--servers", servers, "--config", str(config), "--cluster", f"cli-{index}",
-                             "--cluster-index", str(index), "--num-clusters", str(clusters), "--insecure", "--threads", "1",
-                             "--log-format", "json"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [
+            *CLI,
+            "worker",
+            "--servers",
+            servers,
+            "--config",
+            str(config),
+            "--cluster",
+            f"cli-{index}",
+            "--cluster-index",
+            str(index),
+            "--num-clusters",
+            str(clusters),
+            "--insecure",
+            "--threads",
+            "1",
+            "--log-format",
+            "json",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
-def _loop_site(servers: str, config: pathlib.Path, index: int, clusters: int, out: pathlib.Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(HERE / "sites" / "own_loop_site.py"), "--servers", servers, "--config", str(config),
-                             "--cluster", f"loop-{index}", "--cluster-index", str(index), "--num-clusters", str(clusters),
-                             "--out", str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+def _loop_site(
+    servers: str, config: pathlib.Path, index: int, clusters: int, out: pathlib.Path, *extra: str
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE / "sites" / "own_loop_site.py"),
+            "--servers",
+            servers,
+            "--config",
+            str(config),
+            "--cluster",
+            f"loop-{index}",
+            "--cluster-index",
+            str(index),
+            "--num-clusters",
+            str(clusters),
+            "--out",
+            str(out),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(*sites: subprocess.Popen, timeout_s: float = 300.0) -> list[str]:
@@ -94,7 +141,10 @@ def test_the_own_loop_gives_the_cli_workers_bits(shard_set, tmp_path):
     by_loop = shard_set(2, RUN)
     _finish(_loop_site(",".join(by_loop.addresses), config, 0, 1, tmp_path / "loop.pt"))
     cli_model, loop_model = _shards_model(by_cli), _shards_model(by_loop)
-    assert cli_model.keys() == loop_model.keys() and by_cli.shards[0].version == by_loop.shards[0].version == CONFIG.final_version
+    assert (
+        cli_model.keys() == loop_model.keys()
+        and by_cli.shards[0].version == by_loop.shards[0].version == CONFIG.final_version
+    )
     different = [key for key in cli_model if not torch.equal(cli_model[key], loop_model[key])]
     assert not different, different
 
@@ -105,12 +155,16 @@ def test_a_site_reloaded_from_its_state_dict_ends_on_the_shards_model(shard_set,
     config, servers = _config_file(tmp_path), ",".join(shards.addresses)
     _finish(_loop_site(servers, config, 0, 1, tmp_path / "state.pt", "--stop-after-round", str(stop_after)))
     saved = torch.load(tmp_path / "state.pt", weights_only=False)["dilocox"]
-    assert saved["round"] == stop_after + 1 and any(unpack(v) for v in saved["exchange"].values()), saved.keys()  # the residuals
+    assert saved["round"] == stop_after + 1 and any(unpack(v) for v in saved["exchange"].values()), (
+        saved.keys()
+    )  # the residuals
     assert all(s.version == stop_after for s in shards.shards)  # the round in flight at the stop reached the shards
     out = _finish(_loop_site(servers, config, 0, 1, tmp_path / "final.pt", "--resume", str(tmp_path / "state.pt")))[0]
     assert f"rounds={CONFIG.rounds - stop_after}" in out  # it trained the rounds left, not the run again
     resumed = next(line for line in out.splitlines() if "replica_resumed" in line)  # by delta, from the
-    assert "how=delta" in resumed and ("rounds_replayed=1" in resumed or "rounds_replayed=0" in resumed), resumed  # state's replica
+    assert "how=delta" in resumed and ("rounds_replayed=1" in resumed or "rounds_replayed=0" in resumed), (
+        resumed
+    )  # state's replica
     assert all(s.version == CONFIG.final_version for s in shards.shards)
     _assert_model_is_the_shards(torch.load(tmp_path / "final.pt"), shards)
     assert sum(s.status()["replay_mismatches"] for s in shards.shards) == 0

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from dilocox.common.wire.assignment import SPLIT_FRACTION, ParamSlice, assign_slices, model_digest, slices_of_shard
 from dilocox.common.config.run import ModelConfig
+from dilocox.common.wire.assignment import SPLIT_FRACTION, ParamSlice, assign_slices, model_digest, slices_of_shard
 from dilocox.common.wire.framing import SliceKey
 
 

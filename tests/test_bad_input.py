@@ -17,17 +17,17 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
+from test_grpc_integration import PARAMS, RUN, _same, _state, _stub, random_tensors
 
+from dilocox.common.config.run import WireConfig
 from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import model_digest
-from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.bundle import BUNDLE_CODEC, BundleEntry, pack_bundle
 from dilocox.common.wire.framing import EncodedSlice, SliceKey, encode_slice, frame_payload
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
-from test_grpc_integration import PARAMS, RUN, _same, _state, _stub, random_tensors
 
 GOOD_WEIGHT = 100.0
 OTHER_WEIGHT = 50.0
@@ -181,9 +181,14 @@ def test_unknown_codec_name_is_unimplemented(scene, reference_round_1):
     refuse(scene, with_bad_slice(scene, bad), Code.UNIMPLEMENTED, "unknown codec 'fp64'", reference_round_1)
 
 
-@pytest.mark.parametrize("codec, written, fragment", [("int8", 1, "quantised payload version 2"),
-                                                      ("int4", 1, "quantised payload version 2"),
-                                                      ("lowrank", 2, "low-rank payload version 3")])  # fmt: skip
+@pytest.mark.parametrize(
+    "codec, written, fragment",
+    [
+        ("int8", 1, "quantised payload version 2"),
+        ("int4", 1, "quantised payload version 2"),
+        ("lowrank", 2, "low-rank payload version 3"),
+    ],
+)
 def test_unsupported_codec_version_is_unimplemented(scene, reference_round_1, codec, written, fragment):
     """Byte 1 of a quantised and of a low-rank payload is its format version; this build writes the
     newest it knows (quantised 1, low-rank 2, which also decodes 1), and the next one is refused."""
@@ -194,10 +199,15 @@ def test_unsupported_codec_version_is_unimplemented(scene, reference_round_1, co
     refuse(scene, with_bad_slice(scene, bad), Code.UNIMPLEMENTED, fragment, reference_round_1)
 
 
-@pytest.mark.parametrize("codec, dtype, fragment", [("fp32", "float16", "codec fp32 carries float32, frame says 'float16'"),
-                                                    ("fp16", "float32", "codec fp16 carries float16, frame says 'float32'"),
-                                                    ("int8", "float32", "codec int8 carries int8, frame says 'float32'"),
-                                                    ("lowrank", "int4", "codec lowrank reconstructs float32")])  # fmt: skip
+@pytest.mark.parametrize(
+    "codec, dtype, fragment",
+    [
+        ("fp32", "float16", "codec fp32 carries float32, frame says 'float16'"),
+        ("fp16", "float32", "codec fp16 carries float16, frame says 'float32'"),
+        ("int8", "float32", "codec int8 carries int8, frame says 'float32'"),
+        ("lowrank", "int4", "codec lowrank reconstructs float32"),
+    ],
+)
 def test_wrong_dtype_for_codec_is_invalid_argument(scene, reference_round_1, codec, dtype, fragment):
     payload, _ = encoded(scene, codec)
     bad = payload_chunks(scene, payload, codec, dtype)
@@ -209,7 +219,10 @@ def bundled_push(scene: Scene, mutate=lambda payload: payload, dtype: str = "flo
     index = scene.shard.slice_map.index
     items = [EncodedSlice.exact(k, scene.deltas[k]) for k in scene.keys]
     payload = mutate(pack_bundle([BundleEntry(index[i.key], i.codec, dtype, i.payload) for i in items]))
-    return [header(), *as_messages(frame_payload(SliceKey("", 0, 0), payload, BUNDLE_CODEC, "", (), max(1, len(payload))))]
+    return [
+        header(),
+        *as_messages(frame_payload(SliceKey("", 0, 0), payload, BUNDLE_CODEC, "", (), max(1, len(payload)))),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -227,7 +240,9 @@ def test_malformed_bundle_is_refused_and_none_of_it_applied(scene, reference_rou
 
 
 def test_wrong_dtype_inside_a_bundle_is_invalid_argument(scene, reference_round_1):
-    refuse(scene, bundled_push(scene, dtype="float16"), Code.INVALID_ARGUMENT, "frame says 'float16'", reference_round_1)
+    refuse(
+        scene, bundled_push(scene, dtype="float16"), Code.INVALID_ARGUMENT, "frame says 'float16'", reference_round_1
+    )
 
 
 def test_a_whole_push_in_one_bundle_is_applied_exactly(scene, reference_round_1):
@@ -242,7 +257,13 @@ def test_chunks_disagreeing_on_dtype_are_invalid_argument(scene, reference_round
     payload, dtype = encoded(scene, "fp32")
     bad = payload_chunks(scene, payload, "fp32", dtype, chunk_bytes=1024)
     bad[-1].dtype = "float16"
-    refuse(scene, with_bad_slice(scene, bad), Code.INVALID_ARGUMENT, "chunks disagree on codec/dtype/shape", reference_round_1)
+    refuse(
+        scene,
+        with_bad_slice(scene, bad),
+        Code.INVALID_ARGUMENT,
+        "chunks disagree on codec/dtype/shape",
+        reference_round_1,
+    )
 
 
 # ----------------------------------------------------------------------------- zstd frames
@@ -254,7 +275,9 @@ def _single_chunk(scene: Scene):
     return chunk
 
 
-@pytest.mark.parametrize("cut, fragment", [(1, "corrupt zstd frame"), (0.5, "corrupt zstd frame"), (4, "not a zstd frame")])
+@pytest.mark.parametrize(
+    "cut, fragment", [(1, "corrupt zstd frame"), (0.5, "corrupt zstd frame"), (4, "not a zstd frame")]
+)
 def test_truncated_zstd_frame_is_data_loss(scene, reference_round_1, cut, fragment):
     """Cut the frame's tail (1 byte, half) or everything after its magic number (4 bytes kept)."""
     chunk = _single_chunk(scene)
@@ -264,8 +287,10 @@ def test_truncated_zstd_frame_is_data_loss(scene, reference_round_1, cut, fragme
     refuse(scene, with_bad_slice(scene, [chunk]), Code.DATA_LOSS, fragment, reference_round_1)
 
 
-@pytest.mark.parametrize("where, fragment", [("body", "doesn't match checksum"), ("checksum", "doesn't match checksum"),
-                                             ("magic", "not a zstd frame")])  # fmt: skip
+@pytest.mark.parametrize(
+    "where, fragment",
+    [("body", "doesn't match checksum"), ("checksum", "doesn't match checksum"), ("magic", "not a zstd frame")],
+)
 def test_bit_flip_in_zstd_frame_is_data_loss(scene, reference_round_1, where, fragment):
     chunk = _single_chunk(scene)
     frame = bytearray(chunk.zstd_frame)
@@ -279,7 +304,13 @@ def test_frame_holding_other_than_the_declared_bytes_is_data_loss(scene, referen
     chunk = _single_chunk(scene)
     size = chunk.raw_bytes
     chunk.raw_bytes -= 4
-    refuse(scene, with_bad_slice(scene, [chunk]), Code.DATA_LOSS, f"frame holds {size} bytes, header says {size - 4}", reference_round_1)
+    refuse(
+        scene,
+        with_bad_slice(scene, [chunk]),
+        Code.DATA_LOSS,
+        f"frame holds {size} bytes, header says {size - 4}",
+        reference_round_1,
+    )
 
 
 # ----------------------------------------------------------------------------- chunk offsets
@@ -302,7 +333,13 @@ def test_overlapping_chunk_offsets_are_invalid_argument(scene, reference_round_1
     """The second chunk starts 4 bytes inside the first; the stream still covers the whole payload."""
     payload, chunks = _small_chunks(scene)
     chunks[1] = _reframe(scene, payload, 252, 512)
-    refuse(scene, with_bad_slice(scene, chunks), Code.INVALID_ARGUMENT, "chunk [252, 512) overlaps bytes [0, 256)", reference_round_1)
+    refuse(
+        scene,
+        with_bad_slice(scene, chunks),
+        Code.INVALID_ARGUMENT,
+        "chunk [252, 512) overlaps bytes [0, 256)",
+        reference_round_1,
+    )
 
 
 def test_repeated_chunk_is_an_overlap(scene, reference_round_1):
@@ -316,29 +353,46 @@ def test_gap_in_chunks_is_invalid_argument_at_stream_end(scene, reference_round_
     """A middle or the last chunk never arrives: the slice is incomplete when the stream ends."""
     _, chunks = _small_chunks(scene)
     del chunks[missing]
-    refuse(scene, with_bad_slice(scene, chunks), Code.INVALID_ARGUMENT, f"stream ended with incomplete slices: {scene.key()}",
-           reference_round_1)  # fmt: skip
+    refuse(
+        scene,
+        with_bad_slice(scene, chunks),
+        Code.INVALID_ARGUMENT,
+        f"stream ended with incomplete slices: {scene.key()}",
+        reference_round_1,
+    )
 
 
 def test_chunk_beyond_the_payload_is_invalid_argument(scene, reference_round_1):
     payload, chunks = _small_chunks(scene)
     chunks[-1].offset += 8
-    refuse(scene, with_bad_slice(scene, chunks), Code.INVALID_ARGUMENT, f"lies outside the {len(payload)}-byte payload",
-           reference_round_1)  # fmt: skip
+    refuse(
+        scene,
+        with_bad_slice(scene, chunks),
+        Code.INVALID_ARGUMENT,
+        f"lies outside the {len(payload)}-byte payload",
+        reference_round_1,
+    )
 
 
 def test_payload_larger_than_the_codec_allows_is_refused_before_allocation(scene, reference_round_1):
     chunk = _single_chunk(scene)
     limit = chunk.payload_bytes  # fp32: exactly the slice's bytes
     chunk.payload_bytes = 1 << 40
-    refuse(scene, with_bad_slice(scene, [chunk]), Code.INVALID_ARGUMENT, f"payload of {1 << 40} bytes is outside [0, {limit}]",
-           reference_round_1)  # fmt: skip
+    refuse(
+        scene,
+        with_bad_slice(scene, [chunk]),
+        Code.INVALID_ARGUMENT,
+        f"payload of {1 << 40} bytes is outside [0, {limit}]",
+        reference_round_1,
+    )
 
 
 def test_negative_chunk_offset_is_invalid_argument(scene, reference_round_1):
     _, chunks = _small_chunks(scene)
     chunks[0].offset = -8
-    refuse(scene, with_bad_slice(scene, chunks), Code.INVALID_ARGUMENT, "chunk [-8, 248) lies outside", reference_round_1)
+    refuse(
+        scene, with_bad_slice(scene, chunks), Code.INVALID_ARGUMENT, "chunk [-8, 248) lies outside", reference_round_1
+    )
 
 
 # ----------------------------------------------------------------------------- values
@@ -351,7 +405,13 @@ def test_non_finite_values_are_invalid_argument(scene, reference_round_1, value,
     tensor[3, 5] = value
     payload, dtype = encoded(scene, codec, tensor)
     bad = payload_chunks(scene, payload, codec, dtype)
-    refuse(scene, with_bad_slice(scene, bad), Code.INVALID_ARGUMENT, f"{codec} payload holds NaN or Inf values", reference_round_1)
+    refuse(
+        scene,
+        with_bad_slice(scene, bad),
+        Code.INVALID_ARGUMENT,
+        f"{codec} payload holds NaN or Inf values",
+        reference_round_1,
+    )
 
 
 def test_non_finite_quantisation_scale_is_invalid_argument(scene, reference_round_1):
@@ -359,7 +419,9 @@ def test_non_finite_quantisation_scale_is_invalid_argument(scene, reference_roun
     payload, dtype = encoded(scene, "int8")
     payload[15:19] = struct.pack("<f", math.nan)
     bad = payload_chunks(scene, payload, "int8", dtype)
-    refuse(scene, with_bad_slice(scene, bad), Code.INVALID_ARGUMENT, "NaN, Inf or negative block scale", reference_round_1)
+    refuse(
+        scene, with_bad_slice(scene, bad), Code.INVALID_ARGUMENT, "NaN, Inf or negative block scale", reference_round_1
+    )
 
 
 def test_non_finite_value_in_a_scalar_parameter_is_invalid_argument(scene, reference_round_1):
@@ -368,7 +430,9 @@ def test_non_finite_value_in_a_scalar_parameter_is_invalid_argument(scene, refer
     refuse(scene, with_bad_slice(scene, bad, key=key), Code.INVALID_ARGUMENT, "NaN or Inf", reference_round_1)
 
 
-@pytest.mark.parametrize("field, value", [("own", True), ("is_delta", True), ("momentum", True), ("contributor", "good")])
+@pytest.mark.parametrize(
+    "field, value", [("own", True), ("is_delta", True), ("momentum", True), ("contributor", "good")]
+)
 def test_pull_only_fields_in_a_push_are_invalid_argument(scene, reference_round_1, field, value):
     """`own` once made the shard skip decoding: a NaN slice was stored and failed the round at its close."""
     tensor = scene.deltas[scene.key()].clone()
@@ -426,10 +490,21 @@ def test_a_push_that_ends_before_its_declared_chunks_applies_none_of_it(scene, r
     messages = good_messages(scene)
     head = header()
     head.header.chunks = len(messages) + 1
-    refuse(scene, [head, *messages], Code.INVALID_ARGUMENT, f"ended after {len(messages)} of the {len(messages) + 1} chunk messages",
-           reference_round_1)  # fmt: skip
+    refuse(
+        scene,
+        [head, *messages],
+        Code.INVALID_ARGUMENT,
+        f"ended after {len(messages)} of the {len(messages) + 1} chunk messages",
+        reference_round_1,
+    )
     head.header.chunks = len(messages) - 1
-    refuse(scene, [head, *messages], Code.INVALID_ARGUMENT, f"more chunk messages than the {len(messages) - 1}", reference_round_1)
+    refuse(
+        scene,
+        [head, *messages],
+        Code.INVALID_ARGUMENT,
+        f"more chunk messages than the {len(messages) - 1}",
+        reference_round_1,
+    )
 
 
 # ----------------------------------------------------------------------------- stream structure
@@ -454,7 +529,13 @@ def test_misordered_headers_are_invalid_argument(scene, reference_round_1, build
 @pytest.mark.parametrize("weight", [-1.0, 0.0, -0.0, float("nan"), float("inf"), float("-inf")])
 def test_bad_weight_is_invalid_argument(scene, reference_round_1, weight):
     messages = [header(weight=weight), *good_messages(scene)]
-    refuse(scene, messages, Code.INVALID_ARGUMENT, "weight (tokens trained) must be a positive finite number", reference_round_1)
+    refuse(
+        scene,
+        messages,
+        Code.INVALID_ARGUMENT,
+        "weight (tokens trained) must be a positive finite number",
+        reference_round_1,
+    )
 
 
 def test_weight_changing_within_a_round_is_invalid_argument(scene, reference_round_1):
@@ -462,7 +543,9 @@ def test_weight_changing_within_a_round_is_invalid_argument(scene, reference_rou
     first = scene.keys[0]
     scene.stub.Push(iter(declared([header(), *as_messages(encode_slice(first, scene.deltas[first]))])), timeout=30)
     messages = [header(weight=OTHER_WEIGHT * 2), *good_messages(scene, without=first)]
-    refuse(scene, messages, Code.INVALID_ARGUMENT, f"already pushed round 1 with weight {OTHER_WEIGHT}", reference_round_1)
+    refuse(
+        scene, messages, Code.INVALID_ARGUMENT, f"already pushed round 1 with weight {OTHER_WEIGHT}", reference_round_1
+    )
 
 
 # ----------------------------------------------------------------------------- wrong run
@@ -470,14 +553,18 @@ def test_weight_changing_within_a_round_is_invalid_argument(scene, reference_rou
 
 def test_unknown_run_id_on_push_is_permission_denied(scene, reference_round_1):
     messages = [header(run_id="someone-else"), *good_messages(scene)]
-    refuse(scene, messages, Code.PERMISSION_DENIED, f"this shard serves run {RUN!r}, not 'someone-else'", reference_round_1)
+    refuse(
+        scene, messages, Code.PERMISSION_DENIED, f"this shard serves run {RUN!r}, not 'someone-else'", reference_round_1
+    )
 
 
 @pytest.mark.parametrize("min_version", [0, 1])
 def test_unknown_run_id_on_pull_is_permission_denied(scene, reference_round_1, min_version):
     """A pull for a published version (0) and one that would have to wait (1) are refused alike, at once."""
     before = full_state(scene.shard)
-    request = pb.PullRequest(run_id="someone-else", cluster="other", min_version=min_version, wait_seconds=30, have_version=-1)
+    request = pb.PullRequest(
+        run_id="someone-else", cluster="other", min_version=min_version, wait_seconds=30, have_version=-1
+    )
     with pytest.raises(grpc.RpcError) as info:
         list(scene.stub.Pull(request, timeout=10))
     assert info.value.code() == Code.PERMISSION_DENIED

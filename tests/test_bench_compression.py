@@ -13,10 +13,25 @@ import pytest
 def test_compression_bench_writes_a_table_with_every_setting(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "dilocox.common.cli", "bench", "compression", "--rounds", "2", "--inner-steps", "3",
-         "--settings", "r6-sync,default-sync", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dilocox.common.cli",
+            "bench",
+            "compression",
+            "--rounds",
+            "2",
+            "--inner-steps",
+            "3",
+            "--settings",
+            "r6-sync,default-sync",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads((out / "compression.json").read_text())["rows"]
     assert [r["setting"] for r in rows] == ["fp32-sync", "r6-sync", "default-sync"]  # the reference runs first

@@ -20,10 +20,29 @@ def test_layer_shapes_are_a_llama_layers_matrices():
 def test_exchange_bench_writes_every_stage_with_its_reference(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "dilocox.common.cli", "bench", "exchange", "--model", "llama-20m", "--threads", "1,2",
-         "--repeats", "1", "--train-seconds", "1", "--pace-s", "0.2", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dilocox.common.cli",
+            "bench",
+            "exchange",
+            "--model",
+            "llama-20m",
+            "--threads",
+            "1,2",
+            "--repeats",
+            "1",
+            "--train-seconds",
+            "1",
+            "--pace-s",
+            "0.2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((out / "exchange.json").read_text())
     rows = report["rows"]

@@ -48,8 +48,13 @@ def test_each_kind_changes_what_the_faulty_site_sends_in_the_same_codec(kind, ho
         assert fault("site-0", 5, item) is item and fault("site-3", 2, item) is item  # other sites, earlier rounds
         out = fault("site-3", 5, item)
         assert (out.key, out.codec, out.shape) == (item.key, item.codec, item.shape) and out.payload != item.payload
-        if kind == "bitflip":  # the top exponent bit can make a payload the shards refuse as overflowing: its values stay finite
-            assert all(torch.isfinite(v).all() for v in (lowrank_factors(out.payload) if out.codec == "lowrank" else [out.decode()]))
+        if (
+            kind == "bitflip"
+        ):  # the top exponent bit can make a payload the shards refuse as overflowing: its values stay finite
+            assert all(
+                torch.isfinite(v).all()
+                for v in (lowrank_factors(out.payload) if out.codec == "lowrank" else [out.decode()])
+            )
             continue
         before, after = item.decode(), out.decode()
         assert torch.isfinite(after).all()
@@ -58,7 +63,9 @@ def test_each_kind_changes_what_the_faulty_site_sends_in_the_same_codec(kind, ho
         elif kind == "sign":
             assert cosine(after, before) < -0.999
         elif kind == "noise":  # the same norm (to within quantisation), pointing nowhere in particular
-            assert float(after.norm() / before.norm()) == pytest.approx(1, rel=0.15) and abs(cosine(after, before)) < 0.3
+            assert (
+                float(after.norm() / before.norm()) == pytest.approx(1, rel=0.15) and abs(cosine(after, before)) < 0.3
+            )
     assert fault.flipped > 0 if kind.startswith("bitflip") else fault.flipped == 0
 
 
@@ -106,13 +113,19 @@ def test_replay_sends_the_exact_payload_of_the_round_before_the_fault(honest):
         SiteFault("site-3", "replay", from_round=1)
 
 
-TINY = RunConfig(run_id="faults-test", rounds=3, inner=InnerConfig(steps=2, batch_size=4, warmup_steps=1), eval_batches=1,
-                 model=ModelConfig(n_embd=32, n_head=2, n_layer=1, block_size=32))  # fmt: skip
+TINY = RunConfig(
+    run_id="faults-test",
+    rounds=3,
+    inner=InnerConfig(steps=2, batch_size=4, warmup_steps=1),
+    eval_batches=1,
+    model=ModelConfig(n_embd=32, n_head=2, n_layer=1, block_size=32),
+)
 
 
 def test_a_site_failing_mid_run_ends_the_in_process_run_without_waiting_for_the_others():
     """One cluster fails (here its push in round 2); the others then wait for a round that never closes:
-    the run raises its error without waiting for them or for its timeout (their clients close within a pull wait, 30 s)."""
+    the run raises its error without waiting for them or for its timeout (their clients close within a pull wait, 30
+    s)."""
 
     def broken(cluster: str, round_: int, item: EncodedSlice) -> EncodedSlice:
         if cluster == "cluster-1" and round_ == 2:
@@ -131,20 +144,48 @@ def test_a_site_failing_mid_run_ends_the_in_process_run_without_waiting_for_the_
 def test_the_drill_flags_and_leaves_out_a_x100_site_and_raises_no_false_alarm(tmp_path, split):
     parser = argparse.ArgumentParser()
     faults.add_arguments(parser)
-    args = parser.parse_args(["--kinds", "scale", "--modes", "exclude", "--rounds", "4", "--fault-round", "2", "--inner-steps", "3",
-                              "--n-embd", "32", "--data-split", split])  # fmt: skip
+    args = parser.parse_args(
+        [
+            "--kinds",
+            "scale",
+            "--modes",
+            "exclude",
+            "--rounds",
+            "4",
+            "--fault-round",
+            "2",
+            "--inner-steps",
+            "3",
+            "--n-embd",
+            "32",
+            "--data-split",
+            split,
+        ]
+    )
     text = faults.run(args, tmp_path)
     rows = {row["kind"]: row for row in json.loads((tmp_path / "faults.json").read_text())["rows"]}
     assert set(rows) == {"clean", "scale"}
     for row in rows.values():
-        assert {"mode", "final_eval_loss", "loss_vs_clean", "first_flagged", "flagged_rounds", "excluded_rounds", "false_alarms",
-                "honest_min_cosine"} <= set(row) and "error" not in row  # fmt: skip
+        assert {
+            "mode",
+            "final_eval_loss",
+            "loss_vs_clean",
+            "first_flagged",
+            "flagged_rounds",
+            "excluded_rounds",
+            "false_alarms",
+            "honest_min_cosine",
+        } <= set(row) and "error" not in row
         assert row["final_eval_loss"] == row["final_eval_loss"] and row["false_alarms"] == 0, row
     assert rows["clean"]["excluded_rounds"] == "- / -" and rows["clean"]["loss_vs_clean"] == "+0.00%"
     scale = rows["scale"]
     # Both shards flag it from its first faulty round on, every training round, and leave it out — of the
     # end-of-run flush (round 5, not judged) too: it is quarantined by then.
-    assert scale["first_flagged"] == "2 / 2" and scale["flagged_rounds"] == "3/3 / 3/3" and scale["excluded_rounds"] == "2-5 / 2-5"
+    assert (
+        scale["first_flagged"] == "2 / 2"
+        and scale["flagged_rounds"] == "3/3 / 3/3"
+        and scale["excluded_rounds"] == "2-5 / 2-5"
+    )
     assert "outsized" in scale["reasons"]
     assert abs(float(scale["loss_vs_clean"].rstrip("%"))) < 5  # left out: the others' run, not a ×100 one
     assert "no false alarm: met" in text and "| scale | exclude |" in text

@@ -15,16 +15,38 @@ def _events() -> list[dict]:
     events = [{"event": "rank_share", "rank": r, "params_held": 25_000_000} for r in (0, 1)]
     for round_ in (1, 2, 3):
         for rank, rss in ((0, 1000 + 100 * round_), (1, 900 + 10 * round_)):
-            events.append({"event": "boundary_done", "rank": rank, "round": round_, "rss_before_mb": rss, "read_s": 0.1, "write_s": 0.2})
-        events.append({"event": "round_done", "rank": 0, "round": round_, "seconds": 2.0, "compute_s": 1.5, "tokens": 300})
+            events.append(
+                {
+                    "event": "boundary_done",
+                    "rank": rank,
+                    "round": round_,
+                    "rss_before_mb": rss,
+                    "read_s": 0.1,
+                    "write_s": 0.2,
+                }
+            )
+        events.append(
+            {"event": "round_done", "rank": 0, "round": round_, "seconds": 2.0, "compute_s": 1.5, "tokens": 300}
+        )
     for rank in (0, 1):
-        events.append({"event": "exchange_memory", "rank": rank, "params_owned": 1_000_000, "total_bytes": 12_500_000,
-                       "own_push_bytes": 500_000, "bytes_per_held_param": 0.5, "spilled_bytes": 4_000_000})  # fmt: skip
+        events.append(
+            {
+                "event": "exchange_memory",
+                "rank": rank,
+                "params_owned": 1_000_000,
+                "total_bytes": 12_500_000,
+                "own_push_bytes": 500_000,
+                "bytes_per_held_param": 0.5,
+                "spilled_bytes": 4_000_000,
+            }
+        )
     return events
 
 
 def test_a_row_reports_the_steady_resident_set_and_the_bytes_per_owned_parameter():
-    run = LayoutRun(1, 2, extra=VARIANTS["lean"], variant="lean", events=_events(), peak_rss_kb={0: 2048 * 1024, 1: 1024 * 1024})
+    run = LayoutRun(
+        1, 2, extra=VARIANTS["lean"], variant="lean", events=_events(), peak_rss_kb={0: 2048 * 1024, 1: 1024 * 1024}
+    )
     row = summarize(run)
     assert row["layout"] == "pp1×dp2 lean"
     assert row["steady_rss_mb_per_rank"] == [1300, 930]  # the most of rounds 2-3, as each round's training ended
@@ -35,7 +57,14 @@ def test_a_row_reports_the_steady_resident_set_and_the_bytes_per_owned_parameter
 
 def test_a_variants_folders_are_its_own_and_an_unknown_variant_is_refused_by_name():
     flags = layout_flags(LayoutRun(2, 2, extra=VARIANTS["lean"], variant="lean"))
-    assert flags[-6:] == ["--checkpoint-dir", "{work}/checkpoints", "--checkpoint-staging", "sync", "--spill-dir", "{work}/spill"]
+    assert flags[-6:] == [
+        "--checkpoint-dir",
+        "{work}/checkpoints",
+        "--checkpoint-staging",
+        "sync",
+        "--spill-dir",
+        "{work}/spill",
+    ]
     from dilocox.bench.train import _layout_rows
 
     args = argparse.Namespace(layouts="1x2", layout_variants="memory,fast", layout_model="--n-layer 1")

@@ -33,10 +33,25 @@ def test_paper_models_have_their_sizes():
 
 def test_projection_arithmetic(tmp_path):
     report = tmp_path / "scale.json"
-    row = {"model": "m", "params_M": 100.0, "M": 2, "full_M": 2, "N": 2, "codec": "default", "compress_s": 1.0,
-           "pull_replay_s": 2.0, "decode_apply_MB_s": 1000.0, "shard_rss_vs_owned": 3.0, "checkpoint_MB": 800.0,
-           "checkpoint_write_s": 2.0}  # fmt: skip
-    others = [{**row, "params_M": 10.0}, {**row, "codec": "fp32", "params_M": 500.0}, {**row, "error_feedback": False, "params_M": 900.0}]
+    row = {
+        "model": "m",
+        "params_M": 100.0,
+        "M": 2,
+        "full_M": 2,
+        "N": 2,
+        "codec": "default",
+        "compress_s": 1.0,
+        "pull_replay_s": 2.0,
+        "decode_apply_MB_s": 1000.0,
+        "shard_rss_vs_owned": 3.0,
+        "checkpoint_MB": 800.0,
+        "checkpoint_write_s": 2.0,
+    }
+    others = [
+        {**row, "params_M": 10.0},
+        {**row, "codec": "fp32", "params_M": 500.0},
+        {**row, "error_feedback": False, "params_M": 900.0},
+    ]
     report.write_text(json.dumps({"rows": [row, *others]}))
     costs = measured_costs(report)
     assert costs["compress_s_per_param"] == 1.0 / 100e6 and costs["shard_dense_bytes_per_s"] == 1e9
@@ -49,9 +64,21 @@ def test_projection_arithmetic(tmp_path):
 
 
 def test_projection_from_an_exchange_report_takes_its_one_thread_stage_costs(tmp_path):
-    stages = {"pseudo_gradient": 0.5, "compress_ef": 2.5, "frame_zstd": 0.0, "vet": 0.1, "decode": 0.7, "replay": 1.5,
-              "replay_check": 0.3, "shard_close": 0.8}  # fmt: skip
-    rows = [{"threads": t, "stage": s, "ns_per_param": ns * (1 if t == 1 else 9)} for t in (1, 2) for s, ns in stages.items()]
+    stages = {
+        "pseudo_gradient": 0.5,
+        "compress_ef": 2.5,
+        "frame_zstd": 0.0,
+        "vet": 0.1,
+        "decode": 0.7,
+        "replay": 1.5,
+        "replay_check": 0.3,
+        "shard_close": 0.8,
+    }
+    rows = [
+        {"threads": t, "stage": s, "ns_per_param": ns * (1 if t == 1 else 9)}
+        for t in (1, 2)
+        for s, ns in stages.items()
+    ]
     report = tmp_path / "exchange.json"
     report.write_text(json.dumps({"rows": rows, "meta": {"clusters": 2}}))
     costs = exchange_costs(report, rss_vs_owned=3.5)

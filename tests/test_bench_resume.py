@@ -18,8 +18,12 @@ def test_a_restart_pulls_the_rounds_it_missed_and_ends_on_the_same_replica():
     rows = measure("gpt", _args(), [1, 3])
     assert [(r["behind"], r["how"], r["replica_equal"]) for r in rows] == [(1, "delta", True), (3, "delta", True)]
     one, three = rows
-    assert one["bytes_down"] < three["bytes_down"] < three["full_pull_bytes"] / 4  # each round compressed, not the model
-    assert 4 * one["params"] < one["full_pull_bytes"] < 8.5 * one["params"]  # the weights and momentum (zstd-packed fp32)
+    assert (
+        one["bytes_down"] < three["bytes_down"] < three["full_pull_bytes"] / 4
+    )  # each round compressed, not the model
+    assert (
+        4 * one["params"] < one["full_pull_bytes"] < 8.5 * one["params"]
+    )  # the weights and momentum (zstd-packed fp32)
 
 
 def test_the_107b_projection_counts_every_sites_round_against_8_bytes_a_parameter():

@@ -12,11 +12,17 @@ import pytest
 @pytest.mark.timeout(1200)  # a hang guard: about 4 min on 2 idle cores, 2-3 times that beside a CPU burner
 def test_bench_uneven_quick_runs_every_mode_and_reports_them(tmp_path):
     out = tmp_path / "uneven"
-    done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "bench", "uneven", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1100)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "dilocox.common.cli", "bench", "uneven", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((out / "uneven.json").read_text())["rows"]
-    assert {(r["slowdown"], r["mode"]) for r in rows} == {(s, m) for s in (1.0, 4.0) for m in ("fixed", "timebox", "quorum")}
+    assert {(r["slowdown"], r["mode"]) for r in rows} == {
+        (s, m) for s in (1.0, 4.0) for m in ("fixed", "timebox", "quorum")
+    }
     for row in rows:
         assert row["tokens"] > 0 and row["wall_s"] > 0 and 0 <= row["fast_idle_share"] <= 1, row
         assert row["final_eval_loss"] == row["final_eval_loss"], row  # every run ended with an evaluated model

@@ -22,15 +22,32 @@ import pytest
 from dilocox.bench import netns
 from dilocox.bench.wan_modes import MODES
 
-TINY = ["--quick", "--rounds", "2", "--inner-steps", "4", "--n-layer", "1", "--n-embd", "32", "--eval-batches", "2",
-        "--probe-seconds", "2", "--shards", "1"]  # fmt: skip
+TINY = [
+    "--quick",
+    "--rounds",
+    "2",
+    "--inner-steps",
+    "4",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--eval-batches",
+    "2",
+    "--probe-seconds",
+    "2",
+    "--shards",
+    "1",
+]
 
 
 def _run_bench(out: pathlib.Path, *extra: str, timeout: float = 1100) -> tuple[subprocess.CompletedProcess, int]:
     """`timeout`: a hang guard (each run takes 2-4 min on 2 idle cores, 2-3 times that on a busy machine)."""
     argv = [sys.executable, "-m", "dilocox.common.cli", "bench", "wan", "--out", str(out), *TINY, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL
+    )
     try:
         out_text, err_text = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -99,7 +116,9 @@ def test_wan_bench_fallback_throttle_at_the_papers_ratio_with_a_split_allreduce(
     bound. (One run for both: the fallback's harness and the paper's regime.)"""
     out = tmp_path / "paper"
     modes = (*MODES, "no-ef")
-    run, _ = _run_bench(out, "--fallback", "--modes", ",".join(modes), "--paper-model", "dense-107b", "--allreduce-steps", "2")
+    run, _ = _run_bench(
+        out, "--fallback", "--modes", ",".join(modes), "--paper-model", "dense-107b", "--allreduce-steps", "2"
+    )
     report = _check_report(out, run, modes)
     assert report["meta"]["links"]["kind"] == "fallback"
     assert "IN-PROCESS FALLBACK" in (out / "wan.md").read_text()

@@ -24,15 +24,33 @@ def test_ratio_from_a_model_on_a_link():
 
 
 def _result(comm_s: float, compute_s: float, steps: int, curve: list[CurvePoint], train_s: float) -> ModeResult:
-    return ModeResult(mode="allreduce", label="", tokens=curve[-1].tokens, train_s=train_s, initial_eval_loss=curve[0].eval_loss,
-                      final_eval_loss=curve[-1].eval_loss, curve=curve, idle_fraction=0.0, compute_s=compute_s, comm_s=comm_s,
-                      bytes_sent_per_site=100.0 * steps, bytes_received_per_site=100.0 * steps, bytes_source="counters",
-                      app_bytes_sent_per_site=0.0, extra={"steps": steps})  # fmt: skip
+    return ModeResult(
+        mode="allreduce",
+        label="",
+        tokens=curve[-1].tokens,
+        train_s=train_s,
+        initial_eval_loss=curve[0].eval_loss,
+        final_eval_loss=curve[-1].eval_loss,
+        curve=curve,
+        idle_fraction=0.0,
+        compute_s=compute_s,
+        comm_s=comm_s,
+        bytes_sent_per_site=100.0 * steps,
+        bytes_received_per_site=100.0 * steps,
+        bytes_source="counters",
+        app_bytes_sent_per_site=0.0,
+        extra={"steps": steps},
+    )
 
 
 def test_join_keeps_the_unshaped_losses_and_takes_the_shaped_collectives():
-    unshaped = _result(comm_s=1.0, compute_s=8.0, steps=100,
-                       curve=[CurvePoint(0, 0.0, 5.0), CurvePoint(500, 5.0, 3.0), CurvePoint(1000, 10.0, 2.0)], train_s=10.0)  # fmt: skip
+    unshaped = _result(
+        comm_s=1.0,
+        compute_s=8.0,
+        steps=100,
+        curve=[CurvePoint(0, 0.0, 5.0), CurvePoint(500, 5.0, 3.0), CurvePoint(1000, 10.0, 2.0)],
+        train_s=10.0,
+    )
     shaped = _result(comm_s=4 * 2.0, compute_s=4 * 0.08, steps=4, curve=[CurvePoint(40, 9.0, 4.9)], train_s=9.0)
     joined = join_split(ALL_MODES["allreduce"], shaped, unshaped, shaped_steps=4)
     assert [p.eval_loss for p in joined.curve] == [5.0, 3.0, 2.0] and joined.final_eval_loss == 2.0
@@ -45,7 +63,9 @@ def test_join_keeps_the_unshaped_losses_and_takes_the_shaped_collectives():
 
 def test_ablation_modes_take_one_part_out_of_dilocox():
     base = RunConfig()
-    assert ALL_MODES["no-delay"].config(base).delay == 0 and ALL_MODES["no-delay"].config(base).compress == base.compress
+    assert (
+        ALL_MODES["no-delay"].config(base).delay == 0 and ALL_MODES["no-delay"].config(base).compress == base.compress
+    )
     assert ALL_MODES["no-compression"].config(base).compress.codec == "fp32"
     assert ALL_MODES["no-ef"].config(base).compress.error_feedback is False
     assert ALL_MODES["fixed"].config(base).compress.adaptive_rank is False

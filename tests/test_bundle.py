@@ -46,8 +46,11 @@ def _bundle_chunk(payload: bytes, **fields) -> pb.TensorChunk:
 
 
 def test_pack_unpack_round_trip_keeps_order_codecs_and_bytes():
-    entries = [BundleEntry(3, "int4", "float32", b"\x01\x02\x03"), BundleEntry(0, "fp32", "float32", b""),
-               BundleEntry(4, "lowrank", "float32", bytes(range(200)))]  # fmt: skip
+    entries = [
+        BundleEntry(3, "int4", "float32", b"\x01\x02\x03"),
+        BundleEntry(0, "fp32", "float32", b""),
+        BundleEntry(4, "lowrank", "float32", bytes(range(200))),
+    ]
     assert unpack_bundle(pack_bundle(entries), num_slices=5) == entries
 
 
@@ -110,12 +113,21 @@ def test_bundles_split_at_the_chunk_size_and_each_is_one_frame():
 
 def test_chunk_fields_apply_to_every_slice_of_a_bundle():
     items = [i for i in _items() if i.key.name != "big"]
-    chunks = list(frame_slices(items, SLICES.index, 1 << 20, version=7, is_delta=True, base_version=6,
-                               contributor="site-b", weight=12.5))  # fmt: skip
+    chunks = list(
+        frame_slices(
+            items, SLICES.index, 1 << 20, version=7, is_delta=True, base_version=6, contributor="site-b", weight=12.5
+        )
+    )
     assert len(chunks) == 1
     for unit in _open(chunks):
         meta = unit.meta
-        assert (meta.version, meta.is_delta, meta.base_version, meta.contributor, meta.weight) == (7, True, 6, "site-b", 12.5)
+        assert (meta.version, meta.is_delta, meta.base_version, meta.contributor, meta.weight) == (
+            7,
+            True,
+            6,
+            "site-b",
+            12.5,
+        )
 
 
 def test_bundling_is_smaller_than_framing_each_slice():

@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
+from dilocox.common.subprocesses import stop_gracefully
 from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.common.subprocesses import stop_gracefully
-from dilocox.server.state import checkpoint
 from dilocox.server.shard import Shard
+from dilocox.server.state import checkpoint
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
 from tests.tiny_worker import stop_once_at, tiny_worker
@@ -58,7 +58,9 @@ def test_restore_gives_the_same_shard_and_the_same_next_round(tmp_path):
             assert restored.snapshot.contributions[key][cluster].slice.payload == kept.slice.payload
     saved = checkpoint.load(path)["snapshot"]["contributions"]
     # Payloads are saved as uint8 tensors (written straight from memory, not pickled whole).
-    assert all(isinstance(p[4], torch.Tensor) and p[4].dtype == torch.uint8 for per in saved.values() for p in per.values())
+    assert all(
+        isinstance(p[4], torch.Tensor) and p[4].dtype == torch.uint8 for per in saved.values() for p in per.values()
+    )
     for shard in (original, restored):  # both take round 3 to the same place
         shard.commit_push("a", 3, 2.0, slices(shard, tensors(30)))
         shard.commit_push("b", 3, 2.0, slices(shard, tensors(31)))
@@ -81,10 +83,29 @@ def free_port() -> int:
 
 def start_shard(port: int, ckpt_dir, resume: bool) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "server", "--port", str(port), "--run-id", RUN,
-        "--outer-lr", "0.7", "--outer-momentum", "0.9", "--min-clusters", "2", "--round-deadline-s", "0",
-        "--checkpoint-dir", str(ckpt_dir), "--log-format", "json", "--insecure", *(["--resume"] if resume else []),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "server",
+        "--port",
+        str(port),
+        "--run-id",
+        RUN,
+        "--outer-lr",
+        "0.7",
+        "--outer-momentum",
+        "0.9",
+        "--min-clusters",
+        "2",
+        "--round-deadline-s",
+        "0",
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        "--log-format",
+        "json",
+        "--insecure",
+        *(["--resume"] if resume else []),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -192,7 +213,9 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
             second.kill()
     assert second.returncode == 0, second_log[-3000:]
     assert shard.version == rounds + 1  # the rounds, then the end-of-run flush of the residuals
-    events = {e["event"]: e for e in map(json.loads, filter(lambda line: line.startswith("{"), second_log.splitlines()))}
+    events = {
+        e["event"]: e for e in map(json.loads, filter(lambda line: line.startswith("{"), second_log.splitlines()))
+    }
     restored, joined_at = events["worker_checkpoint_restored"]["round"], events["cluster_started"]["version"]
     # The loss watch's best eval comes back with the checkpoint (a restart no longer forgets it).
     assert 0 < events["worker_checkpoint_restored"]["eval_best"] < 10, events["worker_checkpoint_restored"]
@@ -225,11 +248,43 @@ def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
 
     def site(*extra: str, log: pathlib.Path | None = None) -> subprocess.Popen:
         cmd = [
-            sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", ",".join(shards.addresses), "--run-id", run_id,
-            "--cluster", "site", "--pp", "2", "--dp", "2", "--rounds", str(rounds), "--inner-steps", str(h), "--n-layer", "2",
-            "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1",
-            "--insecure", "--checkpoint-dir", str(tmp_path), "--log-format", "json", *extra,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "dilocox.common.cli",
+            "worker",
+            "--servers",
+            ",".join(shards.addresses),
+            "--run-id",
+            run_id,
+            "--cluster",
+            "site",
+            "--pp",
+            "2",
+            "--dp",
+            "2",
+            "--rounds",
+            str(rounds),
+            "--inner-steps",
+            str(h),
+            "--n-layer",
+            "2",
+            "--n-embd",
+            "32",
+            "--block-size",
+            "32",
+            "--inner-batch-size",
+            "4",
+            "--eval-batches",
+            "1",
+            "--threads",
+            "1",
+            "--insecure",
+            "--checkpoint-dir",
+            str(tmp_path),
+            "--log-format",
+            "json",
+            *extra,
+        ]
         err = log.open("w") if log is not None else subprocess.PIPE  # a full pipe nobody reads would stall the ranks
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True, start_new_session=True)
 
@@ -240,7 +295,9 @@ def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
         deadline = time.monotonic() + 180
         while min(s.version for s in shards.shards) < 3 and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.05)
-        assert min(s.version for s in shards.shards) >= 3, "the site did not get going: " + (tmp_path / "first.log").read_text()[-3000:]
+        assert min(s.version for s in shards.shards) >= 3, (
+            "the site did not get going: " + (tmp_path / "first.log").read_text()[-3000:]
+        )
         kill_tree(first.pid)  # torchrun starts its ranks in sessions of their own: kill every one
         first.wait(timeout=30)
         killed_at = min(s.version for s in shards.shards)
@@ -296,11 +353,38 @@ def test_sigterm_after_a_checkpoint_is_staged_commits_it_and_says_so(shard_set, 
 
     shards = shard_set(1, RUN)
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", RUN,
-        "--cluster", "solo", "--rounds", "40", "--inner-steps", "3", "--n-layer", "1", "--n-embd", "32", "--block-size", "32",
-        "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1", "--insecure", "--checkpoint-dir", str(tmp_path),
-        "--log-format", "json",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "worker",
+        "--servers",
+        shards.addresses[0],
+        "--run-id",
+        RUN,
+        "--cluster",
+        "solo",
+        "--rounds",
+        "40",
+        "--inner-steps",
+        "3",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--inner-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--threads",
+        "1",
+        "--insecure",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--log-format",
+        "json",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:
@@ -343,13 +427,48 @@ def test_a_time_boxed_site_of_two_ranks_agrees_on_its_steps_and_on_a_sigterm(sha
     run_id = "site-stop"
     shards = shard_set(1, run_id)
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", run_id,
-        "--cluster", "site", "--dp", "2", "--rounds", "40", "--inner-steps", "3", "--inner-round-time-s", "0.6",
-        "--inner-max-steps", "400", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4",
-        "--eval-batches", "1", "--threads", "1", "--insecure", "--checkpoint-dir", str(tmp_path), "--log-format", "json",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "worker",
+        "--servers",
+        shards.addresses[0],
+        "--run-id",
+        run_id,
+        "--cluster",
+        "site",
+        "--dp",
+        "2",
+        "--rounds",
+        "40",
+        "--inner-steps",
+        "3",
+        "--inner-round-time-s",
+        "0.6",
+        "--inner-max-steps",
+        "400",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--inner-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--threads",
+        "1",
+        "--insecure",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--log-format",
+        "json",
+    ]
     log_path = tmp_path / "site.log"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log_path.open("w"), text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=log_path.open("w"), text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 180
         while shards.shards[0].version < 4 and time.monotonic() < deadline and proc.poll() is None:
@@ -367,7 +486,9 @@ def test_a_time_boxed_site_of_two_ranks_agrees_on_its_steps_and_on_a_sigterm(sha
     for e in events:
         if e["event"] == "round_done":
             done.setdefault(e["round"], {})[e["rank"]] = e["inner_steps"]
-    assert len(done) >= 3 and all(sorted(per_rank) == [0, 1] and len(set(per_rank.values())) == 1 for per_rank in done.values()), done
+    assert len(done) >= 3 and all(
+        sorted(per_rank) == [0, 1] and len(set(per_rank.values())) == 1 for per_rank in done.values()
+    ), done
     assert any(steps[0] != 3 for steps in done.values()), done  # the clock's H, not the configured one
     stopping = {e["rank"]: (e["round"], e["steps_in_round"]) for e in events if e["event"] == "worker_stopping"}
     assert sorted(stopping) == [0, 1] and len(set(stopping.values())) == 1, stopping

@@ -14,12 +14,19 @@ import pytest
 import torch
 
 from dilocox.common.wire.assignment import model_digest
-from dilocox.common.wire.checkpoint_format import (CheckpointCorrupt, CheckpointError, checkpoint_path, kept_path, load_state,
-                                                   save_state, shard_files)  # fmt: skip
+from dilocox.common.wire.checkpoint_format import (
+    CheckpointCorrupt,
+    CheckpointError,
+    checkpoint_path,
+    kept_path,
+    load_state,
+    save_state,
+    shard_files,
+)
 from dilocox.common.wire.checkpoint_integrity import seal, state_digest
 from dilocox.common.wire.framing import EncodedSlice
-from dilocox.server.state import checkpoint, resume
 from dilocox.server.shard import Shard
+from dilocox.server.state import checkpoint, resume
 from dilocox.worker.export.model import ExportError, from_checkpoints
 
 RUN = "integrity-run"
@@ -29,7 +36,9 @@ PARAMS = [("w", (8, 6)), ("b", (6,))]
 def _publish(shard: Shard, round_: int, cluster: str = "cluster-aaaa") -> None:
     g = torch.Generator().manual_seed(1000 * shard.shard_index + round_)
     full = {n: torch.randn(s, generator=g) for n, s in PARAMS}
-    shard.commit_push(cluster, round_, 1.0, [EncodedSlice.exact(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()])
+    shard.commit_push(
+        cluster, round_, 1.0, [EncodedSlice.exact(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()]
+    )
 
 
 def _shard(index: int = 0, num_shards: int = 1, rounds: int = 2) -> Shard:
@@ -58,12 +67,31 @@ def _replace(path: pathlib.Path, old: bytes, new: bytes) -> None:
 def test_state_digest_is_canonical_and_tells_values_apart():
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     a = {"x": t, "y": [1, "s", None, b"ab", (2.5, True)], ("w", 0, 3): torch.tensor(7.0)}
-    b = {("w", 0, 3): torch.tensor(7.0), "y": [1, "s", None, bytearray(b"ab"), (2.5, True)], "x": t.t().contiguous().t()}
+    b = {
+        ("w", 0, 3): torch.tensor(7.0),
+        "y": [1, "s", None, bytearray(b"ab"), (2.5, True)],
+        "x": t.t().contiguous().t(),
+    }
     assert state_digest(a) == state_digest(b)  # key order, bytes/bytearray, memory layout do not matter
     assert state_digest(seal(a)) == state_digest(a) == seal(a)["integrity"]
     assert state_digest(torch.zeros(2, dtype=torch.bfloat16)).startswith("sha256:")
-    different = [["ab"], ["a", "b"], [1], [True], ["1"], [1.0], [b"1"], [torch.ones(1)], [torch.ones(1, dtype=torch.float64)],
-                 [torch.ones(1, 1)], [(1,)], [{1: 1}], [None], [torch.tensor([1.0, 2.0])], [torch.tensor([2.0, 1.0])]]  # fmt: skip
+    different = [
+        ["ab"],
+        ["a", "b"],
+        [1],
+        [True],
+        ["1"],
+        [1.0],
+        [b"1"],
+        [torch.ones(1)],
+        [torch.ones(1, dtype=torch.float64)],
+        [torch.ones(1, 1)],
+        [(1,)],
+        [{1: 1}],
+        [None],
+        [torch.tensor([1.0, 2.0])],
+        [torch.tensor([2.0, 1.0])],
+    ]
     assert len({state_digest(v) for v in different}) == len(different)
     with pytest.raises(TypeError, match="cannot digest a object"):
         state_digest({"x": object()})
@@ -190,17 +218,34 @@ def test_resume_with_nothing_intact_stops_and_moves_nothing(tmp_path):
 def test_shard_process_resumes_from_the_intact_kept_version(tmp_path):
     """A real `dilocox server --resume` over a folder whose newest file has a flipped weight: it logs
     `checkpoint_fallback`, serves the kept version's weights exactly, and saves that at SIGTERM."""
+    from test_restart import _free_port, _wait_listening
+
     from dilocox.common.subprocesses import stop_gracefully
     from dilocox.worker.exchange.aggregator_client import AggregatorClient
-    from test_restart import _free_port, _wait_listening
 
     shard = _shard(rounds=0)
     _kept_folder(tmp_path, shard, 4)
     _flip(checkpoint_path(tmp_path, 0), _tensor_bytes(next(iter(shard.snapshot.tensors.values()))), 1)
     want = load_state(kept_path(tmp_path, 0, 3))["snapshot"]["tensors"]
     port = _free_port()
-    cmd = [sys.executable, "-m", "dilocox.common.cli", "server", "--port", str(port), "--run-id", RUN, "--round-deadline-s", "0",
-           "--checkpoint-dir", str(tmp_path), "--log-format", "json", "--insecure", "--resume"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "server",
+        "--port",
+        str(port),
+        "--run-id",
+        RUN,
+        "--round-deadline-s",
+        "0",
+        "--checkpoint-dir",
+        str(tmp_path),
+        "--log-format",
+        "json",
+        "--insecure",
+        "--resume",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_listening(port, proc)
@@ -214,8 +259,14 @@ def test_shard_process_resumes_from_the_intact_kept_version(tmp_path):
         stop_gracefully(proc, grace_s=10)
     events = [json.loads(line) for line in proc.stdout.read().splitlines() if line.startswith("{")]
     fallback = next(e for e in events if e["event"] == "checkpoint_fallback")
-    assert fallback["refused"] == str(checkpoint_path(tmp_path, 0)) and "does not match its digest" in fallback["reason"]
-    assert fallback["used"] == str(kept_path(tmp_path, 0, 3)) and fallback["version"] == 3 and fallback["level"] == "warning"
+    assert (
+        fallback["refused"] == str(checkpoint_path(tmp_path, 0)) and "does not match its digest" in fallback["reason"]
+    )
+    assert (
+        fallback["used"] == str(kept_path(tmp_path, 0, 3))
+        and fallback["version"] == 3
+        and fallback["level"] == "warning"
+    )
     assert load_state(checkpoint_path(tmp_path, 0))["snapshot"]["version"] == 3  # re-saved from the intact state
 
 
@@ -239,7 +290,9 @@ def test_export_from_folders_with_kept_versions_uses_the_newest_common_intact_on
     assert model.version == 4
     assert lines[0].startswith(f"shard 1: skipped {folders[1] / 'shard-1.pt'}: damaged")
     assert lines[1:] == [f"shard {i}: {folders[i] / f'shard-{i}.v4.pt'} (version 4)" for i in range(2)]
-    want = from_checkpoints([folders[0] / "shard-0.v4.pt", folders[1] / "shard-1.v4.pt"])  # explicit files, one per shard
+    want = from_checkpoints(
+        [folders[0] / "shard-0.v4.pt", folders[1] / "shard-1.v4.pt"]
+    )  # explicit files, one per shard
     assert all(torch.equal(model.tensors[n], want.tensors[n]) for n in want.tensors)
 
     for file in (folders[1] / "shard-1.v4.pt", folders[1] / "shard-1.v3.pt"):
@@ -263,7 +316,9 @@ def test_export_command_names_the_files_it_used(tmp_path, capsys):
     _flip_weights(folders[0] / "shard-0.pt")
     assert main(["export", "--checkpoints", ",".join(map(str, folders)), "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert f"shard 0: {folders[0] / 'shard-0.v2.pt'} (version 2)" in out and "exported run integrity-run version 2" in out
+    assert (
+        f"shard 0: {folders[0] / 'shard-0.v2.pt'} (version 2)" in out and "exported run integrity-run version 2" in out
+    )
 
 
 # ------------------------------------------------------------------------------------------ a site's DCP checkpoint
@@ -275,7 +330,9 @@ def _tiny_trainers():
     from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
     from dilocox.worker.train.inner_trainer import InnerTrainer
 
-    config = RunConfig(rounds=2, model=ModelConfig(n_layer=1, n_embd=16, block_size=16), inner=InnerConfig(steps=1, batch_size=2))
+    config = RunConfig(
+        rounds=2, model=ModelConfig(n_layer=1, n_embd=16, block_size=16), inner=InnerConfig(steps=1, batch_size=2)
+    )
     tokens = TokenData.from_bytes(load_corpus(None), EVAL_FRACTION)
     new_trainer = lambda: InnerTrainer(config, tokens)  # noqa: E731
     return new_trainer, [n for n, _ in new_trainer().named_parameters()]
@@ -294,7 +351,11 @@ def test_site_checkpoint_commits_a_manifest_and_resume_falls_back_past_a_damaged
     site.close()
     root = tmp_path / "c"
     manifest = json.loads((root / "round-000003" / COMMITTED).read_text())
-    assert manifest["round"] == 3 and ".metadata" in manifest["files"] and any(f.endswith(".distcp") for f in manifest["files"])
+    assert (
+        manifest["round"] == 3
+        and ".metadata" in manifest["files"]
+        and any(f.endswith(".distcp") for f in manifest["files"])
+    )
 
     part = max((root / "round-000003").glob("*.distcp"), key=lambda p: p.stat().st_size)
     data = bytearray(part.read_bytes())
@@ -321,8 +382,11 @@ def test_site_checkpoint_commits_a_manifest_and_resume_falls_back_past_a_damaged
     os.replace(refused[0], root / "round-000002")
     (root / "round-000001" / ".metadata").write_bytes(b"")
     (root / "round-000002" / COMMITTED).write_text('{"format": "dilocox-site-checkpoint/1", "round": 2, "fil')
-    with pytest.raises(ValueError, match=r"no intact committed worker checkpoint under .*round-000002: COMMITTED is not a "
-                                         r"manifest this build reads; round-000001: .metadata holds 0 bytes"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"no intact committed worker checkpoint under .*round-000002: COMMITTED is not a "
+        r"manifest this build reads; round-000001: .metadata holds 0 bytes",
+    ):
         SiteCheckpoint(tmp_path, "c").restore(new_trainer(), None, names)
     assert sorted(p.name for p in root.iterdir() if "refused" not in p.name) == ["round-000001", "round-000002"]
 

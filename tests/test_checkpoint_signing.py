@@ -21,9 +21,9 @@ from dilocox.common.wire import checkpoint_integrity
 from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, load_state
 from dilocox.common.wire.framing import EncodedSlice
+from dilocox.server.shard import Shard
 from dilocox.server.state import checkpoint, resume
 from dilocox.server.state.checkpoint_signing import CheckpointForged, CheckpointTrust, signing
-from dilocox.server.shard import Shard
 from tests.pki import two_authorities
 
 RUN = "signed-ckpt-run"
@@ -43,7 +43,9 @@ def _shard_with_versions(directory: pathlib.Path, sign, versions: int = 3) -> Sh
     shard.join(RUN, "a", model_digest(PARAMS), PARAMS, "{}")
     for round_ in range(versions):
         full = {n: torch.randn(s, generator=torch.Generator().manual_seed(round_)) for n, s in PARAMS}
-        shard.commit_push("a", round_, 1.0, [EncodedSlice.exact(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()])
+        shard.commit_push(
+            "a", round_, 1.0, [EncodedSlice.exact(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()]
+        )
     return shard
 
 
@@ -72,14 +74,17 @@ def test_a_signed_checkpoint_verifies_with_the_key_and_the_ca_and_a_forged_one_i
     with pytest.raises(CheckpointForged, match=f"{path}: its signature is over other content"):
         CheckpointTrust.load(str(pki["run-cert"]), None).check(path, forged)
     forged["checkpoint_signature"]["statement"] = forged["checkpoint_signature"]["statement"].replace(
-        state["integrity"], forged["integrity"])  # fmt: skip
+        state["integrity"], forged["integrity"]
+    )
     with pytest.raises(CheckpointForged, match="its signature does not verify with the key in"):
         CheckpointTrust.load(str(pki["run-cert"]), None).check(path, forged)
 
     unsigned = tmp_path / "unsigned"
     _shard_with_versions(unsigned, None, versions=1)
     with pytest.raises(CheckpointForged, match="not signed \\(written without --checkpoint-sign-key\\)"):
-        CheckpointTrust.load(str(pki["run-cert"]), None).check(unsigned / "shard-0.pt", load_state(unsigned / "shard-0.pt"))
+        CheckpointTrust.load(str(pki["run-cert"]), None).check(
+            unsigned / "shard-0.pt", load_state(unsigned / "shard-0.pt")
+        )
 
 
 def test_resume_falls_back_past_a_forged_checkpoint_to_a_signed_one(tmp_path, pki):
@@ -111,7 +116,9 @@ def logging_kept():
 
 def test_the_server_command_refuses_by_name(tmp_path, pki, logging_kept):
     common = ["server", "--run-id", RUN, "--checkpoint-dir", str(tmp_path), "--insecure", "--port", "0"]
-    with pytest.raises(SystemExit, match="--checkpoint-verify-key / --checkpoint-ca check the checkpoint --resume restores"):
+    with pytest.raises(
+        SystemExit, match="--checkpoint-verify-key / --checkpoint-ca check the checkpoint --resume restores"
+    ):
         main([*common, "--checkpoint-verify-key", str(pki["run-cert"])])
     with pytest.raises(SystemExit, match="--checkpoint-sign-key .* is not a PEM private key"):
         main([*common, "--checkpoint-sign-key", str(pki["run-cert"])])
@@ -125,8 +132,22 @@ def _serve(tmp_path: pathlib.Path, *flags: str) -> int:
     """`dilocox server` until it listens, then SIGTERM (which saves a checkpoint); its exit code."""
     port_file = tmp_path / "port"
     port_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "dilocox.common.cli", "server", "--run-id", RUN, "--checkpoint-dir", str(tmp_path / "ckpt"),
-           "--insecure", "--port", "0", "--port-file", str(port_file), *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "server",
+        "--run-id",
+        RUN,
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--insecure",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not port_file.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -141,5 +162,13 @@ def test_a_server_signs_its_checkpoints_and_resumes_only_signed_ones(tmp_path, p
     _serve(tmp_path, "--checkpoint-sign-key", str(pki["run-key"]), "--checkpoint-sign-cert", str(pki["run-cert"]))
     path = checkpoint.checkpoint_path(tmp_path / "ckpt", 0)
     CheckpointTrust.load(None, str(pki["run-ca"])).check(path, load_state(path))  # signed, with its certificate
-    _serve(tmp_path, "--resume", "--checkpoint-ca", str(pki["run-ca"]), "--checkpoint-sign-key", str(pki["run-key"]),
-           "--checkpoint-sign-cert", str(pki["run-cert"]))  # fmt: skip
+    _serve(
+        tmp_path,
+        "--resume",
+        "--checkpoint-ca",
+        str(pki["run-ca"]),
+        "--checkpoint-sign-key",
+        str(pki["run-key"]),
+        "--checkpoint-sign-cert",
+        str(pki["run-cert"]),
+    )

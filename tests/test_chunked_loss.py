@@ -42,7 +42,10 @@ def test_the_trainers_loss_chunks_low_precision_logits_and_keeps_fp32_as_it_was(
     assert torch.equal(causal_lm_loss(*batch), F.cross_entropy(logits, targets))  # fp32: the same call as before
     low = logits.bfloat16().reshape(2, 2, 96).requires_grad_()
     with torch.no_grad():  # eval: no graph, the same value
-        assert abs(float(causal_lm_loss(low, batch[1])) - float(F.cross_entropy(low.float().reshape(4, 96), targets))) < 1e-6
+        assert (
+            abs(float(causal_lm_loss(low, batch[1])) - float(F.cross_entropy(low.float().reshape(4, 96), targets)))
+            < 1e-6
+        )
 
 
 def test_pieces_are_bounded_by_bytes_not_by_tokens():

@@ -13,8 +13,8 @@ import pytest
 
 from dilocox.common import cli
 from dilocox.common.config.run import (
-    ModelConfig,
     InnerConfig,
+    ModelConfig,
     OuterConfig,
     RunConfig,
     WireConfig,
@@ -45,12 +45,16 @@ def cli_runs():
     """Run the subprocess cases concurrently (each pays the torch/grpc import), keyed by name."""
     cases = {
         "help": _cli("--help"),
-        "worker_bad_index": _cli("worker", "--cluster-index", "5", "--num-clusters", "2", "--servers", "127.0.0.1:1", "--insecure"),
+        "worker_bad_index": _cli(
+            "worker", "--cluster-index", "5", "--num-clusters", "2", "--servers", "127.0.0.1:1", "--insecure"
+        ),
         "server_bad_index": _cli("server", "--shard-index", "3", "--num-shards", "2", "--port", "0", "--insecure"),
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {
-        name: subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+        name: subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL
+        )
         for name, argv in cases.items()
     }
     results = {}
@@ -181,10 +185,7 @@ def test_no_flags_gives_defaults():
 def test_toml_file_applies_and_flags_override(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(
-        'run_id = "from-file"\nrounds = 5\n'
-        "[model]\nn_layer = 3\n"
-        "[inner]\nsteps = 11\nlr = 0.01\n"
-        "[outer]\nlr = 0.3\n"
+        'run_id = "from-file"\nrounds = 5\n[model]\nn_layer = 3\n[inner]\nsteps = 11\nlr = 0.01\n[outer]\nlr = 0.3\n'
     )
     args = _parser().parse_args(["--config", str(path), "--inner-steps", "22", "--rounds", "6"])
     config = config_from_args(args)
@@ -231,7 +232,12 @@ def test_missing_config_file_raises(tmp_path):
 
 @pytest.mark.parametrize(
     "data",
-    [{"outer": {"lr": -1.0}}, {"outer": {"momentum": 1.0}}, {"model": {"n_embd": 130, "n_head": 4}}, {"model": {"n_layer": 0}}],
+    [
+        {"outer": {"lr": -1.0}},
+        {"outer": {"momentum": 1.0}},
+        {"model": {"n_embd": 130, "n_head": 4}},
+        {"model": {"n_layer": 0}},
+    ],
 )
 def test_invalid_values_raise(data):
     with pytest.raises(ValueError):
@@ -267,7 +273,11 @@ def test_every_model_a_help_text_names_exists():
     from dilocox.common.config.cli_reference import command_parsers
     from dilocox.worker.models.spec import ModelSpecError, resolve_model
 
-    named = {(prog, model) for prog, parser, _ in command_parsers() for model in re.findall(r"--model ([a-z0-9][\w.-]*)(?![\w.:-])", parser.format_help())}
+    named = {
+        (prog, model)
+        for prog, parser, _ in command_parsers()
+        for model in re.findall(r"--model ([a-z0-9][\w.-]*)(?![\w.:-])", parser.format_help())
+    }
     assert named, "no help text names a model: the pattern no longer matches how examples are written"
     for prog, model in sorted(named):
         try:

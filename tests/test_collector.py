@@ -31,6 +31,9 @@ def test_start_ups_objects_leave_later_collections_and_cycles_are_still_collecte
     assert done.returncode == 0, done.stderr[-2000:]
     walked_before, walked_after, frozen, young, collected = done.stdout.splitlines()[-1].split()  # after any log line
     assert int(walked_before) > 100_000 and int(frozen) >= int(walked_before) * 9 // 10, (walked_before, frozen)
-    assert int(walked_after) < int(walked_before) // 20, (walked_before, walked_after)  # objects a full collection walks
+    assert int(walked_after) < int(walked_before) // 20, (
+        walked_before,
+        walked_after,
+    )  # objects a full collection walks
     assert int(young) == 5_000
     assert collected == "True"  # the collector is not switched off: a cycle made later is freed without gc.collect()

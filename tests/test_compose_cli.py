@@ -8,8 +8,8 @@ import pathlib
 import pytest
 import structlog
 
-from dilocox.common.deploy import compose_images
 from dilocox.common.cli import build_parser
+from dilocox.common.deploy import compose_images
 from dilocox.common.deploy.compose_cli import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -61,7 +61,10 @@ def test_the_offline_recipe_installs_the_documented_extras():
     args = recipe.build_args()
     assert args == {"BASE_IMAGE": compose_images.BASE_IMAGE, "EXTRAS": "models,tracking", "WHEELHOUSE": ".wheelhouse"}
     dockerfile = (ROOT / "Dockerfile").read_text()
-    assert f'ARG EXTRAS="{compose_images.DEFAULT_EXTRAS}"' in dockerfile and "models" in compose_images.DEFAULT_EXTRAS.split(",")
+    assert (
+        f'ARG EXTRAS="{compose_images.DEFAULT_EXTRAS}"' in dockerfile
+        and "models" in compose_images.DEFAULT_EXTRAS.split(",")
+    )
     declared = {line.split()[1].split("=")[0] for line in dockerfile.splitlines() if line.startswith("ARG ")}
     cuda = compose_images.recipe_for("cuda").build_args()
     assert set(args) | set(cuda) <= declared, "every build argument a recipe passes is one the Dockerfile reads"
@@ -70,20 +73,40 @@ def test_the_offline_recipe_installs_the_documented_extras():
 def test_the_cuda_variant_is_printed_not_built(monkeypatch, capsys):
     """No CUDA torch is ever fetched here: `build --variant cuda` prints the registry recipe and touches
     no engine; the torch it names is the host's version from PyTorch's CUDA index."""
-    monkeypatch.setattr("dilocox.common.deploy.compose_cli.ensure_engine", lambda: pytest.fail("the engine was touched"))
+    monkeypatch.setattr(
+        "dilocox.common.deploy.compose_cli.ensure_engine", lambda: pytest.fail("the engine was touched")
+    )
     assert run(args_of("build", "--variant", "cuda", "--extras", "models, data")) == 0
     out = capsys.readouterr()
     command = out.out.strip().splitlines()[-1]
     host = compose_images.host_torch_version()
     assert "+" not in host
-    assert command == (f"docker build --tag dilocox:cuda --build-arg BASE_IMAGE={compose_images.CUDA_BASE_IMAGE} --build-arg "
-                       f"EXTRAS=models,data --build-arg TORCH_INDEX_URL={compose_images.CUDA_TORCH_INDEX} --build-arg "
-                       f"TORCH_VERSION={host} {ROOT}")  # fmt: skip
+    assert command == (
+        f"docker build --tag dilocox:cuda --build-arg BASE_IMAGE={compose_images.CUDA_BASE_IMAGE} --build-arg "
+        f"EXTRAS=models,data --build-arg TORCH_INDEX_URL={compose_images.CUDA_TORCH_INDEX} --build-arg "
+        f"TORCH_VERSION={host} {ROOT}"
+    )
     assert "not built here" in out.err
-    assert run(args_of("build", "--variant", "cuda", "--torch-index", "https://download.pytorch.org/whl/cu128",
-                       "--base-image", "nvidia/cuda:12.8.1-runtime-ubuntu24.04", "--print")) == 0  # fmt: skip
+    assert (
+        run(
+            args_of(
+                "build",
+                "--variant",
+                "cuda",
+                "--torch-index",
+                "https://download.pytorch.org/whl/cu128",
+                "--base-image",
+                "nvidia/cuda:12.8.1-runtime-ubuntu24.04",
+                "--print",
+            )
+        )
+        == 0
+    )
     command = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128" in command and "BASE_IMAGE=nvidia/cuda:12.8.1" in command
+    assert (
+        "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128" in command
+        and "BASE_IMAGE=nvidia/cuda:12.8.1" in command
+    )
     assert run(args_of("build", "--print")) == 0  # the offline recipe's steps, nothing run
     assert "--build-arg WHEELHOUSE=.wheelhouse" in capsys.readouterr().out
 
@@ -110,6 +133,8 @@ def test_the_wheelhouse_resolves_the_extras_at_the_hosts_versions(monkeypatch, t
     ((argv, pins),) = seen
     assert "--no-index" in argv and f"{cache}/dilocox-0.1.0-py3-none-any.whl[models,tracking]" in argv
     assert f"torch=={importlib.metadata.version('torch')}" in argv
-    assert f"transformers=={importlib.metadata.version('transformers')}" in pins and not any(p.startswith("dilocox==") for p in pins)
+    assert f"transformers=={importlib.metadata.version('transformers')}" in pins and not any(
+        p.startswith("dilocox==") for p in pins
+    )
     assert (cache / "transformers-5.0-py3-none-any.whl").exists(), "new wheels are kept in the cache"
     assert [p.name for p in target.iterdir()] == ["transformers-5.0-py3-none-any.whl"]

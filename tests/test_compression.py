@@ -108,7 +108,9 @@ def test_payload_size_is_header_plus_factors_and_far_below_dense(bits):
     if bits == 32:
         factors = 4 * (rows + cols) * rank
     else:
-        factors = quantized_nbytes(rows * rank, bits, factor_block(rows)) + quantized_nbytes(cols * rank, bits, factor_block(cols))
+        factors = quantized_nbytes(rows * rank, bits, factor_block(rows)) + quantized_nbytes(
+            cols * rank, bits, factor_block(cols)
+        )
     assert HEADER.size == 16
     assert len(payload) == HEADER.size + factors
     dense = 4 * rows * cols
@@ -259,7 +261,9 @@ def test_ordered_factors_sort_components_and_truncate_optimally():
 
 def _ef_run(error_feedback: bool, rounds: int = 30) -> tuple[float, list[float], list[float], float]:
     rows, cols = 128, 64
-    compressor = TensorCompressor(CompressionConfig(rank_max=4, target_energy=0.5, error_feedback=error_feedback), seed=0)
+    compressor = TensorCompressor(
+        CompressionConfig(rank_max=4, target_energy=0.5, error_feedback=error_feedback), seed=0
+    )
     g = _gen(1)
     direction = torch.randn(rows, 2, generator=g) @ torch.randn(cols, 2, generator=g).T
     sum_in, sum_out = torch.zeros(rows, cols), torch.zeros(rows, cols)
@@ -293,8 +297,9 @@ def test_tracked_deficit_is_the_signal_not_yet_delivered(error_feedback):
     """`track_deficit` keeps Σ inputs − Σ decoded (what `dilocox bench compression` reports): with error
     feedback it is the residual and stays flat; without, it grows with the rounds."""
     rows, cols = 96, 64
-    compressor = TensorCompressor(CompressionConfig(rank_max=2, target_energy=0.5, error_feedback=error_feedback),
-                                  seed=0, track_deficit=True)  # fmt: skip
+    compressor = TensorCompressor(
+        CompressionConfig(rank_max=2, target_energy=0.5, error_feedback=error_feedback), seed=0, track_deficit=True
+    )
     g = _gen(5)
     direction = torch.randn(rows, 3, generator=g) @ torch.randn(cols, 3, generator=g).T
     sum_in, sum_out, deficits = torch.zeros(rows, cols), torch.zeros(rows, cols), []
@@ -500,7 +505,10 @@ def test_encoded_decoded_is_what_the_receiver_decodes_bit_for_bit(config):
     g = _gen(10)
     direction = _low_rank(96, 64, 3, seed=10)
     for _ in range(3):
-        for key, delta in [("w", direction + 0.1 * torch.randn(96, 64, generator=g)), ("b", torch.randn(300, generator=g))]:
+        for key, delta in [
+            ("w", direction + 0.1 * torch.randn(96, 64, generator=g)),
+            ("b", torch.randn(300, generator=g)),
+        ]:
             encoded = compressor.compress(key, delta)
             received = codecs.decode(encoded.codec, bytearray(encoded.payload), encoded.dtype, tuple(delta.shape))
             assert torch.equal(encoded.decoded, received)

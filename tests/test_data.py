@@ -179,7 +179,9 @@ def test_interleaved_split_deals_chunks_round_robin_and_keeps_windows_inside_the
     train = torch.arange(n, dtype=torch.int64)
     chunks_seen = []
     for k in range(num_shards):
-        s = BatchSampler(train, block_size=block, batch_size=16, seed=2, shard_index=k, num_shards=num_shards, split="interleaved")
+        s = BatchSampler(
+            train, block_size=block, batch_size=16, seed=2, shard_index=k, num_shards=num_shards, split="interleaved"
+        )
         seen = set()
         for _ in range(200):
             x, y = s.next_batch()

@@ -69,8 +69,9 @@ class RecordingCluster(DilocoCluster):
         return report
 
 
-def reference_delayed(seeds: list[int], rounds: int, h: int, rule: str = "own", sync_rounds: int = 0,
-                      overlap: int = 0) -> tuple[list[list[dict]], dict]:  # fmt: skip
+def reference_delayed(
+    seeds: list[int], rounds: int, h: int, rule: str = "own", sync_rounds: int = 0, overlap: int = 0
+) -> tuple[list[list[dict]], dict]:
     """The delayed algorithm of DESIGN.md §3 written out in torch, with torch.optim.SGD as the outer step.
     `rule`: where a delayed round's successor starts — "own": θ_{t-1} − Δ_t; "estimate": SGD's Nesterov
     step from θ_{t-1} with momentum v_{t-1} on ĝ = Δ_t/M + (1 − 1/M)(1 − μ)·v_{t-1}; "eager" (Eager
@@ -98,7 +99,11 @@ def reference_delayed(seeds: list[int], rounds: int, h: int, rule: str = "own", 
 
     for round_ in range(1, rounds + 1):
         sync = round_ <= sync_rounds
-        momentum = {n: outer.state[p]["momentum_buffer"].clone() for n, p in global_params.items() if "momentum_buffer" in outer.state[p]}
+        momentum = {
+            n: outer.state[p]["momentum_buffer"].clone()
+            for n, p in global_params.items()
+            if "momentum_buffer" in outer.state[p]
+        }
         deltas, tokens = [], []
         for i, t in enumerate(trainers):
             if overlap and previous_global is not None and not sync:
@@ -152,7 +157,11 @@ def run_clusters(addresses, seeds, rounds, h, delay, compute_s=0.0, **options):
     clusters = []
     for i, seed in enumerate(seeds):
         client = AggregatorClient(addresses, RUN, f"c{i}", connect_timeout=10, rpc_timeout=30)
-        clusters.append(RecordingCluster(ToyTrainer(seed, compute_s), client, rounds, h, delay=delay, num_clusters=len(seeds), **options))
+        clusters.append(
+            RecordingCluster(
+                ToyTrainer(seed, compute_s), client, rounds, h, delay=delay, num_clusters=len(seeds), **options
+            )
+        )
     run_concurrently(clusters)
     return clusters
 
@@ -199,8 +208,10 @@ def test_delayed_weights_equal_pure_torch_reference(shard_set):
     assert any(not torch.equal(first_a[n], first_b[n]) for n in first_a)
 
 
-@pytest.mark.parametrize("rule, sync_rounds, overlap", [("estimate", 0, 0), ("estimate", 2, 0), ("own", 2, 0), ("eager", 0, 0),
-                                                        ("own", 0, 3), ("own", 2, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "rule, sync_rounds, overlap",
+    [("estimate", 0, 0), ("estimate", 2, 0), ("own", 2, 0), ("eager", 0, 0), ("own", 0, 3), ("own", 2, 1)],
+)
 def test_delayed_start_rules_and_warm_up_equal_the_reference(shard_set, rule, sync_rounds, overlap):
     """The start rules — Eager updates (each cluster's own outer step on the last mean with its own stale
     part swapped for its fresh one), the estimate (the outer step on Δ_t/M plus the replicated momentum's
@@ -208,8 +219,17 @@ def test_delayed_start_rules_and_warm_up_equal_the_reference(shard_set, rule, sy
     (`overlap_steps`, waited for at τ), at every boundary, against the torch reference."""
     seeds, rounds, h = [11, 22], 6, 4
     shards = shard_set(2, RUN, min_clusters=2)
-    clusters = run_clusters(shards.addresses, seeds, rounds, h, delay=1, delayed_start=rule, sync_rounds=sync_rounds,
-                            overlap_steps=overlap, merge_wait=True)  # fmt: skip
+    clusters = run_clusters(
+        shards.addresses,
+        seeds,
+        rounds,
+        h,
+        delay=1,
+        delayed_start=rule,
+        sync_rounds=sync_rounds,
+        overlap_steps=overlap,
+        merge_wait=True,
+    )
     expected, final_global = reference_delayed(seeds, rounds, h, rule=rule, sync_rounds=sync_rounds, overlap=overlap)
     for cluster, reference in zip(clusters, expected):
         assert [r.round for r in cluster.reports] == list(range(1, rounds + 1))
@@ -223,6 +243,7 @@ def test_delayed_start_rules_and_warm_up_equal_the_reference(shard_set, rule, sy
         assert all(torch.equal(a[r][n], b[r][n]) for r in range(sync_rounds) for n in a[r])
         assert any(not torch.equal(a[sync_rounds][n], b[sync_rounds][n]) for n in a[sync_rounds])
 
+
 def test_the_merge_is_taken_in_mid_round_at_the_first_step_it_is_back(shard_set):
     """`overlap_steps` without waiting: from τ steps in, each step asks whether the exchange is back and
     merges then — never blocking mid-round; what is not back by the round's end the boundary takes in (H).
@@ -232,7 +253,9 @@ def test_the_merge_is_taken_in_mid_round_at_the_first_step_it_is_back(shard_set)
     clusters = []
     for i, seed in enumerate(seeds):
         client = AggregatorClient(shards.addresses, RUN, f"c{i}", connect_timeout=10, rpc_timeout=30)
-        clusters.append(RecordingCluster(ToyTrainer(seed, step_s=0.02), client, rounds, h, delay=1, num_clusters=2, overlap_steps=2))
+        clusters.append(
+            RecordingCluster(ToyTrainer(seed, step_s=0.02), client, rounds, h, delay=1, num_clusters=2, overlap_steps=2)
+        )
     run_concurrently(clusters)
     for cluster in clusters:
         reports = cluster.reports
@@ -313,13 +336,39 @@ def test_worker_sigterm_mid_round_finishes_pending_round(shard_set, tmp_path):
     import subprocess
     import sys
 
-    shards = shard_set(1, "sigterm-run", added_latency_s=0.3)  # exchanges outlast rounds: one is nearly always in flight
+    shards = shard_set(
+        1, "sigterm-run", added_latency_s=0.3
+    )  # exchanges outlast rounds: one is nearly always in flight
     shard = shards.shards[0]
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "sigterm-run",
-        "--rounds", "1000", "--inner-steps", "3", "--n-layer", "1", "--n-embd", "32", "--inner-batch-size", "4",
-        "--eval-batches", "1", "--delay", "1", "--threads", "1", "--log-format", "json", "--insecure",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "worker",
+        "--servers",
+        shards.addresses[0],
+        "--run-id",
+        "sigterm-run",
+        "--rounds",
+        "1000",
+        "--inner-steps",
+        "3",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--inner-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--delay",
+        "1",
+        "--threads",
+        "1",
+        "--log-format",
+        "json",
+        "--insecure",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -351,8 +400,9 @@ def test_error_feedback_residual_stays_in_the_clusters_weights(shard_set, local_
 
     shards = shard_set(1, RUN, min_clusters=1)
     config = CompressionConfig(codec="int4", error_feedback=True, local_residual=local_residual)
-    client = AggregatorClient(shards.addresses, RUN, "c0", connect_timeout=10, rpc_timeout=30,
-                              compressor=TensorCompressor(config))  # fmt: skip
+    client = AggregatorClient(
+        shards.addresses, RUN, "c0", connect_timeout=10, rpc_timeout=30, compressor=TensorCompressor(config)
+    )
     checked: list[float] = []
 
     def check(_report, _steps, _version) -> None:

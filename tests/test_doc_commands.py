@@ -63,7 +63,9 @@ def marked_blocks(document: pathlib.Path) -> list[Block]:
         end = next((j for j in range(i + 2, len(lines)) if lines[j].strip() == "```"), None)
         if end is None:
             continue
-        blocks.append(Block(document, i + 1, int(match.group(1) or DEFAULT_TIMEOUT_S), "\n".join(lines[i + 2:end]) + "\n"))
+        blocks.append(
+            Block(document, i + 1, int(match.group(1) or DEFAULT_TIMEOUT_S), "\n".join(lines[i + 2 : end]) + "\n")
+        )
     return blocks
 
 
@@ -78,10 +80,13 @@ def test_markers_are_only_right_before_a_bash_fence():
         for i in _marker_lines(lines):
             where = f"{document.relative_to(ROOT)}:{i + 1}"
             if not MARKER.match(lines[i].strip()):
-                bad.append(f"{where}: malformed marker {lines[i].strip()!r} (want `<!-- runnable -->` or `<!-- runnable timeout=N -->`)")
+                bad.append(
+                    f"{where}: malformed marker {lines[i].strip()!r} (want `<!-- runnable -->` or `<!-- runnable "
+                    "timeout=N -->`)"
+                )
             elif i + 1 >= len(lines) or lines[i + 1].strip() != "```bash":
                 bad.append(f"{where}: the marker is not immediately followed by a ```bash fence")
-            elif not any(line.strip() == "```" for line in lines[i + 2:]):
+            elif not any(line.strip() == "```" for line in lines[i + 2 :]):
                 bad.append(f"{where}: the marked block is never closed")
     assert bad == [], "\n".join(bad)
 
@@ -105,12 +110,23 @@ def _environment(tmp_path: pathlib.Path) -> dict[str, str]:
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
 def test_runnable_block_exits_zero(block, tmp_path):
     try:
-        result = subprocess.run(["bash", "-euo", "pipefail", "-c", block.script], cwd=ROOT, env=_environment(tmp_path),
-                                capture_output=True, text=True, timeout=block.timeout_s * LOAD_ALLOWANCE)  # fmt: skip
+        result = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", block.script],
+            cwd=ROOT,
+            env=_environment(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=block.timeout_s * LOAD_ALLOWANCE,
+        )
     except subprocess.TimeoutExpired as timeout:
-        output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
-                         for part in (timeout.stdout, timeout.stderr))  # fmt: skip
-        pytest.fail(f"{block.name}: still running after {block.timeout_s * LOAD_ALLOWANCE} s\n--- block ---\n{block.script}--- output ---\n{output[-4000:]}")
+        output = "".join(
+            part.decode(errors="replace") if isinstance(part, bytes) else (part or "")
+            for part in (timeout.stdout, timeout.stderr)
+        )
+        pytest.fail(
+            f"{block.name}: still running after {block.timeout_s * LOAD_ALLOWANCE} s\n--- block "
+            f"---\n{block.script}--- output ---\n{output[-4000:]}"
+        )
     assert result.returncode == 0, (
         f"{block.name}: exit {result.returncode}\n--- block ---\n{block.script}"
         f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}"

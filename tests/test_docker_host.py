@@ -20,27 +20,47 @@ BRIDGE = "br-0123456789ab"
 
 BARE_FILTER = ("-P INPUT ACCEPT", "-P FORWARD ACCEPT", "-P OUTPUT ACCEPT")
 DOCKER_FILTER = (
-    "-P INPUT ACCEPT", "-P FORWARD DROP", "-P OUTPUT ACCEPT",
-    "-N DOCKER", "-N DOCKER-ISOLATION-STAGE-1", "-N DOCKER-ISOLATION-STAGE-2", "-N DOCKER-USER",
-    "-A FORWARD -j DOCKER-USER", "-A FORWARD -j DOCKER-ISOLATION-STAGE-1",
-    "-A FORWARD -o docker0 -j DOCKER", "-A FORWARD -i docker0 ! -o docker0 -j ACCEPT",
+    "-P INPUT ACCEPT",
+    "-P FORWARD DROP",
+    "-P OUTPUT ACCEPT",
+    "-N DOCKER",
+    "-N DOCKER-ISOLATION-STAGE-1",
+    "-N DOCKER-ISOLATION-STAGE-2",
+    "-N DOCKER-USER",
+    "-A FORWARD -j DOCKER-USER",
+    "-A FORWARD -j DOCKER-ISOLATION-STAGE-1",
+    "-A FORWARD -o docker0 -j DOCKER",
+    "-A FORWARD -i docker0 ! -o docker0 -j ACCEPT",
     "-A DOCKER-ISOLATION-STAGE-1 -i docker0 ! -o docker0 -j DOCKER-ISOLATION-STAGE-2",
-    "-A DOCKER-ISOLATION-STAGE-1 -j RETURN", "-A DOCKER-ISOLATION-STAGE-2 -o docker0 -j DROP",
+    "-A DOCKER-ISOLATION-STAGE-1 -j RETURN",
+    "-A DOCKER-ISOLATION-STAGE-2 -o docker0 -j DROP",
     "-A DOCKER-USER -j RETURN",
-)  # fmt: skip
-DOCKER_NAT = ("-P PREROUTING ACCEPT", "-N DOCKER", "-A PREROUTING -m addrtype --dst-type LOCAL -j DOCKER",
-              "-A POSTROUTING -s 172.17.0.0/16 ! -o docker0 -j MASQUERADE", "-A DOCKER -i docker0 -j RETURN")  # fmt: skip
+)
+DOCKER_NAT = (
+    "-P PREROUTING ACCEPT",
+    "-N DOCKER",
+    "-A PREROUTING -m addrtype --dst-type LOCAL -j DOCKER",
+    "-A POSTROUTING -s 172.17.0.0/16 ! -o docker0 -j MASQUERADE",
+    "-A DOCKER -i docker0 -j RETURN",
+)
 OTHER_RULE = "-A INPUT -p tcp --dport 22 -j ACCEPT"  # someone else's, added meanwhile
 
 
 def bare() -> HostState:
-    return HostState(False, frozenset(), frozenset({"lo", "eth0"}), {"filter": BARE_FILTER, "nat": ("-P PREROUTING ACCEPT",)}, "0")
+    return HostState(
+        False, frozenset(), frozenset({"lo", "eth0"}), {"filter": BARE_FILTER, "nat": ("-P PREROUTING ACCEPT",)}, "0"
+    )
 
 
 def after_docker(before: HostState) -> HostState:
     """The host once the daemon the check started has stopped: Docker's traces added to `before`."""
-    return HostState(False, before.paths | {DATA, EXEC, KEY}, before.links | {"docker0", BRIDGE, "veth1a2b3c"},
-                     {"filter": (*DOCKER_FILTER, OTHER_RULE), "nat": DOCKER_NAT}, "1")  # fmt: skip
+    return HostState(
+        False,
+        before.paths | {DATA, EXEC, KEY},
+        before.links | {"docker0", BRIDGE, "veth1a2b3c"},
+        {"filter": (*DOCKER_FILTER, OTHER_RULE), "nat": DOCKER_NAT},
+        "1",
+    )
 
 
 def test_a_bare_machine_gets_everything_undone():
@@ -50,30 +70,47 @@ def test_a_bare_machine_gets_everything_undone():
     assert left.links == sorted(["docker0", BRIDGE, "veth1a2b3c"])
     assert left.ip_forward == "0"
     deletes = [" ".join(t[2:]) for t in left.iptables if t[2] == "-D"]
-    assert "-D FORWARD -j DOCKER-USER" in deletes and "-D POSTROUTING -s 172.17.0.0/16 ! -o docker0 -j MASQUERADE" in deletes
+    assert (
+        "-D FORWARD -j DOCKER-USER" in deletes
+        and "-D POSTROUTING -s 172.17.0.0/16 ! -o docker0 -j MASQUERADE" in deletes
+    )
     assert not any("dport 22" in d for d in deletes), "a rule that is not Docker's is never touched"
     assert not any("DOCKER-USER -j RETURN" in d for d in deletes), "rules inside a dropped chain go with its flush"
     kinds = [t[2] for t in left.iptables]
-    assert kinds == sorted(kinds, key=["-D", "-F", "-X", "-P"].index), "rules out, then every chain flushed, then dropped"
-    assert ["-t", "filter", "-P", "FORWARD", "ACCEPT"] in left.iptables, "the FORWARD policy dockerd set to DROP is set back"
+    assert kinds == sorted(kinds, key=["-D", "-F", "-X", "-P"].index), (
+        "rules out, then every chain flushed, then dropped"
+    )
+    assert ["-t", "filter", "-P", "FORWARD", "ACCEPT"] in left.iptables, (
+        "the FORWARD policy dockerd set to DROP is set back"
+    )
     assert {(t[1], t[3]) for t in left.iptables if t[2] == "-X"} == {
-        ("filter", c) for c in ("DOCKER", "DOCKER-ISOLATION-STAGE-1", "DOCKER-ISOLATION-STAGE-2", "DOCKER-USER")} | {("nat", "DOCKER")}
+        ("filter", c) for c in ("DOCKER", "DOCKER-ISOLATION-STAGE-1", "DOCKER-ISOLATION-STAGE-2", "DOCKER-USER")
+    } | {("nat", "DOCKER")}
 
 
 def test_a_stopped_dockers_leftovers_are_not_ours():
     """Found: a data root, docker0 and the chains of an earlier daemon. The check removes only the
     compose bridge and the rule it added, and the exec root it made."""
-    found = HostState(False, frozenset({DATA, KEY}), frozenset({"lo", "eth0", "docker0"}),
-                      {"filter": DOCKER_FILTER, "nat": DOCKER_NAT}, "1")  # fmt: skip
+    found = HostState(
+        False,
+        frozenset({DATA, KEY}),
+        frozenset({"lo", "eth0", "docker0"}),
+        {"filter": DOCKER_FILTER, "nat": DOCKER_NAT},
+        "1",
+    )
     dnat = "-A DOCKER ! -i docker0 -p tcp -m tcp --dport 57051 -j DNAT --to-destination 172.18.0.2:50051"
-    after = HostState(False, found.paths | {EXEC}, found.links | {BRIDGE}, {"filter": DOCKER_FILTER, "nat": (*DOCKER_NAT, dnat)}, "1")
+    after = HostState(
+        False, found.paths | {EXEC}, found.links | {BRIDGE}, {"filter": DOCKER_FILTER, "nat": (*DOCKER_NAT, dnat)}, "1"
+    )
     left = host_leftovers(found, after)
     assert left.paths == [EXEC] and left.links == [BRIDGE] and left.ip_forward is None
     assert left.iptables == [["-t", "nat", "-D", *dnat.split()[1:]]], "a new rule in a chain that stays: deleted alone"
 
 
 def test_nothing_outside_the_engine_is_touched_when_the_daemon_was_running():
-    running = HostState(True, frozenset({DATA, EXEC, KEY}), frozenset({"lo", "docker0"}), {"filter": DOCKER_FILTER}, "1")
+    running = HostState(
+        True, frozenset({DATA, EXEC, KEY}), frozenset({"lo", "docker0"}), {"filter": DOCKER_FILTER}, "1"
+    )
     assert host_leftovers(running, after_docker(running)) == docker_host.Leftovers()
 
 
@@ -84,12 +121,20 @@ def test_kept_images_keep_their_data_root():
 
 
 def test_objects_made_by_the_check_and_only_those():
-    before = DockerObjects(images=frozenset({"sha256:user"}), containers=frozenset({"c-user"}), tags=frozenset({"dilocox:cpu"}))
-    now = DockerObjects(images=frozenset({"sha256:user", "sha256:base", "sha256:mid", "sha256:check", "sha256:other"}),
-                        containers=frozenset({"c-user", "c-left"}), networks=frozenset({"n"}), volumes=frozenset({"v"}),
-                        tags=frozenset({"dilocox:cpu", "dilocox:check", "dilocox-base:bookworm", "other:1"}))  # fmt: skip
+    before = DockerObjects(
+        images=frozenset({"sha256:user"}), containers=frozenset({"c-user"}), tags=frozenset({"dilocox:cpu"})
+    )
+    now = DockerObjects(
+        images=frozenset({"sha256:user", "sha256:base", "sha256:mid", "sha256:check", "sha256:other"}),
+        containers=frozenset({"c-user", "c-left"}),
+        networks=frozenset({"n"}),
+        volumes=frozenset({"v"}),
+        tags=frozenset({"dilocox:cpu", "dilocox:check", "dilocox-base:bookworm", "other:1"}),
+    )
     ours = objects_to_remove(before, now)  # a daemon the check started: all of it is the check's
-    assert ours.images == {"sha256:base", "sha256:mid", "sha256:check", "sha256:other"} and ours.containers == {"c-left"}
+    assert ours.images == {"sha256:base", "sha256:mid", "sha256:check", "sha256:other"} and ours.containers == {
+        "c-left"
+    }
     kept = objects_to_remove(before, now, keep_images=frozenset({"sha256:check", "dilocox:check"}))
     assert "sha256:check" not in kept.images and "dilocox:check" not in kept.tags
     # A daemon that was running before: only the check's own images; others' new objects stay.
@@ -124,7 +169,11 @@ def test_a_failing_check_still_cleans_up(monkeypatch, capsys, daemon_was_running
     monkeypatch.setattr(compose_images, "engine_answers", lambda: daemon_was_running)
     monkeypatch.setattr(compose_cli, "ensure_engine", lambda: engine)
     monkeypatch.setattr(compose_images.Engine, "stop", lambda self: calls.append("stop"))
-    monkeypatch.setattr(compose_cli, "build_image", lambda project, cache, recipe, prune=True: calls.append(("build", recipe.image, prune)))
+    monkeypatch.setattr(
+        compose_cli,
+        "build_image",
+        lambda project, cache, recipe, prune=True: calls.append(("build", recipe.image, prune)),
+    )
 
     def smoke(image, tracking):
         raise CheckFailed("no transformers in the image")
@@ -132,8 +181,14 @@ def test_a_failing_check_still_cleans_up(monkeypatch, capsys, daemon_was_running
     monkeypatch.setattr(compose_cli, "worker_smoke", smoke)
     states = iter([bare(), after_docker(bare())])
     monkeypatch.setattr(docker_host, "inventory_host", lambda daemon_running: next(states))
-    objects = iter([DockerObjects(images=frozenset({"sha256:user"})),
-                    DockerObjects(images=frozenset({"sha256:user", "sha256:new", "sha256:x"}), tags=frozenset({"dilocox:check"}))])  # fmt: skip
+    objects = iter(
+        [
+            DockerObjects(images=frozenset({"sha256:user"})),
+            DockerObjects(
+                images=frozenset({"sha256:user", "sha256:new", "sha256:x"}), tags=frozenset({"dilocox:check"})
+            ),
+        ]
+    )
     monkeypatch.setattr(docker_host, "inventory_docker", lambda: next(objects))
     monkeypatch.setattr(docker_host, "labelled_images", lambda label: frozenset({"sha256:new"}))
     monkeypatch.setattr(docker_host, "image_id", lambda name: None)

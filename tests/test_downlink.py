@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 from dilocox.common.config.run import InnerConfig, RunConfig
+from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 from dilocox.common.wire.framing import EncodedSlice
+from dilocox.sim.inprocess import run_in_process
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
-from dilocox.sim.inprocess import run_in_process
 
 RUN = "run-downlink"
 PARAMS = [("emb", (96, 32)), ("w", (32, 64)), ("b", (64,)), ("gain", ())]
@@ -28,7 +28,11 @@ def low_rank_delta(seed: int) -> dict[str, torch.Tensor]:
 
 
 def client(addresses, name: str, compressed: bool = True) -> AggregatorClient:
-    compressor = TensorCompressor(CompressionConfig(rank_max=4, target_energy=0.5, min_lowrank_numel=256), seed=1) if compressed else None
+    compressor = (
+        TensorCompressor(CompressionConfig(rank_max=4, target_energy=0.5, min_lowrank_numel=256), seed=1)
+        if compressed
+        else None
+    )
     return AggregatorClient(addresses, RUN, name, connect_timeout=10, rpc_timeout=30, compressor=compressor)
 
 
@@ -76,7 +80,8 @@ def test_replicas_stay_bit_identical_and_joiners_resync(shard_set):
         # A cluster that lost the bytes of its own contribution still replays: it gets them back.
         for i, c in enumerate((a, b, joiner)):
             c.push(6, 50.0, slice_tensors(c.assignment, low_rank_delta(200 + i)))
-        a._own.clear()  # a restarted client keeps no own copies: it says so, and the shards send its part like the others'
+        # A restarted client keeps no own copies: it says so, and the shards send its part like the others'.
+        a._own.clear()
         version, _, received = a.pull(6, wait_seconds=10)
         assert version == 6 and received < dense / 4 and a.pull_kinds == {0: ("rounds", 1, ""), 1: ("rounds", 1, "")}
         assert_replica_equals_shards(a, shards)
@@ -89,7 +94,9 @@ def test_replicas_stay_bit_identical_and_joiners_resync(shard_set):
         b._own[key] = EncodedSlice(key, item.codec, item.dtype, item.shape, item.payload + b"x")
         version, _, received = b.pull(7, wait_seconds=10)
         shard_of_key = next(s.shard for s in b.assignment if s.key == key)  # the other shard's part still replays
-        assert version == 7 and b.pull_kinds[shard_of_key][0] == "full" and b.pull_kinds[1 - shard_of_key][0] == "rounds"
+        assert (
+            version == 7 and b.pull_kinds[shard_of_key][0] == "full" and b.pull_kinds[1 - shard_of_key][0] == "rounds"
+        )
         assert_replica_equals_shards(b, shards)
     finally:
         for c in (a, b, joiner):

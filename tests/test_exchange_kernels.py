@@ -21,7 +21,13 @@ from dilocox.common.wire import codecs, lowrank
 from dilocox.common.wire.aggregation import apply_round, decode_by_blocks
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
-from dilocox.common.wire.lowrank import PRODUCT_STEP_ELEMENTS, OrderedProduct, encode_lowrank, lowrank_factors, power_iteration
+from dilocox.common.wire.lowrank import (
+    PRODUCT_STEP_ELEMENTS,
+    OrderedProduct,
+    encode_lowrank,
+    lowrank_factors,
+    power_iteration,
+)
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
 
@@ -33,7 +39,10 @@ def _plain(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-FORMS = ["torch", pytest.param("compiled", marks=pytest.mark.skipif(lowrank._kernels is None, reason="no C compiler at install"))]
+FORMS = [
+    "torch",
+    pytest.param("compiled", marks=pytest.mark.skipif(lowrank._kernels is None, reason="no C compiler at install")),
+]
 
 
 def test_the_compiled_decode_is_built_where_a_c_compiler_is():

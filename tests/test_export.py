@@ -17,23 +17,36 @@ from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
 from dilocox.common.wire.checkpoint_format import checkpoint_path, save_state
 from dilocox.server.state import checkpoint
 from dilocox.sim.inprocess import run_in_process
-from dilocox.worker.export.model import ExportError, evaluate_export, from_checkpoints, from_servers, served_run_id, write_export
+from dilocox.worker.export.model import (
+    ExportError,
+    evaluate_export,
+    from_checkpoints,
+    from_servers,
+    served_run_id,
+    write_export,
+)
 
 pytest.importorskip("safetensors")
 
 
 def _config(model: str = "gpt") -> RunConfig:
-    return RunConfig(run_id="export-run", rounds=2, eval_batches=1,
-                     model=ModelConfig(model=model, n_layer=1, n_embd=32, block_size=32),
-                     inner=InnerConfig(steps=3, batch_size=4, warmup_steps=2))  # fmt: skip
+    return RunConfig(
+        run_id="export-run",
+        rounds=2,
+        eval_batches=1,
+        model=ModelConfig(model=model, n_layer=1, n_embd=32, block_size=32),
+        inner=InnerConfig(steps=3, batch_size=4, warmup_steps=2),
+    )
 
 
 def _shards_weights(result) -> dict:
     """{name: full tensor} assembled from the in-process shards' own published snapshots."""
     slices = {k: t for shard in result.shards for k, t in shard.snapshot.tensors.items()}
     names = {k.name for k in slices}
-    return {name: torch.cat([slices[k] for k in sorted((k for k in slices if k.name == name), key=lambda k: k.row_start)])
-            for name in names}  # fmt: skip
+    return {
+        name: torch.cat([slices[k] for k in sorted((k for k in slices if k.name == name), key=lambda k: k.row_start)])
+        for name in names
+    }
 
 
 def _trained(model: str, tmp_path):
@@ -51,7 +64,9 @@ def _trained(model: str, tmp_path):
 
 def test_export_from_live_shards_and_from_checkpoints_are_the_shards_weights(tmp_path):
     result, live = _trained("gpt", tmp_path)
-    assert all(shard.members.keys() == {"cluster-0", "cluster-1"} for shard in result.shards)  # the observer joined nothing
+    assert all(
+        shard.members.keys() == {"cluster-0", "cluster-1"} for shard in result.shards
+    )  # the observer joined nothing
     offline = from_checkpoints([tmp_path / "ckpt"])
     want = _shards_weights(result)
     assert live.version == offline.version == result.shards[0].version
@@ -86,7 +101,9 @@ def test_export_of_a_tiny_llama_loads_with_from_pretrained(tmp_path):
     assert json.loads((out / "config.json").read_text())["use_cache"] is True
     umask = os.umask(0o022)
     os.umask(umask)
-    assert all(stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask for f in out.iterdir()), {f.name: oct(f.stat().st_mode) for f in out.iterdir()}
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask for f in out.iterdir()), {
+        f.name: oct(f.stat().st_mode) for f in out.iterdir()
+    }
 
 
 def test_export_refuses_a_missing_shard_a_missing_slice_and_mixed_versions(tmp_path):
@@ -115,17 +132,29 @@ def test_export_refuses_a_missing_shard_a_missing_slice_and_mixed_versions(tmp_p
 
 def test_export_command_errors_are_clear(tmp_path, shard_set):
     cli = [sys.executable, "-m", "dilocox.common.cli", "export", "--out", str(tmp_path / "out")]
-    missing = subprocess.run([*cli, "--checkpoints", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [*cli, "--checkpoints", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120
+    )
     assert missing.returncode == 1 and "no shard checkpoint at" in missing.stderr
     empty = shard_set(1, "export-run")  # a shard no cluster has joined yet
-    fresh = subprocess.run([*cli, "--servers", empty.addresses[0], "--run-id", "export-run", "--insecure"],
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    fresh = subprocess.run(
+        [*cli, "--servers", empty.addresses[0], "--run-id", "export-run", "--insecure"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert fresh.returncode == 1 and "holds no model yet" in fresh.stderr
-    wrong = subprocess.run([*cli, "--servers", empty.addresses[0], "--run-id", "other", "--insecure"],
-                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    wrong = subprocess.run(
+        [*cli, "--servers", empty.addresses[0], "--run-id", "other", "--insecure"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert wrong.returncode == 1 and "PERMISSION_DENIED" in wrong.stderr
     # Without --run-id the shards say which run they serve (deploy and sim default to different ids).
-    asked = subprocess.run([*cli, "--servers", empty.addresses[0], "--insecure"], capture_output=True, text=True, timeout=120)
+    asked = subprocess.run(
+        [*cli, "--servers", empty.addresses[0], "--insecure"], capture_output=True, text=True, timeout=120
+    )
     assert asked.returncode == 1 and "holds no model yet" in asked.stderr  # it got as far as the run's weights
     other = shard_set(1, "another-run")
     with pytest.raises(ExportError, match="the shards serve different runs"):
@@ -143,8 +172,10 @@ def test_the_readmes_export_commands_work_as_written_with_and_without_the_shards
     import shlex
 
     page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
-    live_line, offline_line = (next(line for line in page.splitlines() if line.startswith(f"dilocox export --{source}"))
-                               for source in ("servers", "checkpoints"))  # fmt: skip
+    live_line, offline_line = (
+        next(line for line in page.splitlines() if line.startswith(f"dilocox export --{source}"))
+        for source in ("servers", "checkpoints")
+    )
     config = dataclasses.replace(_config(), run_id=RunConfig().run_id)  # the page's commands name no run id
     done = {}
 
@@ -152,8 +183,13 @@ def test_the_readmes_export_commands_work_as_written_with_and_without_the_shards
         if addresses:
             line = re.sub(r"agg\.example\.org:5005(\d)", lambda m: addresses[int(m[1]) - 1], line)
         argv = shlex.split(line.replace("$W", "--insecure"), comments=True)
-        return subprocess.run([sys.executable, "-m", "dilocox.common.cli", *argv[1:]], cwd=tmp_path, capture_output=True,
-                              text=True, timeout=120)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "dilocox.common.cli", *argv[1:]],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     def before_stop(addresses):
         done["live"] = run_line(live_line, addresses)
@@ -164,7 +200,8 @@ def test_the_readmes_export_commands_work_as_written_with_and_without_the_shards
     offline = run_line(offline_line)
     for name, outcome in [*done.items(), ("offline", offline)]:
         assert outcome.returncode == 0, (name, outcome.stdout[-2000:], outcome.stderr[-2000:])
-    versions = {json.loads((tmp_path / folder / "export.json").read_text())["version"]
-                for folder in ("model", "model-offline")}  # fmt: skip
+    versions = {
+        json.loads((tmp_path / folder / "export.json").read_text())["version"] for folder in ("model", "model-offline")
+    }
     assert versions == {config.final_version}
     assert "shard 0:" in offline.stdout and "shard 1:" in offline.stdout

@@ -15,19 +15,25 @@ pytest.importorskip("model_signing", reason="OpenSSF model-signing: the signing 
 
 from dilocox.common.cli import main  # noqa: E402
 from dilocox.worker.export.signing import SIGNATURE_FILE  # noqa: E402
-from tests.test_export_signing import _export, _flip, _signer, pki  # noqa: E402,F401 - the module's PKI fixture
+from tests.test_export_signing import _export, _flip, _signer  # noqa: E402
 
 CLI = [sys.executable, "-c", "from model_signing._cli import main; main()"]
 
 
 def _verify(folder: pathlib.Path, mode: str, trust: pathlib.Path) -> subprocess.CompletedProcess:
     flag = "--public_key" if mode == "key" else "--certificate_chain"
-    return subprocess.run([*CLI, "verify", mode, str(folder), "--signature", str(folder / "model.sig"), flag, str(trust)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [*CLI, "verify", mode, str(folder), "--signature", str(folder / "model.sig"), flag, str(trust)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("with_cert", [False, True])
-def test_model_signing_and_dilocox_verify_accept_the_export_and_refuse_the_same_tampering(tmp_path, pki, capsys, with_cert):
+def test_model_signing_and_dilocox_verify_accept_the_export_and_refuse_the_same_tampering(
+    tmp_path, pki, capsys, with_cert
+):
     folder = _export(tmp_path / "model", _signer(pki, with_cert=with_cert))
     assert (folder / "model.sig").is_file() and (folder / SIGNATURE_FILE).is_file()
     mode, trust = ("certificate", pki["run-ca"]) if with_cert else ("key", pki["run-cert"])
@@ -36,14 +42,22 @@ def test_model_signing_and_dilocox_verify_accept_the_export_and_refuse_the_same_
 
         trust = tmp_path / "signer-pub.pem"
         trust.write_text(to_pem(load_public_key(pki["run-cert"].read_bytes(), "cert")))
-    ours = ["verify", str(folder), "--cert" if with_cert else "--key", str(pki["run-ca"] if with_cert else pki["run-cert"])]
+    ours = [
+        "verify",
+        str(folder),
+        "--cert" if with_cert else "--key",
+        str(pki["run-ca"] if with_cert else pki["run-cert"]),
+    ]
     done = _verify(folder, mode, trust)
     assert done.returncode == 0 and "Verification succeeded" in done.stdout + done.stderr, done
     assert main(ours) == 0
     capsys.readouterr()
-    for name, tamper in (("changed", lambda f: _flip(f / "model.safetensors")), ("missing", lambda f: (f / "tokenizer.json").unlink()),
-                         ("extra", lambda f: (f / "extra" / "added.bin").write_bytes(b"x")),
-                         ("provenance", lambda f: _flip(f / "provenance.json"))):  # fmt: skip
+    for name, tamper in (
+        ("changed", lambda f: _flip(f / "model.safetensors")),
+        ("missing", lambda f: (f / "tokenizer.json").unlink()),
+        ("extra", lambda f: (f / "extra" / "added.bin").write_bytes(b"x")),
+        ("provenance", lambda f: _flip(f / "provenance.json")),
+    ):
         copy = tmp_path / f"model-{name}"
         shutil.copytree(folder, copy)
         tamper(copy)

@@ -12,18 +12,18 @@ import pytest
 import torch
 
 from dilocox.common.cli import main
-from dilocox.common.signing_keys import Signer, SigningError, _check_chain_directly, check_chain, load_certificates, load_signer
+from dilocox.common.signing_keys import (
+    Signer,
+    SigningError,
+    _check_chain_directly,
+    check_chain,
+    load_certificates,
+    load_signer,
+)
 from dilocox.worker.export.provenance import write_provenance
 from dilocox.worker.export.signing import PROVENANCE_FILE, SIGNATURE_FILE, _signed_files, sign_folder, verify_folder
-from tests.pki import two_authorities
 
 RUN = "signing-run"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, pathlib.Path]:
-    """The run's CA (as `dilocox certs` makes it) with a signer's certificate, and another CA with one."""
-    return two_authorities(tmp_path_factory.mktemp("pki"), "signer", "exporter", usage="signer")
 
 
 def _signer(pki, name: str = "run", with_cert: bool = True) -> Signer:
@@ -33,7 +33,9 @@ def _signer(pki, name: str = "run", with_cert: bool = True) -> Signer:
 def _export(folder: pathlib.Path, signer: Signer) -> pathlib.Path:
     """An export's files (a nested one too), its provenance.json and its signature."""
     folder.mkdir()
-    (folder / "model.safetensors").write_bytes(torch.randn(300, generator=torch.Generator().manual_seed(0)).numpy().tobytes())
+    (folder / "model.safetensors").write_bytes(
+        torch.randn(300, generator=torch.Generator().manual_seed(0)).numpy().tobytes()
+    )
     (folder / "export.json").write_text(json.dumps({"run_id": RUN, "version": 3}) + "\n")
     (folder / "tokenizer.json").write_text('{"model": {"type": "BPE"}}\n')
     (folder / "extra").mkdir()
@@ -62,8 +64,13 @@ def test_sign_then_verify_with_the_ca_the_key_and_the_files_own_key(signed, pki)
         result = verify_folder(signed, **trust)
         assert result.ok, result.problems
     assert result.signer == "CN=dilocox signer exporter"
-    assert [f.path for f in result.files] == ["export.json", "extra/generation_config.json", "model.safetensors",
-                                              "tokenizer.json", PROVENANCE_FILE]  # fmt: skip
+    assert [f.path for f in result.files] == [
+        "export.json",
+        "extra/generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        PROVENANCE_FILE,
+    ]
     record = result.provenance
     assert (record["run_id"], record["version"], record["rounds"], record["final_version"]) == (RUN, 3, 2, 3)
     assert record["source"] == {"servers": ["a:1", "b:2"]} and record["tokenizer_digest"] == "byte"
@@ -83,8 +90,11 @@ def test_a_changed_byte_in_the_provenance_record_fails_by_name(signed, pki):
     (problem,) = _problems(signed, ca=pki["run-ca"])
     assert problem.startswith(f"{PROVENANCE_FILE}: provenance record changed: sha256")
     (signed / PROVENANCE_FILE).write_text((signed / PROVENANCE_FILE).read_text() + " ")  # a size change says so
-    assert _problems(signed) == [f"{PROVENANCE_FILE}: provenance record changed: "
-                                 f"{(signed / PROVENANCE_FILE).stat().st_size} bytes, signed with {(signed / PROVENANCE_FILE).stat().st_size - 1}"]  # fmt: skip
+    assert _problems(signed) == [
+        f"{PROVENANCE_FILE}: provenance record changed: "
+        f"{(signed / PROVENANCE_FILE).stat().st_size} bytes, signed with "
+        f"{(signed / PROVENANCE_FILE).stat().st_size - 1}"
+    ]
 
 
 def test_a_changed_signature_fails(signed, pki):
@@ -126,7 +136,9 @@ def test_an_added_or_removed_file_fails_by_name(signed, pki):
 
 def test_the_wrong_key_or_a_certificate_from_another_ca_fails(signed, pki, tmp_path):
     (problem,) = _problems(signed, key=pki["other-cert"])
-    assert problem.startswith(f"{SIGNATURE_FILE}: the signature does not verify with the key in {pki['other-cert']} (signed by ecdsa-p256")
+    assert problem.startswith(
+        f"{SIGNATURE_FILE}: the signature does not verify with the key in {pki['other-cert']} (signed by ecdsa-p256"
+    )
     (problem,) = _problems(signed, ca=pki["other-ca"])
     assert problem.startswith(f"{SIGNATURE_FILE}: the signer's certificate does not chain to {pki['other-ca']}")
     # Signed by a certificate of another CA: checked against the run's CA, it fails.
@@ -143,13 +155,20 @@ def test_ed25519_and_rsa_pss_keys_sign_and_verify(tmp_path):
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519, rsa
 
-    for name, make in (("ed25519", ed25519.Ed25519PrivateKey.generate), ("rsa", lambda: rsa.generate_private_key(65537, 2048))):
+    for name, make in (
+        ("ed25519", ed25519.Ed25519PrivateKey.generate),
+        ("rsa", lambda: rsa.generate_private_key(65537, 2048)),
+    ):
         key, other = make(), make()
         folder = _export(tmp_path / name, Signer(key))
         public = tmp_path / f"{name}.pub"
-        public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        public.write_bytes(
+            key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
         assert verify_folder(folder, key=public).ok
-        public.write_bytes(other.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        public.write_bytes(
+            other.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
         assert "does not verify" in _problems(folder, key=public)[0]
 
 
@@ -157,9 +176,9 @@ def test_the_direct_chain_check_agrees_with_cryptographys_path_builder(pki):
     """The fallback for a cryptography without x509.verification's extension policies."""
     run_ca, other_ca = (load_certificates(pki[f"{n}-ca"].read_bytes(), n) for n in ("run", "other"))
     signer = load_certificates(pki["run-cert"].read_bytes(), "signer")
-    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=400)
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=400)
     for check in (check_chain, _check_chain_directly):
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         assert check(signer, run_ca, now) == ""
         assert check(signer, other_ca, now) != ""
         assert check(signer, run_ca, later) != ""  # expired (365 days)
@@ -176,8 +195,13 @@ def test_signing_refuses_a_certificate_that_is_not_the_keys_and_unusable_keys(pk
 
     locked = tmp_path / "locked.pem"
     key = _signer(pki).key
-    locked.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                         serialization.BestAvailableEncryption(b"secret")))  # fmt: skip
+    locked.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
     with pytest.raises(SigningError, match="is encrypted"):
         load_signer(str(locked))
     (tmp_path / "bare").mkdir()
@@ -186,9 +210,12 @@ def test_signing_refuses_a_certificate_that_is_not_the_keys_and_unusable_keys(pk
 
 
 def test_a_manifest_naming_a_path_outside_the_folder_is_malformed():
-    statement = {"_type": "https://in-toto.io/Statement/v1", "predicateType": "urn:dilocox:export-manifest:v1",
-                 "subject": [{"name": "../../etc/passwd", "digest": {"sha256": "0" * 64}}],
-                 "predicate": {"provenance": "../../etc/passwd", "sizes": {"../../etc/passwd": 1}}}  # fmt: skip
+    statement = {
+        "_type": "https://in-toto.io/Statement/v1",
+        "predicateType": "urn:dilocox:export-manifest:v1",
+        "subject": [{"name": "../../etc/passwd", "digest": {"sha256": "0" * 64}}],
+        "predicate": {"provenance": "../../etc/passwd", "sizes": {"../../etc/passwd": 1}},
+    }
     with pytest.raises(SigningError, match="outside the folder"):
         _signed_files(json.dumps(statement).encode())
 
@@ -222,8 +249,8 @@ def test_export_command_signs_and_verify_checks_it(tmp_path, pki, capsys):
     """The whole path: shards' checkpoints → `dilocox export --sign-key --sign-cert` → `dilocox verify --cert`."""
     from dilocox.common.wire.assignment import model_digest
     from dilocox.common.wire.framing import EncodedSlice
-    from dilocox.server.state import checkpoint
     from dilocox.server.shard import Shard
+    from dilocox.server.state import checkpoint
 
     params = [("w", (8, 6)), ("b", (6,))]
     for index in range(2):
@@ -231,7 +258,12 @@ def test_export_command_signs_and_verify_checks_it(tmp_path, pki, capsys):
         shard.join(RUN, "cluster-a", model_digest(params), params, "{}")
         for round_ in range(3):
             full = {n: torch.randn(s, generator=torch.Generator().manual_seed(round_)) for n, s in params}
-            shard.commit_push("cluster-a", round_, 1.0, [EncodedSlice.exact(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()])
+            shard.commit_push(
+                "cluster-a",
+                round_,
+                1.0,
+                [EncodedSlice.exact(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()],
+            )
         checkpoint.save(shard, tmp_path / "ckpt")
     export = ["export", "--checkpoints", str(tmp_path / "ckpt"), "--out", str(tmp_path / "model")]
     assert main([*export, "--sign-key", str(pki["run-cert"])]) == 1  # not a key: refused before anything is written
@@ -267,25 +299,43 @@ def test_a_changed_digit_of_the_weights_header_fails_by_name_not_with_a_tracebac
     chain's weight check did not catch: `dilocox verify` printed a traceback, signed or --unsigned."""
     from dilocox.common.wire.assignment import model_digest
     from dilocox.common.wire.framing import EncodedSlice
-    from dilocox.server.state import checkpoint
     from dilocox.server.shard import Shard
+    from dilocox.server.state import checkpoint
 
     params = [("w", (8, 6)), ("b", (6,))]
     shard = Shard(0, 1, RUN)
     shard.join(RUN, "cluster-a", model_digest(params), params, "{}")
     full = {n: torch.randn(s, generator=torch.Generator().manual_seed(0)) for n, s in params}
-    shard.commit_push("cluster-a", 0, 1.0, [EncodedSlice.exact(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()])
+    shard.commit_push(
+        "cluster-a", 0, 1.0, [EncodedSlice.exact(k, s.view(full[s.name]).clone()) for k, s in shard.owned.items()]
+    )
     checkpoint.save(shard, tmp_path / "ckpt")
     model = tmp_path / "model"
-    assert main(["export", "--checkpoints", str(tmp_path / "ckpt"), "--out", str(model), "--sign-key", str(pki["run-key"]),
-                 "--sign-cert", str(pki["run-cert"])]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoints",
+                str(tmp_path / "ckpt"),
+                "--out",
+                str(model),
+                "--sign-key",
+                str(pki["run-key"]),
+                "--sign-cert",
+                str(pki["run-cert"]),
+            ]
+        )
+        == 0
+    )
     _change_a_header_digit(model / "model.safetensors")
     capsys.readouterr()
     for flags in (["--cert", str(pki["run-ca"])], ["--unsigned"]):
         assert main(["verify", str(model), *flags]) == 1
         err = capsys.readouterr().err
         assert "FAILED model.safetensors: file changed" in err, err
-        assert "FAILED provenance.json: model.safetensors: cannot be read to check it against the rounds chain" in err, err
+        assert (
+            "FAILED provenance.json: model.safetensors: cannot be read to check it against the rounds chain" in err
+        ), err
 
 
 def test_a_site_certificate_of_the_run_ca_does_not_vouch_for_an_export(tmp_path, pki, capsys):
@@ -298,8 +348,30 @@ def test_a_site_certificate_of_the_run_ca_does_not_vouch_for_an_export(tmp_path,
     site = issue(load_ca(pki["run-ca"].parent), tmp_path / "site", "site", "client", ("site-a",))
     folder = _export(tmp_path / "by-a-site", load_signer(str(site["site-key"]), str(site["site"])))
     problems = _problems(folder, ca=pki["run-ca"])
-    assert len(problems) == 1 and "CN=dilocox client site-a's certificate is not a signer's (no code-signing usage" in problems[0]
-    assert not _problems(folder, key=site["site"])  # with the site's own key given: the files are as that key signed them
-    assert main(["export", "--checkpoints", str(tmp_path / "none"), "--out", str(tmp_path / "model"), "--sign-key", str(site["site-key"]),
-                 "--sign-cert", str(site["site"])]) == 1  # fmt: skip
-    assert "not a signer's certificate (no code-signing usage" in capsys.readouterr().err and not (tmp_path / "model").exists()
+    assert (
+        len(problems) == 1
+        and "CN=dilocox client site-a's certificate is not a signer's (no code-signing usage" in problems[0]
+    )
+    assert not _problems(
+        folder, key=site["site"]
+    )  # with the site's own key given: the files are as that key signed them
+    assert (
+        main(
+            [
+                "export",
+                "--checkpoints",
+                str(tmp_path / "none"),
+                "--out",
+                str(tmp_path / "model"),
+                "--sign-key",
+                str(site["site-key"]),
+                "--sign-cert",
+                str(site["site"]),
+            ]
+        )
+        == 1
+    )
+    assert (
+        "not a signer's certificate (no code-signing usage" in capsys.readouterr().err
+        and not (tmp_path / "model").exists()
+    )

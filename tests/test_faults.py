@@ -22,11 +22,40 @@ CLUSTERS = ["a", "b", "c"]
 
 def worker(address: str, name: str, index: int, log_path: pathlib.Path) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", address, "--run-id", RUN,
-        "--cluster", name, "--cluster-index", str(index), "--num-clusters", "3", "--rounds", str(ROUNDS),
-        "--inner-steps", "15", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4",
-        "--eval-batches", "4", "--threads", "1", "--log-format", "json", "--insecure",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "worker",
+        "--servers",
+        address,
+        "--run-id",
+        RUN,
+        "--cluster",
+        name,
+        "--cluster-index",
+        str(index),
+        "--num-clusters",
+        "3",
+        "--rounds",
+        str(ROUNDS),
+        "--inner-steps",
+        "15",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--inner-batch-size",
+        "4",
+        "--eval-batches",
+        "4",
+        "--threads",
+        "1",
+        "--log-format",
+        "json",
+        "--insecure",
+    ]
     with open(log_path, "a") as log:  # a file, not a pipe: a full pipe would block the worker
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 

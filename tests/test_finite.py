@@ -41,7 +41,10 @@ def test_lowrank_payloads_are_vetted_without_decoding_and_refused_as_decode_woul
     codecs.vet("lowrank", good, "float32", (64, 32))
     assert all_finite(codecs.decode("lowrank", good, "float32", (64, 32)))
     huge = bytearray(encode_lowrank(p * 1e19, q * 1e19, factor_bits=32))  # finite factors, product ~1e38+
-    for payload, match in ((huge, "overflow"), (bytearray(encode_lowrank(p.index_fill(0, torch.tensor([3]), float("nan")), q, factor_bits=32)), "NaN")):
+    for payload, match in (
+        (huge, "overflow"),
+        (bytearray(encode_lowrank(p.index_fill(0, torch.tensor([3]), float("nan")), q, factor_bits=32)), "NaN"),
+    ):
         with pytest.raises(InvalidFrame, match=match):
             codecs.vet("lowrank", payload, "float32", (64, 32))
     with pytest.raises(InvalidFrame):  # the decode refuses the overflowing one too
@@ -54,8 +57,21 @@ def test_every_kind_of_float32_bit_pattern_at_every_position():
     """Each class of fp32 bit pattern, both signs, at the start, middle and end of tensors of several
     lengths: finite (max normal, subnormals, ±0) passes; ±Inf and NaNs (quiet, signalling, sign bit
     set) are found wherever they are."""
-    patterns = [0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F800000,  # finite
-                0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF]  # fmt: skip
+    patterns = [
+        0x00000000,
+        0x80000000,
+        0x00000001,
+        0x807FFFFF,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+        0x3F800000,  # finite
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFC00000,
+        0x7F800001,
+        0xFFFFFFFF,
+    ]
     for n in (1, 7, 8, 33, 1000):
         base = torch.randn(n)
         for pattern in patterns:
@@ -80,4 +96,6 @@ def test_a_vetted_payload_is_decoded_without_the_second_pass_and_anything_else_w
         EncodedSlice(key, "fp32", "float32", (2, 2), payload).decode_lazy()
     # Marked vetted, the check is not run (which is why only the assembler's vetted buffers are marked).
     assert torch.isnan(EncodedSlice(key, "fp32", "float32", (2, 2), payload, vetted=True).decode_lazy()).any()
-    assert EncodedSlice(key, "fp32", "float32", (2, 2), payload, vetted=True) == EncodedSlice(key, "fp32", "float32", (2, 2), payload)
+    assert EncodedSlice(key, "fp32", "float32", (2, 2), payload, vetted=True) == EncodedSlice(
+        key, "fp32", "float32", (2, 2), payload
+    )

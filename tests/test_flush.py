@@ -51,8 +51,14 @@ def _run(shards, flush_codec: str, delay: int, rounds: int = 4, clusters: int = 
     config = CompressionConfig(**LOW_RANK, flush_codec=flush_codec)
     runs = []
     for i in range(clusters):
-        client = AggregatorClient(shards.addresses, RUN, f"c{i}", connect_timeout=10, rpc_timeout=30,
-                                  compressor=TensorCompressor(config, seed=5))  # fmt: skip
+        client = AggregatorClient(
+            shards.addresses,
+            RUN,
+            f"c{i}",
+            connect_timeout=10,
+            rpc_timeout=30,
+            compressor=TensorCompressor(config, seed=5),
+        )
         runs.append(DilocoCluster(ToyTrainer(10 + i), client, rounds=rounds, inner_steps=3, delay=delay))
     run_concurrently(runs)
     return runs
@@ -62,7 +68,10 @@ def _assert_on_the_shards_model(clusters: list[DilocoCluster], shards) -> None:
     for cluster in clusters:
         for s in cluster.slices:
             want = shards.shards[s.shard].snapshot.tensors[s.key]
-            assert torch.equal(s.view(cluster.params[s.name].detach()), want.reshape(s.slice_shape)), (cluster.client.cluster, s.key)
+            assert torch.equal(s.view(cluster.params[s.name].detach()), want.reshape(s.slice_shape)), (
+                cluster.client.cluster,
+                s.key,
+            )
 
 
 @pytest.mark.parametrize("delay", [0, 1])

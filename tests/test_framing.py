@@ -8,8 +8,7 @@ import pytest
 import torch
 import zstandard
 
-from dilocox.common.wire import codecs
-from dilocox.common.wire import framing
+from dilocox.common.wire import codecs, framing
 from dilocox.common.wire.errors import CorruptFrame, DilocoxError, InvalidFrame, UnknownCodec, UnknownSlice
 from dilocox.common.wire.framing import MAX_CHUNK_BYTES, SliceKey, assemble, decompress_chunk, encode_slice
 from dilocox.proto import dilocox_pb2 as pb

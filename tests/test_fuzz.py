@@ -23,15 +23,6 @@ import torch
 import zstandard
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from dilocox.common.wire import codecs
-from dilocox.common.wire.assignment import model_digest
-from dilocox.common.wire.errors import DilocoxError
-from dilocox.common.wire.framing import MAX_CHUNK_BYTES, SliceKey, assemble_units, decompress_chunk, encode_slice
-from dilocox.common.wire.lowrank import as_matrix_shape
-from dilocox.common.wire.quantize import decode_quantized
-from dilocox.proto import dilocox_pb2 as pb
-from dilocox.server.shard import Shard
 from test_bad_input import (
     as_messages,
     assert_round_completes,
@@ -44,7 +35,18 @@ from test_bad_input import (
     reference_round_1,  # noqa: F401 - a fixture, used by name
 )
 
-FUZZ = settings(derandomize=True, database=None, max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+from dilocox.common.wire import codecs
+from dilocox.common.wire.assignment import model_digest
+from dilocox.common.wire.errors import DilocoxError
+from dilocox.common.wire.framing import MAX_CHUNK_BYTES, SliceKey, assemble_units, decompress_chunk, encode_slice
+from dilocox.common.wire.lowrank import as_matrix_shape
+from dilocox.common.wire.quantize import decode_quantized
+from dilocox.proto import dilocox_pb2 as pb
+from dilocox.server.shard import Shard
+
+FUZZ = settings(
+    derandomize=True, database=None, max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 CODEC_NAMES = sorted(codecs.CODECS)
 CODEC_DTYPES = {name: codecs.encode(name, torch.ones(2, 2))[1] for name in CODEC_NAMES}
@@ -71,7 +73,9 @@ def decodes_or_refuses(decode, *args):
 
 def _interesting_int(rng: random.Random, current: int) -> int:
     """Edges, neighbours of the true value, and noise; clamped to int64 (what the proto fields hold)."""
-    value = rng.choice([*INTERESTING, current + 1, current - 1, current + 8, current * 2, rng.randrange(-(2**63), 2**63)])
+    value = rng.choice(
+        [*INTERESTING, current + 1, current - 1, current + 8, current * 2, rng.randrange(-(2**63), 2**63)]
+    )
     return max(-(2**63), min(2**63 - 1, value))
 
 
@@ -96,7 +100,9 @@ def mutate_bytes(rng: random.Random, blob: bytes, other: bytes) -> bytes:
 
 
 def _mutate_field(rng: random.Random, chunk: pb.TensorChunk) -> None:
-    field = rng.choice(["offset", "raw_bytes", "payload_bytes", "row_start", "row_stop", "codec", "dtype", "shape", "name"])
+    field = rng.choice(
+        ["offset", "raw_bytes", "payload_bytes", "row_start", "row_stop", "codec", "dtype", "shape", "name"]
+    )
     if field == "codec":
         chunk.codec = rng.choice([*CODEC_NAMES, "fp64", "zstd", ""])
     elif field == "dtype":
@@ -140,8 +146,17 @@ def mutate_stream(rng: random.Random, chunks: list[pb.TensorChunk]) -> list[pb.T
 
 
 def _chunk(frame: bytes, raw_bytes: int) -> pb.TensorChunk:
-    return pb.TensorChunk(name="w", row_start=0, row_stop=4, codec="fp32", dtype="float32", shape=[4],
-                          payload_bytes=max(raw_bytes, 0), raw_bytes=raw_bytes, zstd_frame=frame)  # fmt: skip
+    return pb.TensorChunk(
+        name="w",
+        row_start=0,
+        row_stop=4,
+        codec="fp32",
+        dtype="float32",
+        shape=[4],
+        payload_bytes=max(raw_bytes, 0),
+        raw_bytes=raw_bytes,
+        zstd_frame=frame,
+    )
 
 
 def _frame(data: bytes) -> bytes:
@@ -177,8 +192,11 @@ def _frame_claiming(size: int, body: bytes) -> bytes:
 
 
 @settings(derandomize=True, database=None, max_examples=60, deadline=None)
-@given(claimed=st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + 1, 2**40])),
-       honest_header=st.booleans(), body=st.binary(max_size=64))  # fmt: skip
+@given(
+    claimed=st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([MAX_CHUNK_BYTES, MAX_CHUNK_BYTES + 1, 2**40])),
+    honest_header=st.booleans(),
+    body=st.binary(max_size=64),
+)
 def test_a_frame_claiming_a_huge_size_is_refused_before_allocating(claimed, honest_header, body):
     """Neither the frame's content size nor the chunk's raw_bytes may make the decoder allocate past the cap."""
     raw_bytes = min(claimed, 2**63 - 1) if honest_header else len(body)
@@ -240,10 +258,17 @@ _any_int = st.one_of(st.integers(-4, 2048), st.sampled_from(INTERESTING))
 def _random_chunk(draw) -> pb.TensorChunk:
     """Fields drawn near a real slice (so that vetting passes and the assembler is reached) or anywhere."""
     owned = draw(st.sampled_from(OWNED))
-    near = lambda truth, anything: truth if draw(st.integers(0, 4)) else draw(anything)
+
+    def near(truth, anything):
+        return truth if draw(st.integers(0, 4)) else draw(anything)
+
     content = draw(st.binary(max_size=256))
     codec = draw(st.sampled_from([*CODEC_NAMES, "fp64"]))
-    key = owned.key if draw(st.integers(0, 9)) else SliceKey(draw(st.sampled_from(["", "zz", "w"])), draw(_any_int), draw(_any_int))
+    key = (
+        owned.key
+        if draw(st.integers(0, 9))
+        else SliceKey(draw(st.sampled_from(["", "zz", "w"])), draw(_any_int), draw(_any_int))
+    )
     return pb.TensorChunk(
         name=key.name,
         row_start=key.row_start,
@@ -302,18 +327,32 @@ def test_arbitrary_payloads_never_crash_a_codec(codec, shape, buffer):
 
 def _random_header(rng: random.Random, codec: str, shape: tuple[int, ...]) -> bytes:
     """Header fields drawn from plausible and hostile values (quantised: `<BBBIQ`, low-rank: `<BBBxIII`)."""
-    byte = lambda good: rng.choice([good, rng.randrange(256)])
+
+    def byte(good):
+        return rng.choice([good, rng.randrange(256)])
+
     if codec == "lowrank":
         rows, cols = as_matrix_shape(shape)
         dims = [rng.choice([d, rng.randrange(2**32)]) for d in (rows, cols, min(rows, cols))]
         return struct.pack("<BBBxIII", byte(0xC5), byte(1), rng.choice([32, 8, 4, rng.randrange(256)]), *dims)
     block = rng.choice([1, 2, 128, 2**32 - 1, rng.randrange(2**32)])
-    return struct.pack("<BBBIQ", byte(0xD7), byte(1), rng.choice([8, 4, rng.randrange(256)]), block, rng.choice([n for n in INTERESTING if n >= 0]))
+    return struct.pack(
+        "<BBBIQ",
+        byte(0xD7),
+        byte(1),
+        rng.choice([8, 4, rng.randrange(256)]),
+        block,
+        rng.choice([n for n in INTERESTING if n >= 0]),
+    )
 
 
 @FUZZ
-@given(codec=st.sampled_from(["int8", "int4", "lowrank", "fp16", "fp32"]), shape=st.lists(st.integers(1, 6), min_size=2, max_size=3).map(tuple),
-       seed=st.integers(0, 2**31 - 1), rng=st.randoms(use_true_random=False))  # fmt: skip
+@given(
+    codec=st.sampled_from(["int8", "int4", "lowrank", "fp16", "fp32"]),
+    shape=st.lists(st.integers(1, 6), min_size=2, max_size=3).map(tuple),
+    seed=st.integers(0, 2**31 - 1),
+    rng=st.randoms(use_true_random=False),
+)
 def test_mutated_codec_payloads_are_refused_or_decode_finite(codec, shape, seed, rng):
     payload, dtype = codecs.encode(codec, torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
     payload = bytes(payload)
@@ -338,8 +377,12 @@ _quantised_headers = st.builds(
 
 
 @FUZZ
-@given(prefix=st.binary(max_size=40), head=st.one_of(st.just(b""), _quantised_headers), tail=st.binary(max_size=400),
-       offset=st.one_of(st.none(), st.integers(0, 60)))  # fmt: skip
+@given(
+    prefix=st.binary(max_size=40),
+    head=st.one_of(st.just(b""), _quantised_headers),
+    tail=st.binary(max_size=400),
+    offset=st.one_of(st.none(), st.integers(0, 60)),
+)
 def test_arbitrary_bytes_never_crash_the_quantised_parser(prefix, head, tail, offset):
     """`decode_quantized` parses payloads lying back to back, so it is fuzzed at offsets (None: where the
     header starts), behind headers that hold together (magic, version, bits) and claim any block and count."""
@@ -365,7 +408,10 @@ def _server_outcome(scene, messages) -> tuple[grpc.StatusCode, str] | None:
 
 def _local_outcome(scene, chunks) -> tuple[grpc.StatusCode, str] | None:
     """The refusal the decoder gives this exact chunk sequence here, or None if it decodes."""
-    vet = lambda key, chunk: scene.shard.vet_slice(key, chunk.codec, tuple(chunk.shape))
+
+    def vet(key, chunk):
+        return scene.shard.vet_slice(key, chunk.codec, tuple(chunk.shape))
+
     try:
         list(assemble_units(chunks, vet))
     except DilocoxError as error:
@@ -383,8 +429,17 @@ def test_fuzzed_pushes_over_grpc_get_the_decoders_refusal_and_change_nothing(sha
         sent = 0
         for attempt in range(GRPC_PUSHES):
             key = rng.choice(scene.keys)
-            bad = mutate_stream(rng, list(encode_slice(key, scene.deltas[key], rng.choice(["fp32", "int8", "fp16"]),
-                                                       chunk_bytes=rng.choice([64, 256, 4096]))))  # fmt: skip
+            bad = mutate_stream(
+                rng,
+                list(
+                    encode_slice(
+                        key,
+                        scene.deltas[key],
+                        rng.choice(["fp32", "int8", "fp16"]),
+                        chunk_bytes=rng.choice([64, 256, 4096]),
+                    )
+                ),
+            )
             good = [m.chunk for m in good_messages(scene, without=key)]
             at = rng.randrange(len(good) + 1)
             chunks = good[:at] + bad + good[at:]

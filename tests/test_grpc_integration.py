@@ -6,8 +6,8 @@ import grpc
 import pytest
 import torch
 
-from dilocox.common.wire.assignment import model_digest
 from dilocox.common.config.run import WireConfig
+from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.framing import SliceKey, encode_slice
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
@@ -23,7 +23,9 @@ def random_tensors(seed: int, params=PARAMS) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=g) for name, shape in params}
 
 
-def assemble_full(client: AggregatorClient, pulled: dict[SliceKey, torch.Tensor], params=PARAMS) -> dict[str, torch.Tensor]:
+def assemble_full(
+    client: AggregatorClient, pulled: dict[SliceKey, torch.Tensor], params=PARAMS
+) -> dict[str, torch.Tensor]:
     full = {name: torch.full(shape, float("nan")) for name, shape in params}
     for s in client.assignment:
         s.view(full[s.name]).copy_(pulled[s.key])
@@ -51,7 +53,7 @@ def test_outer_update_over_grpc_matches_torch_reference(shard_set):
             opt.step()
             for c, client in clients.items():
                 client.push(round_, weights[c], slice_tensors(client.assignment, deltas[c]))
-            for c, client in clients.items():
+            for client in clients.values():
                 version, pulled, received = client.pull(min_version=round_, wait_seconds=10)
                 assert version == round_ and received > 0
                 full = assemble_full(client, pulled)
@@ -76,12 +78,16 @@ def _state(shard):
         shard.version,
         {k: v.clone() for k, v in snap.tensors.items()},
         {k: v.clone() for k, v in shard.optimizer.buffers.items()},
-        {f"{k}/{c}": v.slice.decode().clone() for k, per in acc.contributions.items() for c, v in per.items()} if acc else {},
+        {f"{k}/{c}": v.slice.decode().clone() for k, per in acc.contributions.items() for c, v in per.items()}
+        if acc
+        else {},
     )
 
 
 def _same(a, b) -> bool:
-    return a[0] == b[0] and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a[1:], b[1:]))
+    return a[0] == b[0] and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a[1:], b[1:])
+    )
 
 
 def test_bad_requests_get_distinct_codes_and_change_nothing(shard_set):
@@ -102,8 +108,15 @@ def test_bad_requests_get_distinct_codes_and_change_nothing(shard_set):
 
         wrong_model = [("tok_emb", (65, 16))] + PARAMS[1:]
         with pytest.raises(grpc.RpcError) as info:
-            stub.Join(pb.JoinRequest(run_id=RUN, cluster="intruder", model_digest=model_digest(wrong_model),
-                                     params=[pb.ParamSpec(name=n, shape=list(s)) for n, s in wrong_model]), timeout=10)  # fmt: skip
+            stub.Join(
+                pb.JoinRequest(
+                    run_id=RUN,
+                    cluster="intruder",
+                    model_digest=model_digest(wrong_model),
+                    params=[pb.ParamSpec(name=n, shape=list(s)) for n, s in wrong_model],
+                ),
+                timeout=10,
+            )
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "model digest" in info.value.details() and "different parameter names or shapes" in info.value.details()
 
@@ -115,19 +128,37 @@ def test_bad_requests_get_distinct_codes_and_change_nothing(shard_set):
         owned = next(iter(shard.owned.values()))
         good_tensor = torch.zeros(owned.slice_shape)
         refusals = [
-            (lambda: push(2, owned.key, good_tensor), grpc.StatusCode.FAILED_PRECONDITION, "round 2 is not open yet; the open round is 1"),
-            (lambda: push(0, owned.key, good_tensor), grpc.StatusCode.FAILED_PRECONDITION, "round 0 (initial weights) is closed"),
-            (lambda: push(1, SliceKey("not.a.param", 0, 4), torch.zeros(4, 16)), grpc.StatusCode.NOT_FOUND, "does not own not.a.param[0:4]"),
+            (
+                lambda: push(2, owned.key, good_tensor),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "round 2 is not open yet; the open round is 1",
+            ),
+            (
+                lambda: push(0, owned.key, good_tensor),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "round 0 (initial weights) is closed",
+            ),
+            (
+                lambda: push(1, SliceKey("not.a.param", 0, 4), torch.zeros(4, 16)),
+                grpc.StatusCode.NOT_FOUND,
+                "does not own not.a.param[0:4]",
+            ),
             (lambda: push(1, owned.key, torch.zeros(3, 3)), grpc.StatusCode.INVALID_ARGUMENT, "expected shape"),
-            (lambda: push(1, owned.key, good_tensor, cluster="never-joined"), grpc.StatusCode.FAILED_PRECONDITION, "has not joined"),
-        ]  # fmt: skip
+            (
+                lambda: push(1, owned.key, good_tensor, cluster="never-joined"),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "has not joined",
+            ),
+        ]
         for call, code, message in refusals:
             with pytest.raises(grpc.RpcError) as info:
                 call()
             assert info.value.code() == code, info.value.details()
             assert message in info.value.details()
             assert _same(before, _state(shard))
-        assert len({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}) == 3
+        assert (
+            len({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}) == 3
+        )
 
         # The shard keeps serving: the well-formed push completes the round.
         other.push(1, 100.0, slice_tensors(other.assignment, random_tensors(2)))

@@ -80,7 +80,10 @@ def test_cli_exit_codes(shard_set):
     dead = f"127.0.0.1:{_free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "dilocox.common.cli", "health", "--insecure", "--timeout", "3", "--server"]
-    procs = {a: subprocess.Popen(argv + [a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for a in (address, dead)}
+    procs = {
+        a: subprocess.Popen(argv + [a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for a in (address, dead)
+    }
     results = {a: (p.wait(timeout=60), p.stdout.read(), p.stderr.read()) for a, p in procs.items()}
     code, out, _ = results[address]
     assert code == 0 and out.strip() == f"{address} SERVING"

@@ -1,5 +1,6 @@
 """Several pipeline stages a rank (`--schedule interleaved-1f1b --stages-per-rank v`): torch's
-ScheduleInterleaved1F1B (or ScheduleInterleavedZeroBubble, `interleaved-zb`) over the rank's stages, each its own FSDP root, together under the model's names
+ScheduleInterleaved1F1B (or ScheduleInterleavedZeroBubble, `interleaved-zb`) over the rank's stages, each its own FSDP
+root, together under the model's names
 (RankStages). Each microbatch meets the same blocks in the same order as under 1F1B and the gradients add
 up in the same order, so the site trains bit for bit as the 1F1B site does — on gloo ranks in both
 reshard modes, and as a whole run against real shards (0 replay mismatches)."""
@@ -22,8 +23,14 @@ LAYOUTS = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved-1f1b", 2)}
 
 
 def _interleaved(rank: int, world: int, port: int, out_dir: str, reshard: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     from dilocox.worker.site.mesh import SiteMesh
     from dilocox.worker.site.trainer import SiteTrainer
@@ -31,14 +38,24 @@ def _interleaved(rank: int, world: int, port: int, out_dir: str, reshard: str) -
     mesh = SiteMesh(config(2, 2).parallel, collective_timeout_s=120)
     result = {}
     try:
-        for name, (schedule, per_rank) in {**LAYOUTS, **({"zero-bubble": ("interleaved-zb", 2)} if reshard == "step" else {})}.items():
+        for name, (schedule, per_rank) in {
+            **LAYOUTS,
+            **({"zero-bubble": ("interleaved-zb", 2)} if reshard == "step" else {}),
+        }.items():
             cfg = config(2, 2, accum=2, reshard=reshard)
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, model="gpt", n_layer=4, n_embd=64),
-                                      parallel=dataclasses.replace(cfg.parallel, schedule=schedule, stages_per_rank=per_rank))  # fmt: skip
+            cfg = dataclasses.replace(
+                cfg,
+                model=dataclasses.replace(cfg.model, model="gpt", n_layer=4, n_embd=64),
+                parallel=dataclasses.replace(cfg.parallel, schedule=schedule, stages_per_rank=per_rank),
+            )
             trainer = SiteTrainer(cfg, data(), mesh)
             _, losses = train_recording(trainer, mesh.replica, global_batches(STEPS * 2, BATCH * 2), STEPS)
-            result[name] = {"losses": losses, "eval": trainer.evaluate(), "weights": {n: _full(p) for n, p in trainer.named_parameters()},
-                            "names": [n for n, _ in trainer.named_parameters()]}  # fmt: skip
+            result[name] = {
+                "losses": losses,
+                "eval": trainer.evaluate(),
+                "weights": {n: _full(p) for n, p in trainer.named_parameters()},
+                "names": [n for n, _ in trainer.named_parameters()],
+            }
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         mesh.close()
@@ -52,10 +69,13 @@ def test_two_stages_a_rank_train_bit_for_bit_as_one(reshard, tmp_path):
     one = {n: t for part in parts for n, t in part["1f1b"]["weights"].items()}  # the whole model, from its ranks
     for other in ("interleaved", "zero-bubble") if reshard == "step" else ("interleaved",):
         for part in parts:
-            assert part["1f1b"]["losses"] == part[other]["losses"] and part["1f1b"]["eval"] == part[other]["eval"], other
+            assert part["1f1b"]["losses"] == part[other]["losses"] and part["1f1b"]["eval"] == part[other]["eval"], (
+                other
+            )
         two = {n: t for part in parts for n, t in part[other]["weights"].items()}
         assert one.keys() == two.keys() and all(torch.equal(one[n], two[n]) for n in one), other
-    # rank 0 holds stages 0 and 2 of 4 (the embeddings, blocks 0 and 2), rank 2 stages 1 and 3 (blocks 1 and 3, the head)
+    # rank 0 holds stages 0 and 2 of 4 (the embeddings, blocks 0 and 2), rank 2 stages 1 and 3 (blocks 1 and 3,
+    # the head)
     assert [n.split(".")[1] for n in parts[0]["interleaved"]["names"] if n.startswith("blocks.")][::12] == ["0", "2"]
     assert parts[2]["interleaved"]["names"][-1] == "head.weight"
 
@@ -68,8 +88,24 @@ def test_an_interleaved_site_ends_on_the_1f1b_sites_model_against_real_shards(sh
     models = {}
     for name, (schedule, per_rank) in LAYOUTS.items():
         shards = shard_set(2, f"inter-{name}")
-        cmd = worker_argv(shards.addresses, f"inter-{name}", "--rounds", "2", "--inner-steps", "2", "--pp", "2", "--microbatches", "2",
-                          "--n-layer", "4", "--schedule", schedule, "--stages-per-rank", str(per_rank))  # fmt: skip
+        cmd = worker_argv(
+            shards.addresses,
+            f"inter-{name}",
+            "--rounds",
+            "2",
+            "--inner-steps",
+            "2",
+            "--pp",
+            "2",
+            "--microbatches",
+            "2",
+            "--n-layer",
+            "4",
+            "--schedule",
+            schedule,
+            "--stages-per-rank",
+            str(per_rank),
+        )
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         assert sum(s.status()["replay_mismatches"] for s in shards.shards) == 0

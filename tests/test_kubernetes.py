@@ -23,9 +23,9 @@ import yaml
 from dilocox.common.cli import build_parser
 from dilocox.common.deploy import kubernetes
 from dilocox.common.deploy.deploy_cli import add_topology_arguments, topology_from_args
+from dilocox.server.shard import Shard
 from dilocox.server.state import checkpoint
 from tests.ports import free_port, listening
-from dilocox.server.shard import Shard
 
 VERSIONS = ("1.28", "1.30", kubernetes_validate.latest_version())  # 1.28: the oldest the docs promise
 TOPOLOGY = ["--shards", "2", "--sites", "site-a:2x1,site-b:1x2"]
@@ -57,7 +57,7 @@ def _parses(argv: list[str]) -> argparse.Namespace:
     """A container's dilocox argv, through the CLI's own parser (a torchrun prefix dropped, the kubelet's
     `$(SHARD_INDEX)` as shard 0's)."""
     if argv[0] == "torchrun":
-        argv = ["dilocox", *argv[argv.index("dilocox.common.cli") + 1:]]
+        argv = ["dilocox", *argv[argv.index("dilocox.common.cli") + 1 :]]
     argv = [arg.replace("$(SHARD_INDEX)", "0") for arg in argv]
     assert argv[0] == "dilocox", argv
     return build_parser(argv[1:]).parse_args(argv[1:])
@@ -77,8 +77,16 @@ MODES = {
     "plaintext-cpu": ["--insecure", "--gpus-per-rank", "0", "--token-secret", ""],
     "multi-pod": ["--ranks-per-pod", "1", "--storage-class", "fast-ssd", "--namespace", "Training"],
 }
-EXTERNAL = ["--servers", "agg0.example.org:443,203.0.113.9:8443", "--node-selector", "pool=gpu",
-            "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration", "dedicated=ml:NoExecute"]
+EXTERNAL = [
+    "--servers",
+    "agg0.example.org:443,203.0.113.9:8443",
+    "--node-selector",
+    "pool=gpu",
+    "--toleration",
+    "nvidia.com/gpu:NoSchedule",
+    "--toleration",
+    "dedicated=ml:NoExecute",
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -98,14 +106,20 @@ def test_external_shards_are_dialled_by_their_addresses_and_pods_land_on_the_sel
         pod = job["spec"]["template"]["spec"]
         assert _parses(_container(job)["command"]).servers == "agg0.example.org:443,203.0.113.9:8443"
         assert pod["nodeSelector"] == {"pool": "gpu"}
-        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-                                      {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"}]
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"},
+        ]
         for version in VERSIONS:
             kubernetes_validate.validate(job, version, strict=True)
     with pytest.raises(SystemExit, match="--servers names 1 shard"):
         _render(tmp_path, "--servers", "agg0.example.org:443")
-    exposed = [o for o in _render(tmp_path, "--expose-shards", "NodePort") if o["kind"] == "Service" and "type" in o["spec"]]
-    assert [s["spec"]["selector"] for s in exposed] == [{"statefulset.kubernetes.io/pod-name": f"dilocox-run-shard-{i}"} for i in (0, 1)]
+    exposed = [
+        o for o in _render(tmp_path, "--expose-shards", "NodePort") if o["kind"] == "Service" and "type" in o["spec"]
+    ]
+    assert [s["spec"]["selector"] for s in exposed] == [
+        {"statefulset.kubernetes.io/pod-name": f"dilocox-run-shard-{i}"} for i in (0, 1)
+    ]
     for service in exposed:
         assert service["spec"]["type"] == "NodePort" and service["spec"]["ports"][0]["targetPort"] == 50051
         for version in VERSIONS:
@@ -131,7 +145,9 @@ def test_shards_are_a_statefulset_whose_ordinal_is_the_shard_index(tmp_path, mod
     container = _container(statefulset)
     command = container["command"]
     assert command[command.index("--shard-index") + 1] == "$(SHARD_INDEX)"
-    assert _env(container)["SHARD_INDEX"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert _env(container)["SHARD_INDEX"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
+    }
     args = _parses([arg.replace("$(SHARD_INDEX)", "1") for arg in command])
     assert args.command == "server" and args.shard_index == 1 and args.num_shards == 2
     assert args.resume_if_present and not args.resume and args.port == 50051 and args.host == "0.0.0.0"
@@ -170,7 +186,9 @@ def test_every_site_dials_every_shard_by_its_statefulset_dns_name(tmp_path, mode
     statefulset = _one(objects, "StatefulSet")
     namespace, name = statefulset["metadata"]["namespace"], statefulset["metadata"]["name"]
     service = statefulset["spec"]["serviceName"]
-    shards = [f"{name}-{i}.{service}.{namespace}.svc.cluster.local:50051" for i in range(statefulset["spec"]["replicas"])]
+    shards = [
+        f"{name}-{i}.{service}.{namespace}.svc.cluster.local:50051" for i in range(statefulset["spec"]["replicas"])
+    ]
     jobs = _site_jobs(objects)
     assert sorted(jobs) == ["site-a", "site-b"]
     for index, site in enumerate(("site-a", "site-b")):
@@ -221,7 +239,9 @@ def test_a_site_across_pods_is_torchrun_with_the_completion_index_as_node_rank(t
         rendezvous = _one(objects, "Service", subdomain)
         assert rendezvous["spec"]["clusterIP"] == "None" and rendezvous["spec"]["publishNotReadyAddresses"] is True
         assert rendezvous["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
-        other = _site_jobs(objects)["site-b" if site == "site-a" else "site-a"]["spec"]["template"]["metadata"]["labels"]
+        other = _site_jobs(objects)["site-b" if site == "site-a" else "site-a"]["spec"]["template"]["metadata"][
+            "labels"
+        ]
         assert not rendezvous["spec"]["selector"].items() <= other.items()
         args = _parses(command)
         assert (args.parallel__pp, args.parallel__dp) == layout
@@ -248,10 +268,16 @@ def test_secrets_are_referenced_and_cpu_sites_request_no_gpu(tmp_path):
 
 def test_names_are_sanitised_and_an_uneven_split_is_refused(tmp_path):
     objects = _render(tmp_path, "--run-id", "LLM_Pretrain.1", "--sites", "Site_A:1x1,b:1x1")
-    assert {o["metadata"]["name"] for o in objects} >= {"llm-pretrain-1-shard", "llm-pretrain-1-site-a", "llm-pretrain-1-b"}
+    assert {o["metadata"]["name"] for o in objects} >= {
+        "llm-pretrain-1-shard",
+        "llm-pretrain-1-site-a",
+        "llm-pretrain-1-b",
+    }
     for obj in objects:
         kubernetes_validate.validate(obj, "1.30", strict=True)
-    assert _parses(_container(_site_jobs(objects)["site-a"])["command"]).run_id == "LLM_Pretrain.1"  # the run id itself is kept
+    assert (
+        _parses(_container(_site_jobs(objects)["site-a"])["command"]).run_id == "LLM_Pretrain.1"
+    )  # the run id itself is kept
     with pytest.raises(SystemExit, match="does not divide"):
         _render(tmp_path, "--sites", "a:3x1", "--ranks-per-pod", "2")
     with pytest.raises(SystemExit, match="clashing"):
@@ -261,8 +287,18 @@ def test_names_are_sanitised_and_an_uneven_split_is_refused(tmp_path):
 def test_the_cli_writes_the_manifest_and_says_what_to_run_next(tmp_path):
     pytest.importorskip("dilocox.common.deploy.slurm")  # deploy_cli registers both launchers
     out = tmp_path / "k8s"
-    command = [sys.executable, "-m", "dilocox.common.cli", "deploy", "kubernetes", "--out", str(out), *TOPOLOGY,
-               "--image", "registry.example.org/dilocox:cuda"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "deploy",
+        "kubernetes",
+        "--out",
+        str(out),
+        *TOPOLOGY,
+        "--image",
+        "registry.example.org/dilocox:cuda",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     objects = [d for d in yaml.safe_load_all((out / kubernetes.MANIFEST).read_text()) if d is not None]
@@ -286,8 +322,22 @@ RUN = "k8s-resume"
 def _serve_once(ckpt_dir: pathlib.Path, *extra: str) -> str:
     """Start a shard, wait until it listens, stop it with SIGTERM; its stderr (the JSON log)."""
     port = free_port()
-    command = [sys.executable, "-m", "dilocox.common.cli", "server", "--port", str(port), "--run-id", RUN, "--insecure",
-               "--log-format", "json", "--checkpoint-dir", str(ckpt_dir), *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "server",
+        "--port",
+        str(port),
+        "--run-id",
+        RUN,
+        "--insecure",
+        "--log-format",
+        "json",
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        *extra,
+    ]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -309,7 +359,16 @@ def test_server_resume_if_present_starts_on_an_empty_volume_and_resumes_a_full_o
     checkpoint.save(shard, tmp_path / "full")
     log = _serve_once(tmp_path / "full", "--resume-if-present")
     assert "checkpoint_loaded" in log
-    command = [sys.executable, "-m", "dilocox.common.cli", "server", "--run-id", RUN, "--insecure", "--resume-if-present"]
+    command = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "server",
+        "--run-id",
+        RUN,
+        "--insecure",
+        "--resume-if-present",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--resume-if-present needs --checkpoint-dir" in done.stderr
 

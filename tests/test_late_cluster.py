@@ -63,16 +63,32 @@ def test_late_cluster_part_refused_by_one_shard_arrives_next_round_and_matches_a
         for index, shard in enumerate(shards.shards):
             outer = OuterNesterov(0.7, 0.9)
             for s in [s for s in a.assignment if s.shard == index]:
-                cut = {name: s.view(t) for name, t in (("theta", theta0[s.name]), ("da1", da1[s.name]), ("dl1", dl1[s.name]),
-                                                        ("da2", da2[s.name]), ("dl2", dl2[s.name]))}  # fmt: skip
-                round1 = [("a", 30.0, lambda: cut["da1"])] + ([] if index == 0 else [("late", 10.0, lambda: cut["dl1"])])
+                cut = {
+                    name: s.view(t)
+                    for name, t in (
+                        ("theta", theta0[s.name]),
+                        ("da1", da1[s.name]),
+                        ("dl1", dl1[s.name]),
+                        ("da2", da2[s.name]),
+                        ("dl2", dl2[s.name]),
+                    )
+                }
+                round1 = [("a", 30.0, lambda cut=cut: cut["da1"])] + (
+                    [] if index == 0 else [("late", 10.0, lambda cut=cut: cut["dl1"])]
+                )
                 # One round late, the carried part is discounted by its age: × 1/(1 + 1) (common/wire/staleness.py).
                 late2 = cut["dl2"] + cut["dl1"] * 0.5 if index == 0 else cut["dl2"]
                 late2_tokens = 10.0
                 theta1 = outer.step(s.key, cut["theta"], weighted_mean(round1))
-                theta2 = outer.step(s.key, theta1, weighted_mean([("a", 30.0, lambda: cut["da2"]), ("late", late2_tokens, lambda: late2)]))
+                theta2 = outer.step(
+                    s.key,
+                    theta1,
+                    weighted_mean([("a", 30.0, lambda cut=cut: cut["da2"]), ("late", late2_tokens, lambda t=late2: t)]),
+                )
                 assert torch.equal(shard.snapshot.tensors[s.key], theta2), (index, s.key)
-                assert torch.equal(a.held[s.key], theta2) and torch.equal(late.held[s.key], theta2)  # both replicas agree
+                assert torch.equal(a.held[s.key], theta2) and torch.equal(
+                    late.held[s.key], theta2
+                )  # both replicas agree
     finally:
         a.close()
         late.close()

@@ -15,8 +15,23 @@ RUN = "late-ranks"
 
 
 def _worker(addresses: list[str], cluster: str, index: int, log, *extra: str) -> subprocess.Popen:
-    cmd = worker_argv(addresses, RUN, "--cluster", cluster, "--cluster-index", str(index), "--num-clusters", "2", "--rounds", "4",
-                      "--inner-steps", "2", "--shard-wait-s", "60", *extra)  # fmt: skip
+    cmd = worker_argv(
+        addresses,
+        RUN,
+        "--cluster",
+        cluster,
+        "--cluster-index",
+        str(index),
+        "--num-clusters",
+        "2",
+        "--rounds",
+        "4",
+        "--inner-steps",
+        "2",
+        "--shard-wait-s",
+        "60",
+        *extra,
+    )
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
 
 

@@ -5,7 +5,6 @@ a first connection bounded by --shard-wait-s."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import subprocess
@@ -15,14 +14,18 @@ import time
 import pytest
 
 from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig
-from dilocox.worker.site.size_guard import check_model_size
 from dilocox.worker.models.spec import ModelSpecError
+from dilocox.worker.site.size_guard import check_model_size
 
 GB = 10**9
 
 
 def _config_json(tmp_path, **fields) -> str:
-    base = json.loads((__import__("dilocox.worker.models.spec", fromlist=["presets_dir"]).presets_dir() / "llama-tiny.json").read_text())
+    base = json.loads(
+        (
+            __import__("dilocox.worker.models.spec", fromlist=["presets_dir"]).presets_dir() / "llama-tiny.json"
+        ).read_text()
+    )
     base.update(fields)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(base))
@@ -31,14 +34,16 @@ def _config_json(tmp_path, **fields) -> str:
 
 @pytest.mark.parametrize(
     "fields, message",
-    [({"hidden_size": 0}, "hidden_size = 0 is outside"),
-     ({"hidden_size": 66}, "hidden_size 66 is not divisible by num_attention_heads 4"),
-     ({"hidden_size": "big"}, "hidden_size must be a whole number"),
-     ({"num_hidden_layers": -1}, "num_hidden_layers = -1 is outside"),
-     ({"num_hidden_layers": 10**6}, "num_hidden_layers = 1000000 is outside"),
-     ({"vocab_size": 10**9}, "vocab_size = 1000000000 is outside"),
-     ({"num_key_value_heads": 3}, "not divisible by num_key_value_heads 3")],
-)  # fmt: skip
+    [
+        ({"hidden_size": 0}, "hidden_size = 0 is outside"),
+        ({"hidden_size": 66}, "hidden_size 66 is not divisible by num_attention_heads 4"),
+        ({"hidden_size": "big"}, "hidden_size must be a whole number"),
+        ({"num_hidden_layers": -1}, "num_hidden_layers = -1 is outside"),
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers = 1000000 is outside"),
+        ({"vocab_size": 10**9}, "vocab_size = 1000000000 is outside"),
+        ({"num_key_value_heads": 3}, "not divisible by num_key_value_heads 3"),
+    ],
+)
 def test_each_malformed_field_is_one_line_naming_it(tmp_path, fields, message):
     pytest.importorskip("transformers")
     started = time.perf_counter()
@@ -49,10 +54,21 @@ def test_each_malformed_field_is_one_line_naming_it(tmp_path, fields, message):
 
 def test_a_model_larger_than_the_machine_is_refused_with_its_size_before_it_is_built(tmp_path):
     pytest.importorskip("transformers")
-    big = ModelConfig(model=_config_json(tmp_path, hidden_size=16384, intermediate_size=65536, num_hidden_layers=64,
-                                         num_attention_heads=128, num_key_value_heads=8))  # fmt: skip
-    with pytest.raises(ModelSpecError, match=r"B parameters need about .* of host memory here .* and 8.0 GB is available; "
-                                             r"--spill-dir .* --checkpoint-staging sync keep 12 B"):
+    big = ModelConfig(
+        model=_config_json(
+            tmp_path,
+            hidden_size=16384,
+            intermediate_size=65536,
+            num_hidden_layers=64,
+            num_attention_heads=128,
+            num_key_value_heads=8,
+        )
+    )
+    with pytest.raises(
+        ModelSpecError,
+        match=r"B parameters need about .* of host memory here .* and 8.0 GB is available; "
+        r"--spill-dir .* --checkpoint-staging sync keep 12 B",
+    ):
         check_model_size(big, 256, ParallelConfig(), host_bytes=8 * GB)
     with pytest.raises(ModelSpecError, match="per GPU .* raise --pp"):
         check_model_size(big, 256, ParallelConfig(), host_bytes=10_000 * GB, device_bytes=80 * GB)
@@ -61,11 +77,24 @@ def test_a_model_larger_than_the_machine_is_refused_with_its_size_before_it_is_b
     # 6 B × 29B per GPU, and the guard says so; FSDP over 256 GPUs without stages, one short sequence per
     # GPU, fits.
     with pytest.raises(ModelSpecError, match=r"most of it grad_accumulators .* raise --pp"):
-        check_model_size(big, 256, ParallelConfig(pp=8, dp=8, microbatches=8, pipeline_reshard="step"), local_processes=8,
-                         host_bytes=10_000 * GB, device_bytes=80 * GB)  # fmt: skip
+        check_model_size(
+            big,
+            256,
+            ParallelConfig(pp=8, dp=8, microbatches=8, pipeline_reshard="step"),
+            local_processes=8,
+            host_bytes=10_000 * GB,
+            device_bytes=80 * GB,
+        )
     one_sequence = InnerConfig(batch_size=1)  # no activation checkpointing yet: 59 MB per token at this size
-    sharded = check_model_size(dataclasses.replace(big, block_size=64), 256, ParallelConfig(dp=256), local_processes=8,
-                               host_bytes=10_000 * GB, device_bytes=80 * GB, inner=one_sequence)  # fmt: skip
+    sharded = check_model_size(
+        dataclasses.replace(big, block_size=64),
+        256,
+        ParallelConfig(dp=256),
+        local_processes=8,
+        host_bytes=10_000 * GB,
+        device_bytes=80 * GB,
+        inner=one_sequence,
+    )
     assert sharded.params > 200e9 and sharded.train_bytes_per_rank < 80 * GB
     assert sharded.build_bytes_per_process < 4 * sharded.params // 100  # one whole parameter at a time, not the model
     small = check_model_size(ModelConfig(), 256, ParallelConfig())
@@ -78,8 +107,14 @@ def test_builtin_gpt_sizes_are_bounded_by_flag_name():
 
 
 def _worker(tmp_path, *flags: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dilocox.common.cli", "worker", "--insecure", *flags], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=tmp_path)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dilocox.common.cli", "worker", "--insecure", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=tmp_path,
+    )
 
 
 def test_the_worker_refuses_a_huge_model_and_a_wrong_world_size_at_once(tmp_path):
@@ -87,7 +122,9 @@ def test_the_worker_refuses_a_huge_model_and_a_wrong_world_size_at_once(tmp_path
     assert huge.returncode != 0 and "of host memory here" in huge.stderr, huge.stderr[-2000:]
     # Two processes of a torchrun job started with the default --pp 1 --dp 1: both refuse, naming it.
     wrong = _worker(tmp_path, "--servers", "127.0.0.1:1", env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
-    assert wrong.returncode != 0 and "2 processes" in wrong.stderr and "--pp 1 × --dp 1" in wrong.stderr, wrong.stderr[-2000:]
+    assert wrong.returncode != 0 and "2 processes" in wrong.stderr and "--pp 1 × --dp 1" in wrong.stderr, wrong.stderr[
+        -2000:
+    ]
 
 
 def test_shard_wait_bounds_the_first_connection(tmp_path):
@@ -98,8 +135,13 @@ def test_shard_wait_bounds_the_first_connection(tmp_path):
 
 
 def test_server_rounds_needs_resume(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "server", "--rounds", "5", "--port", "0", "--insecure"],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "dilocox.common.cli", "server", "--rounds", "5", "--port", "0", "--insecure"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert done.returncode != 0 and "--rounds extends a run from its checkpoint and needs --resume" in done.stderr
 
 
@@ -109,9 +151,35 @@ def test_sigterm_of_a_torchrun_site_stops_it_cleanly_without_a_traceback(shard_s
     import signal
 
     shards = shard_set(1, "sigterm-run")
-    cmd = [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "sigterm-run",
-           "--insecure", "--dp", "2", "--rounds", "100000", "--inner-steps", "5", "--n-layer", "1", "--n-embd", "32",
-           "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1", "--log-format", "json"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "worker",
+        "--servers",
+        shards.addresses[0],
+        "--run-id",
+        "sigterm-run",
+        "--insecure",
+        "--dp",
+        "2",
+        "--rounds",
+        "100000",
+        "--inner-steps",
+        "5",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--inner-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--log-format",
+        "json",
+    ]
     site = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:

@@ -101,12 +101,18 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
         for target in sorted(imported):
             low, high = LAYER[top_package(target)], LAYER[top_package(importer)]
             if low > high:
-                problems.append(f"{importer} imports {target}: against the layer order proto ← common ← server|worker ← sim|bench")
+                problems.append(
+                    f"{importer} imports {target}: against the layer order proto ← common ← server|worker ← sim|bench"
+                )
                 continue
             for source, forbidden, why in FORBIDDEN:
                 if _within(importer, source) and _within(target, forbidden):
                     problems.append(f"{importer} imports {target}: {why}")
-            if _is_common_root_helper(importer) and target.startswith("dilocox.common.") and not _is_common_root_helper(target):
+            if (
+                _is_common_root_helper(importer)
+                and target.startswith("dilocox.common.")
+                and not _is_common_root_helper(target)
+            ):
                 problems.append(f"{importer} imports {target}: common's root helpers import no common subpackage")
     return problems
 
@@ -199,12 +205,31 @@ def _planted_tree(tmp_path: pathlib.Path, relative: str, line: str) -> pathlib.P
 @pytest.mark.parametrize(
     "relative, line, expected",
     [
-        ("common/wire/codecs.py", "def _planted():\n    from dilocox.worker.exchange.cluster import DilocoCluster",
-         "dilocox.common.wire.codecs imports dilocox.worker.exchange.cluster: against the layer order"),
-        ("server/shard.py", "from dilocox.worker.models import gpt", "dilocox.server.shard imports dilocox.worker.models.gpt: server and worker never import each other"),
-        ("common/wire/framing.py", "from dilocox.common.config.run import WireConfig", "the wire code imports no configuration"),
-        ("worker/exchange/cluster.py", "import dilocox.worker.train.inner_trainer", "the exchange side is model-agnostic"),
-        ("common/logs.py", "from dilocox.common.wire import errors", "common's root helpers import no common subpackage"),
+        (
+            "common/wire/codecs.py",
+            "def _planted():\n    from dilocox.worker.exchange.cluster import DilocoCluster",
+            "dilocox.common.wire.codecs imports dilocox.worker.exchange.cluster: against the layer order",
+        ),
+        (
+            "server/shard.py",
+            "from dilocox.worker.models import gpt",
+            "dilocox.server.shard imports dilocox.worker.models.gpt: server and worker never import each other",
+        ),
+        (
+            "common/wire/framing.py",
+            "from dilocox.common.config.run import WireConfig",
+            "the wire code imports no configuration",
+        ),
+        (
+            "worker/exchange/cluster.py",
+            "import dilocox.worker.train.inner_trainer",
+            "the exchange side is model-agnostic",
+        ),
+        (
+            "common/logs.py",
+            "from dilocox.common.wire import errors",
+            "common's root helpers import no common subpackage",
+        ),
     ],
 )
 def test_a_planted_upward_import_is_caught(tmp_path, relative, line, expected):
@@ -213,7 +238,9 @@ def test_a_planted_upward_import_is_caught(tmp_path, relative, line, expected):
 
 
 def test_a_planted_cycle_is_caught(tmp_path):
-    tree = _planted_tree(tmp_path, "common/wire/quantize.py", "def _planted():\n    from dilocox.common.wire import codecs")
+    tree = _planted_tree(
+        tmp_path, "common/wire/quantize.py", "def _planted():\n    from dilocox.common.wire import codecs"
+    )
     cycles = import_cycles(import_graph(tree))
     assert any({"dilocox.common.wire.codecs", "dilocox.common.wire.quantize"} <= set(cycle) for cycle in cycles), cycles
 
@@ -224,5 +251,7 @@ def test_every_package_folder_is_installed():
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    folders = {name for name, path in module_files(ROOT).items() if path.name == "__init__.py" and name != "dilocox.worker.api"}  # installed as `dilocox`
+    folders = {
+        name for name, path in module_files(ROOT).items() if path.name == "__init__.py" and name != "dilocox.worker.api"
+    }  # installed as `dilocox`
     assert folders - listed == set()

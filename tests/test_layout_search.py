@@ -22,20 +22,34 @@ VOCAB = 128256
 
 
 def run_config(model: str, state: str = "int8") -> RunConfig:
-    return RunConfig(model=ModelConfig(model=model, block_size=4096), inner=InnerConfig(batch_size=8),
-                     parallel=ParallelConfig(precision="bf16", activation_checkpoint="full", device="cuda", optimizer_state=state))  # fmt: skip
+    return RunConfig(
+        model=ModelConfig(model=model, block_size=4096),
+        inner=InnerConfig(batch_size=8),
+        parallel=ParallelConfig(precision="bf16", activation_checkpoint="full", device="cuda", optimizer_state=state),
+    )
 
 
 @pytest.mark.parametrize("model", ["llama-tiny", "llama-20m", "llama-1b", "dense-107b", "qwen2"])
 def test_a_llama_shaped_config_gives_the_built_models_parameters_without_building_it(model, tmp_path):
     pytest.importorskip("transformers")
     if model == "qwen2":
-        config = {"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 3, "num_attention_heads": 8,
-                  "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256, "tie_word_embeddings": False}  # fmt: skip
+        config = {
+            "model_type": "qwen2",
+            "hidden_size": 256,
+            "intermediate_size": 688,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": False,
+        }
         (tmp_path / "config.json").write_text(json.dumps(config))
         model = str(tmp_path / "config.json")
         (tmp_path / "tied.json").write_text(json.dumps({**config, "model_type": "llama", "tie_word_embeddings": True}))
-        assert shapes._decoder_shape(ModelConfig(model=str(tmp_path / "tied.json")), 512) is None  # built: --pp > 1 refused
+        assert (
+            shapes._decoder_shape(ModelConfig(model=str(tmp_path / "tied.json")), 512) is None
+        )  # built: --pp > 1 refused
     mc = ModelConfig(model=model, block_size=64)
     fast = shapes._decoder_shape(mc, 512)
     assert fast is not None
@@ -64,8 +78,14 @@ def test_a_whole_models_shape_cuts_into_stages_as_split_model_does():
             cut = whole.split(pp, per_rank)
             for rank in range(pp):
                 built = RankStages([split_model(meta, s, pp * per_rank) for s in rank_stages(rank, pp, per_rank)])
-                assert cut.stages[rank] == [(n, tuple(p.shape)) for n, p in built.named_parameters()], (model, pp, per_rank)
-                assert sum(cut.blocks[rank]) == sum(p.numel() for n, p in built.named_parameters() if ".layers." in n or "blocks." in n)
+                assert cut.stages[rank] == [(n, tuple(p.shape)) for n, p in built.named_parameters()], (
+                    model,
+                    pp,
+                    per_rank,
+                )
+                assert sum(cut.blocks[rank]) == sum(
+                    p.numel() for n, p in built.named_parameters() if ".layers." in n or "blocks." in n
+                )
 
 
 def test_the_bubble_and_the_links_follow_the_layout():
@@ -74,7 +94,10 @@ def test_the_bubble_and_the_links_follow_the_layout():
 
     def layout(pp: int, dp: int, replicate: int = 1, micro: int = 8, reshard: str = "microbatch"):  # noqa: ANN202
         config = run_config("llama-3-70b")
-        config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, pp=pp, dp=dp, dp_replicate=replicate, microbatches=micro))
+        config = dataclasses.replace(
+            config,
+            parallel=dataclasses.replace(config.parallel, pp=pp, dp=dp, dp_replicate=replicate, microbatches=micro),
+        )
         return estimate_step(config, whole.split(pp), cluster, reshard), config
 
     two, config = layout(2, 8)
@@ -91,13 +114,16 @@ def test_the_bubble_and_the_links_follow_the_layout():
 
 def test_a_16_gpu_site_trains_llama_3_70b_and_a_32_gpu_site_the_107b_with_8_bit_moments():
     """With int8 moments the 70B fits 16 × 80 GB and the 107B 32 with FSDP
-    inside each node; with fp32 moments neither fits, with bf16 only by sharding across nodes. The search keeps FSDP inside a node, ranks by tokens per second, and
+    inside each node; with fp32 moments neither fits, with bf16 only by sharding across nodes. The search keeps FSDP
+    inside a node, ranks by tokens per second, and
     its quick plans are never below the full plan of the layout it lists."""
     cluster = Cluster()
     for model, gpus in (("llama-3-70b", 16), ("dense-107b", 32)):
         whole = model_shape(run_config(model), VOCAB)
         assert not rank_layouts(run_config(model, "fp32"), gpus, whole, int(80 * GB), cluster)
-        bf16 = rank_layouts(run_config(model, "bf16"), gpus, whole, int(80 * GB), cluster)  # the 107B: FSDP across nodes only
+        bf16 = rank_layouts(
+            run_config(model, "bf16"), gpus, whole, int(80 * GB), cluster
+        )  # the 107B: FSDP across nodes only
         assert not any(shard_group_inside_node(r.config, cluster) for r in bf16)
         ranked = rank_layouts(run_config(model), gpus, whole, int(80 * GB), cluster)
         assert ranked and all(shard_group_inside_node(r.config, cluster) for r in ranked)
@@ -106,19 +132,54 @@ def test_a_16_gpu_site_trains_llama_3_70b_and_a_32_gpu_site_the_107b_with_8_bit_
         best = ranked[0]
         full = plan_memory(best.config, VOCAB, int(80 * GB))
         assert full.fits() and best.plan.margin <= full.margin and best.plan.margin > 0
-    best70 = rank_layouts(run_config("llama-3-70b"), 16, model_shape(run_config("llama-3-70b"), VOCAB), int(80 * GB), cluster)[0]
+    best70 = rank_layouts(
+        run_config("llama-3-70b"), 16, model_shape(run_config("llama-3-70b"), VOCAB), int(80 * GB), cluster
+    )[0]
     assert (best70.config.parallel.pp, best70.config.parallel.dp) == (2, 8)
 
 
 def test_dilocox_plan_lists_the_fastest_layouts_and_the_first_rank_by_rank():
-    cmd = [sys.executable, "-m", "dilocox.common.cli", "plan", "llama-3-70b", "--gpus", "16", "--gpus-per-node", "8", "--gpu-memory", "80",
-           "--optimizer-state", "int8", "--block-size", "4096", "--inner-batch-size", "8", "--activation-checkpoint", "full"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "plan",
+        "llama-3-70b",
+        "--gpus",
+        "16",
+        "--gpus-per-node",
+        "8",
+        "--gpu-memory",
+        "80",
+        "--optimizer-state",
+        "int8",
+        "--block-size",
+        "4096",
+        "--inner-batch-size",
+        "8",
+        "--activation-checkpoint",
+        "full",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "layouts of 16 GPUs (80 GB each, 2 node(s) of 8" in out and "--pp 2 --dp 8" in out
-    for said in ("margin", "bubble 11%", "tokens/s", "MFU", "FSDP over NVLink", "the fastest, rank by rank", "verdict: fits"):
+    for said in (
+        "margin",
+        "bubble 11%",
+        "tokens/s",
+        "MFU",
+        "FSDP over NVLink",
+        "the fastest, rank by rank",
+        "verdict: fits",
+    ):
         assert said in out, out
-    none = subprocess.run([*cmd[:-8], "--optimizer-state", "fp32", "--block-size", "4096", "--inner-batch-size", "8"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert none.returncode == 1 and "none: more GPUs, --optimizer-state int8, --activation-checkpoint full" in none.stdout
+    none = subprocess.run(
+        [*cmd[:-8], "--optimizer-state", "fp32", "--block-size", "4096", "--inner-batch-size", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        none.returncode == 1 and "none: more GPUs, --optimizer-state int8, --activation-checkpoint full" in none.stdout
+    )

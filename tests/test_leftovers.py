@@ -15,10 +15,20 @@ def test_a_process_started_by_a_test_carries_the_runs_mark_even_orphaned_and_is_
     # processes of tests running beside this one (xdist).
     mark = f"{os.environ[MARK]}-leftovers-test"
     # A child that starts a grandchild and exits: the grandchild is re-parented (out of our process tree).
-    launcher = subprocess.run([sys.executable, "-c", "import subprocess, sys; "
-                               "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], stdout=subprocess.DEVNULL, "
-                               "stderr=subprocess.DEVNULL).pid)"],
-                              capture_output=True, text=True, timeout=30, check=True, env={**os.environ, MARK: mark})  # fmt: skip
+    launcher = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; "
+            "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], stdout=subprocess.DEVNULL, "
+            "stderr=subprocess.DEVNULL).pid)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env={**os.environ, MARK: mark},
+    )
     orphan = int(launcher.stdout.strip())
     try:
         assert orphan in marked_processes(mark) and os.getppid() != orphan

@@ -17,7 +17,19 @@ import torch.multiprocessing as mp
 from dilocox.common.config.run import ParallelConfig, RunConfig
 from dilocox.worker.train.inner_trainer import InnerTrainer, make_inner_optimizer
 from dilocox.worker.train.light_adamw import INT8_MIN_NUMEL, LightAdamW, int8_block, moment_bytes
-from tests.test_site import BATCH, STEPS, FixedBatches, _full, close, config, data, free_port, global_batches, merged_ranks, train_recording
+from tests.test_site import (
+    BATCH,
+    STEPS,
+    FixedBatches,
+    _full,
+    close,
+    config,
+    data,
+    free_port,
+    global_batches,
+    merged_ranks,
+    train_recording,
+)
 
 STATES = ("bf16", "int8")
 
@@ -33,7 +45,9 @@ def test_int8_blocks_stay_inside_a_row_and_small_or_flat_tensors_keep_fp32_momen
     assert int8_block((31, 128)) is None and 31 * 128 < INT8_MIN_NUMEL  # too small to quantise
     held = 1000 * 8192
     assert moment_bytes((4096, 8192), held, "fp32") == 8 * held and moment_bytes((4096, 8192), held, "bf16") == 4 * held
-    assert moment_bytes((4096, 8192), held, "int8") == 2 * held + 8 * held // 256  # codes + a scale per block, two moments
+    assert (
+        moment_bytes((4096, 8192), held, "int8") == 2 * held + 8 * held // 256
+    )  # codes + a scale per block, two moments
     assert moment_bytes((8192,), 8192, "int8") == 8 * 8192
 
 
@@ -42,7 +56,9 @@ def test_the_optimizer_is_torchs_adamw_for_fp32_and_light_otherwise():
     fp32 = make_inner_optimizer(RunConfig(), params)
     assert type(fp32) is torch.optim.AdamW and not fp32.defaults["fused"]  # the CPU: torch's default path, as before
     light = make_inner_optimizer(with_state(RunConfig(), "int8"), params)
-    assert isinstance(light, LightAdamW) and light.moment_state == "int8" and light.defaults["lr"] == RunConfig().inner.lr
+    assert (
+        isinstance(light, LightAdamW) and light.moment_state == "int8" and light.defaults["lr"] == RunConfig().inner.lr
+    )
 
 
 def _train(state: str, steps: int = 150) -> tuple[list[float], torch.nn.Module, torch.optim.Optimizer]:
@@ -104,8 +120,14 @@ def test_state_dict_round_trips_bit_for_bit_and_another_state_is_refused():
 
 
 def _site(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     from dilocox.worker.checkpoint import SiteCheckpoint
     from dilocox.worker.site.mesh import SiteMesh
@@ -119,21 +141,31 @@ def _site(rank: int, world: int, port: int, out_dir: str) -> None:
             for accum in (1, 2):
                 trainer = SiteTrainer(with_state(config(2, 2, accum=accum), state), data(), mesh)
                 _, losses = train_recording(trainer, mesh.replica, global_batches(STEPS * accum, BATCH * 2), STEPS)
-                result[state, accum] = {"losses": losses, "weights": {n: _full(p) for n, p in trainer.named_parameters()}}
+                result[state, accum] = {
+                    "losses": losses,
+                    "weights": {n: _full(p) for n, p in trainer.named_parameters()},
+                }
             # Checkpoint, restore into a fresh trainer, and train on: the same bits as the first trainer.
             first = SiteTrainer(with_state(config(2, 2), state), data(), mesh)
             first.train_steps(2)
-            checkpoint = SiteCheckpoint(os.path.join(out_dir, state), "c", rank=mesh.rank, replica=mesh.replica,
-                                        group=mesh.checkpoint_group)  # fmt: skip
+            checkpoint = SiteCheckpoint(
+                os.path.join(out_dir, state), "c", rank=mesh.rank, replica=mesh.replica, group=mesh.checkpoint_group
+            )
             checkpoint.capture(1, first, None, [])
             checkpoint.commit(1)
             second = SiteTrainer(with_state(config(2, 2), state), data(), mesh)
             assert checkpoint.restore(second, None, []) == 1
-            same = all(torch.equal(local(a), local(b)) for a, b in zip(first.module.parameters(), second.module.parameters()))
+            same = all(
+                torch.equal(local(a), local(b)) for a, b in zip(first.module.parameters(), second.module.parameters())
+            )
             flat_a, flat_b = _flat(first.optimizer.state_dict()["state"]), _flat(second.optimizer.state_dict()["state"])
-            same &= flat_a.keys() == flat_b.keys() and all(torch.equal(local(flat_a[k]), local(flat_b[k])) for k in flat_a)
+            same &= flat_a.keys() == flat_b.keys() and all(
+                torch.equal(local(flat_a[k]), local(flat_b[k])) for k in flat_a
+            )
             same &= [first.train_steps(1)[0] for _ in range(2)] == [second.train_steps(1)[0] for _ in range(2)]
-            same &= all(torch.equal(local(a), local(b)) for a, b in zip(first.module.parameters(), second.module.parameters()))
+            same &= all(
+                torch.equal(local(a), local(b)) for a, b in zip(first.module.parameters(), second.module.parameters())
+            )
             result[state, "restored_bit_for_bit"] = same
             checkpoint.close()
             refused = SiteTrainer(config(2, 2), data(), mesh)  # fp32: the checkpoint's moments are kept another way
@@ -180,14 +212,25 @@ def test_a_pp2_dp2_site_with_light_state_trains_like_one_process_and_resumes_bit
             # Measured: every tensor within 2.3e-3 after 3 steps (1.9e-2 with 2 batches, as fp32 is: see
             # tests/test_site.py), but the 8-bit embedding's 0.15 — most of its rows see gradients of rounding
             # noise, which AdamW scales to ±lr and 8 bits round either way.
-            close(merged_ranks(parts, (state, accum), "weights"), want["weights"], overall=3e-2,
-                  per_tensor=0.25 if state == "int8" else 3e-2)  # fmt: skip
+            close(
+                merged_ranks(parts, (state, accum), "weights"),
+                want["weights"],
+                overall=3e-2,
+                per_tensor=0.25 if state == "int8" else 3e-2,
+            )
             for part in parts:
                 got = part[state, accum]["losses"]
-                assert all(abs(a - b) < tol * b for a, b, tol in zip(got, want["losses"], [1e-5, 1e-4, 3e-3])), (state, got, want)
+                assert all(abs(a - b) < tol * b for a, b, tol in zip(got, want["losses"], [1e-5, 1e-4, 3e-3])), (
+                    state,
+                    got,
+                    want,
+                )
         assert all(part[state, "restored_bit_for_bit"] for part in parts), state
-        assert all(f"keeps AdamW's moments as {state}" in part[state, "refused"] and "--optimizer-state" in part[state, "refused"]
-                   for part in parts)  # fmt: skip
+        assert all(
+            f"keeps AdamW's moments as {state}" in part[state, "refused"]
+            and "--optimizer-state" in part[state, "refused"]
+            for part in parts
+        )
 
     from dilocox.worker.checkpoint import SiteCheckpoint
     from dilocox.worker.checkpoint_manifest import COMMITTED, seal_name
@@ -211,7 +254,10 @@ def test_a_pp2_dp2_site_with_light_state_trains_like_one_process_and_resumes_bit
         if state == "int8":
             w = weights[0]
             codes, scale = kept[w]["exp_avg"]["codes"], kept[w]["exp_avg"]["scale"]
-            assert codes.shape == w.shape and scale.shape == (w.shape[0], math.prod(w.shape[1:]) // int8_block(tuple(w.shape)))
+            assert codes.shape == w.shape and scale.shape == (
+                w.shape[0],
+                math.prod(w.shape[1:]) // int8_block(tuple(w.shape)),
+            )
             assert codes.any() and scale.gt(0).all()
         trainer.train_steps(1)  # trains on from the resharded state
         assert trainer.step == 3

@@ -18,8 +18,19 @@ from dilocox.common.deploy.link_shaping import TokenBucket
 
 def test_token_bucket_arguments():
     assert TokenBucket(20).tc_args("eth1") == [
-        "qdisc", "replace", "dev", "eth1", "root", "tbf", "rate", "20000kbit", "burst", str(66 * 1024), "latency", "100ms",
-    ]  # fmt: skip
+        "qdisc",
+        "replace",
+        "dev",
+        "eth1",
+        "root",
+        "tbf",
+        "rate",
+        "20000kbit",
+        "burst",
+        str(66 * 1024),
+        "latency",
+        "100ms",
+    ]
     assert TokenBucket(1000).burst_bytes == 1_250_000  # 10 ms at 1 Gbit/s
     with pytest.raises(ValueError, match="positive"):
         TokenBucket(0)
@@ -29,7 +40,10 @@ def test_probe_measures_loopback():
     port, thread, results = sink_in_thread(warmup_s=0.1)
     measured = send_probe("127.0.0.1", port, seconds=0.5)
     thread.join(timeout=10)
-    assert results and (results[0].bytes_measured, results[0].bytes_total) == (measured.bytes_measured, measured.bytes_total)
+    assert results and (results[0].bytes_measured, results[0].bytes_total) == (
+        measured.bytes_measured,
+        measured.bytes_total,
+    )
     assert measured.bytes_measured > 0 and measured.mbit_per_s > 10
 
 
@@ -67,16 +81,28 @@ def two_namespaces():
 def test_shaped_veth_carries_the_configured_rate(two_namespaces):
     a, b = two_namespaces
     cli = [sys.executable, "-m", "dilocox.common.cli", "link"]
-    shaped = subprocess.run(["ip", "netns", "exec", b, *cli, "shape", "--towards", "10.251.7.1", "--rate-mbit", "40"],
-                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    shaped = subprocess.run(
+        ["ip", "netns", "exec", b, *cli, "shape", "--towards", "10.251.7.1", "--rate-mbit", "40"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert shaped.returncode == 0, shaped.stderr
     assert "tbf" in shaped.stderr and "40Mbit" in shaped.stderr  # the egress_shaped log shows the qdisc in force
-    sink = subprocess.Popen(["ip", "netns", "exec", a, *cli, "sink", "--host", "10.251.7.1", "--port", "5201"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    sink = subprocess.Popen(
+        ["ip", "netns", "exec", a, *cli, "sink", "--host", "10.251.7.1", "--port", "5201"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for _ in range(50):
-            probe = subprocess.run(["ip", "netns", "exec", b, *cli, "probe", "--to", "10.251.7.1:5201", "--seconds", "3"],
-                                   capture_output=True, text=True, timeout=60)  # fmt: skip
+            probe = subprocess.run(
+                ["ip", "netns", "exec", b, *cli, "probe", "--to", "10.251.7.1:5201", "--seconds", "3"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if probe.returncode == 0:
                 break
         assert probe.returncode == 0, probe.stderr

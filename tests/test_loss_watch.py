@@ -20,7 +20,9 @@ def test_a_spike_a_sustained_rise_and_a_non_finite_loss_are_each_named():
     for r, loss in enumerate((2.8, 2.9, 2.99, 2.95), 5):
         verdict = watch.observe(r, loss)
         kinds.append(watch.kind if verdict else None)
-    assert 2.8 > RISE_RATIO * 2.52 and kinds[:2] == [None, None] and kinds[2:] == ["rising", "rising"] and RISE_ROUNDS == 3
+    assert (
+        2.8 > RISE_RATIO * 2.52 and kinds[:2] == [None, None] and kinds[2:] == ["rising", "rising"] and RISE_ROUNDS == 3
+    )
     assert watch.rising == 4 and "5 rounds in a row" in watch.observe(9, 2.9)
     assert watch.observe(10, 2.5) is None and watch.rising == 0 and watch.best == 2.5  # back under: the count ends
 

@@ -42,10 +42,26 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 def shard_process(tmp_path):
     metrics_port = _free_port()
     port_file = tmp_path / "port"
-    argv = [sys.executable, "-m", "dilocox.common.cli", "server", "--port", "0", "--port-file", str(port_file), "--run-id", RUN,
-            "--min-clusters", "2", "--metrics-port", str(metrics_port), "--insecure"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "server",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--run-id",
+        RUN,
+        "--min-clusters",
+        "2",
+        "--metrics-port",
+        str(metrics_port),
+        "--insecure",
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     try:
         deadline = time.monotonic() + 60
         while not port_file.exists():
@@ -68,7 +84,7 @@ def test_shard_metrics_after_a_round(shard_process):
         infos = {c: client.join(PARAMS) for c, client in clients.items()}
         theta0 = {name: torch.randn(shape, generator=g) for name, shape in PARAMS}
         clients["a"].push(0, 1.0, slice_tensors(infos["a"].assignment, theta0))
-        for c, client in clients.items():
+        for client in clients.values():
             delta = {name: torch.randn(shape, generator=g) for name, shape in PARAMS}
             client.push(1, 100.0, slice_tensors(client.assignment, delta))
         for client in clients.values():
@@ -107,11 +123,44 @@ def test_worker_metrics_while_training(shard_set):
     sample labelled with its site and run."""
     shards = shard_set(1, "run-worker-metrics")
     metrics_port = _free_port()
-    argv = [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "run-worker-metrics",
-            "--cluster", "site-a", "--rounds", "1000", "--inner-steps", "3", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
-            "--block-size", "16", "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1",
-            "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1", "--insecure"]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    argv = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "worker",
+        "--servers",
+        shards.addresses[0],
+        "--run-id",
+        "run-worker-metrics",
+        "--cluster",
+        "site-a",
+        "--rounds",
+        "1000",
+        "--inner-steps",
+        "3",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--block-size",
+        "16",
+        "--inner-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--threads",
+        "1",
+        "--metrics-port",
+        str(metrics_port),
+        "--metrics-host",
+        "127.0.0.1",
+        "--insecure",
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     try:
         deadline, m = time.monotonic() + 120, {}
         while m.get(("dilocox_worker_rounds_total", SITE), 0) < 3:
@@ -129,7 +178,9 @@ def test_worker_metrics_while_training(shard_set):
     assert m[("dilocox_inner_steps_total", SITE)] == 3 * rounds
     assert m[("dilocox_tokens_trained_total", SITE)] == 3 * 4 * 16 * rounds
     assert m[("dilocox_worker_round", SITE)] >= rounds and m[("dilocox_worker_version", SITE)] >= rounds - 1
-    assert 0 < m[("dilocox_train_loss", SITE)] < 10 and 0 < m[("dilocox_eval_loss", SITE)] < 10  # bytes: ln 256 ≈ 5.5 at first
+    assert (
+        0 < m[("dilocox_train_loss", SITE)] < 10 and 0 < m[("dilocox_eval_loss", SITE)] < 10
+    )  # bytes: ln 256 ≈ 5.5 at first
     assert m[("dilocox_bytes_pushed_total", SITE)] > 0 and m[("dilocox_bytes_pulled_total", SITE)] > 0
     assert m[("dilocox_compute_seconds_total", SITE)] > 0 and m[("dilocox_idle_seconds_total", SITE)] >= 0
     assert m[("dilocox_error_feedback_residual_norm", SITE)] > 0  # default compression: int4 + error feedback

@@ -26,16 +26,24 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
 
 def test_presets_are_shipped_and_sized_as_named():
     assert {"llama-tiny", "llama-20m", "gpt2-small", "llama-350m", "llama-1b"} <= set(preset_names())
-    counts = {name: sum(torch.Size(s).numel() for _, s in model_param_specs(ModelConfig(model=name), vocab))
-              for name, vocab in [("llama-20m", 8192), ("gpt2-small", 50257), ("llama-350m", 32000), ("llama-1b", 32000)]}  # fmt: skip
+    counts = {
+        name: sum(torch.Size(s).numel() for _, s in model_param_specs(ModelConfig(model=name), vocab))
+        for name, vocab in [("llama-20m", 8192), ("gpt2-small", 50257), ("llama-350m", 32000), ("llama-1b", 32000)]
+    }
     assert 17e6 < counts["llama-20m"] < 23e6
     assert 120e6 < counts["gpt2-small"] < 130e6
     assert 330e6 < counts["llama-350m"] < 400e6
     assert 0.95e9 < counts["llama-1b"] < 1.25e9
     # The planning presets (`dilocox plan`, docs/performance.md): Llama-3's shapes and the paper's 107B scale.
-    big = {name: sum(torch.Size(s).numel() for _, s in model_param_specs(ModelConfig(model=name), 128256))
-           for name in ("llama-3-8b", "llama-3-70b", "dense-107b")}  # fmt: skip
-    assert 7.9e9 < big["llama-3-8b"] < 8.1e9 and 70.0e9 < big["llama-3-70b"] < 71.0e9 and 106e9 < big["dense-107b"] < 108.5e9
+    big = {
+        name: sum(torch.Size(s).numel() for _, s in model_param_specs(ModelConfig(model=name), 128256))
+        for name in ("llama-3-8b", "llama-3-70b", "dense-107b")
+    }
+    assert (
+        7.9e9 < big["llama-3-8b"] < 8.1e9
+        and 70.0e9 < big["llama-3-70b"] < 71.0e9
+        and 106e9 < big["dense-107b"] < 108.5e9
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama-tiny"])
@@ -68,9 +76,12 @@ def test_a_config_json_keeps_its_vocabulary_and_must_hold_the_tokenizers(tmp_pat
 
 @pytest.mark.parametrize(
     "text, message",
-    [("{not json", "not valid JSON"), (json.dumps({"hidden_size": 8}), "no \"model_type\""),
-     (json.dumps({"model_type": "no-such-architecture"}), "not a usable Hugging Face configuration")],
-)  # fmt: skip
+    [
+        ("{not json", "not valid JSON"),
+        (json.dumps({"hidden_size": 8}), 'no "model_type"'),
+        (json.dumps({"model_type": "no-such-architecture"}), "not a usable Hugging Face configuration"),
+    ],
+)
 def test_a_malformed_config_json_is_refused_clearly(tmp_path, text, message):
     path = tmp_path / "config.json"
     path.write_text(text)
@@ -94,7 +105,7 @@ def _write_entry_module(tmp_path, body: str) -> str:
     return "my_team_model"
 
 
-ENTRY = '''
+ENTRY = """
 import torch
 from torch import nn
 
@@ -110,7 +121,7 @@ def build(model_config, vocab_size):
 
 def not_a_module(model_config, vocab_size):
     return 42
-'''
+"""
 
 
 def test_a_module_function_entry_builds_a_seeded_model(tmp_path):

@@ -36,6 +36,7 @@ def _exported_sample_names() -> set[str]:
     params = [("w", (4, 2))]
     for cluster in ("a", "b"):
         shard.join("run-monitoring", cluster, model_digest(params), params)
+
     def whole(value: float) -> list[EncodedSlice]:
         return [EncodedSlice.exact(key, torch.full(owned.slice_shape, value)) for key, owned in shard.owned.items()]
 
@@ -46,8 +47,24 @@ def _exported_sample_names() -> set[str]:
     client = AggregatorClient(["127.0.0.1:1"], "run-monitoring", "a")  # never connects: its counters are read
     try:
         worker = WorkerMetrics(client)
-        worker.observe_round(RoundReport(round=1, train_loss=2.0, eval_loss=2.1, tokens=512, bytes_up=1, bytes_down=1, compute_s=1.0,
-                                         comm_s=0.5, idle_s=0.1, seconds=1.2, overlap=0.8, inner_steps=8), 8, 1)  # fmt: skip
+        worker.observe_round(
+            RoundReport(
+                round=1,
+                train_loss=2.0,
+                eval_loss=2.1,
+                tokens=512,
+                bytes_up=1,
+                bytes_down=1,
+                compute_s=1.0,
+                comm_s=0.5,
+                idle_s=0.1,
+                seconds=1.2,
+                overlap=0.8,
+                inner_steps=8,
+            ),
+            8,
+            1,
+        )
         text = generate_latest(metrics.registry).decode() + generate_latest(worker.registry).decode()
     finally:
         client.close()
@@ -105,23 +122,37 @@ def test_promtool_fires_the_loss_alerts_for_one_site_and_for_all_of_them(tmp_pat
     cases = {
         "rule_files": [str(tmp_path / "rules.yml")],
         "evaluation_interval": "1m",
-        "tests": [{
-            "interval": "1m",
-            "input_series": [
-                {"series": 'dilocox_eval_loss_to_best_ratio{instance="site-a"}', "values": "1 1.02 3.5 3.5"},
-                {"series": 'dilocox_eval_loss_to_best_ratio{instance="site-b"}', "values": "1 0.98 1.1 2.4"},
-                {"series": 'dilocox_nonfinite_losses_total{instance="site-a"}', "values": "0 0 0 1"},
-            ],
-            "alert_rule_test": [
-                {"eval_time": "1m", "alertname": "DilocoxSiteLossSpike", "exp_alerts": []},
-                {"eval_time": "2m", "alertname": "DilocoxSiteLossSpike", "exp_alerts": alerts("site-a", severity="warning")},
-                {"eval_time": "2m", "alertname": "DilocoxGlobalLossSpike", "exp_alerts": []},
-                {"eval_time": "3m", "alertname": "DilocoxGlobalLossSpike", "exp_alerts": alerts("", severity="critical")},
-                {"eval_time": "2m", "alertname": "DilocoxLossNonFinite", "exp_alerts": []},
-                {"eval_time": "3m", "alertname": "DilocoxLossNonFinite", "exp_alerts": alerts("site-a", severity="critical")},
-            ],
-        }],
-    }  # fmt: skip
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": 'dilocox_eval_loss_to_best_ratio{instance="site-a"}', "values": "1 1.02 3.5 3.5"},
+                    {"series": 'dilocox_eval_loss_to_best_ratio{instance="site-b"}', "values": "1 0.98 1.1 2.4"},
+                    {"series": 'dilocox_nonfinite_losses_total{instance="site-a"}', "values": "0 0 0 1"},
+                ],
+                "alert_rule_test": [
+                    {"eval_time": "1m", "alertname": "DilocoxSiteLossSpike", "exp_alerts": []},
+                    {
+                        "eval_time": "2m",
+                        "alertname": "DilocoxSiteLossSpike",
+                        "exp_alerts": alerts("site-a", severity="warning"),
+                    },
+                    {"eval_time": "2m", "alertname": "DilocoxGlobalLossSpike", "exp_alerts": []},
+                    {
+                        "eval_time": "3m",
+                        "alertname": "DilocoxGlobalLossSpike",
+                        "exp_alerts": alerts("", severity="critical"),
+                    },
+                    {"eval_time": "2m", "alertname": "DilocoxLossNonFinite", "exp_alerts": []},
+                    {
+                        "eval_time": "3m",
+                        "alertname": "DilocoxLossNonFinite",
+                        "exp_alerts": alerts("site-a", severity="critical"),
+                    },
+                ],
+            }
+        ],
+    }
     path = tmp_path / "loss-alerts-test.yml"
     path.write_text(yaml.safe_dump(cases))
     done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
@@ -132,13 +163,33 @@ def test_a_sites_metrics_carry_its_run_and_name():
     """Every sample of a worker's registry is labelled run= and cluster= (the dashboard's legend), and the
     shards export the run's last version beside their own (the progress and ETA panels)."""
     worker = WorkerMetrics(run_id="run-7", cluster="site-a")
-    worker.observe_round(RoundReport(round=3, train_loss=2.0, eval_loss=2.1, tokens=512, bytes_up=1, bytes_down=1, compute_s=1.0,
-                                     comm_s=0.5, idle_s=0.1, seconds=1.2, overlap=0.8, inner_steps=8), 8, 3)  # fmt: skip
+    worker.observe_round(
+        RoundReport(
+            round=3,
+            train_loss=2.0,
+            eval_loss=2.1,
+            tokens=512,
+            bytes_up=1,
+            bytes_down=1,
+            compute_s=1.0,
+            comm_s=0.5,
+            idle_s=0.1,
+            seconds=1.2,
+            overlap=0.8,
+            inner_steps=8,
+        ),
+        8,
+        3,
+    )
     families = list(text_string_to_metric_families(generate_latest(worker.registry).decode()))
     samples = [sample for family in families for sample in family.samples]
-    assert len(samples) >= 15 and all(s.labels.get("run") == "run-7" and s.labels.get("cluster") == "site-a" for s in samples)
+    assert len(samples) >= 15 and all(
+        s.labels.get("run") == "run-7" and s.labels.get("cluster") == "site-a" for s in samples
+    )
     assert worker.registry.get_sample_value("dilocox_worker_round", {"run": "run-7", "cluster": "site-a"}) == 3
 
     shard = Shard(0, 1, "run-7")
     metrics = ShardMetrics(shard).attach()
-    assert metrics.registry.get_sample_value("dilocox_final_version") == -1  # not known before a site joins with the run's config
+    assert (
+        metrics.registry.get_sample_value("dilocox_final_version") == -1
+    )  # not known before a site joins with the run's config

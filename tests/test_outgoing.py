@@ -40,7 +40,9 @@ def _slices() -> list[ParamSlice]:
 def _restored(config: CompressionConfig, residuals: dict) -> TensorCompressor:
     """A compressor holding `residuals` as a checkpoint restores them."""
     compressor = TensorCompressor(config)
-    compressor.load_state_dict({key: {"error": e.clone(), "q": None, "rank": 0, "recent_ranks": []} for key, e in residuals.items()})
+    compressor.load_state_dict(
+        {key: {"error": e.clone(), "q": None, "rank": 0, "recent_ranks": []} for key, e in residuals.items()}
+    )
     return compressor
 
 
@@ -57,7 +59,10 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("start", [None, ("own", True), ("own", False), ("estimate", True), ("estimate", False), ("eager", True), ("eager", False)])
+@pytest.mark.parametrize(
+    "start",
+    [None, ("own", True), ("own", False), ("estimate", True), ("estimate", False), ("eager", True), ("eager", False)],
+)
 def test_fold_is_the_whole_buffer_arithmetic_bit_for_bit(mode, start, monkeypatch):
     monkeypatch.setattr(outgoing_module, "CHUNK_ELEMENTS", 7)  # chunks that cut rows and slices
     g = torch.Generator().manual_seed(1)
@@ -82,7 +87,9 @@ def test_fold_is_the_whole_buffer_arithmetic_bit_for_bit(mode, start, monkeypatc
             base = sl.view(expected_start[sl.name])
             if from_held:
                 base.copy_(held[sl.key])
-                residual = reference.residual(sl.key) if reference is not None and reference.keeps_local_residual else None
+                residual = (
+                    reference.residual(sl.key) if reference is not None and reference.keeps_local_residual else None
+                )
                 if residual is not None:
                     base.sub_(residual)
             momentum = outer.buffers.get(sl.key)
@@ -106,7 +113,7 @@ def test_fold_is_the_whole_buffer_arithmetic_bit_for_bit(mode, start, monkeypatc
     for name, shape in SHAPES.items():
         rows, flat = (shape[0] if shape else 1), theta[name].reshape(-1)
         width = math.prod(shape[1:]) if len(shape) > 1 else 1
-        for a, b in ([(0, 1), (1, 5), (5, rows)] if rows > 5 else [(0, rows)]):
+        for a, b in [(0, 1), (1, 5), (5, rows)] if rows > 5 else [(0, rows)]:
             folding(name, a, b, flat[a * width : b * width].clone())
     assert folding.nonfinite is None
     for n in SHAPES:
@@ -143,7 +150,7 @@ def test_a_mid_round_merge_rebases_the_live_model_on_theta_bit_for_bit(mode, mon
     for name, shape in SHAPES.items():
         rows, flat = (shape[0] if shape else 1), live[name].reshape(-1)
         width = math.prod(shape[1:]) if len(shape) > 1 else 1
-        for a, b in ([(0, 1), (1, 5), (5, rows)] if rows > 5 else [(0, rows)]):
+        for a, b in [(0, 1), (1, 5), (5, rows)] if rows > 5 else [(0, rows)]:
             rebase(name, a, b, flat[a * width : b * width].clone())
     for n in SHAPES:
         assert torch.equal(buffers.start[n], expected[n]), n
@@ -176,7 +183,9 @@ def test_a_nonfinite_delta_leaves_the_residual_and_the_start_as_they_were():
     folding = fold.fold({sl.key: torch.zeros(7)}, NextStart("own", True, 1.0), None)
     folding("b", 0, 7, torch.tensor([0.0, 1, 2, float("nan"), 4, 5, 6]))
     assert folding.nonfinite == sl.key
-    assert torch.equal(compressor.residual(sl.key), torch.full((7,), 0.5)) and torch.equal(buffers.start["b"], torch.ones(7))
+    assert torch.equal(compressor.residual(sl.key), torch.full((7,), 0.5)) and torch.equal(
+        buffers.start["b"], torch.ones(7)
+    )
 
 
 def _full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -204,7 +213,10 @@ def _gather_rows_rank(rank: int, world: int, replicate: int) -> tuple:
         counts[name][first:last] += 1
 
     resharder.gather_rows(local, land)
-    ok = all(torch.equal(landed[n].reshape(shapes[n]), whole[n]) and torch.equal(whole[n], _full(n, shapes[n])) for n in plan.owned)
+    ok = all(
+        torch.equal(landed[n].reshape(shapes[n]), whole[n]) and torch.equal(whole[n], _full(n, shapes[n]))
+        for n in plan.owned
+    )
     once = all(bool((c == 1).all()) for c in counts.values())
     largest = resharder._host.numel()
     return rank, ok, once, largest, sorted(plan.owned)

@@ -78,8 +78,9 @@ def test_a_push_whose_reply_is_lost_is_retried_and_applied_once():
     proxy = HalfOpenProxy(port)
     wire = WireConfig(keepalive_s=1.0)  # 30 s in production: the same path, a test-sized wait
     try:
-        with AggregatorClient([f"127.0.0.1:{proxy.port}"], RUN, "site-a", wire, connect_timeout=10, rpc_timeout=120,
-                              shard_wait_s=60) as client:  # fmt: skip
+        with AggregatorClient(
+            [f"127.0.0.1:{proxy.port}"], RUN, "site-a", wire, connect_timeout=10, rpc_timeout=120, shard_wait_s=60
+        ) as client:
             client.join(PARAMS)
             torch.manual_seed(0)
             theta0 = {s.key: torch.randn(s.slice_shape) for s in client.assignment}
@@ -92,7 +93,9 @@ def test_a_push_whose_reply_is_lost_is_retried_and_applied_once():
             took = time.monotonic() - started
             version, weights, _ = client.pull(min_version=1)
         assert proxy.dropped_bytes > 0  # the reply really was lost
-        assert took < 30, f"the lost reply was noticed after {took:.1f}s (keepalive 1 s; the push's own deadline is 120 s)"
+        assert took < 30, (
+            f"the lost reply was noticed after {took:.1f}s (keepalive 1 s; the push's own deadline is 120 s)"
+        )
         assert version == shard.version == 1  # round 1 closed once; the retry did not open or close another
         contributions = shard.snapshot.contributions
         assert all(list(per) == ["site-a"] for per in contributions.values())
@@ -110,7 +113,9 @@ def test_keepalive_options_are_accepted_by_a_shard_at_any_client_rate():
     shard = Shard(0, 1, RUN, outer_lr=0.7, outer_momentum=0.9)
     server, port = start_server(shard, "127.0.0.1", 0)
     try:
-        with AggregatorClient([f"127.0.0.1:{port}"], RUN, "site-a", WireConfig(keepalive_s=0.2), connect_timeout=10) as client:
+        with AggregatorClient(
+            [f"127.0.0.1:{port}"], RUN, "site-a", WireConfig(keepalive_s=0.2), connect_timeout=10
+        ) as client:
             client.join(PARAMS)
             time.sleep(2.0)  # ~10 idle pings
             assert client.status_each()[0].shard_index == 0  # the connection is still good
@@ -138,15 +143,45 @@ def test_a_site_finishes_its_run_through_a_half_open_link(tmp_path):
         proxy = HalfOpenProxy(int(addresses[0].rsplit(":", 1)[1]))
         log = open(tmp_path / "worker.log", "w")
         worker = subprocess.Popen(
-            [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", f"127.0.0.1:{proxy.port}", "--run-id", run_id,
-             "--insecure", "--log-format", "json", "--wire-keepalive-s", "1", "--rounds", str(rounds), "--inner-steps", "20",
-             "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--eval-batches", "1", "--threads", "1"],
-            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "dilocox.common.cli",
+                "worker",
+                "--servers",
+                f"127.0.0.1:{proxy.port}",
+                "--run-id",
+                run_id,
+                "--insecure",
+                "--log-format",
+                "json",
+                "--wire-keepalive-s",
+                "1",
+                "--rounds",
+                str(rounds),
+                "--inner-steps",
+                "20",
+                "--n-layer",
+                "1",
+                "--n-embd",
+                "32",
+                "--block-size",
+                "32",
+                "--eval-batches",
+                "1",
+                "--threads",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             with grpc.insecure_channel(addresses[0]) as channel:  # straight to the shard, around the proxy
                 stub, deadline = pb_grpc.AggregatorStub(channel), time.monotonic() + 120
                 while stub.Status(pb.StatusRequest(), timeout=5).version < 2:
-                    assert time.monotonic() < deadline and worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+                    assert time.monotonic() < deadline and worker.poll() is None, (tmp_path / "worker.log").read_text()[
+                        -3000:
+                    ]
                     time.sleep(0.05)
             proxy.cut_replies()
             assert worker.wait(timeout=240) == 0, (tmp_path / "worker.log").read_text()[-4000:]

@@ -14,6 +14,7 @@ from dilocox.worker.site.mesh import SiteShape
 from dilocox.worker.site.reshard import StageResharder, held_rows
 from dilocox.worker.train.pipeline_stage import GPTStage, stage_layers
 
+
 def test_stages_hold_only_their_parameters():
     """Stages partition the model's parameters, with the full names."""
     config = ModelConfig(n_layer=5, n_embd=32)
@@ -53,7 +54,9 @@ def test_reshard_plan_moves_every_row_once_to_its_owner_and_back_to_every_holder
     for batch in plans[0].gather_pieces + plans[0].scatter_pieces:
         for d in range(dp):
             numel = lambda p: (p.stop - p.start) * plans[0].row_numel[p.name]  # noqa: E731
-            assert sum(numel(p) for p in batch if p.src == d) <= 200 and sum(numel(p) for p in batch if p.dst == d) <= 200
+            assert (
+                sum(numel(p) for p in batch if p.src == d) <= 200 and sum(numel(p) for p in batch if p.dst == d) <= 200
+            )
     assert any(len({p.name for p in batch}) == 1 and len(batch) < len(gathered) for batch in plans[0].gather_pieces)
 
     def merged(pieces: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -70,13 +73,21 @@ def test_reshard_plan_moves_every_row_once_to_its_owner_and_back_to_every_holder
         owner = plans[0].owner[name]
         pieces = merged([(p.start, p.stop, p.src) for p in gathered if p.name == name])
         assert all(p.dst == owner for p in gathered if p.name == name)
-        assert [(a, b) for a, b, _ in pieces] == sorted({plans[0].rows_of(name, d) for d in range(dp) if plans[0].rows_of(name, d)[1] > plans[0].rows_of(name, d)[0]})
+        assert [(a, b) for a, b, _ in pieces] == sorted(
+            {
+                plans[0].rows_of(name, d)
+                for d in range(dp)
+                if plans[0].rows_of(name, d)[1] > plans[0].rows_of(name, d)[0]
+            }
+        )
         assert pieces[0][0] == 0 and pieces[-1][1] == rows(name)
         for start, stop, src in pieces:
             assert plans[0].rows_of(name, src) == (start, stop)  # the source holds exactly those rows
             assert shape.replicate_coordinate(src) == shape.replicate_coordinate(owner)
         for d in range(dp):
             held = plans[0].rows_of(name, d)
-            got = [(a, b) for a, b, _ in merged([(p.start, p.stop, d) for p in scattered if p.name == name and p.dst == d])]
+            got = [
+                (a, b) for a, b, _ in merged([(p.start, p.stop, d) for p in scattered if p.name == name and p.dst == d])
+            ]
             assert got == ([held] if held[1] > held[0] else [])
     assert held_rows(5, 0, 2) == (0, 3) and held_rows(5, 1, 2) == (3, 5) and held_rows(1, 1, 2) == (1, 1)

@@ -53,7 +53,9 @@ def prometheus_binary():
     return "prometheus"
 
 
-def test_prometheus_scrapes_a_running_sim_and_finds_every_metric_the_rules_and_dashboard_name(prometheus_binary, tmp_path):
+def test_prometheus_scrapes_a_running_sim_and_finds_every_metric_the_rules_and_dashboard_name(
+    prometheus_binary, tmp_path
+):
     metrics_port, web_port = free_port_range(SHARDS + CLUSTERS), free_port_range(1)
     log_dir = tmp_path / "sim"
     log_dir.mkdir()
@@ -63,16 +65,55 @@ def test_prometheus_scrapes_a_running_sim_and_finds_every_metric_the_rules_and_d
     targets = prometheus_config.sim_targets(metrics_port, SHARDS, CLUSTERS)
     config.write_text(prometheus_config.render(targets, interval_s=0.5))
     url = f"http://127.0.0.1:{web_port}"
-    server = subprocess.Popen([prometheus_binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                               f"--web.listen-address=127.0.0.1:{web_port}", "--log.level=warn"],
-                              stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))  # fmt: skip
+    server = subprocess.Popen(
+        [
+            prometheus_binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{web_port}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
+    )
     try:
         _wait_ready(url, server)
-        sim = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "sim", "--shards", str(SHARDS), "--clusters",
-                              str(CLUSTERS), "--rounds", "6", "--inner-steps", "10", "--n-layer", "1", "--n-embd", "32",
-                              "--block-size", "32", "--inner-batch-size", "8", "--eval-batches", "2", "--no-tensorboard",
-                              "--metrics-port", str(metrics_port), "--log-dir", str(log_dir), "--log-format", "json"],
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        sim = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dilocox.common.cli",
+                "sim",
+                "--shards",
+                str(SHARDS),
+                "--clusters",
+                str(CLUSTERS),
+                "--rounds",
+                "6",
+                "--inner-steps",
+                "10",
+                "--n-layer",
+                "1",
+                "--n-embd",
+                "32",
+                "--block-size",
+                "32",
+                "--inner-batch-size",
+                "8",
+                "--eval-batches",
+                "2",
+                "--no-tensorboard",
+                "--metrics-port",
+                str(metrics_port),
+                "--log-dir",
+                str(log_dir),
+                "--log-format",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert sim.returncode == 0, sim.stdout[-3000:] + sim.stderr[-3000:]
         written = (log_dir / "prometheus.yml").read_text()
         assert json.loads(written)["scrape_configs"] == json.loads(config.read_text())["scrape_configs"]

@@ -28,7 +28,11 @@ def _serialized_file_literal(source: str) -> bytes:
     """The bytes passed to `AddSerializedFile(...)` in a generated *_pb2.py, read without importing it."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "AddSerializedFile":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "AddSerializedFile"
+        ):
             assert len(node.args) == 1
             found.append(ast.literal_eval(node.args[0]))
     assert len(found) == 1, f"expected one AddSerializedFile call, found {len(found)}"
@@ -66,7 +70,11 @@ def test_committed_grpc_stub_matches_regenerated(regenerated):
 
     fresh = (regenerated / "dilocox_pb2_grpc.py").read_text()
     committed = (PROTO_DIR / "dilocox_pb2_grpc.py").read_text()
-    assert rpcs(committed) == rpcs(fresh) == {m.name for m in dilocox_pb2.DESCRIPTOR.services_by_name["Aggregator"].methods}
+    assert (
+        rpcs(committed)
+        == rpcs(fresh)
+        == {m.name for m in dilocox_pb2.DESCRIPTOR.services_by_name["Aggregator"].methods}
+    )
     # The stub imports the messages through the package, not as a bare top-level module.
     assert "from dilocox.proto import dilocox_pb2" in committed
 
@@ -81,7 +89,19 @@ def test_proto_declares_versioned_package():
 
 def test_wire_contract_has_the_chunk_fields_framing_relies_on():
     fields = {f.name: f.number for f in dilocox_pb2.TensorChunk.DESCRIPTOR.fields}
-    for name in ("name", "row_start", "row_stop", "codec", "dtype", "shape", "payload_bytes", "offset", "raw_bytes", "zstd_frame", "version"):
+    for name in (
+        "name",
+        "row_start",
+        "row_stop",
+        "codec",
+        "dtype",
+        "shape",
+        "payload_bytes",
+        "offset",
+        "raw_bytes",
+        "zstd_frame",
+        "version",
+    ):
         assert name in fields, name
 
 

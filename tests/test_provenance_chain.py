@@ -21,14 +21,14 @@ from dilocox.common.wire.framing import EncodedSlice, own_contribution_digest
 from dilocox.common.wire.rounds_chain import check_chain, genesis, link
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-from dilocox.server.state import checkpoint
 from dilocox.server.serving.grpc_server import start_server
-from dilocox.server.state.provenance_chain import RoundsChain
 from dilocox.server.shard import Shard
+from dilocox.server.state import checkpoint
+from dilocox.server.state.provenance_chain import RoundsChain
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
-from dilocox.worker.export.model import from_checkpoints, from_servers, write_export
 from dilocox.worker.export.chain import check_section, fetch_chain
+from dilocox.worker.export.model import from_checkpoints, from_servers, write_export
 
 pytest.importorskip("safetensors")
 
@@ -73,8 +73,10 @@ def test_append_links_each_record_to_the_one_before_and_recomputes():
     chain = _chain()
     entries = chain.as_state()["records"]
     assert entries[0]["hash"] == link(genesis(RUN, 1, 2), {"kind": "init", "version": 0, "initialiser": "a"})
-    assert all(entries[i]["hash"] == link(entries[i - 1]["hash"], {k: v for k, v in entries[i].items() if k != "hash"})
-               for i in range(1, 4))  # fmt: skip
+    assert all(
+        entries[i]["hash"] == link(entries[i - 1]["hash"], {k: v for k, v in entries[i].items() if k != "hash"})
+        for i in range(1, 4)
+    )
     assert chain.head == entries[-1]["hash"] and chain.version == 3
     assert check_chain(RUN, 1, 2, entries, chain.head, end_version=3) == []
     # Bound to the run and the shard: the same records are another chain elsewhere.
@@ -90,11 +92,21 @@ def test_a_changed_removed_or_reordered_record_fails_by_version():
     found = [str(p) for p in check_chain(RUN, 1, 2, changed, chain.head)]
     assert len(found) == 2 and "shard 1 version 2: record changed" in found[0] and "head does not recompute" in found[1]
     dropped = entries[:2] + entries[3:]
-    assert any("version 3: a round record after version 1" in str(p) for p in check_chain(RUN, 1, 2, dropped, chain.head))
+    assert any(
+        "version 3: a round record after version 1" in str(p) for p in check_chain(RUN, 1, 2, dropped, chain.head)
+    )
     swapped = [entries[0], entries[2], entries[1], *entries[3:]]
     assert any("version 2: record changed" in str(p) for p in check_chain(RUN, 1, 2, swapped, chain.head))
-    assert "ends at version 4, the export is version 3" in str(check_chain(RUN, 1, 2, entries, chain.head, end_version=3)[-1])
-    for malformed in ([], [{"version": 0}], [{**entries[0], "hash": "zz"}], [{**entries[0], "kind": "other"}], "nonsense"):
+    assert "ends at version 4, the export is version 3" in str(
+        check_chain(RUN, 1, 2, entries, chain.head, end_version=3)[-1]
+    )
+    for malformed in (
+        [],
+        [{"version": 0}],
+        [{**entries[0], "hash": "zz"}],
+        [{**entries[0], "kind": "other"}],
+        "nonsense",
+    ):
         assert check_chain(RUN, 1, 2, malformed, chain.head)  # a problem each, never an exception
     with pytest.raises(ValueError):  # NaN is not JSON: refused when appended, not hashed as something else
         chain.append({"kind": "round", "version": 5, "tokens": float("nan")})
@@ -114,8 +126,11 @@ def test_each_version_is_recorded_with_its_sites_tokens_payloads_and_state():
             assert site["payload_sha256"] == pushed[record["version"], cluster]
             assert site["weight"] == site["tokens"] and site["staleness"] == 0 and site["slices"] == len(shard.owned)
     # The state digest is the one a replay check is answered with (computed at the close, cached for the pulls).
-    assert shard.snapshot.digests and records[-1]["state_digest"] == "xxh3-128:" + shard.state_digest(
-        shard.snapshot, list(shard.owned), "xxh3-128").hex()  # fmt: skip
+    assert (
+        shard.snapshot.digests
+        and records[-1]["state_digest"]
+        == "xxh3-128:" + shard.state_digest(shard.snapshot, list(shard.owned), "xxh3-128").hex()
+    )
 
 
 def test_the_chain_survives_a_checkpoint_and_a_tampered_one_is_refused(tmp_path):
@@ -129,7 +144,8 @@ def test_the_chain_survives_a_checkpoint_and_a_tampered_one_is_refused(tmp_path)
         for i, cluster in enumerate(("a", "b")):
             _push(s, cluster, 4, 50.0, _delta(40 + i))
     assert restored.chain.version == 4 and [e["state_digest"] for e in restored.chain.entries] == [
-        e["state_digest"] for e in shard.chain.entries]  # fmt: skip
+        e["state_digest"] for e in shard.chain.entries
+    ]
 
     state = torch.load(path, weights_only=False)
     state["rounds_chain"]["records"][2]["sites"][1]["tokens"] = 1.0
@@ -150,7 +166,9 @@ def test_a_checkpoint_without_a_chain_restores_to_a_new_segment_that_says_so(tmp
     checkpoint.restore(restored, state)
     first = restored.chain.entries[0]
     assert (first["kind"], first["version"], len(restored.chain.entries)) == ("restored", 3, 1)
-    assert "without a rounds chain" in first["note"] and first["state_digest"] == shard.chain.entries[-1]["state_digest"]
+    assert (
+        "without a rounds chain" in first["note"] and first["state_digest"] == shard.chain.entries[-1]["state_digest"]
+    )
     for i, cluster in enumerate(("a", "b")):
         _push(restored, cluster, 4, 50.0, _delta(40 + i))
     assert check_chain(RUN, 0, 1, restored.chain.entries, restored.chain.head, end_version=4) == []
@@ -189,7 +207,12 @@ def test_shards_serve_their_chains_and_the_chain_survives_a_restore(shard_set, t
     for index, address in enumerate(shards.addresses):
         chain = fetch_chain(_stub(address), RUN, timeout=10)
         records = chain["records"]
-        assert (chain["shard_index"], chain["num_shards"]) == (index, 2) and [r["version"] for r in records] == [0, 1, 2, 3]
+        assert (chain["shard_index"], chain["num_shards"]) == (index, 2) and [r["version"] for r in records] == [
+            0,
+            1,
+            2,
+            3,
+        ]
         for record in records[1:]:
             assert [s["cluster"] for s in record["sites"]] == ["a", "b"]
             assert all(s["payload_sha256"] == pushed[index, record["version"], s["cluster"]] for s in record["sites"])
@@ -228,7 +251,9 @@ def test_a_live_export_carries_the_chains_and_verify_recomputes_them(shard_set, 
     assert all(s["head"] == shards.shards[s["shard_index"]].chain.head for s in section["shards"])
     assert main(["verify", str(out), "--unsigned"]) == 0
     said = capsys.readouterr().out
-    assert "rounds chain: 2 of 2 shard(s), versions 0–3" in said and "exported weights are the state they end in" in said
+    assert (
+        "rounds chain: 2 of 2 shard(s), versions 0–3" in said and "exported weights are the state they end in" in said
+    )
 
     # The weights check: weights that are not the chains' last state fail by shard (provenance.json unchanged).
     from safetensors.torch import load_file, save_file
@@ -238,7 +263,10 @@ def test_a_live_export_carries_the_chains_and_verify_recomputes_them(shard_set, 
     save_file(tensors, str(tmp_path / "other.safetensors"))
     problems = check_section(record, tmp_path / "other.safetensors").problems
     owner = next(s.shard for s in model_slices(shards) if s.name == "b" and s.row_start == 0)
-    assert len(problems) == 1 and f"shard {owner} version 3: the exported weights of its slices are not the state" in problems[0]
+    assert (
+        len(problems) == 1
+        and f"shard {owner} version 3: the exported weights of its slices are not the state" in problems[0]
+    )
 
 
 def model_slices(shards):
@@ -279,7 +307,9 @@ def test_a_signed_export_covers_the_chain(tmp_path, capsys):
 
     made = make_dev_certificates(tmp_path / "pki")
     issued = issue(load_ca(tmp_path / "pki"), tmp_path / "pki", "signer", "signer", ("exporter",))
-    out = _exported_from_checkpoints(tmp_path, ["--sign-key", str(issued["signer-key"]), "--sign-cert", str(issued["signer"])])
+    out = _exported_from_checkpoints(
+        tmp_path, ["--sign-key", str(issued["signer-key"]), "--sign-cert", str(issued["signer"])]
+    )
     assert main(["verify", str(out), "--cert", str(made["ca"])]) == 0
     assert "rounds chain: 2 of 2 shard(s)" in capsys.readouterr().out
     _change_a_record(out)

@@ -47,8 +47,10 @@ def test_importing_dilocox_loads_neither_torch_nor_grpc():
 
 def test_load_run_config_reads_a_cli_config_file(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('run-id = "shared"\nrounds = 7\nservers = "10.0.0.5:50051"\n\n[inner]\nsteps = 12\n\n'
-                    '[worker]\ncluster = "site-a"\ninner-lr = 0.002\n\n[server]\nport = 50051\n')  # fmt: skip
+    path.write_text(
+        'run-id = "shared"\nrounds = 7\nservers = "10.0.0.5:50051"\n\n[inner]\nsteps = 12\n\n'
+        '[worker]\ncluster = "site-a"\ninner-lr = 0.002\n\n[server]\nport = 50051\n'
+    )
     config = dilocox.load_run_config(path)
     assert config == RunConfig(run_id="shared", rounds=7, inner=InnerConfig(steps=12, lr=0.002))
     path.write_text("rounds = 7\nround = 3\n")

@@ -1,4 +1,5 @@
-"""A version's pull chunks are framed once for every cluster that pulls the same bytes (server/serving/pull_framing.py)."""
+"""A version's pull chunks are framed once for every cluster that pulls the same bytes
+(server/serving/pull_framing.py)."""
 
 from __future__ import annotations
 
@@ -108,8 +109,9 @@ def test_pulls_are_the_same_bits_shared_or_not_and_shared_across_clusters(shard_
             framings = [server.framings for server in shards.servers]
             if cache:
                 # Per shard and round, each cluster's contribution is read by the two others: framed once, shared once.
-                assert all(f.streams_framed >= 3 * 3 and f.streams_shared >= 3 * 3 for f in framings), \
-                    [(f.streams_framed, f.streams_shared) for f in framings]
+                assert all(f.streams_framed >= 3 * 3 and f.streams_shared >= 3 * 3 for f in framings), [
+                    (f.streams_framed, f.streams_shared) for f in framings
+                ]
             else:
                 assert all(f.streams_framed == 0 and f.streams_shared == 0 and f.streams_unshared > 0 for f in framings)
         finally:
@@ -118,4 +120,6 @@ def test_pulls_are_the_same_bits_shared_or_not_and_shared_across_clusters(shard_
             shards.stop()
     (bytes_off, weights_off), (bytes_on, weights_on) = results[0], results[64 << 20]
     assert bytes_off == bytes_on
-    assert weights_off.keys() == weights_on.keys() and all(torch.equal(weights_off[k], weights_on[k]) for k in weights_off)
+    assert weights_off.keys() == weights_on.keys() and all(
+        torch.equal(weights_off[k], weights_on[k]) for k in weights_off
+    )

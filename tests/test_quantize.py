@@ -80,7 +80,7 @@ def test_round_trip_within_bound_mixed_magnitudes(bits):
     y, _ = decode_quantized(encode_quantized(x, bits, block))
     _assert_within_bound(x, y, bits, block)
     # Each block's error scales with its own magnitude: tiny blocks keep tiny errors.
-    rel = ((y - x).abs().view(-1, block).amax(1) / x.abs().view(-1, block).amax(1))
+    rel = (y - x).abs().view(-1, block).amax(1) / x.abs().view(-1, block).amax(1)
     assert bool((rel <= relative_error_bound(bits) * (1 + 1e-5)).all())
 
 

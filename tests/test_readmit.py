@@ -25,7 +25,9 @@ def _restore_logging():
 
 def _readmit(addresses: list[str], capsys, *extra: str) -> tuple[int, str]:  # noqa: ANN001
     capsys.readouterr()
-    code = cli.main(["readmit", "--servers", ",".join(addresses), "--run-id", RUN, "--site", "site3", "--insecure", *extra])
+    code = cli.main(
+        ["readmit", "--servers", ",".join(addresses), "--run-id", RUN, "--site", "site3", "--insecure", *extra]
+    )
     return code, capsys.readouterr().out
 
 

@@ -14,8 +14,24 @@ import torch
 
 pytest.importorskip("transformers")
 
-SMALL = ["--model", "llama-tiny", "--tokenizer", "bpe:512", "--rounds", "3", "--inner-steps", "5", "--block-size", "32",
-         "--inner-batch-size", "8", "--eval-batches", "2", "--inner-warmup-steps", "2"]  # fmt: skip
+SMALL = [
+    "--model",
+    "llama-tiny",
+    "--tokenizer",
+    "bpe:512",
+    "--rounds",
+    "3",
+    "--inner-steps",
+    "5",
+    "--block-size",
+    "32",
+    "--inner-batch-size",
+    "8",
+    "--eval-batches",
+    "2",
+    "--inner-warmup-steps",
+    "2",
+]
 
 
 def _env(tmp_path) -> dict:
@@ -25,10 +41,27 @@ def _env(tmp_path) -> dict:
 def _sim(tmp_path, *extra: str) -> dict:
     summary = tmp_path / "summary.json"
     done = subprocess.run(
-        [sys.executable, "-m", "dilocox.common.cli", "sim", *SMALL, *extra, "--log-dir", str(tmp_path / "logs"),
-         "--summary-json", str(summary), "--timeout", "240", "--log-format", "json"],
-        capture_output=True, text=True, timeout=300, env=_env(tmp_path),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dilocox.common.cli",
+            "sim",
+            *SMALL,
+            *extra,
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--summary-json",
+            str(summary),
+            "--timeout",
+            "240",
+            "--log-format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(tmp_path),
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(summary.read_text())
 
@@ -41,10 +74,16 @@ def test_tiny_llama_trains_through_the_whole_sim(tmp_path, pp):
     summary = _sim(tmp_path, "--pp", str(pp))
     assert summary["ok"] and summary["rounds"] == 3 and summary["delay"] == 1
     assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.3  # ln(512) = 6.24 at the start
-    logs = [json.loads(line) for name in ("cluster-0", "cluster-1") for line in (tmp_path / "logs" / f"{name}.log").read_text().splitlines()
-            if line.startswith("{")]  # fmt: skip
+    logs = [
+        json.loads(line)
+        for name in ("cluster-0", "cluster-1")
+        for line in (tmp_path / "logs" / f"{name}.log").read_text().splitlines()
+        if line.startswith("{")
+    ]
     started = [e for e in logs if e.get("event") == "worker_starting"]
-    assert started and all(e["model"] == "llama-tiny" and e["vocab"] == 512 and e["tokenizer"] == "bpe:512" for e in started)
+    assert started and all(
+        e["model"] == "llama-tiny" and e["vocab"] == 512 and e["tokenizer"] == "bpe:512" for e in started
+    )
     assert summary["bytes_up"] > 0 and summary["flush_bytes_up"] > 0  # compressed rounds, then the flush
     if pp == 2:
         ready = [e for e in logs if e.get("event") == "rank_ready"]
@@ -54,17 +93,22 @@ def test_tiny_llama_trains_through_the_whole_sim(tmp_path, pp):
 def _worker(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", "127.0.0.1:1", "--insecure", *extra],
-        capture_output=True, text=True, timeout=120, env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(tmp_path),
     )
 
 
 @pytest.mark.parametrize(
     "flags, message",
-    [(["--model", "llama-2O"], "is not a known model"),
-     (["--model", "gpt2-small", "--pp", "2"], "cannot split GPT2LMHeadModel"),
-     (["--tokenizer", "bpe:12"], "above 257"),
-     (["--data", "/no/such/corpus"], "corpus path does not exist")],
-)  # fmt: skip
+    [
+        (["--model", "llama-2O"], "is not a known model"),
+        (["--model", "gpt2-small", "--pp", "2"], "cannot split GPT2LMHeadModel"),
+        (["--tokenizer", "bpe:12"], "above 257"),
+        (["--data", "/no/such/corpus"], "corpus path does not exist"),
+    ],
+)
 def test_the_worker_refuses_what_it_cannot_train_before_connecting(tmp_path, flags, message):
     done = _worker(tmp_path, *flags)
     assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]

@@ -19,7 +19,16 @@ from dilocox.common.config.sources import subparsers_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference.md"
-SAMPLED = [["worker"], ["server"], ["sim"], ["plan"], ["export"], ["bench", "gpu"], ["deploy", "slurm"], ["compose", "check"]]
+SAMPLED = [
+    ["worker"],
+    ["server"],
+    ["sim"],
+    ["plan"],
+    ["export"],
+    ["bench", "gpu"],
+    ["deploy", "slurm"],
+    ["compose", "check"],
+]
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,9 @@ class _DigestTampering(AggregatorServicer):
             if is_state_digest(chunk):
                 if self.mode == "drop":
                     continue
-                sent = pb.TensorChunk(version=chunk.version, state_digest=True, payload_sha256=b"short").SerializeToString()
+                sent = pb.TensorChunk(
+                    version=chunk.version, state_digest=True, payload_sha256=b"short"
+                ).SerializeToString()
             yield sent
 
 
@@ -89,7 +91,9 @@ def test_replay_check_refuses_a_bad_or_missing_digest_before_applying(shard_set,
         before = {k: t.clone() for k, t in b.held.items()}
         with pytest.raises(ValueError, match="state digest"):
             b.pull(1, wait_seconds=10)
-        assert all(torch.equal(b.held[k], t) for k, t in before.items()) and b.held_versions == {0: 0}  # nothing applied
+        assert all(torch.equal(b.held[k], t) for k, t in before.items()) and b.held_versions == {
+            0: 0
+        }  # nothing applied
     finally:
         for c in clients:
             c.close()
@@ -102,8 +106,13 @@ def test_replay_check_no_false_alarm_over_twenty_rounds(delay):
     config = RunConfig(rounds=20, delay=delay, inner=InnerConfig(steps=2, batch_size=4))
     assert config.wire.replay_check and config.compress.error_feedback
     checks = []
-    result = run_in_process(config, num_clusters=2, num_shards=2, timeout_s=300,
-                            on_round=lambda client, _report: checks.append((client.replay_check.checked, client.replay_check.mismatches)))  # fmt: skip
+    result = run_in_process(
+        config,
+        num_clusters=2,
+        num_shards=2,
+        timeout_s=300,
+        on_round=lambda client, _report: checks.append((client.replay_check.checked, client.replay_check.mismatches)),
+    )
     assert len(result.clusters) == 2 and max(checked for checked, _ in checks) >= 20  # the replays were checked …
     assert all(mismatches == 0 for _, mismatches in checks)  # … and none differed
 
@@ -171,8 +180,15 @@ def test_a_pull_naming_an_unknown_digest_is_refused_before_anything_streams(shar
         a.join(PARAMS)
         version = shards.shards[0].status()["version"]
         with grpc.insecure_channel(shards.addresses[0]) as channel:
-            request = pb.PullRequest(run_id="run-downlink", cluster="a", min_version=0, wait_seconds=1,
-                                     have_version=-1, check_replay=True, replay_digest="md5")  # fmt: skip
+            request = pb.PullRequest(
+                run_id="run-downlink",
+                cluster="a",
+                min_version=0,
+                wait_seconds=1,
+                have_version=-1,
+                check_replay=True,
+                replay_digest="md5",
+            )
             with pytest.raises(grpc.RpcError) as refused:
                 list(pb_grpc.AggregatorStub(channel).Pull(request, timeout=10))
         assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED and "md5" in refused.value.details()

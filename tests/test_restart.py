@@ -19,8 +19,8 @@ from dilocox.common.wire.checkpoint_format import checkpoint_path
 from dilocox.common.wire.framing import EncodedSlice
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
-from dilocox.server.state import checkpoint
 from dilocox.server.shard import Shard
+from dilocox.server.state import checkpoint
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
 from tests.ports import listening
@@ -41,14 +41,32 @@ def _free_port() -> int:
 
 
 def _shard_cmd(port: int, ckpt_dir, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "dilocox.common.cli", "server", "--port", str(port), "--run-id", RUN, "--round-deadline-s", "0",
-            "--checkpoint-dir", str(ckpt_dir), "--log-format", "json", "--insecure", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "server",
+        "--port",
+        str(port),
+        "--run-id",
+        RUN,
+        "--round-deadline-s",
+        "0",
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        "--log-format",
+        "json",
+        "--insecure",
+        *extra,
+    ]
 
 
 def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not listening(port):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() is not None else "timeout"
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            proc.stderr.read() if proc.poll() is not None else "timeout"
+        )
         time.sleep(0.1)
 
 
@@ -73,7 +91,11 @@ def test_restart_without_resume_over_a_checkpoint_is_refused_and_leaves_it_untou
     before = path.read_bytes()
     done = subprocess.run(_shard_cmd(_free_port(), tmp_path), capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
-    assert f"{path} holds run '{RUN}' at version 2" in done.stderr and "--resume" in done.stderr and "--fresh" in done.stderr
+    assert (
+        f"{path} holds run '{RUN}' at version 2" in done.stderr
+        and "--resume" in done.stderr
+        and "--fresh" in done.stderr
+    )
     assert path.read_bytes() == before
 
 
@@ -81,7 +103,9 @@ def test_restart_fresh_moves_the_old_checkpoint_aside(tmp_path):
     _saved_checkpoint(tmp_path)
     before = checkpoint_path(tmp_path, 0).read_bytes()
     port = _free_port()
-    proc = subprocess.Popen(_shard_cmd(port, tmp_path, "--fresh"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _shard_cmd(port, tmp_path, "--fresh"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     try:
         _wait_listening(port, proc)
     finally:
@@ -110,7 +134,9 @@ def test_restart_sigterm_during_a_held_pull_exits_without_waiting_for_it(tmp_pat
     retries the restarted shard), writes its final checkpoint and exits 0. The 60 s below only guards against a
     hang; ten times that is what waiting for the pull would take, so no machine speed decides the outcome."""
     port = _free_port()
-    proc = subprocess.Popen(_shard_cmd(port, tmp_path, "--min-clusters", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _shard_cmd(port, tmp_path, "--min-clusters", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     outcome = {}
     try:
         _wait_listening(port, proc)
@@ -121,7 +147,11 @@ def test_restart_sigterm_during_a_held_pull_exits_without_waiting_for_it(tmp_pat
 
             def held_pull() -> None:  # waits for version 1, which never comes (nobody pushes round 1)
                 try:
-                    list(pb_grpc.AggregatorStub(channel).Pull(pb.PullRequest(run_id=RUN, cluster="a", min_version=1, wait_seconds=600), timeout=660))
+                    list(
+                        pb_grpc.AggregatorStub(channel).Pull(
+                            pb.PullRequest(run_id=RUN, cluster="a", min_version=1, wait_seconds=600), timeout=660
+                        )
+                    )
                 except grpc.RpcError as error:
                     outcome["code"] = error.code()
 

@@ -18,11 +18,40 @@ ROUNDS = 14
 
 def _site(address: str, index: int, log_path) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", address, "--run-id", RUN,
-        "--cluster", f"site-{index}", "--cluster-index", str(index), "--num-clusters", "2", "--rounds", str(ROUNDS),
-        "--inner-steps", "3", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4",
-        "--eval-batches", "1", "--threads", "1", "--log-format", "json", "--insecure",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "worker",
+        "--servers",
+        address,
+        "--run-id",
+        RUN,
+        "--cluster",
+        f"site-{index}",
+        "--cluster-index",
+        str(index),
+        "--num-clusters",
+        "2",
+        "--rounds",
+        str(ROUNDS),
+        "--inner-steps",
+        "3",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--inner-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--threads",
+        "1",
+        "--log-format",
+        "json",
+        "--insecure",
+    ]
     with open(log_path, "a") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 

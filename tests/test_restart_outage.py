@@ -38,11 +38,41 @@ def _version(address: str) -> int:
 
 def _site(address: str, index: int, *extra: str) -> subprocess.Popen:
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", address, "--run-id", RUN,
-        "--cluster", f"site-{index}", "--cluster-index", str(index), "--num-clusters", "2",
-        "--rounds", str(ROUNDS), "--inner-steps", "2", "--n-layer", "2", "--n-embd", "32", "--block-size", "32",
-        "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1", "--log-format", "json", "--insecure", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "worker",
+        "--servers",
+        address,
+        "--run-id",
+        RUN,
+        "--cluster",
+        f"site-{index}",
+        "--cluster-index",
+        str(index),
+        "--num-clusters",
+        "2",
+        "--rounds",
+        str(ROUNDS),
+        "--inner-steps",
+        "2",
+        "--n-layer",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--inner-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--threads",
+        "1",
+        "--log-format",
+        "json",
+        "--insecure",
+        *extra,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -58,7 +88,9 @@ def test_restart_sites_ride_out_a_70s_shard_outage(tmp_path):
         sites = [_site(address, 0, "--pp", "2"), _site(address, 1)]
         deadline = time.monotonic() + 240
         while _version(address) < 2:
-            assert time.monotonic() < deadline and all(s.poll() is None for s in sites), "the run did not reach version 2"
+            assert time.monotonic() < deadline and all(s.poll() is None for s in sites), (
+                "the run did not reach version 2"
+            )
             time.sleep(0.2)
         first.terminate()
         assert first.wait(timeout=30) == 0
@@ -66,7 +98,9 @@ def test_restart_sites_ride_out_a_70s_shard_outage(tmp_path):
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped_at)))
         gone = [s for s in sites if s.poll() is not None]
         assert not gone, "a site gave up during the outage: " + gone[0].stderr.read()[-5000:]
-        second = subprocess.Popen([*shard_cmd, "--resume"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        second = subprocess.Popen(
+            [*shard_cmd, "--resume"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         logs = [s.communicate(timeout=300)[1] for s in sites]
         for site, log in zip(sites, logs):
             assert site.returncode == 0, log[-4000:]
@@ -81,11 +115,22 @@ def test_restart_sites_ride_out_a_70s_shard_outage(tmp_path):
     site_events = [e for log in logs for e in _events(log)]
     assert any(e["event"] == "shard_unavailable_waiting" for e in site_events)  # one line per attempt
     accepted = [_at(e) for e in shard_log if e["event"] == "push_accepted" and e["slices"] > 0]
-    around = [(e["event"], e.get("call"), e.get("cluster"), e.get("rank"), e["timestamp"][11:23]) for e in site_events
-              if e["event"] in ("shard_back", "repushed_after_outage", "repush_after_outage_refused", "round_result_late_repushing",
-                                "cluster_rejoining")]  # fmt: skip
+    around = [
+        (e["event"], e.get("call"), e.get("cluster"), e.get("rank"), e["timestamp"][11:23])
+        for e in site_events
+        if e["event"]
+        in (
+            "shard_back",
+            "repushed_after_outage",
+            "repush_after_outage_refused",
+            "round_result_late_repushing",
+            "cluster_rejoining",
+        )
+    ]
     assert accepted, f"no push reached the restarted shard: {around}"
     first_push_after = min(accepted) - serving
-    print(f"outage {OUTAGE_S}s: first accepted push {first_push_after:.3f}s after the shard served; final version {final}")
+    print(
+        f"outage {OUTAGE_S}s: first accepted push {first_push_after:.3f}s after the shard served; final version {final}"
+    )
     assert first_push_after < 1.0, f"first accepted push {first_push_after:.2f}s after the shard served: {around}"
     assert final == ROUNDS + 1  # every round and the end-of-run flush closed: nothing was lost to the outage

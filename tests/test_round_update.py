@@ -16,7 +16,9 @@ from dilocox.common.wire.outer_optimizer import BLOCK_ELEMENTS, OuterNesterov
 LR, MU = 0.7, 0.9
 
 
-def whole_tensor_step(param: torch.Tensor, buf: torch.Tensor | None, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def whole_tensor_step(
+    param: torch.Tensor, buf: torch.Tensor | None, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The outer Nesterov step as whole-tensor operations, one rounding each (the pre-block form)."""
     buf = grad.clone() if buf is None else (buf * MU).add_(grad)
     return param - (buf * MU).add_(grad).mul_(LR), buf
@@ -24,7 +26,8 @@ def whole_tensor_step(param: torch.Tensor, buf: torch.Tensor | None, grad: torch
 
 def contributions(n: int, seed: int, weights=(3000.0, 1000.0, 2500.0)):
     g = torch.Generator().manual_seed(seed)
-    return [(f"c{i}", w, (lambda t=torch.randn(n, generator=g): t)) for i, w in enumerate(weights)]
+    drawn = [torch.randn(n, generator=g) for _ in weights]
+    return [(f"c{i}", w, (lambda t=t: t)) for i, (w, t) in enumerate(zip(weights, drawn))]
 
 
 @pytest.mark.parametrize("in_place", [False, True])

@@ -11,11 +11,11 @@ import time
 import torch
 
 from dilocox.common.config.run import CompressionConfig
-from dilocox.common.wire.compression import TensorCompressor
 from dilocox.common.wire.assignment import model_digest
+from dilocox.common.wire.compression import TensorCompressor
+from dilocox.server.shard import Shard
 from dilocox.server.state import checkpoint
 from dilocox.server.state.rounds_on_disk import RoundsOnDisk
-from dilocox.server.shard import Shard
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from tests.test_checkpoint import PARAMS, slices, tensors
 from tests.tiny_worker import stop_once_at, tiny_worker
@@ -23,12 +23,17 @@ from tests.tiny_worker import stop_once_at, tiny_worker
 RUN = "disk-rounds"
 
 
-def _shard(tmp_path, keep_s: float = 3600.0, budget: int = 10**9, clock=time.time, resumed_from: Shard | None = None) -> Shard:  # noqa: ANN001
+def _shard(
+    tmp_path, keep_s: float = 3600.0, budget: int = 10**9, clock=time.time, resumed_from: Shard | None = None
+) -> Shard:  # noqa: ANN001
     shard = Shard(0, 1, RUN, 0.7, 0.9, min_clusters=2, keep_rounds=2)
     if resumed_from is not None:
         checkpoint.restore(shard, checkpoint.load(checkpoint.save(resumed_from, tmp_path / "ckpt")))
-    shard.recent.keep_on_disk(RoundsOnDisk(tmp_path / "rounds", 0, RUN, keep_s, budget, clock), shard.snapshot,
-                              resumed=resumed_from is not None)  # fmt: skip
+    shard.recent.keep_on_disk(
+        RoundsOnDisk(tmp_path / "rounds", 0, RUN, keep_s, budget, clock),
+        shard.snapshot,
+        resumed=resumed_from is not None,
+    )
     return shard
 
 
@@ -47,8 +52,16 @@ def _flushed(shard: Shard) -> None:
 
 
 def _payloads(rounds) -> list:  # noqa: ANN001
-    return [(v, {k: {c: (x.weight, bytes(x.slice.payload), x.scale) for c, x in per.items()} for k, per in contributions.items()})
-            for v, contributions in rounds]  # fmt: skip
+    return [
+        (
+            v,
+            {
+                k: {c: (x.weight, bytes(x.slice.payload), x.scale) for c, x in per.items()}
+                for k, per in contributions.items()
+            },
+        )
+        for v, contributions in rounds
+    ]
 
 
 def test_a_site_further_behind_than_memory_replays_from_disk_also_after_the_shard_restarts(tmp_path):
@@ -97,7 +110,9 @@ def test_kept_for_keep_s_and_within_the_budget_oldest_first_never_the_newest(tmp
     _flushed(shard)
     disk = shard.recent.disk
     kept = sorted(disk.versions())
-    assert kept == list(range(5, 11)), kept  # v saved at 1000 + 20·(v − 1); at the last write (1180) those over 100 s old went
+    assert kept == list(range(5, 11)), (
+        kept
+    )  # v saved at 1000 + 20·(v − 1); at the last write (1180) those over 100 s old went
     size = disk.bytes_on_disk() // len(kept)
     tight = _shard(tmp_path / "tight", budget=3 * size + size // 2)
     _run(tight, range(1, 8))
@@ -123,7 +138,9 @@ def test_a_damaged_file_is_not_served_and_the_site_pulls_in_full(tmp_path):
     # A file replaced by a pickle that would run code when loaded is refused, never run (weights-only loader).
     marker = tmp_path / "ran"
     torch.save({"contributions": _MakesFolder(str(marker))}, tmp_path / "rounds" / "shard-0" / "v5.pt")
-    assert shard.recent.since(4, shard.snapshot) is None and not marker.exists() and 5 not in shard.recent.disk.versions()
+    assert (
+        shard.recent.since(4, shard.snapshot) is None and not marker.exists() and 5 not in shard.recent.disk.versions()
+    )
     _MakesFolder(str(marker)).__reduce__()[0](str(marker))  # the call it holds does make the folder, when run
     assert marker.is_dir()
 
@@ -152,7 +169,11 @@ def test_a_write_the_disk_refuses_ends_the_chain_there(tmp_path, monkeypatch):
     _flushed(shard)
     assert shard.recent.disk.write_failures == 1
     assert sorted(shard.recent.disk.versions()) == [7, 8, 9]  # 1-5 no longer lead up to the newest
-    assert shard.recent.since(5, shard.snapshot) is None and [v for v, _ in shard.recent.since(6, shard.snapshot)] == [7, 8, 9]
+    assert shard.recent.since(5, shard.snapshot) is None and [v for v, _ in shard.recent.since(6, shard.snapshot)] == [
+        7,
+        8,
+        9,
+    ]
 
 
 def test_a_site_stopped_for_20_rounds_resumes_by_delta(shard_set, tmp_path):
@@ -163,12 +184,27 @@ def test_a_site_stopped_for_20_rounds_resumes_by_delta(shard_set, tmp_path):
     shard.recent.keep_on_disk(RoundsOnDisk(tmp_path / "rounds", 0, RUN), None, resumed=False)
     rounds = 26
 
-    flags = ("--cluster", "away", "--rounds", str(rounds), "--inner-steps", "2", "--checkpoint-dir", str(tmp_path / "site"))
+    flags = (
+        "--cluster",
+        "away",
+        "--rounds",
+        str(rounds),
+        "--inner-steps",
+        "2",
+        "--checkpoint-dir",
+        str(tmp_path / "site"),
+    )
     stop_once_at(tiny_worker(shards.addresses, RUN, *flags), shard, 3)
     stopped_at = shard.version
     # Another site goes on alone for 20 rounds: the first waits out the deadline for the stopped site.
-    steady = AggregatorClient(shards.addresses, RUN, "steady", compressor=TensorCompressor(CompressionConfig(), seed=1),
-                              connect_timeout=30, rpc_timeout=60)  # fmt: skip
+    steady = AggregatorClient(
+        shards.addresses,
+        RUN,
+        "steady",
+        compressor=TensorCompressor(CompressionConfig(), seed=1),
+        connect_timeout=30,
+        rpc_timeout=60,
+    )
     try:
         info = steady.join(shard.param_specs, shard.run_config_json)
         for r in range(stopped_at + 1, stopped_at + 21):

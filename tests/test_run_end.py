@@ -25,20 +25,55 @@ def test_final_version_counts_the_rounds_and_the_flush():
 
 
 def test_status_says_finished_and_a_late_site_is_told_the_run_is_over(tmp_path):
-    config = RunConfig(run_id=RUN, rounds=2, eval_batches=1, model=ModelConfig(n_layer=1, n_embd=32, block_size=32),
-                       inner=InnerConfig(steps=3, batch_size=4, warmup_steps=2))  # fmt: skip
+    config = RunConfig(
+        run_id=RUN,
+        rounds=2,
+        eval_batches=1,
+        model=ModelConfig(n_layer=1, n_embd=32, block_size=32),
+        inner=InnerConfig(steps=3, batch_size=4, warmup_steps=2),
+    )
     seen = {}
 
     def after_the_run(addresses: list[str]) -> None:
         cli = [sys.executable, "-m", "dilocox.common.cli"]
-        seen["status"] = subprocess.run([*cli, "status", "--servers", ",".join(addresses), "--insecure"],
-                                        capture_output=True, text=True, timeout=120)  # fmt: skip
+        seen["status"] = subprocess.run(
+            [*cli, "status", "--servers", ",".join(addresses), "--insecure"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         seen["late"] = subprocess.run(
-            [*cli, "worker", "--servers", ",".join(addresses), "--run-id", RUN, "--cluster", "latecomer", "--insecure",
-             "--rounds", "2", "--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4",
-             "--inner-steps", "3", "--eval-batches", "1", "--log-format", "json"],
-            capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
+            [
+                *cli,
+                "worker",
+                "--servers",
+                ",".join(addresses),
+                "--run-id",
+                RUN,
+                "--cluster",
+                "latecomer",
+                "--insecure",
+                "--rounds",
+                "2",
+                "--n-layer",
+                "1",
+                "--n-embd",
+                "32",
+                "--block-size",
+                "32",
+                "--inner-batch-size",
+                "4",
+                "--inner-steps",
+                "3",
+                "--eval-batches",
+                "1",
+                "--log-format",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
 
     result = run_in_process(config, num_clusters=2, num_shards=2, before_stop=after_the_run, timeout_s=300)
     assert all(s.status()["state"] == "finished" and s.status()["final_version"] == 3 for s in result.shards)
@@ -65,14 +100,69 @@ def test_shards_exit_by_themselves_once_every_cluster_holds_the_final_version(tm
 
     cli = [sys.executable, "-m", "dilocox.common.cli"]
     port = _free_port()
-    shard = subprocess.Popen([*cli, "server", "--port", str(port), "--run-id", RUN, "--min-clusters", "2", "--round-deadline-s", "0",
-                              "--checkpoint-dir", str(tmp_path), "--log-format", "json", "--insecure"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    sites = [subprocess.Popen([*cli, "worker", "--servers", f"127.0.0.1:{port}", "--run-id", RUN, "--cluster", f"site-{i}",
-                               "--cluster-index", str(i), "--num-clusters", "2", "--insecure", "--rounds", "2", "--n-layer", "1",
-                               "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4", "--inner-steps", "3",
-                               "--eval-batches", "1", "--threads", "1", "--log-format", "json"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]  # fmt: skip
+    shard = subprocess.Popen(
+        [
+            *cli,
+            "server",
+            "--port",
+            str(port),
+            "--run-id",
+            RUN,
+            "--min-clusters",
+            "2",
+            "--round-deadline-s",
+            "0",
+            "--checkpoint-dir",
+            str(tmp_path),
+            "--log-format",
+            "json",
+            "--insecure",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    sites = [
+        subprocess.Popen(
+            [
+                *cli,
+                "worker",
+                "--servers",
+                f"127.0.0.1:{port}",
+                "--run-id",
+                RUN,
+                "--cluster",
+                f"site-{i}",
+                "--cluster-index",
+                str(i),
+                "--num-clusters",
+                "2",
+                "--insecure",
+                "--rounds",
+                "2",
+                "--n-layer",
+                "1",
+                "--n-embd",
+                "32",
+                "--block-size",
+                "32",
+                "--inner-batch-size",
+                "4",
+                "--inner-steps",
+                "3",
+                "--eval-batches",
+                "1",
+                "--threads",
+                "1",
+                "--log-format",
+                "json",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     try:
         for site in sites:
             _, err = site.communicate(timeout=240)
@@ -114,12 +204,47 @@ def test_late_cluster_new_to_a_run_is_refused_unless_it_asks_to_join_late(shard_
         client.push(0, 1.0, slice_tensors(client.assignment, weights))
         client.push(1, 1.0, slice_tensors(client.assignment, weights))  # round 1 closes: version 1
     assert shards.shards[0].version == 1
-    flags = ["--run-id", RUN, "--insecure", "--rounds", "4", "--n-layer", "1", "--n-embd", "32", "--block-size", "32",
-             "--inner-batch-size", "4", "--eval-batches", "1", "--log-format", "json"]  # fmt: skip
-    late = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--cluster", "late",
-                           *flags], capture_output=True, text=True, timeout=180)  # fmt: skip
+    flags = [
+        "--run-id",
+        RUN,
+        "--insecure",
+        "--rounds",
+        "4",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "32",
+        "--inner-batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--log-format",
+        "json",
+    ]
+    late = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dilocox.common.cli",
+            "worker",
+            "--servers",
+            shards.addresses[0],
+            "--cluster",
+            "late",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert late.returncode == 3, late.stderr[-3000:]
-    assert "is at version 1" in late.stderr and "would train 3 of its 4 rounds" in late.stderr and "--join-late" in late.stderr
+    assert (
+        "is at version 1" in late.stderr
+        and "would train 3 of its 4 rounds" in late.stderr
+        and "--join-late" in late.stderr
+    )
     del shards.shards[0].members["early"]  # as a missed deadline does
     with AggregatorClient(shards.addresses, RUN, "early", shard_wait_s=0) as client:
         assert client.join(specs).rejoin

@@ -14,9 +14,9 @@ import torch
 from dilocox.common.config.run import ModelConfig, RunConfig, as_dict
 from dilocox.common.wire.assignment import model_digest, tokenizer_digest_of
 from dilocox.common.wire.errors import InvalidFrame, RunOver, TokenizerMismatch
-from dilocox.server.state import checkpoint
 from dilocox.server.serving.grpc_server import start_server
 from dilocox.server.shard import Shard
+from dilocox.server.state import checkpoint
 from dilocox.worker.data.corpus import data_part
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 
@@ -34,7 +34,15 @@ def _bpe(vocab: int = 300, text: str = TEXT):
 
 def _shard(rounds: int = 2) -> Shard:
     shard = Shard(0, 1, RUN, outer_lr=0.7, outer_momentum=0.9, min_clusters=1)
-    shard.join(RUN, "site-a", model_digest(PARAMS), PARAMS, json.dumps(as_dict(RunConfig(run_id=RUN, rounds=rounds))), "byte", "")
+    shard.join(
+        RUN,
+        "site-a",
+        model_digest(PARAMS),
+        PARAMS,
+        json.dumps(as_dict(RunConfig(run_id=RUN, rounds=rounds))),
+        "byte",
+        "",
+    )
     return shard
 
 

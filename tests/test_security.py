@@ -28,7 +28,9 @@ def certs(tmp_path_factory):
 @pytest.fixture
 def mtls_shard(certs):
     shard = Shard(0, 1, RUN)
-    server, port = start_server(shard, "127.0.0.1", 0, tls=TlsFiles(certs["server"], certs["server-key"], certs["ca"]), token=TOKEN)
+    server, port = start_server(
+        shard, "127.0.0.1", 0, tls=TlsFiles(certs["server"], certs["server-key"], certs["ca"]), token=TOKEN
+    )
     yield f"127.0.0.1:{port}"
     server.stop(grace=None)
 
@@ -73,7 +75,9 @@ def test_wrong_or_missing_token_is_unauthenticated(mtls_shard, certs, token):
 
 def test_plaintext_needs_an_explicit_insecure_flag():
     for role, extra in (("server", ["--port", "0"]), ("worker", ["--servers", "127.0.0.1:1"])):
-        proc = subprocess.run([sys.executable, "-m", "dilocox.common.cli", role, *extra], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dilocox.common.cli", role, *extra], capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode != 0
         assert "no transport security configured" in proc.stderr and "--insecure" in proc.stderr
 
@@ -81,9 +85,26 @@ def test_plaintext_needs_an_explicit_insecure_flag():
 def test_sim_runs_end_to_end_with_tls(tmp_path):
     summary = tmp_path / "summary.json"
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "sim", "--tls", "--rounds", "2", "--inner-steps", "5", "--n-layer", "1",
-        "--n-embd", "32", "--inner-batch-size", "8", "--log-dir", str(tmp_path / "logs"), "--summary-json", str(summary),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "sim",
+        "--tls",
+        "--rounds",
+        "2",
+        "--inner-steps",
+        "5",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--inner-batch-size",
+        "8",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--summary-json",
+        str(summary),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:]
     result = json.loads(summary.read_text())
@@ -102,26 +123,42 @@ def test_certs_keeps_the_ca_key_and_issues_one_more_host_from_it(tmp_path):
     """`dilocox certs` keeps ca-key.pem (0600, with a warning naming it); `--ca` issues a certificate for
     a new host from that CA, valid `--days`; a shard serving it is reachable by that name with the old ca.pem."""
     cli = [sys.executable, "-m", "dilocox.common.cli", "certs"]
-    made = subprocess.run([*cli, "--out", str(tmp_path / "run"), "--hosts", "127.0.0.1", "--days", "90"], capture_output=True, text=True, timeout=60)
+    made = subprocess.run(
+        [*cli, "--out", str(tmp_path / "run"), "--hosts", "127.0.0.1", "--days", "90"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert made.returncode == 0, made.stderr
     ca_key = tmp_path / "run" / "ca-key.pem"
     assert ca_key.is_file() and ca_key.stat().st_mode & 0o777 == 0o600
     assert f"WARNING: {ca_key} is the CA's private key" in made.stderr
     server = _cert(tmp_path / "run" / "server.pem")
     assert 89 <= (server.not_valid_after_utc - server.not_valid_before_utc).days <= 91
-    added = subprocess.run([*cli, "--out", str(tmp_path / "new"), "--ca", str(tmp_path / "run"), "--hosts", "localhost"],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    added = subprocess.run(
+        [*cli, "--out", str(tmp_path / "new"), "--ca", str(tmp_path / "run"), "--hosts", "localhost"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert added.returncode == 0, added.stderr
     new_cert = tmp_path / "new" / "server-localhost.pem"
     assert _cert(new_cert).issuer == _cert(tmp_path / "run" / "ca.pem").subject
     shard = Shard(0, 1, RUN)
-    srv, port = start_server(shard, "127.0.0.1", 0, tls=TlsFiles(new_cert, tmp_path / "new" / "server-localhost-key.pem", tmp_path / "run" / "ca.pem"))
+    srv, port = start_server(
+        shard,
+        "127.0.0.1",
+        0,
+        tls=TlsFiles(new_cert, tmp_path / "new" / "server-localhost-key.pem", tmp_path / "run" / "ca.pem"),
+    )
     try:
         run = tmp_path / "run"
         join(f"localhost:{port}", TlsFiles(run / "client.pem", run / "client-key.pem", run / "ca.pem"), None)
     finally:
         srv.stop(grace=None)
-    missing = subprocess.run([*cli, "--out", str(tmp_path / "x"), "--ca", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        [*cli, "--out", str(tmp_path / "x"), "--ca", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60
+    )
     assert missing.returncode == 1 and "holds no CA" in missing.stderr
 
 
@@ -133,14 +170,36 @@ def test_a_host_name_mismatch_is_reported_as_such(tmp_path):
     server, port = start_server(shard, "127.0.0.1", 0, tls=TlsFiles(certs["server"], certs["server-key"], certs["ca"]))
     try:
         with pytest.raises(AggregatorError) as refused:
-            with AggregatorClient([f"127.0.0.1:{port}"], RUN, "c", tls=TlsFiles(certs["client"], certs["client-key"], certs["ca"]),
-                                  connect_timeout=3, shard_wait_s=60) as client:  # fmt: skip
+            with AggregatorClient(
+                [f"127.0.0.1:{port}"],
+                RUN,
+                "c",
+                tls=TlsFiles(certs["client"], certs["client-key"], certs["ca"]),
+                connect_timeout=3,
+                shard_wait_s=60,
+            ) as client:
                 client.join(PARAMS)
         text = refused.value.details
         assert "TLS host-name mismatch" in text and "not valid for '127.0.0.1'" in text and "shard.example.org" in text
-        status = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "status", "--servers", f"127.0.0.1:{port}",
-                                 "--tls-ca", str(certs["ca"]), "--tls-cert", str(certs["client"]), "--tls-key", str(certs["client-key"])],
-                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        status = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dilocox.common.cli",
+                "status",
+                "--servers",
+                f"127.0.0.1:{port}",
+                "--tls-ca",
+                str(certs["ca"]),
+                "--tls-cert",
+                str(certs["client"]),
+                "--tls-key",
+                str(certs["client-key"]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert status.returncode == 1 and "TLS host-name mismatch" in status.stdout + status.stderr
     finally:
         server.stop(grace=None)

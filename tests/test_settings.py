@@ -48,7 +48,9 @@ def test_precedence_flag_over_env_over_file_over_default(run_toml):
     assert parse(["server", "--insecure"]).port == 50051  # default
     assert parse(["server", "--config", run_toml]).port == 7002  # file: [server] beats the top level
     assert parse(["server", "--config", run_toml], {"DILOCOX_PORT": "7003"}).port == 7003  # env beats file
-    assert parse(["server", "--config", run_toml, "--port", "7004"], {"DILOCOX_PORT": "7003"}).port == 7004  # flag beats all
+    assert (
+        parse(["server", "--config", run_toml, "--port", "7004"], {"DILOCOX_PORT": "7003"}).port == 7004
+    )  # flag beats all
 
     def steps(argv, environ=None):
         return config_from_args(parse(["worker", *argv], environ)).inner.steps
@@ -71,9 +73,15 @@ def test_shared_file_gives_each_command_its_keys(run_toml):
 
 def test_environment_alone_configures_a_command():
     """What docker-compose does: no file, no flags beyond the command, everything from `environment:`."""
-    environ = {"DILOCOX_SERVERS": "shard-0:50051,shard-1:50051", "DILOCOX_RUN_ID": "compose", "DILOCOX_INSECURE": "1",
-               "DILOCOX_N_LAYER": "4", "DILOCOX_INNER_ADAPTIVE_STEPS": "yes", "DILOCOX_METRICS_PORT": "9100",
-               "DILOCOX_IMAGE": "ignored: no such flag"}  # fmt: skip
+    environ = {
+        "DILOCOX_SERVERS": "shard-0:50051,shard-1:50051",
+        "DILOCOX_RUN_ID": "compose",
+        "DILOCOX_INSECURE": "1",
+        "DILOCOX_N_LAYER": "4",
+        "DILOCOX_INNER_ADAPTIVE_STEPS": "yes",
+        "DILOCOX_METRICS_PORT": "9100",
+        "DILOCOX_IMAGE": "ignored: no such flag",
+    }
     args = parse(["worker"], environ)
     assert (args.servers, args.insecure, args.metrics_port) == ("shard-0:50051,shard-1:50051", True, 9100)
     config = config_from_args(args)
@@ -89,7 +97,10 @@ def test_config_file_named_by_environment(run_toml):
     "text, message",
     [
         ("inner_stpes = 3\n", "unknown key 'inner_stpes': no dilocox command has a flag --inner-stpes"),
-        ("[worker]\nnum_shards = 3\n", "[worker] has unknown key 'num_shards': dilocox worker has no flag --num-shards"),
+        (
+            "[worker]\nnum_shards = 3\n",
+            "[worker] has unknown key 'num_shards': dilocox worker has no flag --num-shards",
+        ),
         ("[inner]\nstpes = 3\n", "unknown key 'inner_stpes'"),
         ("[frobnicate]\nx = 1\n", "unknown table [frobnicate]"),
         ("rounds = 'many'\n", "key 'rounds': --rounds: invalid value 'many'"),
@@ -121,8 +132,15 @@ def test_a_mistyped_environment_variable_is_an_error_naming_the_right_one(capsys
     err = capsys.readouterr().err
     assert "environment variable DILOCOX_INER_STEPS: no dilocox command has a flag --iner-steps" in err
     assert "did you mean DILOCOX_INNER_STEPS?" in err
-    shared = {"DILOCOX_SERVERS": "a:1", "DILOCOX_CACHE_DIR": "/tmp/c", "DILOCOX_IMAGE": "dilocox:cpu", "DILOCOX_ROUND_DEADLINE_S": "60"}
-    assert parse(["server", "--insecure"], shared).round_deadline_s == 60  # the worker's --servers is not the server's: ignored
+    shared = {
+        "DILOCOX_SERVERS": "a:1",
+        "DILOCOX_CACHE_DIR": "/tmp/c",
+        "DILOCOX_IMAGE": "dilocox:cpu",
+        "DILOCOX_ROUND_DEADLINE_S": "60",
+    }
+    assert (
+        parse(["server", "--insecure"], shared).round_deadline_s == 60
+    )  # the worker's --servers is not the server's: ignored
 
 
 def test_config_show_prints_toml_that_reads_back(tmp_path, capsys, run_toml):
@@ -130,7 +148,9 @@ def test_config_show_prints_toml_that_reads_back(tmp_path, capsys, run_toml):
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     shown = from_dict(tomllib.loads(text))
-    expected = config_from_args(parse(["worker", "--config", run_toml, "--rounds", "7", "--compress-codec", "int8", "--dropout", "0.125"]))
+    expected = config_from_args(
+        parse(["worker", "--config", run_toml, "--rounds", "7", "--compress-codec", "int8", "--dropout", "0.125"])
+    )
     assert shown == expected and shown != RunConfig()
     assert (shown.rounds, shown.run_id, shown.model.n_layer, shown.compress.codec) == (7, "from-file", 3, "int8")
     again = tmp_path / "shown.toml"
@@ -143,13 +163,21 @@ def test_config_show_for_a_command_applies_its_own_table_and_environment(tmp_pat
     """`config show --command worker` prints what `dilocox worker` would run with: the [worker] table's
     pp = 2 wins over the top level's (it printed pp = 1 before), env beats the file, the token is hidden."""
     path = tmp_path / "run.toml"
-    path.write_text('run_id = "shared"\npp = 1\n[inner]\nsteps = 7\n[worker]\npp = 2\nservers = "a:1,b:2"\n[server]\nnum-shards = 3\n')
+    path.write_text(
+        'run_id = "shared"\npp = 1\n[inner]\nsteps = 7\n[worker]\npp = 2\nservers = "a:1,b:2"\n[server]\nnum-shards = '
+        "3\n"
+    )
     monkeypatch.setenv("DILOCOX_ROUNDS", "9")
     monkeypatch.setenv("DILOCOX_TOKEN", "s3cret")
     assert cli.main(["config", "show", "--command", "worker", "--config", str(path)]) == 0
     text = capsys.readouterr().out
     shown = tomllib.loads(text)
-    assert shown["parallel"]["pp"] == 2 and shown["rounds"] == 9 and shown["inner"]["steps"] == 7 and shown["run_id"] == "shared"
+    assert (
+        shown["parallel"]["pp"] == 2
+        and shown["rounds"] == 9
+        and shown["inner"]["steps"] == 7
+        and shown["run_id"] == "shared"
+    )
     assert shown["worker"]["servers"] == "a:1,b:2" and "s3cret" not in text and "# token: set (not printed)" in text
     assert cli.main(["config", "show", "--command", "server", "--config", str(path)]) == 0
     server = tomllib.loads(capsys.readouterr().out)
@@ -161,7 +189,12 @@ def test_config_show_leaves_out_the_gpt_shape_for_a_hugging_face_model(capsys):
     assert cli.main(["config", "show", "--model", "llama-tiny", "--n-layer", "9"]) == 0
     text = capsys.readouterr().out
     model = tomllib.loads(text)["model"]
-    assert model["model"] == "llama-tiny" and "block_size" in model and "n_layer" not in model and "vocab_size" not in model
+    assert (
+        model["model"] == "llama-tiny"
+        and "block_size" in model
+        and "n_layer" not in model
+        and "vocab_size" not in model
+    )
     assert from_dict(tomllib.loads(text)).model.model == "llama-tiny"  # still a --config file
     assert cli.main(["config", "show", "--model", "gpt", "--n-layer", "9"]) == 0
     assert tomllib.loads(capsys.readouterr().out)["model"]["n_layer"] == 9

@@ -18,8 +18,8 @@ from dilocox.common.wire.errors import (
     UnknownSlice,
     WrongRun,
 )
-from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.framing import EncodedSlice
+from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.server.shard import Shard
 
 PARAMS = [("emb", (12, 5)), ("w", (7, 3)), ("b", (7,)), ("scale", ())]
@@ -44,7 +44,11 @@ def snapshot_state(shard: Shard):
     tensors = {k: v.clone() for k, v in snap.tensors.items()} if snap else None
     momentum = {k: v.clone() for k, v in shard.optimizer.buffers.items()}
     acc = shard.accumulator
-    acc_sums = {f"{k}/{c}": v.slice.decode().clone() for k, per in acc.contributions.items() for c, v in per.items()} if acc else None
+    acc_sums = (
+        {f"{k}/{c}": v.slice.decode().clone() for k, per in acc.contributions.items() for c, v in per.items()}
+        if acc
+        else None
+    )
     return shard.version, tensors, momentum, acc_sums, dict(shard.members)
 
 
@@ -222,12 +226,16 @@ def test_deadline_closes_the_round_with_complete_clusters_and_drops_the_rest():
     assert not shard.tick(now=started + 4.9) and shard.version == 0  # before the deadline: keep waiting
     assert shard.tick(now=started + 5.0) and shard.version == 1
     assert shard.status()["clusters"] == ["a", "b"]
-    assert shard.dropped_bytes == len(EncodedSlice.exact(*slices_for(shard, dc)[0]).payload)  # c's partial push, counted
+    assert shard.dropped_bytes == len(
+        EncodedSlice.exact(*slices_for(shard, dc)[0]).payload
+    )  # c's partial push, counted
 
     reference = OuterNesterov(0.7, 0.9)
     for key, s in shard.owned.items():
         grad = (10.0 * s.view(da[s.name]) + 30.0 * s.view(db[s.name])) / 40.0
-        torch.testing.assert_close(shard.snapshot.tensors[key], reference.step(key, theta0[key], grad), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            shard.snapshot.tensors[key], reference.step(key, theta0[key], grad), rtol=1e-6, atol=1e-7
+        )
 
     with pytest.raises(NotJoined):  # c's late push is refused, never mixed into round 2
         shard.check_push(RUN, "c", 1, 20.0)

@@ -50,7 +50,9 @@ def test_a_shard_that_went_away_is_waited_for(code):
     assert len(calls) == 3 and len(reconnected) == 2
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL])
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL]
+)
 def test_other_failures_are_raised_at_once(code):
     fn, calls = _failing(code)
     with pytest.raises(AggregatorError) as raised:
@@ -73,8 +75,12 @@ def test_a_first_contact_with_a_mistyped_host_says_so_while_it_waits():
     from dilocox.worker.exchange.aggregator_client import AggregatorClient
     from dilocox.worker.exchange.shard_wait import FIRST_CONTACT_SAY_EVERY_S
 
-    with capture_logs() as logs, AggregatorClient(["nosuchhost.invalid:50051"], "run", "c", connect_timeout=FIRST_CONTACT_SAY_EVERY_S + 3,
-                                                  shard_wait_s=0) as client:  # fmt: skip
+    with (
+        capture_logs() as logs,
+        AggregatorClient(
+            ["nosuchhost.invalid:50051"], "run", "c", connect_timeout=FIRST_CONTACT_SAY_EVERY_S + 3, shard_wait_s=0
+        ) as client,
+    ):
         with pytest.raises(AggregatorError):
             client.join([("w", (2, 2))])
     said = [e for e in logs if e["event"] == "shard_not_reached_yet"]

@@ -12,20 +12,36 @@ from torch import nn
 
 from dilocox.common.config.run import ModelConfig, ParallelConfig, RunConfig
 from dilocox.worker.models.build import build_model
-from dilocox.worker.models.materialize import MaterializeError, initial_values, materialize, meta_skeleton, parameters_on_meta, unit_seed
+from dilocox.worker.models.materialize import (
+    MaterializeError,
+    initial_values,
+    materialize,
+    meta_skeleton,
+    parameters_on_meta,
+    unit_seed,
+)
 from tests.ports import free_port
 
 VOCAB = 300
 
 
 def config(model: str, pp: int, dp: int, replicate: int = 1) -> RunConfig:
-    return RunConfig(seed=7, model=ModelConfig(model=model, block_size=16),
-                     parallel=ParallelConfig(pp=pp, dp=dp, dp_replicate=replicate, microbatches=2, device="cpu"))  # fmt: skip
+    return RunConfig(
+        seed=7,
+        model=ModelConfig(model=model, block_size=16),
+        parallel=ParallelConfig(pp=pp, dp=dp, dp_replicate=replicate, microbatches=2, device="cpu"),
+    )
 
 
 def _rank(rank: int, world: int, port: int, model: str, layout: tuple[int, int, int], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
 
@@ -43,7 +59,10 @@ def _rank(rank: int, world: int, port: int, model: str, layout: tuple[int, int, 
             full_elements += p.numel()
             whole[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         buffers = {n: b.clone() for n, b in module.named_buffers()}
-        torch.save({"whole": whole, "local": local_elements, "full": full_elements, "buffers": buffers}, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(
+            {"whole": whole, "local": local_elements, "full": full_elements, "buffers": buffers},
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
     finally:
         mesh.close()
 
@@ -51,7 +70,9 @@ def _rank(rank: int, world: int, port: int, model: str, layout: tuple[int, int, 
 LAYOUTS = [("llama-tiny", (2, 2, 1)), ("gpt", (1, 2, 2)), ("gpt", (2, 2, 1)), ("llama-tiny", (1, 2, 1))]
 
 
-@pytest.mark.parametrize("model,layout", LAYOUTS, ids=["llama-pp2-fsdp2", "gpt-hsdp2x2", "gpt-pp2-fsdp2", "llama-fsdp2"])
+@pytest.mark.parametrize(
+    "model,layout", LAYOUTS, ids=["llama-pp2-fsdp2", "gpt-hsdp2x2", "gpt-pp2-fsdp2", "llama-fsdp2"]
+)
 def test_every_layout_starts_from_the_single_process_bits(model, layout, tmp_path):
     """Each rank materialises only its rows, and the gathered stages equal `build_model` bit for bit;
     buffers (rotary frequencies) too."""

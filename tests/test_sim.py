@@ -10,16 +10,25 @@ import sys
 
 import pytest
 
-
 SMALL = ["--rounds", "4", "--inner-steps", "15", "--n-layer", "1", "--n-embd", "64", "--inner-batch-size", "8"]
 
 
 def run_sim(tmp_path, *flags: str):
     summary_path = tmp_path / "summary.json"
     cmd = [
-        sys.executable, "-m", "dilocox.common.cli", "sim", *SMALL, "--log-dir", str(tmp_path / "logs"),
-        "--summary-json", str(summary_path), "--timeout", "240", *flags,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "sim",
+        *SMALL,
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--summary-json",
+        str(summary_path),
+        "--timeout",
+        "240",
+        *flags,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(summary_path.read_text())
@@ -92,13 +101,18 @@ def test_sim_writes_tensorboard_scalars_one_point_per_round(sim_of):
     fields = {f.name for f in dataclasses.fields(RoundReport)}
     for cluster in ("cluster-0", "cluster-1"):
         done = _round_reports(summary, cluster)
-        expected = [round_scalars(RoundReport(**{k: v for k, v in e.items() if k in fields}), e["inner_steps"]) for e in done]
+        expected = [
+            round_scalars(RoundReport(**{k: v for k, v in e.items() if k in fields}), e["inner_steps"]) for e in done
+        ]
         events = event_accumulator.EventAccumulator(str(logdir / cluster), size_guidance={"scalars": 0})
         events.Reload()
         assert sorted(events.Tags()["scalars"]) == sorted(expected[0]) and len(expected[0]) == 15
         for tag in expected[0]:
             assert [e.step for e in events.Scalars(tag)] == [1, 2, 3, 4], (cluster, tag)
-            assert [e.value for e in events.Scalars(tag)] == pytest.approx([x[tag] for x in expected], rel=1e-6), (cluster, tag)
+            assert [e.value for e in events.Scalars(tag)] == pytest.approx([x[tag] for x in expected], rel=1e-6), (
+                cluster,
+                tag,
+            )
         assert all(0 < e.value <= 8 for e in events.Scalars("exchange/rank"))  # the default low-rank codec, rank_max 8
 
 
@@ -114,7 +128,11 @@ def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
     assert site["ok"] and site["tokens"] == single["tokens"]
     assert abs(site["final_eval_loss"] - single["final_eval_loss"]) < 0.05 * single["final_eval_loss"], (single, site)
     assert site["replay_mismatches"] == 0
-    events = [json.loads(line) for line in (tmp_path / "pp2dp2" / "logs" / "cluster-0.log").read_text().splitlines() if line.startswith("{")]
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "pp2dp2" / "logs" / "cluster-0.log").read_text().splitlines()
+        if line.startswith("{")
+    ]
     assert {e["rank"] for e in events if e["event"] == "cluster_done"} == {0, 1, 2, 3}
     # Every rank pushes only the parameters it owns — together the whole model, once — and holds its
     # FSDP shard of its stage: half of a stage (the stages are uneven with one block).
@@ -123,7 +141,9 @@ def test_sim_pipeline_parallel_clusters_converge_like_single_process(tmp_path):
     owned = [n for e in shares.values() for n in e["names"]]
     assert sorted(shares) == [0, 1, 2, 3] and len(owned) == len(set(owned))
     assert all(e["params_held"] < 0.5 * model and e["params_owned"] < 0.5 * model for e in shares.values())
-    assert sum(e["params_held"] for e in shares.values()) <= model + 4 * 256  # sharded, not replicated (+ rounding rows)
+    assert (
+        sum(e["params_held"] for e in shares.values()) <= model + 4 * 256
+    )  # sharded, not replicated (+ rounding rows)
     assert {e["rank"] for e in events if e["event"] == "exchange_memory"} == {0, 1, 2, 3}
     if site["tensorboard_dir"]:  # the site's rank 0 alone tracks the run: one event file for its four ranks
         assert len(list(pathlib.Path(site["tensorboard_dir"], "cluster-0").glob("events.out.tfevents.*"))) == 1
@@ -135,7 +155,11 @@ def test_a_site_merges_the_update_mid_round_on_every_rank_at_the_same_step(tmp_p
     and the run converges."""
     _, site = run_sim(tmp_path / "pp2", "--clusters", "1", "--pp", "2", "--microbatches", "4", "--rounds", "3")
     assert site["ok"] and site["replay_mismatches"] == 0
-    events = [json.loads(line) for line in (tmp_path / "pp2" / "logs" / "cluster-0.log").read_text().splitlines() if line.startswith("{")]
+    events = [
+        json.loads(line)
+        for line in (tmp_path / "pp2" / "logs" / "cluster-0.log").read_text().splitlines()
+        if line.startswith("{")
+    ]
     merged: dict[int, set[int]] = {}
     for e in events:
         if e["event"] == "round_done":
@@ -162,8 +186,23 @@ def test_sim_compressed_converges_like_uncompressed_synchronous(sim_of):
 def test_sim_says_why_a_cluster_failed(tmp_path):
     """A failed cluster is reported with its exit code, its own last error and its log."""
     summary_path = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "dilocox.common.cli", "sim", *SMALL, "--model", "no-such-model", "--clusters", "1",
-           "--log-dir", str(tmp_path / "logs"), "--summary-json", str(summary_path), "--timeout", "120"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "sim",
+        *SMALL,
+        "--model",
+        "no-such-model",
+        "--clusters",
+        "1",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--summary-json",
+        str(summary_path),
+        "--timeout",
+        "120",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1
     failed = json.loads(summary_path.read_text())["failed_clusters"]["cluster-0"]

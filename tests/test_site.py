@@ -25,9 +25,14 @@ BLOCK = 16
 
 
 def config(pp: int, dp: int, replicate: int = 1, accum: int = 1, clip: float = 1.0, reshard: str = "auto") -> RunConfig:
-    return RunConfig(rounds=1, model=ModelConfig(model="llama-tiny", block_size=BLOCK),
-                     inner=InnerConfig(steps=STEPS, batch_size=BATCH, warmup_steps=1, grad_accum=accum, grad_clip=clip),
-                     parallel=ParallelConfig(pp=pp, dp=dp, dp_replicate=replicate, microbatches=2, device="cpu", pipeline_reshard=reshard))  # fmt: skip
+    return RunConfig(
+        rounds=1,
+        model=ModelConfig(model="llama-tiny", block_size=BLOCK),
+        inner=InnerConfig(steps=STEPS, batch_size=BATCH, warmup_steps=1, grad_accum=accum, grad_clip=clip),
+        parallel=ParallelConfig(
+            pp=pp, dp=dp, dp_replicate=replicate, microbatches=2, device="cpu", pipeline_reshard=reshard
+        ),
+    )
 
 
 def data() -> TokenData:
@@ -74,8 +79,14 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None:
     """One rank: train on fixed batches (its replica's part of each global batch), record gradients of
     the first step, losses and weights; reshard round trip; checkpoint, restore, compare."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     from dilocox.worker.checkpoint import SiteCheckpoint
     from dilocox.worker.models.build import model_param_specs
@@ -91,9 +102,14 @@ def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None
         for accum in (1, 2) if pp > 1 else (1,):
             cfg = config(pp, dp, replicate, accum=accum, reshard=reshard)
             trainer = SiteTrainer(cfg, data(), mesh)
-            first_grads, losses = train_recording(trainer, mesh.replica, global_batches(STEPS * accum, BATCH * dp), STEPS)
-            result[f"accum{accum}"] = {"grads": first_grads, "losses": losses,
-                                       "weights": {n: _full(p) for n, p in trainer.named_parameters()}}  # fmt: skip
+            first_grads, losses = train_recording(
+                trainer, mesh.replica, global_batches(STEPS * accum, BATCH * dp), STEPS
+            )
+            result[f"accum{accum}"] = {
+                "grads": first_grads,
+                "losses": losses,
+                "weights": {n: _full(p) for n, p in trainer.named_parameters()},
+            }
         result["eval"] = trainer.evaluate()
 
         # The exchange's view: each parameter read whole by its owner, written back from it.
@@ -115,7 +131,9 @@ def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None
         for s in assign_slices(specs, 2):
             if s.name in access.names:
                 compressor.compress(s.key, torch.randn(s.slice_shape, generator=g))
-        checkpoint = SiteCheckpoint(os.path.join(out_dir, "ckpt"), "c", rank=mesh.rank, replica=mesh.replica, group=mesh.checkpoint_group)
+        checkpoint = SiteCheckpoint(
+            os.path.join(out_dir, "ckpt"), "c", rank=mesh.rank, replica=mesh.replica, group=mesh.checkpoint_group
+        )
         checkpoint.capture(1, first, compressor, access.names)
         result["staged_bytes"] = checkpoint.staged_bytes
         checkpoint.commit(1)
@@ -123,7 +141,9 @@ def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None
         restored = TensorCompressor(CompressionConfig(), seed=1)
         assert checkpoint.restore(second, restored, access.names) == 1
         local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        same = all(torch.equal(local(a), local(b)) for a, b in zip(first.module.parameters(), second.module.parameters()))
+        same = all(
+            torch.equal(local(a), local(b)) for a, b in zip(first.module.parameters(), second.module.parameters())
+        )
         opt_a, opt_b = first.optimizer.state_dict()["state"], second.optimizer.state_dict()["state"]
         same &= all(torch.equal(local(opt_a[k][f]), local(opt_b[k][f])) for k in opt_a for f in opt_a[k])
         groups = lambda opt: [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]  # noqa: E731
@@ -141,7 +161,9 @@ def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None
         mesh.close()
 
 
-def train_recording(trainer, replica: int, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> tuple[dict, list[float]]:  # noqa: ANN001
+def train_recording(
+    trainer, replica: int, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int
+) -> tuple[dict, list[float]]:  # noqa: ANN001
     """Train `steps` inner steps on this replica's part of each global batch; returns the first step's
     gradients (whole, as one process holds them) and every step's loss."""
     part = slice(replica * BATCH, (replica + 1) * BATCH)
@@ -170,8 +192,12 @@ def reference(accum: int, dp: int) -> dict:
     trainer = InnerTrainer(cfg, data())
     trainer.sampler = FixedBatches(batches)  # it draws `accum` of them per step
     losses = [trainer.train_steps(1)[0] for _ in range(STEPS)]
-    return {"grads": grads, "losses": losses, "weights": {n: p.detach().clone() for n, p in trainer.named_parameters()},
-            "eval": trainer.evaluate()}  # fmt: skip
+    return {
+        "grads": grads,
+        "losses": losses,
+        "weights": {n: p.detach().clone() for n, p in trainer.named_parameters()},
+        "eval": trainer.evaluate(),
+    }
 
 
 def close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], overall: float, per_tensor: float) -> None:
@@ -192,13 +218,17 @@ def merged_ranks(parts: list[dict], key: str, sub: str | None = None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout", [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 1, "microbatch")],
-                         ids=["fsdp-dp2", "pp2-fsdp-dp2", "replicate-dp2", "pp2-fsdp-dp2-reshard-per-microbatch"])  # fmt: skip
+@pytest.mark.parametrize(
+    "layout",
+    [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 1, "microbatch")],
+    ids=["fsdp-dp2", "pp2-fsdp-dp2", "replicate-dp2", "pp2-fsdp-dp2-reshard-per-microbatch"],
+)
 def test_site_trains_like_one_process_on_the_same_global_batch(layout, tmp_path):
     """FSDP2 dp=2, pp=2 × dp=2 and plain replication train as one process on the same global batch, to
     fp32 tolerance: the first step's gradients to 1e-6 relative (measured ~2e-7: only the order of the
     sums differs), the losses of the first 2 steps to 1e-5 relative (measured ≤ 4e-7) and the third to
-    2e-3 (measured ≤ 7e-4). The weights agree to 1e-2 after 3 steps (measured ~3e-3): AdamW's first steps move every element by about ±lr whatever its gradient's size,
+    2e-3 (measured ≤ 7e-4). The weights agree to 1e-2 after 3 steps (measured ~3e-3): AdamW's first steps move every
+    element by about ±lr whatever its gradient's size,
     so where a gradient is rounding noise around zero the two runs step apart, and that grows — the
     same happens between one process and itself with a different micro-batching. With pp=2, gradient
     accumulation over 2 batches gives the gradient of the doubled batch."""
@@ -276,7 +306,9 @@ class _GPUs:
 
 
 def test_layouts_that_cannot_run_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="schedule 1f1b needs at least as many microbatches as stages: --pp 8 with --microbatches 4"):
+    with pytest.raises(
+        ValueError, match="schedule 1f1b needs at least as many microbatches as stages: --pp 8 with --microbatches 4"
+    ):
         ParallelConfig(pp=8, dp=1)  # the default 4 micro-batches
     ParallelConfig(pp=8, microbatches=8)
     ParallelConfig(pp=8, schedule="gpipe")  # GPipe runs with fewer micro-batches than stages
@@ -292,7 +324,9 @@ def test_device_assignment_under_torchrun(monkeypatch):
     _GPUs(monkeypatch, count=2, capability=(9, 0))
     compute = resolve_compute(ParallelConfig(dp=2, device="cuda"), local_rank=1, local_world_size=2)
     assert compute.device == torch.device("cuda", 1) and compute.bf16  # its LOCAL_RANK's GPU; auto → bf16 natively
-    with pytest.raises(DeviceError, match=r"this node runs 4 ranks of the site but has 2 GPU\(s\); two ranks cannot share one GPU"):
+    with pytest.raises(
+        DeviceError, match=r"this node runs 4 ranks of the site but has 2 GPU\(s\); two ranks cannot share one GPU"
+    ):
         resolve_compute(ParallelConfig(dp=4, device="cuda"), local_rank=0, local_world_size=4)
     with pytest.raises(DeviceError, match=r"--device cuda:0 would put all 2 ranks on this node on one GPU"):
         resolve_compute(ParallelConfig(device="cuda:0"), local_rank=0, local_world_size=2)

@@ -39,8 +39,9 @@ class GlooAgreement:
 
 
 def _rank(rank: int) -> tuple:
-    site = types.SimpleNamespace(access=GlooAgreement(), final_version=5,
-                                 client=types.SimpleNamespace(cluster="c", traffic=Traffic()))  # fmt: skip
+    site = types.SimpleNamespace(
+        access=GlooAgreement(), final_version=5, client=types.SimpleNamespace(cluster="c", traffic=Traffic())
+    )
     # Rank 1's shard published the final version 5; rank 0's still answers 4.
     over = DilocoCluster._run_over_without(site, 5, 1000, 5 if rank == 1 else 4)
     not_over = DilocoCluster._run_over_without(site, 4, 1000, 3 if rank == 1 else 4)
@@ -74,8 +75,10 @@ def _without_mesh(rank: int) -> str:
 def test_a_multi_process_job_without_a_mesh_is_refused_by_name(monkeypatch):
     """DDP (and accelerate, FSDP1, ZeRO) ranks would each join as the same site."""
     results = on_gloo_ranks(_without_mesh, 2)
-    assert all("one of 2 (torch.distributed is initialised) but no mesh was given" in why and "SiteMesh" in why
-               for why in results), results  # fmt: skip
+    assert all(
+        "one of 2 (torch.distributed is initialised) but no mesh was given" in why and "SiteMesh" in why
+        for why in results
+    ), results
     from dilocox import DiLoCoX
 
     monkeypatch.setenv("WORLD_SIZE", "4")  # launched by torchrun or accelerate, no process group yet
@@ -88,8 +91,8 @@ def test_the_sites_collective_timeout_outlasts_the_longest_legitimate_exchange_w
     that is down; its peers wait for it in the next agreement (gloo, on the host) with this timeout. It was
     --shard-wait-s + 600 = 2,400 s by default, shorter than the pull wait alone. One call's own limit in
     flight at the exchange's end counts too (tests/test_shard_wait.py: no wait goes past that end)."""
-    from dilocox.worker.exchange.communicator import Communicator
     from dilocox.common.config.waits import PULL_WAIT_S, RPC_TIMEOUT_S, collective_timeout_for
+    from dilocox.worker.exchange.communicator import Communicator
 
     assert collective_timeout_for(1800) == 6600 > PULL_WAIT_S + 1800 + RPC_TIMEOUT_S > 2400
     assert all(collective_timeout_for(w) > PULL_WAIT_S + w for w in (0, 60, 1800, 7200))
@@ -119,13 +122,21 @@ def test_shard_settings_that_break_the_order_of_the_waits_are_refused_by_name(tm
     assert "--round-deadline-s 7200" in contradictions(7200.0)[0] and f"{PULL_WAIT_S:g}" in contradictions(7200.0)[0]
     assert "--grace-s 90" in contradictions(60.0, 90.0)[0]
     cli = [sys.executable, "-m", "dilocox.common.cli"]
-    server = subprocess.run([*cli, "server", "--insecure", "--port", "0", "--round-deadline-s", "7200"], capture_output=True,
-                            text=True, timeout=60)  # fmt: skip
+    server = subprocess.run(
+        [*cli, "server", "--insecure", "--port", "0", "--round-deadline-s", "7200"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert server.returncode != 0 and "--round-deadline-s 7200 is longer" in server.stderr
     config = tmp_path / "run.toml"
     config.write_text("[server]\nround-deadline-s = 60\ngrace-s = 90\n")
-    shown = subprocess.run([*cli, "config", "show", "--command", "server", "--config", str(config)], capture_output=True,
-                           text=True, timeout=60)  # fmt: skip
+    shown = subprocess.run(
+        [*cli, "config", "show", "--command", "server", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert shown.returncode == 1 and "--grace-s 90 is not shorter than --round-deadline-s 60" in shown.stderr
 
 

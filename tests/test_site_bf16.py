@@ -18,21 +18,30 @@ from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, 
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import lm_loss, logits_of
 from dilocox.worker.train.inner_trainer import InnerTrainer
-from tests.test_site import BATCH, BLOCK, FixedBatches, data, global_batches, train_recording
 from tests.ports import free_port
+from tests.test_site import BATCH, BLOCK, FixedBatches, data, global_batches, train_recording
 
 STEPS = 2
 
 
 def bf16_config(model: str, pp: int, dp: int) -> RunConfig:
-    return RunConfig(rounds=1, model=ModelConfig(model=model, block_size=BLOCK),
-                     inner=InnerConfig(steps=STEPS, batch_size=BATCH, warmup_steps=1, grad_clip=1.0),
-                     parallel=ParallelConfig(pp=pp, dp=dp, microbatches=2, device="cpu", precision="bf16"))  # fmt: skip
+    return RunConfig(
+        rounds=1,
+        model=ModelConfig(model=model, block_size=BLOCK),
+        inner=InnerConfig(steps=STEPS, batch_size=BATCH, warmup_steps=1, grad_clip=1.0),
+        parallel=ParallelConfig(pp=pp, dp=dp, microbatches=2, device="cpu", precision="bf16"),
+    )
 
 
 def _rank(rank: int, world: int, port: int, model: str, pp: int, dp: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     from dilocox.worker.site.mesh import SiteMesh
     from dilocox.worker.site.trainer import SiteTrainer
@@ -44,8 +53,13 @@ def _rank(rank: int, world: int, port: int, model: str, pp: int, dp: int, out_di
         sent: list[torch.dtype] = []
         trainer.module.register_forward_hook(lambda module, inputs, output: sent.append(logits_of(output).dtype))
         first_grads, losses = train_recording(trainer, mesh.replica, global_batches(STEPS, BATCH * dp), STEPS)
-        result = {"grads": first_grads, "losses": losses, "eval": trainer.evaluate(), "stage_output": sorted({str(d) for d in sent}),
-                  "stage": mesh.stage}  # fmt: skip
+        result = {
+            "grads": first_grads,
+            "losses": losses,
+            "eval": trainer.evaluate(),
+            "stage_output": sorted({str(d) for d in sent}),
+            "stage": mesh.stage,
+        }
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         mesh.close()
@@ -55,7 +69,8 @@ def _rank(rank: int, world: int, port: int, model: str, pp: int, dp: int, out_di
 def test_bf16_site_trains_like_one_fp32_process(model, pp, dp, tmp_path):
     """The first step's gradients within 2 % of one fp32 process's on the same global batch (measured
     0.5 %: bf16 keeps 8 bits of mantissa), the losses within 0.2 % (measured ≤ 0.01 %), the eval the same on
-    every rank and within 0.5 % of the fp32 process's (measured ≤ 0.15 %); what a stage sends on (activations, or the last stage's logits) is bf16: half the bytes.
+    every rank and within 0.5 % of the fp32 process's (measured ≤ 0.15 %); what a stage sends on (activations, or the
+    last stage's logits) is bf16: half the bytes.
     The built-in GPT at pp 1 is the case of a root unit (final norm, head) computing on the blocks' output."""
     world = pp * dp
     mp.spawn(_rank, args=(world, free_port(), model, pp, dp, str(tmp_path)), nprocs=world, join=True)
@@ -69,7 +84,10 @@ def test_bf16_site_trains_like_one_fp32_process(model, pp, dp, tmp_path):
     w = torch.cat([want["grads"][n].flatten() for n in want["grads"]])
     assert float((g - w).norm() / w.norm()) < 2e-2
     for part in parts:
-        assert all(abs(a - b) < 2e-3 * b for a, b in zip(part["losses"], want["losses"], strict=True)), (part["losses"], want["losses"])
+        assert all(abs(a - b) < 2e-3 * b for a, b in zip(part["losses"], want["losses"], strict=True)), (
+            part["losses"],
+            want["losses"],
+        )
         assert part["stage_output"] == ["torch.bfloat16"]
     assert len({p["eval"] for p in parts}) == 1 and abs(parts[0]["eval"] - want["eval"]) < 5e-3 * want["eval"]
 
@@ -83,4 +101,8 @@ def fp32_reference(model: str, dp: int) -> dict:
     trainer = InnerTrainer(cfg, data())
     trainer.sampler = FixedBatches(batches)
     losses = [trainer.train_steps(1)[0] for _ in range(STEPS)]
-    return {"grads": {n: p.grad.clone() for n, p in built.named_parameters()}, "losses": losses, "eval": trainer.evaluate()}
+    return {
+        "grads": {n: p.grad.clone() for n, p in built.named_parameters()},
+        "losses": losses,
+        "eval": trainer.evaluate(),
+    }

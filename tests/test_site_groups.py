@@ -26,9 +26,15 @@ def _groups(rank: int) -> dict:
     job_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
     mesh = SiteMesh.adopt(job_mesh, ParallelConfig(device="cpu"), collective_timeout_s=4321, step_timeout_s=123)
     smallest = smallest_gpu(mesh, [80, 40, 141, 94][rank] * 10**9)
-    return {"pp": _timeout_s(mesh.pp_group), "shard": _timeout_s(mesh.shard_group), "stage": _timeout_s(mesh.stage_group),
-            "agreement": _timeout_s(mesh.agreement_group), "checkpoint": _timeout_s(mesh.checkpoint_group),
-            "smallest": smallest, "none": smallest_gpu(mesh, None)}  # fmt: skip
+    return {
+        "pp": _timeout_s(mesh.pp_group),
+        "shard": _timeout_s(mesh.shard_group),
+        "stage": _timeout_s(mesh.stage_group),
+        "agreement": _timeout_s(mesh.agreement_group),
+        "checkpoint": _timeout_s(mesh.checkpoint_group),
+        "smallest": smallest,
+        "none": smallest_gpu(mesh, None),
+    }
 
 
 def test_training_groups_time_out_after_a_step_and_agreements_after_the_exchange():

@@ -9,7 +9,6 @@ feedback keeps them warns by name.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,8 +25,17 @@ OWNED = {0: ["stage0.w", "stage0.b"], 1: ["stage1.w"]}  # what each rank of a si
 def _with_state(rank: int) -> TensorCompressor:
     g = torch.Generator().manual_seed(rank)
     compressor = TensorCompressor(CompressionConfig())
-    compressor.load_state_dict({SliceKey(name, 0, 6): {"error": torch.randn(6, 5, generator=g), "q": torch.randn(5, 2, generator=g),
-                                                      "rank": 2, "recent_ranks": [1, 2]} for name in OWNED[rank]})  # fmt: skip
+    compressor.load_state_dict(
+        {
+            SliceKey(name, 0, 6): {
+                "error": torch.randn(6, 5, generator=g),
+                "q": torch.randn(5, 2, generator=g),
+                "rank": 2,
+                "recent_ranks": [1, 2],
+            }
+            for name in OWNED[rank]
+        }
+    )
     return compressor
 
 
@@ -39,8 +47,12 @@ def _rank(rank: int, folder: str) -> tuple:
     fresh = TensorCompressor(CompressionConfig())
     missing = restore_compressor_state(fresh, loaded["exchange"], OWNED[rank])
     same = fresh.state.keys() == saved.state.keys() and all(
-        torch.equal(fresh.state[k].error, saved.state[k].error) and torch.equal(fresh.state[k].q, saved.state[k].q)
-        and fresh.state[k].rank == 2 and list(fresh.state[k].recent_ranks) == [1, 2] for k in saved.state)  # fmt: skip
+        torch.equal(fresh.state[k].error, saved.state[k].error)
+        and torch.equal(fresh.state[k].q, saved.state[k].q)
+        and fresh.state[k].rank == 2
+        and list(fresh.state[k].recent_ranks) == [1, 2]
+        for k in saved.state
+    )
     return rank, loaded["round"], missing, same
 
 
@@ -53,10 +65,17 @@ def test_a_fresh_sites_state_dict_is_a_template_and_a_load_without_residuals_war
     from dilocox import DiLoCoX
 
     model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Linear(6, 3))
-    site = DiLoCoX(model, servers="127.0.0.1:1", config=RunConfig(run_id="state-run"))  # nothing is contacted before start
+    site = DiLoCoX(
+        model, servers="127.0.0.1:1", config=RunConfig(run_id="state-run")
+    )  # nothing is contacted before start
     try:
         state = site.state_dict()
-        assert state["format"] == "dilocox-site-state/2" and sorted(state["exchange"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+        assert state["format"] == "dilocox-site-state/2" and sorted(state["exchange"]) == [
+            "0.bias",
+            "0.weight",
+            "1.bias",
+            "1.weight",
+        ]
         state["round"] = 4
         state["exchange"] = template(state["exchange"])  # what a DCP load leaves where the checkpoint had nothing
         site.load_state_dict(state)
@@ -103,7 +122,9 @@ def test_replica_files_are_read_by_name_whichever_rank_wrote_them(tmp_path):
     want = {**rank0["a"], **rank1["b"]}
     assert got.keys() == want.keys()
     for key, saved in want.items():
-        assert torch.equal(got[key]["weights"], saved["weights"]) and torch.equal(got[key]["momentum"], saved["momentum"])
+        assert torch.equal(got[key]["weights"], saved["weights"]) and torch.equal(
+            got[key]["momentum"], saved["momentum"]
+        )
         assert got[key]["version"] == saved["version"]
     got[SliceKey("a", 0, 4)]["weights"].add_(1.0)  # a copy: the file is not changed by the replica's updates
     again = read_replica([tmp_path / "replica-rank00000.pt"], ["a"])

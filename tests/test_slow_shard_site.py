@@ -46,8 +46,22 @@ def test_a_shard_slower_than_the_old_collective_timeout_does_not_kill_the_site(s
     latencies = [LATENCY_S if i == slow else 0.0 for i in range(SHARDS)]
     shards = shard_set(SHARDS, RUN, added_latency_s=latencies)
     log_path = tmp_path / "site.log"
-    cmd = worker_argv(shards.addresses, RUN, "--rounds", "3", "--inner-steps", "2", "--dp", "2", "--shard-wait-s", str(SHARD_WAIT_S),
-                      "--pull-wait-s", str(PULL_WAIT_S), "--boundary-margin-s", str(MARGIN_S))  # fmt: skip
+    cmd = worker_argv(
+        shards.addresses,
+        RUN,
+        "--rounds",
+        "3",
+        "--inner-steps",
+        "2",
+        "--dp",
+        "2",
+        "--shard-wait-s",
+        str(SHARD_WAIT_S),
+        "--pull-wait-s",
+        str(PULL_WAIT_S),
+        "--boundary-margin-s",
+        str(MARGIN_S),
+    )
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
         try:
@@ -64,5 +78,8 @@ def test_a_shard_slower_than_the_old_collective_timeout_does_not_kill_the_site(s
     assert sorted(done) == [0, 1], sorted(done)
     assert all(s.version == 4 for s in shards.shards)  # 3 rounds and the flush, on every shard
     # The slow shard's rank really waited at a boundary longer than the old timeout, its peer far less.
-    idle = {rank: max(e["idle_s"] for e in events if e.get("event") == "round_done" and e.get("rank") == rank) for rank in (0, 1)}
+    idle = {
+        rank: max(e["idle_s"] for e in events if e.get("event") == "round_done" and e.get("rank") == rank)
+        for rank in (0, 1)
+    }
     assert idle[slow_rank] > SHARD_WAIT_S + MARGIN_S, idle

@@ -16,8 +16,8 @@ import pytest
 from dilocox.common.deploy.deploy_cli import parse_sites
 from dilocox.common.deploy.slurm import SlurmOptions, site_script
 from dilocox.common.deploy.topology import Topology
-from tests.local_slurm import LocalSlurm
 from tests.json_logs import json_events
+from tests.local_slurm import LocalSlurm
 from tests.ports import free_port_range
 
 ROUNDS = 6  # rounds take ~0.4 s here: enough left after the requeue point that the site is still running
@@ -36,19 +36,54 @@ def _wait(condition, timeout: float, what: str, slurm: LocalSlurm, out: pathlib.
 def test_sbatch_scripts_run_shards_and_sites_to_the_end_and_a_requeued_site_resumes(slurm, tmp_path):
     out = tmp_path / "jobs"
     rendered = subprocess.run(
-        [sys.executable, "-m", "dilocox.common.cli", "deploy", "slurm", "--out", str(out), "--run-id", "slurm-test",
-         "--shards", "2", "--sites", "site-a:1x1,site-b:2x1", "--rounds", str(ROUNDS), "--inner-steps", "8",
-         "--gpus-per-node", "0", "--cpus-per-rank", "1", "--insecure", "--shard-port", str(free_port_range(2)),
-         "--metrics-port", str(free_port_range(4)), "--rdzv-port", str(free_port_range(2)),
-         "--state-dir", str(tmp_path / "state"), "--setup", f"export PATH={pathlib.Path(sys.executable).parent}:$PATH",
-         "--worker-flags", "--device cpu --eval-batches 2 --n-layer 2 --n-embd 64 --block-size 64 --inner-batch-size 8 --threads 1"],
-        capture_output=True, text=True, timeout=60)  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dilocox.common.cli",
+            "deploy",
+            "slurm",
+            "--out",
+            str(out),
+            "--run-id",
+            "slurm-test",
+            "--shards",
+            "2",
+            "--sites",
+            "site-a:1x1,site-b:2x1",
+            "--rounds",
+            str(ROUNDS),
+            "--inner-steps",
+            "8",
+            "--gpus-per-node",
+            "0",
+            "--cpus-per-rank",
+            "1",
+            "--insecure",
+            "--shard-port",
+            str(free_port_range(2)),
+            "--metrics-port",
+            str(free_port_range(4)),
+            "--rdzv-port",
+            str(free_port_range(2)),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--setup",
+            f"export PATH={pathlib.Path(sys.executable).parent}:$PATH",
+            "--worker-flags",
+            "--device cpu --eval-batches 2 --n-layer 2 --n-embd 64 --block-size 64 --inner-batch-size 8 --threads 1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert rendered.returncode == 0, rendered.stderr
     assert sorted(p.name for p in out.iterdir()) == ["shards.sbatch", "site-site-a.sbatch", "site-site-b.sbatch"]
     assert "sbatch --dependency=after:$shards" in rendered.stdout
 
     shards = slurm.sbatch(out / "shards.sbatch")
-    sites = {name: slurm.sbatch(out / f"site-{name}.sbatch", f"--dependency=after:{shards}") for name in ("site-a", "site-b")}
+    sites = {
+        name: slurm.sbatch(out / f"site-{name}.sbatch", f"--dependency=after:{shards}") for name in ("site-a", "site-b")
+    }
     b_log = out / f"slurm-test-site-b-{sites['site-b']}.out"
 
     def b_made(rounds: int) -> bool:
@@ -60,8 +95,13 @@ def test_sbatch_scripts_run_shards_and_sites_to_the_end_and_a_requeued_site_resu
     _wait(lambda: b_made(2) and b_committed(), 240, "site-b made 2 rounds and committed a checkpoint", slurm, out)
     slurm.run("scontrol", "requeue", sites["site-b"])  # Slurm stops it and starts the same script again
     jobs = [shards, *sites.values()]
-    _wait(lambda: all(slurm.state(j) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "") for j in jobs),
-          300, "every job ended", slurm, out)  # fmt: skip
+    _wait(
+        lambda: all(slurm.state(j) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "") for j in jobs),
+        300,
+        "every job ended",
+        slurm,
+        out,
+    )
     states = {j: slurm.state(j) for j in jobs}
     assert set(states.values()) == {"COMPLETED"}, states
 
@@ -79,7 +119,9 @@ def test_sbatch_scripts_run_shards_and_sites_to_the_end_and_a_requeued_site_resu
     shard_events = json_events(out / f"slurm-test-shards-{shards}.out")
     finished = [e for e in shard_events if e.get("event") == "run_finished"]
     # The final version is rounds + 1: with the one-step delay the sites flush their last round's work.
-    assert sorted(e["shard"] for e in finished) == [0, 1] and all(e["version"] == ROUNDS + 1 for e in finished), finished
+    assert sorted(e["shard"] for e in finished) == [0, 1] and all(e["version"] == ROUNDS + 1 for e in finished), (
+        finished
+    )
 
 
 def test_a_multi_node_site_runs_one_torchrun_per_node_with_the_rendezvous_on_the_first():
@@ -101,5 +143,7 @@ def test_every_rendered_site_gives_torchrun_the_stop_timeout():
     from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
     from dilocox.common.deploy.topology import Site
 
-    script = site_script(Topology(run_id="r", sites=(Site("a", 2, 1),), simulation=False), 0, SlurmOptions(servers="agg:50051"))
+    script = site_script(
+        Topology(run_id="r", sites=(Site("a", 2, 1),), simulation=False), 0, SlurmOptions(servers="agg:50051")
+    )
     assert f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{STOP_TIMEOUT_S}}}" in script

@@ -49,9 +49,16 @@ def test_a_spill_dir_in_memory_is_refused_by_name(tmp_path):
         pytest.skip("no /dev/shm here")
     with pytest.raises(SpillError, match="tmpfs.*saves no host memory"):
         check_spill_dir("/dev/shm/dilocox-spill-test")
-    refused = subprocess.run([*CLI, "worker", "--servers", "127.0.0.1:1", "--insecure", "--spill-dir", "/dev/shm/dilocox-spill-test"],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert refused.returncode != 0 and "dilocox worker: --spill-dir /dev/shm/dilocox-spill-test is on tmpfs" in refused.stderr
+    refused = subprocess.run(
+        [*CLI, "worker", "--servers", "127.0.0.1:1", "--insecure", "--spill-dir", "/dev/shm/dilocox-spill-test"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        refused.returncode != 0
+        and "dilocox worker: --spill-dir /dev/shm/dilocox-spill-test is on tmpfs" in refused.stderr
+    )
 
 
 def _site(shards, log, *extra: str) -> subprocess.CompletedProcess:  # noqa: ANN001

@@ -39,14 +39,18 @@ def test_a_carried_part_is_discounted_by_its_age_and_never_weighs_more_than_its_
     late = torch.tensor([4.0, 8.0])
     carry = UndeliveredCarry()
     carry.keep(1, {"a": late}, weight=10.0, trained=2)
-    pushed = carry.add_to({"a": torch.zeros(2)}, weight=40.0, round_=3)  # one round late: × 1/2, its own 10 of 40 tokens
+    pushed = carry.add_to(
+        {"a": torch.zeros(2)}, weight=40.0, round_=3
+    )  # one round late: × 1/2, its own 10 of 40 tokens
     assert torch.equal(pushed["a"], late * (0.5 * 10.0 / 40.0))
     carry.keep(2, {"a": late}, weight=80.0, trained=2)
     pushed = carry.add_to({"a": torch.zeros(2)}, weight=40.0, round_=4)  # two rounds late, 80 tokens riding on 40
     assert torch.equal(pushed["a"], late * (1 / 3))
     full = UndeliveredCarry("full")
     full.keep(1, {"a": late}, weight=80.0, trained=2)
-    assert torch.equal(full.add_to({"a": torch.zeros(2)}, weight=40.0, round_=4)["a"], late * 2.0)  # as on time: w_g / w
+    assert torch.equal(
+        full.add_to({"a": torch.zeros(2)}, weight=40.0, round_=4)["a"], late * 2.0
+    )  # as on time: w_g / w
 
 
 def _slice(value: float) -> EncodedSlice:
@@ -67,7 +71,9 @@ def test_the_sealed_round_steps_on_the_capped_weights_and_checks_each_cluster_sa
     weights = {c: x.weight for c, x in acc.contributions[SliceKey("w", 0, 2)].items()}
     assert weights == {"a": 10.0, "late": 10.0}  # what the step uses and the shard forwards
     assert acc.cluster_weights == {"a": 10.0, "late": 90.0}  # the tokens as said (status, metrics)
-    mean = weighted_mean([(c, w, (lambda v=v: torch.full((2, 3), v))) for c, w, v in (("a", 10.0, 1.0), ("late", 10.0, 3.0))])
+    mean = weighted_mean(
+        [(c, w, (lambda v=v: torch.full((2, 3), v))) for c, w, v in (("a", 10.0, 1.0), ("late", 10.0, 3.0))]
+    )
     assert torch.equal(mean, torch.full((2, 3), 2.0))
 
 
@@ -101,7 +107,10 @@ def test_a_caught_up_push_is_capped_by_the_shards_and_every_replica_replays_it_b
             client.pull(min_version=1)
         for shard in shards.shards:
             assert dict(shard.last_round.tokens) == {"a": 10.0, "late": 90.0}
-            assert {c: x.weight for per_key in shard.snapshot.contributions.values() for c, x in per_key.items()} == {"a": 10.0, "late": 10.0}
+            assert {c: x.weight for per_key in shard.snapshot.contributions.values() for c, x in per_key.items()} == {
+                "a": 10.0,
+                "late": 10.0,
+            }
             for key, tensor in shard.snapshot.tensors.items():
                 assert torch.equal(a.held[key], tensor) and torch.equal(late.held[key], tensor), key
     finally:
@@ -131,7 +140,10 @@ def test_work_declared_fresher_than_the_version_it_was_trained_from_is_weighed_b
             if r < 3:
                 liar.pull(min_version=r)  # ... and then no more: it holds version 2
             for shard in shards.shards:
-                assert {c: x.weight for per in shard.snapshot.contributions.values() for c, x in per.items()} == {"a": 10.0, "liar": 10.0}
+                assert {c: x.weight for per in shard.snapshot.contributions.values() for c, x in per.items()} == {
+                    "a": 10.0,
+                    "liar": 10.0,
+                }
         with structlog.testing.capture_logs() as logs:
             for r, least in ((4, 1), (5, 2)):
                 a.push(r, 10.0, slice_tensors(a.assignment, _tensors(10 * r)))
@@ -147,7 +159,9 @@ def test_work_declared_fresher_than_the_version_it_was_trained_from_is_weighed_b
                     for key, tensor in shard.snapshot.tensors.items():
                         assert torch.equal(a.held[key], tensor), key
         said = [e for e in logs if e["event"] == "staleness_understated"]
-        assert [(e["round"], e["declared"], e["least"], e["trained_from"]) for e in said] == [(4, 0, 1, 2)] * 2 + [(5, 0, 2, 2)] * 2
+        assert [(e["round"], e["declared"], e["least"], e["trained_from"]) for e in said] == [(4, 0, 1, 2)] * 2 + [
+            (5, 0, 2, 2)
+        ] * 2
     finally:
         a.close()
         liar.close()

@@ -17,15 +17,41 @@ import time
 
 BOX_S = 1.5
 STALL_S = 5 * BOX_S
-FLAGS = ["--rounds", "10", "--inner-steps", "20", "--inner-max-steps", "2000", "--inner-round-time-s", str(BOX_S),
-         "--inner-min-steps", "2", "--grace-s", "1", "--n-layer", "1", "--n-embd", "64", "--inner-batch-size", "8",
-         "--timeout", "300", "--log-format", "json", "--no-tensorboard"]  # fmt: skip
+FLAGS = [
+    "--rounds",
+    "10",
+    "--inner-steps",
+    "20",
+    "--inner-max-steps",
+    "2000",
+    "--inner-round-time-s",
+    str(BOX_S),
+    "--inner-min-steps",
+    "2",
+    "--grace-s",
+    "1",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "64",
+    "--inner-batch-size",
+    "8",
+    "--timeout",
+    "300",
+    "--log-format",
+    "json",
+    "--no-tensorboard",
+]
 
 
 def _events(path: pathlib.Path, event: str) -> list[dict]:
     if not path.exists():
         return []
-    return [e for e in (json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")) if e["event"] == event]
+    return [
+        e
+        for e in (json.loads(line) for line in path.read_text().splitlines() if line.startswith("{"))
+        if e["event"] == event
+    ]
 
 
 def _worker_pid(sim_pid: int, cluster: str) -> int | None:
@@ -45,7 +71,17 @@ def _worker_pid(sim_pid: int, cluster: str) -> int | None:
 def _sim(tmp_path: pathlib.Path, stall: bool) -> tuple[dict, pathlib.Path]:
     logs = tmp_path / "logs"
     tmp_path.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "dilocox.common.cli", "sim", *FLAGS, "--log-dir", str(logs), "--summary-json", str(tmp_path / "summary.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "sim",
+        *FLAGS,
+        "--log-dir",
+        str(logs),
+        "--summary-json",
+        str(tmp_path / "summary.json"),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         if stall:
@@ -86,7 +122,10 @@ def test_a_stalled_site_ends_its_round_at_its_box_and_its_late_work_is_weighed_b
     # declared and tokens × 1/(1 + staleness), or carried one round and halved, and never above the
     # on-time site's tokens on a shard.
     for e in caught_up:
-        assert e["staleness"] == e["pushed"] - e["trained"] >= 1 and e["weight"] <= e["tokens"] / (1 + e["staleness"]) + 1e-3
+        assert (
+            e["staleness"] == e["pushed"] - e["trained"] >= 1
+            and e["weight"] <= e["tokens"] / (1 + e["staleness"]) + 1e-3
+        )
     for shard in (0, 1):
         for e in _events(logs / f"shard-{shard}.log", "stale_contribution_capped"):
             assert e["weight"] <= e["tokens"]

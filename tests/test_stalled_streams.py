@@ -49,8 +49,16 @@ def _stalled_push(stub: pb_grpc.AggregatorStub, chunk: pb.TensorChunk, release: 
 
 def test_forty_stalled_push_streams_beside_two_honest_sites(tmp_path):
     port = free_port()
-    cmd = _shard_cmd(port, tmp_path / "ckpt", "--push-idle-timeout-s", str(IDLE_TIMEOUT_S), "--round-deadline-s", "3",
-                     "--log-format", "json")  # fmt: skip
+    cmd = _shard_cmd(
+        port,
+        tmp_path / "ckpt",
+        "--push-idle-timeout-s",
+        str(IDLE_TIMEOUT_S),
+        "--round-deadline-s",
+        "3",
+        "--log-format",
+        "json",
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     release, outcomes, stallers = threading.Event(), [], []
@@ -66,15 +74,21 @@ def test_forty_stalled_push_streams_beside_two_honest_sites(tmp_path):
         # A valid first chunk of the stalled cluster's round-1 push, then silence.
         items = [EncodedSlice.exact(key, t) for key, t in slice_tensors(stalled.assignment, _tensors("s", 1)).items()]
         chunk = next(iter(frame_slices(items, stalled.slice_map.index, 1 << 20, 1)))
-        stallers = [threading.Thread(target=_stalled_push, args=(stub, chunk, release, outcomes)) for _ in range(STALLED)]
+        stallers = [
+            threading.Thread(target=_stalled_push, args=(stub, chunk, release, outcomes)) for _ in range(STALLED)
+        ]
         for t in stallers:
             t.start()
         time.sleep(1.0)  # every stalled stream is in, past its header
 
         status_s, versions = [], []
         for round_ in range(1, ROUNDS + 1):
-            pushers = [threading.Thread(target=c.push, args=(round_, 1.0, slice_tensors(c.assignment, _tensors(c.cluster, round_))))
-                       for c in (a, b)]  # fmt: skip
+            pushers = [
+                threading.Thread(
+                    target=c.push, args=(round_, 1.0, slice_tensors(c.assignment, _tensors(c.cluster, round_)))
+                )
+                for c in (a, b)
+            ]
             for t in pushers:
                 t.start()
             while any(t.is_alive() for t in pushers):
@@ -97,7 +111,10 @@ def test_forty_stalled_push_streams_beside_two_honest_sites(tmp_path):
             t.join(timeout=30)
         assert len(outcomes) == STALLED
         assert {code for code, _ in outcomes} == {"UNAVAILABLE"}, outcomes[:3]
-        assert all(f"sent nothing for {IDLE_TIMEOUT_S:g}s after 1 of the 2 chunk messages" in details for _, details in outcomes)
+        assert all(
+            f"sent nothing for {IDLE_TIMEOUT_S:g}s after 1 of the 2 chunk messages" in details
+            for _, details in outcomes
+        )
 
         final = dict(a.pull(ROUNDS, wait_seconds=30)[1])
         for client in (a, b, stalled):
@@ -129,16 +146,31 @@ def test_one_cluster_holds_at_most_its_share_of_push_streams():
     from dilocox.server.serving.push_intake import PushLimits
 
     shard = Shard(0, 1, RUN)
-    server, port = start_server(shard, "127.0.0.1", 0, push_limits=PushLimits(idle_timeout_s=2.0, streams_per_cluster=2))
+    server, port = start_server(
+        shard, "127.0.0.1", 0, push_limits=PushLimits(idle_timeout_s=2.0, streams_per_cluster=2)
+    )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     release, outcomes = threading.Event(), []
     try:
         for cluster in ("a", "stalled"):
             shard.join(RUN, cluster, model_digest(PARAMS), PARAMS, "{}")
-        shard.commit_push("a", 0, 1.0, [EncodedSlice.exact(k, t) for k, t in slice_tensors(shard.assignment, _tensors("a", 0)).items()])
+        shard.commit_push(
+            "a",
+            0,
+            1.0,
+            [EncodedSlice.exact(k, t) for k, t in slice_tensors(shard.assignment, _tensors("a", 0)).items()],
+        )
         stub = pb_grpc.AggregatorStub(channel)
-        chunk = next(iter(frame_slices([EncodedSlice.exact(k, t) for k, t in slice_tensors(shard.assignment, _tensors("s", 0)).items()],
-                                       shard.slice_map.index, 1 << 20, 1)))  # fmt: skip
+        chunk = next(
+            iter(
+                frame_slices(
+                    [EncodedSlice.exact(k, t) for k, t in slice_tensors(shard.assignment, _tensors("s", 0)).items()],
+                    shard.slice_map.index,
+                    1 << 20,
+                    1,
+                )
+            )
+        )
         held = [threading.Thread(target=_stalled_push, args=(stub, chunk, release, outcomes)) for _ in range(2)]
         for t in held:
             t.start()
@@ -194,11 +226,18 @@ def test_health_is_not_serving_while_the_work_pool_is_starved():
 def test_the_new_limits_refuse_nonsense_before_the_shard_listens():
     import sys
 
-    for flag, message in (("--health-stall-s", "--health-stall-s must be > 0"), ("--push-idle-timeout-s", "--push-idle-timeout-s must be > 0"),
-                          ("--push-streams-per-cluster", "--push-streams-per-cluster must be ≥ 1"),
-                          ("--work-threads", "--work-threads must be ≥ 1")):  # fmt: skip
-        done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "server", "--port", "0", "--insecure", flag, "0"],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    for flag, message in (
+        ("--health-stall-s", "--health-stall-s must be > 0"),
+        ("--push-idle-timeout-s", "--push-idle-timeout-s must be > 0"),
+        ("--push-streams-per-cluster", "--push-streams-per-cluster must be ≥ 1"),
+        ("--work-threads", "--work-threads must be ≥ 1"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "dilocox.common.cli", "server", "--port", "0", "--insecure", flag, "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode != 0 and message in done.stderr, (flag, done.stderr[-500:])
 
 
@@ -210,6 +249,7 @@ def test_a_pull_takes_its_small_chunks_from_the_pool_together_and_learns_its_end
     from dilocox.server.serving.aio_servicer import PULL_BATCH_BYTES, _take_chunks
 
     sizes = [100 << 10, 100 << 10, 100 << 10, 10 << 10, 3 * PULL_BATCH_BYTES, 1 << 10]
+
     def sent(name: str, size: int) -> bytes:  # a pull's chunk as its stream yields it: its wire bytes
         return pb.TensorChunk(name=name, zstd_frame=bytes(size)).SerializeToString()
 
@@ -252,7 +292,9 @@ def test_a_pull_cancelled_while_its_look_runs_gives_back_what_the_look_took():
         return "snapshot", chunks, (["chunk"], False)
 
     async def main() -> None:
-        servicer = object.__new__(AsyncAggregatorServicer)  # only what `_looked` uses: the loop, the pool, the shard's release
+        servicer = object.__new__(
+            AsyncAggregatorServicer
+        )  # only what `_looked` uses: the loop, the pool, the shard's release
         servicer.loop, servicer.pool = asyncio.get_running_loop(), ThreadPoolExecutor(1)
         servicer.shard = type("Shard", (), {"release": staticmethod(released.append)})()
         pull = asyncio.ensure_future(servicer._looked(look))

@@ -66,12 +66,22 @@ def test_status_table_and_json(shard_set, capsys):
     assert len(lines) == 3 + 1 + 3  # the shards, a blank line, the sites
     for index, (line, address) in enumerate(zip(lines[1:3], shards.addresses)):
         cells = line.split()
-        assert cells[:6] == [f"{index}/2", address, "collecting", "1", "2", "2"]  # the run's last version unknown: no config
+        assert cells[:6] == [
+            f"{index}/2",
+            address,
+            "collecting",
+            "1",
+            "2",
+            "2",
+        ]  # the run's last version unknown: no config
         assert "1/2" in cells and "ago" in cells
         assert len(re.findall(r"\b\d+(?:\.\d+)? (?:B|KiB|MiB)\b", line)) == 2, line  # bytes in and out
     assert lines[3] == "" and lines[4].split() == [w for c in SITE_COLUMNS for w in c.split()]
-    # Per site: in the run, 1 round made, none late, last round 1 with 10 tokens; H and idle not said; the update check passed.
-    assert [line.split() for line in lines[5:]] == [[site, "yes", "1", "0", "1", "10", "-", "-", "ok"] for site in ("a", "b")]
+    # Per site: in the run, 1 round made, none late, last round 1 with 10 tokens; H and idle not said; the update
+    # check passed.
+    assert [line.split() for line in lines[5:]] == [
+        [site, "yes", "1", "0", "1", "10", "-", "-", "ok"] for site in ("a", "b")
+    ]
 
     assert cli.main(["status", "--servers", servers, "--insecure", "--json"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -81,8 +91,9 @@ def test_status_table_and_json(shard_set, capsys):
         assert r["clusters"] == ["a", "b"] and r["contributed"] == ["a"] and r["run_id"] == RUN
         assert r["bytes_in"] > 0 and r["bytes_out"] > 0 and r["last_round_closed_at"] > 0
         assert 0 <= r["last_round_seconds"] <= driven_s  # the round ran inside the test's drive: no speed bound
-        assert [(x["cluster"], x["member"], x["rounds_made"], x["rounds_late"], x["last_tokens"]) for x in r["sites"]] == \
-            [("a", True, 1, 0, 10.0), ("b", True, 1, 0, 10.0)]
+        assert [
+            (x["cluster"], x["member"], x["rounds_made"], x["rounds_late"], x["last_tokens"]) for x in r["sites"]
+        ] == [("a", True, 1, 0, 10.0), ("b", True, 1, 0, 10.0)]
 
 
 def test_status_marks_an_unreachable_shard_and_fails(shard_set, capsys):
@@ -106,9 +117,22 @@ def test_the_version_column_says_how_far_the_run_is():
     """`X/N`: version X of the run's last N (its rounds and the flush), once the shard knows N."""
     from dilocox.worker.status import table_row
 
-    record = {"state": "waiting", "shard_index": 0, "num_shards": 1, "address": "a:1", "version": 3, "open_round": 4, "clusters": ["a"],
-              "min_clusters": 1, "contributed": [], "last_round_seconds": 0.0, "last_round_closed_at": 0.0, "bytes_in": 0,
-              "bytes_out": 0, "final_version": 17}  # fmt: skip
+    record = {
+        "state": "waiting",
+        "shard_index": 0,
+        "num_shards": 1,
+        "address": "a:1",
+        "version": 3,
+        "open_round": 4,
+        "clusters": ["a"],
+        "min_clusters": 1,
+        "contributed": [],
+        "last_round_seconds": 0.0,
+        "last_round_closed_at": 0.0,
+        "bytes_in": 0,
+        "bytes_out": 0,
+        "final_version": 17,
+    }
     assert table_row(record, now=0.0)[3] == "3/17"
     assert table_row({**record, "final_version": None}, now=0.0)[3] == "3"
 

@@ -26,8 +26,20 @@ def _waiting_site(shard_set, tmp_path):  # noqa: ANN001, ANN202
     """A site alone in a run whose shards wait for two: round 1 is pushed and never closes, so the site
     waits at round 2's boundary for round 1's result. Returns the process once it waits there."""
     shards = shard_set(1, RUN, min_clusters=2)
-    cmd = worker_argv(shards.addresses, RUN, "--cluster", "alone", "--rounds", "6", "--inner-steps", "2", "--stop-grace-s", str(GRACE_S),
-                      "--checkpoint-dir", str(tmp_path))  # fmt: skip
+    cmd = worker_argv(
+        shards.addresses,
+        RUN,
+        "--cluster",
+        "alone",
+        "--rounds",
+        "6",
+        "--inner-steps",
+        "2",
+        "--stop-grace-s",
+        str(GRACE_S),
+        "--checkpoint-dir",
+        str(tmp_path),
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     deadline = time.monotonic() + 120
@@ -48,7 +60,9 @@ def _finish(proc: subprocess.Popen, lines: list[str], within_s: float) -> tuple[
     except subprocess.TimeoutExpired:
         proc.kill()
         _, rest = proc.communicate()
-        raise AssertionError(f"the worker was still running {within_s:.0f} s after the signal: " + (rest or "")[-3000:]) from None
+        raise AssertionError(
+            f"the worker was still running {within_s:.0f} s after the signal: " + (rest or "")[-3000:]
+        ) from None
     lines.append(rest)
     events = [json.loads(line) for line in "".join(lines).splitlines() if line.startswith("{")]
     return time.monotonic() - started, events

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from dilocox.common.wire.checkpoint_format import checkpoint_path
-from dilocox.server.state import checkpoint
 from dilocox.server.shard import Shard
+from dilocox.server.state import checkpoint
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
 from dilocox.worker.status import format_table
@@ -38,7 +38,9 @@ def _tensors(seed: int) -> dict[str, torch.Tensor]:
 def small_filesystem(path, megabytes: int):
     """A tmpfs of `megabytes` at `path`, unmounted after; skips where this machine cannot mount."""
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); the injected-error test covers the logic")
     try:
@@ -72,14 +74,24 @@ def test_a_full_checkpoint_disk_never_fails_a_round_and_a_restart_resumes_from_t
         port, metrics_port, log = free_port(), free_port(), tmp_path / "shard.log"
         # The rounds kept for returning sites go elsewhere: this is the checkpoints' disk filling up (on a shared
         # disk the rounds' writer, refused first, deletes what it kept and so frees room: tests/test_rounds_on_disk.py).
-        cmd = _shard_cmd(port, folder, "--checkpoint-keep", "2", "--metrics-port", str(metrics_port),
-                         "--keep-rounds-dir", str(tmp_path / "rounds"))  # fmt: skip
+        cmd = _shard_cmd(
+            port,
+            folder,
+            "--checkpoint-keep",
+            "2",
+            "--metrics-port",
+            str(metrics_port),
+            "--keep-rounds-dir",
+            str(tmp_path / "rounds"),
+        )
         with open(log, "w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
         try:
             _wait_listening(port, proc)
-            with AggregatorClient([f"127.0.0.1:{port}"], RUN, "a", shard_wait_s=0) as client, \
-                    AggregatorClient([f"127.0.0.1:{port}"], RUN, "b", shard_wait_s=0) as other:  # fmt: skip
+            with (
+                AggregatorClient([f"127.0.0.1:{port}"], RUN, "a", shard_wait_s=0) as client,
+                AggregatorClient([f"127.0.0.1:{port}"], RUN, "b", shard_wait_s=0) as other,
+            ):
                 client.join(PARAMS)
                 other.join(PARAMS)
                 for round_ in range(7):
@@ -127,7 +139,9 @@ def test_a_full_checkpoint_disk_never_fails_a_round_and_a_restart_resumes_from_t
                 proc.kill()
         events = _events(log2)
         assert next(e for e in events if e.get("event") == "checkpoint_restored")["version"] == 2
-        assert next(e for e in events if e.get("event") == "checkpoint_temporary_removed")["files"] == ["shard-0.ptk1ll3d.tmp"]
+        assert next(e for e in events if e.get("event") == "checkpoint_temporary_removed")["files"] == [
+            "shard-0.ptk1ll3d.tmp"
+        ]
         assert not list(folder.glob("*.tmp"))
 
 
@@ -140,7 +154,9 @@ def test_a_final_version_the_disk_refuses_is_said_kept_served_and_saved_once_spa
     from dilocox.common.config.run import RunConfig, as_dict
 
     final = 3
-    run = json.dumps(as_dict(RunConfig(run_id=RUN, rounds=final, compress=RunConfig().compress.__class__(codec="fp32"))))
+    run = json.dumps(
+        as_dict(RunConfig(run_id=RUN, rounds=final, compress=RunConfig().compress.__class__(codec="fp32")))
+    )
     with small_filesystem(tmp_path / "ckpt", 8) as folder:
         port, log = free_port(), tmp_path / "shard.log"
         with open(log, "w") as err:
@@ -159,7 +175,9 @@ def test_a_final_version_the_disk_refuses_is_said_kept_served_and_saved_once_spa
                 assert proc.poll() is None and time.monotonic() < deadline, open(log).read()[-3000:]
                 time.sleep(0.2)
             assert proc.poll() is None  # still serving: the final version can be read from it
-            assert main(["export", "--servers", f"127.0.0.1:{port}", "--out", str(tmp_path / "model"), "--insecure"]) == 0
+            assert (
+                main(["export", "--servers", f"127.0.0.1:{port}", "--out", str(tmp_path / "model"), "--insecure"]) == 0
+            )
             assert json.loads((tmp_path / "model" / "provenance.json").read_text())["version"] == final
             os.remove(folder / "filler")
             assert proc.wait(timeout=30) == 0  # the retry saved it, then the shard stopped by itself
@@ -168,7 +186,11 @@ def test_a_final_version_the_disk_refuses_is_said_kept_served_and_saved_once_spa
                 proc.kill()
         events = _events(log)
         failed = next(e for e in events if e.get("event") == "final_checkpoint_failed")
-        assert failed["level"] == "error" and failed["version"] == final and "dilocox export --servers" in failed["recover"]
+        assert (
+            failed["level"] == "error"
+            and failed["version"] == final
+            and "dilocox export --servers" in failed["recover"]
+        )
         assert any(e.get("event") == "final_checkpoint_saved" for e in events)
         assert next(e for e in events if e.get("event") == "shard_stopped")["saved"] is True
         assert checkpoint.load(checkpoint_path(folder, 0))["snapshot"]["version"] == final
@@ -183,7 +205,9 @@ def test_injected_write_errors_count_once_logged_retry_every_version_and_keep_th
         _publish(shard, round_)
         keeper(shard.snapshot)
     assert checkpoint.load(checkpoint_path(tmp_path, 0))["snapshot"]["version"] == 2
-    errors = iter([OSError(errno.EIO, "Input/output error"), RuntimeError("PytorchStreamWriter failed writing file data/0")])
+    errors = iter(
+        [OSError(errno.EIO, "Input/output error"), RuntimeError("PytorchStreamWriter failed writing file data/0")]
+    )
     monkeypatch.setattr(checkpoint, "save", lambda *a: (_ for _ in ()).throw(next(errors)))
     for round_ in (3, 4):  # 3 is off the interval (every 2): only 4 tries, and fails
         _publish(shard, round_)
@@ -197,7 +221,10 @@ def test_injected_write_errors_count_once_logged_retry_every_version_and_keep_th
     record = {"address": "a:1", "shard_index": 0, **status}
     assert "could not save its checkpoint for the last 2 version(s)" in format_table([_status_record(record)])
     assert checkpoint.load(checkpoint_path(tmp_path, 0))["snapshot"]["version"] == 2  # never removed before a successor
-    assert sorted(p.name for p in tmp_path.glob("shard-0*.pt")) == ["shard-0.pt", "shard-0.v2.pt"]  # kept by a link, not moved
+    assert sorted(p.name for p in tmp_path.glob("shard-0*.pt")) == [
+        "shard-0.pt",
+        "shard-0.v2.pt",
+    ]  # kept by a link, not moved
     monkeypatch.setattr(checkpoint, "save", real_save)
     _publish(shard, 6)
     keeper(shard.snapshot)
@@ -218,11 +245,29 @@ def test_a_hook_that_raises_never_fails_the_round_it_reports():
 
 
 def _status_record(record: dict) -> dict:
-    base = {"state": "waiting", "run_id": RUN, "num_shards": 1, "version": 5, "open_round": 6, "clusters": [], "contributed": [],
-            "min_clusters": 1, "num_elements": 0, "initialised": True, "last_round_seconds": 0.0, "last_round_closed_at": 0.0,
-            "bytes_in": 0, "bytes_out": 0, "final_version": None, "replay_mismatches": 0, "sites": []}  # fmt: skip
-    return {**base, **{k: v for k, v in record.items() if k in ("address", "shard_index") or k.startswith("checkpoint_")}}
-
+    base = {
+        "state": "waiting",
+        "run_id": RUN,
+        "num_shards": 1,
+        "version": 5,
+        "open_round": 6,
+        "clusters": [],
+        "contributed": [],
+        "min_clusters": 1,
+        "num_elements": 0,
+        "initialised": True,
+        "last_round_seconds": 0.0,
+        "last_round_closed_at": 0.0,
+        "bytes_in": 0,
+        "bytes_out": 0,
+        "final_version": None,
+        "replay_mismatches": 0,
+        "sites": [],
+    }
+    return {
+        **base,
+        **{k: v for k, v in record.items() if k in ("address", "shard_index") or k.startswith("checkpoint_")},
+    }
 
 
 def test_a_site_whose_checkpoint_disk_fills_up_trains_on_and_says_so(shard_set, tmp_path):
@@ -235,10 +280,39 @@ def test_a_site_whose_checkpoint_disk_fills_up_trains_on_and_says_so(shard_set, 
     shard = shards.shards[0]
     rounds = 8
     with small_filesystem(tmp_path / "ckpt", 4) as folder:
-        cmd = [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", shards.addresses[0], "--run-id", "site-disk",
-               "--cluster", "solo", "--rounds", str(rounds), "--inner-steps", "2", "--n-layer", "1", "--n-embd", "32",
-               "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1", "--threads", "1", "--insecure",
-               "--checkpoint-dir", str(folder), "--log-format", "json"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "dilocox.common.cli",
+            "worker",
+            "--servers",
+            shards.addresses[0],
+            "--run-id",
+            "site-disk",
+            "--cluster",
+            "solo",
+            "--rounds",
+            str(rounds),
+            "--inner-steps",
+            "2",
+            "--n-layer",
+            "1",
+            "--n-embd",
+            "32",
+            "--block-size",
+            "32",
+            "--inner-batch-size",
+            "4",
+            "--eval-batches",
+            "1",
+            "--threads",
+            "1",
+            "--insecure",
+            "--checkpoint-dir",
+            str(folder),
+            "--log-format",
+            "json",
+        ]
         site = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 120

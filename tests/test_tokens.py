@@ -66,8 +66,9 @@ def test_tokenizer_json_round_trip(corpus_dir, tmp_path):
     assert byte.decode(byte.encode("héllo")) == "héllo"
 
 
-@pytest.mark.parametrize("spec, message", [("bpe:100", "above 257"), ("bpe:many", "above 257"),
-                                            ("nope/tokenizer.json", "does not exist")])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec, message", [("bpe:100", "above 257"), ("bpe:many", "above 257"), ("nope/tokenizer.json", "does not exist")]
+)
 def test_bad_tokenizer_specs_are_refused(spec, message):
     with pytest.raises(TokenizerError, match=message):
         resolve_tokenizer(spec)
@@ -90,7 +91,9 @@ def test_prepare_a_text_folder_gives_the_corpus_bytes_streamed_from_disk(corpus_
 
 
 def test_prepare_jsonl_and_parquet_with_a_bpe(tmp_path):
-    records = [{"text": f"Record {i}: {TEXT[i * 300:(i + 1) * 300].decode(errors='replace')}", "id": i} for i in range(120)]
+    records = [
+        {"text": f"Record {i}: {TEXT[i * 300 : (i + 1) * 300].decode(errors='replace')}", "id": i} for i in range(120)
+    ]
     (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     tokenizer = resolve_tokenizer("bpe:400", tmp_path / "r.jsonl")
     jsonl = prepare_tokens(tmp_path / "r.jsonl", tokenizer, tmp_path / "jsonl")
@@ -130,7 +133,9 @@ def test_data_prepared_with_another_tokenizer_is_refused(corpus_dir, tmp_path):
     with pytest.raises(TokenizerError, match="prepared with --tokenizer byte"):
         load_run_data("bpe:500", tmp_path / "bytes")
     manifest = json.loads((tmp_path / "bytes" / "manifest.json").read_text())
-    (tmp_path / "bytes" / "manifest.json").write_text(json.dumps({**manifest, "num_tokens": manifest["num_tokens"] + 1}))
+    (tmp_path / "bytes" / "manifest.json").write_text(
+        json.dumps({**manifest, "num_tokens": manifest["num_tokens"] + 1})
+    )
     with pytest.raises(CorpusError, match="the manifest says"):
         read_manifest(tmp_path / "bytes")
 
@@ -141,7 +146,9 @@ def test_a_prepared_bpe_folder_brings_its_own_tokenizer(corpus_dir, tmp_path):
     data = load_run_data("bpe:500", tmp_path / "prepared")
     assert data.streamed and data.vocab_size == 500 and data.tokenizer_digest == bpe.digest
     on_the_fly = load_run_data("bpe:500", corpus_dir)  # a text path, tokenised at start-up: the same tokens
-    assert np.array_equal(np.concatenate([data.train.read(), data.eval.read()]), np.concatenate([on_the_fly.train, on_the_fly.eval]))
+    assert np.array_equal(
+        np.concatenate([data.train.read(), data.eval.read()]), np.concatenate([on_the_fly.train, on_the_fly.eval])
+    )
 
 
 def test_clusters_and_replicas_read_disjoint_windows(corpus_dir, tmp_path):
@@ -151,7 +158,9 @@ def test_clusters_and_replicas_read_disjoint_windows(corpus_dir, tmp_path):
     seen = []
     for cluster in range(clusters):
         for replica in range(dp):
-            sampler = BatchSampler(data.train, block, 8, seed=3, shard_index=cluster * dp + replica, num_shards=clusters * dp)
+            sampler = BatchSampler(
+                data.train, block, 8, seed=3, shard_index=cluster * dp + replica, num_shards=clusters * dp
+            )
             start, end = sampler.shard_range
             covered = set()
             for _ in range(50):
@@ -172,7 +181,9 @@ def test_resume_continues_the_read_position_on_a_token_file(corpus_dir, tmp_path
     for _ in range(3):
         first.next_batch()
     state = first.state_dict()
-    resumed = BatchSampler(open_prepared(tmp_path / "p", ByteTokenizer()).train, 32, 4, seed=9, shard_index=1, num_shards=2)
+    resumed = BatchSampler(
+        open_prepared(tmp_path / "p", ByteTokenizer()).train, 32, 4, seed=9, shard_index=1, num_shards=2
+    )
     resumed.load_state_dict(state)
     assert all(torch.equal(resumed.next_batch()[0], want) for want in stream[3:])
 
@@ -180,13 +191,23 @@ def test_resume_continues_the_read_position_on_a_token_file(corpus_dir, tmp_path
 def test_data_prepare_command(corpus_dir, tmp_path):
     cli = [sys.executable, "-m", "dilocox.common.cli", "data"]
     env = {"DILOCOX_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([*cli, "prepare", str(corpus_dir), "--out", str(tmp_path / "out"), "--tokenizer", "bpe:500"],
-                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    done = subprocess.run(
+        [*cli, "prepare", str(corpus_dir), "--out", str(tmp_path / "out"), "--tokenizer", "bpe:500"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     assert "with tokenizer bpe:500" in done.stdout
     assert "tokenising" not in done.stderr and "\r" not in done.stderr  # stderr is a pipe, not a terminal: no bar
     info = subprocess.run([*cli, "info", str(tmp_path / "out")], capture_output=True, text=True, timeout=60, env=env)
     assert json.loads(info.stdout)["tokenizer_spec"] == "bpe:500"
-    refused = subprocess.run([*cli, "prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "x")],
-                             capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    refused = subprocess.run(
+        [*cli, "prepare", str(tmp_path / "missing"), "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert refused.returncode == 1 and "corpus path does not exist" in refused.stderr

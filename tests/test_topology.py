@@ -37,7 +37,6 @@ def _parses(argv: list[str]) -> argparse.Namespace:
     return build_parser(argv[1:]).parse_args(argv[1:])
 
 
-
 @pytest.mark.parametrize("placement", [COMPOSE, LOCALHOST], ids=["compose", "localhost"])
 def test_every_service_command_parses_with_the_cli_parser(placement):
     topology = Topology()
@@ -65,7 +64,9 @@ def test_compose_document_wires_health_volumes_and_the_shaped_wan():
         assert spec["cap_add"] == ["NET_ADMIN"]
         assert set(spec["depends_on"]) == set(topology.shard_names())
         assert all(v == {"condition": "service_healthy"} for v in spec["depends_on"].values())
-        assert spec["command"][2].startswith("dilocox link shape --towards shard-0 --rate-mbit 20 && exec dilocox worker")
+        assert spec["command"][2].startswith(
+            "dilocox link shape --towards shard-0 --rate-mbit 20 && exec dilocox worker"
+        )
         assert document["networks"][f"{site}-net"] == {"internal": True}
     for shard in topology.shard_names():
         assert document["services"][shard]["volumes"] == [f"{shard}-checkpoints:/var/lib/dilocox/checkpoints"]
@@ -84,14 +85,20 @@ def test_topology_trains_as_plain_processes(tmp_path):
     ports = free_port_range(base.num_shards, host="127.0.0.1")
     metrics = free_port_range(base.num_shards + len(base.sites), host="127.0.0.1")
     # min_clusters=2: with the compose default (1) a site that starts first may close round 1 alone.
-    topology = dataclasses.replace(base, rounds=3, inner_steps=10, min_clusters=2, host_port_base=ports, host_metrics_base=metrics)
+    topology = dataclasses.replace(
+        base, rounds=3, inner_steps=10, min_clusters=2, host_port_base=ports, host_metrics_base=metrics
+    )
     procs: dict[str, subprocess.Popen] = {}
     try:
         for name, steps in all_commands(topology, LOCALHOST).items():
             (argv,) = steps
             log = open(tmp_path / f"{name}.log", "w")
-            procs[name] = subprocess.Popen([sys.executable, "-m", "dilocox.common.cli", *argv[1:]], stdout=log,
-                                           stderr=subprocess.STDOUT, cwd=tmp_path)  # fmt: skip
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "dilocox.common.cli", *argv[1:]],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=tmp_path,
+            )
         for site in topology.sites:
             assert procs[site.name].wait(timeout=240) == 0, (tmp_path / f"{site.name}.log").read_text()[-3000:]
     finally:

@@ -22,16 +22,44 @@ from dilocox.worker.tracking import RunTracker, TensorBoardSink, WandbSink, roun
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-TAGS = {"loss/train", "loss/eval", "tokens/round", "tokens/per_s", "bytes/up", "bytes/down", "time/round_s",
-        "time/compute_s", "time/comm_s", "time/idle_s", "exchange/overlap", "exchange/rank", "exchange/inner_steps",
-        "exchange/residual_norm", "exchange/late"}  # fmt: skip
+TAGS = {
+    "loss/train",
+    "loss/eval",
+    "tokens/round",
+    "tokens/per_s",
+    "bytes/up",
+    "bytes/down",
+    "time/round_s",
+    "time/compute_s",
+    "time/comm_s",
+    "time/idle_s",
+    "exchange/overlap",
+    "exchange/rank",
+    "exchange/inner_steps",
+    "exchange/residual_norm",
+    "exchange/late",
+}
 
 
 def report(round_: int, eval_loss: float | None = None) -> RoundReport:
     eval_loss = 3.1 - 0.5 * round_ if eval_loss is None else eval_loss
-    return RoundReport(round=round_, train_loss=3.0 - 0.5 * round_, eval_loss=eval_loss, tokens=4096, bytes_up=1000 + round_,
-                       bytes_down=2000 + round_, compute_s=1.5, comm_s=0.4, idle_s=0.1 * round_, seconds=2.0, overlap=0.75,
-                       residual_norm=0.01 * round_, inner_steps=20, late=round_ == 2, compress_rank=4.0 + round_)  # fmt: skip
+    return RoundReport(
+        round=round_,
+        train_loss=3.0 - 0.5 * round_,
+        eval_loss=eval_loss,
+        tokens=4096,
+        bytes_up=1000 + round_,
+        bytes_down=2000 + round_,
+        compute_s=1.5,
+        comm_s=0.4,
+        idle_s=0.1 * round_,
+        seconds=2.0,
+        overlap=0.75,
+        residual_norm=0.01 * round_,
+        inner_steps=20,
+        late=round_ == 2,
+        compress_rank=4.0 + round_,
+    )
 
 
 def read_scalars(logdir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
@@ -147,8 +175,9 @@ def test_missing_packages_stop_the_worker_with_the_install_command(tmp_path, mon
     monkeypatch.setattr(tracking, "tensorboard_available", lambda: False)
     with pytest.raises(SystemExit) as info:  # before any model, data or connection
         cli.main(["worker", "--servers", "127.0.0.1:1", "--insecure", "--tensorboard-dir", str(tmp_path)])
-    assert str(info.value.code) == ("dilocox worker: --tensorboard-dir needs the tensorboard package: "
-                                    "pip install 'dilocox[tracking]'")  # fmt: skip
+    assert str(info.value.code) == (
+        "dilocox worker: --tensorboard-dir needs the tensorboard package: pip install 'dilocox[tracking]'"
+    )
     monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="--wandb-project needs the wandb package: pip install wandb"):
         tracking.check_tracking_args(parse_worker(["--wandb-project", "p"]))

@@ -12,8 +12,8 @@ import threading
 import time
 
 import grpc
-import structlog
 import pytest
+import structlog
 import torch
 from prometheus_client import generate_latest
 
@@ -21,8 +21,8 @@ from dilocox.common.wire.aggregation import weighted_mean
 from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.framing import EncodedSlice
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.server.rounds.grace import GraceWindow
 from dilocox.server.metrics import ShardMetrics
+from dilocox.server.rounds.grace import GraceWindow
 from dilocox.server.rounds.round_close import decide, first_round_waits
 from dilocox.server.rounds.round_state import RoundAccumulator
 from dilocox.server.shard import Shard
@@ -56,7 +56,7 @@ class RecordingClient(AggregatorClient):
     def accepted_rounds(self) -> list[tuple[int, float, dict]]:
         """The accepted pushes of rounds ≥ 1 as (round, weight, tensors), a retried stream counted once."""
         seen, out = set(), []
-        for shard, round_, weight, parts in self.accepted:
+        for _shard, round_, weight, parts in self.accepted:
             fresh = {k: t for k, t in parts.items() if round_ > 0 and (round_, k) not in seen}
             seen |= {(round_, k) for k in fresh}
             if fresh:
@@ -110,13 +110,17 @@ def test_time_boxed_sites_of_unequal_speed_deliver_every_round_and_the_shards_eq
     rounds, budget_s = 5, 0.24
     procs, addresses = _start_shards(tmp_path, 2, "--min-clusters", "2", "--round-deadline-s", "0")
     try:
-        fast, slow = _sites_to_their_end(addresses, rounds, 8, lambda: RoundTimeBox(8, budget_s, min_steps=1, max_steps=64))
+        fast, slow = _sites_to_their_end(
+            addresses, rounds, 8, lambda: RoundTimeBox(8, budget_s, min_steps=1, max_steps=64)
+        )
         clusters = [fast, slow]
         assert [r.round for r in fast.reports] == [r.round for r in slow.reports] == list(range(1, rounds + 1))
         assert not any(r.late for c in clusters for r in c.reports)
         # H follows each site's speed (from the first round on: it measures 3 steps, then sets that round's H).
-        assert all(f.inner_steps > s.inner_steps for f, s in zip(fast.reports, slow.reports)), \
-            ([r.inner_steps for r in fast.reports], [r.inner_steps for r in slow.reports])
+        assert all(f.inner_steps > s.inner_steps for f, s in zip(fast.reports, slow.reports)), (
+            [r.inner_steps for r in fast.reports],
+            [r.inner_steps for r in slow.reports],
+        )
         assert all(f.tokens > s.tokens for f, s in zip(fast.reports, slow.reports))
         weights, statuses = _observe(addresses, fast.trainer, rounds)
         for index, status in enumerate(statuses):
@@ -124,7 +128,10 @@ def test_time_boxed_sites_of_unequal_speed_deliver_every_round_and_the_shards_eq
             said = {site.cluster: site for site in status.sites}
             for name, cluster in (("fast", fast), ("slow", slow)):
                 assert (said[name].member, said[name].rounds_made, said[name].rounds_late) == (True, rounds, 0)
-                assert (said[name].last_tokens, said[name].inner_steps) == (cluster.reports[-1].tokens, cluster.reports[-1].inner_steps)
+                assert (said[name].last_tokens, said[name].inner_steps) == (
+                    cluster.reports[-1].tokens,
+                    cluster.reports[-1].inner_steps,
+                )
             expected = replay([c.client for c in clusters], index, rounds)
             for key in [k for k in weights if k in expected]:
                 assert torch.equal(weights[key], expected[key]), key
@@ -139,8 +146,17 @@ def _sites_to_their_end(addresses: list[str], rounds: int, inner_steps: int, con
     clusters = []
     for seed, (name, step_s) in enumerate((("fast", 0.01), ("slow", 0.04))):
         client = RecordingClient(addresses, RUN, name, connect_timeout=30, rpc_timeout=30, shard_wait_s=30)
-        clusters.append(DilocoCluster(ToyTrainer(seed, step_s=step_s), client, rounds, inner_steps=inner_steps, delay=1, num_clusters=2,
-                                      steps_controller=controller() if controller else None))  # fmt: skip
+        clusters.append(
+            DilocoCluster(
+                ToyTrainer(seed, step_s=step_s),
+                client,
+                rounds,
+                inner_steps=inner_steps,
+                delay=1,
+                num_clusters=2,
+                steps_controller=controller() if controller else None,
+            )
+        )
     run_concurrently(clusters)  # closes their clients
     return clusters
 
@@ -188,7 +204,9 @@ def test_a_site_that_misses_the_grace_window_stays_and_its_part_is_applied_next_
         tokens = {"a": 30.0, "late": 10.0}
 
         def push(client, round_):
-            return client.push(round_, tokens[client.cluster], slice_tensors(client.assignment, deltas[client.cluster, round_]))
+            return client.push(
+                round_, tokens[client.cluster], slice_tensors(client.assignment, deltas[client.cluster, round_])
+            )
 
         # Round 1: both in time: it closes at once, with both.
         push(a, 1)
@@ -328,7 +346,9 @@ def test_quorum_and_grace_decide_who_is_in_late_or_dropped():
     assert decision.include == {"a"} and decision.late == ("b",) and decision.dropped == ("c",)
     # With a deadline, a member silent for that long is gone rather than late.
     acc = _accumulator(4, {"a": ["k0", "k1"]})
-    decision = decide(acc, members, owned, 1, now=20.0, deadline_s=5.0, grace=GraceWindow(0.0, 0.0), last_seen={"b": 19.0, "c": 2.0})
+    decision = decide(
+        acc, members, owned, 1, now=20.0, deadline_s=5.0, grace=GraceWindow(0.0, 0.0), last_seen={"b": 19.0, "c": 2.0}
+    )
     assert decision.late == ("b",) and decision.dropped == ("c",)
     # Every member in: closed at once, whatever the window.
     acc = _accumulator(5, {m: ["k0", "k1"] for m in members})
@@ -350,7 +370,9 @@ def test_a_quorum_run_s_first_round_waits_for_every_expected_site_to_join():
     assert not shard.tick(now=first + 61.0)  # now the quorum's grace window starts
     assert shard.tick(now=first + 61.5) and shard.version == 1 and shard.last_round.late == ("b",)
     assert not first_round_waits(2, 1, 2, first, first + 1e6, None)  # only round 1 waits for joins
-    assert first_round_waits(1, 1, 2, first, first + 9.9, 10.0) and not first_round_waits(1, 1, 2, first, first + 10.0, 10.0)
+    assert first_round_waits(1, 1, 2, first, first + 9.9, 10.0) and not first_round_waits(
+        1, 1, 2, first, first + 10.0, 10.0
+    )
     with pytest.raises(ValueError):
         Shard(0, 1, RUN, min_clusters=2, expect_clusters=1)
 
@@ -418,14 +440,44 @@ def _start_shards(tmp_path, count: int, *flags: str) -> tuple[list[subprocess.Po
     procs, addresses = [], []
     for index in range(count):
         port_file = tmp_path / f"shard{index}.port"
-        argv = [sys.executable, "-m", "dilocox.common.cli", "server", "--num-shards", str(count), "--shard-index", str(index),
-                "--port", "0", "--port-file", str(port_file), "--run-id", RUN, "--outer-lr", str(LR), "--outer-momentum",
-                str(MOMENTUM), "--keep-serving", "--insecure", "--log-format", "json", *flags]  # fmt: skip
-        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=(tmp_path / f"shard{index}.log").open("w"),
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"}))  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "dilocox.common.cli",
+            "server",
+            "--num-shards",
+            str(count),
+            "--shard-index",
+            str(index),
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--run-id",
+            RUN,
+            "--outer-lr",
+            str(LR),
+            "--outer-momentum",
+            str(MOMENTUM),
+            "--keep-serving",
+            "--insecure",
+            "--log-format",
+            "json",
+            *flags,
+        ]
+        procs.append(
+            subprocess.Popen(
+                argv,
+                stdout=subprocess.DEVNULL,
+                stderr=(tmp_path / f"shard{index}.log").open("w"),
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        )
         deadline = time.monotonic() + 60
         while not port_file.exists():
-            assert procs[-1].poll() is None and time.monotonic() < deadline, (tmp_path / f"shard{index}.log").read_text()
+            assert procs[-1].poll() is None and time.monotonic() < deadline, (
+                tmp_path / f"shard{index}.log"
+            ).read_text()
             time.sleep(0.05)
         addresses.append(f"127.0.0.1:{port_file.read_text()}")
     return procs, addresses
@@ -441,7 +493,9 @@ def test_shard_processes_on_a_quorum_keep_a_4x_slower_fixed_h_site_in_and_equal_
         fast, slow = _sites_to_their_end(addresses, rounds, 6)
         assert [r.round for r in fast.reports] == list(range(1, rounds + 1))
         assert slow.reports and all(a.round < b.round for a, b in zip(slow.reports, slow.reports[1:]))
-        assert len(slow.reports) < rounds or any(r.late for r in slow.reports)  # it could not keep up, and did not stop the run
+        assert len(slow.reports) < rounds or any(
+            r.late for r in slow.reports
+        )  # it could not keep up, and did not stop the run
         assert fast.client.traffic.dropped_rounds == 0
         # The slow site may still be training when the shards publish the last version: that one round can go
         # nowhere (`late_work_not_delivered`). Nothing else of it is dropped.
@@ -456,19 +510,29 @@ def test_shard_processes_on_a_quorum_keep_a_4x_slower_fixed_h_site_in_and_equal_
         _stop(procs)
 
 
-@pytest.mark.xfail(strict=True, reason="known: a site slower than the grace window every round pushes to rounds closed by "
-                   "then; pushing to the shards' open round fixed it but a stalled site's run ended worse in 2 of 3 runs "
-                   "(global eval 1.066x, 1.136x the unstalled run's, against 0.966x, 0.985x before): docs/decisions.md")
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: a site slower than the grace window every round pushes to rounds closed by "
+    "then; pushing to the shards' open round fixed it but a stalled site's run ended worse in 2 of 3 runs "
+    "(global eval 1.066x, 1.136x the unstalled run's, against 0.966x, 0.985x before): docs/decisions.md",
+)
 def test_an_always_slower_site_pushes_to_the_round_the_shards_have_open_and_is_merged(shard_set):
     """A site slower than the quorum + grace every round once pushed each round's work to the round after
     the version it held — closed rounds ago by then — so its work was carried from refusal to refusal and
     never merged (a 3× slower site of three: 0 of 8 rounds, `dilocox status` ROUNDS MADE 0). Behind, it
     now asks the shards which round is open and pushes there, weighed by its age."""
-    shards = shard_set(1, "always-slower", min_clusters=1, outer_lr=LR, outer_momentum=MOMENTUM, grace_s=(0.1, 0.1), expect_clusters=2)
+    shards = shard_set(
+        1, "always-slower", min_clusters=1, outer_lr=LR, outer_momentum=MOMENTUM, grace_s=(0.1, 0.1), expect_clusters=2
+    )
     shard = shards.shards[0]
     trainer = ToyTrainer(1)
-    slow = DilocoCluster(trainer, AggregatorClient(shards.addresses, "always-slower", "slow", connect_timeout=10, rpc_timeout=30),
-                         rounds=10, inner_steps=1, delay=1)  # fmt: skip
+    slow = DilocoCluster(
+        trainer,
+        AggregatorClient(shards.addresses, "always-slower", "slow", connect_timeout=10, rpc_timeout=30),
+        rounds=10,
+        inner_steps=1,
+        delay=1,
+    )
     fast = AggregatorClient(shards.addresses, "always-slower", "fast", connect_timeout=10, rpc_timeout=30)
     try:
         slow.start()
@@ -476,7 +540,11 @@ def test_an_always_slower_site_pushes_to_the_round_the_shards_have_open_and_is_m
         fast.pull(min_version=0)
 
         def fast_round(r: int) -> None:
-            fast.push(r, 32.0, slice_tensors(fast.assignment, {n: 0.01 * torch.ones(p.shape) for n, p in trainer.named_parameters()}))
+            fast.push(
+                r,
+                32.0,
+                slice_tensors(fast.assignment, {n: 0.01 * torch.ones(p.shape) for n, p in trainer.named_parameters()}),
+            )
             shards.wait_version(r)
             fast.pull(min_version=r)
 

@@ -1,4 +1,5 @@
-"""The shards' update check (server/checks/update_check.py): figures from the payloads as they came, verdicts per site."""
+"""The shards' update check (server/checks/update_check.py): figures from the payloads as they came, verdicts per
+site."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import torch
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
 from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.server.checks.round_figures import inner, round_figures
-from dilocox.server.rounds.round_state import Contribution
 from dilocox.server.checks.update_check import UpdateCheck, UpdateCheckConfig
+from dilocox.server.rounds.round_state import Contribution
 
 KEYS = [SliceKey("w", 0, 48), SliceKey("b", 0, 32)]
 SHAPES = {KEYS[0]: (48, 40), KEYS[1]: (32,)}
@@ -26,13 +27,20 @@ def encoded(key: SliceKey, tensor: torch.Tensor, compressor: TensorCompressor | 
 
 def test_inner_products_through_low_rank_factors_equal_the_dense_ones():
     g = torch.Generator().manual_seed(0)
-    lowrank = TensorCompressor(CompressionConfig(rank_max=4, target_energy=0.99, min_lowrank_numel=16, error_feedback=False), seed=1)
+    lowrank = TensorCompressor(
+        CompressionConfig(rank_max=4, target_energy=0.99, min_lowrank_numel=16, error_feedback=False), seed=1
+    )
     a, b = torch.randn(48, 40, generator=g), torch.randn(48, 40, generator=g)
     ea, eb = encoded(KEYS[0], a, lowrank), encoded(KEYS[0], b, lowrank)
     assert ea.codec == "lowrank"
     da, db = ea.decode(), eb.decode()
     fa, fb = ea.decode_lazy().factors(), eb.decode_lazy().factors()
-    for x, y, want in ((fa, fb, (da * db).sum()), (fa, db, (da * db).sum()), (da, fb, (da * db).sum()), (fa, fa, (da * da).sum())):
+    for x, y, want in (
+        (fa, fb, (da * db).sum()),
+        (fa, db, (da * db).sum()),
+        (da, fb, (da * db).sum()),
+        (fa, fa, (da * da).sum()),
+    ):
         assert inner(x, y) == pytest.approx(float(want), rel=1e-4, abs=1e-4)
 
 
@@ -78,7 +86,9 @@ class Round:
             return torch.randn(SHAPES[k][0], 3, generator=self.g) @ torch.randn(3, SHAPES[k][1], generator=self.g)
         return torch.randn(SHAPES[k], generator=self.g)
 
-    def contributions(self, faults: dict[int, str | float] | None = None, replay: dict | None = None) -> tuple[dict, dict]:
+    def contributions(
+        self, faults: dict[int, str | float] | None = None, replay: dict | None = None
+    ) -> tuple[dict, dict]:
         faults = faults or {}
         # Pseudo-gradients are close to low rank (what the low-rank codec relies on) and the direction of
         # training persists from round to round: a rank-3 shared part, most of it the same every round.
@@ -107,12 +117,18 @@ def review(check: UpdateCheck, contributions: dict, weights: dict, previous: dic
     return {v.cluster: v for v in check.review(round_figures(contributions, previous, check.last_flagged))}
 
 
-def _pairwise(contributions: dict, previous: dict, skip: frozenset[str]) -> tuple[list[str], torch.Tensor, torch.Tensor, float]:
+def _pairwise(
+    contributions: dict, previous: dict, skip: frozenset[str]
+) -> tuple[list[str], torch.Tensor, torch.Tensor, float]:
     """The figures the slow way, pair by pair through `inner`: G, ⟨Δ_i, U⟩ and ‖U‖² (U without `skip`)."""
     from dilocox.server.checks.round_figures import _factors_or_dense
 
     sites = sorted({c for per in contributions.values() for c in per})
-    g, with_prev, prev_sq = torch.zeros(len(sites), len(sites), dtype=torch.float64), torch.zeros(len(sites), dtype=torch.float64), 0.0
+    g, with_prev, prev_sq = (
+        torch.zeros(len(sites), len(sites), dtype=torch.float64),
+        torch.zeros(len(sites), dtype=torch.float64),
+        0.0,
+    )
 
     def lazy(contribution: Contribution):  # noqa: ANN202 - in float64: the reference for figures formed in float64
         x = _factors_or_dense(contribution.slice.decode_lazy())
@@ -145,7 +161,10 @@ def test_a_rounds_figures_equal_the_pairwise_ones_and_take_no_python_call_per_pa
 
     sites = Round(n=24, lowrank=lowrank)
     first, _ = sites.contributions()
-    first = {k: {c: replace(x, weight=10.0 * (i + 1)) for i, (c, x) in enumerate(sorted(per.items()))} for k, per in first.items()}
+    first = {
+        k: {c: replace(x, weight=10.0 * (i + 1)) for i, (c, x) in enumerate(sorted(per.items()))}
+        for k, per in first.items()
+    }
     second, _ = sites.contributions()
     del second[KEYS[1]]["site5"]
     skip = frozenset({"site1"})
@@ -161,7 +180,9 @@ def test_a_rounds_figures_equal_the_pairwise_ones_and_take_no_python_call_per_pa
     assert calls == [] and (grams != []) == lowrank and figures.clusters == names
     tolerance = dict(rtol=1e-4, atol=1e-6) if lowrank else dict(rtol=1e-9, atol=1e-9)
     assert torch.allclose(figures.sq_norms, g.diagonal(), **tolerance)
-    assert torch.allclose(gw, g @ w, **tolerance) and wgw == pytest.approx(float(w @ g @ w), rel=1e-4 if lowrank else 1e-9)
+    assert torch.allclose(gw, g @ w, **tolerance) and wgw == pytest.approx(
+        float(w @ g @ w), rel=1e-4 if lowrank else 1e-9
+    )
     assert torch.allclose(figures.with_previous, want_prev, **tolerance)
     assert figures.previous_sq == pytest.approx(want_prev_sq, rel=1e-4 if lowrank else 1e-9) and figures.previous_sq > 0
 
@@ -182,7 +203,10 @@ def test_honest_rounds_raise_no_flag_and_each_fault_kind_is_caught(lowrank):
         verdicts = review(check, contributions, weights)
         # A size or a replay is left out at once; a direction alone once repeated (quarantine): one round's
         # cosine is noisy late in training.
-        assert reason in verdicts["site2"].reasons and verdicts["site2"].excluded == (fault != "sign"), (fault, verdicts["site2"])
+        assert reason in verdicts["site2"].reasons and verdicts["site2"].excluded == (fault != "sign"), (
+            fault,
+            verdicts["site2"],
+        )
         assert not any(verdicts[c].reasons for c in ("site0", "site1", "site3")), (fault, verdicts)
         if fault == "sign":
             again = review(check, *sites.contributions({2: fault}))["site2"]
@@ -230,7 +254,9 @@ def test_the_round_applies_a_clip_factor_to_the_sum_and_not_to_the_total():
     mean = weighted_mean(items, {"c": 0.25})
     want = (deltas["a"] * 10.0 + deltas["b"] * 20.0 + deltas["c"] * (30.0 * 0.25)) / 60.0
     assert torch.allclose(mean, want, atol=1e-6)
-    assert torch.equal(weighted_mean(items, {}), weighted_mean(items)) and torch.equal(weighted_mean(items, {"c": 1.0}), weighted_mean(items))
+    assert torch.equal(weighted_mean(items, {}), weighted_mean(items)) and torch.equal(
+        weighted_mean(items, {"c": 1.0}), weighted_mean(items)
+    )
     param = torch.randn(64, 8, generator=g)
     together = apply_round(items, OuterNesterov(0.7, 0.5), "k", param.clone(), decode_together=True, scales={"c": 0.25})
     alone = apply_round(items, OuterNesterov(0.7, 0.5), "k", param.clone(), decode_together=False, scales={"c": 0.25})
@@ -260,9 +286,13 @@ def test_an_update_whose_figures_overflow_is_flagged_and_leaves_the_others_figur
     # honest sites are measured against each other, not against it.
     contributions, weights = sites.contributions({1: "noise"})
     for k in KEYS:
-        contributions[k]["site1"] = Contribution("site1", 100.0, encoded(k, 1e6 * contributions[k]["site1"].slice.decode(), None))
+        contributions[k]["site1"] = Contribution(
+            "site1", 100.0, encoded(k, 1e6 * contributions[k]["site1"].slice.decode(), None)
+        )
     drowned = review(check, contributions, weights)
-    assert "outsized" in drowned["site1"].reasons and not any(drowned[c].reasons for c in ("site0", "site2", "site3")), drowned
+    assert "outsized" in drowned["site1"].reasons and not any(
+        drowned[c].reasons for c in ("site0", "site2", "site3")
+    ), drowned
     # The next round's reference leaves the flagged site out (it was merged in warn mode, say).
     nxt = review(check, sites.contributions()[0], weights, previous=contributions)  # site1's huge one, flagged
     assert not any(v.reasons for v in nxt.values()) and all(v.cosine_previous > 0.5 for v in nxt.values())
@@ -319,7 +349,9 @@ def test_with_two_sites_the_pair_is_compared_and_the_previous_update_only_breaks
     scaled = review(check, sites.contributions({0: "scale"})[0], weights, current)
     assert "outsized" in scaled["site0"].reasons and not scaled["site1"].reasons
     flipped = review(check, sites.contributions({1: "sign"})[0], weights, current)
-    assert flipped["site1"].reasons == ("disagrees", "against_previous") and not flipped["site1"].excluded  # until repeated
+    assert (
+        flipped["site1"].reasons == ("disagrees", "against_previous") and not flipped["site1"].excluded
+    )  # until repeated
     assert not flipped["site0"].reasons
     # Both sites turn together (a learning-rate or data-mix change): they agree with each other, so the
     # previous update, which both now point away from, flags neither.
@@ -342,7 +374,9 @@ def test_honest_sites_whose_rounds_point_in_unrelated_directions_are_all_merged_
         contributions, weights = sites.contributions()
         verdicts = review(check, contributions, weights, previous)
         assert not any(v.reasons or v.excluded or v.quarantined or v.scale != 1.0 for v in verdicts.values()), verdicts
-        lowest_previous = min([lowest_previous, *(v.cosine_previous for v in verdicts.values() if v.cosine_previous is not None)])
+        lowest_previous = min(
+            [lowest_previous, *(v.cosine_previous for v in verdicts.values() if v.cosine_previous is not None)]
+        )
         previous = contributions
     assert lowest_previous < 0  # the previous update was no guide: what the old check flagged on
 
@@ -395,7 +429,14 @@ def test_the_end_of_run_flush_is_not_judged_by_training_rules():
 
 
 def test_settings_are_checked():
-    for bad in ({"mode": "clamp"}, {"norm_ratio": 1.0}, {"min_cosine": 1.5}, {"quarantine_rounds": 0}, {"max_flagged": 0}, {"max_flagged": 1.5}):
+    for bad in (
+        {"mode": "clamp"},
+        {"norm_ratio": 1.0},
+        {"min_cosine": 1.5},
+        {"quarantine_rounds": 0},
+        {"max_flagged": 0},
+        {"max_flagged": 1.5},
+    ):
         with pytest.raises(ValueError):
             UpdateCheckConfig(**bad)
 
@@ -434,7 +475,12 @@ def test_real_shards_leave_a_faulty_site_out_and_every_replica_stays_bit_exact(s
         from dilocox.worker.status import site_rows
 
         rows = {row[0]: row[-1] for row in site_rows([{"sites": shard.status()["sites"]} for shard in shards.shards])}
-        assert rows == {"site0": "ok", "site1": "ok", "site2": "ok", "site3": "quarantined:3x:outsized@5"}  # `dilocox status`
+        assert rows == {
+            "site0": "ok",
+            "site1": "ok",
+            "site2": "ok",
+            "site3": "quarantined:3x:outsized@5",
+        }  # `dilocox status`
     finally:
         for c in clients:
             c.close()
@@ -458,8 +504,14 @@ def test_real_shards_clip_an_outsized_site_and_every_replica_stays_bit_exact(sha
             four_sites.play(clients, round_, faulty=round_ >= 3)
             for shard in shards.shards:  # clipped in round 3; flagged again in 4: quarantined, left out
                 assert shard.last_round.excluded == (("site3",) if round_ >= 4 else ()), (round_, shard.last_round)
-            steps.append(sum(float((shard.snapshot.tensors[k] - b[k]).norm() ** 2) for shard, b in zip(shards.shards, before)
-                             for k in b) ** 0.5)  # fmt: skip
+            steps.append(
+                sum(
+                    float((shard.snapshot.tensors[k] - b[k]).norm() ** 2)
+                    for shard, b in zip(shards.shards, before)
+                    for k in b
+                )
+                ** 0.5
+            )
             if round_ == 3:  # a shard restored from its checkpoint forwards the kept round with the same factors
                 _assert_restored_alike(shards.shards[0], tmp_path)
         for c in clients:
@@ -477,10 +529,12 @@ def test_real_shards_clip_an_outsized_site_and_every_replica_stays_bit_exact(sha
 
 
 def _assert_restored_alike(original, tmp_path) -> None:  # noqa: ANN001 - a server.shard.Shard
-    from dilocox.server.state import checkpoint
     from dilocox.server.shard import Shard
+    from dilocox.server.state import checkpoint
 
-    restored = Shard(original.shard_index, original.num_shards, original.run_id, update_check=original.update_check.config)
+    restored = Shard(
+        original.shard_index, original.num_shards, original.run_id, update_check=original.update_check.config
+    )
     checkpoint.restore(restored, checkpoint.load(checkpoint.save(original, tmp_path)))
     factors = lambda shard: {(k, c): x.scale for k, per in shard.snapshot.contributions.items() for c, x in per.items()}  # noqa: E731
     assert factors(restored) == factors(original) and any(f < 1 for f in factors(original).values())
@@ -505,20 +559,32 @@ def test_real_shards_merge_four_honest_sites_whose_rounds_are_unrelated_as_a_pla
             for round_ in range(1, 9):
                 four_sites.play(clients, round_, faulty=False, lasting=False)
                 for shard in shards.shards:
-                    assert shard.last_round.clusters == ("site0", "site1", "site2", "site3") and not shard.last_round.excluded, (round_, shard.last_round)
+                    assert (
+                        shard.last_round.clusters == ("site0", "site1", "site2", "site3")
+                        and not shard.last_round.excluded
+                    ), (round_, shard.last_round)
             for c in clients:
                 assert_replica_equals_shards(c, shards)
             if check != "off":
                 for shard in shards.shards:
-                    assert all(s["rounds_flagged"] == 0 and not s["quarantined"] for s in shard.status()["sites"]), shard.status()["sites"]
+                    assert all(s["rounds_flagged"] == 0 and not s["quarantined"] for s in shard.status()["sites"]), (
+                        shard.status()["sites"]
+                    )
                     assert shard.rounds_overruled == 0
-            runs[check] = [({k: t.clone() for k, t in s.snapshot.tensors.items()}, {k: t.clone() for k, t in s.optimizer.buffers.items()})
-                           for s in shards.shards]  # fmt: skip
+            runs[check] = [
+                (
+                    {k: t.clone() for k, t in s.snapshot.tensors.items()},
+                    {k: t.clone() for k, t in s.optimizer.buffers.items()},
+                )
+                for s in shards.shards
+            ]
         finally:
             for c in clients:
                 c.close()
     for (weights, momentum), (plain_weights, plain_momentum) in zip(runs[mode], runs["off"]):
-        assert weights.keys() == plain_weights.keys() and all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+        assert weights.keys() == plain_weights.keys() and all(
+            torch.equal(weights[k], plain_weights[k]) for k in weights
+        )
         assert all(torch.equal(momentum[k], plain_momentum[k]) for k in momentum)
 
 
@@ -526,9 +592,9 @@ def test_real_shards_weigh_an_inflated_token_claim_at_a_multiple_of_the_others_a
     """Tokens are a claim. A site saying 1000× the others' tokens weighs 4× their median (the
     round record keeps both: said and used), its claim cannot make it "the others" for the honest sites
     (one vote a site), and once it pushes its update negated it alone is flagged, and left out when that repeats."""
+    from dilocox.worker.exchange.cluster import slice_tensors
     from tests import four_sites
     from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
-    from dilocox.worker.exchange.cluster import slice_tensors
 
     shards = shard_set(2, "run-downlink", min_clusters=4, update_check=UpdateCheckConfig(mode="exclude"))
     clients = [client(shards.addresses, f"site{i}") for i in range(4)]
@@ -569,7 +635,9 @@ def test_clip_factors_bound_each_site_by_the_other_sites_median_norm():
     assert clip_factors({"a": 1.0, "b": 1.2, "c": 0.9, "d": 1.5}, 2.0) == {}  # honest spread: nobody clipped
     assert clip_factors({"a": 1.0, "b": 1.2, "c": 0.9, "big": 9.5}, 2.0) == {"big": pytest.approx(2.0 / 9.5)}
     assert clip_factors({"a": 1.0, "big": 9.5}, 2.0) == {"big": pytest.approx(2.0 / 9.5)}  # two sites: the other's norm
-    assert clip_factors({"a": 1.0, "inf": float("inf")}, 2.0) == {"inf": 0.0} and clip_factors({"alone": 50.0}, 2.0) == {}
+    assert (
+        clip_factors({"a": 1.0, "inf": float("inf")}, 2.0) == {"inf": 0.0} and clip_factors({"alone": 50.0}, 2.0) == {}
+    )
     with pytest.raises(ValueError):
         AggregateConfig("median")
     with pytest.raises(ValueError):
@@ -581,15 +649,20 @@ def test_real_shards_clipped_mean_bounds_a_site_under_the_checks_bounds_and_repl
     mean's step (3 + 6) / 4 = 2.25 honest ones; under --aggregate clipped-mean each shard scales it to 2× the
     others' median (1.25), forwards the factor (the round record says it), and every replica equals its
     shards' bit for bit."""
-    from tests import four_sites
-    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
     from dilocox.server.checks.robust_mean import AggregateConfig
     from dilocox.worker.exchange.cluster import slice_tensors
+    from tests import four_sites
+    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
 
     steps = {}
     for rule in ("mean", "clipped-mean"):
-        shards = shard_set(2, "run-downlink", min_clusters=4, update_check=UpdateCheckConfig(mode="exclude"),
-                           aggregate=AggregateConfig(rule))  # fmt: skip
+        shards = shard_set(
+            2,
+            "run-downlink",
+            min_clusters=4,
+            update_check=UpdateCheckConfig(mode="exclude"),
+            aggregate=AggregateConfig(rule),
+        )
         clients = [client(shards.addresses, f"site{i}") for i in range(4)]
         try:
             four_sites.start(clients)
@@ -604,9 +677,18 @@ def test_real_shards_clipped_mean_bounds_a_site_under_the_checks_bounds_and_repl
                     c.push(round_, 100.0, slice_tensors(c.assignment, delta))
                 for c in clients:
                     assert c.pull(round_, wait_seconds=10)[0] == round_
-                norms.append(sum(float((s.snapshot.tensors[k] - b[k]).norm() ** 2) for s, b in zip(shards.shards, before) for k in b) ** 0.5)
+                norms.append(
+                    sum(
+                        float((s.snapshot.tensors[k] - b[k]).norm() ** 2)
+                        for s, b in zip(shards.shards, before)
+                        for k in b
+                    )
+                    ** 0.5
+                )
                 for shard in shards.shards:
-                    assert not shard.last_round.excluded and not any(s["rounds_flagged"] for s in shard.status()["sites"])
+                    assert not shard.last_round.excluded and not any(
+                        s["rounds_flagged"] for s in shard.status()["sites"]
+                    )
                     scales = {s["cluster"]: s.get("scale") for s in shard.chain.entries[-1]["sites"]}
                     if rule == "clipped-mean":
                         assert scales["site3"] is not None and 0.25 < scales["site3"] < 0.45, scales
@@ -646,8 +728,8 @@ def test_real_shards_count_a_site_copying_anothers_update_once(shard_set):
     """Site3 pushes site1's update byte for byte every round (free-riding). Under exclude nobody is
     flagged or left out, the two weigh 50 + 50 tokens instead of 100 + 100 (the round record says so),
     replicas stay bit-exact, and the weights end as a run without the copier ends (to rounding)."""
-    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
     from dilocox.worker.exchange.cluster import slice_tensors
+    from tests.test_downlink import PARAMS, assert_replica_equals_shards, client, low_rank_delta
 
     def run(copier: bool) -> list[dict]:
         sites = 4 if copier else 3
@@ -668,7 +750,9 @@ def test_real_shards_count_a_site_copying_anothers_update_once(shard_set):
                 for c in clients:
                     assert c.pull(round_, wait_seconds=10)[0] == round_
                 for shard in shards.shards:
-                    assert not shard.last_round.excluded and not any(s["rounds_flagged"] for s in shard.status()["sites"])
+                    assert not shard.last_round.excluded and not any(
+                        s["rounds_flagged"] for s in shard.status()["sites"]
+                    )
                     if copier:
                         used = {s["cluster"]: s["weight"] for s in shard.chain.entries[-1]["sites"]}
                         assert used == {"site0": 100.0, "site1": 50.0, "site2": 100.0, "site3": 50.0}, used

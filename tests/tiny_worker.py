@@ -8,18 +8,46 @@ import subprocess
 import sys
 import time
 
-TINY_MODEL = ("--n-layer", "1", "--n-embd", "32", "--block-size", "32", "--inner-batch-size", "4", "--eval-batches", "1")
+TINY_MODEL = (
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "32",
+    "--inner-batch-size",
+    "4",
+    "--eval-batches",
+    "1",
+)
 
 
 def worker_argv(addresses: list[str], run_id: str, *flags: str) -> list[str]:
     """`dilocox worker` against `addresses` in run `run_id`, with the tiny model and `flags` (rounds, H, layout…)."""
-    return [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", ",".join(addresses), "--run-id", run_id,
-            *TINY_MODEL, "--threads", "1", "--insecure", "--log-format", "json", *flags]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "worker",
+        "--servers",
+        ",".join(addresses),
+        "--run-id",
+        run_id,
+        *TINY_MODEL,
+        "--threads",
+        "1",
+        "--insecure",
+        "--log-format",
+        "json",
+        *flags,
+    ]
 
 
 def tiny_worker(addresses: list[str], run_id: str, *flags: str) -> subprocess.Popen:
     """A tiny worker process (`worker_argv`), its stderr (the JSON log) piped to read back."""
-    return subprocess.Popen(worker_argv(addresses, run_id, *flags), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        worker_argv(addresses, run_id, *flags), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def stop_once_at(proc: subprocess.Popen, shard, version: int, timeout_s: float = 120.0) -> None:  # noqa: ANN001 - a Shard

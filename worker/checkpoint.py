@@ -29,7 +29,8 @@ round the shards have not got. `--resume` takes the newest committed one; older 
 `COMMITTED` carries the checkpoint's integrity: a JSON manifest of every file's size, written by rank 0
 once every rank's part is on disk, and every rank's seal of the SHA-256 of what it wrote, hashed in a
 thread of its own (worker/checkpoint_manifest.py: the ranks hash in parallel, none re-reads the whole
-checkpoint, and pruning never waits for a hash). `--resume` checks them before loading; a damaged newest checkpoint is moved
+checkpoint, and pruning never waits for a hash). `--resume` checks them before loading; a damaged newest checkpoint is
+moved
 aside (`round-NNNNNN.refused-<date>`) and the next intact committed one is used, with a warning — where the
 site would be had it been stopped a round or two earlier: the shards tell it which round to train. A
 `COMMITTED` from before the manifest (the round number) is taken as unverified; an empty one is no commit
@@ -68,9 +69,16 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dilocox.common.atomic_file import write_text_atomic
 from dilocox.common.wire.compression import TensorCompressor
-from dilocox.worker.exchange.packed_state import compressor_state_by_name, pack, restore_compressor_state, unpack
-from dilocox.worker.checkpoint_staging import SAVE_ERRORS, first_line, reusable_stager, settled, tensor_bytes, written_once
 from dilocox.worker.checkpoint_manifest import COMMITTED, REPLICA_FILE_PREFIX, commit_record, seal, verify
+from dilocox.worker.checkpoint_staging import (
+    SAVE_ERRORS,
+    first_line,
+    reusable_stager,
+    settled,
+    tensor_bytes,
+    written_once,
+)
+from dilocox.worker.exchange.packed_state import compressor_state_by_name, pack, restore_compressor_state, unpack
 from dilocox.worker.exchange.replica_state import read_replica, write_replica
 from dilocox.worker.train.light_adamw import optimizer_state_of
 
@@ -85,9 +93,20 @@ SEAL_WAIT_S = 600.0  # how long a rank's sealer waits for rank 0's COMMITTED of 
 
 
 class SiteCheckpoint:
-    def __init__(self, directory: str | os.PathLike, cluster: str, every: int = 1, keep: int = 2,
-                 rank: int = 0, replica: int = 0, group: dist.ProcessGroup | None = None, staging: str = "async",
-                 pinned: bool = False, every_s: float = 0.0, agreement_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        cluster: str,
+        every: int = 1,
+        keep: int = 2,
+        rank: int = 0,
+        replica: int = 0,
+        group: dist.ProcessGroup | None = None,
+        staging: str = "async",
+        pinned: bool = False,
+        every_s: float = 0.0,
+        agreement_group: dist.ProcessGroup | None = None,
+    ) -> None:
         """`rank`: this process's rank in the site (rank 0 commits and prunes); `replica`: which data
         replica it trains; `group`: the site's checkpoint group (None: one process, no collectives).
         `staging`: "async" (staged into kept host buffers, `pinned` where a GPU copies into them, written in
@@ -132,15 +151,25 @@ class SiteCheckpoint:
         return {
             "model": written_once(get_model_state_dict(module)),
             "optim": written_once(get_optimizer_state_dict(module, optimizer, options=OPTIM_OPTIONS)),
-            "progress": {"step": int(trainer.step), "tokens_seen": int(trainer.tokens_seen),
-                         "optimizer_state": optimizer_state_of(optimizer),
-                         "eval_best": float(getattr(trainer, "eval_best", math.inf))},  # the loss watch's best  # fmt: skip
+            "progress": {
+                "step": int(trainer.step),
+                "tokens_seen": int(trainer.tokens_seen),
+                "optimizer_state": optimizer_state_of(optimizer),
+                "eval_best": float(getattr(trainer, "eval_best", math.inf)),
+            },  # the loss watch's best
             "data": {f"replica{self.replica}": pack(trainer.sampler.state_dict())},
             "exchange": exchange,
         }
 
-    def capture(self, round_: int, trainer, compressor: TensorCompressor | None, names: list[str],  # noqa: ANN001
-                always: bool = False, client=None) -> None:  # noqa: ANN001  # fmt: skip
+    def capture(
+        self,
+        round_: int,
+        trainer,
+        compressor: TensorCompressor | None,
+        names: list[str],  # noqa: ANN001
+        always: bool = False,
+        client=None,
+    ) -> None:  # noqa: ANN001
         """Start saving the state round `round_` ends with (every `every` rounds, or `always`: the end-of-run
         flush's, which a run extended later resumes from); collective in a site. Returns once the state
         is staged in host memory; the write goes on in the background. `client`: its replica of the
@@ -164,8 +193,13 @@ class SiteCheckpoint:
                 done.set_result(None)
             else:
                 self._stager = self._stager or reusable_stager(self.pinned)
-                self._pending[round_] = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group,
-                                                       no_dist=self.group is None, async_stager=self._stager)  # fmt: skip
+                self._pending[round_] = dcp.async_save(
+                    state,
+                    checkpoint_id=str(path),
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                    async_stager=self._stager,
+                )
         except SAVE_ERRORS as error:  # DCP's planning is collective: every rank of the site is here
             self._failed(round_, error)
             return
@@ -173,8 +207,14 @@ class SiteCheckpoint:
             self._writer = self._writer or ThreadPoolExecutor(1, thread_name_prefix="checkpoint-replica")
             self._replicas[round_] = self._writer.submit(self._write_replica, path, client, list(names))
         self.staged_bytes = tensor_bytes(state) if self.staging == "async" else 0
-        log.info("worker_checkpoint_staged", round=round_, path=str(path), staging=self.staging, staged_bytes=self.staged_bytes,
-                 seconds=round(time.perf_counter() - started, 3))  # fmt: skip
+        log.info(
+            "worker_checkpoint_staged",
+            round=round_,
+            path=str(path),
+            staging=self.staging,
+            staged_bytes=self.staged_bytes,
+            seconds=round(time.perf_counter() - started, 3),
+        )
 
     def _due(self, round_: int) -> bool:
         """Whether round `round_`'s boundary takes a checkpoint: every `every` rounds, or with `every_s`
@@ -226,8 +266,13 @@ class SiteCheckpoint:
         resume takes the newest committed checkpoint. Rank 0 removes what was written of this one once
         every rank is past it."""
         path = self.path_of(round_)
-        log.error("worker_checkpoint_failed", round=round_, path=str(path), error=first_line(error),
-                  effect="training goes on; this round is not saved, a resume takes the newest committed checkpoint")  # fmt: skip
+        log.error(
+            "worker_checkpoint_failed",
+            round=round_,
+            path=str(path),
+            error=first_line(error),
+            effect="training goes on; this round is not saved, a resume takes the newest committed checkpoint",
+        )
         if self.group is not None:
             dist.barrier(group=self.group)
         if self.rank == 0:
@@ -243,12 +288,22 @@ class SiteCheckpoint:
             write_text_atomic(path / COMMITTED, json.dumps(record, indent=1) + "\n", durable=True)
             self._prune(round_)
         except OSError as error:  # uncommitted, so no resume would take it: its space is given back
-            log.error("worker_checkpoint_commit_failed", round=round_, path=str(path), error=first_line(error),
-                      effect="training goes on; this round is not saved, a resume takes the newest committed checkpoint")  # fmt: skip
+            log.error(
+                "worker_checkpoint_commit_failed",
+                round=round_,
+                path=str(path),
+                error=first_line(error),
+                effect="training goes on; this round is not saved, a resume takes the newest committed checkpoint",
+            )
             shutil.rmtree(path, ignore_errors=True)
             return
-        log.info("worker_checkpoint_saved", round=round_, path=str(path), files=len(record["files"]),
-                 bytes=sum(f["bytes"] for f in record["files"].values()))  # fmt: skip
+        log.info(
+            "worker_checkpoint_saved",
+            round=round_,
+            path=str(path),
+            files=len(record["files"]),
+            bytes=sum(f["bytes"] for f in record["files"].values()),
+        )
 
     def _seal(self, round_: int) -> None:
         """Every rank, in the sealer thread: hash the files it wrote into its seal, once rank 0's `COMMITTED`
@@ -267,8 +322,13 @@ class SiteCheckpoint:
         except OSError as error:
             log.warning("worker_checkpoint_seal_failed", round=round_, path=str(path), error=first_line(error))
             return
-        log.info("worker_checkpoint_sealed", round=round_, files=len(record["files"]), bytes=sum(f["bytes"] for f in record["files"].values()),
-                 hash_seconds=round(time.perf_counter() - started, 3))  # fmt: skip
+        log.info(
+            "worker_checkpoint_sealed",
+            round=round_,
+            files=len(record["files"]),
+            bytes=sum(f["bytes"] for f in record["files"].values()),
+            hash_seconds=round(time.perf_counter() - started, 3),
+        )
 
     def _wait_sealed(self) -> None:
         for future in self._sealing:
@@ -294,9 +354,13 @@ class SiteCheckpoint:
         the commits."""
         self._wait_all()
         for round_ in sorted(self._pending):
-            log.warning("worker_checkpoint_uncommitted", round=round_, path=str(self.path_of(round_)),
-                        reason="written, but its round's exchange did not reach the shards before the stop: a resume "
-                               "takes the newest committed one, and the shards say which round to train")  # fmt: skip
+            log.warning(
+                "worker_checkpoint_uncommitted",
+                round=round_,
+                path=str(self.path_of(round_)),
+                reason="written, but its round's exchange did not reach the shards before the stop: a resume "
+                "takes the newest committed one, and the shards say which round to train",
+            )
         self._pending.clear()
         self._replicas.clear()
         self._wait_sealed()
@@ -341,15 +405,25 @@ class SiteCheckpoint:
                 return "missing", None
             return "damaged", "; ".join(f"{self.path_of(r).name}: {p}" for r, p in refused)
         if not checked:
-            log.warning("worker_checkpoint_unverified", round=round_, path=str(self.path_of(round_)),
-                        reason=f"its {COMMITTED} predates the manifest: nothing to check it against")  # fmt: skip
+            log.warning(
+                "worker_checkpoint_unverified",
+                round=round_,
+                path=str(self.path_of(round_)),
+                reason=f"its {COMMITTED} predates the manifest: nothing to check it against",
+            )
         for bad, problem in refused:
             folder = self.path_of(bad)
             aside = folder.with_name(f"{folder.name}.refused-{time.strftime('%Y%m%d-%H%M%S')}")
             os.replace(folder, aside)
-            log.warning("worker_checkpoint_fallback", refused=str(folder), reason=problem, moved_to=str(aside), used=round_,
-                        path=str(self.path_of(round_)),
-                        note="an older round, as if stopped earlier: the shards say which round to train")  # fmt: skip
+            log.warning(
+                "worker_checkpoint_fallback",
+                refused=str(folder),
+                reason=problem,
+                moved_to=str(aside),
+                used=round_,
+                path=str(self.path_of(round_)),
+                note="an older round, as if stopped earlier: the shards say which round to train",
+            )
         return "ok", round_
 
     def _check_optimizer_state(self, path: pathlib.Path, saved: set[str], wanted: str) -> None:
@@ -359,9 +433,11 @@ class SiteCheckpoint:
         if "progress.optimizer_state" in saved:
             dcp.load(kept, checkpoint_id=str(path), process_group=self.group, no_dist=self.group is None)
         if kept["progress"]["optimizer_state"] != wanted:
-            raise ValueError(f"{path} keeps AdamW's moments as {kept['progress']['optimizer_state']}, and this site is configured "
-                             f"for {wanted}: resume with --optimizer-state {kept['progress']['optimizer_state']} (a run's "
-                             "optimizer state is not converted in place)")  # fmt: skip
+            raise ValueError(
+                f"{path} keeps AdamW's moments as {kept['progress']['optimizer_state']}, and this site is configured "
+                f"for {wanted}: resume with --optimizer-state {kept['progress']['optimizer_state']} (a run's "
+                "optimizer state is not converted in place)"
+            )
 
     def restore(self, trainer, compressor: TensorCompressor | None, names: list[str], client=None) -> int:  # noqa: ANN001
         """Load the newest committed checkpoint into `trainer` and `compressor` (this rank's `names`), and
@@ -380,9 +456,14 @@ class SiteCheckpoint:
             chosen = box[0]
         kind, round_ = chosen
         if kind == "missing":
-            legacy = sorted(self.root.parent.glob(f"worker-{self.root.name}-rank*.pt")) if self.root.parent.is_dir() else []
-            hint = (f"; {legacy[0].name} was written by an older dilocox and cannot be resumed: start without --resume"
-                    if legacy else "")  # fmt: skip
+            legacy = (
+                sorted(self.root.parent.glob(f"worker-{self.root.name}-rank*.pt")) if self.root.parent.is_dir() else []
+            )
+            hint = (
+                f"; {legacy[0].name} was written by an older dilocox and cannot be resumed: start without --resume"
+                if legacy
+                else ""
+            )
             raise FileNotFoundError(f"no committed worker checkpoint under {self.root}{hint}")
         if kind == "damaged":
             raise ValueError(f"no intact committed worker checkpoint under {self.root}: {round_}")
@@ -413,7 +494,9 @@ class SiteCheckpoint:
             except ValueError as error:  # another split of the data (another --dp or --num-clusters)
                 reason = str(error)
         if reason:
-            log.warning("data_position_reset", round=round_, replica=self.replica, reason=f"{reason}: its data starts over")
+            log.warning(
+                "data_position_reset", round=round_, replica=self.replica, reason=f"{reason}: its data starts over"
+            )
         missing = [n for n in names if n not in state["exchange"]]
         if compressor is not None:
             restore_compressor_state(compressor, state["exchange"], names)
@@ -421,9 +504,17 @@ class SiteCheckpoint:
                 log.warning("compressor_state_missing", round=round_, parameters=len(missing), example=missing[0])
         replica_slices = 0
         if client is not None:  # the files of every rank: another layout's owner of a name may have written it
-            replica_slices = client.restore_replica_slices(read_replica(sorted(path.glob(f"{REPLICA_FILE_PREFIX}*.pt")), names), names)
-        log.info("worker_checkpoint_restored", round=round_, path=str(path), step=trainer.step, replica_slices=replica_slices,
-                 eval_best=getattr(trainer, "eval_best", None))  # fmt: skip
+            replica_slices = client.restore_replica_slices(
+                read_replica(sorted(path.glob(f"{REPLICA_FILE_PREFIX}*.pt")), names), names
+            )
+        log.info(
+            "worker_checkpoint_restored",
+            round=round_,
+            path=str(path),
+            step=trainer.step,
+            replica_slices=replica_slices,
+            eval_best=getattr(trainer, "eval_best", None),
+        )
         return round_
 
 
@@ -436,5 +527,9 @@ def read_progress(path: str | os.PathLike) -> dict:
     state = {"progress": {"step": 0, "tokens_seen": 0}, "data": {r: b"" for r in replicas}}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     match = _ROUND_DIR.match(path.name)
-    return {"round": int(match.group(1)) if match else None, "committed": (path / COMMITTED).exists(),
-            **state["progress"], "data": {r: unpack(v) for r, v in state["data"].items()}}  # fmt: skip
+    return {
+        "round": int(match.group(1)) if match else None,
+        "committed": (path / COMMITTED).exists(),
+        **state["progress"],
+        "data": {r: unpack(v) for r, v in state["data"].items()},
+    }

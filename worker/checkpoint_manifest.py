@@ -51,7 +51,9 @@ def sha256_of(path: pathlib.Path) -> str:
 
 def _listed(folder: pathlib.Path) -> list[pathlib.Path]:
     """The folder's files but its markers (`COMMITTED`, the seals)."""
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != COMMITTED and not p.name.startswith(SEAL_PREFIX))
+    return sorted(
+        p for p in folder.rglob("*") if p.is_file() and p.name != COMMITTED and not p.name.startswith(SEAL_PREFIX)
+    )
 
 
 def own_files(folder: pathlib.Path, rank: int) -> list[pathlib.Path]:
@@ -64,7 +66,10 @@ def own_files(folder: pathlib.Path, rank: int) -> list[pathlib.Path]:
 
 def seal(folder: pathlib.Path, round_: int, rank: int) -> dict:
     """Hash this rank's files of the checkpoint and write its seal (atomically); returns the record."""
-    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in own_files(folder, rank)}
+    files = {
+        p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_of(p)}
+        for p in own_files(folder, rank)
+    }
     record = {"format": SEAL_FORMAT, "round": round_, "rank": rank, "files": files}
     write_text_atomic(folder / seal_name(rank), json.dumps(record, indent=1) + "\n", durable=True)
     return record
@@ -116,6 +121,10 @@ def verify(folder: pathlib.Path, round_: int) -> tuple[bool, str | None]:
         if name in hashes and sha256_of(path) != hashes[name]:
             return True, f"{name} does not match its SHA-256"
     if unsealed:
-        log.warning("worker_checkpoint_partly_verified", path=str(folder), unsealed=unsealed,
-                    reason="those ranks stopped before they had hashed their part: its files are checked by size only")  # fmt: skip
+        log.warning(
+            "worker_checkpoint_partly_verified",
+            path=str(folder),
+            unsealed=unsealed,
+            reason="those ranks stopped before they had hashed their part: its files are checked by size only",
+        )
     return True, None

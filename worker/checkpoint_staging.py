@@ -47,7 +47,9 @@ def _replica_copy(value: object) -> bool:
     if not isinstance(value, DTensor):
         return False
     coordinate = value.device_mesh.get_coordinate()
-    return coordinate is not None and any(isinstance(p, Replicate) and coordinate[dim] != 0 for dim, p in enumerate(value.placements))
+    return coordinate is not None and any(
+        isinstance(p, Replicate) and coordinate[dim] != 0 for dim, p in enumerate(value.placements)
+    )
 
 
 def reusable_stager(pinned: bool) -> DefaultStager:
@@ -55,8 +57,11 @@ def reusable_stager(pinned: bool) -> DefaultStager:
     a GPU copies into them and CUDA is there. Staging itself stays synchronous (the boundary returns once
     the state is copied), the write goes on in DCP's thread."""
     pinned = pinned and torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=False))  # fmt: skip
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
 
 
 def tensor_bytes(state: object) -> int:

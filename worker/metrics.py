@@ -25,23 +25,37 @@ if TYPE_CHECKING:
 class _ExchangeCollector(Collector):
     """Counters the aggregator client keeps (its traffic, its replay check, its carry), read at scrape time."""
 
-    def __init__(self, client: "AggregatorClient") -> None:
+    def __init__(self, client: AggregatorClient) -> None:
         self.client = client
 
     def collect(self):  # noqa: ANN201 - prometheus_client protocol
         traffic = self.client.traffic
-        yield CounterMetricFamily("dilocox_bytes_pushed", "Bytes this rank pushed to the shards (gRPC message bytes)",
-                                  value=traffic.bytes_up)  # fmt: skip
-        yield CounterMetricFamily("dilocox_bytes_pulled", "Bytes this rank pulled from the shards (gRPC message bytes)",
-                                  value=traffic.bytes_down)  # fmt: skip
-        yield CounterMetricFamily("dilocox_replay_mismatches", "Replays of the outer step that differed from a shard's "
-                                  "state digest (each followed by a full pull)", value=self.client.replay_check.mismatches)  # fmt: skip
-        yield CounterMetricFamily("dilocox_carried_elements", "Pseudo-gradient elements a shard closed its round without, "
-                                  "delivered with the next round", value=self.client.carry.elements)  # fmt: skip
-        yield CounterMetricFamily("dilocox_dropped_local_rounds", "Local rounds trained and then discarded on a rejoin",
-                                  value=traffic.dropped_rounds)  # fmt: skip
-        yield CounterMetricFamily("dilocox_dropped_local_tokens", "Tokens of the discarded local rounds",
-                                  value=traffic.dropped_tokens)  # fmt: skip
+        yield CounterMetricFamily(
+            "dilocox_bytes_pushed", "Bytes this rank pushed to the shards (gRPC message bytes)", value=traffic.bytes_up
+        )
+        yield CounterMetricFamily(
+            "dilocox_bytes_pulled",
+            "Bytes this rank pulled from the shards (gRPC message bytes)",
+            value=traffic.bytes_down,
+        )
+        yield CounterMetricFamily(
+            "dilocox_replay_mismatches",
+            "Replays of the outer step that differed from a shard's state digest (each followed by a full pull)",
+            value=self.client.replay_check.mismatches,
+        )
+        yield CounterMetricFamily(
+            "dilocox_carried_elements",
+            "Pseudo-gradient elements a shard closed its round without, delivered with the next round",
+            value=self.client.carry.elements,
+        )
+        yield CounterMetricFamily(
+            "dilocox_dropped_local_rounds",
+            "Local rounds trained and then discarded on a rejoin",
+            value=traffic.dropped_rounds,
+        )
+        yield CounterMetricFamily(
+            "dilocox_dropped_local_tokens", "Tokens of the discarded local rounds", value=traffic.dropped_tokens
+        )
 
 
 class _Labelled(Collector):
@@ -56,7 +70,9 @@ class _Labelled(Collector):
         for family in self.inner.collect():
             labelled = Metric(family.name, family.documentation, family.type, family.unit)
             for sample in family.samples:
-                labelled.add_sample(sample.name, {**self.labels, **sample.labels}, sample.value, sample.timestamp, sample.exemplar)
+                labelled.add_sample(
+                    sample.name, {**self.labels, **sample.labels}, sample.value, sample.timestamp, sample.exemplar
+                )
             yield labelled
 
 
@@ -65,8 +81,13 @@ class WorkerMetrics:
     `run_id` and `cluster`, when given, label every sample (`run`, `cluster`: the label the shards' per-site
     metrics use)."""
 
-    def __init__(self, client: "AggregatorClient | None" = None, registry: CollectorRegistry | None = None,
-                 run_id: str = "", cluster: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        client: AggregatorClient | None = None,
+        registry: CollectorRegistry | None = None,
+        run_id: str = "",
+        cluster: str = "",
+    ) -> None:
         labels = {k: v for k, v in (("run", run_id), ("cluster", cluster)) if v}
         self.registry = registry if registry is not None else CollectorRegistry()
         r = CollectorRegistry() if labels else self.registry  # the metrics themselves; served through the labels
@@ -80,25 +101,47 @@ class WorkerMetrics:
         self.train_loss = Gauge("dilocox_train_loss", "Mean training loss of the last round's inner steps", registry=r)
         self.eval_loss = Gauge("dilocox_eval_loss", "Held-out loss after the last round", registry=r)
         self.compute_seconds = Counter("dilocox_compute_seconds", "Seconds spent in inner steps", registry=r)
-        self.idle_seconds = Counter("dilocox_idle_seconds", "Seconds the trainer blocked waiting for the network", registry=r)
-        self.comm_seconds = Counter("dilocox_exchange_seconds", "Seconds the rounds' push and pull took (hidden or not)", registry=r)
-        self.round_inner_steps = Gauge("dilocox_round_inner_steps", "H of the last round (time-boxed rounds set it per site)", registry=r)
-        self.late_rounds = Counter("dilocox_late_rounds", "Rounds a shard closed without this site's push (quorum + grace): "
-                                   "that part went with the next push", registry=r)  # fmt: skip
-        self.residual_norm = Gauge("dilocox_error_feedback_residual_norm",
-                                   "L2 norm of what compression still holds back (error-feedback residuals)", registry=r)  # fmt: skip
-        self.eval_to_best = Gauge("dilocox_eval_loss_to_best_ratio", "The last round's eval loss over the best before it "
-                                  "(> 1.5: a spike, worker/exchange/loss_watch.py; +Inf: not finite)", registry=r)  # fmt: skip
-        self.rising_rounds = Gauge("dilocox_eval_loss_rising_rounds", "Rounds in a row the eval loss has been over 1.1× its "
-                                   "best (≥ 3: loss_rising, worker/exchange/loss_watch.py)", registry=r)  # fmt: skip
-        self.nonfinite = Counter("dilocox_nonfinite_losses", "Rounds whose train or eval loss was not finite", registry=r)
+        self.idle_seconds = Counter(
+            "dilocox_idle_seconds", "Seconds the trainer blocked waiting for the network", registry=r
+        )
+        self.comm_seconds = Counter(
+            "dilocox_exchange_seconds", "Seconds the rounds' push and pull took (hidden or not)", registry=r
+        )
+        self.round_inner_steps = Gauge(
+            "dilocox_round_inner_steps", "H of the last round (time-boxed rounds set it per site)", registry=r
+        )
+        self.late_rounds = Counter(
+            "dilocox_late_rounds",
+            "Rounds a shard closed without this site's push (quorum + grace): that part went with the next push",
+            registry=r,
+        )
+        self.residual_norm = Gauge(
+            "dilocox_error_feedback_residual_norm",
+            "L2 norm of what compression still holds back (error-feedback residuals)",
+            registry=r,
+        )
+        self.eval_to_best = Gauge(
+            "dilocox_eval_loss_to_best_ratio",
+            "The last round's eval loss over the best before it "
+            "(> 1.5: a spike, worker/exchange/loss_watch.py; +Inf: not finite)",
+            registry=r,
+        )
+        self.rising_rounds = Gauge(
+            "dilocox_eval_loss_rising_rounds",
+            "Rounds in a row the eval loss has been over 1.1× its "
+            "best (≥ 3: loss_rising, worker/exchange/loss_watch.py)",
+            registry=r,
+        )
+        self.nonfinite = Counter(
+            "dilocox_nonfinite_losses", "Rounds whose train or eval loss was not finite", registry=r
+        )
         self.train_loss.set(math.nan)
         self.eval_loss.set(math.nan)
         self.eval_to_best.set(math.nan)
         if client is not None:
             r.register(_ExchangeCollector(client))
 
-    def observe_round(self, report: "RoundReport", inner_steps: int, version: int) -> None:
+    def observe_round(self, report: RoundReport, inner_steps: int, version: int) -> None:
         self.rounds.inc()
         self.inner_steps.inc(inner_steps)
         self.round_inner_steps.set(inner_steps)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 
 class RoundProgress:
@@ -19,7 +20,9 @@ class RoundProgress:
         import tqdm
 
         self.last_eval: float | None = None
-        self.bar = tqdm.tqdm(total=total_rounds, desc=cluster, unit="round", file=stream or sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm.tqdm(
+            total=total_rounds, desc=cluster, unit="round", file=stream or sys.stderr, dynamic_ncols=True
+        )
 
     def __call__(self, report, inner_steps: int, version: int) -> None:  # noqa: ANN001 - a cluster.RoundReport
         if not math.isnan(report.eval_loss):  # rounds without an evaluation keep showing the last one
@@ -30,7 +33,7 @@ class RoundProgress:
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(max(0, report.round - self.bar.n))  # a rejoin can skip rounds: follow the round number
 
-    def log_stream(self) -> "AboveTheBar":
+    def log_stream(self) -> AboveTheBar:
         """A stream for the log lines that prints them above the bar instead of through it."""
         return AboveTheBar(self.bar)
 
@@ -52,7 +55,9 @@ class AboveTheBar:
         self.bar.fp.flush()
 
 
-def progress_for(total_rounds: int, cluster: str, log_format: str, stream: TextIO | None = None) -> RoundProgress | None:
+def progress_for(
+    total_rounds: int, cluster: str, log_format: str, stream: TextIO | None = None
+) -> RoundProgress | None:
     """A bar when `stream` (stderr) is a terminal and the logs are for people; else None."""
     stream = stream or sys.stderr
     if log_format != "kv" or not stream.isatty():

@@ -26,14 +26,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", required=True, help="comma-separated host:port of the shards (all of them)")
     parser.add_argument("--run-id", required=True, help="the run's id")
     parser.add_argument("--site", required=True, help="the site (cluster name) to release from quarantine")
-    parser.add_argument("--operator-token", default=None,
-                        help="the shards' --operator-token (default: $DILOCOX_OPERATOR_TOKEN)")  # fmt: skip
+    parser.add_argument(
+        "--operator-token", default=None, help="the shards' --operator-token (default: $DILOCOX_OPERATOR_TOKEN)"
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each shard (default 10)")
     add_security_arguments(parser, "worker")
 
 
-def readmit_each(addresses: list[str], run_id: str, site: str, operator_token: str, tls, token: str | None,  # noqa: ANN001
-                 timeout: float) -> list[tuple[str, pb.ReadmitReply | grpc.RpcError]]:  # fmt: skip
+def readmit_each(
+    addresses: list[str],
+    run_id: str,
+    site: str,
+    operator_token: str,
+    tls,
+    token: str | None,  # noqa: ANN001
+    timeout: float,
+) -> list[tuple[str, pb.ReadmitReply | grpc.RpcError]]:
     """Each shard's reply (or the error it answered with), in the order given."""
     request = pb.ReadmitRequest(run_id=run_id, cluster=site, operator_token=operator_token)
     answers = []
@@ -52,11 +60,15 @@ def run(args: argparse.Namespace) -> int:
     if not args.operator_token:  # $DILOCOX_OPERATOR_TOKEN reaches the flag as every DILOCOX_<FLAG> does
         raise SystemExit("dilocox readmit: no operator token: give --operator-token or set $DILOCOX_OPERATOR_TOKEN")
     failed = 0
-    for address, answer in readmit_each(addresses, args.run_id, args.site, args.operator_token, tls, token, args.timeout):
+    for address, answer in readmit_each(
+        addresses, args.run_id, args.site, args.operator_token, tls, token, args.timeout
+    ):
         if isinstance(answer, grpc.RpcError):
             failed += 1
             print(f"{address}: refused: {answer.code().name}: {answer.details()}")
         else:
-            outcome = "released from quarantine" if answer.was_quarantined else "was not quarantined here (nothing changed)"
+            outcome = (
+                "released from quarantine" if answer.was_quarantined else "was not quarantined here (nothing changed)"
+            )
             print(f"{address}: shard {answer.shard_index}: {args.site} {outcome}")
     return 1 if failed else 0

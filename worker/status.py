@@ -15,12 +15,26 @@ from dilocox.common.logs import configure_logging
 from dilocox.common.security import TlsFiles, add_security_arguments, security_from_args
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
 
-COLUMNS = ("SHARD", "ADDRESS", "STATE", "VERSION", "ROUND", "CLUSTERS", "IN ROUND", "LAST ROUND", "CLOSED", "BYTES IN", "BYTES OUT")
+COLUMNS = (
+    "SHARD",
+    "ADDRESS",
+    "STATE",
+    "VERSION",
+    "ROUND",
+    "CLUSTERS",
+    "IN ROUND",
+    "LAST ROUND",
+    "CLOSED",
+    "BYTES IN",
+    "BYTES OUT",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", required=True, help="comma-separated host:port of the shards")
-    parser.add_argument("--json", action="store_true", help="one JSON object per shard (one per line) instead of a table")
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object per shard (one per line) instead of a table"
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each shard (default 10)")
     add_security_arguments(parser, "worker")
 
@@ -51,12 +65,25 @@ def shard_record(address: str, reply) -> dict:  # noqa: ANN001 - a StatusReply o
         "checkpoint_failures": reply.checkpoint_failures,
         "checkpoint_failing_rounds": reply.checkpoint_failing_rounds,
         "checkpoint_error": reply.checkpoint_error,
-        "sites": [{"cluster": s.cluster, "member": s.member, "rounds_made": s.rounds_made, "rounds_late": s.rounds_late,
-                   "last_round": s.last_round, "last_tokens": s.last_tokens, "inner_steps": s.inner_steps, "idle_s": s.idle_s,
-                   "rounds_flagged": s.rounds_flagged, "rounds_excluded": s.rounds_excluded, "rounds_clipped": s.rounds_clipped,
-                   "quarantined": s.quarantined,
-                   "last_flag": s.last_flag, "last_flag_round": s.last_flag_round}
-                  for s in reply.sites],  # fmt: skip
+        "sites": [
+            {
+                "cluster": s.cluster,
+                "member": s.member,
+                "rounds_made": s.rounds_made,
+                "rounds_late": s.rounds_late,
+                "last_round": s.last_round,
+                "last_tokens": s.last_tokens,
+                "inner_steps": s.inner_steps,
+                "idle_s": s.idle_s,
+                "rounds_flagged": s.rounds_flagged,
+                "rounds_excluded": s.rounds_excluded,
+                "rounds_clipped": s.rounds_clipped,
+                "quarantined": s.quarantined,
+                "last_flag": s.last_flag,
+                "last_flag_round": s.last_flag_round,
+            }
+            for s in reply.sites
+        ],
     }
 
 
@@ -74,10 +101,19 @@ def site_rows(records: list[dict]) -> list[tuple[str, ...]]:
     rows = []
     for name, seen in sorted(by_site.items()):
         last = max(seen, key=lambda s: s["last_round"])
-        rows.append((name, "yes" if all(s["member"] for s in seen) else "no", str(min(s["rounds_made"] for s in seen)),
-                     str(max(s["rounds_late"] for s in seen)), str(last["last_round"]) if last["last_round"] else "-",
-                     f"{last['last_tokens']:.0f}", str(last["inner_steps"]) if last["inner_steps"] else "-",
-                     f"{last['idle_s']:.1f}s" if last["inner_steps"] else "-", _check_cell(seen)))  # fmt: skip
+        rows.append(
+            (
+                name,
+                "yes" if all(s["member"] for s in seen) else "no",
+                str(min(s["rounds_made"] for s in seen)),
+                str(max(s["rounds_late"] for s in seen)),
+                str(last["last_round"]) if last["last_round"] else "-",
+                f"{last['last_tokens']:.0f}",
+                str(last["inner_steps"]) if last["inner_steps"] else "-",
+                f"{last['idle_s']:.1f}s" if last["inner_steps"] else "-",
+                _check_cell(seen),
+            )
+        )
     return rows
 
 
@@ -113,7 +149,9 @@ def table_row(record: dict, now: float) -> tuple[str, ...]:
         f"{record['shard_index']}/{record['num_shards']}",
         record["address"],
         record["state"],
-        str(record["version"]) if record["final_version"] is None else f"{record['version']}/{record['final_version']}",  # X of N
+        str(record["version"])
+        if record["final_version"] is None
+        else f"{record['version']}/{record['final_version']}",  # X of N
         str(record["open_round"]),
         f"{len(record['clusters'])} (min {record['min_clusters']})",
         f"{len(record['contributed'])}/{len(record['clusters'])}",
@@ -136,16 +174,22 @@ def format_table(records: list[dict], now: float | None = None) -> str:
         lines.append(f"warning: the shards serve different runs: {runs}")
     mismatched = [r for r in records if r.get("replay_mismatches")]
     if mismatched:
-        lines.append("replay mismatches (clusters whose replay of the outer step differed, then pulled in full): "
-                     + ", ".join(f"shard {r['shard_index']}: {r['replay_mismatches']}" for r in mismatched))  # fmt: skip
+        lines.append(
+            "replay mismatches (clusters whose replay of the outer step differed, then pulled in full): "
+            + ", ".join(f"shard {r['shard_index']}: {r['replay_mismatches']}" for r in mismatched)
+        )
     for r in records:
         if r.get("checkpoint_failing_rounds"):
-            lines.append(f"warning: shard {r['shard_index']} ({r['address']}) could not save its checkpoint for the last "
-                         f"{r['checkpoint_failing_rounds']} version(s): {r['checkpoint_error']} — it serves on; a restart now "
-                         "would resume from an older version (free space or fix the --checkpoint-dir)")  # fmt: skip
+            lines.append(
+                f"warning: shard {r['shard_index']} ({r['address']}) could not save its checkpoint for the last "
+                f"{r['checkpoint_failing_rounds']} version(s): {r['checkpoint_error']} — it serves on; a restart now "
+                "would resume from an older version (free space or fix the --checkpoint-dir)"
+            )
     if records and all(r["state"] == "finished" for r in records):
-        lines.append(f"run {runs[0]} finished at version {records[0]['version']}: get its model with "
-                     "`dilocox export --servers <these shards> --run-id <run> --out DIR`")  # fmt: skip
+        lines.append(
+            f"run {runs[0]} finished at version {records[0]['version']}: get its model with "
+            "`dilocox export --servers <these shards> --run-id <run> --out DIR`"
+        )
     return "\n".join(lines)
 
 

@@ -30,18 +30,29 @@ WANDB_MODES = ("offline", "online")
 
 
 def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tensorboard-dir", type=pathlib.Path, metavar="DIR",
-                        help="write each round's scalars (losses, tokens/s, bytes, idle s, rank, H, residual norm) as "
-                             "TensorBoard events under DIR/<cluster>, one run per site (by rank 0; needs: "
-                             "pip install 'dilocox[tracking]')")  # fmt: skip
-    parser.add_argument("--wandb-project", metavar="NAME",
-                        help="also log them to this Weights & Biases project, one run per cluster (needs: pip install wandb)")
-    parser.add_argument("--wandb-mode", choices=WANDB_MODES, default="offline",
-                        help="offline (default): keep the W&B run in a local folder (WANDB_DIR), upload later with "
-                             "`wandb sync`, no network or API key needed; online: stream it to the W&B server")  # fmt: skip
+    parser.add_argument(
+        "--tensorboard-dir",
+        type=pathlib.Path,
+        metavar="DIR",
+        help="write each round's scalars (losses, tokens/s, bytes, idle s, rank, H, residual norm) as "
+        "TensorBoard events under DIR/<cluster>, one run per site (by rank 0; needs: "
+        "pip install 'dilocox[tracking]')",
+    )
+    parser.add_argument(
+        "--wandb-project",
+        metavar="NAME",
+        help="also log them to this Weights & Biases project, one run per cluster (needs: pip install wandb)",
+    )
+    parser.add_argument(
+        "--wandb-mode",
+        choices=WANDB_MODES,
+        default="offline",
+        help="offline (default): keep the W&B run in a local folder (WANDB_DIR), upload later with "
+        "`wandb sync`, no network or API key needed; online: stream it to the W&B server",
+    )
 
 
-def round_scalars(report: "RoundReport", inner_steps: int) -> dict[str, float]:
+def round_scalars(report: RoundReport, inner_steps: int) -> dict[str, float]:
     """{tag: value} of one round; a NaN (a round without evaluation, a trainer that gave no loss) is left out
     rather than drawn as a gap or a spike."""
     scalars = {
@@ -114,7 +125,7 @@ class RunTracker:
     def __init__(self, sinks: list[Sink]) -> None:
         self.sinks = list(sinks)
 
-    def observe_round(self, report: "RoundReport", inner_steps: int, version: int) -> None:
+    def observe_round(self, report: RoundReport, inner_steps: int, version: int) -> None:
         scalars = round_scalars(report, inner_steps)
         for sink in list(self.sinks):
             try:
@@ -154,7 +165,9 @@ def tracker_from_args(args: argparse.Namespace, cluster: str, command: str = "di
         try:
             sinks.append(TensorBoardSink(args.tensorboard_dir / cluster))
         except OSError as error:
-            raise SystemExit(f"{command}: cannot write TensorBoard events under {args.tensorboard_dir}: {error}") from None
+            raise SystemExit(
+                f"{command}: cannot write TensorBoard events under {args.tensorboard_dir}: {error}"
+            ) from None
         log.info("tracking_tensorboard", cluster=cluster, logdir=str(args.tensorboard_dir / cluster))
     if args.wandb_project:
         try:

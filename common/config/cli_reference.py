@@ -104,7 +104,7 @@ def machine_free(text: str) -> str:
         return "."
     for base, short in ((home, "~"), (cwd, ".")):  # home first: `~/.cache` even when run from $HOME
         if base not in ("", os.sep) and (text == base or text.startswith(base + os.sep)):
-            return short + text[len(base):]
+            return short + text[len(base) :]
     return text
 
 
@@ -156,8 +156,11 @@ def render_command(prog: str, parser: argparse.ArgumentParser, summary: str) -> 
     formatter = parser._get_formatter()
     from_env = {id(action) for _parser, action in option_map([parser]).values()}
     for group in parser._action_groups:
-        shown = [a for a in group._group_actions
-                 if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._SubParsersAction)]  # fmt: skip
+        shown = [
+            a
+            for a in group._group_actions
+            if a.help is not argparse.SUPPRESS and not isinstance(a, argparse._SubParsersAction)
+        ]
         if not shown:
             continue
         lines += [f"**{prose(group.title or 'arguments')}**", ""]
@@ -167,7 +170,13 @@ def render_command(prog: str, parser: argparse.ArgumentParser, summary: str) -> 
         for action in shown:
             names = ", ".join(code(o) for o in action.option_strings) or code(action.metavar or action.dest)
             help_text = formatter._expand_help(action) if action.help else ""
-            cells = [names, value_cell(parser, action), default_cell(action), env_cell(action, from_env), prose(help_text)]
+            cells = [
+                names,
+                value_cell(parser, action),
+                default_cell(action),
+                env_cell(action, from_env),
+                prose(help_text),
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     if parser.epilog:
@@ -208,16 +217,26 @@ def stale(path: pathlib.Path, expected: str) -> str | None:
     have, want = sections(current), sections(expected)
     # the deepest command first: a changed summary also shows in its parent's table and the contents
     order = sorted(want, key=lambda t: -len(t.split()) if t.startswith("dilocox") else 1)
-    first = next((t for t in order if have.get(t) != want[t]), None) or next((t for t in have if t not in want), "the file")
+    first = next((t for t in order if have.get(t) != want[t]), None) or next(
+        (t for t in have if t not in want), "the file"
+    )
     where = first if first in ("the header", "the file") else f"section `{first}`"
     return f"{path} is stale: {where} differs from the parsers; regenerate it with `{REGENERATE}`"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="action", required=True)
-    ref = actions.add_parser("reference", help=f"write {DEFAULT_OUT}, every command's flags, from the parsers --help prints")
-    ref.add_argument("--out", default=DEFAULT_OUT, help="where to write the reference (default %(default)s, from the repository root)")
-    ref.add_argument("--check", action="store_true", help="write nothing; exit 1 naming the first stale command if the file differs")
+    ref = actions.add_parser(
+        "reference", help=f"write {DEFAULT_OUT}, every command's flags, from the parsers --help prints"
+    )
+    ref.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help="where to write the reference (default %(default)s, from the repository root)",
+    )
+    ref.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 naming the first stale command if the file differs"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,9 @@ def load_run_config(path: str | os.PathLike, base: RunConfig | None = None) -> R
     if foreign:
         unknown = [key for key in foreign if key not in all_command_keys(SUBCOMMANDS)]
         if unknown:
-            raise SettingsError(f"{path}: unknown key {unknown[0]!r}: no dilocox command has a flag --{unknown[0].replace('_', '-')}")
+            raise SettingsError(
+                f"{path}: unknown key {unknown[0]!r}: no dilocox command has a flag --{unknown[0].replace('_', '-')}"
+            )
     args = argparse.Namespace(**{action.dest: None for _, action in options.values()})
     for key, value in values.items():
         if key in options:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb")
 
 
@@ -57,7 +56,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.optimizer_state not in ("fp32", "bf16", "int8"):
             raise ValueError(f"optimizer_state must be fp32, bf16 or int8, got {self.optimizer_state!r}")
-        if self.device not in ("auto", "cpu", "cuda") and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
+        if self.device not in ("auto", "cpu", "cuda") and not (
+            self.device.startswith("cuda:") and self.device[5:].isdigit()
+        ):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"precision must be auto, fp32 or bf16, got {self.precision!r}")
@@ -70,17 +71,26 @@ class ParallelConfig:
         if self.pp < 1 or self.dp < 1:
             raise ValueError(f"pp and dp must be ≥ 1, got pp={self.pp} dp={self.dp}")
         if self.dp_replicate < 1 or self.dp % self.dp_replicate:
-            raise ValueError(f"dp_replicate must be ≥ 1 and divide dp, got dp_replicate={self.dp_replicate} dp={self.dp}")
+            raise ValueError(
+                f"dp_replicate must be ≥ 1 and divide dp, got dp_replicate={self.dp_replicate} dp={self.dp}"
+            )
         if self.schedule not in PIPELINE_SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, got {self.schedule!r}")
-        if self.stages_per_rank < 1 or (self.stages_per_rank > 1 and not self.schedule.startswith("interleaved")) or (
-                self.schedule == "interleaved-1f1b" and self.stages_per_rank == 1):  # fmt: skip
-            raise ValueError(f"--stages-per-rank {self.stages_per_rank} with --schedule {self.schedule}: more than one stage a rank "
-                             "is the interleaved schedules' (--schedule interleaved-1f1b --stages-per-rank 2 or more, or "
-                             "interleaved-zb)")  # fmt: skip
+        if (
+            self.stages_per_rank < 1
+            or (self.stages_per_rank > 1 and not self.schedule.startswith("interleaved"))
+            or (self.schedule == "interleaved-1f1b" and self.stages_per_rank == 1)
+        ):
+            raise ValueError(
+                f"--stages-per-rank {self.stages_per_rank} with --schedule {self.schedule}: more than one stage a rank "
+                "is the interleaved schedules' (--schedule interleaved-1f1b --stages-per-rank 2 or more, or "
+                "interleaved-zb)"
+            )
         if self.schedule == "interleaved-zb" and self.pipeline_reshard == "microbatch":
-            raise ValueError("--schedule interleaved-zb splits each backward in two, which --pipeline-reshard microbatch cannot "
-                             "reshard between: use --pipeline-reshard step (or auto)")  # fmt: skip
+            raise ValueError(
+                "--schedule interleaved-zb splits each backward in two, which --pipeline-reshard microbatch cannot "
+                "reshard between: use --pipeline-reshard step (or auto)"
+            )
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be ≥ 1, got {self.microbatches}")
         if self.schedule == "1f1b" and self.pp > 1 and self.microbatches < self.pp:
@@ -88,7 +98,8 @@ class ParallelConfig:
             # fails deep inside the schedule at the first step.
             raise ValueError(
                 f"schedule 1f1b needs at least as many microbatches as stages: --pp {self.pp} with --microbatches "
-                f"{self.microbatches}; use --microbatches {self.pp} (or more, dividing the batch size) or --schedule gpipe"
+                f"{self.microbatches}; use --microbatches {self.pp} (or more, dividing the batch size) or --schedule "
+                "gpipe"
             )
         if self.world_size > 1 and self.device.startswith("cuda:"):
             raise ValueError(

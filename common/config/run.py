@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from dilocox.common.config.field_help import FIELD_HELP
 from dilocox.common.config.parallel import PIPELINE_SCHEDULES, ParallelConfig  # noqa: F401  (re-exported: the run's layout)
-from dilocox.common.wire.compression import CompressionConfig
 from dilocox.common.config.sources import CONFIG_HELP, GROUP_FLAG_PREFIXES, load_file, parse_bool
+from dilocox.common.wire.compression import CompressionConfig
 from dilocox.common.wire.staleness import STALE_WEIGHTINGS
 
 
@@ -54,7 +54,7 @@ class ModelConfig:
 GPT_SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "dropout")
 
 
-def in_use(config: "RunConfig") -> dict:
+def in_use(config: RunConfig) -> dict:
     """`config` as a dict without the fields its model ignores: a Hugging Face model's run carries no
     GPT shape (the built-in GPT and `module:function` models, which are handed the ModelConfig, keep it)."""
     data = as_dict(config)
@@ -144,10 +144,19 @@ class WireConfig:
         """gRPC channel/server options for `keepalive_s`. The server also accepts pings as often as a
         client may send them (its default refuses pings more often than every 5 min with GOAWAY)."""
         ms = int(self.keepalive_s * 1000)
-        options = [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms), ("grpc.keepalive_permit_without_calls", 1),
-                   ("grpc.http2.max_pings_without_data", 0), ("grpc.http2.min_ping_interval_without_data_ms", ms), ("grpc.http2.ping_timeout_ms", ms)]  # fmt: skip
+        options = [
+            ("grpc.keepalive_time_ms", ms),
+            ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", ms),
+            ("grpc.http2.ping_timeout_ms", ms),
+        ]
         if server:
-            options += [("grpc.http2.min_recv_ping_interval_without_data_ms", min(ms, 1000)), ("grpc.http2.max_ping_strikes", 0)]
+            options += [
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", min(ms, 1000)),
+                ("grpc.http2.max_ping_strikes", 0),
+            ]
         return options
 
 
@@ -223,7 +232,9 @@ class RunConfig:
         if self.delayed_start not in DELAYED_STARTS:
             raise ValueError(f"delayed_start must be one of {', '.join(DELAYED_STARTS)}, got {self.delayed_start!r}")
         if self.stale_weighting not in STALE_WEIGHTINGS:
-            raise ValueError(f"stale_weighting must be one of {', '.join(STALE_WEIGHTINGS)}, got {self.stale_weighting!r}")
+            raise ValueError(
+                f"stale_weighting must be one of {', '.join(STALE_WEIGHTINGS)}, got {self.stale_weighting!r}"
+            )
         if self.rounds < 1:
             raise ValueError(f"rounds must be ≥ 1, got {self.rounds}")
         if self.parallel.pp > 1 and self.inner.batch_size % self.parallel.microbatches:
@@ -231,10 +242,16 @@ class RunConfig:
                 f"batch size {self.inner.batch_size} is not divisible into {self.parallel.microbatches} microbatches"
             )
         par = self.parallel
-        for m in {par.microbatches, par.microbatches * self.inner.grad_accum} if par.schedule.startswith("interleaved") else ():
+        for m in (
+            {par.microbatches, par.microbatches * self.inner.grad_accum}
+            if par.schedule.startswith("interleaved")
+            else ()
+        ):
             if m % max(1, m // par.pp):  # torch's interleaved schedules run m in rounds of m // (m // pp)
-                raise ValueError(f"--schedule {par.schedule} runs {m} microbatches in {m // par.pp} rounds, which must divide "
-                                 f"them: use --microbatches (× --inner-grad-accum) a multiple of --pp {par.pp}, or fewer than it")  # fmt: skip
+                raise ValueError(
+                    f"--schedule {par.schedule} runs {m} microbatches in {m // par.pp} rounds, which must divide "
+                    f"them: use --microbatches (× --inner-grad-accum) a multiple of --pp {par.pp}, or fewer than it"
+                )
 
 
 def as_dict(config: object) -> dict:
@@ -276,7 +293,9 @@ def add_field_argument(group, flag: str, dest: str, default: object) -> None:
     parse = parse_bool if kind is bool else kind
     what = FIELD_HELP.get(dest, "")
     metavar = "BOOL" if kind is bool else kind.__name__.upper()
-    group.add_argument(flag, dest=dest, type=parse, default=None, metavar=metavar, help=f"{what} (default {default})".lstrip())
+    group.add_argument(
+        flag, dest=dest, type=parse, default=None, metavar=metavar, help=f"{what} (default {default})".lstrip()
+    )
 
 
 def from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:

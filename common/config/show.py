@@ -22,10 +22,15 @@ SECRETS = ("token", "operator-token")  # never printed: the output is meant to b
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="action", required=True)
-    show = actions.add_parser("show", help="print the effective RunConfig (flags > DILOCOX_* env > --config file > defaults)")
-    show.add_argument("--command", choices=COMMANDS_WITH_TABLES,
-                      help="as this command would run: its own [<command>] table and DILOCOX_* variables applied, and its "
-                           "other flags printed in a [<command>] table")  # fmt: skip
+    show = actions.add_parser(
+        "show", help="print the effective RunConfig (flags > DILOCOX_* env > --config file > defaults)"
+    )
+    show.add_argument(
+        "--command",
+        choices=COMMANDS_WITH_TABLES,
+        help="as this command would run: its own [<command>] table and DILOCOX_* variables applied, and its "
+        "other flags printed in a [<command>] table",
+    )
     add_config_arguments(show)
 
 
@@ -38,9 +43,14 @@ def command_settings(command: str, config_file: str | None, environ) -> tuple[Ru
     sub = subparsers_of(build_parser(argv, environ))[command]
     values = {a.dest: sub.get_default(a.dest) for a in sub._actions if a.option_strings and a.dest != "help"}
     run_dests = flag_dests()
-    config = config_from_args(argparse.Namespace(**values, _config_applied=True)) if run_dests <= values.keys() else None
-    others = {a.option_strings[-1].lstrip("-"): values[a.dest] for a in sub._actions
-              if a.option_strings and a.dest not in run_dests and a.dest not in ("help", "config")}  # fmt: skip
+    config = (
+        config_from_args(argparse.Namespace(**values, _config_applied=True)) if run_dests <= values.keys() else None
+    )
+    others = {
+        a.option_strings[-1].lstrip("-"): values[a.dest]
+        for a in sub._actions
+        if a.option_strings and a.dest not in run_dests and a.dest not in ("help", "config")
+    }
     return config, others
 
 
@@ -56,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command:
             config, others = command_settings(args.command, args.config, os.environ)
-            refused = refusal(others.get("round-deadline-s"), others.get("grace-s") or 0.0) if args.command == "server" else None
+            refused = (
+                refusal(others.get("round-deadline-s"), others.get("grace-s") or 0.0)
+                if args.command == "server"
+                else None
+            )
             if refused:
                 print(f"dilocox config show: {refused}", file=sys.stderr)
                 return 1

@@ -30,14 +30,19 @@ import json
 import os
 import pathlib
 import tomllib
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 ENV_PREFIX = "DILOCOX_"
 # Variables of that prefix that are not flags: the config file's path, the tokenizer cache, and the
 # compose recipe's image settings (read by docker compose, not by a dilocox command).
-OTHER_VARIABLES = frozenset({"DILOCOX_CONFIG", "DILOCOX_CACHE_DIR", "DILOCOX_IMAGE", "DILOCOX_BASE_IMAGE", "DILOCOX_WHEELHOUSE"})
-CONFIG_HELP = ("TOML (or .json) file of flag values: keys named like the flags, [model]/[inner]/... tables, [<command>] "
-               f"tables; precedence: flags > {ENV_PREFIX}<FLAG> environment variables > this file > defaults")  # fmt: skip
+OTHER_VARIABLES = frozenset(
+    {"DILOCOX_CONFIG", "DILOCOX_CACHE_DIR", "DILOCOX_IMAGE", "DILOCOX_BASE_IMAGE", "DILOCOX_WHEELHOUSE"}
+)
+CONFIG_HELP = (
+    "TOML (or .json) file of flag values: keys named like the flags, [model]/[inner]/... tables, [<command>] "
+    f"tables; precedence: flags > {ENV_PREFIX}<FLAG> environment variables > this file > defaults"
+)
 _BOOLEAN = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -69,7 +74,9 @@ def subparsers_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Argumen
     return {}
 
 
-def option_map(parsers: Iterable[argparse.ArgumentParser]) -> dict[str, tuple[argparse.ArgumentParser, argparse.Action]]:
+def option_map(
+    parsers: Iterable[argparse.ArgumentParser],
+) -> dict[str, tuple[argparse.ArgumentParser, argparse.Action]]:
     """{canonical key: (owning parser, action)} for every long option that takes a value or a switch."""
     skip = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
     found = {}
@@ -90,12 +97,21 @@ def load_file(path: str | os.PathLike) -> dict:
     try:
         return json.loads(p.read_text()) if p.suffix == ".json" else tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise SettingsError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {error}") from None
+        raise SettingsError(
+            f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {error}"
+        ) from None
 
 
 # The run configuration's groups and their flags' prefixes: `[inner] steps` in a file is `--inner-steps`.
 # config/run.py generates RunConfig's flags from this same table, so files and flags cannot drift apart.
-GROUP_FLAG_PREFIXES = {"model": "", "parallel": "", "inner": "inner-", "outer": "outer-", "wire": "wire-", "compress": "compress-"}
+GROUP_FLAG_PREFIXES = {
+    "model": "",
+    "parallel": "",
+    "inner": "inner-",
+    "outer": "outer-",
+    "wire": "wire-",
+    "compress": "compress-",
+}
 _RUN_GROUPS = ("model", "inner", "outer", "wire", "compress", "parallel")
 
 
@@ -199,8 +215,13 @@ def config_path_in(argv: list[str], environ: Mapping[str, str]) -> str | None:
     return environ.get(ENV_PREFIX + "CONFIG") or None
 
 
-def apply_sources(parsers: list[argparse.ArgumentParser], command_path: list[str], argv: list[str],
-                  environ: Mapping[str, str], commands: Mapping[str, tuple[str, str]]) -> None:  # fmt: skip
+def apply_sources(
+    parsers: list[argparse.ArgumentParser],
+    command_path: list[str],
+    argv: list[str],
+    environ: Mapping[str, str],
+    commands: Mapping[str, tuple[str, str]],
+) -> None:
     """Set file and environment values as defaults on `parsers` (the chosen command, then its nested
     subcommand, if any); raises SettingsError naming the key and its source."""
     options = option_map(parsers)
@@ -216,11 +237,17 @@ def apply_sources(parsers: list[argparse.ArgumentParser], command_path: list[str
             universe = all_command_keys(commands)
             unknown = [k for k in foreign if k not in universe]
             if unknown:
-                raise SettingsError(f"{path}: unknown key {unknown[0]!r}: no dilocox command has a flag --{unknown[0].replace('_', '-')}")
+                raise SettingsError(
+                    f"{path}: unknown key {unknown[0]!r}: no dilocox command has a flag "
+                    f"--{unknown[0].replace('_', '-')}"
+                )
         bad = [k for k in own if k not in options]
         if bad:
             where = ".".join(command_path)
-            raise SettingsError(f"{path}: [{where}] has unknown key {bad[0]!r}: dilocox {' '.join(command_path)} has no flag --{bad[0].replace('_', '-')}")
+            raise SettingsError(
+                f"{path}: [{where}] has unknown key {bad[0]!r}: dilocox {' '.join(command_path)} has no flag "
+                f"--{bad[0].replace('_', '-')}"
+            )
         for key, value in {**shared, **own}.items():
             if key in options:
                 values[key] = (value, f"{path}: key {key!r}")
@@ -237,23 +264,33 @@ def apply_sources(parsers: list[argparse.ArgumentParser], command_path: list[str
         parsers[-1].set_defaults(_config_applied=True)
 
 
-def _refuse_unknown_variables(environ: Mapping[str, str], options: Mapping[str, Any], commands: Mapping[str, tuple[str, str]]) -> None:
+def _refuse_unknown_variables(
+    environ: Mapping[str, str], options: Mapping[str, Any], commands: Mapping[str, tuple[str, str]]
+) -> None:
     """A `DILOCOX_*` variable that no dilocox command has a flag for is a typo (`DILOCOX_INER_STEPS`), which
     would otherwise leave its setting at the default without a word: refused like a file's unknown key.
     Another command's flag is fine (one environment serves every process of a container)."""
-    stray = [name for name in environ if name.startswith(ENV_PREFIX) and name not in OTHER_VARIABLES
-             and key_of(name[len(ENV_PREFIX):]) not in options]  # fmt: skip
+    stray = [
+        name
+        for name in environ
+        if name.startswith(ENV_PREFIX)
+        and name not in OTHER_VARIABLES
+        and key_of(name[len(ENV_PREFIX) :]) not in options
+    ]
     if not stray:
         return
     universe = all_command_keys(commands)
-    unknown = sorted(name for name in stray if key_of(name[len(ENV_PREFIX):]) not in universe)
+    unknown = sorted(name for name in stray if key_of(name[len(ENV_PREFIX) :]) not in universe)
     if unknown:
         name = unknown[0]
         known = sorted({env_name(k) for k in universe} | OTHER_VARIABLES)
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise SettingsError(f"environment variable {name}: no dilocox command has a flag --{key_of(name[len(ENV_PREFIX):]).replace('_', '-')}"
-                            f"{hint}; unset it, or see `dilocox <command> --help` for the DILOCOX_<FLAG> names")  # fmt: skip
+        raise SettingsError(
+            f"environment variable {name}: no dilocox command has a flag "
+            f"--{key_of(name[len(ENV_PREFIX) :]).replace('_', '-')}"
+            f"{hint}; unset it, or see `dilocox <command> --help` for the DILOCOX_<FLAG> names"
+        )
 
 
 def add_config_option(parser: argparse.ArgumentParser) -> None:

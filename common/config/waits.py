@@ -5,7 +5,8 @@ result up to `PULL_WAIT_S` (re-pushing its part meanwhile), and each call to a s
 to the site's `--shard-wait-s` more. Its peers, meanwhile, wait for it in the boundary's next collective —
 always an agreement, on a gloo group of its own (`SiteMesh.agreement_group`) — so the agreements' timeout
 must outlast both: `collective_timeout_for`. The training collectives (NCCL on GPUs) never wait for an
-exchange and time out after `STEP_TIMEOUT_S`, so a hung NCCL collective surfaces in minutes. A site sets all three (`dilocox worker --shard-wait-s,
+exchange and time out after `STEP_TIMEOUT_S`, so a hung NCCL collective surfaces in minutes. A site sets all three
+(`dilocox worker --shard-wait-s,
 --pull-wait-s, --boundary-margin-s`); the collective timeout is never a setting of its own, so it cannot be set
 below the waits it has to outlast.
 """
@@ -70,11 +71,15 @@ def contradictions(round_deadline_s: float | None, grace_s: float = 0.0, pull_wa
     problems = []
     deadline = round_deadline_s or None  # 0: wait forever
     if deadline is not None and deadline > pull_wait_s:
-        problems.append(f"--round-deadline-s {deadline:g} is longer than a site's wait for a round's result ({pull_wait_s:g} s): "
-                        "sites would give up on rounds the shard still holds open; keep it below")  # fmt: skip
+        problems.append(
+            f"--round-deadline-s {deadline:g} is longer than a site's wait for a round's result ({pull_wait_s:g} s): "
+            "sites would give up on rounds the shard still holds open; keep it below"
+        )
     if grace_s > 0 and deadline is not None and grace_s >= deadline:
-        problems.append(f"--grace-s {grace_s:g} is not shorter than --round-deadline-s {deadline:g}: with a grace window the "
-                        "deadline marks a silent site gone, and it would do so before the grace that waits for it ends")  # fmt: skip
+        problems.append(
+            f"--grace-s {grace_s:g} is not shorter than --round-deadline-s {deadline:g}: with a grace window the "
+            "deadline marks a silent site gone, and it would do so before the grace that waits for it ends"
+        )
     if grace_s > pull_wait_s:
         problems.append(f"--grace-s {grace_s:g} is longer than a site's wait for a round's result ({pull_wait_s:g} s)")
     return problems

@@ -36,9 +36,14 @@ def transport(settings: BareMetalSettings, tls: bool, role: str) -> list[str]:
 
 
 def script(what: str, settings: BareMetalSettings, argv: list[str], stop_timeout_s: int = STOP_TIMEOUT_S) -> str:
-    lines = ["#!/bin/bash", f"# {what}", "# Rendered by `dilocox deploy topology`; rerunning it resumes from the checkpoint folder.",
-             "set -euo pipefail", *settings.setup,
-             f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{stop_timeout_s}}}"]  # a stopping site's ranks: not torchrun's 30 s
+    lines = [
+        "#!/bin/bash",
+        f"# {what}",
+        "# Rendered by `dilocox deploy topology`; rerunning it resumes from the checkpoint folder.",
+        "set -euo pipefail",
+        *settings.setup,
+        f"export {SHUTDOWN_TIMEOUT_ENV}=${{{SHUTDOWN_TIMEOUT_ENV}:-{stop_timeout_s}}}",
+    ]  # a stopping site's ranks: not torchrun's 30 s
     if settings.token_file:
         lines.append(f'export DILOCOX_TOKEN="$(cat {shlex.quote(settings.token_file)})"')
     return "\n".join([*lines, "exec " + shlex.join(argv)]) + "\n"
@@ -54,14 +59,29 @@ def shard_scripts(topology: Topology, settings: BareMetalSettings, port: int, tl
     extra = ["--resume-if-present"] if settings.checkpoint_dir else []
     files = {}
     for index, host in enumerate(settings.hosts):
-        argv = shard_command(topology, index, placement, settings.checkpoint_dir or None, keep_serving=False,
-                             security=transport(settings, tls, "server"), extra=extra)  # fmt: skip
-        files[f"shard-{index}-{file_name(host)}.sh"] = script(f"shard {index} of run {topology.run_id!r}, on {host}", settings, argv)
+        argv = shard_command(
+            topology,
+            index,
+            placement,
+            settings.checkpoint_dir or None,
+            keep_serving=False,
+            security=transport(settings, tls, "server"),
+            extra=extra,
+        )
+        files[f"shard-{index}-{file_name(host)}.sh"] = script(
+            f"shard {index} of run {topology.run_id!r}, on {host}", settings, argv
+        )
     return files
 
 
-def site_scripts(topology: Topology, index: int, settings: BareMetalSettings, servers: tuple[str, ...], tls: bool,
-                 stop_timeout_s: int = STOP_TIMEOUT_S) -> dict[str, str]:  # fmt: skip
+def site_scripts(
+    topology: Topology,
+    index: int,
+    settings: BareMetalSettings,
+    servers: tuple[str, ...],
+    tls: bool,
+    stop_timeout_s: int = STOP_TIMEOUT_S,
+) -> dict[str, str]:
     """`site-<name>-<host>.sh` → its script, one per host of site `index`."""
     site = topology.sites[index]
     placement = FixedPlacement(servers=servers, metrics_port_base=settings.metrics_port)
@@ -72,8 +92,22 @@ def site_scripts(topology: Topology, index: int, settings: BareMetalSettings, se
     for rank, host in enumerate(hosts):
         argv = worker
         if len(hosts) > 1:
-            argv = ["torchrun", "--nnodes", str(len(hosts)), "--node-rank", str(rank), "--nproc-per-node", str(site.ranks // len(hosts)),
-                    "--master-addr", hosts[0], "--master-port", str(settings.rdzv_port + index), "-m", "dilocox.common.cli", *worker[1:]]  # fmt: skip
+            argv = [
+                "torchrun",
+                "--nnodes",
+                str(len(hosts)),
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                str(site.ranks // len(hosts)),
+                "--master-addr",
+                hosts[0],
+                "--master-port",
+                str(settings.rdzv_port + index),
+                "-m",
+                "dilocox.common.cli",
+                *worker[1:],
+            ]
         what = f"site {site.name} of run {topology.run_id!r}, node {rank} of {len(hosts)}, on {host}"
         files[f"site-{site.name}-{file_name(host)}.sh"] = script(what, settings, argv, stop_timeout_s)
     return files

@@ -29,12 +29,14 @@ def _name(cn: str):
 def _write_key(key, path: pathlib.Path) -> None:  # noqa: ANN001
     from cryptography.hazmat.primitives import serialization
 
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     path.chmod(0o600)
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def make_ca(out: pathlib.Path, days: int = CA_DAYS):
@@ -45,12 +47,16 @@ def make_ca(out: pathlib.Path, days: int = CA_DAYS):
 
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
-        x509.CertificateBuilder().subject_name(_name("dilocox run CA")).issuer_name(_name("dilocox run CA"))
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - datetime.timedelta(minutes=5)).not_valid_after(_now() + datetime.timedelta(days=days))
+        x509.CertificateBuilder()
+        .subject_name(_name("dilocox run CA"))
+        .issuer_name(_name("dilocox run CA"))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - datetime.timedelta(minutes=5))
+        .not_valid_after(_now() + datetime.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
-    )  # fmt: skip
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_key(key, out / "ca-key.pem")
@@ -64,11 +70,17 @@ def load_ca(folder: pathlib.Path):
 
     cert_file, key_file = folder / "ca.pem", folder / "ca-key.pem"
     if not cert_file.is_file() or not key_file.is_file():
-        raise FileNotFoundError(f"{folder} holds no CA: need ca.pem and ca-key.pem (made by `dilocox certs --out {folder}`)")
-    return x509.load_pem_x509_certificate(cert_file.read_bytes()), serialization.load_pem_private_key(key_file.read_bytes(), None)
+        raise FileNotFoundError(
+            f"{folder} holds no CA: need ca.pem and ca-key.pem (made by `dilocox certs --out {folder}`)"
+        )
+    return x509.load_pem_x509_certificate(cert_file.read_bytes()), serialization.load_pem_private_key(
+        key_file.read_bytes(), None
+    )
 
 
-def issue(ca, out: pathlib.Path, stem: str, role: str, hosts: tuple[str, ...], days: int = DEFAULT_DAYS) -> dict[str, pathlib.Path]:  # noqa: ANN001
+def issue(
+    ca, out: pathlib.Path, stem: str, role: str, hosts: tuple[str, ...], days: int = DEFAULT_DAYS
+) -> dict[str, pathlib.Path]:  # noqa: ANN001
     """A `role` ("server", "client" or "signer": code signing, for exports) certificate for `hosts`, signed by
     `ca` = (cert, key): <stem>.pem + <stem>-key.pem."""
     from cryptography import x509
@@ -77,18 +89,25 @@ def issue(ca, out: pathlib.Path, stem: str, role: str, hosts: tuple[str, ...], d
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
     ca_cert, ca_key = ca
-    usage = {"server": ExtendedKeyUsageOID.SERVER_AUTH, "client": ExtendedKeyUsageOID.CLIENT_AUTH,
-             "signer": ExtendedKeyUsageOID.CODE_SIGNING}[role]  # signer: exports (`dilocox export --sign-cert`)
+    usage = {
+        "server": ExtendedKeyUsageOID.SERVER_AUTH,
+        "client": ExtendedKeyUsageOID.CLIENT_AUTH,
+        "signer": ExtendedKeyUsageOID.CODE_SIGNING,
+    }[role]  # signer: exports (`dilocox export --sign-cert`)
     sans = [x509.IPAddress(ipaddress.ip_address(h)) if _is_ip(h) else x509.DNSName(h) for h in hosts]
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
-        x509.CertificateBuilder().subject_name(_name(f"dilocox {role} {hosts[0] if hosts else ''}".strip()))
-        .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(_now() - datetime.timedelta(minutes=5)).not_valid_after(_now() + datetime.timedelta(days=days))
+        x509.CertificateBuilder()
+        .subject_name(_name(f"dilocox {role} {hosts[0] if hosts else ''}".strip()))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(_now() - datetime.timedelta(minutes=5))
+        .not_valid_after(_now() + datetime.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     out.mkdir(parents=True, exist_ok=True)
     paths = {stem: out / f"{stem}.pem", f"{stem}-key": out / f"{stem}-key.pem"}
     paths[stem].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -104,8 +123,9 @@ def _is_ip(host: str) -> bool:
         return False
 
 
-def make_dev_certificates(out_dir: str | pathlib.Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
-                          days: int = DEFAULT_DAYS) -> dict[str, pathlib.Path]:  # fmt: skip
+def make_dev_certificates(
+    out_dir: str | pathlib.Path, hosts: tuple[str, ...] = ("localhost", "127.0.0.1"), days: int = DEFAULT_DAYS
+) -> dict[str, pathlib.Path]:
     """A new CA (ca.pem, ca-key.pem) with server.pem/server-key.pem for `hosts`, client.pem/client-key.pem,
     and signer.pem/signer-key.pem for signing exports (code signing: what `dilocox verify --cert` accepts)."""
     out = pathlib.Path(out_dir)
@@ -118,21 +138,38 @@ def make_dev_certificates(out_dir: str | pathlib.Path, hosts: tuple[str, ...] = 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", type=pathlib.Path, required=True, help="folder for the certificates (and a new CA's ca.pem, ca-key.pem)")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        required=True,
+        help="folder for the certificates (and a new CA's ca.pem, ca-key.pem)",
+    )
     parser.add_argument("--hosts", help="names/IPs the server certificate is valid for (default localhost,127.0.0.1)")
-    parser.add_argument("--topology", type=pathlib.Path,
-                        help="a run's topology file (`dilocox deploy topology`): every name its sites dial a shard by, "
-                             "plus --hosts")  # fmt: skip
-    parser.add_argument("--ca", type=pathlib.Path, help="an existing CA folder (ca.pem + ca-key.pem): issue from it instead of a new CA")
-    parser.add_argument("--role", choices=("server", "client", "signer"), default="server",
-                        help="with --ca: what to issue (default server; signer: a code-signing certificate for `dilocox export "
-                             "--sign-cert`, the only kind `dilocox verify --cert` accepts)")  # fmt: skip
+    parser.add_argument(
+        "--topology",
+        type=pathlib.Path,
+        help="a run's topology file (`dilocox deploy topology`): every name its sites dial a shard by, plus --hosts",
+    )
+    parser.add_argument(
+        "--ca", type=pathlib.Path, help="an existing CA folder (ca.pem + ca-key.pem): issue from it instead of a new CA"
+    )
+    parser.add_argument(
+        "--role",
+        choices=("server", "client", "signer"),
+        default="server",
+        help="with --ca: what to issue (default server; signer: a code-signing certificate for `dilocox export "
+        "--sign-cert`, the only kind `dilocox verify --cert` accepts)",
+    )
     parser.add_argument("--name", help="with --ca: file stem of the new certificate (default <role>-<first host>)")
-    parser.add_argument("--days", type=int, default=DEFAULT_DAYS, help=f"validity of the certificates in days (default {DEFAULT_DAYS})")
+    parser.add_argument(
+        "--days", type=int, default=DEFAULT_DAYS, help=f"validity of the certificates in days (default {DEFAULT_DAYS})"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    hosts = tuple(h.strip() for h in (args.hosts or ("" if args.topology else "localhost,127.0.0.1")).split(",") if h.strip())
+    hosts = tuple(
+        h.strip() for h in (args.hosts or ("" if args.topology else "localhost,127.0.0.1")).split(",") if h.strip()
+    )
     if args.topology:
         from dilocox.common.deploy.topology_file import TopologyFileError, load
         from dilocox.common.deploy.topology_render import certificate_hosts
@@ -156,11 +193,17 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for role, path in paths.items():
         print(f"{role}: {path}")
-    print(f"valid for {args.days} days, until {(_now() + datetime.timedelta(days=args.days)).date()}; names: {', '.join(hosts)}")
+    print(
+        f"valid for {args.days} days, until {(_now() + datetime.timedelta(days=args.days)).date()}; names: "
+        f"{', '.join(hosts)}"
+    )
     if not args.ca:
-        print(f"WARNING: {paths['ca-key']} is the CA's private key (0600). Keep it off the shards and sites — it signs a "
-              f"certificate for any name — and keep it to issue more: dilocox certs --out DIR --ca {args.out} --hosts NEW-HOST",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"WARNING: {paths['ca-key']} is the CA's private key (0600). Keep it off the shards and sites — it signs a "
+            f"certificate for any name — and keep it to issue more: dilocox certs --out DIR --ca {args.out} --hosts "
+            "NEW-HOST",
+            file=sys.stderr,
+        )
         print("shards:  --tls-cert server.pem --tls-key server-key.pem --tls-ca ca.pem   (mTLS)")
         print("workers: --tls-ca ca.pem --tls-cert client.pem --tls-key client-key.pem")
         print("export:  --sign-key signer-key.pem --sign-cert signer.pem   (dilocox verify --cert ca.pem)")

@@ -2,7 +2,8 @@
 
 What it proves, in order: the engine runs (installed and started if needed), the image builds
 offline, the image runs what the docs show (a `dilocox worker --model llama-tiny --tokenizer bpe:512`
-site trained by `dilocox sim` inside one container: the models extra is there), every health check turns healthy, the sites' shaped WAN link carries the configured rate
+site trained by `dilocox sim` inside one container: the models extra is there), every health check turns healthy, the
+sites' shaped WAN link carries the configured rate
 (±15%, measured by a bulk probe from a site container to a shard container), rounds close with both
 sites contributing, a site killed mid-run does not stop the other past the round deadline and rejoins
 when started again, eval loss falls; then every container, network and volume is removed.
@@ -34,7 +35,8 @@ SMOKE_MODEL, SMOKE_TOKENIZER = "llama-tiny", "bpe:512"
 # One shard and one site in one container, 2 rounds of 2 tiny steps: ~30 s on 2 cores, most of it
 # imports and training the BPE tokenizer on the bundled text. No network: the sim talks over loopback.
 SMOKE_SCRIPT = (
-    f"dilocox sim --shards 1 --clusters 1 --model {SMOKE_MODEL} --tokenizer {SMOKE_TOKENIZER} --rounds 2 --inner-steps 2"
+    f"dilocox sim --shards 1 --clusters 1 --model {SMOKE_MODEL} --tokenizer {SMOKE_TOKENIZER} --rounds 2 "
+    "--inner-steps 2"
     " --inner-batch-size 2 --block-size 32 --eval-batches 1 --timeout 240 --log-dir /tmp/smoke"
     " --summary-json /tmp/smoke/summary.json >/tmp/smoke.out 2>&1; rc=$?;"
     " grep -h worker_starting /tmp/smoke/cluster-0.log;"
@@ -83,10 +85,13 @@ class ComposeRun:
 
     def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         argv = [*self.base_argv, *args]
-        done = subprocess.run(argv, cwd=self.project_dir, capture_output=True, text=True, timeout=timeout, check=False,
-                              env=self.env)  # fmt: skip
+        done = subprocess.run(
+            argv, cwd=self.project_dir, capture_output=True, text=True, timeout=timeout, check=False, env=self.env
+        )
         if check and done.returncode != 0:
-            raise CheckFailed(f"`{' '.join(argv[-len(args):])}` exited {done.returncode}: {(done.stdout + done.stderr)[-3000:]}")
+            raise CheckFailed(
+                f"`{' '.join(argv[-len(args) :])}` exited {done.returncode}: {(done.stdout + done.stderr)[-3000:]}"
+            )
         return done
 
     def container(self, service: str) -> str:
@@ -96,16 +101,23 @@ class ComposeRun:
         return cid.splitlines()[0]
 
     def state(self, service: str) -> dict:
-        out = subprocess.run(["docker", "inspect", "--format", "{{json .State}}", self.container(service)],
-                             capture_output=True, text=True, check=True, timeout=30)  # fmt: skip
+        out = subprocess.run(
+            ["docker", "inspect", "--format", "{{json .State}}", self.container(service)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
         return json.loads(out.stdout)
 
     def events(self, service: str) -> list[dict]:
         """The service's structlog JSON events (other lines, e.g. torchrun's, are skipped)."""
-        out = subprocess.run(["docker", "logs", self.container(service)], capture_output=True, text=True, timeout=60, check=False)
+        out = subprocess.run(
+            ["docker", "logs", self.container(service)], capture_output=True, text=True, timeout=60, check=False
+        )
         events = []
         for line in (out.stdout + out.stderr).splitlines():
-            line = line[line.find("{"):] if "{" in line else ""
+            line = line[line.find("{") :] if "{" in line else ""
             try:
                 events.append(json.loads(line))
             except json.JSONDecodeError:
@@ -115,23 +127,50 @@ class ComposeRun:
     def status(self) -> list[dict]:
         """`dilocox status --json` against the shards' published ports, as an operator would."""
         servers = ",".join(f"127.0.0.1:{self.topology.host_port_base + i}" for i in range(self.topology.num_shards))
-        done = subprocess.run([sys.executable, "-m", "dilocox.common.cli", "status", "--servers", servers, "--json", "--insecure"],
-                              capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "dilocox.common.cli", "status", "--servers", servers, "--json", "--insecure"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
     def version(self) -> int:
         shards = self.status()
-        return min((int(s.get("version", 0)) for s in shards), default=0) if len(shards) == self.topology.num_shards else -1
+        return (
+            min((int(s.get("version", 0)) for s in shards), default=0)
+            if len(shards) == self.topology.num_shards
+            else -1
+        )
 
 
 def measure_link(run: ComposeRun, site: str, seconds: float = 6.0) -> float:
     """Bulk-probe the shaped path site → shard-0 from inside the containers; Mbit/s at the receiver."""
-    sink = subprocess.Popen([*run.base_argv, "exec", "-T", "shard-0", "dilocox", "link", "sink", "--port", str(PROBE_PORT)],
-                            cwd=run.project_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run.env)  # fmt: skip
+    sink = subprocess.Popen(
+        [*run.base_argv, "exec", "-T", "shard-0", "dilocox", "link", "sink", "--port", str(PROBE_PORT)],
+        cwd=run.project_dir,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=run.env,
+    )
     try:
         for _ in range(20):
-            probe = run.compose("exec", "-T", site, "dilocox", "link", "probe", "--to", f"shard-0:{PROBE_PORT}",
-                                "--seconds", f"{seconds:g}", timeout=seconds + 60, check=False)  # fmt: skip
+            probe = run.compose(
+                "exec",
+                "-T",
+                site,
+                "dilocox",
+                "link",
+                "probe",
+                "--to",
+                f"shard-0:{PROBE_PORT}",
+                "--seconds",
+                f"{seconds:g}",
+                timeout=seconds + 60,
+                check=False,
+            )
             if probe.returncode == 0:
                 return json.loads(probe.stdout.strip().splitlines()[-1])["mbit_per_s"]
             time.sleep(1)  # the sink may not be listening yet
@@ -145,25 +184,37 @@ def worker_smoke(image: str, tracking: bool = True, timeout: float = 300) -> dic
     """Run a real site of the documented kind in the image: `dilocox sim` starts a shard and a
     `dilocox worker --model llama-tiny --tokenizer bpe:512` process in one throw-away container."""
     started = time.monotonic()
-    done = subprocess.run(["docker", "run", "--rm", "--network", "none", image, "sh", "-c", SMOKE_SCRIPT],
-                          capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["docker", "run", "--rm", "--network", "none", image, "sh", "-c", SMOKE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     events = []
     for line in done.stdout.splitlines():
         try:
-            events.append(json.loads(line[line.find("{"):]))
+            events.append(json.loads(line[line.find("{") :]))
         except (json.JSONDecodeError, ValueError):
             continue
     worker = next((e for e in events if e.get("event") == "worker_starting"), {})
     summary = next((e for e in events if "ok" in e and "final_eval_loss" in e), {})
     if done.returncode != 0 or not summary.get("ok"):
-        raise CheckFailed(f"the image's worker smoke run exited {done.returncode}: {(done.stdout + done.stderr)[-3000:]}")
+        raise CheckFailed(
+            f"the image's worker smoke run exited {done.returncode}: {(done.stdout + done.stderr)[-3000:]}"
+        )
     if (worker.get("model"), worker.get("tokenizer")) != (SMOKE_MODEL, SMOKE_TOKENIZER):
-        raise CheckFailed(f"the smoke run's worker ran {worker.get('model')} / {worker.get('tokenizer')}, "
-                          f"not {SMOKE_MODEL} / {SMOKE_TOKENIZER}")  # fmt: skip
+        raise CheckFailed(
+            f"the smoke run's worker ran {worker.get('model')} / {worker.get('tokenizer')}, "
+            f"not {SMOKE_MODEL} / {SMOKE_TOKENIZER}"
+        )
     if tracking and not summary.get("tensorboard_dir"):
         raise CheckFailed("the smoke run wrote no TensorBoard events: the tracking extra is missing from the image")
-    report = {"worker_smoke_s": round(time.monotonic() - started, 1), "worker_smoke_vocab": worker.get("vocab"),
-              "worker_smoke_loss": f"{summary['initial_eval_loss']}->{summary['final_eval_loss']}"}  # fmt: skip
+    report = {
+        "worker_smoke_s": round(time.monotonic() - started, 1),
+        "worker_smoke_vocab": worker.get("vocab"),
+        "worker_smoke_loss": f"{summary['initial_eval_loss']}->{summary['final_eval_loss']}",
+    }
     log.info("worker_smoke_passed", image=image, model=SMOKE_MODEL, tokenizer=SMOKE_TOKENIZER, **report)
     return report
 
@@ -202,21 +253,38 @@ def check(run: ComposeRun, kill_site: bool = True) -> dict:
         raise CheckFailed(f"shaped link carried {rate:.2f} Mbit/s, configured {topology.wan_rate_mbit:g} (±15%)")
 
     both = {s.name for s in topology.sites}
-    wait_until(lambda: any(e.get("clusters", 0) == len(both) for e in rounds_closed(run)), 300,
-               "a round closed with every site contributing")  # fmt: skip
+    wait_until(
+        lambda: any(e.get("clusters", 0) == len(both) for e in rounds_closed(run)),
+        300,
+        "a round closed with every site contributing",
+    )
     if kill_site:
         run.compose("kill", second)
         killed_at = wait_until(lambda: max(run.version(), 0) or None, 30, "shard status")
         log.info("site_killed", site=second, version=killed_at)
-        wait_until(lambda: run.version() >= killed_at + 2, topology.round_deadline_s * 2 + 120,
-                   f"{first} to close rounds without {second}")  # fmt: skip
+        wait_until(
+            lambda: run.version() >= killed_at + 2,
+            topology.round_deadline_s * 2 + 120,
+            f"{first} to close rounds without {second}",
+        )
         report["rounds_without_killed_site"] = run.version() - killed_at
         run.compose("start", second)
         restarted_at = run.version()
-        wait_until(lambda: any(e.get("event") == "cluster_joined" and e.get("cluster") == second and e.get("rejoin")
-                               for e in run.events("shard-0")), 180, f"{second} to rejoin")  # fmt: skip
-        wait_until(lambda: any(e.get("clusters", 0) == len(both) and e.get("round", 0) > restarted_at
-                               for e in rounds_closed(run)), 300, f"a round with {second} back in it")  # fmt: skip
+        wait_until(
+            lambda: any(
+                e.get("event") == "cluster_joined" and e.get("cluster") == second and e.get("rejoin")
+                for e in run.events("shard-0")
+            ),
+            180,
+            f"{second} to rejoin",
+        )
+        wait_until(
+            lambda: any(
+                e.get("clusters", 0) == len(both) and e.get("round", 0) > restarted_at for e in rounds_closed(run)
+            ),
+            300,
+            f"a round with {second} back in it",
+        )
         report["rejoined_at_version"] = restarted_at
 
     def exited() -> dict | None:
@@ -230,9 +298,13 @@ def check(run: ComposeRun, kill_site: bool = True) -> dict:
     if not finished:
         raise CheckFailed(f"{first} logged no cluster_done event")
     initial, final = finished[-1]["initial_eval_loss"], finished[-1]["final_eval_loss"]
-    report.update(initial_eval_loss=initial, final_eval_loss=final, rounds=run.version(),
-                  rounds_with_every_site=sum(e.get("clusters", 0) == len(both) for e in rounds_closed(run)),
-                  wall_s=round(time.monotonic() - started, 1))  # fmt: skip
+    report.update(
+        initial_eval_loss=initial,
+        final_eval_loss=final,
+        rounds=run.version(),
+        rounds_with_every_site=sum(e.get("clusters", 0) == len(both) for e in rounds_closed(run)),
+        wall_s=round(time.monotonic() - started, 1),
+    )
     if not final < initial:
         raise CheckFailed(f"eval loss did not fall: {initial} → {final}")
     return report

@@ -25,53 +25,97 @@ import structlog
 from dilocox.common.deploy import compose_images, docker_host
 from dilocox.common.deploy.compose_check import CheckFailed, ComposeRun, check, worker_smoke
 from dilocox.common.deploy.compose_file import render
-from dilocox.common.deploy.compose_images import (BASE_IMAGE, DEFAULT_EXTRAS, VARIANTS, Engine, EngineUnavailable, build_image,
-                                                  ensure_engine, recipe_for)  # fmt: skip
-from dilocox.common.logs import add_log_format_argument, configure_logging
+from dilocox.common.deploy.compose_images import (
+    BASE_IMAGE,
+    DEFAULT_EXTRAS,
+    VARIANTS,
+    Engine,
+    EngineUnavailable,
+    build_image,
+    ensure_engine,
+    recipe_for,
+)
 from dilocox.common.deploy.topology import Topology
+from dilocox.common.logs import add_log_format_argument, configure_logging
 
 log = structlog.get_logger()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--project-dir", type=pathlib.Path, default=pathlib.Path.cwd(),
-                        help="repository root holding Dockerfile and docker-compose.yml (default: .)")  # fmt: skip
+    parser.add_argument(
+        "--project-dir",
+        type=pathlib.Path,
+        default=pathlib.Path.cwd(),
+        help="repository root holding Dockerfile and docker-compose.yml (default: .)",
+    )
     add_log_format_argument(parser)
     actions = parser.add_subparsers(dest="action", metavar="action", required=True)
     render_cmd = actions.add_parser("render", help="write docker-compose.yml from the topology")
     render_cmd.add_argument("--check", action="store_true", help="only verify the file is current (exit 1 if not)")
-    for name, help_text in (("build", "build the image without registry access"), ("check", "run the compose simulation and check it")):
+    for name, help_text in (
+        ("build", "build the image without registry access"),
+        ("check", "run the compose simulation and check it"),
+    ):
         cmd = actions.add_parser(name, help=help_text)
-        cmd.add_argument("--image", help="tag of the image to build (default dilocox:cpu, dilocox:cuda with --variant cuda; "
-                                         "check: dilocox:check, removed afterwards unless --keep-image)")  # fmt: skip
-        cmd.add_argument("--base-image", help=f"base image (default {BASE_IMAGE}, made by debootstrap if absent; "
-                                              "the CUDA variant's: NVIDIA's runtime image)")  # fmt: skip
-        cmd.add_argument("--extras", default=DEFAULT_EXTRAS,
-                         help=f"dilocox extras installed in the image, comma-separated (default {DEFAULT_EXTRAS}; add data "
-                              "for .parquet input; empty: none)")  # fmt: skip
-        cmd.add_argument("--cache-dir", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "dilocox" / "wheelhouse",
-                         help="where host wheels are kept between builds (default ~/.cache/dilocox/wheelhouse)")  # fmt: skip
+        cmd.add_argument(
+            "--image",
+            help="tag of the image to build (default dilocox:cpu, dilocox:cuda with --variant cuda; "
+            "check: dilocox:check, removed afterwards unless --keep-image)",
+        )
+        cmd.add_argument(
+            "--base-image",
+            help=f"base image (default {BASE_IMAGE}, made by debootstrap if absent; "
+            "the CUDA variant's: NVIDIA's runtime image)",
+        )
+        cmd.add_argument(
+            "--extras",
+            default=DEFAULT_EXTRAS,
+            help=f"dilocox extras installed in the image, comma-separated (default {DEFAULT_EXTRAS}; add data "
+            "for .parquet input; empty: none)",
+        )
+        cmd.add_argument(
+            "--cache-dir",
+            type=pathlib.Path,
+            default=pathlib.Path.home() / ".cache" / "dilocox" / "wheelhouse",
+            help="where host wheels are kept between builds (default ~/.cache/dilocox/wheelhouse)",
+        )
     build_cmd = actions.choices["build"]
-    build_cmd.add_argument("--variant", choices=VARIANTS, default="cpu",
-                           help="cpu: offline recipe, the host's CPU torch; cuda: the registry recipe, torch from a "
-                                "CUDA index (print it with --print; docs/deploy.md, \"Image variants\") (default cpu)")  # fmt: skip
+    build_cmd.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="cpu",
+        help="cpu: offline recipe, the host's CPU torch; cuda: the registry recipe, torch from a "
+        'CUDA index (print it with --print; docs/deploy.md, "Image variants") (default cpu)',
+    )
     build_cmd.add_argument("--torch-index", help="cuda: the index torch comes from (default PyTorch's cu130 index)")
     build_cmd.add_argument("--torch-version", help="cuda: the torch version (default the host's, the one CI tests)")
-    build_cmd.add_argument("--print", action="store_true", dest="print_only",
-                           help="print the steps and the `docker build` command; build nothing")  # fmt: skip
+    build_cmd.add_argument(
+        "--print",
+        action="store_true",
+        dest="print_only",
+        help="print the steps and the `docker build` command; build nothing",
+    )
     check_cmd = actions.choices["check"]
     check_cmd.add_argument("--no-kill", action="store_true", help="skip the kill-a-site-and-rejoin step")
-    check_cmd.add_argument("--keep", action="store_true",
-                           help="leave the containers running afterwards (for debugging): nothing is cleaned up")  # fmt: skip
-    check_cmd.add_argument("--keep-image", action="store_true",
-                           help="keep the image built (and a base image made) and the data directory they live in")  # fmt: skip
+    check_cmd.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the containers running afterwards (for debugging): nothing is cleaned up",
+    )
+    check_cmd.add_argument(
+        "--keep-image",
+        action="store_true",
+        help="keep the image built (and a base image made) and the data directory they live in",
+    )
     check_cmd.add_argument("--report", type=pathlib.Path, help="also write the measured figures here as JSON")
 
 
 def _compose_file(project: pathlib.Path) -> pathlib.Path:
     path = project / "docker-compose.yml"
     if not (project / "Dockerfile").is_file():
-        raise SystemExit(f"dilocox compose: no Dockerfile in {project} (run from the repository root or pass --project-dir)")
+        raise SystemExit(
+            f"dilocox compose: no Dockerfile in {project} (run from the repository root or pass --project-dir)"
+        )
     return path
 
 
@@ -89,13 +133,22 @@ def run(args: argparse.Namespace) -> int:
         path.write_text(text)
         log.info("compose_rendered", path=str(path))
         return 0
-    recipe = recipe_for(getattr(args, "variant", "cpu"), args.image or ("dilocox:check" if args.action == "check" else None),
-                        args.base_image, args.extras, getattr(args, "torch_index", None), getattr(args, "torch_version", None))
+    recipe = recipe_for(
+        getattr(args, "variant", "cpu"),
+        args.image or ("dilocox:check" if args.action == "check" else None),
+        args.base_image,
+        args.extras,
+        getattr(args, "torch_index", None),
+        getattr(args, "torch_version", None),
+    )
     if args.action == "build" and (args.print_only or not recipe.offline):
         print(recipe.describe(project), flush=True)
         if not recipe.offline and not args.print_only:
-            print("# not built here: run it where the base image's registry and the torch index are reachable",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                "# not built here: run it where the base image's registry and the torch index are reachable",
+                file=sys.stderr,
+                flush=True,
+            )
         return 0
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a CI timeout still runs the clean-up below
     try:
@@ -125,12 +178,24 @@ def _with_engine(args: argparse.Namespace, project: pathlib.Path, recipe) -> int
     finally:
         if not getattr(args, "keep", False):
             keep = args.action == "build" or args.keep_image
-            _clean_up(engine, host_before, objects_before, {recipe.image, recipe.base_image} if keep else set(),
-                      args.action == "check", {recipe.image, recipe.base_image})  # fmt: skip
+            _clean_up(
+                engine,
+                host_before,
+                objects_before,
+                {recipe.image, recipe.base_image} if keep else set(),
+                args.action == "check",
+                {recipe.image, recipe.base_image},
+            )
 
 
-def _clean_up(engine: Engine, host_before: docker_host.HostState, objects_before: docker_host.DockerObjects,
-              keep_images: set[str], remove_objects: bool, our_tags: set[str]) -> None:  # fmt: skip
+def _clean_up(
+    engine: Engine,
+    host_before: docker_host.HostState,
+    objects_before: docker_host.DockerObjects,
+    keep_images: set[str],
+    remove_objects: bool,
+    our_tags: set[str],
+) -> None:
     """Remove what this run made (`check`: its images too, unless kept), stop the daemon if it started it,
     then undo the daemon's traces on the host that were not there before (docker_host). On a daemon
     that was running before, only images of ours go (the Dockerfile's label, our tags)."""
@@ -140,7 +205,9 @@ def _clean_up(engine: Engine, host_before: docker_host.HostState, objects_before
         if engine.started is None:
             ours = docker_host.labelled_images(Engine.LABEL) | frozenset(our_tags)
             ours |= frozenset(filter(None, map(docker_host.image_id, our_tags)))
-        docker_host.remove_objects(docker_host.objects_to_remove(objects_before, docker_host.inventory_docker(), kept, ours))
+        docker_host.remove_objects(
+            docker_host.objects_to_remove(objects_before, docker_host.inventory_docker(), kept, ours)
+        )
     if engine.started is None:
         return
     engine.stop()

@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dilocox.common.deploy.topology import CHECKPOINT_DIR, COMPOSE, METRICS_PORT, SHARD_PORT, Topology, all_commands, as_shell
+from dilocox.common.deploy.topology import (
+    CHECKPOINT_DIR,
+    COMPOSE,
+    METRICS_PORT,
+    SHARD_PORT,
+    Topology,
+    all_commands,
+    as_shell,
+)
 
 HEADER = """\
 # Multi-site simulation: {shards} aggregation shards and {sites} sites, each site a torchrun job whose
@@ -44,10 +52,14 @@ def compose_document(topology: Topology) -> dict[str, Any]:
             "build": BUILD,
             "command": commands[name][0],
             "networks": ["wan"],
-            "ports": [f"127.0.0.1:{topology.host_port_base + index}:{SHARD_PORT}",
-                      f"127.0.0.1:{topology.host_metrics_base + index}:{METRICS_PORT}"],  # fmt: skip
+            "ports": [
+                f"127.0.0.1:{topology.host_port_base + index}:{SHARD_PORT}",
+                f"127.0.0.1:{topology.host_metrics_base + index}:{METRICS_PORT}",
+            ],
             "volumes": [f"{name}-checkpoints:{CHECKPOINT_DIR}"],
-            "healthcheck": _healthcheck(["dilocox", "health", "--server", f"127.0.0.1:{SHARD_PORT}", "--insecure"], "10s"),
+            "healthcheck": _healthcheck(
+                ["dilocox", "health", "--server", f"127.0.0.1:{SHARD_PORT}", "--insecure"], "10s"
+            ),
             "stop_grace_period": "15s",
         }
     for index, site in enumerate(topology.sites):

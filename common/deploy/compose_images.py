@@ -87,8 +87,11 @@ def ensure_engine(install: bool = True, log_path: pathlib.Path | None = None) ->
         log.info("installing_docker", missing=missing)
         try:
             run(["apt-get", "update", "-qq"], timeout=600)
-            run(["apt-get", "install", "-y", "-qq", "docker.io", "docker-compose", "debootstrap"], timeout=900,
-                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+            run(
+                ["apt-get", "install", "-y", "-qq", "docker.io", "docker-compose", "debootstrap"],
+                timeout=900,
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            )
         except (RuntimeError, subprocess.TimeoutExpired) as error:
             raise EngineUnavailable(f"installing docker failed: {str(error)[-500:]}") from None
     if shutil.which("dockerd") is None:
@@ -150,27 +153,42 @@ class Recipe:
         """What `build` does for this recipe, as shell lines a person can run by hand."""
         lines = [f"# dilocox image, variant {self.variant}: {self.image}"]
         if self.offline:
-            lines += [f"# 1. base image {self.base_image}: debootstrap --variant=minbase --include={BASE_PACKAGES} "
-                      f"bookworm ROOTFS {DEBIAN_MIRROR} | docker import (skipped when present)",
-                      f"# 2. wheelhouse {project / WHEELHOUSE_IN_CONTEXT}: dilocox[{self.extras}] and the host's "
-                      f"torch {importlib.metadata.version('torch')}, pinned to the host's versions"]  # fmt: skip
+            lines += [
+                f"# 1. base image {self.base_image}: debootstrap --variant=minbase --include={BASE_PACKAGES} "
+                f"bookworm ROOTFS {DEBIAN_MIRROR} | docker import (skipped when present)",
+                f"# 2. wheelhouse {project / WHEELHOUSE_IN_CONTEXT}: dilocox[{self.extras}] and the host's "
+                f"torch {importlib.metadata.version('torch')}, pinned to the host's versions",
+            ]
         else:
-            lines += [f"# needs registry access (FROM {self.base_image}) and {self.torch_index_url or 'PyPI'} "
-                      f"(torch {self.torch_version or 'newest'})"]  # fmt: skip
+            lines += [
+                f"# needs registry access (FROM {self.base_image}) and {self.torch_index_url or 'PyPI'} "
+                f"(torch {self.torch_version or 'newest'})"
+            ]
         return "\n".join([*lines, shlex.join(self.docker_build_argv(project))])
 
 
-def recipe_for(variant: str = "cpu", image: str | None = None, base_image: str | None = None, extras: str = DEFAULT_EXTRAS,
-               torch_index_url: str | None = None, torch_version: str | None = None) -> Recipe:  # fmt: skip
+def recipe_for(
+    variant: str = "cpu",
+    image: str | None = None,
+    base_image: str | None = None,
+    extras: str = DEFAULT_EXTRAS,
+    torch_index_url: str | None = None,
+    torch_version: str | None = None,
+) -> Recipe:
     """The recipe of `variant` with the caller's overrides (None: the variant's default)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown image variant {variant!r} (one of {', '.join(VARIANTS)})")
     extras = ",".join(e.strip() for e in extras.split(",") if e.strip())
     if variant == "cpu":
         return Recipe("cpu", image or IMAGE, base_image or BASE_IMAGE, extras)
-    return Recipe("cuda", image or "dilocox:cuda", base_image or CUDA_BASE_IMAGE, extras,
-                  CUDA_TORCH_INDEX if torch_index_url is None else torch_index_url,
-                  host_torch_version() if torch_version is None else torch_version)  # fmt: skip
+    return Recipe(
+        "cuda",
+        image or "dilocox:cuda",
+        base_image or CUDA_BASE_IMAGE,
+        extras,
+        CUDA_TORCH_INDEX if torch_index_url is None else torch_index_url,
+        host_torch_version() if torch_version is None else torch_version,
+    )
 
 
 def image_exists(name: str) -> bool:
@@ -187,11 +205,21 @@ def ensure_base_image(name: str = BASE_IMAGE, mirror: str = DEBIAN_MIRROR) -> No
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dilocox-rootfs-") as rootfs:
         try:
-            run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", rootfs, mirror], timeout=1200)
-        except (RuntimeError, subprocess.TimeoutExpired) as error:  # the mirror is out of reach: the environment's fault
-            raise EngineUnavailable(f"debootstrap could not build the base image from {mirror}: {str(error)[-500:]}") from None
+            run(
+                ["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", "bookworm", rootfs, mirror],
+                timeout=1200,
+            )
+        except (
+            RuntimeError,
+            subprocess.TimeoutExpired,
+        ) as error:  # the mirror is out of reach: the environment's fault
+            raise EngineUnavailable(
+                f"debootstrap could not build the base image from {mirror}: {str(error)[-500:]}"
+            ) from None
         tar = subprocess.Popen(["tar", "-C", rootfs, "-c", "."], stdout=subprocess.PIPE)
-        imported = subprocess.run(["docker", "import", "-", name], stdin=tar.stdout, capture_output=True, text=True, check=False)
+        imported = subprocess.run(
+            ["docker", "import", "-", name], stdin=tar.stdout, capture_output=True, text=True, check=False
+        )
         tar.stdout.close()
         tar.wait()
         if imported.returncode != 0 or tar.returncode != 0:
@@ -241,7 +269,9 @@ def prepare_wheelhouse(project: pathlib.Path, cache: pathlib.Path, extras: str =
         if not (cache / wheel.name).exists():
             shutil.copy2(wheel, cache / wheel.name)
     size = sum(p.stat().st_size for p in target.iterdir()) / 2**20
-    log.info("wheelhouse_ready", path=str(target), wheels=len(list(target.iterdir())), mib=round(size, 1), extras=extras)
+    log.info(
+        "wheelhouse_ready", path=str(target), wheels=len(list(target.iterdir())), mib=round(size, 1), extras=extras
+    )
     return target
 
 
@@ -259,7 +289,16 @@ def build_image(project: pathlib.Path, cache: pathlib.Path, recipe: Recipe, prun
         shutil.rmtree(project / WHEELHOUSE_IN_CONTEXT, ignore_errors=True)
     # Every rebuild leaves the build stage (sources + wheelhouse) and the previous image dangling: drop ours.
     if prune:
-        subprocess.run(["docker", "image", "prune", "--force", "--filter", f"label={Engine.LABEL}"],
-                       capture_output=True, timeout=300, check=False)  # fmt: skip
-    log.info("image_built", image=recipe.image, base=recipe.base_image, extras=recipe.extras,
-             seconds=round(time.monotonic() - started, 1))  # fmt: skip
+        subprocess.run(
+            ["docker", "image", "prune", "--force", "--filter", f"label={Engine.LABEL}"],
+            capture_output=True,
+            timeout=300,
+            check=False,
+        )
+    log.info(
+        "image_built",
+        image=recipe.image,
+        base=recipe.base_image,
+        extras=recipe.extras,
+        seconds=round(time.monotonic() - started, 1),
+    )

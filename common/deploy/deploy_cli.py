@@ -46,27 +46,51 @@ def parse_sites(text: str) -> tuple[Site, ...]:
 
 def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Topology()
-    parser.add_argument("--out", type=pathlib.Path, required=True, help="folder to write the files into (made if absent)")
+    parser.add_argument(
+        "--out", type=pathlib.Path, required=True, help="folder to write the files into (made if absent)"
+    )
     parser.add_argument("--run-id", default="dilocox-run", help="the run's id (default dilocox-run)")
-    parser.add_argument("--shards", type=int, default=defaults.num_shards, help=f"aggregation shards (default {defaults.num_shards})")
-    parser.add_argument("--sites", type=parse_sites, default=parse_sites("site-a:1x1,site-b:1x1"),
-                        help="the sites as name:PPxDP, comma-separated (default site-a:1x1,site-b:1x1)")  # fmt: skip
+    parser.add_argument(
+        "--shards", type=int, default=defaults.num_shards, help=f"aggregation shards (default {defaults.num_shards})"
+    )
+    parser.add_argument(
+        "--sites",
+        type=parse_sites,
+        default=parse_sites("site-a:1x1,site-b:1x1"),
+        help="the sites as name:PPxDP, comma-separated (default site-a:1x1,site-b:1x1)",
+    )
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help=f"outer rounds (default {defaults.rounds})")
-    parser.add_argument("--inner-steps", type=int, default=defaults.inner_steps, help=f"H (default {defaults.inner_steps})")
-    parser.add_argument("--min-clusters", type=int,
-                        help="contributions a round needs (default: every site, so the first site up cannot race ahead)")  # fmt: skip
-    parser.add_argument("--round-deadline-s", type=float, default=300.0, help="the shards' round deadline (default 300)")
-    parser.add_argument("--worker-flags", default="",
-                        help="more `dilocox worker` flags for every site, as one shell-quoted string "
-                             "(model, data, compression: e.g. \"--model llama-350m --data /data/tokens\")")  # fmt: skip
+    parser.add_argument(
+        "--inner-steps", type=int, default=defaults.inner_steps, help=f"H (default {defaults.inner_steps})"
+    )
+    parser.add_argument(
+        "--min-clusters",
+        type=int,
+        help="contributions a round needs (default: every site, so the first site up cannot race ahead)",
+    )
+    parser.add_argument(
+        "--round-deadline-s", type=float, default=300.0, help="the shards' round deadline (default 300)"
+    )
+    parser.add_argument(
+        "--worker-flags",
+        default="",
+        help="more `dilocox worker` flags for every site, as one shell-quoted string "
+        '(model, data, compression: e.g. "--model llama-350m --data /data/tokens")',
+    )
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
     return Topology(
-        run_id=args.run_id, num_shards=args.shards, sites=args.sites, rounds=args.rounds, inner_steps=args.inner_steps,
-        min_clusters=args.min_clusters or len(args.sites), round_deadline_s=args.round_deadline_s,
-        extra_worker_flags=tuple(shlex.split(args.worker_flags)), simulation=False,
-    )  # fmt: skip
+        run_id=args.run_id,
+        num_shards=args.shards,
+        sites=args.sites,
+        rounds=args.rounds,
+        inner_steps=args.inner_steps,
+        min_clusters=args.min_clusters or len(args.sites),
+        round_deadline_s=args.round_deadline_s,
+        extra_worker_flags=tuple(shlex.split(args.worker_flags)),
+        simulation=False,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

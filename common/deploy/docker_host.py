@@ -66,16 +66,25 @@ class Leftovers:
     ip_forward: str | None = None  # the value to write back, if dockerd changed it
 
 
-def objects_to_remove(before: DockerObjects, now: DockerObjects, keep_images: frozenset[str] = frozenset(),
-                      ours: frozenset[str] | None = None) -> DockerObjects:  # fmt: skip
+def objects_to_remove(
+    before: DockerObjects,
+    now: DockerObjects,
+    keep_images: frozenset[str] = frozenset(),
+    ours: frozenset[str] | None = None,
+) -> DockerObjects:
     """Every object that is there now and was not before, but the images (ids or tags) asked to be
     kept. `ours`: on a daemon that was running before (others may use it meanwhile), only these images
     (the ids carrying the Dockerfile's label or the check's tags) and no other kind of object: compose
     down and `docker run --rm` remove the check's containers, networks and volumes there."""
     images, tags = now.images - before.images - keep_images, now.tags - before.tags - keep_images
     if ours is None:
-        return DockerObjects(images=images, containers=now.containers - before.containers,
-                             networks=now.networks - before.networks, volumes=now.volumes - before.volumes, tags=tags)  # fmt: skip
+        return DockerObjects(
+            images=images,
+            containers=now.containers - before.containers,
+            networks=now.networks - before.networks,
+            volumes=now.volumes - before.volumes,
+            tags=tags,
+        )
     return DockerObjects(images=images & ours, tags=tags & ours)
 
 
@@ -113,8 +122,12 @@ def host_leftovers(before: HostState, after: HostState, keep_data: bool = False)
     if keep_data:
         created = [path for path in created if path == str(EXEC_ROOT)]
     restore = before.ip_forward if before.ip_forward is not None and before.ip_forward != after.ip_forward else None
-    return Leftovers(links=sorted(link for link in after.links - before.links if DOCKER_LINK.match(link)),
-                     iptables=iptables_undo(before.iptables, after.iptables), paths=created, ip_forward=restore)  # fmt: skip
+    return Leftovers(
+        links=sorted(link for link in after.links - before.links if DOCKER_LINK.match(link)),
+        iptables=iptables_undo(before.iptables, after.iptables),
+        paths=created,
+        ip_forward=restore,
+    )
 
 
 # --- reading the host ---------------------------------------------------------------------------
@@ -138,7 +151,9 @@ def _lines(argv: list[str]) -> list[str]:
 
 def inventory_host(daemon_running: bool) -> HostState:
     paths = frozenset(str(p) for p in (data_root(), EXEC_ROOT, DAEMON_KEY) if p.exists())
-    links = frozenset(line.split(": ")[1].split("@")[0] for line in _lines(["ip", "-o", "link", "show"]) if ": " in line)
+    links = frozenset(
+        line.split(": ")[1].split("@")[0] for line in _lines(["ip", "-o", "link", "show"]) if ": " in line
+    )
     iptables = {table: tuple(_lines(["iptables", "-t", table, "-S"])) for table in IPTABLES_TABLES}
     try:
         forward = IP_FORWARD.read_text().strip()
@@ -148,12 +163,15 @@ def inventory_host(daemon_running: bool) -> HostState:
 
 
 def inventory_docker() -> DockerObjects:
-    return DockerObjects(images=frozenset(_lines(["docker", "images", "--all", "--quiet", "--no-trunc"])),
-                         containers=frozenset(_lines(["docker", "ps", "--all", "--quiet", "--no-trunc"])),
-                         networks=frozenset(_lines(["docker", "network", "ls", "--quiet", "--no-trunc"])),
-                         volumes=frozenset(_lines(["docker", "volume", "ls", "--quiet"])),
-                         tags=frozenset(t for t in _lines(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}"])
-                                        if "<none>" not in t))  # fmt: skip
+    return DockerObjects(
+        images=frozenset(_lines(["docker", "images", "--all", "--quiet", "--no-trunc"])),
+        containers=frozenset(_lines(["docker", "ps", "--all", "--quiet", "--no-trunc"])),
+        networks=frozenset(_lines(["docker", "network", "ls", "--quiet", "--no-trunc"])),
+        volumes=frozenset(_lines(["docker", "volume", "ls", "--quiet"])),
+        tags=frozenset(
+            t for t in _lines(["docker", "images", "--format", "{{.Repository}}:{{.Tag}}"]) if "<none>" not in t
+        ),
+    )
 
 
 def _tags_of(iid: str) -> list[str]:
@@ -194,8 +212,13 @@ def remove_objects(objects: DockerObjects) -> None:
         pending &= set(_lines(["docker", "images", "--all", "--quiet", "--no-trunc"]))
         for iid in sorted(pending):
             _quiet(["docker", "rmi", "--force", iid])
-    log.info("docker_objects_removed", images=len(objects.images), containers=len(objects.containers),
-             networks=len(objects.networks), volumes=len(objects.volumes))  # fmt: skip
+    log.info(
+        "docker_objects_removed",
+        images=len(objects.images),
+        containers=len(objects.containers),
+        networks=len(objects.networks),
+        volumes=len(objects.volumes),
+    )
 
 
 def _mounts_under(root: pathlib.Path) -> list[str]:
@@ -230,6 +253,12 @@ def remove_leftovers(leftovers: Leftovers) -> list[str]:
             IP_FORWARD.write_text(leftovers.ip_forward)
         except OSError:
             failed.append("net.ipv4.ip_forward")
-    log.info("docker_host_restored", links=leftovers.links, iptables=len(leftovers.iptables), paths=leftovers.paths,
-             ip_forward=leftovers.ip_forward, failed=failed)  # fmt: skip
+    log.info(
+        "docker_host_restored",
+        links=leftovers.links,
+        iptables=len(leftovers.iptables),
+        paths=leftovers.paths,
+        ip_forward=leftovers.ip_forward,
+        failed=failed,
+    )
     return failed

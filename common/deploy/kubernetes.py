@@ -45,8 +45,17 @@ import structlog
 from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
 from dilocox.common.deploy.kubernetes_placement import add_placement_arguments, exposed_services, scheduling
 from dilocox.common.deploy.topology import (
-    CHECKPOINT_DIR, INSECURE, METRICS_PORT, SHARD_PORT, Placement, Site, Topology, shard_command, site_commands, tls_flags,
-)  # fmt: skip
+    CHECKPOINT_DIR,
+    INSECURE,
+    METRICS_PORT,
+    SHARD_PORT,
+    Placement,
+    Site,
+    Topology,
+    shard_command,
+    site_commands,
+    tls_flags,
+)
 
 log = structlog.get_logger()
 
@@ -98,34 +107,64 @@ class Options:
         if min(args.gpus_per_rank, args.ranks_per_pod, args.backoff_limit) < 0:
             raise SystemExit("dilocox deploy kubernetes: --gpus-per-rank, --ranks-per-pod and --backoff-limit are ≥ 0")
         given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        return cls(**given | {"namespace": dns_label(args.namespace), "token_secret": args.token_secret or None,
-                              "tls_secret": None if args.insecure else args.tls_secret, "servers": args.servers or "",
-                              "node_selector": dict(args.node_selector or ()), "tolerations": tuple(args.toleration or ()),
-                              "expose": args.expose_shards or ""})  # fmt: skip
+        return cls(
+            **given
+            | {
+                "namespace": dns_label(args.namespace),
+                "token_secret": args.token_secret or None,
+                "tls_secret": None if args.insecure else args.tls_secret,
+                "servers": args.servers or "",
+                "node_selector": dict(args.node_selector or ()),
+                "tolerations": tuple(args.toleration or ()),
+                "expose": args.expose_shards or "",
+            }
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Options()
     add = parser.add_argument_group("kubernetes").add_argument
-    add("--image", default=defaults.image, help=f"the Dockerfile's image, where the cluster pulls it (default {defaults.image})")
+    add(
+        "--image",
+        default=defaults.image,
+        help=f"the Dockerfile's image, where the cluster pulls it (default {defaults.image})",
+    )
     add("--namespace", default=defaults.namespace, help=f"an existing namespace (default {defaults.namespace})")
     add("--gpus-per-rank", type=int, default=defaults.gpus_per_rank, help="nvidia.com/gpu per rank (default 1; 0: CPU)")
-    add("--ranks-per-pod", type=int, default=0,
-        help="ranks per site pod, i.e. per node; must divide every site's PP×DP (default: a whole site in one pod)")
-    add("--checkpoint-storage", default=defaults.checkpoint_storage, help="each shard's checkpoint volume (default 10Gi)")
+    add(
+        "--ranks-per-pod",
+        type=int,
+        default=0,
+        help="ranks per site pod, i.e. per node; must divide every site's PP×DP (default: a whole site in one pod)",
+    )
+    add(
+        "--checkpoint-storage",
+        default=defaults.checkpoint_storage,
+        help="each shard's checkpoint volume (default 10Gi)",
+    )
     add("--storage-class", help="storage class of the shards' volumes (default: the cluster's default)")
-    add("--site-checkpoint-storage", default=defaults.site_checkpoint_storage,
+    add(
+        "--site-checkpoint-storage",
+        default=defaults.site_checkpoint_storage,
         help="each site's checkpoint volume, resumed by a rerun pod (default 20Gi; '' for none). A site across pods "
-             "needs ReadWriteMany storage: see --site-storage-class")  # fmt: skip
+        "needs ReadWriteMany storage: see --site-storage-class",
+    )
     add("--site-storage-class", help="storage class of the sites' volumes (default: the cluster's default)")
     add("--shard-cpu", default=defaults.shard_cpu, help=f"CPU request of a shard (default {defaults.shard_cpu})")
     add("--shard-memory", default=defaults.shard_memory, help=f"memory of a shard (default {defaults.shard_memory})")
     add("--site-cpu", default=defaults.site_cpu, help=f"CPU request of a site pod (default {defaults.site_cpu})")
     add("--site-memory", default=defaults.site_memory, help=f"memory of a site pod (default {defaults.site_memory})")
-    add("--tls-secret", default=defaults.tls_secret,
-        help="Secret with ca.pem, server.pem, server-key.pem, client.pem, client-key.pem (`dilocox certs`)")
+    add(
+        "--tls-secret",
+        default=defaults.tls_secret,
+        help="Secret with ca.pem, server.pem, server-key.pem, client.pem, client-key.pem (`dilocox certs`)",
+    )
     add("--insecure", action="store_true", help="plaintext gRPC inside the cluster, no TLS Secret")
-    add("--token-secret", default=defaults.token_secret, help="Secret whose key `token` is the run's token ('' for none)")
+    add(
+        "--token-secret",
+        default=defaults.token_secret,
+        help="Secret whose key `token` is the run's token ('' for none)",
+    )
     add("--backoff-limit", type=int, default=defaults.backoff_limit, help="failed pods a site's Job reruns (default 4)")
     add_placement_arguments(add)
 
@@ -185,14 +224,20 @@ def pods_of(site: Site, options: Options) -> tuple[int, int]:
     if per_pod >= site.ranks:
         return 1, site.ranks
     if site.ranks % per_pod:
-        raise SystemExit(f"dilocox deploy kubernetes: --ranks-per-pod {per_pod} does not divide site {site.name}'s "
-                         f"{site.ranks} ranks")  # fmt: skip
+        raise SystemExit(
+            f"dilocox deploy kubernetes: --ranks-per-pod {per_pod} does not divide site {site.name}'s "
+            f"{site.ranks} ranks"
+        )
     return site.ranks // per_pod, per_pod
 
 
 def _labels(names: Names, component: str, **more: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "dilocox", "app.kubernetes.io/instance": names.run,
-            "app.kubernetes.io/component": component, **more}  # fmt: skip
+    return {
+        "app.kubernetes.io/name": "dilocox",
+        "app.kubernetes.io/instance": names.run,
+        "app.kubernetes.io/component": component,
+        **more,
+    }
 
 
 def _metadata(name: str, names: Names, labels: dict[str, str]) -> dict:
@@ -208,7 +253,9 @@ def _env(options: Options, **fields: str) -> list[dict]:
     """Downward-API variables (name → fieldPath), then the run token from its Secret."""
     env = [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in fields.items()]
     if options.token_secret:
-        env.append({"name": "DILOCOX_TOKEN", "valueFrom": {"secretKeyRef": {"name": options.token_secret, "key": "token"}}})
+        env.append(
+            {"name": "DILOCOX_TOKEN", "valueFrom": {"secretKeyRef": {"name": options.token_secret, "key": "token"}}}
+        )
     return env
 
 
@@ -230,7 +277,11 @@ def _tls(options: Options, files: tuple[str, ...]) -> tuple[list[dict], list[dic
 
 def _probes(options: Options) -> dict:
     if options.tls_secret:  # the kubelet's gRPC probe speaks plaintext only
-        check = {"exec": {"command": ["dilocox", "health", "--server", f"localhost:{SHARD_PORT}", "--timeout", "5", *CLIENT_TLS]}}
+        check = {
+            "exec": {
+                "command": ["dilocox", "health", "--server", f"localhost:{SHARD_PORT}", "--timeout", "5", *CLIENT_TLS]
+            }
+        }
     else:
         check = {"grpc": {"port": SHARD_PORT}}
     check["timeoutSeconds"] = 10
@@ -243,9 +294,17 @@ def _probes(options: Options) -> dict:
 
 def _headless_service(name: str, names: Names, labels: dict, selector: dict, ports: list[tuple[str, int]]) -> dict:
     """DNS names for the selected pods, ready or not (a site's pod 0 is dialled before anything is ready)."""
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, names, labels),
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector,
-                     "ports": [{"name": port_name, "port": port, "targetPort": port} for port_name, port in ports]}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(name, names, labels),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [{"name": port_name, "port": port, "targetPort": port} for port_name, port in ports],
+        },
+    }
 
 
 def shard_objects(topology: Topology, options: Options, names: Names, placement: Placement) -> list[dict]:
@@ -256,28 +315,47 @@ def shard_objects(topology: Topology, options: Options, names: Names, placement:
     command[command.index("--shard-index") + 1] = "$(SHARD_INDEX)"  # one template for every pod: its ordinal
     volumes, mounts = _tls(options, SERVER_FILES)
     container = {
-        "name": "shard", "image": options.image, "imagePullPolicy": "IfNotPresent", "command": command,
+        "name": "shard",
+        "image": options.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command,
         "env": _env(options, SHARD_INDEX="metadata.labels['apps.kubernetes.io/pod-index']"),
         "ports": [{"name": "grpc", "containerPort": SHARD_PORT}, {"name": "metrics", "containerPort": METRICS_PORT}],
-        "resources": _resources(options.shard_cpu, options.shard_memory), **_probes(options),
+        "resources": _resources(options.shard_cpu, options.shard_memory),
+        **_probes(options),
         "volumeMounts": [{"name": "checkpoints", "mountPath": CHECKPOINT_DIR}, *mounts],
-    }  # fmt: skip
+    }
     claim = {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": options.checkpoint_storage}}}
     if options.storage_class:
         claim["storageClassName"] = options.storage_class
     statefulset = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _metadata(names.shards, names, labels),
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(names.shards, names, labels),
         "spec": {
-            "serviceName": names.shard_service, "replicas": topology.num_shards, "podManagementPolicy": "Parallel",
+            "serviceName": names.shard_service,
+            "replicas": topology.num_shards,
+            "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector},
-            "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Retain", "whenScaled": "Retain"},  # the model lives there
-            "template": {"metadata": _scraped(labels),  # SIGTERM: the shard saves a last checkpoint before it exits
-                         "spec": {"terminationGracePeriodSeconds": 120, "containers": [container], "volumes": volumes,
-                                  **scheduling(options)}},
+            "persistentVolumeClaimRetentionPolicy": {
+                "whenDeleted": "Retain",
+                "whenScaled": "Retain",
+            },  # the model lives there
+            "template": {
+                "metadata": _scraped(labels),  # SIGTERM: the shard saves a last checkpoint before it exits
+                "spec": {
+                    "terminationGracePeriodSeconds": 120,
+                    "containers": [container],
+                    "volumes": volumes,
+                    **scheduling(options),
+                },
+            },
             "volumeClaimTemplates": [{"metadata": {"name": "checkpoints", "labels": labels}, "spec": claim}],
         },
-    }  # fmt: skip
-    service = _headless_service(names.shard_service, names, labels, selector, [("grpc", SHARD_PORT), ("metrics", METRICS_PORT)])
+    }
+    service = _headless_service(
+        names.shard_service, names, labels, selector, [("grpc", SHARD_PORT), ("metrics", METRICS_PORT)]
+    )
     return [service, statefulset, *exposed_services(topology, options, names, labels, _metadata)]
 
 
@@ -290,9 +368,22 @@ def site_command(topology: Topology, index: int, options: Options, names: Names,
     pods, per_pod = pods_of(site, options)
     if pods == 1:
         return worker  # it starts its own standalone torchrun job of pp × dp ranks
-    return ["torchrun", "--nnodes", str(pods), "--node-rank", "$(NODE_RANK)", "--nproc-per-node", str(per_pod),
-            "--master-addr", names.site_host(site, 0), "--master-port", str(RDZV_PORT),
-            "-m", "dilocox.common.cli", *worker[1:]]  # fmt: skip
+    return [
+        "torchrun",
+        "--nnodes",
+        str(pods),
+        "--node-rank",
+        "$(NODE_RANK)",
+        "--nproc-per-node",
+        str(per_pod),
+        "--master-addr",
+        names.site_host(site, 0),
+        "--master-port",
+        str(RDZV_PORT),
+        "-m",
+        "dilocox.common.cli",
+        *worker[1:],
+    ]
 
 
 def site_objects(topology: Topology, index: int, options: Options, names: Names, placement: Placement) -> list[dict]:
@@ -303,13 +394,15 @@ def site_objects(topology: Topology, index: int, options: Options, names: Names,
     tls_volumes, tls_mounts = _tls(options, CLIENT_FILES)
     rank = {"NODE_RANK": "metadata.annotations['batch.kubernetes.io/job-completion-index']"} if pods > 1 else {}
     container = {
-        "name": "worker", "image": options.image, "imagePullPolicy": "IfNotPresent",
+        "name": "worker",
+        "image": options.image,
+        "imagePullPolicy": "IfNotPresent",
         "env": [*_env(options, **rank), {"name": SHUTDOWN_TIMEOUT_ENV, "value": str(options.site_stop_timeout_s)}],
         "command": site_command(topology, index, options, names, placement),
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}, {"name": "rdzv", "containerPort": RDZV_PORT}],
         "resources": _resources(options.site_cpu, options.site_memory, options.gpus_per_rank * per_pod),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *tls_mounts],  # the ranks' shared memory
-    }  # fmt: skip
+    }
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, *tls_volumes]
     claim = _site_claim(name, names, labels, options, pods)
     checkpoint_claim = options.site_checkpoint_claim or (claim["metadata"]["name"] if claim is not None else "")
@@ -317,26 +410,43 @@ def site_objects(topology: Topology, index: int, options: Options, names: Names,
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_claim}})
         container["volumeMounts"].append({"name": "checkpoints", "mountPath": SITE_CHECKPOINT_DIR})
     if options.data_claim or options.data_volume:  # the site's data, read-only: every rank reads, none writes
-        source = {"persistentVolumeClaim": {"claimName": options.data_claim, "readOnly": True}} if options.data_claim else options.data_volume
+        source = (
+            {"persistentVolumeClaim": {"claimName": options.data_claim, "readOnly": True}}
+            if options.data_claim
+            else options.data_volume
+        )
         volumes.append({"name": "data", **source})
         container["volumeMounts"].append({"name": "data", "mountPath": options.data_mount, "readOnly": True})
     # A stopping site is given what it needs (common/config/waits.py): torchrun's wait, and 30 s more to exit.
-    pod = {"restartPolicy": "Never", "terminationGracePeriodSeconds": options.site_stop_timeout_s + 30, "containers": [container],
-           "volumes": volumes,
-           **scheduling(options)}  # fmt: skip
+    pod = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": options.site_stop_timeout_s + 30,
+        "containers": [container],
+        "volumes": volumes,
+        **scheduling(options),
+    }
     pod |= {"subdomain": name} if pods > 1 else {}
     final = {"containerName": "worker", "operator": "In", "values": [FINAL_EXIT_CODE]}
     evicted = [{"type": "DisruptionTarget", "status": "True"}]  # preempted, drained: not the site's fault
     job = {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(name, names, labels),
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(name, names, labels),
         "spec": {
-            "completionMode": "Indexed", "completions": pods, "parallelism": pods, "backoffLimit": options.backoff_limit,
+            "completionMode": "Indexed",
+            "completions": pods,
+            "parallelism": pods,
+            "backoffLimit": options.backoff_limit,
             # onPodConditions [] on the exit-code rule: Kubernetes 1.28's schema requires the field in every rule
-            "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": final, "onPodConditions": []},
-                                           {"action": "Ignore", "onPodConditions": evicted}]},
+            "podFailurePolicy": {
+                "rules": [
+                    {"action": "FailJob", "onExitCodes": final, "onPodConditions": []},
+                    {"action": "Ignore", "onPodConditions": evicted},
+                ]
+            },
             "template": {"metadata": _scraped(labels), "spec": pod},
         },
-    }  # fmt: skip
+    }
     objects = [] if claim is None else [claim]
     if pods == 1:
         return [*objects, job]
@@ -349,12 +459,18 @@ def _site_claim(name: str, names: Names, labels: dict, options: Options, pods: i
     of a site across nodes share it (ReadWriteMany)."""
     if not options.site_checkpoint_storage or options.site_checkpoint_claim:
         return None
-    spec = {"accessModes": ["ReadWriteOnce" if pods == 1 else "ReadWriteMany"],
-            "resources": {"requests": {"storage": options.site_checkpoint_storage}}}  # fmt: skip
+    spec = {
+        "accessModes": ["ReadWriteOnce" if pods == 1 else "ReadWriteMany"],
+        "resources": {"requests": {"storage": options.site_checkpoint_storage}},
+    }
     if options.site_storage_class:
         spec["storageClassName"] = options.site_storage_class
-    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": _metadata(f"{name}-checkpoints", names, labels),
-            "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": _metadata(f"{name}-checkpoints", names, labels),
+        "spec": spec,
+    }
 
 
 def manifests(topology: Topology, options: Options) -> list[dict]:
@@ -362,10 +478,14 @@ def manifests(topology: Topology, options: Options) -> list[dict]:
     names = Names.of(topology, options)
     jobs = [names.site(site) for site in topology.sites]
     if len(set(jobs)) != len(jobs) or names.shard_service in jobs or names.shards in jobs:
-        raise SystemExit(f"dilocox deploy kubernetes: site names {[s.name for s in topology.sites]} give clashing object names")
+        raise SystemExit(
+            f"dilocox deploy kubernetes: site names {[s.name for s in topology.sites]} give clashing object names"
+        )
     servers = tuple(filter(None, options.servers.split(",")))
     if servers and len(servers) != topology.num_shards:
-        raise SystemExit(f"dilocox deploy kubernetes: --servers names {len(servers)} shard(s), --shards is {topology.num_shards}")
+        raise SystemExit(
+            f"dilocox deploy kubernetes: --servers names {len(servers)} shard(s), --shards is {topology.num_shards}"
+        )
     placement = ClusterPlacement(compose=True, names=names, servers=servers)
     objects = [] if servers else shard_objects(topology, options, names, placement)
     for index in range(len(topology.sites)):
@@ -388,28 +508,49 @@ def render(topology: Topology, args: argparse.Namespace) -> dict[str, str]:
 def next_steps(topology: Topology, args: argparse.Namespace) -> str:
     options = Options.from_args(args)
     names, kubectl = Names.of(topology, options), f"kubectl -n {options.namespace}"
-    ports = [topology.host_port_base + i for i in range(topology.num_shards)]  # port-forwards, as compose publishes them
+    ports = [
+        topology.host_port_base + i for i in range(topology.num_shards)
+    ]  # port-forwards, as compose publishes them
     servers = options.servers or ",".join(f"127.0.0.1:{p}" for p in ports)
-    lines = [f"Next, for run {topology.run_id!r}:", f"  kubectl create namespace {options.namespace}   # unless it exists"]
+    lines = [
+        f"Next, for run {topology.run_id!r}:",
+        f"  kubectl create namespace {options.namespace}   # unless it exists",
+    ]
     client = " --insecure"
     if options.tls_secret:
         hosts = ",".join(["localhost", "127.0.0.1", *(names.shard_host(i) for i in range(topology.num_shards))])
         files = " ".join(f"--from-file=certs/{f}" for f in (CLIENT_FILES if options.servers else SERVER_FILES))
         expose = "   # + the shard Services' external names/IPs" if options.expose else ""
-        lines += ["  # certs/: from the run's CA, where the shards' certificates were made" if options.servers else
-                  f"  dilocox certs --out certs --hosts {hosts}{expose}",
-                  f"  {kubectl} create secret generic {options.tls_secret} {files}   # never ca-key.pem"]  # fmt: skip
+        lines += [
+            "  # certs/: from the run's CA, where the shards' certificates were made"
+            if options.servers
+            else f"  dilocox certs --out certs --hosts {hosts}{expose}",
+            f"  {kubectl} create secret generic {options.tls_secret} {files}   # never ca-key.pem",
+        ]
         client = " --tls-ca certs/ca.pem --tls-cert certs/client.pem --tls-key certs/client-key.pem"
     token = ""
     if options.token_secret:
-        lines.append(f"  {kubectl} create secret generic {options.token_secret} --from-literal=token=\"$(openssl rand -hex 16)\"")
-        token = f"DILOCOX_TOKEN=$({kubectl} get secret {options.token_secret} -o jsonpath='{{.data.token}}' | base64 -d) "
+        lines.append(
+            f'  {kubectl} create secret generic {options.token_secret} --from-literal=token="$(openssl rand -hex 16)"'
+        )
+        token = (
+            f"DILOCOX_TOKEN=$({kubectl} get secret {options.token_secret} -o jsonpath='{{.data.token}}' | base64 -d) "
+        )
     lines += [
         f"  kubectl apply -f {args.out / MANIFEST}",
         f"  {kubectl} get pods -l app.kubernetes.io/instance={names.run} -w   # the shards Ready, then the sites' pods",
         f"  {kubectl} logs -f job/{names.site(topology.sites[0])}   # a site's worker",
-        *([] if options.servers else ["  # dilocox status, through one port-forward per shard:", *(
-            f"  {kubectl} port-forward pod/{names.shards}-{i} {port}:{SHARD_PORT} &" for i, port in enumerate(ports))]),
+        *(
+            []
+            if options.servers
+            else [
+                "  # dilocox status, through one port-forward per shard:",
+                *(
+                    f"  {kubectl} port-forward pod/{names.shards}-{i} {port}:{SHARD_PORT} &"
+                    for i, port in enumerate(ports)
+                ),
+            ]
+        ),
         f"  {token}dilocox status --servers {servers}{client}",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)

@@ -29,7 +29,9 @@ def node_selector_item(text: str) -> tuple[str, str]:
     """`KEY=VALUE` → (key, value), for `--node-selector`."""
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. cloud.google.com/gke-accelerator=nvidia-h100-80gb")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected KEY=VALUE, e.g. cloud.google.com/gke-accelerator=nvidia-h100-80gb"
+        )
     return key, value
 
 
@@ -44,15 +46,31 @@ def toleration(text: str) -> dict:
 
 
 def add_placement_arguments(add: Callable) -> None:
-    add("--servers", help="the shards' addresses host:port,… when they run outside this cluster: no shard objects are "
-                          "rendered and the sites dial these (the server certificate must name them)")  # fmt: skip
-    add("--node-selector", type=node_selector_item, action="append", metavar="KEY=VALUE",
-        help="a node label every pod requires, e.g. a GPU node pool's (repeatable)")
-    add("--toleration", type=toleration, action="append", metavar="KEY[=VALUE][:EFFECT]",
-        help="a taint every pod tolerates, e.g. nvidia.com/gpu:NoSchedule (repeatable)")
-    add("--expose-shards", choices=("LoadBalancer", "NodePort"),
+    add(
+        "--servers",
+        help="the shards' addresses host:port,… when they run outside this cluster: no shard objects are "
+        "rendered and the sites dial these (the server certificate must name them)",
+    )
+    add(
+        "--node-selector",
+        type=node_selector_item,
+        action="append",
+        metavar="KEY=VALUE",
+        help="a node label every pod requires, e.g. a GPU node pool's (repeatable)",
+    )
+    add(
+        "--toleration",
+        type=toleration,
+        action="append",
+        metavar="KEY[=VALUE][:EFFECT]",
+        help="a taint every pod tolerates, e.g. nvidia.com/gpu:NoSchedule (repeatable)",
+    )
+    add(
+        "--expose-shards",
+        choices=("LoadBalancer", "NodePort"),
         help="also a Service of this type per shard, for sites in other clusters (name its external address in the "
-             "server certificate)")  # fmt: skip
+        "server certificate)",
+    )
 
 
 def scheduling(options) -> dict:  # noqa: ANN001 — kubernetes.Options (imported there from here)
@@ -76,12 +94,25 @@ def exposed_services(topology: Topology, options, names, labels: dict, metadata:
         grpc: dict = {"name": "grpc", "port": SHARD_PORT, "targetPort": SHARD_PORT}
         if options.expose == "NodePort" and port:
             if port not in NODE_PORTS:
-                raise SystemExit(f"dilocox deploy: shard {index}'s NodePort {port} is outside {NODE_PORTS.start}-{NODE_PORTS.stop - 1}")
+                raise SystemExit(
+                    f"dilocox deploy: shard {index}'s NodePort {port} is outside "
+                    f"{NODE_PORTS.start}-{NODE_PORTS.stop - 1}"
+                )
             grpc["nodePort"] = port
         elif port:
             grpc["port"] = port
-        spec = {"type": options.expose, "selector": {"statefulset.kubernetes.io/pod-name": pod}, "ports": [grpc],
-                "externalTrafficPolicy": "Local"}  # fmt: skip  # the client's address in the shard's log, no extra hop
-        services.append({"apiVersion": "v1", "kind": "Service",
-                         "metadata": metadata(f"{pod}-external", names, labels | {"dilocox/shard": str(index)}), "spec": spec})  # fmt: skip
+        spec = {
+            "type": options.expose,
+            "selector": {"statefulset.kubernetes.io/pod-name": pod},
+            "ports": [grpc],
+            "externalTrafficPolicy": "Local",
+        }  # the client's address in the shard's log, no extra hop
+        services.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": metadata(f"{pod}-external", names, labels | {"dilocox/shard": str(index)}),
+                "spec": spec,
+            }
+        )
     return services

@@ -1,8 +1,8 @@
 """`dilocox link`: shape this host's egress towards a peer, and measure a link's bulk rate.
 
-    dilocox link shape --towards shard-0 --rate-mbit 20   # tc tbf on the device that routes there
-    dilocox link sink --port 5201                         # count what arrives, answer with the rate
-    dilocox link probe --to shard-0:5201 --seconds 5      # stream for 5 s, print the rate as JSON
+dilocox link shape --towards shard-0 --rate-mbit 20   # tc tbf on the device that routes there
+dilocox link sink --port 5201                         # count what arrives, answer with the rate
+dilocox link probe --to shard-0:5201 --seconds 5      # stream for 5 s, print the rate as JSON
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape = actions.add_parser("shape", help="rate-limit egress towards a host with tc tbf (needs NET_ADMIN)")
     shape.add_argument("--towards", required=True, help="host (name or address) whose route's device is shaped")
     shape.add_argument("--rate-mbit", type=float, required=True, help="rate limit in Mbit/s")
-    shape.add_argument("--queue-ms", type=int, default=100, help="queue the bucket may hold before dropping (default 100)")
+    shape.add_argument(
+        "--queue-ms", type=int, default=100, help="queue the bucket may hold before dropping (default 100)"
+    )
     sink = actions.add_parser("sink", help="receive probes and answer each with the measured rate")
     sink.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     sink.add_argument("--port", type=int, default=5201, help="port to listen on (default 5201)")
@@ -43,7 +45,13 @@ def run(args: argparse.Namespace) -> int:
             bucket = TokenBucket(args.rate_mbit, args.queue_ms)
             device = device_towards(args.towards)
             shape_egress(device, bucket)
-            log.info("egress_shaped", towards=args.towards, device=device, rate_mbit=args.rate_mbit, qdisc=egress_qdisc(device))
+            log.info(
+                "egress_shaped",
+                towards=args.towards,
+                device=device,
+                rate_mbit=args.rate_mbit,
+                qdisc=egress_qdisc(device),
+            )
         except (ShapingError, ValueError) as error:
             raise SystemExit(f"dilocox link shape: {error}") from None
         return 0

@@ -14,8 +14,8 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 BLOCK = 64 * 1024
 REPORT_PREFIX = b"RATE "
@@ -38,7 +38,9 @@ class ProbeResult:
         return json.dumps(self.as_dict())
 
 
-def receive_counted(conn: socket.socket, warmup_s: float, on_first_byte: Callable[[], None] | None = None) -> ProbeResult:
+def receive_counted(
+    conn: socket.socket, warmup_s: float, on_first_byte: Callable[[], None] | None = None
+) -> ProbeResult:
     """Read until the sender closes its side; count only bytes after the warm-up. `on_first_byte`
     tells a prober watching other counters (e.g. the kernel's) that data flows."""
     start = time.monotonic()
@@ -66,7 +68,9 @@ def stream_zeros(conn: socket.socket, seconds: float, max_bytes: int = 0) -> Non
         sent += len(payload)
 
 
-def serve_sink(server: socket.socket, connections: int = 1, warmup_s: float = 1.0, timeout_s: float = 300.0) -> list[ProbeResult]:
+def serve_sink(
+    server: socket.socket, connections: int = 1, warmup_s: float = 1.0, timeout_s: float = 300.0
+) -> list[ProbeResult]:
     """Accept `connections` probes on a listening socket one after another; answer each with its rate."""
     results = []
     with server:
@@ -91,7 +95,7 @@ def send_probe(host: str, port: int, seconds: float, timeout_s: float = 60.0) ->
             reply += chunk
     if not reply.startswith(REPORT_PREFIX):
         raise ConnectionError(f"the sink at {host}:{port} sent no rate report")
-    fields = json.loads(reply[len(REPORT_PREFIX):])
+    fields = json.loads(reply[len(REPORT_PREFIX) :])
     return ProbeResult(fields["bytes_measured"], fields["seconds"], fields["bytes_total"])
 
 

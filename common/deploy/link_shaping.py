@@ -49,8 +49,9 @@ class TokenBucket:
         return ["qdisc", "replace", "dev", device, "root", *self.qdisc_args()]
 
 
-def run_iproute(argv: list[str], error: type[Exception] = ShapingError, timeout: float = 20,
-                check: bool = True) -> subprocess.CompletedProcess:  # fmt: skip
+def run_iproute(
+    argv: list[str], error: type[Exception] = ShapingError, timeout: float = 20, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run an iproute2 command (`ip`, `tc`); a missing binary, or a failure when `check`, raises
     `error` with the command's own message (the WAN benchmark passes its NamespaceError)."""
     try:

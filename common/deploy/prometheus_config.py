@@ -31,7 +31,9 @@ def sim_targets(metrics_port: int, shards: int, clusters: int, host: str = "127.
     }
 
 
-def render(targets: dict[str, list[str]], interval_s: float = 5.0, rule_files: tuple[pathlib.Path, ...] | None = None) -> str:
+def render(
+    targets: dict[str, list[str]], interval_s: float = 5.0, rule_files: tuple[pathlib.Path, ...] | None = None
+) -> str:
     """prometheus.yml scraping `targets` (job → host:port list) every `interval_s`, with the shipped alert
     rules evaluated at the same interval unless other `rule_files` are given."""
     interval = f"{round(interval_s * 1000)}ms"  # Prometheus durations are integers of a unit

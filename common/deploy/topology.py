@@ -62,7 +62,9 @@ class Topology:
     host_port_base: int = 57051
     host_metrics_base: int = 59100
     extra_worker_flags: tuple[str, ...] = field(default=())
-    extra_server_flags: tuple[str, ...] = field(default=())  # every shard's, after its own (a topology's [shards.policy])
+    extra_server_flags: tuple[str, ...] = field(
+        default=()
+    )  # every shard's, after its own (a topology's [shards.policy])
     # The simulation's worker flags (its small GPT's shape, one thread per rank, --join-late). A real run's
     # launch files (`dilocox deploy`) leave them out: its model and data come from extra_worker_flags.
     simulation: bool = True
@@ -118,47 +120,91 @@ class HostPorts(Placement):
         return "0.0.0.0"
 
 
-def shard_command(topology: Topology, index: int, placement: Placement, checkpoint_dir: str | None = None, *,
-                  keep_serving: bool = True, security: Sequence[str] = INSECURE, extra: Sequence[str] = ()) -> list[str]:
+def shard_command(
+    topology: Topology,
+    index: int,
+    placement: Placement,
+    checkpoint_dir: str | None = None,
+    *,
+    keep_serving: bool = True,
+    security: Sequence[str] = INSECURE,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """One shard's argv. The keywords are for launchers of real runs (deploy/kubernetes.py, deploy/slurm.py): a shard
     that exits at the run's end, TLS flags in place of --insecure, more flags (e.g. --resume-if-present)."""
     command = [
-        "dilocox", "server",
-        "--num-shards", str(topology.num_shards), "--shard-index", str(index),
-        "--host", placement.listen_host(),
-        "--port", str(placement.shard_port(topology, index)),
-        "--run-id", topology.run_id,
-        "--min-clusters", str(topology.min_clusters), "--round-deadline-s", f"{topology.round_deadline_s:g}",
-        "--added-latency-ms", f"{topology.wan_latency_ms:g}",
-        "--metrics-port", str(placement.metrics_port(topology, index)),
+        "dilocox",
+        "server",
+        "--num-shards",
+        str(topology.num_shards),
+        "--shard-index",
+        str(index),
+        "--host",
+        placement.listen_host(),
+        "--port",
+        str(placement.shard_port(topology, index)),
+        "--run-id",
+        topology.run_id,
+        "--min-clusters",
+        str(topology.min_clusters),
+        "--round-deadline-s",
+        f"{topology.round_deadline_s:g}",
+        "--added-latency-ms",
+        f"{topology.wan_latency_ms:g}",
+        "--metrics-port",
+        str(placement.metrics_port(topology, index)),
         # the compose check and the plain-process run read the shards after the sites end
         *(["--keep-serving"] if keep_serving else []),
-        "--log-format", "json", *security,
-    ]  # fmt: skip
+        "--log-format",
+        "json",
+        *security,
+    ]
     directory = CHECKPOINT_DIR if placement.compose else checkpoint_dir
     if directory:
         command += ["--checkpoint-dir", directory]
     return command + list(topology.extra_server_flags) + list(extra)
 
 
-def site_commands(topology: Topology, index: int, placement: Placement, *, security: Sequence[str] = INSECURE) -> list[list[str]]:
+def site_commands(
+    topology: Topology, index: int, placement: Placement, *, security: Sequence[str] = INSECURE
+) -> list[list[str]]:
     """The steps a site runs, in order: in compose, first shape its WAN egress, then the worker. `security`:
     the worker's transport flags (--tls-* for a real run)."""
     site = topology.sites[index]
     servers = ",".join(placement.shard_address(topology, i) for i in range(topology.num_shards))
     worker = [
-        "dilocox", "worker", "--servers", servers, "--run-id", topology.run_id,
-        "--cluster", site.name, "--cluster-index", str(index), "--num-clusters", str(len(topology.sites)),
-        "--pp", str(site.pp), "--dp", str(site.dp),
-        "--rounds", str(topology.rounds), "--inner-steps", str(topology.inner_steps),
+        "dilocox",
+        "worker",
+        "--servers",
+        servers,
+        "--run-id",
+        topology.run_id,
+        "--cluster",
+        site.name,
+        "--cluster-index",
+        str(index),
+        "--num-clusters",
+        str(len(topology.sites)),
+        "--pp",
+        str(site.pp),
+        "--dp",
+        str(site.dp),
+        "--rounds",
+        str(topology.rounds),
+        "--inner-steps",
+        str(topology.inner_steps),
         *(_simulation_flags(topology) if topology.simulation else []),
-        "--metrics-port", str(placement.metrics_port(topology, topology.num_shards + index)),
-        "--metrics-host", "0.0.0.0",  # scraped from another host or pod (a worker alone listens on 127.0.0.1)
-        "--log-format", "json", *security,
+        "--metrics-port",
+        str(placement.metrics_port(topology, topology.num_shards + index)),
+        "--metrics-host",
+        "0.0.0.0",  # scraped from another host or pod (a worker alone listens on 127.0.0.1)
+        "--log-format",
+        "json",
+        *security,
         # with --min-clusters 1 the first site up may close rounds before the other joins
         *(["--join-late"] if topology.simulation else []),
         *topology.extra_worker_flags,
-    ]  # fmt: skip
+    ]
     if not placement.compose:
         return [worker]
     shape = ["dilocox", "link", "shape", "--towards", "shard-0", "--rate-mbit", f"{topology.wan_rate_mbit:g}"]
@@ -166,8 +212,18 @@ def site_commands(topology: Topology, index: int, placement: Placement, *, secur
 
 
 def _simulation_flags(topology: Topology) -> list[str]:
-    return ["--n-layer", str(topology.n_layer), "--n-embd", str(topology.n_embd), "--block-size", str(topology.block_size),
-            "--inner-batch-size", str(topology.inner_batch_size), "--threads", "1"]  # fmt: skip
+    return [
+        "--n-layer",
+        str(topology.n_layer),
+        "--n-embd",
+        str(topology.n_embd),
+        "--block-size",
+        str(topology.block_size),
+        "--inner-batch-size",
+        str(topology.inner_batch_size),
+        "--threads",
+        "1",
+    ]
 
 
 def as_shell(steps: list[list[str]]) -> str:

@@ -26,14 +26,23 @@ from dataclasses import dataclass, field
 from dilocox.common.config.waits import STOP_TIMEOUT_S
 from dilocox.common.deploy.topology import SHARD_PORT
 from dilocox.common.deploy.topology_values import (
-    ADDRESS, TopologyFileError, build_from, check_host, check_name, check_port, choice, parse_flags, positive,
-    shown, take_keys, typed_value,
-)  # fmt: skip
+    ADDRESS,
+    TopologyFileError,
+    build_from,
+    check_host,
+    check_name,
+    check_port,
+    choice,
+    parse_flags,
+    positive,
+    shown,
+    take_keys,
+    typed_value,
+)
 
 LAUNCHERS = ("slurm", "kubernetes", "bare-metal")
 SHARD_LAUNCHERS = (*LAUNCHERS, "external")
 EXPOSE = ("LoadBalancer", "NodePort")
-
 
 
 @dataclass(frozen=True)
@@ -149,29 +158,73 @@ class TopologyFile:
 
 
 # --------------------------------------------------------------------------- parsing
-SITE_KEYS = ("launcher", "cluster", "nodes", "gpus_per_node", "layout", "data", "worker_flags", "inner_round_time_s", "stop_timeout_s")
-SITE_FLAGS = {"inner_round_time_s": "--inner-round-time-s", "stop_timeout_s": "--stop-timeout-s", "data": "--data"}  # keys that are worker flags
+SITE_KEYS = (
+    "launcher",
+    "cluster",
+    "nodes",
+    "gpus_per_node",
+    "layout",
+    "data",
+    "worker_flags",
+    "inner_round_time_s",
+    "stop_timeout_s",
+)
+SITE_FLAGS = {
+    "inner_round_time_s": "--inner-round-time-s",
+    "stop_timeout_s": "--stop-timeout-s",
+    "data": "--data",
+}  # keys that are worker flags
 KUBERNETES_SITE_ONLY = ("data_claim", "data_volume", "data_mount", "checkpoint_claim")
 STOP_GRACE_S = 30  # the worker's default --stop-grace-s: a stop timeout must leave the ranks more than it
 SHARD_KEYS = ("count", "launcher", "cluster", "port", "addresses", "expose", "policy")
 # [shards.policy]: the shards' own settings, by their `dilocox server` flag names, typed (tests/test_topology_file.py
 # holds each against the server's parser). What the file sets elsewhere is not here, nor is a secret.
 SHARD_POLICY = {
-    "outer_lr": float, "outer_momentum": float, "expect_clusters": int, "grace_s": float, "grace_min_s": float,
-    "keep_rounds": int, "keep_rounds_s": float, "keep_rounds_disk_gb": float, "checkpoint_every": int, "checkpoint_keep": int, "keep_serving": bool, "push_idle_timeout_s": float,
-    "push_streams_per_cluster": int, "pull_cache_mb": int, "update_check": str, "update_check_norm_ratio": float,
-    "update_check_min_cosine": float, "update_check_quarantine_rounds": int,
-    "update_check_max_flagged": float, "update_check_min_agreement": float, "max_weight_multiple": float,
-    "aggregate": str, "aggregate_clip_multiple": float, "health_stall_s": float, "work_threads": int,
-    "checkpoint_sign_key": str, "checkpoint_sign_cert": str, "checkpoint_verify_key": str, "checkpoint_ca": str,
-}  # fmt: skip
+    "outer_lr": float,
+    "outer_momentum": float,
+    "expect_clusters": int,
+    "grace_s": float,
+    "grace_min_s": float,
+    "keep_rounds": int,
+    "keep_rounds_s": float,
+    "keep_rounds_disk_gb": float,
+    "checkpoint_every": int,
+    "checkpoint_keep": int,
+    "keep_serving": bool,
+    "push_idle_timeout_s": float,
+    "push_streams_per_cluster": int,
+    "pull_cache_mb": int,
+    "update_check": str,
+    "update_check_norm_ratio": float,
+    "update_check_min_cosine": float,
+    "update_check_quarantine_rounds": int,
+    "update_check_max_flagged": float,
+    "update_check_min_agreement": float,
+    "max_weight_multiple": float,
+    "aggregate": str,
+    "aggregate_clip_multiple": float,
+    "health_stall_s": float,
+    "work_threads": int,
+    "checkpoint_sign_key": str,
+    "checkpoint_sign_cert": str,
+    "checkpoint_verify_key": str,
+    "checkpoint_ca": str,
+}
 UPDATE_CHECKS = ("off", "warn", "clip", "exclude")
-CHOICES = {"update_check": UPDATE_CHECKS, "aggregate": ("mean", "clipped-mean")}  # the server's own choices (tests hold them)
+CHOICES = {
+    "update_check": UPDATE_CHECKS,
+    "aggregate": ("mean", "clipped-mean"),
+}  # the server's own choices (tests hold them)
 POLICY_ELSEWHERE = {  # a shard flag the file sets another way, and where
-    "min_clusters": "min_clusters (top level)", "round_deadline_s": "round_deadline_s (top level)", "run_id": "run_id",
-    "num_shards": "shards.count", "port": "shards.port", "checkpoint_dir": "shards.checkpoint_dir / state_dir",
+    "min_clusters": "min_clusters (top level)",
+    "round_deadline_s": "round_deadline_s (top level)",
+    "run_id": "run_id",
+    "num_shards": "shards.count",
+    "port": "shards.port",
+    "checkpoint_dir": "shards.checkpoint_dir / state_dir",
     "keep_rounds_dir": "shards.checkpoint_dir / state_dir (kept in its recent-rounds folder)",
-    "operator_token": "the shards' environment, DILOCOX_OPERATOR_TOKEN (a secret: not in a file several organisations read)",
+    "operator_token": "the shards' environment, DILOCOX_OPERATOR_TOKEN (a secret: not in a file several organisations "
+    "read)",
     "token": "shards.token_file / token_secret (a secret)",
 }
 
@@ -195,7 +248,11 @@ def _policy(table: object) -> tuple[str, ...]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
             raise TopologyFileError(f"{where}: must be ≥ 0, got {value}")
         flag = "--" + key.replace("_", "-")
-        flags += ([flag] if value else []) if isinstance(value, bool) else [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        flags += (
+            ([flag] if value else [])
+            if isinstance(value, bool)
+            else [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        )
     return tuple(flags)
 
 
@@ -214,7 +271,11 @@ def _site(name: str, table: object) -> SiteSpec:
     if "gpus_per_node" not in table:
         raise TopologyFileError(f"{where}.gpus_per_node: missing (GPUs each node gives the site; 0 for CPU)")
     nodes = positive(typing.cast(int, typed_value(table.get("nodes", 1), int, f"{where}.nodes")), f"{where}.nodes")
-    gpus = positive(typing.cast(int, typed_value(table["gpus_per_node"], int, f"{where}.gpus_per_node")), f"{where}.gpus_per_node", 0)
+    gpus = positive(
+        typing.cast(int, typed_value(table["gpus_per_node"], int, f"{where}.gpus_per_node")),
+        f"{where}.gpus_per_node",
+        0,
+    )
     per_node = gpus or 1
     pp, dp = 1, nodes * per_node
     if "layout" in table:
@@ -222,14 +283,19 @@ def _site(name: str, table: object) -> SiteSpec:
         try:
             pp, dp = (int(x) for x in layout.lower().split("x"))
         except ValueError:
-            raise TopologyFileError(f"{where}.layout: {layout!r} is not PPxDP (e.g. \"2x4\")") from None
+            raise TopologyFileError(f'{where}.layout: {layout!r} is not PPxDP (e.g. "2x4")') from None
         if min(pp, dp) < 1 or (pp * dp) % nodes or (gpus and pp * dp != nodes * gpus):
-            raise TopologyFileError(f"{where}.layout: {layout} is {pp * dp} ranks, which {nodes} node(s) × {gpus} GPU(s) "
-                                    "cannot hold one rank per GPU" if gpus else
-                                    f"{where}.layout: {layout} is {pp * dp} ranks, not a multiple of {nodes} nodes")  # fmt: skip
+            raise TopologyFileError(
+                f"{where}.layout: {layout} is {pp * dp} ranks, which {nodes} node(s) × {gpus} GPU(s) "
+                "cannot hold one rank per GPU"
+                if gpus
+                else f"{where}.layout: {layout} is {pp * dp} ranks, not a multiple of {nodes} nodes"
+            )
     if isinstance(settings, BareMetalSettings) and len(settings.hosts) != nodes:
-        raise TopologyFileError(f"{where}.hosts: a bare-metal site names one host per node: {nodes} node(s), "
-                                f"{len(settings.hosts)} host(s) given")  # fmt: skip
+        raise TopologyFileError(
+            f"{where}.hosts: a bare-metal site names one host per node: {nodes} node(s), "
+            f"{len(settings.hosts)} host(s) given"
+        )
     _check_settings(settings, where)
     data = typing.cast(str, typed_value(table.get("data", ""), str, f"{where}.data"))
     worker_flags = parse_flags(table.get("worker_flags", ""), f"{where}.worker_flags")
@@ -241,15 +307,26 @@ def _site(name: str, table: object) -> SiteSpec:
         raise TopologyFileError(f"{where}.inner_round_time_s: must be ≥ 0 (0: H inner steps a round), got {box:g}")
     stop = typing.cast(int, typed_value(table.get("stop_timeout_s", STOP_TIMEOUT_S), int, f"{where}.stop_timeout_s"))
     if stop <= STOP_GRACE_S:
-        raise TopologyFileError(f"{where}.stop_timeout_s: {stop} s would kill the ranks within the worker's {STOP_GRACE_S} s stop grace; "
-                                "give a step plus the exchange's grace (default 300)")  # fmt: skip
+        raise TopologyFileError(
+            f"{where}.stop_timeout_s: {stop} s would kill the ranks within the worker's {STOP_GRACE_S} s stop grace; "
+            "give a step plus the exchange's grace (default 300)"
+        )
     if isinstance(settings, KubernetesSettings):
         _check_site_volumes(settings, data, where)
     return SiteSpec(
-        name=name, launcher=launcher, cluster=check_name(table.get("cluster", name), f"{where}.cluster"),
-        nodes=nodes, gpus_per_node=gpus, pp=pp, dp=dp, data=data, worker_flags=worker_flags, inner_round_time_s=box,
-        stop_timeout_s=stop, settings=settings,
-    )  # fmt: skip
+        name=name,
+        launcher=launcher,
+        cluster=check_name(table.get("cluster", name), f"{where}.cluster"),
+        nodes=nodes,
+        gpus_per_node=gpus,
+        pp=pp,
+        dp=dp,
+        data=data,
+        worker_flags=worker_flags,
+        inner_round_time_s=box,
+        stop_timeout_s=stop,
+        settings=settings,
+    )
 
 
 def _check_site_volumes(settings: KubernetesSettings, data: str, where: str) -> None:
@@ -257,21 +334,30 @@ def _check_site_volumes(settings: KubernetesSettings, data: str, where: str) -> 
     for key in ("data_claim", "checkpoint_claim"):
         value = getattr(settings, key)
         if value and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", value):
-            raise TopologyFileError(f"{where}.{key}: {value!r} is not a PersistentVolumeClaim name (lowercase, digits, '-', '.')")
+            raise TopologyFileError(
+                f"{where}.{key}: {value!r} is not a PersistentVolumeClaim name (lowercase, digits, '-', '.')"
+            )
     if settings.data_claim and settings.data_volume:
         raise TopologyFileError(f"{where}.data_volume: give data_claim or data_volume, not both")
     if settings.data_volume and len(settings.data_volume) != 1:
-        raise TopologyFileError(f"{where}.data_volume: one volume source (e.g. {{nfs = {{server = \"…\", path = \"/…\"}}}}), "
-                                f"got keys {sorted(settings.data_volume)}")  # fmt: skip
+        raise TopologyFileError(
+            f'{where}.data_volume: one volume source (e.g. {{nfs = {{server = "…", path = "/…"}}}}), '
+            f"got keys {sorted(settings.data_volume)}"
+        )
     mount = settings.data_mount
     if not mount.startswith("/") or mount.rstrip("/") in ("", "/etc", "/dev", "/proc", "/sys"):
-        raise TopologyFileError(f"{where}.data_mount: {mount!r}: an absolute folder of its own in the pod (default /data)")
+        raise TopologyFileError(
+            f"{where}.data_mount: {mount!r}: an absolute folder of its own in the pod (default /data)"
+        )
     if settings.data_claim or settings.data_volume:
         inside = data == mount or data.startswith(mount.rstrip("/") + "/")
         if not inside:
-            raise TopologyFileError(f"{where}.data: {data!r} is not inside data_mount {mount!r}, where the data volume is mounted "
-                                    "(give the path of the site's token file or manifest there)" if data else
-                                    f"{where}.data: missing: the path of the site's data inside data_mount {mount!r}")  # fmt: skip
+            raise TopologyFileError(
+                f"{where}.data: {data!r} is not inside data_mount {mount!r}, where the data volume is mounted "
+                "(give the path of the site's token file or manifest there)"
+                if data
+                else f"{where}.data: missing: the path of the site's data inside data_mount {mount!r}"
+            )
 
 
 def _shards(table: object) -> ShardsSpec:
@@ -296,26 +382,36 @@ def _shards(table: object) -> ShardsSpec:
     if launcher == "external" and not addresses:
         raise TopologyFileError("shards.addresses: external shards need their addresses (host:port, one per shard)")
     if isinstance(settings, BareMetalSettings) and len(settings.hosts) != count:
-        raise TopologyFileError(f"shards.hosts: bare-metal shards name one host per shard: {count} shard(s), "
-                                f"{len(settings.hosts)} host(s) given")  # fmt: skip
+        raise TopologyFileError(
+            f"shards.hosts: bare-metal shards name one host per shard: {count} shard(s), "
+            f"{len(settings.hosts)} host(s) given"
+        )
     expose = choice(table.get("expose", "LoadBalancer"), EXPOSE, "shards.expose")
     if "expose" in table and launcher != "kubernetes":
         raise TopologyFileError(f"shards.expose: only for shards on Kubernetes (these run on {launcher})")
-    port = check_port(typing.cast(int, typed_value(table.get("port", SHARD_PORT), int, "shards.port")), "shards.port", count)
+    port = check_port(
+        typing.cast(int, typed_value(table.get("port", SHARD_PORT), int, "shards.port")), "shards.port", count
+    )
     if settings is not None:
         _check_settings(settings, "shards", count)
     if isinstance(settings, KubernetesSettings):
         for key in KUBERNETES_SITE_ONLY:
             if key in table:
-                raise TopologyFileError(f"shards.{key}: only for a Kubernetes site (a shard's checkpoints are a volume of its own "
-                                        "per pod: checkpoint_storage, storage_class)")  # fmt: skip
+                raise TopologyFileError(
+                    f"shards.{key}: only for a Kubernetes site (a shard's checkpoints are a volume of its own "
+                    "per pod: checkpoint_storage, storage_class)"
+                )
     if "port" in table and launcher in ("kubernetes", "external"):
-        raise TopologyFileError(f"shards.port: only for shards on Slurm or bare metal ({launcher} shards: the port is in addresses)")
+        raise TopologyFileError(
+            f"shards.port: only for shards on Slurm or bare metal ({launcher} shards: the port is in addresses)"
+        )
     if launcher == "kubernetes" and expose == "NodePort":
         for i, address in enumerate(addresses):
             if not 30000 <= int(address.rsplit(":", 1)[1]) <= 32767:
-                raise TopologyFileError(f"shards.addresses[{i}]: {address!r}: with expose = \"NodePort\" the port is the "
-                                        "shard's nodePort, 30000-32767")  # fmt: skip
+                raise TopologyFileError(
+                    f'shards.addresses[{i}]: {address!r}: with expose = "NodePort" the port is the '
+                    "shard's nodePort, 30000-32767"
+                )
     cluster = check_name(table.get("cluster", "shards"), "shards.cluster")
     policy = _policy(table["policy"]) if "policy" in table else ()
     return ShardsSpec(count, launcher, cluster, port, addresses, expose, settings, policy)
@@ -330,7 +426,17 @@ def _check_settings(settings: Settings, where: str, processes: int = 1) -> None:
             check_port(getattr(settings, name), f"{where}.{name}", processes)
 
 
-TOP_KEYS = ("run_id", "rounds", "inner_steps", "min_clusters", "round_deadline_s", "worker_flags", "tls", "shards", "sites")
+TOP_KEYS = (
+    "run_id",
+    "rounds",
+    "inner_steps",
+    "min_clusters",
+    "round_deadline_s",
+    "worker_flags",
+    "tls",
+    "shards",
+    "sites",
+)
 
 
 def parse(text: str, source: str = "topology") -> TopologyFile:
@@ -349,8 +455,17 @@ def parse(text: str, source: str = "topology") -> TopologyFile:
     if "run_id" not in top:
         raise TopologyFileError("run_id: missing (the run's id, the same at every site)")
     check_name(top["run_id"], "run_id")
-    model = typing.cast(TopologyFile, build_from(TopologyFile, top, "", shards=shards, sites=sites,
-                                             worker_flags=parse_flags(raw.get("worker_flags", ""), "worker_flags")))  # fmt: skip
+    model = typing.cast(
+        TopologyFile,
+        build_from(
+            TopologyFile,
+            top,
+            "",
+            shards=shards,
+            sites=sites,
+            worker_flags=parse_flags(raw.get("worker_flags", ""), "worker_flags"),
+        ),
+    )
     _check_reach(model)
     return model
 
@@ -362,15 +477,24 @@ def _check_reach(model: TopologyFile) -> None:
         raise TopologyFileError(
             f"shards.addresses: sites {', '.join(outside)} run outside the shards' cluster {model.shards.cluster!r} "
             f"({model.shards.launcher}) and dial the shards there: give one host:port per shard (the Kubernetes "
-            "shards' Services' external names or IPs, the Slurm shard nodes' public names)")  # fmt: skip
+            "shards' Services' external names or IPs, the Slurm shard nodes' public names)"
+        )
     if model.min_clusters > len(model.sites):
         raise TopologyFileError(f"min_clusters: {model.min_clusters} is more than the {len(model.sites)} site(s)")
     for site in model.sites:
         if isinstance(site.settings, (SlurmSettings, BareMetalSettings)) and model.tls and not site.settings.tls_dir:
-            raise TopologyFileError(f"sites.{site.name}.tls_dir: missing (a folder from `dilocox certs` on that cluster), "
-                                    "or set tls = false for plaintext")  # fmt: skip
-    if model.shards.launcher in ("slurm", "bare-metal") and model.tls and not getattr(model.shards.settings, "tls_dir", ""):
-        raise TopologyFileError("shards.tls_dir: missing (a folder from `dilocox certs`), or set tls = false for plaintext")
+            raise TopologyFileError(
+                f"sites.{site.name}.tls_dir: missing (a folder from `dilocox certs` on that cluster), "
+                "or set tls = false for plaintext"
+            )
+    if (
+        model.shards.launcher in ("slurm", "bare-metal")
+        and model.tls
+        and not getattr(model.shards.settings, "tls_dir", "")
+    ):
+        raise TopologyFileError(
+            "shards.tls_dir: missing (a folder from `dilocox certs`), or set tls = false for plaintext"
+        )
 
 
 def load(path: str | pathlib.Path) -> TopologyFile:

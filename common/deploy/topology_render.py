@@ -29,8 +29,14 @@ from dilocox.common.config.waits import STOP_TIMEOUT_S
 from dilocox.common.deploy import bare_metal, kubernetes, slurm
 from dilocox.common.deploy.topology import SHARD_PORT, Site, Topology
 from dilocox.common.deploy.topology_file import (
-    BareMetalSettings, KubernetesSettings, SiteSpec, SlurmSettings, TopologyFile, TopologyFileError, load,
-)  # fmt: skip
+    BareMetalSettings,
+    KubernetesSettings,
+    SiteSpec,
+    SlurmSettings,
+    TopologyFile,
+    TopologyFileError,
+    load,
+)
 
 log = structlog.get_logger()
 HELP = "every cluster's files for a run across clusters, from one topology file (TOML; docs/deploy.md)"
@@ -39,19 +45,27 @@ HELP = "every cluster's files for a run across clusters, from one topology file 
 def topology_of(model: TopologyFile) -> Topology:
     """The run's Topology: every site of every cluster, so cluster indices and counts are global."""
     return Topology(
-        run_id=model.run_id, num_shards=model.shards.count, sites=tuple(Site(s.name, s.pp, s.dp) for s in model.sites),
-        rounds=model.rounds, inner_steps=model.inner_steps, min_clusters=model.min_clusters or len(model.sites),
-        round_deadline_s=model.round_deadline_s, extra_worker_flags=model.worker_flags, simulation=False,
+        run_id=model.run_id,
+        num_shards=model.shards.count,
+        sites=tuple(Site(s.name, s.pp, s.dp) for s in model.sites),
+        rounds=model.rounds,
+        inner_steps=model.inner_steps,
+        min_clusters=model.min_clusters or len(model.sites),
+        round_deadline_s=model.round_deadline_s,
+        extra_worker_flags=model.worker_flags,
+        simulation=False,
         extra_server_flags=model.shards.policy,
-    )  # fmt: skip
+    )
 
 
 def for_site(topology: Topology, site: SiteSpec) -> Topology:
     """The topology as `site` sees it: the run's worker flags, its data, time box and stop timeout, then its own
     flags (last wins)."""
-    own = [*(("--data", site.data) if site.data else ()),
-           *(("--inner-round-time-s", f"{site.inner_round_time_s:g}") if site.inner_round_time_s else ()),
-           *(("--stop-timeout-s", str(site.stop_timeout_s)) if site.stop_timeout_s != STOP_TIMEOUT_S else ())]  # fmt: skip
+    own = [
+        *(("--data", site.data) if site.data else ()),
+        *(("--inner-round-time-s", f"{site.inner_round_time_s:g}") if site.inner_round_time_s else ()),
+        *(("--stop-timeout-s", str(site.stop_timeout_s)) if site.stop_timeout_s != STOP_TIMEOUT_S else ()),
+    ]
     flags = (*topology.extra_worker_flags, *own, *site.worker_flags)
     return dataclasses.replace(topology, extra_worker_flags=flags)
 
@@ -85,18 +99,31 @@ def certificate_hosts(model: TopologyFile) -> list[str]:
 
 def _slurm_options(model: TopologyFile, settings: SlurmSettings, **more: object) -> slurm.SlurmOptions:
     return slurm.SlurmOptions(
-        state_dir=settings.state_dir, cpus_per_rank=settings.cpus_per_rank, rdzv_port=settings.rdzv_port,
-        metrics_port=settings.metrics_port, partition=settings.partition, account=settings.account, time_limit=settings.time,
-        tls_dir=settings.tls_dir if model.tls else "", token_file=settings.token_file, setup=settings.setup, **more,
-    )  # fmt: skip
+        state_dir=settings.state_dir,
+        cpus_per_rank=settings.cpus_per_rank,
+        rdzv_port=settings.rdzv_port,
+        metrics_port=settings.metrics_port,
+        partition=settings.partition,
+        account=settings.account,
+        time_limit=settings.time,
+        tls_dir=settings.tls_dir if model.tls else "",
+        token_file=settings.token_file,
+        setup=settings.setup,
+        **more,
+    )
 
 
 def _kubernetes_options(model: TopologyFile, settings: KubernetesSettings, **more: object) -> kubernetes.Options:
     return kubernetes.Options(
-        image=settings.image, namespace=kubernetes.dns_label(settings.namespace), backoff_limit=settings.backoff_limit,
-        tls_secret=settings.tls_secret if model.tls else None, token_secret=settings.token_secret or None,
-        node_selector=settings.node_selector, tolerations=settings.tolerations, **more,
-    )  # fmt: skip
+        image=settings.image,
+        namespace=kubernetes.dns_label(settings.namespace),
+        backoff_limit=settings.backoff_limit,
+        tls_secret=settings.tls_secret if model.tls else None,
+        token_secret=settings.token_secret or None,
+        node_selector=settings.node_selector,
+        tolerations=settings.tolerations,
+        **more,
+    )
 
 
 def _yaml(objects: list[dict], what: str) -> str:
@@ -113,12 +140,22 @@ def _shard_files(model: TopologyFile, topology: Topology) -> dict[str, str]:
         defaults = kubernetes.Options()
         expose_ports = tuple(int(a.rsplit(":", 1)[1]) for a in shards.addresses)
         options = _kubernetes_options(
-            model, settings, shard_cpu=settings.cpu or defaults.shard_cpu, shard_memory=settings.memory or defaults.shard_memory,
-            checkpoint_storage=settings.checkpoint_storage or defaults.checkpoint_storage, storage_class=settings.storage_class or None,
-            expose=shards.expose if shards.addresses else "", expose_ports=expose_ports)  # fmt: skip
+            model,
+            settings,
+            shard_cpu=settings.cpu or defaults.shard_cpu,
+            shard_memory=settings.memory or defaults.shard_memory,
+            checkpoint_storage=settings.checkpoint_storage or defaults.checkpoint_storage,
+            storage_class=settings.storage_class or None,
+            expose=shards.expose if shards.addresses else "",
+            expose_ports=expose_ports,
+        )
         names = kubernetes_names(model, settings)
         placement = kubernetes.ClusterPlacement(compose=True, names=names)
-        return {"shards.yaml": _yaml(kubernetes.shard_objects(topology, options, names, placement), f"the shards of run {model.run_id!r}")}
+        return {
+            "shards.yaml": _yaml(
+                kubernetes.shard_objects(topology, options, names, placement), f"the shards of run {model.run_id!r}"
+            )
+        }
     return {}  # external: nothing to render
 
 
@@ -126,14 +163,20 @@ def _site_files(model: TopologyFile, topology: Topology, index: int) -> dict[str
     spec = model.sites[index]
     topology, servers, settings = for_site(topology, spec), addresses_for(model, spec), spec.settings
     if isinstance(settings, SlurmSettings):
-        more: dict = {"servers": ",".join(servers), "gpus_per_node": spec.gpus_per_node, "ranks_per_node": spec.ranks_per_node,
-                      "stop_timeout_s": spec.stop_timeout_s}
+        more: dict = {
+            "servers": ",".join(servers),
+            "gpus_per_node": spec.gpus_per_node,
+            "ranks_per_node": spec.ranks_per_node,
+            "stop_timeout_s": spec.stop_timeout_s,
+        }
         if not servers:  # the shards' own Slurm cluster: their address files, under their state folder
             shared = model.shards.settings
             assert isinstance(shared, SlurmSettings)  # in_shards_cluster: the same launcher
             if settings.state_dir and settings.state_dir != shared.state_dir:
-                raise TopologyFileError(f"sites.{spec.name}.state_dir: a Slurm site in the shards' cluster reads their address files "
-                                        f"under the shards' state_dir {shared.state_dir!r}: leave it unset or the same")  # fmt: skip
+                raise TopologyFileError(
+                    f"sites.{spec.name}.state_dir: a Slurm site in the shards' cluster reads their address files "
+                    f"under the shards' state_dir {shared.state_dir!r}: leave it unset or the same"
+                )
             settings = dataclasses.replace(settings, state_dir=shared.state_dir)
         return {f"site-{spec.name}.sbatch": slurm.site_script(topology, index, _slurm_options(model, settings, **more))}
     if isinstance(settings, BareMetalSettings):
@@ -141,12 +184,21 @@ def _site_files(model: TopologyFile, topology: Topology, index: int) -> dict[str
     assert isinstance(settings, KubernetesSettings)
     defaults = kubernetes.Options()
     options = _kubernetes_options(
-        model, settings, servers=",".join(servers), gpus_per_rank=1 if spec.gpus_per_node else 0, ranks_per_pod=spec.ranks_per_node,
-        site_cpu=settings.cpu or defaults.site_cpu, site_memory=settings.memory or defaults.site_memory,
+        model,
+        settings,
+        servers=",".join(servers),
+        gpus_per_rank=1 if spec.gpus_per_node else 0,
+        ranks_per_pod=spec.ranks_per_node,
+        site_cpu=settings.cpu or defaults.site_cpu,
+        site_memory=settings.memory or defaults.site_memory,
         site_checkpoint_storage=settings.checkpoint_storage or defaults.site_checkpoint_storage,
-        site_storage_class=settings.storage_class or None, site_checkpoint_claim=settings.checkpoint_claim,
-        data_claim=settings.data_claim, data_volume=settings.data_volume, data_mount=settings.data_mount,
-        site_stop_timeout_s=spec.stop_timeout_s)  # fmt: skip
+        site_storage_class=settings.storage_class or None,
+        site_checkpoint_claim=settings.checkpoint_claim,
+        data_claim=settings.data_claim,
+        data_volume=settings.data_volume,
+        data_mount=settings.data_mount,
+        site_stop_timeout_s=spec.stop_timeout_s,
+    )
     names = kubernetes.Names(kubernetes.dns_label(model.run_id, 30), options.namespace)
     placement = kubernetes.ClusterPlacement(compose=True, names=names, servers=servers)
     objects = kubernetes.site_objects(topology, index, options, names, placement)
@@ -164,8 +216,10 @@ def _check_object_names(model: TopologyFile) -> None:
             names = kubernetes_names(model, spec.settings)
             key = (names.namespace, names.site(Site(spec.name)))
             if key in taken:
-                raise TopologyFileError(f"sites.{spec.name}: its Kubernetes objects would be named {key[1]!r} in namespace "
-                                        f"{key[0]!r}, as {taken[key]}'s are: rename the site or use another namespace")  # fmt: skip
+                raise TopologyFileError(
+                    f"sites.{spec.name}: its Kubernetes objects would be named {key[1]!r} in namespace "
+                    f"{key[0]!r}, as {taken[key]}'s are: rename the site or use another namespace"
+                )
             taken[key] = f"site {spec.name}"
 
 
@@ -175,13 +229,18 @@ def render(model: TopologyFile) -> dict[str, str]:
     topology = topology_of(model)
     files, made_by = {}, {}
     parts = [("the shards", model.shards.cluster, _shard_files(model, topology))]
-    parts += [(f"site {spec.name}", spec.cluster, _site_files(model, topology, index)) for index, spec in enumerate(model.sites)]
+    parts += [
+        (f"site {spec.name}", spec.cluster, _site_files(model, topology, index))
+        for index, spec in enumerate(model.sites)
+    ]
     for who, cluster, rendered in parts:
         for name, text in rendered.items():
             path = f"{cluster}/{name}"
             if path in files:  # two renderings of one name: one would silently replace the other
-                raise TopologyFileError(f"{who} and {made_by[path]} would both be rendered as {path}: rename a site, a cluster "
-                                        "or a host so that their launch files differ")  # fmt: skip
+                raise TopologyFileError(
+                    f"{who} and {made_by[path]} would both be rendered as {path}: rename a site, a cluster "
+                    "or a host so that their launch files differ"
+                )
             files[path], made_by[path] = text, who
     return files
 
@@ -190,23 +249,38 @@ def next_steps(model: TopologyFile, out: pathlib.Path, files: dict[str, str], so
     lines = [f"Rendered run {model.run_id!r} into {out}/<cluster>/ — copy each folder to its cluster:"]
     lines += [f"  {out / name}" for name in sorted(files)]
     if model.tls:
-        lines += ["Certificates (once, anywhere; keep certs/ca-key.pem off every cluster), naming every address a site dials:",
-                  f"  dilocox certs --out certs --hosts {','.join(certificate_hosts(model))}",
-                  f"  (or: dilocox certs --out certs --topology {source})"]  # fmt: skip
+        lines += [
+            "Certificates (once, anywhere; keep certs/ca-key.pem off every cluster), naming every address a site "
+            "dials:",
+            f"  dilocox certs --out certs --hosts {','.join(certificate_hosts(model))}",
+            f"  (or: dilocox certs --out certs --topology {source})",
+        ]
         if model.shards.launcher == "slurm" and any(model.in_shards_cluster(s) for s in model.sites):
-            lines.append("  + the Slurm shard nodes' host names: sites in that cluster dial them by their address files")
-        lines.append("  Slurm / bare metal: certs/ into each tls_dir; Kubernetes: a Secret of ca.pem, client.pem, client-key.pem "
-                     "(+ server.pem, server-key.pem where the shards run) named by tls_secret")
+            lines.append(
+                "  + the Slurm shard nodes' host names: sites in that cluster dial them by their address files"
+            )
+        lines.append(
+            "  Slurm / bare metal: certs/ into each tls_dir; Kubernetes: a Secret of ca.pem, client.pem, "
+            "client-key.pem "
+            "(+ server.pem, server-key.pem where the shards run) named by tls_secret"
+        )
     if model.shards.launcher == "kubernetes" and model.shards.addresses:
-        lines.append(f"The shards' {model.shards.expose} Services get external IPs: point {', '.join(model.shards.addresses)} at them "
-                     "(kubectl get svc -l app.kubernetes.io/component=shard)")  # fmt: skip
+        lines.append(
+            f"The shards' {model.shards.expose} Services get external IPs: point {', '.join(model.shards.addresses)} "
+            "at them "
+            "(kubectl get svc -l app.kubernetes.io/component=shard)"
+        )
     lines.append("The run token: the same $DILOCOX_TOKEN (or token file / token Secret) at every cluster.")
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--file", type=pathlib.Path, required=True, help="the run's topology file (TOML: docs/deploy.md)")
-    parser.add_argument("--out", type=pathlib.Path, required=True, help="folder to write DIR/<cluster>/… into (made if absent)")
+    parser.add_argument(
+        "--file", type=pathlib.Path, required=True, help="the run's topology file (TOML: docs/deploy.md)"
+    )
+    parser.add_argument(
+        "--out", type=pathlib.Path, required=True, help="folder to write DIR/<cluster>/… into (made if absent)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

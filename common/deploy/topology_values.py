@@ -78,8 +78,10 @@ def check_text(value: str, key: str, limit: int = MAX_TEXT) -> str:
     if len(value) > limit:
         raise TopologyFileError(f"{key}: {len(value)} characters, more than the {limit} a value may have")
     if CONTROL.search(value):
-        raise TopologyFileError(f"{key}: {shown(value)} holds a control character (a newline would become a line of a "
-                                "rendered script or manifest)")  # fmt: skip
+        raise TopologyFileError(
+            f"{key}: {shown(value)} holds a control character (a newline would become a line of a "
+            "rendered script or manifest)"
+        )
     return value
 
 
@@ -92,7 +94,9 @@ def check_host(value: str, key: str) -> str:
 def check_port(value: int, key: str, span: int = 1) -> int:
     """A TCP port, or the first of `span` consecutive ones."""
     if not 1 <= value <= 65536 - span:
-        raise TopologyFileError(f"{key}: {value} is not a port" + (f" with {span - 1} more after it" if span > 1 else "") + " (1-65535)")
+        raise TopologyFileError(
+            f"{key}: {value} is not a port" + (f" with {span - 1} more after it" if span > 1 else "") + " (1-65535)"
+        )
     return value
 
 

@@ -8,7 +8,7 @@ results bit-identical, whatever order the pushes arrived in.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 
 import torch
 
@@ -29,7 +29,9 @@ def summed_weights(items: list[Contribution], scales: Mapping[str, float] | None
     return [weight * scales.get(cluster, 1.0) if scales else weight for cluster, weight, _ in items], total
 
 
-def weighted_mean(contributions: Iterable[Contribution], scales: Mapping[str, float] | None = None) -> torch.Tensor | None:
+def weighted_mean(
+    contributions: Iterable[Contribution], scales: Mapping[str, float] | None = None
+) -> torch.Tensor | None:
     """Σ c·w·Δ / Σ w over the contributions, in cluster order (c: `scales`, 1 where absent); decodes one
     contribution at a time and folds it in by cache-sized blocks, so the only slice-sized tensors are the
     sum and the contribution being folded in (one block of scratch for the products)."""
@@ -144,6 +146,9 @@ def apply_round(
             out.add_(torch.mul(reader.read(start, stop), weight, out=scaled[: stop - start]))
         return out.div_(total)
 
-    mean_of = MeanOf(lambda start, stop: tuple(r.read(start, stop).numpy() for r, _ in readers),
-                     tuple(weight for _, weight in readers), total)  # fmt: skip
+    mean_of = MeanOf(
+        lambda start, stop: tuple(r.read(start, stop).numpy() for r, _ in readers),
+        tuple(weight for _, weight in readers),
+        total,
+    )
     return optimizer.step_by_block(key, param, mean_block, in_place=in_place, block_elements=block, mean_of=mean_of)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -121,5 +121,5 @@ class SliceMap:
     index: Mapping[SliceKey, int]  # key → position
 
     @classmethod
-    def of(cls, assignment: Sequence[ParamSlice]) -> "SliceMap":
+    def of(cls, assignment: Sequence[ParamSlice]) -> SliceMap:
         return cls(tuple((s.key, s.slice_shape) for s in assignment), {s.key: i for i, s in enumerate(assignment)})

@@ -27,7 +27,8 @@ layout; `common.framing` groups slices into bundles (`frame_slices`) and opens t
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 from dilocox.common.wire import codecs
 from dilocox.common.wire.errors import InvalidFrame, UnknownCodec

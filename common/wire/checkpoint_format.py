@@ -22,7 +22,7 @@ import os
 import pathlib
 import re
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -69,7 +69,9 @@ def shard_files(directory: str | os.PathLike) -> dict[int, list[pathlib.Path]]:
         parsed = parse_name(path)
         if parsed is not None and path.is_file():
             found.setdefault(parsed[0], []).append((float("inf") if parsed[1] is None else parsed[1], path))
-    return {index: [p for _, p in sorted(files, key=lambda f: f[0], reverse=True)] for index, files in sorted(found.items())}
+    return {
+        index: [p for _, p in sorted(files, key=lambda f: f[0], reverse=True)] for index, files in sorted(found.items())
+    }
 
 
 def refused_path(path: pathlib.Path) -> pathlib.Path:
@@ -143,10 +145,16 @@ def load_state(path: str | os.PathLike, expect: dict | None = None) -> dict:
         if problem is not None:
             raise CheckpointCorrupt(f"{path}: damaged: {problem}")
     if found != FORMAT_VERSION and found not in UNVERIFIED_FORMATS:
-        raise CheckpointError(f"{path}: checkpoint format {found!r}, this build reads {[*UNVERIFIED_FORMATS, FORMAT_VERSION]}")
+        raise CheckpointError(
+            f"{path}: checkpoint format {found!r}, this build reads {[*UNVERIFIED_FORMATS, FORMAT_VERSION]}"
+        )
     if found in UNVERIFIED_FORMATS:
-        log.warning("checkpoint_unverified", path=str(path), format=found,
-                    reason="written before checkpoints carried a digest: it cannot be checked")  # fmt: skip
+        log.warning(
+            "checkpoint_unverified",
+            path=str(path),
+            format=found,
+            reason="written before checkpoints carried a digest: it cannot be checked",
+        )
     for field, want in (expect or {}).items():
         if state.get(field) != want:
             raise CheckpointError(f"{path}: checkpoint is for {field}={state.get(field)!r}, this shard has {want!r}")

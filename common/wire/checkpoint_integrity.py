@@ -35,7 +35,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def _walk(value: Any, h: "hashlib._Hash") -> None:
+def _walk(value: Any, h: hashlib._Hash) -> None:
     def tagged(tag: bytes, data: bytes | memoryview) -> None:
         h.update(tag + len(data).to_bytes(8, "little"))
         h.update(data)
@@ -67,7 +67,7 @@ def _walk(value: Any, h: "hashlib._Hash") -> None:
 
 
 def state_digest(state: Any) -> str:
-    """"sha256:<hex>" over the canonical walk of `state`; a dict's own `integrity` field (and signature) is
+    """ "sha256:<hex>" over the canonical walk of `state`; a dict's own `integrity` field (and signature) is
     left out, so a sealed state digests to the value it carries."""
     h = hashlib.sha256()
     if isinstance(state, dict) and (FIELD in state or SIGNATURE_FIELD in state):

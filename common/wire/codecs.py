@@ -10,7 +10,8 @@ global model of every cluster, so it is treated as malformed input.
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -158,7 +159,9 @@ def decode(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...], vet
     return tensor
 
 
-def decode_lazy(name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...], vetted: bool = False) -> torch.Tensor | OrderedProduct:
+def decode_lazy(
+    name: str, buffer: bytearray, dtype: str, shape: tuple[int, ...], vetted: bool = False
+) -> torch.Tensor | OrderedProduct:
     """`decode`, except that a low-rank payload comes back as its `OrderedProduct` (vetted, the factors
     only): the round's mean builds it block by block, never as a dense tensor (`aggregation.apply_round`).
     Factors are re-checked even when `vetted`: that costs a pass over the factors, not the product."""

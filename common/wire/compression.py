@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 import zlib
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable
 
 import structlog
 import torch
@@ -139,7 +139,9 @@ class _TensorState:
 class TensorCompressor:
     """Compresses a stream of same-shaped tensors per key, keeping error-feedback and rank state."""
 
-    def __init__(self, config: CompressionConfig, seed: int = 0, name: str = "uplink", track_deficit: bool = False) -> None:
+    def __init__(
+        self, config: CompressionConfig, seed: int = 0, name: str = "uplink", track_deficit: bool = False
+    ) -> None:
         """`track_deficit`: also keep Σ inputs − Σ decoded per key (one more model-sized buffer), the
         signal compression has withheld so far; benchmarks read it to show what error feedback does."""
         self.config = config
@@ -291,7 +293,9 @@ class TensorCompressor:
         error feedback (decay 1), growing with the rounds without it."""
         if self.deficit is None:
             raise RuntimeError("this compressor was created without track_deficit")
-        return math.sqrt(sum(float(d.square().sum()) for d in list(self.deficit.values())))  # another thread may add keys
+        return math.sqrt(
+            sum(float(d.square().sum()) for d in list(self.deficit.values()))
+        )  # another thread may add keys
 
     def relative_deficit(self) -> float:
         """`deficit_norm` over ‖Σ inputs‖: the share of all signal so far that has not reached the receiver."""
@@ -320,7 +324,9 @@ class TensorCompressor:
         p, q = p[:, :rank].contiguous(), q[:, :rank].contiguous()
         return Encoded("lowrank", "float32", encode_lowrank(p, q, cfg.factor_bits), tuple(target.shape), rank)
 
-    def _choose_rank(self, key: Hashable, state: _TensorState, singular: torch.Tensor, total_energy: float, width: int) -> int:
+    def _choose_rank(
+        self, key: Hashable, state: _TensorState, singular: torch.Tensor, total_energy: float, width: int
+    ) -> int:
         cfg = self.config
         if not cfg.adaptive_rank:
             return width

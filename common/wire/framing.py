@@ -14,14 +14,22 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import zstandard
 
 from dilocox.common.wire import codecs
-from dilocox.common.wire.bundle import BUNDLE_CODEC, HEADER_BYTES, MAX_ENTRIES, BundleEntry, entry_bytes, pack_bundle, unpack_bundle
+from dilocox.common.wire.bundle import (
+    BUNDLE_CODEC,
+    HEADER_BYTES,
+    MAX_ENTRIES,
+    BundleEntry,
+    entry_bytes,
+    pack_bundle,
+    unpack_bundle,
+)
 from dilocox.common.wire.errors import CorruptFrame, InvalidFrame
 from dilocox.proto import dilocox_pb2 as pb
 
@@ -61,7 +69,7 @@ class EncodedSlice:
     decodes skip the finiteness pass. False for anything else (read from a checkpoint, built locally)."""
 
     @classmethod
-    def exact(cls, key: SliceKey, tensor: torch.Tensor) -> "EncodedSlice":
+    def exact(cls, key: SliceKey, tensor: torch.Tensor) -> EncodedSlice:
         """An uncompressed (fp32) slice, for callers that hold plain tensors."""
         payload, dtype = codecs.encode("fp32", tensor)
         return cls(key, "fp32", dtype, tuple(tensor.shape), bytearray(payload))
@@ -178,7 +186,9 @@ def frame_slices(
         if len(item.payload) > chunk_bytes // 2:
             yield from _flush(pending, slice_index, chunk_bytes, zstd_level, fields)
             pending, pending_bytes = [], HEADER_BYTES
-            yield from frame_payload(item.key, item.payload, item.codec, item.dtype, item.shape, chunk_bytes, zstd_level, **fields)
+            yield from frame_payload(
+                item.key, item.payload, item.codec, item.dtype, item.shape, chunk_bytes, zstd_level, **fields
+            )
             continue
         if pending and (pending_bytes + size > chunk_bytes or len(pending) == MAX_ENTRIES):
             yield from _flush(pending, slice_index, chunk_bytes, zstd_level, fields)
@@ -194,7 +204,9 @@ def _flush(
     """One chunk for the pending slices: a bundle, or the plain framing when there is only one."""
     if len(pending) == 1:
         item = pending[0]
-        yield from frame_payload(item.key, item.payload, item.codec, item.dtype, item.shape, chunk_bytes, zstd_level, **fields)
+        yield from frame_payload(
+            item.key, item.payload, item.codec, item.dtype, item.shape, chunk_bytes, zstd_level, **fields
+        )
     elif pending:
         payload = pack_bundle([BundleEntry(slice_index[i.key], i.codec, i.dtype, i.payload) for i in pending])
         yield from frame_payload(SliceKey("", 0, 0), payload, BUNDLE_CODEC, "", (), chunk_bytes, zstd_level, **fields)
@@ -215,7 +227,9 @@ def meta_of(chunk: pb.TensorChunk) -> pb.TensorChunk:
     return meta
 
 
-def open_bundle(chunk: pb.TensorChunk, slice_map: Sequence[tuple[SliceKey, tuple[int, ...]]]) -> Iterator[tuple[pb.TensorChunk, bytes]]:
+def open_bundle(
+    chunk: pb.TensorChunk, slice_map: Sequence[tuple[SliceKey, tuple[int, ...]]]
+) -> Iterator[tuple[pb.TensorChunk, bytes]]:
     """The slices of a bundle chunk as (metadata, payload): each one's metadata is the bundle chunk's
     (version, contributor, …) with the slice's key, codec, dtype, shape and size filled in.
     `slice_map[i]` is the (key, slice shape) of slice i in the run's slice map."""
@@ -247,7 +261,8 @@ def decompress_chunk(chunk: pb.TensorChunk) -> bytes:
         raise CorruptFrame(f"chunk of {key_of(chunk)} at offset {chunk.offset}: not a zstd frame ({exc})") from None
     if declared != chunk.raw_bytes:
         raise CorruptFrame(
-            f"chunk of {key_of(chunk)} at offset {chunk.offset}: frame holds {declared} bytes, header says {chunk.raw_bytes}"
+            f"chunk of {key_of(chunk)} at offset {chunk.offset}: frame holds {declared} bytes, header says "
+            f"{chunk.raw_bytes}"
         )
     if declared == 0:
         return _verified_empty(chunk, frame)
@@ -287,7 +302,8 @@ class SliceAssembler:
         codecs.check_known(self.codec)
         if not 0 <= self.payload_bytes <= max_payload_bytes:
             raise InvalidFrame(
-                f"{self.key}: payload of {self.payload_bytes} bytes is outside [0, {max_payload_bytes}] for codec {self.codec}"
+                f"{self.key}: payload of {self.payload_bytes} bytes is outside [0, {max_payload_bytes}] for codec "
+                f"{self.codec}"
             )
         self._buffer = bytearray(self.payload_bytes)
         self._covered: list[tuple[int, int]] = []
@@ -304,7 +320,9 @@ class SliceAssembler:
             raise InvalidFrame(f"{self.key}: chunks disagree on codec/dtype/shape/payload size")
         start, stop = chunk.offset, chunk.offset + chunk.raw_bytes
         if start < 0 or stop > self.payload_bytes:
-            raise InvalidFrame(f"{self.key}: chunk [{start}, {stop}) lies outside the {self.payload_bytes}-byte payload")
+            raise InvalidFrame(
+                f"{self.key}: chunk [{start}, {stop}) lies outside the {self.payload_bytes}-byte payload"
+            )
         for a, b in self._covered:
             if start < b and a < stop:
                 raise InvalidFrame(f"{self.key}: chunk [{start}, {stop}) overlaps bytes [{a}, {b}) already received")
@@ -373,7 +391,9 @@ def assemble_units(
                     raise InvalidFrame(f"{unit[0]}: the slice comes twice in this stream")
                 limit = max_payload_bytes(unit[0], meta)
                 if len(payload) > limit:
-                    raise InvalidFrame(f"{unit[0]}: payload of {len(payload)} bytes is over {limit} for codec {meta.codec}")
+                    raise InvalidFrame(
+                        f"{unit[0]}: payload of {len(payload)} bytes is over {limit} for codec {meta.codec}"
+                    )
                 done.add(unit)
                 buffer = bytearray(payload)
                 codecs.vet(meta.codec, buffer, meta.dtype, tuple(meta.shape))

@@ -203,7 +203,10 @@ class OrderedProduct:
         p, q, target = self._p.numpy(), self._q.numpy(), out.numpy()
         parts = min(torch.get_num_threads(), max(1, (stop - start) * self.cols // PRODUCT_STEP_ELEMENTS), stop - start)
         bounds = [start + (stop - start) * i // parts for i in range(parts + 1)]
-        run = lambda a, b: _kernels.ordered_rows(p, q, self.rank, self.cols, a, b, target[a - start : b - start], subtract)  # noqa: E731
+
+        def run(a, b):
+            return _kernels.ordered_rows(p, q, self.rank, self.cols, a, b, target[a - start : b - start], subtract)
+
         others = [_pool().submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if parts > 1 else []
         run(bounds[0], bounds[1])
         for future in others:

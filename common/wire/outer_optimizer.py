@@ -14,8 +14,8 @@ same code on their copy when the downlink forwards a round's contributions, so b
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Callable, Hashable
 
 import torch
 
@@ -93,15 +93,27 @@ class OuterNesterov:
         buf = old_flat if in_place and old_flat is not None else torch.empty_like(flat_param)
         out = flat_param if in_place else torch.empty_like(flat_param)
         update = torch.empty(min(n, block_elements), dtype=flat_param.dtype)
-        fused = (mean_of is not None and _kernels is not None and len(mean_of.weights) <= FUSED_MAX_SOURCES
-                 and flat_param.dtype == buf.dtype == torch.float32)  # fmt: skip
+        fused = (
+            mean_of is not None
+            and _kernels is not None
+            and len(mean_of.weights) <= FUSED_MAX_SOURCES
+            and flat_param.dtype == buf.dtype == torch.float32
+        )
         for start in range(0, n, block_elements):
             stop = min(n, start + block_elements)
             if fused:
                 assert mean_of is not None
-                _kernels.mean_step(mean_of.sources(start, stop), mean_of.weights, mean_of.total,
-                                   None if old_flat is None else old_flat[start:stop].numpy(), buf[start:stop].numpy(),
-                                   flat_param[start:stop].numpy(), out[start:stop].numpy(), self.lr, self.momentum)  # fmt: skip
+                _kernels.mean_step(
+                    mean_of.sources(start, stop),
+                    mean_of.weights,
+                    mean_of.total,
+                    None if old_flat is None else old_flat[start:stop].numpy(),
+                    buf[start:stop].numpy(),
+                    flat_param[start:stop].numpy(),
+                    out[start:stop].numpy(),
+                    self.lr,
+                    self.momentum,
+                )
                 continue
             g, v, u = grad_block(start, stop), buf[start:stop], update[: stop - start]
             if old_flat is None:

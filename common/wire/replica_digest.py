@@ -13,7 +13,7 @@ Pure functions over CPU tensors; shard and cluster call exactly these.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import xxhash

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 CHAIN_FORMAT = "dilocox-rounds-chain/1"
 HASH_FIELD = "hash"  # each entry: the record's fields plus its chain hash (left out of what is hashed)
@@ -35,8 +36,9 @@ def canonical(record: Mapping[str, Any]) -> bytes:
 
 def genesis(run_id: str, shard_index: int, num_shards: int) -> str:
     """The hash a shard's chain starts from: binds every record after it to this run and shard."""
-    return hashlib.sha256(canonical({"format": CHAIN_FORMAT, "run_id": run_id, "shard_index": shard_index,
-                                     "num_shards": num_shards})).hexdigest()  # fmt: skip
+    return hashlib.sha256(
+        canonical({"format": CHAIN_FORMAT, "run_id": run_id, "shard_index": shard_index, "num_shards": num_shards})
+    ).hexdigest()
 
 
 def link(previous: str, record: Mapping[str, Any]) -> str:
@@ -62,8 +64,14 @@ class ChainProblem:
         return f"rounds chain of {where}: {self.what}"
 
 
-def check_chain(run_id: str, shard_index: int, num_shards: int, entries: Sequence[Mapping[str, Any]], head: str,
-                end_version: int | None = None) -> list[ChainProblem]:  # fmt: skip
+def check_chain(
+    run_id: str,
+    shard_index: int,
+    num_shards: int,
+    entries: Sequence[Mapping[str, Any]],
+    head: str,
+    end_version: int | None = None,
+) -> list[ChainProblem]:
     """Recompute a shard's chain from its records: every record's hash from the one before it (a changed
     record is named by its version), the head, versions one apart (starting at 0 with the initial weights,
     or at a restore without history), and — with `end_version` — that the last record is that version.
@@ -90,14 +98,22 @@ def check_chain(run_id: str, shard_index: int, num_shards: int, entries: Sequenc
             problem(version, f"record is malformed ({error})")
             return problems
         if expected != entry[HASH_FIELD]:
-            problem(version, f"record changed: it hashes to {expected[:16]}…, the chain holds {entry[HASH_FIELD][:16]}…")
+            problem(
+                version, f"record changed: it hashes to {expected[:16]}…, the chain holds {entry[HASH_FIELD][:16]}…"
+            )
         previous = entry[HASH_FIELD]  # later records are judged on their own links
         if not isinstance(version, int) or isinstance(version, bool) or kind not in KINDS:
             problem(version, f"record {position} has no integer version or an unknown kind {kind!r}")
         elif position == 0 and not (kind == "restored" or (kind == "init" and version == 0)):
-            problem(version, f"the chain starts with a {kind} record (expected the initial weights, version 0, or a restore)")
+            problem(
+                version,
+                f"the chain starts with a {kind} record (expected the initial weights, version 0, or a restore)",
+            )
         elif position > 0 and (kind != "round" or last_version is None or version != last_version + 1):
-            problem(version, f"a {kind} record after version {last_version}: versions must follow one another by closed rounds")
+            problem(
+                version,
+                f"a {kind} record after version {last_version}: versions must follow one another by closed rounds",
+            )
         last_version = version if isinstance(version, int) else None
     if recomputed != head:
         problem(None, f"the head does not recompute: {recomputed[:16]}… from the records, {str(head)[:16]}… recorded")

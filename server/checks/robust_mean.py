@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from dilocox.common.wire.peer_median import medians_of_others
 

@@ -16,8 +16,8 @@ Gram of the factors (`gram`: a few BLAS calls, sites as rows), which is rank² �
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 
@@ -64,9 +64,13 @@ def gram(xs: list, ys: list | None = None, scratch: GramScratch | None = None) -
     dx = [i for i, x in enumerate(xs) if not isinstance(x, tuple)]
     dy = [j for j, y in enumerate(ys) if not isinstance(y, tuple)]
     if fx and fy:
-        out[torch.tensor(fx)[:, None], torch.tensor(fy)] = _factor_gram([xs[i] for i in fx], [ys[j] for j in fy], symmetric)
+        out[torch.tensor(fx)[:, None], torch.tensor(fy)] = _factor_gram(
+            [xs[i] for i in fx], [ys[j] for j in fy], symmetric
+        )
     if dx and dy:
-        dense = _dense_products([xs[i].reshape(-1) for i in dx], [ys[j].reshape(-1) for j in dy], symmetric, scratch or GramScratch())
+        dense = _dense_products(
+            [xs[i].reshape(-1) for i in dx], [ys[j].reshape(-1) for j in dy], symmetric, scratch or GramScratch()
+        )
         out[torch.tensor(dx)[:, None], torch.tensor(dy)] = dense.double()
     for i, j in [(i, j) for i in fx for j in dy] + [(i, j) for i in dx for j in fy]:
         out[i, j] = inner(xs[i], ys[j])
@@ -122,7 +126,9 @@ def _dense_products(xs: list[torch.Tensor], ys: list[torch.Tensor], same: bool, 
     return total
 
 
-def _factor_gram(xs: list[tuple[torch.Tensor, torch.Tensor]], ys: list[tuple[torch.Tensor, torch.Tensor]], same: bool) -> torch.Tensor:
+def _factor_gram(
+    xs: list[tuple[torch.Tensor, torch.Tensor]], ys: list[tuple[torch.Tensor, torch.Tensor]], same: bool
+) -> torch.Tensor:
     left = _products([p for p, _ in xs], [p for p, _ in ys], same, torch.float64)  # PₓᵀP_y, rank by rank
     right = _products([qt.T for _, qt in xs], [qt.T for _, qt in ys], same, torch.float64)  # QₓᵀQ_y
     terms = left * right  # every site's components against every other's: summed per pair of sites below
@@ -168,7 +174,9 @@ class RoundFigures:
         return gw, wgw
 
 
-def round_figures(contributions: Mapping, previous: Mapping | None = None, skip: frozenset[str] = frozenset()) -> RoundFigures:
+def round_figures(
+    contributions: Mapping, previous: Mapping | None = None, skip: frozenset[str] = frozenset()
+) -> RoundFigures:
     """`contributions`: slice -> {cluster: Contribution} (server/rounds/round_state.py) of the round being closed;
     `previous`: the same of the round before (what the published version forwards for replay), if any,
     less the sites in `skip` (flagged then: in warn mode a merged faulty update must not become the
@@ -183,8 +191,11 @@ def round_figures(contributions: Mapping, previous: Mapping | None = None, skip:
     low_rank: torch.Tensor | None = None
     scratch = GramScratch()
     for key in sorted(set(contributions) | set(previous)):
-        before = [(c.weight, _factors_or_dense(c.slice.decode_lazy())) for site, c in sorted(previous.get(key, {}).items())
-                  if site not in skip]  # fmt: skip
+        before = [
+            (c.weight, _factors_or_dense(c.slice.decode_lazy()))
+            for site, c in sorted(previous.get(key, {}).items())
+            if site not in skip
+        ]
         u = _weighted_sum(before) if before and _all_dense([y for _, y in before]) else None
         w_before = torch.tensor([weight for weight, _ in before], dtype=torch.float64)
         if u is not None:
@@ -206,7 +217,9 @@ def round_figures(contributions: Mapping, previous: Mapping | None = None, skip:
             with_prev[at] += _dots(xs, u)
         elif before:
             with_prev[at] += gram(xs, [y for _, y in before], scratch=scratch) @ w_before
-    return RoundFigures(clusters, sq, with_prev, prev_sq, _site_digests(contributions, clusters), contributions, low_rank)
+    return RoundFigures(
+        clusters, sq, with_prev, prev_sq, _site_digests(contributions, clusters), contributions, low_rank
+    )
 
 
 def _slice_updates(per_cluster: Mapping, index: Mapping[str, int]) -> tuple[list, torch.Tensor]:

@@ -29,7 +29,8 @@ large that its squared norm exceeds fp32's range), its norm ratio exceeds `norm_
 others is below `min_cosine` *and* opposes them — below −`OPPOSITION` × the median of the other sites' own
 cosines, where the others agree among themselves (mean pairwise cosine ≥ `min_agreement`; with two sites:
 the pair's cosine is below −`min_agreement`, and this site's cosine with the previous update is below
-`min_cosine` and below the other's — the previous direction breaks a tie, never flags alone), or it replayed. **Never a majority**: where more than `max_flagged` of the round's sites would be acted on
+`min_cosine` and below the other's — the previous direction breaks a tie, never flags alone), or it replayed. **Never a
+majority**: where more than `max_flagged` of the round's sites would be acted on
 (flagged, or quarantined), the check is wrong about the round, not the sites — nobody is left out or clipped
 (but an overflowing update, which would turn every weight to inf), no streak counts, every verdict says
 `overruled`, the shard logs one `update_check_overruled` line, and the round's norms join the history (the
@@ -37,7 +38,8 @@ new normal after a schedule change). The end-of-run flush (residuals, not an upd
 flagged `quarantine_rounds` rounds in a row it is quarantined: under `exclude` and `clip` left out of every
 round, passing or not, until it passes `quarantine_rounds` rounds in a row (its statistics are still
 computed) or an operator readmits it (`dilocox readmit`). One clean round is not enough: a faulty site that
-passes now and then would slip a faulty update into every round it happens to pass. `mode`: `off`; `warn` (log, count, merge anyway: the default);
+passes now and then would slip a faulty update into every round it happens to pass. `mode`: `off`; `warn` (log, count,
+merge anyway: the default);
 `exclude` (a flagged or quarantined site's contributions are left out of the round — flagged for its
 direction alone, only once quarantined: one round's cosine is noisy late in training — so its version and
 the contributions every site replays from are made without them — the clients' replay stays bit-exact
@@ -45,7 +47,8 @@ because what is left out is simply not forwarded); `clip` (an update whose only 
 merged scaled down to the reference norm, c·Δ with c = reference / ‖Δ‖, at its full weight — the
 honest sites' mean is neither inflated by it nor diluted; any other flag leaves the update out, as
 `exclude` does, and so does quarantine. The factor travels with the forwarded contribution (proto
-`scale`), so every replay computes the same c·w). Each shard decides on its own slices; a site faulty on all of its update is
+`scale`), so every replay computes the same c·w). Each shard decides on its own slices; a site faulty on all of its
+update is
 flagged by every shard alike.
 """
 
@@ -54,8 +57,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import torch
 
@@ -112,14 +115,25 @@ class SiteVerdict:
 
     def record(self) -> dict:
         """What the rounds chain keeps of it (server/state/provenance_chain.py): the figures and the outcome."""
-        return {**self.figures(), "replayed": self.replayed, "reasons": list(self.reasons), "quarantined": self.quarantined,
-                "excluded": self.excluded, **({"scale": self.scale} if self.scale != 1.0 else {}),
-                **({"overruled": True} if self.overruled else {}), **({"copies": self.copies} if self.copies > 1 else {})}  # fmt: skip
+        return {
+            **self.figures(),
+            "replayed": self.replayed,
+            "reasons": list(self.reasons),
+            "quarantined": self.quarantined,
+            "excluded": self.excluded,
+            **({"scale": self.scale} if self.scale != 1.0 else {}),
+            **({"overruled": True} if self.overruled else {}),
+            **({"copies": self.copies} if self.copies > 1 else {}),
+        }
 
     def figures(self) -> dict:
         rounded = lambda x: None if x is None else round(x, 4) if math.isfinite(x) else str(x)  # noqa: E731 - JSON has no inf
-        return {"norm": rounded(self.norm), "norm_ratio": rounded(self.norm_ratio), "cosine_others": rounded(self.cosine_others),
-                "cosine_previous": rounded(self.cosine_previous)}  # fmt: skip
+        return {
+            "norm": rounded(self.norm),
+            "norm_ratio": rounded(self.norm_ratio),
+            "cosine_others": rounded(self.cosine_others),
+            "cosine_previous": rounded(self.cosine_previous),
+        }
 
 
 def _cosine(dot: float, a_sq: float, b_sq: float) -> float | None:
@@ -156,7 +170,10 @@ class UpdateCheck:
         # outsized or overflowing ones left out, so one huge update cannot make every honest one look
         # orthogonal to the others.
         suspect = bad | {i for i, r in enumerate(ratios) if r is not None and r > cfg.norm_ratio}
-        w = torch.tensor([0.0 if i in suspect or norms[i] == 0 else 1.0 / norms[i] for i in range(len(clusters))], dtype=torch.float64)
+        w = torch.tensor(
+            [0.0 if i in suspect or norms[i] == 0 else 1.0 / norms[i] for i in range(len(clusters))],
+            dtype=torch.float64,
+        )
         gw, wgw = figures.weighted(w) if len(clusters) >= 3 else (None, 0.0)
         weighted_sites = int((w != 0).sum())
         pair = self._pair_cosine(figures, sq) if len(clusters) == 2 and not bad else None
@@ -184,8 +201,17 @@ class UpdateCheck:
                 disagrees = _opposed(i, cos_others, cosines)
             outsized = ratio is not None and ratio > cfg.norm_ratio
             flagged = i in bad or outsized or disagrees or replayed  # the previous direction alone flags nothing:
-            reasons = tuple(r for r, hit in (("non_finite", i in bad), ("outsized", outsized), ("disagrees", disagrees),
-                                             ("against_previous", flagged and low(cos_prev[i])), ("replayed", replayed)) if hit)  # fmt: skip
+            reasons = tuple(
+                r
+                for r, hit in (
+                    ("non_finite", i in bad),
+                    ("outsized", outsized),
+                    ("disagrees", disagrees),
+                    ("against_previous", flagged and low(cos_prev[i])),
+                    ("replayed", replayed),
+                )
+                if hit
+            )
             figures_of.append((norms[i], ratio, cos_others, cos_prev[i], replayed))  # it is a note beside a flag
             reasons_of.append(reasons if judged else ())
         # A site pushing another's update byte for byte (free-riding, or doubling one site's say) is not judged
@@ -195,11 +221,15 @@ class UpdateCheck:
             digest = figures.contribution_digests.get(cluster)
             if digest is not None and norms[i] > 0:
                 same[digest] = same.get(digest, 0) + 1
-        copies = [same.get(figures.contribution_digests.get(c), 1) if norms[i] > 0 else 1 for i, c in enumerate(clusters)]
+        copies = [
+            same.get(figures.contribution_digests.get(c), 1) if norms[i] > 0 else 1 for i, c in enumerate(clusters)
+        ]
         # Never act on a majority: a check that flags most of a round is wrong about the round, not the sites.
         # Overflowing updates are left out regardless (merged, they would turn every weight to inf or NaN).
         acting = cfg.mode in ("exclude", "clip")
-        would = {c for c, r in zip(clusters, reasons_of) if r and r != ("non_finite",)} | (self.quarantined & set(clusters))
+        would = {c for c, r in zip(clusters, reasons_of) if r and r != ("non_finite",)} | (
+            self.quarantined & set(clusters)
+        )
         overruled = judged and len(would) > cfg.max_flagged * len(clusters)
         if judged and not overruled:
             for cluster, reasons in zip(clusters, reasons_of):
@@ -218,7 +248,9 @@ class UpdateCheck:
                 # replay or an overflow at once.
                 direction_only = set(reasons) <= DIRECTION_REASONS
                 excluded = acting and ((bool(reasons) and not direction_only) or quarantined)
-            verdicts.append(SiteVerdict(cluster, *figures_of[i], reasons, quarantined, excluded, scale, overruled, copies[i]))
+            verdicts.append(
+                SiteVerdict(cluster, *figures_of[i], reasons, quarantined, excluded, scale, overruled, copies[i])
+            )
         if judged:  # an overruled round's norms are the new normal (a learning-rate change moves every site)
             accepted = [(v.cluster, v.norm) for v in verdicts if math.isfinite(v.norm) and (overruled or not v.reasons)]
             if accepted:
@@ -249,8 +281,9 @@ class UpdateCheck:
         return ratios
 
     @staticmethod
-    def _against_others(i: int, w: torch.Tensor, gw: torch.Tensor | None, wgw: float, sq: torch.Tensor,
-                        weighted_sites: int) -> tuple[float | None, float | None]:  # fmt: skip
+    def _against_others(
+        i: int, w: torch.Tensor, gw: torch.Tensor | None, wgw: float, sq: torch.Tensor, weighted_sites: int
+    ) -> tuple[float | None, float | None]:
         """(cos(Δ_i, the others' unit vectors summed), the others' mean pairwise cosine), three or more sites;
         (None, None) where there is no other. ‖Σ û_j‖² = m + Σ_{j≠k} cos(û_j, û_k) gives the second."""
         others = weighted_sites - int(w[i] != 0)
@@ -276,15 +309,26 @@ class UpdateCheck:
 
     def as_state(self) -> dict:
         """What a shard checkpoint keeps (a restarted shard must not forget a quarantine): small."""
-        return {"norms": [[[c, x] for c, x in n] for n in self._norms], "digests": [sorted(d) for d in self._digests], "streak": dict(self.streak),
-                "passed": dict(self.passed), "quarantined": sorted(self.quarantined), "last_flagged": sorted(self.last_flagged)}  # fmt: skip
+        return {
+            "norms": [[[c, x] for c, x in n] for n in self._norms],
+            "digests": [sorted(d) for d in self._digests],
+            "streak": dict(self.streak),
+            "passed": dict(self.passed),
+            "quarantined": sorted(self.quarantined),
+            "last_flagged": sorted(self.last_flagged),
+        }
 
     def load_state(self, state: dict) -> None:
         # (cluster, norm) pairs; a checkpoint from before the reference left each site out kept bare norms
-        self._norms.extend([(c, x) for c, x in (e if isinstance(e, list) else ("", e) for e in n)] for n in state.get("norms", []))
+        self._norms.extend(
+            [(c, x) for c, x in (e if isinstance(e, list) else ("", e) for e in n)] for n in state.get("norms", [])
+        )
         self._digests.extend(set(d) for d in state.get("digests", []))
         self.streak, self.passed = dict(state.get("streak", {})), dict(state.get("passed", {}))
-        self.quarantined, self.last_flagged = set(state.get("quarantined", [])), frozenset(state.get("last_flagged", []))
+        self.quarantined, self.last_flagged = (
+            set(state.get("quarantined", [])),
+            frozenset(state.get("last_flagged", [])),
+        )
 
     def _count(self, cluster: str, flagged: bool) -> None:
         """Streaks: flagged `quarantine_rounds` in a row quarantines; passed as many in a row since, released."""
@@ -325,14 +369,18 @@ def _opposed(i: int, cosine: float, cosines: list[float | None]) -> bool:
     return typical > 0 and cosine < -OPPOSITION * typical
 
 
-def copied_weights(verdicts: Iterable[SiteVerdict], weights: Mapping[str, float], digests: Mapping[str, bytes]) -> dict[str, float]:
+def copied_weights(
+    verdicts: Iterable[SiteVerdict], weights: Mapping[str, float], digests: Mapping[str, bytes]
+) -> dict[str, float]:
     """The weights that count each byte-identical update once (mode clip or exclude): every site of a group of
     k copies weighs the group's smallest weight / k, so together they weigh what one of them would."""
     groups: dict[bytes, list[str]] = {}
     for v in verdicts:
         if v.copies > 1 and not v.excluded and v.cluster in digests:
             groups.setdefault(digests[v.cluster], []).append(v.cluster)
-    return {c: min(weights[d] for d in group) / len(group) for group in groups.values() if len(group) > 1 for c in group}
+    return {
+        c: min(weights[d] for d in group) / len(group) for group in groups.values() if len(group) > 1 for c in group
+    }
 
 
 def excluded(verdicts: Iterable[SiteVerdict]) -> set[str]:
@@ -353,7 +401,9 @@ def margins(verdicts: Iterable[SiteVerdict]) -> dict:
         values = [v for v in values if v is not None and math.isfinite(v)]
         return round(pick(values), 4) if values else None
 
-    return {"max_norm_ratio": extreme(max, (v.norm_ratio for v in verdicts)),
-            "min_cosine_others": extreme(min, (v.cosine_others for v in verdicts)),
-            "min_cosine_previous": extreme(min, (v.cosine_previous for v in verdicts)),
-            "flagged": sorted(v.cluster for v in verdicts if v.reasons)}  # fmt: skip
+    return {
+        "max_norm_ratio": extreme(max, (v.norm_ratio for v in verdicts)),
+        "min_cosine_others": extreme(min, (v.cosine_others for v in verdicts)),
+        "min_cosine_previous": extreme(min, (v.cosine_previous for v in verdicts)),
+        "flagged": sorted(v.cluster for v in verdicts if v.reasons),
+    }

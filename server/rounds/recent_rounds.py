@@ -16,9 +16,9 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from dilocox.server.shard_records import Snapshot
 from dilocox.server.state.contribution_state import Contributions
 from dilocox.server.state.rounds_on_disk import RoundsOnDisk
-from dilocox.server.shard_records import Snapshot
 
 
 class RecentRounds:
@@ -79,4 +79,6 @@ class RecentRounds:
             rounds = [contributions for _, contributions in self._older]
         if newest is not None:
             rounds.append(newest.contributions)
-        return sum(len(c.slice.payload) for per_key in rounds for per_cluster in per_key.values() for c in per_cluster.values())
+        return sum(
+            len(c.slice.payload) for per_key in rounds for per_cluster in per_key.values() for c in per_cluster.values()
+        )

@@ -21,8 +21,8 @@ needed (docs/decisions.md, "Uneven sites").
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from dilocox.server.rounds.grace import GraceWindow
 from dilocox.server.rounds.round_state import RoundAccumulator
@@ -73,8 +73,9 @@ def decide(
     return CloseDecision(frozenset(complete), tuple(sorted(late)), tuple(sorted(partial | gone)), window)
 
 
-def first_round_waits(round_: int, joined: int, expect: int, first_push_at: float | None, now: float,
-                      deadline_s: float | None) -> bool:
+def first_round_waits(
+    round_: int, joined: int, expect: int, first_push_at: float | None, now: float, deadline_s: float | None
+) -> bool:
     """Whether the run's first round must stay open for sites that have not joined yet: until `expect`
     clusters have joined, or (with a deadline) `deadline_s` after its first contribution.
 
@@ -94,7 +95,10 @@ def arrival_spread(acc: RoundAccumulator, decision: CloseDecision) -> float:
         return decision.grace_s or 0.0
     if acc.quorum_at is None:
         return 0.0
-    return max((acc.complete_at[c] for c in decision.include if c in acc.complete_at), default=acc.quorum_at) - acc.quorum_at
+    return (
+        max((acc.complete_at[c] for c in decision.include if c in acc.complete_at), default=acc.quorum_at)
+        - acc.quorum_at
+    )
 
 
 @dataclass

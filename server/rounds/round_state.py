@@ -40,12 +40,16 @@ class RoundAccumulator:
     # The newest version each cluster had pulled from this shard when its first part of the round came: its
     # work was trained from that version or an older one, whatever age it declares.
     trained_from: dict[str, int] = field(default_factory=dict)
-    declared_ages: dict[str, int] = field(default_factory=dict)  # an age `weigh` found understated, as the cluster said it
+    declared_ages: dict[str, int] = field(
+        default_factory=dict
+    )  # an age `weigh` found understated, as the cluster said it
     bytes_in: int = 0
     first_push_at: float | None = None  # monotonic time of the round's first contribution: starts the deadline
     quorum_at: float | None = None  # monotonic time `min_clusters` had completed: starts the grace window
     complete_at: dict[str, float] = field(default_factory=dict)  # cluster -> when it completed (as first seen)
-    delivered: dict[str, int] = field(default_factory=dict)  # cluster -> slices it delivered (kept by `add`, `keep_only`)
+    delivered: dict[str, int] = field(
+        default_factory=dict
+    )  # cluster -> slices it delivered (kept by `add`, `keep_only`)
 
     def check_weight(self, cluster: str, weight: float, staleness: int = 0) -> None:
         """A cluster's weight (tokens this round) must be positive and the same on all its streams, and so
@@ -56,15 +60,21 @@ class RoundAccumulator:
             raise InvalidFrame(f"staleness (rounds the work is older than the round) must be ≥ 0, got {staleness}")
         known = self.cluster_weights.get(cluster)
         if known is not None and known != weight:
-            raise InvalidFrame(f"cluster {cluster!r} already pushed round {self.round} with weight {known}, now {weight}")
+            raise InvalidFrame(
+                f"cluster {cluster!r} already pushed round {self.round} with weight {known}, now {weight}"
+            )
         age = self.cluster_ages.get(cluster)
         if age is not None and age != staleness:
-            raise InvalidFrame(f"cluster {cluster!r} already pushed round {self.round} with staleness {age}, now {staleness}")
+            raise InvalidFrame(
+                f"cluster {cluster!r} already pushed round {self.round} with staleness {age}, now {staleness}"
+            )
 
     def is_duplicate(self, cluster: str, key: SliceKey) -> bool:
         return cluster in self.contributions.get(key, {})
 
-    def add(self, cluster: str, weight: float, encoded: EncodedSlice, staleness: int = 0, held: int | None = None) -> None:
+    def add(
+        self, cluster: str, weight: float, encoded: EncodedSlice, staleness: int = 0, held: int | None = None
+    ) -> None:
         """Record one vetted slice; callers have checked shape, values and duplicates already. `held`: the
         newest version the cluster has pulled from this shard (None: not known, e.g. since a shard restart)."""
         self.cluster_weights[cluster] = weight
@@ -108,8 +118,9 @@ class RoundAccumulator:
         least = {c: self.round - 1 - held for c, held in self.trained_from.items()}
         return {c: (self.cluster_ages.get(c, 0), age) for c, age in least.items() if age > self.cluster_ages.get(c, 0)}
 
-    def weigh(self, claim_multiple: float = 0.0, stale_rule: str = "inverse",
-              check_ages: bool = True) -> dict[str, tuple[int, float, float, float]]:  # fmt: skip
+    def weigh(
+        self, claim_multiple: float = 0.0, stale_rule: str = "inverse", check_ages: bool = True
+    ) -> dict[str, tuple[int, float, float, float]]:
         """Before the step (on the sealed round): each contribution's weight — its said tokens, re-discounted
         by its age where the declared one is younger than the version it was trained from allows
         (`understated_ages`, by the run's `stale_rule`: an age is a claim too), capped at `claim_multiple` ×
@@ -122,11 +133,17 @@ class RoundAccumulator:
         said = dict(self.cluster_weights)
         for cluster, (declared, least) in (self.understated_ages() if check_ages else {}).items():
             said[cluster] *= stale_discount(least, stale_rule) / stale_discount(declared, stale_rule)
-            self.declared_ages[cluster], self.cluster_ages[cluster] = declared, least  # the record and the stale cap use `least`
+            self.declared_ages[cluster], self.cluster_ages[cluster] = (
+                declared,
+                least,
+            )  # the record and the stale cap use `least`
         claimed = cap_claimed_weights(said, claim_multiple)
         capped = cap_stale_weights(claimed, self.cluster_ages)
-        changed = {c: (self.cluster_ages.get(c, 0), said[c], claimed[c], capped[c]) for c in self.cluster_weights
-                   if capped[c] != self.cluster_weights[c]}  # fmt: skip
+        changed = {
+            c: (self.cluster_ages.get(c, 0), said[c], claimed[c], capped[c])
+            for c in self.cluster_weights
+            if capped[c] != self.cluster_weights[c]
+        }
         if changed:
             for per_key in self.contributions.values():
                 for cluster in [c for c in per_key if c in changed]:
@@ -152,7 +169,9 @@ class RoundAccumulator:
             for cluster in [c for c in per_key if c in factors]:
                 per_key[cluster] = replace(per_key[cluster], scale=factors[cluster])
 
-    def apply(self, key: SliceKey, optimizer: OuterNesterov, param: torch.Tensor, in_place: bool) -> torch.Tensor | None:
+    def apply(
+        self, key: SliceKey, optimizer: OuterNesterov, param: torch.Tensor, in_place: bool
+    ) -> torch.Tensor | None:
         """The slice's outer step on the weighted mean of its contributions, or None if nobody
         delivered it. fp32 payloads decode to views of their bytes and low-rank ones to their factors: they
         are taken together and the mean is fused into the step (see `aggregation.apply_round`)."""

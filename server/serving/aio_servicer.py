@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -112,8 +112,14 @@ class VersionSignal:
 
 
 class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
-    def __init__(self, servicer: AggregatorServicer, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop,
-                 latency_s: float = 0.0, push_limits: PushLimits | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        servicer: AggregatorServicer,
+        pool: ThreadPoolExecutor,
+        loop: asyncio.AbstractEventLoop,
+        latency_s: float = 0.0,
+        push_limits: PushLimits | None = None,
+    ) -> None:
         self.servicer, self.shard, self.pool, self.loop = servicer, servicer.shard, pool, loop
         # Status, Provenance and Readmit on threads of their own: the work pool is FIFO, so behind a round's
         # pushes (256 sites land at once) a Status waited for every one of them — over a second at 256 sites.
@@ -126,8 +132,13 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
     async def _in_pool(self, fn: Callable, *args, pool: ThreadPoolExecutor | None = None):  # noqa: ANN202
         return await self.loop.run_in_executor(pool or self.pool, functools.partial(fn, *args))
 
-    async def _served(self, method: Callable, request, context: grpc.aio.ServicerContext,  # noqa: ANN001, ANN202
-                      pool: ThreadPoolExecutor | None = None):  # fmt: skip
+    async def _served(
+        self,
+        method: Callable,
+        request,
+        context: grpc.aio.ServicerContext,  # noqa: ANN001, ANN202
+        pool: ThreadPoolExecutor | None = None,
+    ):
         try:
             return await self._in_pool(method, request, _ThreadContext(), pool=pool)
         except _Aborted as aborted:
@@ -145,7 +156,9 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
     async def Readmit(self, request: pb.ReadmitRequest, context: grpc.aio.ServicerContext) -> pb.ReadmitReply:
         return await self._served(self.servicer.Readmit, request, context, self.control)
 
-    async def Push(self, request_iterator: AsyncIterator[pb.PushMessage], context: grpc.aio.ServicerContext) -> pb.PushReply:
+    async def Push(
+        self, request_iterator: AsyncIterator[pb.PushMessage], context: grpc.aio.ServicerContext
+    ) -> pb.PushReply:
         """Read on the loop (server/serving/push_intake.py), then the servicer's Push on a pool thread over the
         messages received: no pool thread waits on the network."""
         if self.latency_s:
@@ -157,7 +170,9 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
             self.intake.admit(header.cluster)
             cluster = header.cluster
             # Refused before its chunks are read: a push for a closed round costs the shard no memory.
-            await self._in_pool(self.shard.check_push, header.run_id, header.cluster, header.round, header.weight, header.staleness)
+            await self._in_pool(
+                self.shard.check_push, header.run_id, header.cluster, header.round, header.weight, header.staleness
+            )
             messages = await self.intake.rest(request_iterator, first)
             return await self._served(self.servicer.Push, iter(messages), context)
         except DilocoxError as error:
@@ -199,7 +214,9 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         NotReady through the pool's future (every parked pull looks again at every publish, and with
         hundreds parked the exceptions' path was a visible share of the loop's CPU)."""
         try:
-            snapshot = self.shard.wait_for_version(request.run_id, request.cluster, request.min_version, 0.0, request.observer, hold=True)
+            snapshot = self.shard.wait_for_version(
+                request.run_id, request.cluster, request.min_version, 0.0, request.observer, hold=True
+            )
         except NotReady:
             return None
         chunks = self.servicer.stream(snapshot, request)
@@ -231,8 +248,10 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
         """What `_look` finds for at least `min_version`, waiting on the loop for it: each look at the shard
         is a pool task (it takes the shard's lock, which a closing round holds)."""
         if request.replay_digest not in DIGESTS:  # refused before any wait: nothing to stream it with
-            raise UnknownCodec(f"state digest {request.replay_digest!r} is not one this shard computes "
-                               f"({sorted(d or 'sha256 (empty)' for d in DIGESTS)})")  # fmt: skip
+            raise UnknownCodec(
+                f"state digest {request.replay_digest!r} is not one this shard computes "
+                f"({sorted(d or 'sha256 (empty)' for d in DIGESTS)})"
+            )
         wait = max(0.0, min(request.wait_seconds, 3600.0))
         deadline = self.loop.time() + wait
         look = functools.partial(self._look, request)
@@ -243,8 +262,10 @@ class AsyncAggregatorServicer(pb_grpc.AggregatorServicer):
                 return found
             remaining = deadline - self.loop.time()
             if remaining <= 0:
-                raise NotReady(f"shard {self.shard.shard_index} holds version {self.shard.version}, not "
-                               f"{request.min_version}, after waiting {wait:.1f}s")  # fmt: skip
+                raise NotReady(
+                    f"shard {self.shard.shard_index} holds version {self.shard.version}, not "
+                    f"{request.min_version}, after waiting {wait:.1f}s"
+                )
             try:
                 await asyncio.wait_for(event.wait(), timeout=remaining)
             except TimeoutError:

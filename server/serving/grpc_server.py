@@ -31,12 +31,21 @@ class ServerHandle:
     (`stop(grace)` returning an event to wait on), so that the shard's core, its checkpointer and its
     command stay plain threads."""
 
-    def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
-                 pool: ThreadPoolExecutor, on_stop, control: ThreadPoolExecutor | None = None) -> None:  # noqa: ANN001  # fmt: skip
+    def __init__(
+        self,
+        server: grpc.aio.Server,
+        loop: asyncio.AbstractEventLoop,
+        thread: threading.Thread,
+        pool: ThreadPoolExecutor,
+        on_stop,
+        control: ThreadPoolExecutor | None = None,
+    ) -> None:  # noqa: ANN001
         self._server, self._loop, self._thread, self._pool, self._on_stop = server, loop, thread, pool, on_stop
         self._control = control  # the status calls' own threads (server/serving/aio_servicer.py)
         self._stopped: threading.Event | None = None
-        self.framings: PullFramings | None = None  # the pulls' shared framings (server/serving/pull_framing.py), for metrics
+        self.framings: PullFramings | None = (
+            None  # the pulls' shared framings (server/serving/pull_framing.py), for metrics
+        )
 
     def stop(self, grace: float | None) -> threading.Event:
         """Health turns NOT_SERVING, held pulls are answered (UNAVAILABLE), calls in flight get `grace`
@@ -108,7 +117,9 @@ def start_server(
     pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc")
     try:
         server, bound, health_service, servicer = asyncio.run_coroutine_threadsafe(
-            _serve(shard, host, port, wire, pool, loop, added_latency_s, tls, token, push_limits, pull_cache_bytes), loop).result(timeout=60)
+            _serve(shard, host, port, wire, pool, loop, added_latency_s, tls, token, push_limits, pull_cache_bytes),
+            loop,
+        ).result(timeout=60)
         watch = ServingWatch(health_service, pool, shard.shard_index, health_stall_s)
         watching = asyncio.run_coroutine_threadsafe(_started(watch.run()), loop).result(timeout=60)
     except BaseException:
@@ -124,8 +135,16 @@ def start_server(
         stop_timer.set()
         shard.version_listeners.remove(servicer.signal.notify)  # the shard may be served again (tests restart one)
 
-    log.info("shard_serving", shard=shard.shard_index, num_shards=shard.num_shards, address=f"{host}:{bound}", run_id=shard.run_id,
-             tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"), token=bool(token), work_threads=max_workers)  # fmt: skip
+    log.info(
+        "shard_serving",
+        shard=shard.shard_index,
+        num_shards=shard.num_shards,
+        address=f"{host}:{bound}",
+        run_id=shard.run_id,
+        tls="mtls" if tls and tls.ca else ("tls" if tls else "plaintext"),
+        token=bool(token),
+        work_threads=max_workers,
+    )
     handle = ServerHandle(server, loop, thread, pool, on_stop, servicer.control)
     handle.framings = servicer.servicer.framings
     return handle, bound
@@ -135,19 +154,35 @@ async def _started(coroutine) -> asyncio.Task:  # noqa: ANN001
     return asyncio.create_task(coroutine)
 
 
-async def _serve(shard: Shard, host: str, port: int, wire: WireConfig, pool: ThreadPoolExecutor, loop: asyncio.AbstractEventLoop,
-                 added_latency_s: float, tls: TlsFiles | None, token: str | None, push_limits: PushLimits | None,
-                 pull_cache_bytes: int):  # noqa: ANN202  # fmt: skip
+async def _serve(
+    shard: Shard,
+    host: str,
+    port: int,
+    wire: WireConfig,
+    pool: ThreadPoolExecutor,
+    loop: asyncio.AbstractEventLoop,
+    added_latency_s: float,
+    tls: TlsFiles | None,
+    token: str | None,
+    push_limits: PushLimits | None,
+    pull_cache_bytes: int,
+):  # noqa: ANN202
     options = [
         ("grpc.max_receive_message_length", wire.max_message_bytes),
         ("grpc.max_send_message_length", wire.max_message_bytes),
         *wire.keepalive_options(server=True),
     ]
     server = grpc.aio.server(options=options, interceptors=[AsyncTokenInterceptor(token)] if token else None)
-    servicer = AsyncAggregatorServicer(AggregatorServicer(shard, wire, PullFramings(pull_cache_bytes)), pool, loop, added_latency_s, push_limits)
+    servicer = AsyncAggregatorServicer(
+        AggregatorServicer(shard, wire, PullFramings(pull_cache_bytes)), pool, loop, added_latency_s, push_limits
+    )
     add_servicer(servicer, server)  # Pull sends its pre-serialized chunks as they are
     health_service = await add_health_service(server)
-    bound = server.add_secure_port(f"{host}:{port}", server_credentials(tls)) if tls is not None else server.add_insecure_port(f"{host}:{port}")
+    bound = (
+        server.add_secure_port(f"{host}:{port}", server_credentials(tls))
+        if tls is not None
+        else server.add_insecure_port(f"{host}:{port}")
+    )
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     shard.closing = False  # a shard served again after a stop (tests restart one in-process)

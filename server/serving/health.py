@@ -42,8 +42,9 @@ async def mark_serving(servicer: health.aio.HealthServicer) -> None:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
 
-def check(address: str, timeout: float = 5.0, tls: TlsFiles | None = None, token: str | None = None,
-          service: str = "") -> tuple[bool, str]:  # fmt: skip
+def check(
+    address: str, timeout: float = 5.0, tls: TlsFiles | None = None, token: str | None = None, service: str = ""
+) -> tuple[bool, str]:
     """Ask one shard for its health; (serving?, a one-line explanation)."""
     channel = open_channel(address, [], tls, token)
     try:

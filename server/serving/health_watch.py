@@ -29,8 +29,14 @@ STALL_S = 60.0  # the default: well above a push's decode or a close's outer ste
 
 
 class ServingWatch:
-    def __init__(self, health_service: health.aio.HealthServicer, pool: ThreadPoolExecutor, shard_index: int,
-                 stall_s: float = STALL_S, period_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        health_service: health.aio.HealthServicer,
+        pool: ThreadPoolExecutor,
+        shard_index: int,
+        stall_s: float = STALL_S,
+        period_s: float = 1.0,
+    ) -> None:
         if stall_s <= 0:
             raise ValueError(f"--health-stall-s must be > 0, got {stall_s}")
         self.health, self.pool, self.shard_index = health_service, pool, shard_index
@@ -45,8 +51,11 @@ class ServingWatch:
             try:
                 await asyncio.wait_for(asyncio.shield(probe), timeout=self.stall_s)
             except TimeoutError:
-                await self._set(False, f"a task has waited {self.stall_s:g}s for one of the work pool's threads "
-                                       "(joins, status, pushes and pulls wait with it)")  # fmt: skip
+                await self._set(
+                    False,
+                    f"a task has waited {self.stall_s:g}s for one of the work pool's threads "
+                    "(joins, status, pushes and pulls wait with it)",
+                )
                 await probe
                 await self._set(True, f"the work pool took a task after {loop.time() - started:.1f}s")
             await asyncio.sleep(self.period_s)

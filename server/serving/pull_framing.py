@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 from dilocox.proto import dilocox_pb2 as pb
 
@@ -91,7 +91,9 @@ class PullFramings:
                 known = self._slice_sets[keys] = len(self._slice_sets)
             return known
 
-    def framed(self, key: tuple, version: int, estimate_bytes: int, frame: Callable[[], Iterator[pb.TensorChunk]]) -> Iterable[bytes]:
+    def framed(
+        self, key: tuple, version: int, estimate_bytes: int, frame: Callable[[], Iterator[pb.TensorChunk]]
+    ) -> Iterable[bytes]:
         """The chunks `frame()` makes for `key` in a pull of the published `version`, as wire bytes: shared with
         every pull of the same key and version (the entries of older versions are dropped here), or,
         where `estimate_bytes` (an upper bound of the framed size) does not fit the budget, framed for this

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from dilocox.common.wire.errors import InvalidFrame, StreamStalled, TooManyStreams
 from dilocox.proto import dilocox_pb2 as pb
@@ -69,8 +69,10 @@ class PushIntake:
 
     def admit(self, cluster: str) -> None:
         if self.open_streams[cluster] >= self.limits.streams_per_cluster:
-            raise TooManyStreams(f"cluster {cluster!r} already has {self.open_streams[cluster]} push streams open at shard "
-                                 f"{self.shard_index} (--push-streams-per-cluster {self.limits.streams_per_cluster})")  # fmt: skip
+            raise TooManyStreams(
+                f"cluster {cluster!r} already has {self.open_streams[cluster]} push streams open at shard "
+                f"{self.shard_index} (--push-streams-per-cluster {self.limits.streams_per_cluster})"
+            )
         self.open_streams[cluster] += 1
 
     def release(self, cluster: str) -> None:
@@ -78,14 +80,21 @@ class PushIntake:
         if self.open_streams[cluster] <= 0:
             del self.open_streams[cluster]
 
-    async def _next(self, stream: AsyncIterator[pb.PushMessage], received: int, declared: int | None) -> pb.PushMessage | None:
+    async def _next(
+        self, stream: AsyncIterator[pb.PushMessage], received: int, declared: int | None
+    ) -> pb.PushMessage | None:
         try:  # asyncio.timeout, not wait_for: no task created per message on the loop
             async with asyncio.timeout(self.limits.idle_timeout_s):
                 return await anext(stream)
         except StopAsyncIteration:
             return None
         except TimeoutError:
-            where = "before its header" if declared is None else f"after {received} of the {declared} chunk messages its header declared"
-            raise StreamStalled(f"the push stream sent nothing for {self.limits.idle_timeout_s:g}s {where} "
-                                "(--push-idle-timeout-s); nothing of it was applied: push again") from None  # fmt: skip
-
+            where = (
+                "before its header"
+                if declared is None
+                else f"after {received} of the {declared} chunk messages its header declared"
+            )
+            raise StreamStalled(
+                f"the push stream sent nothing for {self.limits.idle_timeout_s:g}s {where} "
+                "(--push-idle-timeout-s); nothing of it was applied: push again"
+            ) from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 import structlog
@@ -53,8 +53,15 @@ class AggregatorServicer:
                 result = self.shard.describe(request.run_id)
             else:
                 params = [(p.name, tuple(p.shape)) for p in request.params]
-                result = self.shard.join(request.run_id, request.cluster, request.model_digest, params, request.run_config_json,
-                                         request.tokenizer_digest, request.tokenizer_json)  # fmt: skip
+                result = self.shard.join(
+                    request.run_id,
+                    request.cluster,
+                    request.model_digest,
+                    params,
+                    request.run_config_json,
+                    request.tokenizer_digest,
+                    request.tokenizer_json,
+                )
         except DilocoxError as error:
             refuse(context, error)
         return pb.JoinReply(
@@ -64,7 +71,9 @@ class AggregatorServicer:
             version=result.version,
             needs_init=result.needs_init,
             assignment=[
-                pb.SliceSpec(name=s.name, shape=list(s.shape), row_start=s.row_start, row_stop=s.row_stop, shard=s.shard)
+                pb.SliceSpec(
+                    name=s.name, shape=list(s.shape), row_start=s.row_start, row_stop=s.row_stop, shard=s.shard
+                )
                 for s in result.assignment
             ],
             run_config_json=result.run_config_json,
@@ -86,8 +95,10 @@ class AggregatorServicer:
             self.shard.check_push(header.run_id, header.cluster, header.round, header.weight, header.staleness)
 
             if header.chunks < 1:
-                raise InvalidFrame("a push must carry at least one slice after its PushHeader, and its header must say how "
-                                   f"many chunk messages follow (chunks ≥ 1, got {header.chunks})")  # fmt: skip
+                raise InvalidFrame(
+                    "a push must carry at least one slice after its PushHeader, and its header must say how "
+                    f"many chunk messages follow (chunks ≥ 1, got {header.chunks})"
+                )
             count = 0
 
             def chunks() -> Iterator[pb.TensorChunk]:
@@ -97,7 +108,9 @@ class AggregatorServicer:
                         raise InvalidFrame("only TensorChunks may follow the PushHeader")
                     count += 1
                     if count > header.chunks:
-                        raise InvalidFrame(f"the push sent more chunk messages than the {header.chunks} its header declared")
+                        raise InvalidFrame(
+                            f"the push sent more chunk messages than the {header.chunks} its header declared"
+                        )
                     _refuse_pull_fields(message.chunk)
                     received += message.ByteSize()
                     yield message.chunk
@@ -106,17 +119,28 @@ class AggregatorServicer:
                 return self.shard.vet_slice(key, chunk.codec, tuple(chunk.shape))
 
             pushed = [
-                EncodedSlice(u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), u.payload, vetted=True)  # the assembler's buffer, handed over
+                EncodedSlice(
+                    u.key, u.meta.codec, u.meta.dtype, tuple(u.meta.shape), u.payload, vetted=True
+                )  # the assembler's buffer, handed over
                 for u in assemble_units(chunks(), vet, self.shard.slice_map.entries)
             ]
             if count < header.chunks:  # nothing of a cut stream is applied
-                raise InvalidFrame(f"the push stream ended after {count} of the {header.chunks} chunk messages its header "
-                                   "declared (cut: a message over the size limit, or the connection lost)")  # fmt: skip
+                raise InvalidFrame(
+                    f"the push stream ended after {count} of the {header.chunks} chunk messages its header "
+                    "declared (cut: a message over the size limit, or the connection lost)"
+                )
             if not pushed:
                 raise InvalidFrame("a push must carry at least one slice after its PushHeader")
-            result = self.shard.commit_push(header.cluster, header.round, header.weight, pushed, bytes_in=received,
-                                            inner_steps=header.inner_steps, idle_s=header.idle_s,
-                                            staleness=header.staleness)  # fmt: skip
+            result = self.shard.commit_push(
+                header.cluster,
+                header.round,
+                header.weight,
+                pushed,
+                bytes_in=received,
+                inner_steps=header.inner_steps,
+                idle_s=header.idle_s,
+                staleness=header.staleness,
+            )
         except DilocoxError as error:
             refuse(context, error)
         return pb.PushReply(
@@ -138,13 +162,20 @@ class AggregatorServicer:
         keys = [k for k in snapshot.tensors if not names or k.name in names]
         slices = self.framings.slice_set(keys)
         if request.observer:  # the weights alone: an export needs no momentum and replays nothing
-            chunks = self.framings.framed(("weights", "", slices), snapshot.version, _framed_bound(_dense_bytes(snapshot, keys, False)),
-                                          lambda: self._full_chunks(snapshot, keys, with_momentum=False))  # fmt: skip
-        elif (rounds := self._rounds_to_forward(snapshot, keys, request, full := _dense_bytes(snapshot, keys, True))) is not None:
+            chunks = self.framings.framed(
+                ("weights", "", slices),
+                snapshot.version,
+                _framed_bound(_dense_bytes(snapshot, keys, False)),
+                lambda: self._full_chunks(snapshot, keys, with_momentum=False),
+            )
+        elif (
+            rounds := self._rounds_to_forward(snapshot, keys, request, full := _dense_bytes(snapshot, keys, True))
+        ) is not None:
             chunks = self._contribution_chunks(snapshot, keys, rounds, request, slices)
         else:
-            chunks = self.framings.framed(("full", "", slices), snapshot.version, _framed_bound(full),
-                                          lambda: self._full_chunks(snapshot, keys))  # fmt: skip
+            chunks = self.framings.framed(
+                ("full", "", slices), snapshot.version, _framed_bound(full), lambda: self._full_chunks(snapshot, keys)
+            )
         sent = 0
         for chunk in chunks:
             sent += len(chunk)
@@ -153,7 +184,9 @@ class AggregatorServicer:
         if not request.observer:  # this much of this version is now at the cluster
             self.shard.note_pulled(request.cluster, snapshot.version, names)
 
-    def _rounds_to_forward(self, snapshot: Snapshot, keys: list, request: pb.PullRequest, full: int) -> list[tuple[int, dict]] | None:
+    def _rounds_to_forward(
+        self, snapshot: Snapshot, keys: list, request: pb.PullRequest, full: int
+    ) -> list[tuple[int, dict]] | None:
         """The rounds to send instead of the weights (the cluster replays the steps), or None for a full
         pull: every version after the one the cluster holds, when this shard still keeps them all
         (server/rounds/recent_rounds.py), each has contributions to replay, and together they are smaller than the
@@ -167,9 +200,11 @@ class AggregatorServicer:
         summarised = self._own_summarised(snapshot, request)
         forwarded = sum(
             len(c.slice.payload)
-            for version, contributions in rounds for k in keys for c in contributions.get(k, {}).values()
+            for version, contributions in rounds
+            for k in keys
+            for c in contributions.get(k, {}).values()
             if not (version in summarised and c.cluster == request.cluster)
-        )  # fmt: skip
+        )
         return rounds if forwarded <= full else None
 
     @staticmethod
@@ -179,8 +214,14 @@ class AggregatorServicer:
         one_behind = request.have_version == snapshot.version - 1
         return {snapshot.version} if one_behind and not request.no_own_copies else set()
 
-    def _contribution_chunks(self, snapshot: Snapshot, keys: list, rounds: list[tuple[int, dict]],
-                             request: pb.PullRequest, slices: int | None) -> Iterator[bytes]:  # fmt: skip
+    def _contribution_chunks(
+        self,
+        snapshot: Snapshot,
+        keys: list,
+        rounds: list[tuple[int, dict]],
+        request: pb.PullRequest,
+        slices: int | None,
+    ) -> Iterator[bytes]:
         """Round by round, oldest first, the contributions cluster by cluster (small slices bundled: a
         cluster's weight is the same on all its slices); where the requester holds its own slices' bytes
         (`_own_summarised`), its part as one nameless summary chunk: their combined digest and count; and,
@@ -194,17 +235,39 @@ class AggregatorServicer:
                 for cluster, contribution in contributions_of.get(key, {}).items():
                     by_cluster.setdefault(cluster, []).append(contribution)
             mine = by_cluster.pop(requester, []) if version in summarised else []
-            for cluster, contributions in sorted(by_cluster.items()):  # the same chunks for every requester: framed once
-                frame = functools.partial(frame_slices, [c.slice for c in contributions], index, wire.chunk_bytes, wire.zstd_level,
-                                          version=version, is_delta=True, base_version=version - 1, contributor=cluster,
-                                          weight=contributions[0].weight, **_clipped(contributions[0].scale))  # fmt: skip
+            for cluster, contributions in sorted(
+                by_cluster.items()
+            ):  # the same chunks for every requester: framed once
+                frame = functools.partial(
+                    frame_slices,
+                    [c.slice for c in contributions],
+                    index,
+                    wire.chunk_bytes,
+                    wire.zstd_level,
+                    version=version,
+                    is_delta=True,
+                    base_version=version - 1,
+                    contributor=cluster,
+                    weight=contributions[0].weight,
+                    **_clipped(contributions[0].scale),
+                )
                 payload = sum(len(c.slice.payload) for c in contributions)
-                yield from self.framings.framed(("contributions", version, cluster, slices), snapshot.version, _framed_bound(payload), frame)
+                yield from self.framings.framed(
+                    ("contributions", version, cluster, slices), snapshot.version, _framed_bound(payload), frame
+                )
             if mine:
                 own = {c.slice.key: c.slice.sha256 for c in mine}
-                yield pb.TensorChunk(version=version, is_delta=True, base_version=version - 1,
-                                     contributor=requester, weight=mine[0].weight, own=True, own_slices=len(own),
-                                     payload_sha256=own_contribution_digest(own), **_clipped(mine[0].scale)).SerializeToString()  # fmt: skip
+                yield pb.TensorChunk(
+                    version=version,
+                    is_delta=True,
+                    base_version=version - 1,
+                    contributor=requester,
+                    weight=mine[0].weight,
+                    own=True,
+                    own_slices=len(own),
+                    payload_sha256=own_contribution_digest(own),
+                    **_clipped(mine[0].scale),
+                ).SerializeToString()
         if request.check_replay:
             digest = self.shard.state_digest(snapshot, keys, request.replay_digest)
             yield pb.TensorChunk(version=snapshot.version, state_digest=True, payload_sha256=digest).SerializeToString()
@@ -218,7 +281,9 @@ class AggregatorServicer:
         if not with_momentum:
             return
         momentum = (EncodedSlice.exact(key, snapshot.momentum[key]) for key in keys if key in snapshot.momentum)
-        yield from frame_slices(momentum, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version, momentum=True)
+        yield from frame_slices(
+            momentum, index, wire.chunk_bytes, wire.zstd_level, version=snapshot.version, momentum=True
+        )
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return pb.StatusReply(**self.shard.status())
@@ -229,8 +294,15 @@ class AggregatorServicer:
             records, total, head = self.shard.provenance(request.run_id, request.start, request.max_bytes)
         except DilocoxError as error:
             refuse(context, error)
-        return pb.ProvenanceReply(shard_index=self.shard.shard_index, num_shards=self.shard.num_shards, genesis=self.shard.chain.genesis,
-                                  head=head, total_records=total, start=request.start, records_json=json.dumps(records))  # fmt: skip
+        return pb.ProvenanceReply(
+            shard_index=self.shard.shard_index,
+            num_shards=self.shard.num_shards,
+            genesis=self.shard.chain.genesis,
+            head=head,
+            total_records=total,
+            start=request.start,
+            records_json=json.dumps(records),
+        )
 
     def Readmit(self, request: pb.ReadmitRequest, context: grpc.ServicerContext) -> pb.ReadmitReply:
         """An operator releases a quarantined site (`Shard.readmit`)."""

@@ -5,15 +5,15 @@ and lock (`_cond`, `snapshot`, `members`, `_readers`, …) defined in `Shard.__i
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import structlog
 
 from dilocox.common.wire.errors import InvalidFrame, NotJoined, NotReady, RoundNotOpen, ShuttingDown
 from dilocox.common.wire.framing import SliceKey
 from dilocox.common.wire.replica_digest import combined_digest, slice_digest
-from dilocox.server.state.provenance_chain import PAGE_BYTES
 from dilocox.server.shard_records import Snapshot
+from dilocox.server.state.provenance_chain import PAGE_BYTES
 
 log = structlog.get_logger("dilocox.shard")
 
@@ -35,7 +35,8 @@ class PullServing:
                 # The cluster pushed round min_version, so it saw version min_version − 2 at least: this
                 # shard went back (restored from an older checkpoint). Waiting could only time out.
                 raise RoundNotOpen(
-                    f"shard {self.shard_index} holds version {self.version}: round {min_version} cannot close here before "
+                    f"shard {self.shard_index} holds version {self.version}: round {min_version} cannot close here "
+                    "before "
                     f"rounds {self.open_round}–{min_version - 1}; rejoin at its version"
                 )
 
@@ -49,7 +50,8 @@ class PullServing:
                 raise ShuttingDown(f"shard {self.shard_index} is shutting down; retry")
             if not ready:
                 raise NotReady(
-                    f"shard {self.shard_index} holds version {self.version}, not {min_version}, after waiting {timeout:.1f}s"
+                    f"shard {self.shard_index} holds version {self.version}, not {min_version}, after waiting "
+                    f"{timeout:.1f}s"
                 )
             assert self.snapshot is not None
             if hold:
@@ -72,7 +74,9 @@ class PullServing:
         with self._digest_lock:
             for key in keys:
                 if (digest, key) not in snapshot.digests:
-                    snapshot.digests[digest, key] = slice_digest(key, snapshot.tensors[key], snapshot.momentum.get(key), digest)
+                    snapshot.digests[digest, key] = slice_digest(
+                        key, snapshot.tensors[key], snapshot.momentum.get(key), digest
+                    )
             return combined_digest({key: snapshot.digests[digest, key] for key in keys})
 
     def provenance(self, run_id: str, start: int = 0, max_bytes: int = 0) -> tuple[list[dict], int, str]:

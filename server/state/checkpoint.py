@@ -21,15 +21,23 @@ import pathlib
 import shutil
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import structlog
 
-from dilocox.common.wire.checkpoint_format import FORMAT_VERSION, checkpoint_path, key_tuple, load_state, one_line, save_state, slice_key
-from dilocox.server.state.contribution_state import contributions_from_state, contributions_state
-from dilocox.server.state.provenance_chain import resume_chain
+from dilocox.common.wire.checkpoint_format import (
+    FORMAT_VERSION,
+    checkpoint_path,
+    key_tuple,
+    load_state,
+    one_line,
+    save_state,
+    slice_key,
+)
 from dilocox.server.shard import Shard
 from dilocox.server.shard_records import Snapshot
+from dilocox.server.state.contribution_state import contributions_from_state, contributions_state
+from dilocox.server.state.provenance_chain import resume_chain
 
 log = structlog.get_logger()
 
@@ -57,7 +65,8 @@ def shard_state(shard: Shard) -> dict:
         # where they were; as of the checkpoint, so traffic after it and before a crash is not counted.
         "counters": {"bytes_in": shard.bytes_in, "bytes_out": shard.bytes_out, "dropped_bytes": shard.dropped_bytes},
         "outer": {"lr": shard.optimizer.lr, "momentum": shard.optimizer.momentum},
-        # The rounds chain up to this version (server/state/provenance_chain.py): small, and covered by the integrity digest.
+        # The rounds chain up to this version (server/state/provenance_chain.py): small, and covered by the
+        # integrity digest.
         "rounds_chain": shard.chain.as_state(),
         # The update check's memory (server/checks/update_check.py): a restart must not release a quarantined site.
         "update_check": shard.update_check.as_state() if shard.update_check is not None else None,
@@ -79,8 +88,15 @@ def save(shard: Shard, directory: str | os.PathLike, sign: Callable[[dict], dict
     state = shard_state(shard)
     path = save_state(state, checkpoint_path(directory, shard.shard_index), sign)
     version = state["snapshot"]["version"] if state["snapshot"] else -1
-    log.info("checkpoint_saved", shard=shard.shard_index, version=version, path=str(path), signed=sign is not None,
-             seconds=round(time.perf_counter() - started, 3), bytes=path.stat().st_size)  # fmt: skip
+    log.info(
+        "checkpoint_saved",
+        shard=shard.shard_index,
+        version=version,
+        path=str(path),
+        signed=sign is not None,
+        seconds=round(time.perf_counter() - started, 3),
+        bytes=path.stat().st_size,
+    )
     return path
 
 
@@ -99,10 +115,14 @@ def restore(shard: Shard, state: dict) -> None:
     if shard.param_specs:
         shard.use_assignment(shard.param_specs)
     shard.run_config_json = state["run_config_json"]
-    shard.tokenizer_digest = state.get("tokenizer_digest", "")  # checkpoints from before the field: recorded at the next join
+    shard.tokenizer_digest = state.get(
+        "tokenizer_digest", ""
+    )  # checkpoints from before the field: recorded at the next join
     shard.tokenizer_json = state.get("tokenizer_json", "")
     shard.members = dict(state["members"])
-    shard.last_seen = {cluster: time.monotonic() for cluster in shard.members}  # a restart counts as seen: the deadline runs anew
+    shard.last_seen = {
+        cluster: time.monotonic() for cluster in shard.members
+    }  # a restart counts as seen: the deadline runs anew
     shard.known = set(state.get("known", shard.members))  # checkpoints from before the field: the members
     shard.initialiser = state["initialiser"]
     counters = state.get("counters", {})  # checkpoints from before the field start at 0
@@ -115,7 +135,9 @@ def restore(shard: Shard, state: dict) -> None:
     snap = state["snapshot"]
     outer = (shard.optimizer.lr, shard.optimizer.momentum)
     if snap is None:
-        shard.chain = resume_chain(state.get("rounds_chain"), shard.run_id, shard.shard_index, shard.num_shards, None, outer)
+        shard.chain = resume_chain(
+            state.get("rounds_chain"), shard.run_id, shard.shard_index, shard.num_shards, None, outer
+        )
         return
     tensors = {slice_key(k): t for k, t in snap["tensors"].items()}
     momentum = {slice_key(k): t for k, t in snap["momentum"].items()}
@@ -125,7 +147,9 @@ def restore(shard: Shard, state: dict) -> None:
     # pull holds this version (a clone here cost one more copy of the momentum at every restore).
     shard.optimizer.buffers = dict(momentum)
     # Checked before it is trusted; a checkpoint from before the chain starts a new segment (said so in it).
-    shard.chain = resume_chain(state.get("rounds_chain"), shard.run_id, shard.shard_index, shard.num_shards, shard.snapshot, outer)
+    shard.chain = resume_chain(
+        state.get("rounds_chain"), shard.run_id, shard.shard_index, shard.num_shards, shard.snapshot, outer
+    )
     log.info("checkpoint_restored", shard=shard.shard_index, version=snap["version"], members=sorted(shard.members))
 
 
@@ -144,8 +168,14 @@ class Checkpointer:
     name atomically, and only then are the oldest pruned. Temporary files a killed save left are removed
     at start."""
 
-    def __init__(self, shard: Shard, directory: str | os.PathLike, every: int = 1, keep: int = 3,
-                 sign: Callable[[dict], dict] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        shard: Shard,
+        directory: str | os.PathLike,
+        every: int = 1,
+        keep: int = 3,
+        sign: Callable[[dict], dict] | None = None,
+    ) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be ≥ 1 round, got {every}")
         if keep < 1:
@@ -176,9 +206,16 @@ class Checkpointer:
         except (OSError, RuntimeError) as error:
             reason = one_line(error)
             if self.health.failed(version, reason):
-                log.error("checkpoint_failed", shard=self.shard.shard_index, version=version, path=str(path), reason=reason,
-                          free_bytes=_free_bytes(self.directory), kept_version=self.written_version,
-                          effect="the round is published and served; the save is retried at every version until one succeeds")  # fmt: skip
+                log.error(
+                    "checkpoint_failed",
+                    shard=self.shard.shard_index,
+                    version=version,
+                    path=str(path),
+                    reason=reason,
+                    free_bytes=_free_bytes(self.directory),
+                    kept_version=self.written_version,
+                    effect="the round is published and served; the save is retried at every version until one succeeds",
+                )
             return False  # the failed save's temporary file is gone already (common/atomic_file.py removes it)
         streak = self.health.succeeded()
         if streak:
@@ -189,11 +226,18 @@ class Checkpointer:
         version, index = self.shard.version, self.shard.shard_index
         if self.written_version is not None and version <= self.written_version:
             if version < self.written_version or self.shard.snapshot is None:
-                log.warning("checkpoint_not_replaced", shard=index, version=version, kept_version=self.written_version,
-                            reason="the checkpoint on disk is newer")  # fmt: skip
+                log.warning(
+                    "checkpoint_not_replaced",
+                    shard=index,
+                    version=version,
+                    kept_version=self.written_version,
+                    reason="the checkpoint on disk is newer",
+                )
                 return
         path = checkpoint_path(self.directory, index)
-        rotating = self.written_version is not None and self.written_version != version and path.exists() and self.keep > 1
+        rotating = (
+            self.written_version is not None and self.written_version != version and path.exists() and self.keep > 1
+        )
         if rotating:  # the current file stays where it is until its successor is durable
             _keep_as(path, self.directory / f"shard-{index}.v{self.written_version}.pt")
         save(self.shard, self.directory, self.sign)
@@ -230,7 +274,11 @@ class CheckpointHealth:
         return streak
 
     def as_status(self) -> dict:
-        return {"checkpoint_failures": self.failures, "checkpoint_failing_rounds": self.streak, "checkpoint_error": self.last_error}
+        return {
+            "checkpoint_failures": self.failures,
+            "checkpoint_failing_rounds": self.streak,
+            "checkpoint_error": self.last_error,
+        }
 
 
 def _keep_as(path: pathlib.Path, kept: pathlib.Path) -> None:
@@ -264,7 +312,12 @@ def remove_temporary_files(directory: pathlib.Path, shard_index: int) -> None:
             tmp.unlink()
             removed.append((tmp.name, size))
     if removed:
-        log.info("checkpoint_temporary_removed", shard=shard_index, files=[n for n, _ in removed], bytes=sum(b for _, b in removed))
+        log.info(
+            "checkpoint_temporary_removed",
+            shard=shard_index,
+            files=[n for n, _ in removed],
+            bytes=sum(b for _, b in removed),
+        )
 
 
 def _free_bytes(directory: pathlib.Path) -> int | None:

@@ -23,11 +23,18 @@ import base64
 import binascii
 import json
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from dilocox.common.signing_keys import (Signer, SigningError, check_chain, load_certificates, load_public_key,
-                                                to_pem, verify_signature)  # fmt: skip
+from dilocox.common.signing_keys import (
+    Signer,
+    SigningError,
+    check_chain,
+    load_certificates,
+    load_public_key,
+    to_pem,
+    verify_signature,
+)
 from dilocox.common.wire.checkpoint_format import CheckpointCorrupt, snapshot_version
 from dilocox.common.wire.checkpoint_integrity import FIELD, SIGNATURE_FIELD
 
@@ -45,8 +52,17 @@ def _pae(payload: bytes) -> bytes:
 
 
 def _statement(state: dict) -> str:
-    return json.dumps({"run_id": state.get("run_id"), "shard_index": state.get("shard_index"), "num_shards": state.get("num_shards"),
-                       "version": snapshot_version(state), "integrity": state.get(FIELD)}, sort_keys=True, separators=(",", ":"))  # fmt: skip
+    return json.dumps(
+        {
+            "run_id": state.get("run_id"),
+            "shard_index": state.get("shard_index"),
+            "num_shards": state.get("num_shards"),
+            "version": snapshot_version(state),
+            "integrity": state.get(FIELD),
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
 
 
 def signing(signer: Signer) -> Callable[[dict], dict]:
@@ -54,10 +70,16 @@ def signing(signer: Signer) -> Callable[[dict], dict]:
 
     def sign(sealed: dict) -> dict:
         statement = _statement(sealed)
-        return {**sealed, SIGNATURE_FIELD: {
-            "payload_type": PAYLOAD_TYPE, "statement": statement,
-            "sig": base64.b64encode(signer.sign(_pae(statement.encode()))).decode("ascii"),
-            "public_key": to_pem(signer.key.public_key()), "certificates": [to_pem(c) for c in signer.certificates]}}  # fmt: skip
+        return {
+            **sealed,
+            SIGNATURE_FIELD: {
+                "payload_type": PAYLOAD_TYPE,
+                "statement": statement,
+                "sig": base64.b64encode(signer.sign(_pae(statement.encode()))).decode("ascii"),
+                "public_key": to_pem(signer.key.public_key()),
+                "certificates": [to_pem(c) for c in signer.certificates],
+            },
+        }
 
     return sign
 
@@ -71,16 +93,21 @@ class CheckpointTrust:
     cas: tuple = ()
 
     @classmethod
-    def load(cls, key_path: str | None, ca_path: str | None) -> "CheckpointTrust | None":
+    def load(cls, key_path: str | None, ca_path: str | None) -> CheckpointTrust | None:
         """From `--checkpoint-verify-key` (a public key or a certificate) or `--checkpoint-ca`; `SigningError`
         (one line) for a file that cannot be used."""
         if key_path and ca_path:
             raise SigningError("give --checkpoint-verify-key or --checkpoint-ca, not both")
         if key_path:
-            return cls(f"the key in {key_path}", key=load_public_key(_read(key_path, "--checkpoint-verify-key"),
-                                                                     f"--checkpoint-verify-key {key_path}"))  # fmt: skip
+            return cls(
+                f"the key in {key_path}",
+                key=load_public_key(_read(key_path, "--checkpoint-verify-key"), f"--checkpoint-verify-key {key_path}"),
+            )
         if ca_path:
-            return cls(f"the CA in {ca_path}", cas=tuple(load_certificates(_read(ca_path, "--checkpoint-ca"), f"--checkpoint-ca {ca_path}")))
+            return cls(
+                f"the CA in {ca_path}",
+                cas=tuple(load_certificates(_read(ca_path, "--checkpoint-ca"), f"--checkpoint-ca {ca_path}")),
+            )
         return None
 
     def check(self, path: str | pathlib.Path, state: dict) -> None:
@@ -89,12 +116,16 @@ class CheckpointTrust:
         verify with this trust."""
         signature = state.get(SIGNATURE_FIELD)
         if signature is None:
-            raise CheckpointForged(f"{path}: not signed (written without --checkpoint-sign-key); this shard restores only "
-                                   f"checkpoints signed by {self.against}")  # fmt: skip
+            raise CheckpointForged(
+                f"{path}: not signed (written without --checkpoint-sign-key); this shard restores only "
+                f"checkpoints signed by {self.against}"
+            )
         try:
             statement, sig_text = signature["statement"], signature["sig"]
             sig = base64.b64decode(sig_text, validate=True)
-            certificates = [load_certificates(c.encode(), f"{path}'s certificate")[0] for c in signature["certificates"]]
+            certificates = [
+                load_certificates(c.encode(), f"{path}'s certificate")[0] for c in signature["certificates"]
+            ]
             embedded = load_public_key(signature["public_key"].encode(), f"{path}'s public key")
             well_formed = signature["payload_type"] == PAYLOAD_TYPE and isinstance(statement, str)
         except (KeyError, TypeError, AttributeError, binascii.Error, ValueError):
@@ -102,13 +133,17 @@ class CheckpointTrust:
         if not well_formed:
             raise CheckpointForged(f"{path}: its signature is malformed")
         if statement != _statement(state):
-            raise CheckpointForged(f"{path}: its signature is over other content or another shard's version (the checkpoint "
-                                   "was changed and its digest recomputed, or the signature copied from another file)")  # fmt: skip
+            raise CheckpointForged(
+                f"{path}: its signature is over other content or another shard's version (the checkpoint "
+                "was changed and its digest recomputed, or the signature copied from another file)"
+            )
         key = self.key
         if key is None:
             if not certificates:
-                raise CheckpointForged(f"{path}: its signature carries no certificate to check against {self.against} "
-                                       "(signed without --checkpoint-sign-cert)")  # fmt: skip
+                raise CheckpointForged(
+                    f"{path}: its signature carries no certificate to check against {self.against} "
+                    "(signed without --checkpoint-sign-cert)"
+                )
             problem = check_chain(certificates, list(self.cas))
             if problem:
                 raise CheckpointForged(f"{path}: the signer's certificate does not chain to {self.against}: {problem}")

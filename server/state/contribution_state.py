@@ -15,8 +15,10 @@ Contributions = dict  # SliceKey -> {cluster: Contribution}, as a round's accumu
 def contributions_state(contributions: Contributions) -> dict:
     """Plain, picklable: (weight, codec, dtype, shape, payload as a uint8 tensor, clip scale) per slice and cluster."""
     return {
-        key_tuple(k): {c: (x.weight, x.slice.codec, x.slice.dtype, x.slice.shape, saved_payload(x.slice.payload), x.scale)
-                       for c, x in per.items()}  # fmt: skip
+        key_tuple(k): {
+            c: (x.weight, x.slice.codec, x.slice.dtype, x.slice.shape, saved_payload(x.slice.payload), x.scale)
+            for c, x in per.items()
+        }
         for k, per in contributions.items()
     }
 
@@ -25,7 +27,9 @@ def contributions_from_state(state: dict) -> Contributions:
     """The contributions back; entries from before the update check's clip carry no scale (1: unclipped)."""
     return {
         slice_key(k): {
-            c: Contribution(c, w, EncodedSlice(slice_key(k), codec, dtype, tuple(shape), loaded_payload(payload)), *rest)
+            c: Contribution(
+                c, w, EncodedSlice(slice_key(k), codec, dtype, tuple(shape), loaded_payload(payload)), *rest
+            )
             for c, (w, codec, dtype, shape, payload, *rest) in per.items()
         }
         for k, per in state.items()

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import structlog
 import torch
@@ -47,11 +47,16 @@ class VersionDigests:
     weights: str  # "xxh3-128:<hex>": weights alone
 
 
-def version_digests(tensors: Mapping[SliceKey, torch.Tensor], momentum: Mapping[SliceKey, torch.Tensor]) -> VersionDigests:
+def version_digests(
+    tensors: Mapping[SliceKey, torch.Tensor], momentum: Mapping[SliceKey, torch.Tensor]
+) -> VersionDigests:
     per_slice = {key: slice_digest(key, tensor, momentum.get(key), DIGEST) for key, tensor in tensors.items()}
     weights = combined_digest({key: slice_digest(key, tensor, None, DIGEST) for key, tensor in tensors.items()})
-    return VersionDigests({(DIGEST, key): d for key, d in per_slice.items()}, f"{DIGEST}:{combined_digest(per_slice).hex()}",
-                          f"{DIGEST}:{weights.hex()}")  # fmt: skip
+    return VersionDigests(
+        {(DIGEST, key): d for key, d in per_slice.items()},
+        f"{DIGEST}:{combined_digest(per_slice).hex()}",
+        f"{DIGEST}:{weights.hex()}",
+    )
 
 
 def weights_digest(slices: Iterable[tuple[SliceKey, torch.Tensor]]) -> str:
@@ -71,19 +76,38 @@ def _at() -> float:
 
 
 def init_record(initialiser: str, digests: VersionDigests, outer: tuple[float, float]) -> dict:
-    return {"kind": "init", "version": 0, "round": 0, "initialiser": initialiser, "outer_lr": outer[0], "outer_momentum": outer[1],
-            "state_digest": digests.state, "weights_digest": digests.weights, "at": _at()}  # fmt: skip
+    return {
+        "kind": "init",
+        "version": 0,
+        "round": 0,
+        "initialiser": initialiser,
+        "outer_lr": outer[0],
+        "outer_momentum": outer[1],
+        "state_digest": digests.state,
+        "weights_digest": digests.weights,
+        "at": _at(),
+    }
 
 
 def restored_record(version: int, digests: VersionDigests, outer: tuple[float, float]) -> dict:
     """The first record of a chain restarted by a restore from a checkpoint that held none (written before
     the chain): it says the versions before it are not recorded, and what state the shard went on from."""
-    return {"kind": "restored", "version": version, "round": version, "outer_lr": outer[0], "outer_momentum": outer[1],
-            "note": "restored from a checkpoint without a rounds chain: the versions before this one are not recorded",
-            "state_digest": digests.state, "weights_digest": digests.weights, "at": _at()}  # fmt: skip
+    return {
+        "kind": "restored",
+        "version": version,
+        "round": version,
+        "outer_lr": outer[0],
+        "outer_momentum": outer[1],
+        "note": "restored from a checkpoint without a rounds chain: the versions before this one are not recorded",
+        "state_digest": digests.state,
+        "weights_digest": digests.weights,
+        "at": _at(),
+    }
 
 
-def round_record(acc: RoundAccumulator, decision: CloseDecision, digests: VersionDigests, check: Mapping | None = None) -> dict:
+def round_record(
+    acc: RoundAccumulator, decision: CloseDecision, digests: VersionDigests, check: Mapping | None = None
+) -> dict:
     """The record of a closed round, from its sealed accumulator (the weights as the close used them) and
     decision: the sites whose contributions it holds are the ones merged; `left_out`, those the decision
     included whose contributions were taken out before the step (an update check). `check`: what an update
@@ -91,22 +115,35 @@ def round_record(acc: RoundAccumulator, decision: CloseDecision, digests: Versio
     sites = []
     for cluster in sorted(set(decision.include) & set(acc.cluster_weights)):
         mine = [per[cluster] for _, per in sorted(acc.contributions.items()) if cluster in per]
-        sites.append({
-            "cluster": cluster,
-            "tokens": acc.cluster_weights.get(cluster, mine[0].weight if mine else 0.0),
-            "weight": mine[0].weight if mine else 0.0,
-            "staleness": acc.cluster_ages.get(cluster, 0),
-            **({"staleness_said": acc.declared_ages[cluster]} if cluster in acc.declared_ages else {}),  # understated: the age used is above
-            "slices": len(mine),
-            "payload_bytes": sum(len(c.slice.payload) for c in mine),
-            "codecs": sorted({c.slice.codec for c in mine}),
-            "payload_sha256": own_contribution_digest({c.slice.key: c.slice.sha256 for c in mine}).hex(),
-            **({"scale": mine[0].scale} if mine and mine[0].scale != 1.0 else {}),  # merged as scale·Δ (clipped)
-        })  # fmt: skip
-    record = {"kind": "round", "version": acc.round, "round": acc.round, "sites": sites, "late": list(decision.late),
-              "dropped": list(decision.dropped), "left_out": sorted(set(decision.include) - set(acc.cluster_weights)),
-              "grace_s": decision.grace_s, "state_digest": digests.state,
-              "weights_digest": digests.weights, "at": _at()}  # fmt: skip
+        sites.append(
+            {
+                "cluster": cluster,
+                "tokens": acc.cluster_weights.get(cluster, mine[0].weight if mine else 0.0),
+                "weight": mine[0].weight if mine else 0.0,
+                "staleness": acc.cluster_ages.get(cluster, 0),
+                **(
+                    {"staleness_said": acc.declared_ages[cluster]} if cluster in acc.declared_ages else {}
+                ),  # understated: the age used is above
+                "slices": len(mine),
+                "payload_bytes": sum(len(c.slice.payload) for c in mine),
+                "codecs": sorted({c.slice.codec for c in mine}),
+                "payload_sha256": own_contribution_digest({c.slice.key: c.slice.sha256 for c in mine}).hex(),
+                **({"scale": mine[0].scale} if mine and mine[0].scale != 1.0 else {}),  # merged as scale·Δ (clipped)
+            }
+        )
+    record = {
+        "kind": "round",
+        "version": acc.round,
+        "round": acc.round,
+        "sites": sites,
+        "late": list(decision.late),
+        "dropped": list(decision.dropped),
+        "left_out": sorted(set(decision.include) - set(acc.cluster_weights)),
+        "grace_s": decision.grace_s,
+        "state_digest": digests.state,
+        "weights_digest": digests.weights,
+        "at": _at(),
+    }
     if check is not None:
         record["check"] = dict(check)
     return record
@@ -121,8 +158,13 @@ class ChainedVersion:
     seconds: float  # what making them took (the digests, mostly)
 
 
-def chain_round(acc: RoundAccumulator, decision: CloseDecision, tensors: Mapping[SliceKey, torch.Tensor],
-                momentum: Mapping[SliceKey, torch.Tensor], check: Mapping | None = None) -> ChainedVersion:  # fmt: skip
+def chain_round(
+    acc: RoundAccumulator,
+    decision: CloseDecision,
+    tensors: Mapping[SliceKey, torch.Tensor],
+    momentum: Mapping[SliceKey, torch.Tensor],
+    check: Mapping | None = None,
+) -> ChainedVersion:
     """The record of a round just stepped to `tensors` and `momentum` (call without the lock: only the
     closing thread touches the sealed round and the stepped state until it is published). `check`: the
     update check's verdicts, by site (server/checks/update_check.py)."""
@@ -152,8 +194,14 @@ class RoundsChain:
     def append(self, record: dict) -> dict:
         entry = {**record, HASH_FIELD: link(self.head, record)}
         self.entries.append(entry)
-        log.info("provenance_appended", shard=self.shard_index, version=record["version"], kind=record["kind"],
-                 sites=[s["cluster"] for s in record.get("sites", ())], head=entry[HASH_FIELD][:16])  # fmt: skip
+        log.info(
+            "provenance_appended",
+            shard=self.shard_index,
+            version=record["version"],
+            kind=record["kind"],
+            sites=[s["cluster"] for s in record.get("sites", ())],
+            head=entry[HASH_FIELD][:16],
+        )
         return entry
 
     def as_state(self) -> dict:
@@ -173,22 +221,32 @@ class RoundsChain:
         return out
 
     @classmethod
-    def restored(cls, saved: dict | None, run_id: str, shard_index: int, num_shards: int, version: int | None) -> "RoundsChain":
+    def restored(
+        cls, saved: dict | None, run_id: str, shard_index: int, num_shards: int, version: int | None
+    ) -> RoundsChain:
         """The chain a checkpoint saved, recomputed before it is trusted (`ValueError` naming the record that
         does not), or an empty one for a checkpoint from before the chain (the caller then starts a segment)."""
         chain = cls(run_id, shard_index, num_shards)
         if saved is None or (not saved.get("records") and version is None):
             return chain
         records = saved.get("records")
-        problems = check_chain(run_id, shard_index, num_shards, records or [], saved.get("head", ""), end_version=version)
+        problems = check_chain(
+            run_id, shard_index, num_shards, records or [], saved.get("head", ""), end_version=version
+        )
         if problems:
             raise ValueError(f"the checkpoint's {problems[0]}")
         chain.entries = [dict(entry) for entry in records]
         return chain
 
 
-def resume_chain(saved: dict | None, run_id: str, shard_index: int, num_shards: int, snapshot: Snapshot | None,
-                 outer: tuple[float, float]) -> RoundsChain:  # fmt: skip
+def resume_chain(
+    saved: dict | None,
+    run_id: str,
+    shard_index: int,
+    num_shards: int,
+    snapshot: Snapshot | None,
+    outer: tuple[float, float],
+) -> RoundsChain:
     """A restored shard's chain: the checkpoint's, recomputed (`ValueError` if it does not, or does not end at
     the restored version); for a checkpoint from before the chain, a new segment whose first record says the
     shard was restored without history, with the digests of the state it goes on from."""
@@ -197,6 +255,11 @@ def resume_chain(saved: dict | None, run_id: str, shard_index: int, num_shards: 
         digests = version_digests(snapshot.tensors, snapshot.momentum)
         snapshot.digests.update(digests.per_slice)
         chain.append(restored_record(snapshot.version, digests, outer))
-        log.warning("provenance_segment_started", shard=shard_index, version=snapshot.version,
-                    reason="the checkpoint holds no rounds chain (written before it): the versions before this one are not recorded")  # fmt: skip
+        log.warning(
+            "provenance_segment_started",
+            shard=shard_index,
+            version=snapshot.version,
+            reason="the checkpoint holds no rounds chain (written before it): the versions before this one are not "
+            "recorded",
+        )
     return chain

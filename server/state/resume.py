@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Callable
+from collections.abc import Callable
 
 import structlog
 
@@ -42,7 +42,9 @@ Refused = list[tuple[pathlib.Path, str]]  # damaged files with the reason, newes
 Check = Callable[[pathlib.Path, dict], None]
 
 
-def _newest_intact(files: list[pathlib.Path], expect: dict, check: Check | None = None) -> tuple[pathlib.Path | None, dict | None, Refused]:
+def _newest_intact(
+    files: list[pathlib.Path], expect: dict, check: Check | None = None
+) -> tuple[pathlib.Path | None, dict | None, Refused]:
     """(the first file of `files` that loads — and passes `check`, e.g. its signature — its state, the
     damaged or refused ones before it with their reasons)."""
     refused: Refused = []
@@ -67,10 +69,13 @@ def describe_refusal(directory: str | os.PathLike, shard_index: int, expect: dic
     reason = f"a damaged checkpoint ({refused[0][1]})" if refused else "a checkpoint"
     if used is None:
         return f"{reason}, and no intact kept version (--resume would stop too)"
-    return f"{reason}; the newest intact one is {used.name} (version {snapshot_version(state)}), which --resume falls back to"
+    newest = f"the newest intact one is {used.name} (version {snapshot_version(state)})"
+    return f"{reason}; {newest}, which --resume falls back to"
 
 
-def load_for_resume(directory: str | os.PathLike, shard_index: int, expect: dict, check: Check | None = None) -> tuple[pathlib.Path, dict]:
+def load_for_resume(
+    directory: str | os.PathLike, shard_index: int, expect: dict, check: Check | None = None
+) -> tuple[pathlib.Path, dict]:
     """The newest intact checkpoint's path (now `shard-<i>.pt`) and state; damaged newer files are moved
     aside and the fallback logged (`checkpoint_fallback`). Raises `CheckpointError` (one line) when no
     intact one exists — then nothing is moved — or the newest readable file is not this shard's."""
@@ -92,9 +97,17 @@ def load_for_resume(directory: str | os.PathLike, shard_index: int, expect: dict
     os.replace(used, current)  # the intact version becomes the newest: rotation goes on from it
     _fsync_folder(current.parent)
     first = refused[0] if refused else (current, f"{current} is missing")
-    log.warning("checkpoint_fallback", shard=shard_index, refused=str(first[0]), reason=first[1], used=str(used),
-                version=snapshot_version(state), moved_to=moved, also_refused=[str(f) for f, _ in refused[1:]],
-                note="an older version, as after a kill with --checkpoint-every > 1: clusters rejoin at it")  # fmt: skip
+    log.warning(
+        "checkpoint_fallback",
+        shard=shard_index,
+        refused=str(first[0]),
+        reason=first[1],
+        used=str(used),
+        version=snapshot_version(state),
+        moved_to=moved,
+        also_refused=[str(f) for f, _ in refused[1:]],
+        note="an older version, as after a kill with --checkpoint-every > 1: clusters rejoin at it",
+    )
     return current, state
 
 

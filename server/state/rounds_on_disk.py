@@ -27,7 +27,7 @@ import re
 import shutil
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import structlog
 
@@ -44,8 +44,15 @@ _NAME = re.compile(r"^v(\d+)\.pt$")
 
 
 class RoundsOnDisk:
-    def __init__(self, directory: str | os.PathLike, shard_index: int, run_id: str, keep_s: float = DEFAULT_KEEP_ROUNDS_S,
-                 budget_bytes: int = int(DEFAULT_KEEP_ROUNDS_DISK_GB * 1e9), clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        shard_index: int,
+        run_id: str,
+        keep_s: float = DEFAULT_KEEP_ROUNDS_S,
+        budget_bytes: int = int(DEFAULT_KEEP_ROUNDS_DISK_GB * 1e9),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if not keep_s > 0:
             raise ValueError(f"--keep-rounds-s must be positive to keep rounds on disk, got {keep_s}")
         if budget_bytes < 1:
@@ -78,12 +85,26 @@ class RoundsOnDisk:
             self._files[version] = (stat.st_size, stat.st_mtime)
         self._prune()
         free = shutil.disk_usage(self.folder).free
-        log.info("recent_rounds_on_disk", shard=self.shard_index, dir=str(self.folder), keep_s=self.keep_s,
-                 budget_bytes=self.budget_bytes, free_bytes=free, versions_kept=len(self._files), deleted=dropped,
-                 oldest=min(self._files, default=None))  # fmt: skip
+        log.info(
+            "recent_rounds_on_disk",
+            shard=self.shard_index,
+            dir=str(self.folder),
+            keep_s=self.keep_s,
+            budget_bytes=self.budget_bytes,
+            free_bytes=free,
+            versions_kept=len(self._files),
+            deleted=dropped,
+            oldest=min(self._files, default=None),
+        )
         if free < self.budget_bytes:
-            log.warning("recent_rounds_budget_over_free_space", shard=self.shard_index, budget_bytes=self.budget_bytes, free_bytes=free,
-                        effect="a write the disk refuses is skipped, and sites further behind than the rounds kept pull in full")  # fmt: skip
+            log.warning(
+                "recent_rounds_budget_over_free_space",
+                shard=self.shard_index,
+                budget_bytes=self.budget_bytes,
+                free_bytes=free,
+                effect="a write the disk refuses is skipped, and sites further behind than the rounds kept pull "
+                "in full",
+            )
         self._writer = threading.Thread(target=self._write_loop, name=f"rounds-on-disk-{self.shard_index}", daemon=True)
         self._writer.start()
 
@@ -118,8 +139,14 @@ class RoundsOnDisk:
         try:
             return contributions_from_state(self._load(path, version)["contributions"])
         except Exception as error:  # noqa: BLE001 - whatever a damaged zip or pickle raises, the round is not served
-            log.warning("recent_round_unreadable", shard=self.shard_index, version=version, path=str(path), error=one_line(error),
-                        effect="not served: a site that needs it pulls the weights in full")  # fmt: skip
+            log.warning(
+                "recent_round_unreadable",
+                shard=self.shard_index,
+                version=version,
+                path=str(path),
+                error=one_line(error),
+                effect="not served: a site that needs it pulls the weights in full",
+            )
             with self._lock:
                 self._files.pop(version, None)
             _unlink(path)
@@ -148,7 +175,12 @@ class RoundsOnDisk:
         problem = integrity.check(state)
         if problem is not None:
             raise CheckpointError(f"{path}: damaged: {problem}")
-        for field, want in (("format", FORMAT), ("run_id", self.run_id), ("shard_index", self.shard_index), ("version", version)):
+        for field, want in (
+            ("format", FORMAT),
+            ("run_id", self.run_id),
+            ("shard_index", self.shard_index),
+            ("version", version),
+        ):
             if state.get(field) != want:
                 raise CheckpointError(f"{path}: {field} is {state.get(field)!r}, not {want!r}")
         return state
@@ -167,15 +199,25 @@ class RoundsOnDisk:
 
     def _write(self, version: int, contributions: Contributions) -> None:
         try:
-            state = {"format": FORMAT, "run_id": self.run_id, "shard_index": self.shard_index, "version": version,
-                     "contributions": contributions_state(contributions)}  # fmt: skip
+            state = {
+                "format": FORMAT,
+                "run_id": self.run_id,
+                "shard_index": self.shard_index,
+                "version": version,
+                "contributions": contributions_state(contributions),
+            }
             path = save_state(state, self._path(version))
             with self._lock:
                 self._files[version] = (path.stat().st_size, self.clock())
         except Exception as error:  # noqa: BLE001 - a disk fault never fails a round; the chain just ends here
             self.write_failures += 1
-            log.warning("recent_round_not_kept", shard=self.shard_index, version=version, error=one_line(error),
-                        effect="sites further behind than this version pull the weights in full")  # fmt: skip
+            log.warning(
+                "recent_round_not_kept",
+                shard=self.shard_index,
+                version=version,
+                error=one_line(error),
+                effect="sites further behind than this version pull the weights in full",
+            )
             with self._lock:  # the versions before it are no longer a chain a site could replay through
                 older = [v for v in self._files if v < version]
                 for v in older:
@@ -212,10 +254,16 @@ class RoundsOnDisk:
             _unlink(self._path(version))
         if by_budget and not self._budget_said:
             self._budget_said = True
-            log.warning("recent_rounds_budget_reached", shard=self.shard_index, budget_bytes=self.budget_bytes,
-                        reaches_back_s=round(reach_s), keep_s=self.keep_s,
-                        effect="the oldest rounds go before --keep-rounds-s: a site away longer than reaches_back_s pulls in full; "
-                               "raise --keep-rounds-disk-gb to keep the whole window")  # fmt: skip
+            log.warning(
+                "recent_rounds_budget_reached",
+                shard=self.shard_index,
+                budget_bytes=self.budget_bytes,
+                reaches_back_s=round(reach_s),
+                keep_s=self.keep_s,
+                effect="the oldest rounds go before --keep-rounds-s: a site away longer than reaches_back_s pulls in "
+                "full; "
+                "raise --keep-rounds-disk-gb to keep the whole window",
+            )
 
 
 def _unlink(path: pathlib.Path) -> None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from dilocox.common.config.run import final_version_of, flush_version_of
 from dilocox.common.wire.assignment import tokenizer_digest_of
-from dilocox.common.wire.staleness import STALE_WEIGHTINGS
 from dilocox.common.wire.errors import InvalidFrame, TokenizerMismatch
+from dilocox.common.wire.staleness import STALE_WEIGHTINGS
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class RecordedRun:
     stale_rule: str  # how the run weighs late work (its sites' --stale-weighting)
 
     @classmethod
-    def of(cls, run_config_json: str) -> "RecordedRun":
+    def of(cls, run_config_json: str) -> RecordedRun:
         try:
             rule = json.loads(run_config_json or "{}").get("stale_weighting", "inverse")
         except (ValueError, AttributeError):
@@ -50,7 +50,7 @@ def admit_tokenizer(recorded: tuple[str, str], cluster: str, digest: str, defini
         raise TokenizerMismatch(
             f"cluster {cluster!r} tokenizes with {digest}, this run with {recorded[0]}: its token ids would mean other "
             "text in the same model. Give every site the run's tokenizer.json (--tokenizer PATH, or data prepared "
-            "with it; docs/deploy.md, \"Your data at each site\")"
+            'with it; docs/deploy.md, "Your data at each site")'
         )
     return recorded
 
@@ -66,5 +66,7 @@ def extended_run_config(run_config_json: str, rounds: int) -> tuple[str, int]:
         raise ValueError("no recorded run configuration to extend (no cluster has joined this run yet)")
     before = int(recorded["rounds"])
     if rounds < before:
-        raise ValueError(f"--rounds {rounds}: the run already has {before} rounds; a run can be extended, not shortened")
+        raise ValueError(
+            f"--rounds {rounds}: the run already has {before} rounds; a run can be extended, not shortened"
+        )
     return json.dumps({**recorded, "rounds": rounds}), before

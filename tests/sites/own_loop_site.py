@@ -25,7 +25,9 @@ parser.add_argument("--cluster", default="own-loop")
 parser.add_argument("--cluster-index", type=int, default=0)
 parser.add_argument("--num-clusters", type=int, default=1)
 parser.add_argument("--out", required=True, help="where the final weights are saved (torch.save)")
-parser.add_argument("--stop-after-round", type=int, default=0, help="save state_dict() after this round and stop (exit 0)")
+parser.add_argument(
+    "--stop-after-round", type=int, default=0, help="save state_dict() after this round and stop (exit 0)"
+)
 parser.add_argument("--resume", help="a state saved by --stop-after-round")
 args = parser.parse_args()
 torch.set_num_threads(1)
@@ -35,14 +37,27 @@ data = load_run_data(config.tokenizer, None)
 model = build_model(config.model, data.vocab_size, config.seed)
 optimizer = make_inner_optimizer(config, model.parameters())
 part = data_part(config.data_split, config.seed, args.cluster_index, args.num_clusters)
-sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index, part.count, split=part.split)
+sampler = BatchSampler(
+    data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index, part.count, split=part.split
+)
 step = 0
 
-dx = DiLoCoX(model, servers=args.servers, config=config, cluster=args.cluster, num_clusters=args.num_clusters, tokenizer="byte",
-             evaluate=lambda: evaluate_run(model, config, data.eval))
+dx = DiLoCoX(
+    model,
+    servers=args.servers,
+    config=config,
+    cluster=args.cluster,
+    num_clusters=args.num_clusters,
+    tokenizer="byte",
+    evaluate=lambda: evaluate_run(model, config, data.eval),
+)
 if args.resume:
     saved = torch.load(args.resume, weights_only=False)
-    model.load_state_dict(saved["model"]), optimizer.load_state_dict(saved["optim"]), sampler.load_state_dict(saved["sampler"])
+    (
+        model.load_state_dict(saved["model"]),
+        optimizer.load_state_dict(saved["optim"]),
+        sampler.load_state_dict(saved["sampler"]),
+    )
     dx.load_state_dict(saved["dilocox"])
     step = saved["step"]
 with dx:
@@ -59,8 +74,16 @@ with dx:
         step += 1
         report = dx.step(tokens=x.numel(), loss=loss.detach())
         if report is not None and report.round == args.stop_after_round:
-            torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "sampler": sampler.state_dict(),
-                        "dilocox": dx.state_dict(), "step": step}, args.out)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optim": optimizer.state_dict(),
+                    "sampler": sampler.state_dict(),
+                    "dilocox": dx.state_dict(),
+                    "step": step,
+                },
+                args.out,
+            )
             raise SystemExit(0)
     print(f"final_eval_loss={dx.final_eval_loss:.4f} rounds={len(dx.reports)}")
 torch.save({name: p.detach().clone() for name, p in model.named_parameters()}, args.out)

@@ -53,7 +53,15 @@ __all__ = sorted(_HOMES)
 
 if TYPE_CHECKING:
     from dilocox.common.config.load import load_run_config
-    from dilocox.common.config.run import CompressionConfig, InnerConfig, ModelConfig, OuterConfig, ParallelConfig, RunConfig, WireConfig
+    from dilocox.common.config.run import (
+        CompressionConfig,
+        InnerConfig,
+        ModelConfig,
+        OuterConfig,
+        ParallelConfig,
+        RunConfig,
+        WireConfig,
+    )
     from dilocox.common.logs import configure_logging
     from dilocox.common.security import TlsFiles
     from dilocox.hf_trainer import DiLoCoXCallback

@@ -32,8 +32,11 @@ class DiLoCoXCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         counted = getattr(args, "include_num_input_tokens_seen", "no") not in ("no", False, None)
         if not counted and not self.tokens_per_step:
-            raise ValueError("DiLoCoXCallback needs the tokens of each step: set TrainingArguments(include_num_input_tokens_seen='all') "
-                             "or give tokens_per_step")  # fmt: skip
+            raise ValueError(
+                "DiLoCoXCallback needs the tokens of each step: set "
+                "TrainingArguments(include_num_input_tokens_seen='all') "
+                "or give tokens_per_step"
+            )
         self._tokens_seen = state.num_input_tokens_seen
         self.site.start()  # join; the model now holds the run's global weights
 
@@ -49,5 +52,9 @@ class DiLoCoXCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs) -> None:
         if not self.site.done:
-            log.warning("trainer_stopped_before_run_end", round=self.site.round, steps_to_sync=self.site.steps_to_sync,
-                        hint="give the Trainer at least rounds × H steps (max_steps)")  # fmt: skip
+            log.warning(
+                "trainer_stopped_before_run_end",
+                round=self.site.round,
+                steps_to_sync=self.site.steps_to_sync,
+                hint="give the Trainer at least rounds × H steps (max_steps)",
+            )

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -81,7 +82,8 @@ class _UserLoop:
 
 def tokenizer_identity(tokenizer: object) -> tuple[str, str]:
     """(digest, tokenizer.json) the shards record and check: None → nothing sent; "byte" → bytes as tokens;
-    a (digest, tokenizer.json) pair as this returns; a path to a tokenizer.json (or its folder); or a Hugging Face tokenizer object (`tokenizers.Tokenizer`
+    a (digest, tokenizer.json) pair as this returns; a path to a tokenizer.json (or its folder); or a Hugging Face
+    tokenizer object (`tokenizers.Tokenizer`
     or a fast `transformers` tokenizer)."""
     if tokenizer is None:
         return "", ""
@@ -97,7 +99,10 @@ def tokenizer_identity(tokenizer: object) -> tuple[str, str]:
     else:
         backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         if not hasattr(backend, "to_str"):
-            raise TypeError(f"tokenizer must be None, 'byte', a tokenizer.json path or a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+            raise TypeError(
+                "tokenizer must be None, 'byte', a tokenizer.json path or a Hugging Face tokenizer, got "
+                f"{type(tokenizer).__name__}"
+            )
         definition = backend.to_str()
     return tokenizer_digest_of(definition), definition
 
@@ -110,11 +115,13 @@ def _refuse_processes_without_mesh(cluster: str) -> None:
     world = dist.get_world_size() if initialised else int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1:
         how = "torch.distributed is initialised" if initialised else "WORLD_SIZE is set, as torchrun and accelerate do"
-        raise ValueError(f"this process is one of {world} ({how}) but no mesh was given: each would join the run as site "
-                         f"{cluster!r} with the whole model it holds (DDP, accelerate, FSDP1 and ZeRO jobs look like this, "
-                         "and so does a Hugging Face Trainer launched over several processes). Give every rank of the site "
-                         "the same SiteMesh (docs/api.md, 'Under torchrun'; FSDP2 and pipeline stages), or run one process "
-                         "per site (the Trainer with DiLoCoXCallback: plain `python`, one GPU)")  # fmt: skip
+        raise ValueError(
+            f"this process is one of {world} ({how}) but no mesh was given: each would join the run as site "
+            f"{cluster!r} with the whole model it holds (DDP, accelerate, FSDP1 and ZeRO jobs look like this, "
+            "and so does a Hugging Face Trainer launched over several processes). Give every rank of the site "
+            "the same SiteMesh (docs/api.md, 'Under torchrun'; FSDP2 and pipeline stages), or run one process "
+            "per site (the Trainer with DiLoCoXCallback: plain `python`, one GPU)"
+        )
 
 
 def _site_model_specs(mesh: SiteMesh, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...]]]:
@@ -163,7 +170,8 @@ class DiLoCoX:
         compression, the wire); every site of a run must give the same. `cluster`: this site's name,
         unique in the run. `num_clusters`: how many sites the run has (the delayed start's share 1/M).
         `mesh`: a `SiteMesh` when this rank is one of a torchrun site's, or the job's own `DeviceMesh`
-        (torchtitan's: dimensions pp, dp_replicate, dp_shard; `SiteMesh.adopt` reads it). `evaluate`: returns the model's
+        (torchtitan's: dimensions pp, dp_replicate, dp_shard; `SiteMesh.adopt` reads it). `evaluate`: returns the
+        model's
         eval loss (called after joining, after each round and at the end; optional). `tokenizer`: what
         the shards check every site tokenizes with (see `tokenizer_identity`). `tls`, `token`: as the
         CLI's `--tls-*` and `--token`. `shard_wait_s`: how long an unreachable shard is waited for;
@@ -182,12 +190,17 @@ class DiLoCoX:
                 # DiLoCoX's own groups (agreements, checkpoint writer) outlast one rank's longest exchange wait.
                 mesh = _SiteMesh.adopt(mesh, self.config.parallel, collective_timeout_for(shard_wait_s, pull_wait_s))
             elif mesh.collective_timeout_s < collective_timeout_for(shard_wait_s, pull_wait_s, margin_s=0):
-                log.warning("site_collective_timeout_short", collective_timeout_s=mesh.collective_timeout_s,
-                            needed_s=collective_timeout_for(shard_wait_s, pull_wait_s),
-                            reason="a rank waiting for a round's result or a shard can outlast it while its peers wait in "
-                                   "an agreement; build the SiteMesh with collective_timeout_for(shard_wait_s, pull_wait_s)")  # fmt: skip
+                log.warning(
+                    "site_collective_timeout_short",
+                    collective_timeout_s=mesh.collective_timeout_s,
+                    needed_s=collective_timeout_for(shard_wait_s, pull_wait_s),
+                    reason="a rank waiting for a round's result or a shard can outlast it while its peers wait in "
+                    "an agreement; build the SiteMesh with collective_timeout_for(shard_wait_s, pull_wait_s)",
+                )
         self.mesh = mesh
-        addresses = [a.strip() for a in servers.split(",")] if isinstance(servers, str) else [a.strip() for a in servers]
+        addresses = (
+            [a.strip() for a in servers.split(",")] if isinstance(servers, str) else [a.strip() for a in servers]
+        )
         addresses = [a for a in addresses if a]
         if not addresses:
             raise ValueError("servers: give the host:port of every shard")
@@ -200,22 +213,51 @@ class DiLoCoX:
             from dilocox.worker.site.size_guard import check_exchange_host  # the plan's bytes per exchanged parameter
 
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) if mesh is not None else 1
-            check_exchange_host(sum(math.prod(shape) for shape in access.shapes.values()), local,
-                                per_param=exchange_bytes_per_param(self.config.parallel))  # fmt: skip
+            check_exchange_host(
+                sum(math.prod(shape) for shape in access.shapes.values()),
+                local,
+                per_param=exchange_bytes_per_param(self.config.parallel),
+            )
         else:
             trainer, access = builtin.trainer, builtin.access
         self.access = access
         compress = self.config.compress
-        self.compressor = TensorCompressor(compress, seed=self.config.seed, name="uplink") if compress.codec != "fp32" else None
-        self.client = AggregatorClient(addresses, self.config.run_id, cluster, self.config.wire, compressor=self.compressor,
-                                       stale_weighting=self.config.stale_weighting,
-                                       tls=tls, token=token, shard_wait_s=shard_wait_s, pull_wait_s=pull_wait_s, tokenizer=tokenizer_identity(tokenizer))  # fmt: skip
+        self.compressor = (
+            TensorCompressor(compress, seed=self.config.seed, name="uplink") if compress.codec != "fp32" else None
+        )
+        self.client = AggregatorClient(
+            addresses,
+            self.config.run_id,
+            cluster,
+            self.config.wire,
+            compressor=self.compressor,
+            stale_weighting=self.config.stale_weighting,
+            tls=tls,
+            token=token,
+            shard_wait_s=shard_wait_s,
+            pull_wait_s=pull_wait_s,
+            tokenizer=tokenizer_identity(tokenizer),
+        )
         self.cluster = DilocoCluster(
-            trainer, self.client, self.config.rounds, self.config.inner.steps, self.config.delay, json.dumps(as_dict(self.config)),
-            access=access, allow_late_join=join_late, sync_rounds=self.config.sync_rounds, delayed_start=self.config.delayed_start, overlap_steps=self.config.overlap_steps,
-            num_clusters=num_clusters, spill_dir=self.config.parallel.spill_dir, on_round=(lambda report, _h, _v: on_round(report)) if on_round else None,
-            checkpoint=builtin.checkpoint if builtin else None, steps_controller=builtin.steps_controller if builtin else steps_controller_for(self.config.inner, single_process=False),
-        )  # fmt: skip
+            trainer,
+            self.client,
+            self.config.rounds,
+            self.config.inner.steps,
+            self.config.delay,
+            json.dumps(as_dict(self.config)),
+            access=access,
+            allow_late_join=join_late,
+            sync_rounds=self.config.sync_rounds,
+            delayed_start=self.config.delayed_start,
+            overlap_steps=self.config.overlap_steps,
+            num_clusters=num_clusters,
+            spill_dir=self.config.parallel.spill_dir,
+            on_round=(lambda report, _h, _v: on_round(report)) if on_round else None,
+            checkpoint=builtin.checkpoint if builtin else None,
+            steps_controller=builtin.steps_controller
+            if builtin
+            else steps_controller_for(self.config.inner, single_process=False),
+        )
         self._started = False
         self._closed = False
         self._hooks: list = []
@@ -237,7 +279,7 @@ class DiLoCoX:
         return SiteAccess(self.mesh, current, _site_model_specs(self.mesh, current()))
 
     # ------------------------------------------------------------------ the loop
-    def start(self) -> "DiLoCoX":
+    def start(self) -> DiLoCoX:
         """Join the run and load the global model into `model` (first round: every site starts from the same
         θ_0, seeded by the first site to arrive). Called by `with` and by the first `step` if not before."""
         if not self._started:
@@ -266,7 +308,9 @@ class DiLoCoX:
 
     def hook(self, optimizer: torch.optim.Optimizer, tokens_per_step: int) -> None:
         """Call `step(tokens_per_step)` after every `optimizer.step()` (for loops with a fixed batch)."""
-        self._hooks.append(optimizer.register_step_post_hook(lambda *_: None if self.done else self.step(tokens_per_step)))
+        self._hooks.append(
+            optimizer.register_step_post_hook(lambda *_: None if self.done else self.step(tokens_per_step))
+        )
 
     @property
     def done(self) -> bool:
@@ -306,7 +350,7 @@ class DiLoCoX:
         finally:
             self.client.close()
 
-    def __enter__(self) -> "DiLoCoX":
+    def __enter__(self) -> DiLoCoX:
         try:
             return self.start()
         except BaseException:
@@ -332,10 +376,16 @@ class DiLoCoX:
         (worker/exchange/packed_state.py)."""
         if self._started:
             self.cluster.communicator.wait_pushed()
-        return {"format": STATE_FORMAT, "run_id": self.config.run_id, "cluster": self.cluster_name, "round": self.cluster.round,
-                "version": self.cluster.version, "steps_in_round": self.cluster.steps_in_round,
-                "exchange": compressor_state_by_name(self.compressor, self.cluster.names),
-                "replica": self.client.replica_state(self.cluster.names)}  # fmt: skip
+        return {
+            "format": STATE_FORMAT,
+            "run_id": self.config.run_id,
+            "cluster": self.cluster_name,
+            "round": self.cluster.round,
+            "version": self.cluster.version,
+            "steps_in_round": self.cluster.steps_in_round,
+            "exchange": compressor_state_by_name(self.compressor, self.cluster.names),
+            "replica": self.client.replica_state(self.cluster.names),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()` (before `start`). The site rejoins as itself: the shards say which
@@ -355,13 +405,22 @@ class DiLoCoX:
                 exchange = {name: pack({k: v for k, v in exchange.items() if k.name == name}) for name in owned}
             missing = restore_compressor_state(self.compressor, exchange, owned)
             if missing and self.compressor.config.error_feedback and int(state.get("round", 1)) > 1:
-                log.warning("site_state_residuals_missing", cluster=self.cluster_name, round=state.get("round"),
-                            parameters=len(missing), of=len(owned), example=missing[0],
-                            reason="the state holds no error-feedback residual for them (saved by another layout, or "
-                                   "loaded through a template without their keys): they start from none")  # fmt: skip
+                log.warning(
+                    "site_state_residuals_missing",
+                    cluster=self.cluster_name,
+                    round=state.get("round"),
+                    parameters=len(missing),
+                    of=len(owned),
+                    example=missing[0],
+                    reason="the state holds no error-feedback residual for them (saved by another layout, or "
+                    "loaded through a template without their keys): they start from none",
+                )
         self.client.restore_replica(state.get("replica", {}), list(self.cluster.names))  # installed at the join
         if isinstance(self.cluster.trainer, _UserLoop):
             self.cluster.trainer.step = max(1, int(state.get("round", 1)))
-        log.info("site_state_loaded", cluster=self.cluster_name, round=state.get("round"),
-                 residuals=len(self.compressor.state) if self.compressor is not None else 0)
-
+        log.info(
+            "site_state_loaded",
+            cluster=self.cluster_name,
+            round=state.get("round"),
+            residuals=len(self.compressor.state) if self.compressor is not None else 0,
+        )

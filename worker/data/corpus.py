@@ -55,7 +55,9 @@ def check_size(n_bytes: int, block_size: int, *, eval_fraction: float = 0.0, num
     check_split(n_bytes - n_eval, n_eval, block_size, num_shards, eval_fraction)
 
 
-def check_split(n_train: int, n_eval: int, block_size: int, num_shards: int = 1, eval_fraction: float | None = None) -> None:
+def check_split(
+    n_train: int, n_eval: int, block_size: int, num_shards: int = 1, eval_fraction: float | None = None
+) -> None:
     """`check_size` for a split already made (a prepared token file's manifest fixes its own)."""
     if block_size <= 0 or num_shards <= 0:
         raise ValueError("block_size and num_shards must be positive")
@@ -123,12 +125,16 @@ class DataPart:
     seed: int
 
 
-def data_part(data_split: str, seed: int, cluster_index: int, num_clusters: int, replica: int = 0, replicas: int = 1) -> DataPart:
-    """"interleaved"/"contiguous": the sites share one corpus, each replica of each site a 1/(M·dp) part;
+def data_part(
+    data_split: str, seed: int, cluster_index: int, num_clusters: int, replica: int = 0, replicas: int = 1
+) -> DataPart:
+    """ "interleaved"/"contiguous": the sites share one corpus, each replica of each site a 1/(M·dp) part;
     "own": each site's data is its own, its replicas split all of it (interleaved)."""
     if data_split == "own":
         return DataPart(replica, replicas, "interleaved", seed + OWN_DATA_SEED_STRIDE * cluster_index)
     return DataPart(cluster_index * replicas + replica, num_clusters * replicas, data_split, seed)
+
+
 INTERLEAVE_TOKENS = 4096  # chunk of the interleaved split (smaller only where a shard would not get one)
 
 
@@ -175,13 +181,20 @@ class BatchSampler:
             self._chunk, self._chunk_starts = self.end - self.start, np.array([self.start], dtype=np.int64)
         else:
             self._chunk = min(INTERLEAVE_TOKENS, n // num_shards)  # a small corpus: one chunk per shard (contiguous)
-            self._chunk_starts = np.arange(shard_index, n // max(1, self._chunk), num_shards, dtype=np.int64) * self._chunk
-            self.start, self.end = (int(self._chunk_starts[0]), int(self._chunk_starts[-1]) + self._chunk) if len(self._chunk_starts) else (0, 0)
+            self._chunk_starts = (
+                np.arange(shard_index, n // max(1, self._chunk), num_shards, dtype=np.int64) * self._chunk
+            )
+            self.start, self.end = (
+                (int(self._chunk_starts[0]), int(self._chunk_starts[-1]) + self._chunk)
+                if len(self._chunk_starts)
+                else (0, 0)
+            )
         held = self._chunk * len(self._chunk_starts)
         if self._chunk < block_size + 1:
             raise CorpusError(
                 f"shard {shard_index}/{num_shards} has {held} tokens ({split} split), need at least "
-                f"{block_size + 1} (block_size + 1)" + (f" in each chunk of {self._chunk}" if split == "interleaved" else "")
+                f"{block_size + 1} (block_size + 1)"
+                + (f" in each chunk of {self._chunk}" if split == "interleaved" else "")
             )
         self._per_chunk = self._chunk - block_size  # every start of block_size + 1 tokens inside a chunk
         self._num_windows = self._per_chunk * len(self._chunk_starts)
@@ -240,7 +253,11 @@ def eval_windows(n_tokens: int, block_size: int, count: int) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, eval_data: np.ndarray | torch.Tensor | TokenFile, block_size: int, batch_size: int, num_batches: int
+    model: nn.Module,
+    eval_data: np.ndarray | torch.Tensor | TokenFile,
+    block_size: int,
+    batch_size: int,
+    num_batches: int,
 ) -> float:
     """Mean loss (nats) over a fixed set of evenly spaced eval windows; the model's mode is restored."""
     if batch_size <= 0 or num_batches <= 0:

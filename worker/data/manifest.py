@@ -58,7 +58,7 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CorpusError(f"{file}: not a readable manifest: {error}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CorpusError(f"{file}: not a dilocox token manifest (no \"format\": \"{FORMAT}\")")
+        raise CorpusError(f'{file}: not a dilocox token manifest (no "format": "{FORMAT}")')
     if data.get("version") != VERSION:
         raise CorpusError(f"{file}: manifest version {data.get('version')}, this dilocox reads version {VERSION}")
     names = {f.name for f in dataclasses.fields(Manifest)}
@@ -70,5 +70,8 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     expected = manifest.num_tokens * np.dtype(manifest.dtype).itemsize
     if not tokens.is_file() or tokens.stat().st_size != expected:
         size = tokens.stat().st_size if tokens.is_file() else "missing"
-        raise CorpusError(f"{tokens}: {size} bytes, the manifest says {manifest.num_tokens} {manifest.dtype} tokens ({expected} bytes)")
+        raise CorpusError(
+            f"{tokens}: {size} bytes, the manifest says {manifest.num_tokens} {manifest.dtype} tokens ({expected} "
+            "bytes)"
+        )
     return manifest

@@ -13,7 +13,7 @@ import importlib.resources
 import json
 import os
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 PIECE_BYTES = 4 * 1024 * 1024  # a text file is read in pieces of about this size, cut after a newline
 STRUCTURED = (".jsonl", ".parquet")
@@ -99,7 +99,9 @@ def parquet_records(path: pathlib.Path, field: str) -> Iterator[str]:
     except Exception as error:  # noqa: BLE001 - pyarrow raises ArrowInvalid and friends for a bad file
         raise CorpusError(f"{path}: not a readable parquet file: {error}") from None
     if field not in table.schema_arrow.names:
-        raise CorpusError(f"{path}: no column {field!r} (columns: {', '.join(table.schema_arrow.names)}; use --text-field)")
+        raise CorpusError(
+            f"{path}: no column {field!r} (columns: {', '.join(table.schema_arrow.names)}; use --text-field)"
+        )
     for batch in table.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             if text is not None:

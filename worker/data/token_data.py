@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -40,22 +40,32 @@ class TokenData:
         return len(self.train) + len(self.eval)
 
     @classmethod
-    def from_tokens(cls, tokens: np.ndarray, tokenizer: Tokenizer, source: str, eval_fraction: float = EVAL_FRACTION) -> "TokenData":
+    def from_tokens(
+        cls, tokens: np.ndarray, tokenizer: Tokenizer, source: str, eval_fraction: float = EVAL_FRACTION
+    ) -> TokenData:
         """Split in memory: eval is the LAST eval_fraction, a contiguous held-out text no window overlaps."""
         if not 0.0 <= eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
         split = len(tokens) - int(len(tokens) * eval_fraction)
-        return cls(tokens[:split], tokens[split:], tokenizer.vocab_size, tokenizer.digest, source,
-                   tokenizer_json=getattr(tokenizer, "definition", ""))  # fmt: skip
+        return cls(
+            tokens[:split],
+            tokens[split:],
+            tokenizer.vocab_size,
+            tokenizer.digest,
+            source,
+            tokenizer_json=getattr(tokenizer, "definition", ""),
+        )
 
     @classmethod
-    def from_bytes(cls, data: bytes, eval_fraction: float = EVAL_FRACTION) -> "TokenData":
+    def from_bytes(cls, data: bytes, eval_fraction: float = EVAL_FRACTION) -> TokenData:
         """A byte-level corpus already in memory (tests, benchmarks, the default sim's corpus)."""
         tokens = np.frombuffer(bytearray(data), dtype=np.uint8)
         return cls.from_tokens(tokens, ByteTokenizer(), "<bytes>", eval_fraction)
 
 
-def token_stream(path: str | os.PathLike, tokenizer: Tokenizer, text_field: str = "text") -> Iterator[tuple[np.ndarray, int, bool]]:
+def token_stream(
+    path: str | os.PathLike, tokenizer: Tokenizer, text_field: str = "text"
+) -> Iterator[tuple[np.ndarray, int, bool]]:
     """(token ids, bytes of text consumed, whether a new document starts here) piece by piece,
     documents joined by the tokenizer's separator. For the byte tokenizer on text files this is exactly
     the files' bytes joined by a newline, the corpus as it always was."""
@@ -76,15 +86,25 @@ def open_prepared(path: str | os.PathLike, tokenizer: Tokenizer) -> TokenData:
     manifest = read_manifest(folder)
     if manifest.tokenizer_digest != tokenizer.digest:
         raise TokenizerError(
-            f"the data in {folder} was prepared with tokenizer {manifest.tokenizer_spec} ({manifest.tokenizer_digest[:19]}…), "
+            f"the data in {folder} was prepared with tokenizer {manifest.tokenizer_spec} "
+            f"({manifest.tokenizer_digest[:19]}…), "
             f"the run uses {tokenizer.spec} ({tokenizer.digest[:19]}…): prepare it again with the run's --tokenizer"
         )
     if manifest.vocab_size > tokenizer.vocab_size:
-        raise TokenizerError(f"the data in {folder} holds ids up to {manifest.vocab_size - 1}, beyond the tokenizer's vocabulary")
+        raise TokenizerError(
+            f"the data in {folder} holds ids up to {manifest.vocab_size - 1}, beyond the tokenizer's vocabulary"
+        )
     tokens = TokenFile(folder / TOKENS_FILE, np.dtype(manifest.dtype))
     split = manifest.train_tokens
-    return TokenData(tokens[:split], tokens[split:], tokenizer.vocab_size, tokenizer.digest, str(folder), streamed=True,
-                     tokenizer_json=getattr(tokenizer, "definition", ""))  # fmt: skip
+    return TokenData(
+        tokens[:split],
+        tokens[split:],
+        tokenizer.vocab_size,
+        tokenizer.digest,
+        str(folder),
+        streamed=True,
+        tokenizer_json=getattr(tokenizer, "definition", ""),
+    )
 
 
 def load_token_data(path: str | os.PathLike | None, tokenizer: Tokenizer, text_field: str = "text") -> TokenData:
@@ -93,7 +113,11 @@ def load_token_data(path: str | os.PathLike | None, tokenizer: Tokenizer, text_f
     if is_prepared(source):
         return open_prepared(source, tokenizer)
     pieces = [ids for ids, _size, _new in token_stream(source, tokenizer, text_field)]
-    tokens = np.concatenate(pieces).astype(token_dtype(tokenizer.vocab_size), copy=False) if pieces else np.zeros(0, np.uint8)
+    tokens = (
+        np.concatenate(pieces).astype(token_dtype(tokenizer.vocab_size), copy=False)
+        if pieces
+        else np.zeros(0, np.uint8)
+    )
     if len(tokens) == 0:
         raise CorpusError(f"corpus at {source} holds no text")
     return TokenData.from_tokens(tokens, tokenizer, str(source))
@@ -108,7 +132,11 @@ def run_tokenizer_spec(spec: str, path: str | os.PathLike | None) -> str:
     manifest = read_manifest(path)
     if manifest.tokenizer_digest == "byte":
         return spec
-    return manifest.tokenizer_spec if manifest.tokenizer_spec.startswith("bpe:") else str(pathlib.Path(path) / "tokenizer.json")
+    return (
+        manifest.tokenizer_spec
+        if manifest.tokenizer_spec.startswith("bpe:")
+        else str(pathlib.Path(path) / "tokenizer.json")
+    )
 
 
 def load_run_data(tokenizer_spec: str, path: str | os.PathLike | None, text_field: str = "text") -> TokenData:
@@ -118,6 +146,12 @@ def load_run_data(tokenizer_spec: str, path: str | os.PathLike | None, text_fiel
 
 def add_data_arguments(parser: argparse.ArgumentParser, data_help: str | None = None) -> None:
     """`--data` and `--text-field`, as every command that reads a run's data takes them."""
-    parser.add_argument("--data", help=data_help or "a folder made by `dilocox data prepare` (streamed from disk), or a text "
-                        "file, folder, .jsonl or .parquet tokenised at start-up (default: the bundled tinyshakespeare)")  # fmt: skip
-    parser.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column (default text)")
+    parser.add_argument(
+        "--data",
+        help=data_help
+        or "a folder made by `dilocox data prepare` (streamed from disk), or a text "
+        "file, folder, .jsonl or .parquet tokenised at start-up (default: the bundled tinyshakespeare)",
+    )
+    parser.add_argument(
+        "--text-field", default="text", help="the text field of .jsonl records / .parquet column (default text)"
+    )

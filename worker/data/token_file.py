@@ -39,7 +39,7 @@ class TokenFile:
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, key: slice) -> "TokenFile":
+    def __getitem__(self, key: slice) -> TokenFile:
         if not isinstance(key, slice) or key.step not in (None, 1):
             raise TypeError("a TokenFile is sliced with [start:stop] only; read tokens with windows() or read()")
         begin, end, _ = key.indices(self.length)

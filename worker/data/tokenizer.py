@@ -14,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -111,7 +112,9 @@ def _tokenizers():
     try:
         import tokenizers
     except ImportError:
-        raise TokenizerError(f"BPE and tokenizer.json need the Hugging Face tokenizers package: {INSTALL_HINT}") from None
+        raise TokenizerError(
+            f"BPE and tokenizer.json need the Hugging Face tokenizers package: {INSTALL_HINT}"
+        ) from None
     return tokenizers
 
 
@@ -157,8 +160,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, spec: str) -> HFTokenizer:
     tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return HFTokenizer(tokenizer, spec)
 
@@ -183,7 +190,9 @@ def resolve_tokenizer(spec: str, data: str | os.PathLike | None = None, text_fie
     if is_prepared(data):
         manifest = read_manifest(data)
         if manifest.tokenizer_spec != spec:
-            raise TokenizerError(f"--tokenizer {spec}: the data in {data} was prepared with --tokenizer {manifest.tokenizer_spec}")
+            raise TokenizerError(
+                f"--tokenizer {spec}: the data in {data} was prepared with --tokenizer {manifest.tokenizer_spec}"
+            )
         return load_tokenizer_file(data / "tokenizer.json", spec)
     cached = cache_dir() / "tokenizers" / f"bpe{vocab}-{data_digest(data)[:24]}.json"
     if cached.is_file():

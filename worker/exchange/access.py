@@ -11,7 +11,8 @@ FSDP's layout and its own over the stage's dp group (`worker/site/access.py`).
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 

@@ -43,8 +43,14 @@ class StepsController:
         else:
             new = self.steps
         if new != self.steps:
-            log.info("inner_steps_adapted", round=round_, steps=new, previous=self.steps,
-                     reason=f"exchange took {comm_s:.3f}s, a step {per_step:.4f}s: {needed} steps cover it at {self.target:.0%}")  # fmt: skip
+            log.info(
+                "inner_steps_adapted",
+                round=round_,
+                steps=new,
+                previous=self.steps,
+                reason=f"exchange took {comm_s:.3f}s, a step {per_step:.4f}s: {needed} steps cover it at "
+                f"{self.target:.0%}",
+            )
             self.steps = new
         return self.steps
 
@@ -77,8 +83,9 @@ class RoundTimeBox:
     CHECKS_PER_BOX = 16
     CATCH_UP = 0.25
 
-    def __init__(self, base_steps: int, seconds: float, min_steps: int = 1, max_steps: int = 10_000,
-                 single_process: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, base_steps: int, seconds: float, min_steps: int = 1, max_steps: int = 10_000, single_process: bool = True
+    ) -> None:
         if not seconds > 0:
             raise ValueError(f"the round's time budget must be positive, got {seconds}")
         if not 1 <= min_steps <= max_steps:
@@ -96,8 +103,12 @@ class RoundTimeBox:
         """Round `round_`'s training starts at `now` (time.monotonic(): it runs on while a process is stopped)."""
         budget = self.seconds * (1 - self.CATCH_UP) if self.late else self.seconds
         if self.late:
-            log.info("time_box_catching_up", round=round_, budget_s=round(budget, 3),
-                     reason="the last exchange came back late: this round is shorter, to deliver with the others")  # fmt: skip
+            log.info(
+                "time_box_catching_up",
+                round=round_,
+                budget_s=round(budget, 3),
+                reason="the last exchange came back late: this round is shorter, to deliver with the others",
+            )
         self.round, self.began, self.deadline = round_, now, now + budget
         self.check_at, self.time_up = 1, False
 
@@ -118,8 +129,14 @@ class RoundTimeBox:
         if steps_done >= self.max or (self.time_up and steps_done >= self.min):
             return True
         if self.check_at < self.min:  # the box ran out before the fewest steps a round may have
-            log.warning("time_box_overrun", round=self.round, steps=steps_done, min_steps=self.min, budget_s=self.seconds,
-                        reason="the box ran out before --inner-min-steps: the round trains on to them")  # fmt: skip
+            log.warning(
+                "time_box_overrun",
+                round=self.round,
+                steps=steps_done,
+                min_steps=self.min,
+                budget_s=self.seconds,
+                reason="the box ran out before --inner-min-steps: the round trains on to them",
+            )
             self.check_at = self.min
         return False
 
@@ -144,8 +161,14 @@ class RoundTimeBox:
         per_step = compute_s / self.steps
         new = self._fit(per_step)
         if new != self.steps:
-            log.info("inner_steps_time_boxed", round=round_, steps=new, previous=self.steps, step_s=round(per_step, 4),
-                     budget_s=self.seconds)  # fmt: skip
+            log.info(
+                "inner_steps_time_boxed",
+                round=round_,
+                steps=new,
+                previous=self.steps,
+                step_s=round(per_step, 4),
+                budget_s=self.seconds,
+            )
             self.steps = new
         return self.steps
 

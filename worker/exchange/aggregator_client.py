@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Sequence
 
 import grpc
 import structlog
 import torch
 
+from dilocox.common.config.run import WireConfig
+from dilocox.common.config.waits import PULL_WAIT_S, RPC_TIMEOUT_S, SHARD_WAIT_S
+from dilocox.common.security import TlsFiles, open_channel
 from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, model_digest
 from dilocox.common.wire.compression import TensorCompressor
-from dilocox.common.config.run import WireConfig
-from dilocox.common.config.waits import PULL_WAIT_S, RPC_TIMEOUT_S, SHARD_WAIT_S
 from dilocox.common.wire.framing import (
     Assembled,
     EncodedSlice,
@@ -34,17 +35,22 @@ from dilocox.common.wire.framing import (
 )
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.staleness import check_rule as check_stale_rule
-from dilocox.common.security import TlsFiles, open_channel
-from dilocox.worker.exchange.carry import UndeliveredCarry
-from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions, replayed_version
-from dilocox.worker.exchange.packed_state import pack
-from dilocox.worker.exchange.replica_state import Installed, install_replica, replica_entries, unpack_replica
-from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
-from dilocox.worker.exchange.shard_wait import (RECONNECT_OPTIONS, WAITED_FOR, AggregatorError, call_waiting,
-                                                said_while_unreached, why_unreachable)  # fmt: skip
-from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+from dilocox.worker.exchange.carry import UndeliveredCarry
+from dilocox.worker.exchange.packed_state import pack
+from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions, replayed_version
+from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
+from dilocox.worker.exchange.replica_state import Installed, install_replica, replica_entries, unpack_replica
+from dilocox.worker.exchange.shard_wait import (
+    RECONNECT_OPTIONS,
+    WAITED_FOR,
+    AggregatorError,
+    call_waiting,
+    said_while_unreached,
+    why_unreachable,
+)
+from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
 
 log = structlog.get_logger()
 
@@ -123,8 +129,12 @@ class AggregatorClient:
         # thread budget, apart from the training thread's count (worker/exchange/threads.py).
         workers = max(2, len(self.addresses))
         self.exchange_threads = exchange_thread_budget(self.wire.exchange_threads)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="agg-client", initializer=use_exchange_threads,
-                                        initargs=(max(1, self.exchange_threads // len(self.addresses)),))  # fmt: skip
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers,
+            thread_name_prefix="agg-client",
+            initializer=use_exchange_threads,
+            initargs=(max(1, self.exchange_threads // len(self.addresses)),),
+        )
         self.traffic = Traffic()
         self.assignment: list[ParamSlice] = []
         self.slice_map = SliceMap.of([])
@@ -164,7 +174,7 @@ class AggregatorClient:
             channel.close()
         self._pool.shutdown(wait=True)
 
-    def __enter__(self) -> "AggregatorClient":
+    def __enter__(self) -> AggregatorClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -194,13 +204,17 @@ class AggregatorClient:
                     self.addresses[i],
                     lambda: self._stubs_by_address[i].Join(request, timeout=max(timeout, 1.0), wait_for_ready=True),
                     call="join",
-                )  # fmt: skip
+                )
                 if self._stubs:  # a rejoin: the outage path says what it waits for
                     return call()
                 with said_while_unreached(self.cluster, self.addresses[i], max(timeout, 1.0)):
                     return call()
             except AggregatorError as error:
-                raise why_unreachable(self._stubs_by_address[i], error) if error.code == grpc.StatusCode.DEADLINE_EXCEEDED else error
+                deadline = error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                explained = why_unreachable(self._stubs_by_address[i], error) if deadline else error
+                if explained is error:
+                    raise
+                raise explained from error
 
         replies = list(self._pool.map(join_one, range(len(self.addresses))))
         num_shards = {r.num_shards for r in replies}
@@ -223,7 +237,9 @@ class AggregatorClient:
         if self._restored is not None:
             restored, names = self._restored
             self._restored = None
-            self.resumed = install_replica(restored, self.assignment, names, self.held, self.outer.buffers, self.held_versions)
+            self.resumed = install_replica(
+                restored, self.assignment, names, self.held, self.outer.buffers, self.held_versions
+            )
         by_index = sorted(replies, key=lambda r: r.shard_index)
         return JoinInfo(
             num_shards=first.num_shards,
@@ -272,7 +288,9 @@ class AggregatorClient:
         def push_one(shard: int) -> int:
             # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
             items = [
-                self._own[key] if not reencode and key in self._own else self._encode(round_, key, tensors[key], codec, formed)
+                self._own[key]
+                if not reencode and key in self._own
+                else self._encode(round_, key, tensors[key], codec, formed)
                 for key in by_shard.get(shard, [])
             ]
             return self._send(shard, round_, weight, items)
@@ -301,21 +319,40 @@ class AggregatorClient:
         """A shard closed round `round_` without these slices of ours, pushed with `weight`: deliver them
         with the next push, weighted by their own tokens (see `carry.UndeliveredCarry`)."""
         before = self.carry.elements
-        kept = self.carry.keep(self._push_generation, {key: self._own[key].decode() for key in keys if key in self._own}, weight,
-                               round_ - self._push_facts[2])  # the round the work was trained for
+        kept = self.carry.keep(
+            self._push_generation,
+            {key: self._own[key].decode() for key in keys if key in self._own},
+            weight,
+            round_ - self._push_facts[2],
+        )  # the round the work was trained for
         if kept:
-            log.warning("pseudo_gradient_carried", cluster=self.cluster, round=round_, slices=len(kept),
-                        elements=self.carry.elements - before, tokens=weight,
-                        reason="a shard closed the round without them: they go with the next round")  # fmt: skip
+            log.warning(
+                "pseudo_gradient_carried",
+                cluster=self.cluster,
+                round=round_,
+                slices=len(kept),
+                elements=self.carry.elements - before,
+                tokens=weight,
+                reason="a shard closed the round without them: they go with the next round",
+            )
 
     def _send(self, shard: int, round_: int, weight: float, items: list[EncodedSlice], wait: bool = True) -> int:
         """One push stream to one shard; `wait=False`: one try, no waiting for an unreachable shard."""
         address, stub = self._stubs[shard]
-        chunks = [pb.PushMessage(chunk=chunk) for chunk in frame_slices(items, self.slice_map.index, self.wire.chunk_bytes,
-                                                                         self.wire.zstd_level)]  # fmt: skip
-        header = pb.PushHeader(run_id=self.run_id, cluster=self.cluster, round=round_, weight=weight, chunks=len(chunks),
-                               inner_steps=self._push_facts[0] if round_ > 0 else 0, idle_s=self._push_facts[1] if round_ > 0 else 0.0,
-                               staleness=self._push_facts[2] if round_ > 0 else 0)  # fmt: skip
+        chunks = [
+            pb.PushMessage(chunk=chunk)
+            for chunk in frame_slices(items, self.slice_map.index, self.wire.chunk_bytes, self.wire.zstd_level)
+        ]
+        header = pb.PushHeader(
+            run_id=self.run_id,
+            cluster=self.cluster,
+            round=round_,
+            weight=weight,
+            chunks=len(chunks),
+            inner_steps=self._push_facts[0] if round_ > 0 else 0,
+            idle_s=self._push_facts[1] if round_ > 0 else 0.0,
+            staleness=self._push_facts[2] if round_ > 0 else 0,
+        )
         messages = [pb.PushMessage(header=header), *chunks]
         push = lambda: stub.Push(iter(messages), timeout=self.rpc_timeout)  # noqa: E731
         # A push is idempotent (a retry is answered as duplicates): its own deadline running out (a reply
@@ -338,9 +375,13 @@ class AggregatorClient:
             self.traffic.bytes_up += sent
             log.info("repushed_after_outage", shard=shard, round=round_, bytes_up=sent)
         except AggregatorError as error:  # closed meanwhile (it had our push), or down again: the pull decides
-            log.info("repush_after_outage_refused", shard=shard, round=round_, code=error.code.name, details=error.details)
+            log.info(
+                "repush_after_outage_refused", shard=shard, round=round_, code=error.code.name, details=error.details
+            )
 
-    def _encode(self, round_: int, key: SliceKey, tensor: torch.Tensor, codec: str | None = None, formed: bool = False) -> EncodedSlice:
+    def _encode(
+        self, round_: int, key: SliceKey, tensor: torch.Tensor, codec: str | None = None, formed: bool = False
+    ) -> EncodedSlice:
         if round_ == 0:  # initial weights always travel exactly
             return EncodedSlice.exact(key, tensor)
         if self.compressor is None:
@@ -370,7 +411,11 @@ class AggregatorClient:
         return newest
 
     def pull(
-        self, min_version: int, names: Sequence[str] = (), wait_seconds: float = 600.0, shards: Sequence[int] | None = None
+        self,
+        min_version: int,
+        names: Sequence[str] = (),
+        wait_seconds: float = 600.0,
+        shards: Sequence[int] | None = None,
     ) -> tuple[int, dict[SliceKey, torch.Tensor], int]:
         """Fetch the global weights (≥ min_version) from every shard (or `shards`); returns (version,
         slices, bytes).
@@ -421,9 +466,15 @@ class AggregatorClient:
                     if chunk.own:
                         raise ValueError(f"shard {shard} sent {key} as our own slice: own parts come as one summary")
                     if key not in expected or tuple(chunk.shape) != expected[key].slice_shape:
-                        raise ValueError(f"shard {shard} sent {key} with shape {list(chunk.shape)}, which it does not own")
-                    if chunk.is_delta and (chunk.base_version < have or chunk.base_version != chunk.version - 1 or key not in self.held):
-                        raise ValueError(f"shard {shard} sent round {chunk.version} for version {chunk.base_version}; we hold {have}")
+                        raise ValueError(
+                            f"shard {shard} sent {key} with shape {list(chunk.shape)}, which it does not own"
+                        )
+                    if chunk.is_delta and (
+                        chunk.base_version < have or chunk.base_version != chunk.version - 1 or key not in self.held
+                    ):
+                        raise ValueError(
+                            f"shard {shard} sent round {chunk.version} for version {chunk.base_version}; we hold {have}"
+                        )
                     return codecs.max_payload_bytes(chunk.codec, expected[key].slice_shape)
 
                 def fetch() -> list[Assembled]:
@@ -433,21 +484,35 @@ class AggregatorClient:
                     # forwarded rounds of every shard would be (M - 1) dense copies of the model at once.
                     return list(assemble_units(chunks(), vet, self.slice_map.entries))
 
-                units = self._call(address, fetch, on_reconnect=lambda: self._repush_after_outage(shard, min_version), call="pull")
+                units = self._call(
+                    address, fetch, on_reconnect=lambda: self._repush_after_outage(shard, min_version), call="pull"
+                )
                 own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
                 replayed = replayed_version(shard, have, units, summaries, own_keys, self.held)
-                self.pull_kinds[shard] = ("full", 0, why_full) if replayed is None else (
-                    ("current", 0, "") if replayed == have else ("rounds", replayed - have, ""))
+                self.pull_kinds[shard] = (
+                    ("full", 0, why_full)
+                    if replayed is None
+                    else (("current", 0, "") if replayed == have else ("rounds", replayed - have, ""))
+                )
                 digest = self.replay_check.expected(shard, digests, replayed)  # before applying
                 own = own_contributions(self.cluster, self._own, self.held, shard, summaries, own_keys, have)
                 assert self.outer is not None, "join first"
                 with self.replica_lock:  # a state_dict() meanwhile sees this shard's slices before or after, whole
-                    self.held_versions[shard] = apply_pull(self.held, self.outer, units, own, self.held_versions.get(shard, -1))
+                    self.held_versions[shard] = apply_pull(
+                        self.held, self.outer, units, own, self.held_versions.get(shard, -1)
+                    )
                 if digest is not None:
-                    self.replay_check.verify(shard, self.held_versions[shard], own_keys, self.held, self.outer.buffers, digest)
+                    self.replay_check.verify(
+                        shard, self.held_versions[shard], own_keys, self.held, self.outer.buffers, digest
+                    )
 
             have = self.held_versions.get(shard, -1)
-            why_full = "no replica held" if have < 0 else "the shard no longer keeps every round since (its --keep-rounds in memory, --keep-rounds-s on disk)"
+            why_full = (
+                "no replica held"
+                if have < 0
+                else "the shard no longer keeps every round since (its --keep-rounds in memory, --keep-rounds-s on "
+                "disk)"
+            )
             try:
                 attempt(have)
             except ReplayMismatch:
@@ -503,17 +568,28 @@ class AggregatorClient:
         replies: list[pb.StatusReply | AggregatorError] = []
         for address, stub in zip(self.addresses, self._stubs_by_address):
             try:
-                replies.append(self._call(address, lambda: stub.Status(pb.StatusRequest(), timeout=timeout), call="status"))
+                replies.append(
+                    self._call(address, lambda: stub.Status(pb.StatusRequest(), timeout=timeout), call="status")  # noqa: B023
+                )
             except AggregatorError as error:
                 replies.append(error)
         return replies
 
-    def _call(self, address: str, fn, on_reconnect=None, call: str = "call", wait_s: float | None = None,
-              deadline_is_outage: bool = False):  # fmt: skip
+    def _call(
+        self,
+        address: str,
+        fn,
+        on_reconnect=None,
+        call: str = "call",
+        wait_s: float | None = None,
+        deadline_is_outage: bool = False,
+    ):
         """Run one idempotent call, waiting out an unreachable shard for `wait_s` (default `shard_wait_s`;
         0: one try) — see `shard_wait.call_waiting`."""
         wait_s = self.shard_wait_s if wait_s is None else wait_s
         if self.outage_deadline is not None:  # inside an exchange: never past its end (Communicator._exchange)
             wait_s = min(wait_s, max(0.0, self.outage_deadline - time.monotonic()))
         waited = WAITED_FOR + (grpc.StatusCode.DEADLINE_EXCEEDED,) if deadline_is_outage else WAITED_FOR
-        return call_waiting(fn, address, self._channel_of[address], wait_s, on_reconnect, call, waited, closed=lambda: self._closed)
+        return call_waiting(
+            fn, address, self._channel_of[address], wait_s, on_reconnect, call, waited, closed=lambda: self._closed
+        )

@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 import structlog
 import torch
@@ -69,13 +69,24 @@ def exchange_bytes(client, buffers: HostBuffers) -> dict[str, int]:  # noqa: ANN
         for state in list(client.compressor.state.values()):
             compressor += _tensor_bytes([state.q]) + (0 if buffers.holds(state.error) else _tensor_bytes([state.error]))
     own = client.own_payload_bytes
-    parts = {"buffer_bytes": buffers.nbytes - spilled, "replica_bytes": replica, "momentum_bytes": momentum,
-             "compressor_bytes": compressor, "own_push_bytes": own}  # fmt: skip
+    parts = {
+        "buffer_bytes": buffers.nbytes - spilled,
+        "replica_bytes": replica,
+        "momentum_bytes": momentum,
+        "compressor_bytes": compressor,
+        "own_push_bytes": own,
+    }
     return {**parts, "total_bytes": sum(parts.values()), "spilled_bytes": spilled}
 
 
 def log_exchange_memory(client, buffers: HostBuffers, params_held: int) -> None:  # noqa: ANN001
     """The `exchange_memory` line: each part's bytes and the total per parameter this rank holds."""
     held = exchange_bytes(client, buffers)
-    log.info("exchange_memory", cluster=client.cluster, params_held=params_held, params_owned=buffers.numel, **held,
-             bytes_per_held_param=round(held["total_bytes"] / max(1, params_held), 2))  # fmt: skip
+    log.info(
+        "exchange_memory",
+        cluster=client.cluster,
+        params_held=params_held,
+        params_owned=buffers.numel,
+        **held,
+        bytes_per_held_param=round(held["total_bytes"] / max(1, params_held), 2),
+    )

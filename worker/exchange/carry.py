@@ -25,7 +25,7 @@ values are added as they are, bit for bit as before.
 from __future__ import annotations
 
 import threading
-from typing import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 
 import torch
 
@@ -41,20 +41,25 @@ class UndeliveredCarry:
         self._lock = threading.Lock()  # pushes to several shards run on their own threads
         self.elements = 0  # kept so far, over the run
 
-    def keep(self, generation: int, values: Mapping[Hashable, torch.Tensor], weight: float = 1.0, trained: int = 0) -> list[Hashable]:
+    def keep(
+        self, generation: int, values: Mapping[Hashable, torch.Tensor], weight: float = 1.0, trained: int = 0
+    ) -> list[Hashable]:
         """Keep push `generation`'s undelivered `values` (what it carried, decoded, pushed with `weight`,
         trained for round `trained`); returns the keys newly kept (a key already kept for this generation
         is skipped)."""
         with self._lock:
             fresh = [key for key in values if (generation, key) not in self._kept]
-            self._kept = {done for done in self._kept if done[0] >= generation - 1} | {(generation, key) for key in fresh}
+            self._kept = {done for done in self._kept if done[0] >= generation - 1} | {
+                (generation, key) for key in fresh
+            }
             for key in fresh:
                 self._pending.setdefault(key, []).append((float(weight), int(trained), values[key].clone()))
                 self.elements += values[key].numel()
             return fresh
 
-    def add_to(self, tensors: Mapping[Hashable, torch.Tensor], weight: float = 1.0, round_: int = 0,
-               in_place: bool = False) -> Mapping[Hashable, torch.Tensor]:  # fmt: skip
+    def add_to(
+        self, tensors: Mapping[Hashable, torch.Tensor], weight: float = 1.0, round_: int = 0, in_place: bool = False
+    ) -> Mapping[Hashable, torch.Tensor]:
         """`tensors` (to be pushed to round `round_` with `weight`) with what is pending for their keys
         added, each part scaled by its age's discount and its own weight (at most `weight`) over `weight`
         (and no longer pending); `in_place`: added into `tensors` themselves (the outgoing buffer)."""

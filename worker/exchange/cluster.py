@@ -34,8 +34,9 @@ train, a rejoin) agreed over the site first (`access.agree_*`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 import structlog
@@ -80,7 +81,9 @@ def slice_tensors(slices: list[ParamSlice], full: dict[str, torch.Tensor]) -> di
 
 
 def _refused_elsewhere() -> AggregatorError:
-    return AggregatorError("site", grpc.StatusCode.FAILED_PRECONDITION, "another rank of this site was refused: it rejoins")
+    return AggregatorError(
+        "site", grpc.StatusCode.FAILED_PRECONDITION, "another rank of this site was refused: it rejoins"
+    )
 
 
 class DilocoCluster(StepDriven, RunEnd):
@@ -195,8 +198,16 @@ class DilocoCluster(StepDriven, RunEnd):
     def start(self) -> int:
         """Join, seed uninitialised shards, adopt the current global weights; returns the first round to train."""
         info = self.client.join(self.access.model_specs, self.run_config_json)
-        checks = admission_checks(self.client.run_id, self.rounds, self.run_config_json, info.run_config_json,
-                                  min(info.versions), getattr(self.trainer, "step", 0) == 0, info.rejoin, self.allow_late_join)  # fmt: skip
+        checks = admission_checks(
+            self.client.run_id,
+            self.rounds,
+            self.run_config_json,
+            info.run_config_json,
+            min(info.versions),
+            getattr(self.trainer, "step", 0) == 0,
+            info.rejoin,
+            self.allow_late_join,
+        )
         for refused, error in checks:
             if self.access.agree_any(refused):  # every rank of the site refuses alike
                 raise error
@@ -211,18 +222,35 @@ class DilocoCluster(StepDriven, RunEnd):
             log.info("initialised_shards", shards=shards, bytes_up=sent)
         version, _, received = self.client.pull(min_version=0, names=self.names)
         if self.client.resumed is not None:  # from a checkpoint's replica: only the rounds missed came
-            log.info("replica_resumed", cluster=self.client.cluster, version=version,
-                     **resume_summary(self.client.resumed, self.client.pull_kinds, received, self.buffers.numel))  # fmt: skip
+            log.info(
+                "replica_resumed",
+                cluster=self.client.cluster,
+                version=version,
+                **resume_summary(self.client.resumed, self.client.pull_kinds, received, self.buffers.numel),
+            )
         self.version = self.access.agree_min(version)
         self._start_from_held(keep_unsent=False)
         self.access.write(self.buffers.start)
         self.buffers.rest_start()
         self.initial_eval_loss = self.trainer.evaluate()
-        log.info("rank_share", cluster=self.client.cluster, names=self.names, params_held=self.access.params_held, params_owned=self.buffers.numel)
-        log.info("cluster_started", cluster=self.client.cluster, version=self.version, delay=self.delay,
-                 num_shards=info.num_shards, slices=len(self.slices), exchange_threads=self.client.exchange_threads,
-                 eval_loss=round(self.initial_eval_loss, 4),
-                 bytes_down=received)  # fmt: skip
+        log.info(
+            "rank_share",
+            cluster=self.client.cluster,
+            names=self.names,
+            params_held=self.access.params_held,
+            params_owned=self.buffers.numel,
+        )
+        log.info(
+            "cluster_started",
+            cluster=self.client.cluster,
+            version=self.version,
+            delay=self.delay,
+            num_shards=info.num_shards,
+            slices=len(self.slices),
+            exchange_threads=self.client.exchange_threads,
+            eval_loss=round(self.initial_eval_loss, 4),
+            bytes_down=received,
+        )
         return self.version + 1
 
     def close_round(self, round_: int, train_loss: float, tokens: int, compute_s: float) -> RoundReport:
@@ -267,7 +295,9 @@ class DilocoCluster(StepDriven, RunEnd):
         with timer("read"):
             self.access.read_rows(folding, keep_buffer=self.buffers.spill is None)
         if self.access.agree_any(folding.nonfinite is not None):
-            raise ValueError(f"pseudo-gradient of {folding.nonfinite or 'another rank'} holds NaN or Inf: round {trained} not sent")
+            raise ValueError(
+                f"pseudo-gradient of {folding.nonfinite or 'another rank'} holds NaN or Inf: round {trained} not sent"
+            )
         outgoing = self.outgoing.outgoing_slices()
         if synchronous:
             self.communicator.submit(round_, weight, outgoing, facts=(self.inner_steps, idle, staleness), formed=True)
@@ -298,16 +328,25 @@ class DilocoCluster(StepDriven, RunEnd):
         with timer("eval"):
             eval_loss = self.trainer.evaluate() if self.evaluate_every_round or round_ == self.rounds else float("nan")
         comm_s = reported.comm_s if reported else 0.0
-        report = RoundReport(  # fmt: skip
-            round=round_, train_loss=round(train_loss, 4), eval_loss=round(eval_loss, 4), tokens=tokens,
-            bytes_up=reported.bytes_up if reported else 0, bytes_down=reported.bytes_down if reported else 0,
-            compute_s=round(compute_s, 3), comm_s=round(comm_s, 3), idle_s=round(idle, 3),
+        report = RoundReport(
+            round=round_,
+            train_loss=round(train_loss, 4),
+            eval_loss=round(eval_loss, 4),
+            tokens=tokens,
+            bytes_up=reported.bytes_up if reported else 0,
+            bytes_down=reported.bytes_down if reported else 0,
+            compute_s=round(compute_s, 3),
+            comm_s=round(comm_s, 3),
+            idle_s=round(idle, 3),
             seconds=round(time.perf_counter() - began, 3),
             overlap=round(min(1.0, max(0.0, 1.0 - idle / comm_s)), 3) if comm_s > 0 else 1.0,
             residual_norm=round(self.client.compressor.residual_norm(), 4) if self.client.compressor else 0.0,
             compress_rank=round(self.client.compressor.mean_rank(), 2) if self.client.compressor else 0.0,
-            inner_steps=self.inner_steps, late=bool(reported and reported.late),
-            merged_at_step=merged[2] if merged is not None else (self.inner_steps if exchange is not None and not synchronous else 0),
+            inner_steps=self.inner_steps,
+            late=bool(reported and reported.late),
+            merged_at_step=merged[2]
+            if merged is not None
+            else (self.inner_steps if exchange is not None and not synchronous else 0),
         )
         self._watch_losses(report, evaluated=self.evaluate_every_round or round_ == self.rounds, caught_up=caught_up)
         log.info("round_done", cluster=self.client.cluster, delay=delay, **asdict(report))
@@ -320,9 +359,17 @@ class DilocoCluster(StepDriven, RunEnd):
             self.steps_controller.steps = self.inner_steps  # what was trained (agreed), which the rate is over
             self.inner_steps = self.access.agree_min(self.steps_controller.update(round_, compute_s, comm_s))
         if round_ != trained:
-            log.warning("round_caught_up", cluster=self.client.cluster, trained=trained, pushed=round_, version=self.version,
-                        staleness=staleness, tokens=tokens, weight=round(weight, 3),
-                        reason="the shards closed the rounds in between without this site: its work goes to the open round")  # fmt: skip
+            log.warning(
+                "round_caught_up",
+                cluster=self.client.cluster,
+                trained=trained,
+                pushed=round_,
+                version=self.version,
+                staleness=staleness,
+                tokens=tokens,
+                weight=round(weight, 3),
+                reason="the shards closed the rounds in between without this site: its work goes to the open round",
+            )
         return report
 
     def merge_in_flight(self, round_: int, tokens: int) -> None:
@@ -349,8 +396,10 @@ class DilocoCluster(StepDriven, RunEnd):
         share would weigh its parameters differently from the others'. Refused alike on every rank."""
         low, high = self.access.agree_min(int(tokens)), self.access.agree_max(int(tokens))
         if low != high:
-            raise ValueError(f"round {round_}: the site's ranks report different tokens ({low} to {high}); every rank "
-                             f"must pass the whole site's tokens (the same number) to step()/close_round")  # fmt: skip
+            raise ValueError(
+                f"round {round_}: the site's ranks report different tokens ({low} to {high}); every rank "
+                f"must pass the whole site's tokens (the same number) to step()/close_round"
+            )
 
     def _round_to_push(self, round_: int, version: int) -> int:
         """The round this boundary's pseudo-gradient goes to: the one trained, unless the shards have
@@ -362,8 +411,15 @@ class DilocoCluster(StepDriven, RunEnd):
 
     def _watch_losses(self, report: RoundReport, evaluated: bool, caught_up: bool = False) -> None:
         """The round's losses through the site's loss watch (worker/exchange/loss_watch.py: `watch_round`)."""
-        watch_round(self.loss_watch, report, self.client.cluster, self.trainer, evaluated, caught_up,
-                    train_loss_given=bool(self._loss_steps))  # fmt: skip
+        watch_round(
+            self.loss_watch,
+            report,
+            self.client.cluster,
+            self.trainer,
+            evaluated,
+            caught_up,
+            train_loss_given=bool(self._loss_steps),
+        )
 
     def _log_memory(self) -> None:
         self._memory_logged = True
@@ -393,8 +449,13 @@ class DilocoCluster(StepDriven, RunEnd):
             return
         self.client.traffic.dropped_rounds += 1
         self.client.traffic.dropped_tokens += int(tokens)
-        log.warning("local_round_dropped", cluster=self.client.cluster, round=round_, tokens=int(tokens),
-                    reason=refused.details if refused else "another rank of the site was refused")  # fmt: skip
+        log.warning(
+            "local_round_dropped",
+            cluster=self.client.cluster,
+            round=round_,
+            tokens=int(tokens),
+            reason=refused.details if refused else "another rank of the site was refused",
+        )
         raise refused or _refused_elsewhere()
 
     def _capture(self, round_: int, timer: BoundaryTimer) -> None:

@@ -18,9 +18,9 @@ import grpc
 import structlog
 import torch
 
+from dilocox.common.config.waits import PULL_WAIT_S
 from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.aggregator_client import AggregatorClient, AggregatorError
-from dilocox.common.config.waits import PULL_WAIT_S
 
 log = structlog.get_logger()
 
@@ -45,7 +45,11 @@ class RoundExchange:
 
 class Communicator:
     def __init__(
-        self, client: AggregatorClient, pull_names: tuple[str, ...] = (), pull_wait_s: float = PULL_WAIT_S, repush_after_s: float = 30.0
+        self,
+        client: AggregatorClient,
+        pull_names: tuple[str, ...] = (),
+        pull_wait_s: float = PULL_WAIT_S,
+        repush_after_s: float = 30.0,
     ) -> None:
         """`repush_after_s`: while waiting for the round's result, push again this often (idempotent):
         a shard restarted from a checkpoint has lost the open round's pushes and needs them again."""
@@ -65,17 +69,29 @@ class Communicator:
         """The round whose exchange has not been collected yet, if any."""
         return self._in_flight[0] if self._in_flight else None
 
-    def submit(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None = None,
-               facts: tuple[int, float, int] = (0, 0.0, 0), formed: bool = False) -> None:  # fmt: skip
+    def submit(
+        self,
+        round_: int,
+        weight: float,
+        slices: dict[SliceKey, torch.Tensor],
+        codec: str | None = None,
+        facts: tuple[int, float, int] = (0, 0.0, 0),
+        formed: bool = False,
+    ) -> None:
         """Start pushing round `round_` and pulling its result; `slices` must not change afterwards.
         `codec`: a dense codec for this round's push instead of the compressor's (the end-of-run flush).
         `facts`: (inner steps, idle seconds, staleness) of the round, for the shards (`AggregatorClient.push`).
         `formed`: `slices` hold Δ + e in the compressor's residual buffers (`AggregatorClient.push`)."""
         with self._lock:
             if self._in_flight is not None:
-                raise RuntimeError(f"round {self._in_flight[0]} is still in flight; collect it before submitting {round_}")
+                raise RuntimeError(
+                    f"round {self._in_flight[0]} is still in flight; collect it before submitting {round_}"
+                )
             self._pushed = threading.Event()
-            self._in_flight = (round_, self._executor.submit(self._exchange, round_, weight, slices, codec, self._pushed, facts, formed))
+            self._in_flight = (
+                round_,
+                self._executor.submit(self._exchange, round_, weight, slices, codec, self._pushed, facts, formed),
+            )
 
     @property
     def ready(self) -> bool:
@@ -127,8 +143,12 @@ class Communicator:
                 outcome = "completed"
             except FutureTimeout:
                 outcome = "pushed" if self.pushed_round == round_ else "abandoned"
-                log.warning("pending_round_abandoned", round=round_, pushed=outcome == "pushed",
-                            reason=f"not finished within {timeout:.0f}s")  # fmt: skip
+                log.warning(
+                    "pending_round_abandoned",
+                    round=round_,
+                    pushed=outcome == "pushed",
+                    reason=f"not finished within {timeout:.0f}s",
+                )
             except Exception as error:  # noqa: BLE001 - reported, then shutdown goes on
                 outcome = "abandoned"
                 log.warning("pending_round_abandoned", round=round_, reason=str(error))
@@ -138,8 +158,16 @@ class Communicator:
         self._executor.shutdown(wait=False, cancel_futures=True)
         return outcome
 
-    def _exchange(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None,
-                  push_done: threading.Event, facts: tuple[int, float, int] = (0, 0.0, 0), formed: bool = False) -> RoundExchange:  # fmt: skip
+    def _exchange(
+        self,
+        round_: int,
+        weight: float,
+        slices: dict[SliceKey, torch.Tensor],
+        codec: str | None,
+        push_done: threading.Event,
+        facts: tuple[int, float, int] = (0, 0.0, 0),
+        formed: bool = False,
+    ) -> RoundExchange:
         started = time.perf_counter()
         # One end for the whole exchange: no call waits out an unreachable shard past it, and no re-push or
         # pull starts after it, so a rank's exchange ends within shard wait + pull wait (+ one call's own
@@ -151,9 +179,18 @@ class Communicator:
         finally:
             self.client.outage_deadline = None
 
-    def _push_and_pull(self, round_: int, weight: float, slices: dict[SliceKey, torch.Tensor], codec: str | None,
-                       push_done: threading.Event, facts: tuple[int, float, int], formed: bool, started: float,
-                       ends: float) -> RoundExchange:  # fmt: skip
+    def _push_and_pull(
+        self,
+        round_: int,
+        weight: float,
+        slices: dict[SliceKey, torch.Tensor],
+        codec: str | None,
+        push_done: threading.Event,
+        facts: tuple[int, float, int],
+        formed: bool,
+        started: float,
+        ends: float,
+    ) -> RoundExchange:
         result = None  # the round's result, when a refused push found it published already
         try:
             bytes_up = self.client.push(round_, weight, slices, codec=codec, facts=facts, formed=formed)
@@ -183,7 +220,9 @@ class Communicator:
             # older version, or dropped us — the client keeps that part for the next push, and the error
             # makes the cluster rejoin. (A round closed *with* our push answers the re-push as duplicates.)
             self.client.push(round_, weight, slices, reencode=False)
-        return RoundExchange(round_, version, weights, bytes_up, bytes_down, pushed - started, time.perf_counter() - pushed)
+        return RoundExchange(
+            round_, version, weights, bytes_up, bytes_down, pushed - started, time.perf_counter() - pushed
+        )
 
     def _closed_without_us(self, round_: int) -> tuple[int, dict, int] | None:
         """After a refused push: whether the round is published and we are still in the run — a shard
@@ -196,6 +235,10 @@ class Communicator:
             result = self.client.pull(round_, names=self.pull_names, wait_seconds=max(0.5, self.repush_after_s))
         except AggregatorError:
             return None
-        log.warning("round_closed_without_us", round=round_, version=result[0],
-                    reason="a shard closed the round on its quorum before our push: it goes with our next push")  # fmt: skip
+        log.warning(
+            "round_closed_without_us",
+            round=round_,
+            version=result[0],
+            reason="a shard closed the round on its quorum before our push: it goes with our next push",
+        )
         return result

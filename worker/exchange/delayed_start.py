@@ -68,8 +68,15 @@ def estimate_start(
     return base - step * lr
 
 
-def eager_updates_start(out: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, own_momentum: torch.Tensor,
-                        lr: float, mu: float, share: float) -> None:  # fmt: skip
+def eager_updates_start(
+    out: torch.Tensor,
+    base: torch.Tensor,
+    delta: torch.Tensor,
+    own_momentum: torch.Tensor,
+    lr: float,
+    mu: float,
+    share: float,
+) -> None:
     """s_{t+1} = θ_{t-1} − η·share·(Δ_t + μ·W_t) into `out`, with W_t = μ·W_{t-1} + Δ_t updated in place."""
     own_momentum.mul_(mu).add_(delta)
     step = own_momentum * mu
@@ -77,8 +84,16 @@ def eager_updates_start(out: torch.Tensor, base: torch.Tensor, delta: torch.Tens
     torch.sub(base, step, alpha=lr * share, out=out)
 
 
-def next_start(rule: str, out: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, momentum: torch.Tensor | None,
-               outer: OuterNesterov | None, share: float, own_momentum: torch.Tensor | None = None) -> None:
+def next_start(
+    rule: str,
+    out: torch.Tensor,
+    base: torch.Tensor,
+    delta: torch.Tensor,
+    momentum: torch.Tensor | None,
+    outer: OuterNesterov | None,
+    share: float,
+    own_momentum: torch.Tensor | None = None,
+) -> None:
     """s_{t+1} of one slice into `out` (which may be `base` itself) from θ_{t-1} = `base`, by `rule`.
     `momentum`: the slice's v_{t-1} in the cluster's replica of the outer step (None before it has one);
     `own_momentum`: the cluster's own W (rule `eager`)."""

@@ -25,7 +25,6 @@ from dilocox.common.wire.assignment import ParamSlice
 from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.spill import SpillBuffer
 
-
 log = structlog.get_logger()
 
 

@@ -56,16 +56,32 @@ class LossWatch:
             self.last_ratio = loss / self.best if self.best > 0 else math.nan
             self.rising = self.rising + 1 if loss > RISE_RATIO * self.best else 0
             if loss > self.ratio * self.best:
-                verdict, self.kind = f"round {round_}'s loss {loss:.4f} is over {self.ratio:g}× the best so far ({self.best:.4f})", "spike"
+                verdict, self.kind = (
+                    f"round {round_}'s loss {loss:.4f} is over {self.ratio:g}× the best so far ({self.best:.4f})",
+                    "spike",
+                )
             elif self.rising >= RISE_ROUNDS:
-                verdict, self.kind = (f"round {round_}'s loss {loss:.4f} has been over {RISE_RATIO:g}× the best so far ({self.best:.4f}) "
-                                      f"for {self.rising} rounds in a row"), "rising"  # fmt: skip
+                verdict, self.kind = (
+                    (
+                        f"round {round_}'s loss {loss:.4f} has been over {RISE_RATIO:g}× the best so far "
+                        f"({self.best:.4f}) "
+                        f"for {self.rising} rounds in a row"
+                    ),
+                    "rising",
+                )
         self.best = min(self.best, loss)
         return verdict
 
 
-def watch_round(watch: LossWatch, report, cluster: str, trainer: object, evaluated: bool, caught_up: bool,  # noqa: ANN001
-                train_loss_given: bool = True) -> None:  # fmt: skip
+def watch_round(
+    watch: LossWatch,
+    report,
+    cluster: str,
+    trainer: object,
+    evaluated: bool,
+    caught_up: bool,  # noqa: ANN001
+    train_loss_given: bool = True,
+) -> None:
     """Say it when the model a site starts from blows up; the verdict goes into `report` (a RoundReport:
     metrics and alerts read it). The best eval survives a restart: the site's checkpoint carries it on the
     trainer (`eval_best`). A spike at a boundary that `caught_up` (the site started from global weights
@@ -74,8 +90,13 @@ def watch_round(watch: LossWatch, report, cluster: str, trainer: object, evaluat
     `loss_rising` fires as it would."""
     if not math.isfinite(report.train_loss) and train_loss_given:  # nan without a loss: none was given
         report.loss_alarm = "nonfinite"
-        log.error("loss_nonfinite", cluster=cluster, round=report.round, train_loss=report.train_loss,
-                  reason="the inner steps' loss is not finite")  # fmt: skip
+        log.error(
+            "loss_nonfinite",
+            cluster=cluster,
+            round=report.round,
+            train_loss=report.train_loss,
+            reason="the inner steps' loss is not finite",
+        )
     if not evaluated:
         return
     watch.best = min(watch.best, getattr(trainer, "eval_best", math.inf))
@@ -86,8 +107,21 @@ def watch_round(watch: LossWatch, report, cluster: str, trainer: object, evaluat
     if verdict is None:
         return
     if caught_up and watch.kind == "spike":
-        log.warning("loss_after_catch_up", cluster=cluster, round=report.round, eval_loss=report.eval_loss, best=watch.best,
-                    reason=verdict + "; right after a catch-up: not an alarm unless it stays up")  # fmt: skip
+        log.warning(
+            "loss_after_catch_up",
+            cluster=cluster,
+            round=report.round,
+            eval_loss=report.eval_loss,
+            best=watch.best,
+            reason=verdict + "; right after a catch-up: not an alarm unless it stays up",
+        )
         return
     report.loss_alarm = report.loss_alarm or watch.kind
-    log.error(f"loss_{watch.kind}", cluster=cluster, round=report.round, eval_loss=report.eval_loss, best=watch.best, reason=verdict)
+    log.error(
+        f"loss_{watch.kind}",
+        cluster=cluster,
+        round=report.round,
+        eval_loss=report.eval_loss,
+        best=watch.best,
+        reason=verdict,
+    )

@@ -68,11 +68,11 @@ class OutgoingFold:
     def outgoing_slices(self) -> dict[SliceKey, torch.Tensor]:
         return {s.key: s.view(self.buffers.outgoing[s.name]) for group in self.by_name.values() for s in group}
 
-    def rebase(self, held: dict[SliceKey, torch.Tensor]) -> "Rebase":
+    def rebase(self, held: dict[SliceKey, torch.Tensor]) -> Rebase:
         """A `land` for `read_rows` at a mid-round merge (`Rebase`)."""
         return Rebase(self, held)
 
-    def fold(self, held: dict[SliceKey, torch.Tensor], start: NextStart | None, outer: OuterNesterov | None) -> "Folding":
+    def fold(self, held: dict[SliceKey, torch.Tensor], start: NextStart | None, outer: OuterNesterov | None) -> Folding:
         """A `land` for `read_rows`: Δ into `outgoing`, and with `start` (a delayed round) the next start
         into `start` from the replica `held` and the outer momentum in `outer`."""
         return Folding(self, held, start, outer)
@@ -103,10 +103,18 @@ class RowWalk:
             in_piece, in_slice = (lo - first) * width, (lo - s.row_start) * width
             for c in range(0, n, CHUNK_ELEMENTS):
                 m = min(CHUNK_ELEMENTS, n - c)
-                self._chunk(s.key, start_flat[at + c : at + c + m], outgoing_flat[at + c : at + c + m],
-                            theta[in_piece + c : in_piece + c + m], in_slice + c, m)  # fmt: skip
+                self._chunk(
+                    s.key,
+                    start_flat[at + c : at + c + m],
+                    outgoing_flat[at + c : at + c + m],
+                    theta[in_piece + c : in_piece + c + m],
+                    in_slice + c,
+                    m,
+                )
 
-    def _chunk(self, key: SliceKey, s: torch.Tensor, out: torch.Tensor, theta: torch.Tensor, offset: int, m: int) -> None:
+    def _chunk(
+        self, key: SliceKey, s: torch.Tensor, out: torch.Tensor, theta: torch.Tensor, offset: int, m: int
+    ) -> None:
         raise NotImplementedError
 
 
@@ -119,7 +127,9 @@ class Rebase(RowWalk):
     def __init__(self, owner: OutgoingFold, held: dict[SliceKey, torch.Tensor]) -> None:
         self.owner, self.held = owner, held
 
-    def _chunk(self, key: SliceKey, s: torch.Tensor, out: torch.Tensor, theta: torch.Tensor, offset: int, m: int) -> None:
+    def _chunk(
+        self, key: SliceKey, s: torch.Tensor, out: torch.Tensor, theta: torch.Tensor, offset: int, m: int
+    ) -> None:
         owner = self.owner
         held = self.held[key].reshape(-1)[offset : offset + m]
         s.neg_().add_(theta).add_(held)  # x − s + θ_t
@@ -130,12 +140,19 @@ class Rebase(RowWalk):
 class Folding(RowWalk):
     """One boundary's fold; `nonfinite` names a slice whose Δ held NaN or Inf (its chunk left unfolded)."""
 
-    def __init__(self, owner: OutgoingFold, held: dict[SliceKey, torch.Tensor], start: NextStart | None,
-                 outer: OuterNesterov | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        owner: OutgoingFold,
+        held: dict[SliceKey, torch.Tensor],
+        start: NextStart | None,
+        outer: OuterNesterov | None,
+    ) -> None:
         self.owner, self.held, self.start, self.outer = owner, held, start, outer
         self.nonfinite: SliceKey | None = None
 
-    def _chunk(self, key: SliceKey, s: torch.Tensor, out: torch.Tensor, theta: torch.Tensor, offset: int, m: int) -> None:
+    def _chunk(
+        self, key: SliceKey, s: torch.Tensor, out: torch.Tensor, theta: torch.Tensor, offset: int, m: int
+    ) -> None:
         owner = self.owner
         d = owner.scratch(m)
         torch.sub(s, theta, out=d)  # Δ = s − θ

@@ -11,7 +11,7 @@ An empty bytes object is the template's placeholder: nothing was saved for that 
 from __future__ import annotations
 
 import io
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -58,7 +58,9 @@ def template(names: Iterable[str]) -> dict[str, bytes]:
     return {name: b"" for name in names}
 
 
-def restore_compressor_state(compressor: TensorCompressor, packed: Mapping[str, bytes], names: Iterable[str]) -> list[str]:
+def restore_compressor_state(
+    compressor: TensorCompressor, packed: Mapping[str, bytes], names: Iterable[str]
+) -> list[str]:
     """Load the state of `names` found in `packed` into `compressor`; returns the names found without any
     (not saved, or an empty placeholder left by a load that did not have them)."""
     restored, missing = {}, []

@@ -53,17 +53,30 @@ def own_contributions(
         raise ValueError(f"shard {shard} sent {len(summaries)} summaries of our own contribution")
     summary = summaries[0]
     if summary.base_version != summary.version - 1 or summary.base_version < have:
-        raise ValueError(f"shard {shard} sent round {summary.version} for version {summary.base_version}; we hold {have}")
+        raise ValueError(
+            f"shard {shard} sent round {summary.version} for version {summary.base_version}; we hold {have}"
+        )
     mine = {k: kept[k] for k in keys if k in kept}
     if any(k not in held for k in mine):
         raise StaleReplica(f"shard {shard} forwards a round for slices we hold no weights of")
-    if summary.own_slices != len(mine) or own_contribution_digest({k: v.sha256 for k, v in mine.items()}) != summary.payload_sha256:
-        raise StaleReplica(f"shard {shard} holds a contribution of ours ({summary.own_slices} slices) we no longer have")
+    if (
+        summary.own_slices != len(mine)
+        or own_contribution_digest({k: v.sha256 for k, v in mine.items()}) != summary.payload_sha256
+    ):
+        raise StaleReplica(
+            f"shard {shard} holds a contribution of ours ({summary.own_slices} slices) we no longer have"
+        )
     return OwnPart(cluster, summary.weight, mine, summary.version, summary.scale or 1.0)
 
 
-def replayed_version(shard: int, have: int, units: list[Assembled], summaries: list[pb.TensorChunk],
-                     keys: list[SliceKey], held: Mapping[SliceKey, torch.Tensor]) -> int | None:  # fmt: skip
+def replayed_version(
+    shard: int,
+    have: int,
+    units: list[Assembled],
+    summaries: list[pb.TensorChunk],
+    keys: list[SliceKey],
+    held: Mapping[SliceKey, torch.Tensor],
+) -> int | None:
     """The version our copy reaches by replaying this pull of shard `shard` (to check against its state
     digest), or None when it brought the weights in full. The rounds must be each one since `have`, the
     version we hold; none at all means the shard holds `have` too (a restart that missed nothing)."""
@@ -96,7 +109,9 @@ def apply_pull(
     payloads) or low rank (their factors, built block by block), else decoded one at a time."""
     rounds: dict[int, dict[SliceKey, list[Contribution]]] = {}
     codecs: dict[int, dict[SliceKey, list[str]]] = {}
-    clipped: dict[int, dict[str, float]] = {}  # round -> cluster -> the shard's clip factor (the same on all its slices)
+    clipped: dict[
+        int, dict[str, float]
+    ] = {}  # round -> cluster -> the shard's clip factor (the same on all its slices)
     if own is not None:
         rounds[own.version] = {key: [(own.cluster, own.weight, item.decode_lazy)] for key, item in own.slices.items()}
         codecs[own.version] = {key: [item.codec] for key, item in own.slices.items()}
@@ -105,7 +120,9 @@ def apply_pull(
     for unit in units:
         meta, key = unit.meta, unit.key
         if meta.is_delta:
-            rounds.setdefault(meta.version, {}).setdefault(key, []).append((meta.contributor, meta.weight, unit.decode_lazy))
+            rounds.setdefault(meta.version, {}).setdefault(key, []).append(
+                (meta.contributor, meta.weight, unit.decode_lazy)
+            )
             codecs.setdefault(meta.version, {}).setdefault(key, []).append(meta.codec)
             if meta.scale and meta.scale != 1.0:
                 clipped.setdefault(meta.version, {})[meta.contributor] = meta.scale
@@ -121,7 +138,8 @@ def apply_pull(
     for round_version in sorted(rounds):
         for key, items in rounds[round_version].items():
             together = decode_by_blocks(codecs[round_version][key])
-            held[key] = apply_round(items, outer, key, held[key], in_place=True, decode_together=together,
-                                    scales=clipped.get(round_version))  # fmt: skip
+            held[key] = apply_round(
+                items, outer, key, held[key], in_place=True, decode_together=together, scales=clipped.get(round_version)
+            )
         version = round_version  # oldest first: the last is the newest
     return version

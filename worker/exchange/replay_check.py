@@ -42,16 +42,22 @@ class ReplayCheck:
         if not self.enabled or replayed_version is None:
             return None
         if len(digests) != 1:
-            raise ValueError(f"shard {shard} sent {len(digests)} state digests with round {replayed_version}, expected 1: "
-                             "a shard too old for the replay check, or a broken stream (turn the check off with "
-                             "--wire-replay-check false only if every shard is older)")  # fmt: skip
+            raise ValueError(
+                f"shard {shard} sent {len(digests)} state digests with round {replayed_version}, expected 1: "
+                "a shard too old for the replay check, or a broken stream (turn the check off with "
+                "--wire-replay-check false only if every shard is older)"
+            )
         chunk = digests[0]
         if len(chunk.payload_sha256) != DIGEST_BYTES or chunk.version != replayed_version:
-            raise ValueError(f"shard {shard} sent a malformed state digest ({len(chunk.payload_sha256)} bytes, version "
-                             f"{chunk.version}) with round {replayed_version}")  # fmt: skip
+            raise ValueError(
+                f"shard {shard} sent a malformed state digest ({len(chunk.payload_sha256)} bytes, version "
+                f"{chunk.version}) with round {replayed_version}"
+            )
         return bytes(chunk.payload_sha256)
 
-    def verify(self, shard: int, version: int, keys: list[SliceKey], held: dict, momentum: dict, expected: bytes) -> None:
+    def verify(
+        self, shard: int, version: int, keys: list[SliceKey], held: dict, momentum: dict, expected: bytes
+    ) -> None:
         """Compare our replayed state of `keys` with the shard's digest; raises ReplayMismatch (after
         keeping our copy, to report how far it was off) when they differ."""
         self.checked += 1
@@ -67,12 +73,25 @@ class ReplayCheck:
         """The slices came in full after a mismatch: log by how much our replay was off."""
         version, ours = self._replayed.pop(shard, (None, {}))
         diffs = [float((ours[key] - held[key]).abs().max()) for key in ours if key in held and ours[key].numel()]
-        log.warning("replay_mismatch", cluster=self.cluster, shard=shard, version=version, slices=len(ours),
-                    max_abs_diff=max(diffs, default=None), mismatches=self.mismatches, resync="full pull")  # fmt: skip
+        log.warning(
+            "replay_mismatch",
+            cluster=self.cluster,
+            shard=shard,
+            version=version,
+            slices=len(ours),
+            max_abs_diff=max(diffs, default=None),
+            mismatches=self.mismatches,
+            resync="full pull",
+        )
         streak = self._streak.get(shard, 0)
         if streak == PERSISTENT_AFTER:
-            log.warning("replay_mismatch_persistent", cluster=self.cluster, shard=shard, rounds=streak,
-                        reason="this cluster replays the outer step differently from the shard every round: most "
-                               "likely another CPU kind or torch build than the shard's. Each round now costs a "
-                               "full pull of the weights and momentum; run the shards and sites on one torch "
-                               "version, or accept the cost")  # fmt: skip
+            log.warning(
+                "replay_mismatch_persistent",
+                cluster=self.cluster,
+                shard=shard,
+                rounds=streak,
+                reason="this cluster replays the outer step differently from the shard every round: most "
+                "likely another CPU kind or torch build than the shard's. Each round now costs a "
+                "full pull of the weights and momentum; run the shards and sites on one torch "
+                "version, or accept the cost",
+            )

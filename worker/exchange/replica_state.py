@@ -29,8 +29,13 @@ from dilocox.common.wire.framing import SliceKey
 from dilocox.worker.exchange.packed_state import compact, unpack
 
 
-def replica_entries(held: Mapping[SliceKey, torch.Tensor], momentum: Mapping[SliceKey, torch.Tensor],
-                    versions: Mapping[int, int], assignment: Iterable[ParamSlice], names: Iterable[str]) -> dict[str, dict]:  # fmt: skip
+def replica_entries(
+    held: Mapping[SliceKey, torch.Tensor],
+    momentum: Mapping[SliceKey, torch.Tensor],
+    versions: Mapping[int, int],
+    assignment: Iterable[ParamSlice],
+    names: Iterable[str],
+) -> dict[str, dict]:
     """Every name in `names`, with the replica's slices of it: weights, momentum (None where the shard
     keeps none) and the version of the shard they came from — the live tensors, not copies (hold the
     client's `replica_lock` while they are read). Slices of a shard with no version yet are left out."""
@@ -38,8 +43,12 @@ def replica_entries(held: Mapping[SliceKey, torch.Tensor], momentum: Mapping[Sli
     for piece in assignment:
         version = versions.get(piece.shard, -1)
         if piece.name in by_name and piece.key in held and version >= 0:
-            by_name[piece.name][piece.key] = {"weights": held[piece.key], "momentum": momentum.get(piece.key),
-                                              "shard": piece.shard, "version": version}  # fmt: skip
+            by_name[piece.name][piece.key] = {
+                "weights": held[piece.key],
+                "momentum": momentum.get(piece.key),
+                "shard": piece.shard,
+                "version": version,
+            }
     return by_name
 
 
@@ -56,11 +65,16 @@ def read_replica(paths: Iterable[pathlib.Path], names: Iterable[str]) -> dict[Sl
     read), as copies the client may update in place."""
     wanted, slices = set(names), {}
     for path in paths:
-        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)  # our own file, checked by the manifest
+        saved = torch.load(
+            path, map_location="cpu", mmap=True, weights_only=False
+        )  # our own file, checked by the manifest
         for name in wanted & saved.keys():
             for key, entry in saved[name].items():
-                slices[key] = {**entry, "weights": entry["weights"].clone(),
-                               "momentum": entry["momentum"].clone() if entry["momentum"] is not None else None}  # fmt: skip
+                slices[key] = {
+                    **entry,
+                    "weights": entry["weights"].clone(),
+                    "momentum": entry["momentum"].clone() if entry["momentum"] is not None else None,
+                }
     return slices
 
 
@@ -82,9 +96,14 @@ class Installed:
     refused: dict[int, str]
 
 
-def install_replica(restored: Mapping[SliceKey, dict], assignment: Iterable[ParamSlice], names: Iterable[str],
-                    held: MutableMapping[SliceKey, torch.Tensor], momentum: MutableMapping[SliceKey, torch.Tensor],
-                    versions: MutableMapping[int, int]) -> Installed:  # fmt: skip
+def install_replica(
+    restored: Mapping[SliceKey, dict],
+    assignment: Iterable[ParamSlice],
+    names: Iterable[str],
+    held: MutableMapping[SliceKey, torch.Tensor],
+    momentum: MutableMapping[SliceKey, torch.Tensor],
+    versions: MutableMapping[int, int],
+) -> Installed:
     """Put the restored slices of this rank's `names` into the client's replica, shard by shard: only a
     shard whose every slice of these names is there, with the assignment's shape and one version, counts
     as held (a replica with holes would replay onto nothing)."""
@@ -113,13 +132,22 @@ def install_replica(restored: Mapping[SliceKey, dict], assignment: Iterable[Para
     return Installed(installed, refused)
 
 
-def resume_summary(installed: Installed, kinds: Mapping[int, tuple[str, int, str]], bytes_down: int, params: int) -> dict:
+def resume_summary(
+    installed: Installed, kinds: Mapping[int, tuple[str, int, str]], bytes_down: int, params: int
+) -> dict:
     """The `replica_resumed` log line: how the first pull after a resume came (delta: only the rounds
     missed, or none; full; mixed across shards), the bytes it took against a full pull's (weights and
     momentum in fp32, 8 bytes per parameter), and why any shard sent the weights in full."""
     hows = {kind for kind, _, _ in kinds.values()}
     how = "delta" if hows <= {"rounds", "current"} else "full" if hows == {"full"} else "mixed"
-    reasons = sorted({why for kind, _, why in kinds.values() if kind == "full" and why} | set(installed.refused.values()))
-    return {"how": how, "bytes_down": bytes_down, "full_pull_bytes": 8 * params,
-            "rounds_replayed": max((n for _, n, _ in kinds.values()), default=0),
-            "from_versions": sorted(set(installed.versions.values())), "reason": "; ".join(reasons)}  # fmt: skip
+    reasons = sorted(
+        {why for kind, _, why in kinds.values() if kind == "full" and why} | set(installed.refused.values())
+    )
+    return {
+        "how": how,
+        "bytes_down": bytes_down,
+        "full_pull_bytes": 8 * params,
+        "rounds_replayed": max((n for _, n, _ in kinds.values()), default=0),
+        "from_versions": sorted(set(installed.versions.values())),
+        "reason": "; ".join(reasons),
+    }

@@ -33,8 +33,14 @@ class RunEnd:
             return False
         self.client.traffic.dropped_rounds += 1
         self.client.traffic.dropped_tokens += int(tokens)
-        log.warning("late_work_not_delivered", cluster=self.client.cluster, round=trained, tokens=int(tokens), version=version,
-                    reason="the shards closed the run's last round without this site")  # fmt: skip
+        log.warning(
+            "late_work_not_delivered",
+            cluster=self.client.cluster,
+            round=trained,
+            tokens=int(tokens),
+            version=version,
+            reason="the shards closed the run's last round without this site",
+        )
         return True
 
     def finish(self) -> None:
@@ -46,8 +52,14 @@ class RunEnd:
             self._commit(exchange.round)
             self.version = exchange.version
             adopt = True
-            log.info("last_round_collected", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3),
-                     bytes_up=exchange.bytes_up, bytes_down=exchange.bytes_down)  # fmt: skip
+            log.info(
+                "last_round_collected",
+                cluster=self.client.cluster,
+                version=exchange.version,
+                idle_s=round(idle, 3),
+                bytes_up=exchange.bytes_up,
+                bytes_down=exchange.bytes_down,
+            )
         flushed = self._flush_residuals()
         if flushed is not None:
             adopt = True
@@ -63,7 +75,9 @@ class RunEnd:
         if self.checkpoint is not None and not self.access.agree_any(flushed is None):
             # The state after the flush (residuals sent, so none kept): what a run extended with more
             # rounds resumes from, so nothing the flush sent is sent again (docs/deploy.md, "Train longer").
-            self.checkpoint.capture(flushed.round, self.trainer, self.client.compressor, self.names, always=True, client=self.client)
+            self.checkpoint.capture(
+                flushed.round, self.trainer, self.client.compressor, self.names, always=True, client=self.client
+            )
             self._commit(flushed.round)
 
     def _flush_residuals(self) -> RoundExchange | None:
@@ -80,12 +94,20 @@ class RunEnd:
         if self.access.agree_any(max(self.version, self.client.newest_version) >= round_):  # every rank alike
             # A late site (quorum + grace) can collect the flush round itself: the shards closed it without
             # us and the run is over on them, so nothing of ours can go anywhere any more.
-            log.warning("residuals_not_flushed", cluster=self.client.cluster, round=round_, version=self.version,
-                        residual_norm=round(held_back, 4), carried_slices=len(list(self.client.carry.pending_keys())),
-                        reason="the shards closed the run's last round without this site")  # fmt: skip
+            log.warning(
+                "residuals_not_flushed",
+                cluster=self.client.cluster,
+                round=round_,
+                version=self.version,
+                residual_norm=round(held_back, 4),
+                carried_slices=len(list(self.client.carry.pending_keys())),
+                reason="the shards closed the run's last round without this site",
+            )
             return None
         # With error feedback the outgoing buffer holds the residual: sent as it is, as a zero Δ would add it
-        self.communicator.submit(round_, self._last_weight, self.outgoing.outgoing_slices(), codec=compressor.config.flush_codec, formed=True)
+        self.communicator.submit(
+            round_, self._last_weight, self.outgoing.outgoing_slices(), codec=compressor.config.flush_codec, formed=True
+        )
         try:
             exchange, idle = self.communicator.collect()
         except AggregatorError as error:
@@ -94,7 +116,19 @@ class RunEnd:
             log.warning("residuals_not_flushed", cluster=self.client.cluster, round=round_, reason=error.details)
             return None
         self.version = exchange.version
-        self.flush = {"round": round_, "codec": compressor.config.flush_codec, "residual_norm": round(held_back, 4),
-                      "bytes_up": exchange.bytes_up, "bytes_down": exchange.bytes_down, "comm_s": round(exchange.comm_s, 3)}  # fmt: skip
-        log.info("residuals_flushed", cluster=self.client.cluster, version=exchange.version, idle_s=round(idle, 3), **self.flush)
+        self.flush = {
+            "round": round_,
+            "codec": compressor.config.flush_codec,
+            "residual_norm": round(held_back, 4),
+            "bytes_up": exchange.bytes_up,
+            "bytes_down": exchange.bytes_down,
+            "comm_s": round(exchange.comm_s, 3),
+        }
+        log.info(
+            "residuals_flushed",
+            cluster=self.client.cluster,
+            version=exchange.version,
+            idle_s=round(idle, 3),
+            **self.flush,
+        )
         return exchange

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -61,7 +62,8 @@ def call_waiting(
 ) -> T:
     """Run `fn` (an idempotent call); while the shard is unreachable (UNAVAILABLE, or CANCELLED by a shard
     that stopped mid-call), wait for `channel` to connect and call again, for up to `wait_s` seconds in
-    all. One log line per attempt says how long it has been and how long is left. `on_reconnect` runs after the channel connected again, before the next call
+    all. One log line per attempt says how long it has been and how long is left. `on_reconnect` runs after the channel
+    connected again, before the next call
     (e.g. to re-send what a restarted shard has lost). Any other status, a certificate that does not
     name the host, or the end of the wait raises `AggregatorError`. `call` names the call in logs;
     `waited_for`: the codes waited out (a push adds DEADLINE_EXCEEDED: its reply lost, it is retried);
@@ -73,7 +75,13 @@ def call_waiting(
         try:
             result = fn()
             if attempt:
-                log.info("shard_back", address=address, call=call, attempts=attempt, waited_s=round(time.monotonic() - started, 2))
+                log.info(
+                    "shard_back",
+                    address=address,
+                    call=call,
+                    attempts=attempt,
+                    waited_s=round(time.monotonic() - started, 2),
+                )
             return result
         except grpc.RpcError as error:
             code, details = error.code(), error.details() or ""
@@ -87,8 +95,16 @@ def call_waiting(
                     details = f"{details} (gave up after waiting {now - started:.0f}s, --shard-wait-s {wait_s:g})"
                 raise AggregatorError(address, code, details) from None
         attempt += 1
-        log.warning("shard_unavailable_waiting", address=address, call=call, attempt=attempt, waited_s=round(now - started, 1),
-                    gives_up_in_s=round(deadline - now), code=code.name, reason=details[:200])  # fmt: skip
+        log.warning(
+            "shard_unavailable_waiting",
+            address=address,
+            call=call,
+            attempt=attempt,
+            waited_s=round(now - started, 1),
+            gives_up_in_s=round(deadline - now),
+            code=code.name,
+            reason=details[:200],
+        )
         # A stopping shard answers UNAVAILABLE on a live connection: a short pause, so that such answers
         # are not hammered; then wait for the channel to be connected.
         time.sleep(min(_STOPPING_PAUSE_S, max(0.0, deadline - time.monotonic())))
@@ -116,7 +132,9 @@ def why_unreachable(stub, error: AggregatorError) -> AggregatorError:
     except grpc.RpcError as probe:
         details = probe.details() or ""
     if is_hostname_mismatch(details):
-        return AggregatorError(error.address, grpc.StatusCode.UNAVAILABLE, f"{explain_hostname_mismatch(error.address)} [{details}]")
+        return AggregatorError(
+            error.address, grpc.StatusCode.UNAVAILABLE, f"{explain_hostname_mismatch(error.address)} [{details}]"
+        )
     return AggregatorError(error.address, error.code, f"{error.details}; last connection error: {details}")
 
 
@@ -124,7 +142,9 @@ FIRST_CONTACT_SAY_EVERY_S = 5.0
 
 
 @contextlib.contextmanager
-def said_while_unreached(cluster: str, address: str, gives_up_after_s: float, every_s: float = FIRST_CONTACT_SAY_EVERY_S) -> Iterator[None]:
+def said_while_unreached(
+    cluster: str, address: str, gives_up_after_s: float, every_s: float = FIRST_CONTACT_SAY_EVERY_S
+) -> Iterator[None]:
     """Around a first call that waits for a shard to be reachable: every `every_s` seconds until the call
     returns, a warning naming the address and how long is left — a mistyped host or a closed port must not
     look like a run that is merely slow to start (it was silent for the whole connect timeout, 60 s)."""
@@ -134,9 +154,14 @@ def said_while_unreached(cluster: str, address: str, gives_up_after_s: float, ev
         started = time.monotonic()
         while not done.wait(every_s):
             waited = time.monotonic() - started
-            log.warning("shard_not_reached_yet", cluster=cluster, address=address, waited_s=round(waited, 1),
-                        gives_up_in_s=round(max(0.0, gives_up_after_s - waited), 1),
-                        hint="check the address (host, port), the shard's state, and firewalls between them")  # fmt: skip
+            log.warning(
+                "shard_not_reached_yet",
+                cluster=cluster,
+                address=address,
+                waited_s=round(waited, 1),
+                gives_up_in_s=round(max(0.0, gives_up_after_s - waited), 1),
+                hint="check the address (host, port), the shard's state, and firewalls between them",
+            )
 
     sayer = threading.Thread(target=say, name="shard-first-contact", daemon=True)
     sayer.start()

@@ -63,8 +63,10 @@ def check_spill_dir(directory: str | os.PathLike) -> pathlib.Path:
         raise SpillError(f"--spill-dir {path}: not writable")
     kind = filesystem_of(path)
     if kind in MEMORY_FILESYSTEMS:
-        raise SpillError(f"--spill-dir {path} is on {kind}, which keeps its files in memory: spilling there saves "
-                         "no host memory; give a directory on a local disk")  # fmt: skip
+        raise SpillError(
+            f"--spill-dir {path} is on {kind}, which keeps its files in memory: spilling there saves "
+            "no host memory; give a directory on a local disk"
+        )
     return path
 
 
@@ -83,9 +85,12 @@ class SpillBuffer:
                 try:
                     os.posix_fallocate(fd, 0, self.nbytes)  # a full disk fails here, not at a page fault mid-run
                 except OSError as error:
-                    raise SpillError(f"--spill-dir {path}: cannot reserve {self.nbytes / 1e9:.2f} GB ({error.strerror})") from None
-                self._map: mmap.mmap | None = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED,
-                                                         prot=mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+                    raise SpillError(
+                        f"--spill-dir {path}: cannot reserve {self.nbytes / 1e9:.2f} GB ({error.strerror})"
+                    ) from None
+                self._map: mmap.mmap | None = mmap.mmap(
+                    fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
                 self.tensor = torch.frombuffer(self._map, dtype=torch.float32, count=numel)
             else:
                 self._map = None

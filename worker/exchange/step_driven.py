@@ -31,7 +31,7 @@ STOP_CHECKS_PER_ROUND = 8
 class StepDriven:
     """Mixed into `DilocoCluster`: `begin`, `after_steps`, `run`, `close` and the round's step count."""
 
-    time_box: "RoundTimeBox | None"
+    time_box: RoundTimeBox | None
 
     @property
     def steps_to_sync(self) -> int:
@@ -39,7 +39,9 @@ class StepDriven:
         with a time box the steps to its next check of the clock (the round closes there if time is up)."""
         if self.done:
             return 0
-        left = self.time_box.steps_to_check(self._steps) if self.time_box is not None else self.inner_steps - self._steps
+        left = (
+            self.time_box.steps_to_check(self._steps) if self.time_box is not None else self.inner_steps - self._steps
+        )
         if self._merge_pending():  # from τ steps in, every step asks whether the exchange is back
             left = min(left, max(1, self.overlap_steps - self._steps))
         return left
@@ -77,8 +79,9 @@ class StepDriven:
         if self.time_box is not None:
             self.time_box.begin_round(self.round, time.monotonic())
 
-    def after_steps(self, steps: int, tokens: int, loss: float | torch.Tensor | None = None,
-                    compute_s: float | None = None) -> RoundReport | None:  # fmt: skip
+    def after_steps(
+        self, steps: int, tokens: int, loss: float | torch.Tensor | None = None, compute_s: float | None = None
+    ) -> RoundReport | None:
         """`steps` inner steps were taken (of `steps_to_sync` left), training `tokens` tokens with mean loss
         `loss`; at the round's last step the round closes. Returns its report then, else None (also when
         the site had to rejoin: the shards went on without it, and the model now holds their weights).
@@ -103,7 +106,9 @@ class StepDriven:
             if merge:  # τ steps in: the previous round's merged model is taken in now (`overlap_steps`)
                 self.merge_in_flight(self.round, self._tokens)
                 return None
-            train_loss = float(self._loss_sum) / self._loss_steps if self._loss_steps else float("nan")  # nan: no loss given
+            train_loss = (
+                float(self._loss_sum) / self._loss_steps if self._loss_steps else float("nan")
+            )  # nan: no loss given
             report = self.close_round(self.round, train_loss, self._tokens, compute_s)
         except AggregatorError as error:
             if error.code != grpc.StatusCode.FAILED_PRECONDITION:
@@ -112,7 +117,9 @@ class StepDriven:
             # rejoin, adopt the current global weights and carry on from there.
             log.warning("cluster_rejoining", cluster=self.client.cluster, round=self.round, reason=error.details)
             self.communicator.close(timeout=0)
-            self.communicator = Communicator(self.client, pull_names=tuple(self.names), pull_wait_s=self.client.pull_wait_s)
+            self.communicator = Communicator(
+                self.client, pull_names=tuple(self.names), pull_wait_s=self.client.pull_wait_s
+            )
             self.begin()
             return None
         self.reports.append(report)
@@ -138,11 +145,19 @@ class StepDriven:
         self.done = True
         self.final_eval_loss = self.trainer.evaluate() if self.reports else self.initial_eval_loss
         self._log_memory()
-        log.info("cluster_done", cluster=self.client.cluster, delay=self.delay, rounds=len(self.reports), version=self.version,
-                 initial_eval_loss=round(self.initial_eval_loss or float("nan"), 4),
-                 final_eval_loss=round(self.final_eval_loss, 4) if self.final_eval_loss is not None else None,
-                 idle_s=round(sum(r.idle_s for r in self.reports), 3), compute_s=round(sum(r.compute_s for r in self.reports), 3),
-                 bytes_up=self.client.traffic.bytes_up, bytes_down=self.client.traffic.bytes_down)  # fmt: skip
+        log.info(
+            "cluster_done",
+            cluster=self.client.cluster,
+            delay=self.delay,
+            rounds=len(self.reports),
+            version=self.version,
+            initial_eval_loss=round(self.initial_eval_loss or float("nan"), 4),
+            final_eval_loss=round(self.final_eval_loss, 4) if self.final_eval_loss is not None else None,
+            idle_s=round(sum(r.idle_s for r in self.reports), 3),
+            compute_s=round(sum(r.compute_s for r in self.reports), 3),
+            bytes_up=self.client.traffic.bytes_up,
+            bytes_down=self.client.traffic.bytes_down,
+        )
 
     def close(self) -> None:
         """Finish or abandon the exchange in flight and the checkpoint writes (idempotent). A round whose
@@ -178,14 +193,17 @@ class StepDriven:
                     self._commit_after_stop()
                     break
                 if stop is not None and not self.done and self.access.agree_any(stop.requested):
-                    self._stopping(stop, "the round being trained is not pushed; the exchange in flight may finish and "
-                                         "commit its checkpoint")  # fmt: skip
+                    self._stopping(
+                        stop,
+                        "the round being trained is not pushed; the exchange in flight may finish and "
+                        "commit its checkpoint",
+                    )
                     break
         finally:
             self.close()
         return self.reports
 
-    def _check_stop(self, exchange: "RoundExchange | None") -> None:
+    def _check_stop(self, exchange: RoundExchange | None) -> None:
         """Under `run(stop)`: leave the boundary on every rank if any rank gave up waiting for a stop. A rank
         whose exchange did come back keeps its round for the agreed commit (`_commit_after_stop`)."""
         if self._stop is not None and self.access.agree_any(self._stop_waited):
@@ -203,9 +221,18 @@ class StepDriven:
         agreed = self.access.agree_min(mine if mine is not None else -1)
         if agreed >= 0 and self.access.agree_max(mine if mine is not None else -1) == agreed:
             self._commit(agreed)
-        log.info("communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending, committed=agreed >= 0)
+        log.info(
+            "communicator_closed", cluster=self.client.cluster, outcome=outcome, round=pending, committed=agreed >= 0
+        )
 
     def _stopping(self, stop: StopSignal, reason: str) -> None:
         self.stopped_by = stop.name or "another rank's signal"
-        log.warning("worker_stopping", cluster=self.client.cluster, signal=self.stopped_by, round=self.round,
-                    steps_in_round=self._steps, in_flight=self.communicator.in_flight, reason=reason)  # fmt: skip
+        log.warning(
+            "worker_stopping",
+            cluster=self.client.cluster,
+            signal=self.stopped_by,
+            round=self.round,
+            steps_in_round=self._steps,
+            in_flight=self.communicator.in_flight,
+            reason=reason,
+        )

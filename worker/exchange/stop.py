@@ -64,18 +64,22 @@ class StopSignal:
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if self.signals:  # asked twice: stop now, whatever thread still waits (sys.exit would wait for them)
-            os.write(2, f"second {signal.Signals(signum).name}: exiting now, without waiting for the exchange in flight\n".encode())
+            os.write(
+                2,
+                f"second {signal.Signals(signum).name}: exiting now, without waiting for the exchange in "
+                "flight\n".encode(),
+            )
             os._exit(128 + signum)
         self.signals.append(signum)
 
-    def install(self, *signums: int) -> "StopSignal":
+    def install(self, *signums: int) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
             for signum in signums or (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, self._on_signal)
         return self
 
 
-def wait_exchange(communicator: "Communicator", stop: StopSignal | None, log) -> "tuple[RoundExchange, float] | None":  # noqa: ANN001
+def wait_exchange(communicator: Communicator, stop: StopSignal | None, log) -> tuple[RoundExchange, float] | None:  # noqa: ANN001
     """Collect the exchange in flight (`communicator.collect`); with `stop`, look at it every half second,
     and once a stop is asked for give the exchange `stop.grace_s` more: None if it has not finished by then
     (the caller's ranks agree to leave). Errors of the exchange are raised as `collect` raises them."""
@@ -91,7 +95,12 @@ def wait_exchange(communicator: "Communicator", stop: StopSignal | None, log) ->
             pass
         if stop.requested and asked is None:
             asked = time.monotonic()
-            log.warning("worker_stop_waiting", signal=stop.name, round=communicator.in_flight, grace_s=grace_s,
-                        reason="a stop came while this rank waited for the round's result: it gets this long more")  # fmt: skip
+            log.warning(
+                "worker_stop_waiting",
+                signal=stop.name,
+                round=communicator.in_flight,
+                grace_s=grace_s,
+                reason="a stop came while this rank waited for the round's result: it gets this long more",
+            )
         if asked is not None and time.monotonic() - asked >= grace_s:
             return None

@@ -30,7 +30,9 @@ def usable_cores() -> int:
     return max(1, os.cpu_count() or 1)
 
 
-def exchange_thread_budget(requested: int = 0, training_threads: int | None = None, local_ranks: int | None = None) -> int:
+def exchange_thread_budget(
+    requested: int = 0, training_threads: int | None = None, local_ranks: int | None = None
+) -> int:
     """Torch threads for the exchange of this rank. `requested` > 0 is taken as it is; 0 is the default
     above. Call it on the training thread: `training_threads` defaults to that thread's torch count (and
     asking for it first fixes the training thread's count before any exchange thread sets its own)."""

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import grpc
 
@@ -54,7 +55,12 @@ def fetch_chain(stub, run_id: str, timeout: float) -> dict | None:  # noqa: ANN0
         if len(records) >= reply.total_records or not page:
             break
     assert reply is not None
-    return {"shard_index": reply.shard_index, "num_shards": reply.num_shards, "genesis": reply.genesis, "records": records}
+    return {
+        "shard_index": reply.shard_index,
+        "num_shards": reply.num_shards,
+        "genesis": reply.genesis,
+        "records": records,
+    }
 
 
 def chain_of_checkpoint(state: Mapping[str, Any]) -> dict | None:
@@ -62,8 +68,12 @@ def chain_of_checkpoint(state: Mapping[str, Any]) -> dict | None:
     saved = state.get("rounds_chain")
     if not saved:
         return None
-    return {"shard_index": state["shard_index"], "num_shards": state["num_shards"], "genesis": saved.get("genesis", ""),
-            "records": list(saved.get("records", []))}  # fmt: skip
+    return {
+        "shard_index": state["shard_index"],
+        "num_shards": state["num_shards"],
+        "genesis": saved.get("genesis", ""),
+        "records": list(saved.get("records", [])),
+    }
 
 
 def export_section(chains: Mapping[int, dict | None], version: int, assignment: Iterable[ParamSlice]) -> dict:
@@ -78,12 +88,22 @@ def export_section(chains: Mapping[int, dict | None], version: int, assignment: 
     shards = []
     for index, chain in sorted(chains.items()):
         if chain is None:
-            shards.append({"shard_index": index, "missing": "this shard kept no rounds chain (a dilocox from before it)"})
+            shards.append(
+                {"shard_index": index, "missing": "this shard kept no rounds chain (a dilocox from before it)"}
+            )
             continue
         records = [r for r in chain["records"] if not isinstance(r.get("version"), int) or r["version"] <= version]
         head = records[-1].get(HASH_FIELD, "") if records else chain["genesis"]
-        shards.append({"shard_index": index, "num_shards": chain["num_shards"], "genesis": chain["genesis"], "head": head,
-                       "slices": sorted(owned.get(index, [])), "records": records})  # fmt: skip
+        shards.append(
+            {
+                "shard_index": index,
+                "num_shards": chain["num_shards"],
+                "genesis": chain["genesis"],
+                "head": head,
+                "slices": sorted(owned.get(index, [])),
+                "records": records,
+            }
+        )
     return {"format": CHAIN_FORMAT, "shards": shards}
 
 
@@ -102,14 +122,18 @@ def check_section(record: Mapping[str, Any], weights: pathlib.Path | None = None
     report = ChainReport()
     section = record.get("rounds_chain")
     if not section:
-        report.notes.append("no rounds chain in provenance.json (exported by a dilocox before it, or from shards that kept none)")
+        report.notes.append(
+            "no rounds chain in provenance.json (exported by a dilocox before it, or from shards that kept none)"
+        )
         return report
     run_id, version = record.get("run_id"), record.get("version")
     shards = section.get("shards") if isinstance(section, Mapping) else None
     if not isinstance(shards, list) or section.get("format") != CHAIN_FORMAT or not shards:
         report.problems.append(f"rounds_chain is malformed (expected {CHAIN_FORMAT} with a list of shards)")
         return report
-    num_shards = next((s.get("num_shards") for s in shards if isinstance(s, Mapping) and "num_shards" in s), len(shards))
+    num_shards = next(
+        (s.get("num_shards") for s in shards if isinstance(s, Mapping) and "num_shards" in s), len(shards)
+    )
     indices = [s.get("shard_index") if isinstance(s, Mapping) else None for s in shards]
     if sorted(i for i in indices if isinstance(i, int)) != list(range(num_shards)) or len(indices) != num_shards:
         report.problems.append(f"rounds_chain lists shards {indices}, not each of the {num_shards} shards once")
@@ -121,7 +145,9 @@ def check_section(record: Mapping[str, Any], weights: pathlib.Path | None = None
             report.notes.append(f"shard {index}: no rounds chain ({shard['missing']})")
             continue
         if shard.get("num_shards") != num_shards:
-            report.problems.append(f"rounds chain of shard {index}: num_shards {shard.get('num_shards')!r}, the others say {num_shards}")
+            report.problems.append(
+                f"rounds chain of shard {index}: num_shards {shard.get('num_shards')!r}, the others say {num_shards}"
+            )
             continue
         records = shard.get("records") or []
         found = check_chain(str(run_id), index, num_shards, records, shard.get("head", ""), end_version=version)
@@ -129,15 +155,19 @@ def check_section(record: Mapping[str, Any], weights: pathlib.Path | None = None
         if not found:
             checked.append(shard)
             if records[0].get("kind") == "restored":
-                report.notes.append(f"shard {index}: versions before {records[0]['version']} not recorded (restored from a "
-                                    "checkpoint without a rounds chain)")  # fmt: skip
+                report.notes.append(
+                    f"shard {index}: versions before {records[0]['version']} not recorded (restored from a "
+                    "checkpoint without a rounds chain)"
+                )
     if weights is not None and checked:
         report.problems += _check_weights(weights, checked, version)
     if not report.problems:
         first = min((s["records"][0]["version"] for s in checked), default=version)
         bound = " and the exported weights are the state they end in" if weights is not None and checked else ""
-        report.summary = (f"rounds chain: {len(checked)} of {num_shards} shard(s), versions {first}–{version}, every record and "
-                          f"head recomputes{bound}")  # fmt: skip
+        report.summary = (
+            f"rounds chain: {len(checked)} of {num_shards} shard(s), versions {first}–{version}, every record and "
+            f"head recomputes{bound}"
+        )
     return report
 
 
@@ -167,6 +197,9 @@ def _check_weights(path: pathlib.Path, shards: list[Mapping[str, Any]], version:
         index, last = shard["shard_index"], shard["records"][-1]
         found = f"{XXH3_128}:{combined_digest(per_shard[index]).hex()}"
         if last.get("weights_digest") != found:
-            problems.append(f"rounds chain of shard {index} version {version}: the exported weights of its slices are not the "
-                            f"state its chain ends in (weights digest {found[:25]}…, recorded {str(last.get('weights_digest'))[:25]}…)")  # fmt: skip
+            problems.append(
+                f"rounds chain of shard {index} version {version}: the exported weights of its slices are not the "
+                f"state its chain ends in (weights digest {found[:25]}…, recorded "
+                f"{str(last.get('weights_digest'))[:25]}…)"
+            )
     return problems

@@ -12,7 +12,7 @@ Errors are `CheckpointError`s with the message the user sees; `worker/export/mod
 from __future__ import annotations
 
 import pathlib
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from dilocox.common.wire.checkpoint_format import (
     CheckpointCorrupt,
@@ -103,7 +103,9 @@ def pick_versions(explicit: Chosen, offered: dict[int, list[pathlib.Path]], repo
                 return {i: held[i] if i in held else (v[max(v)], load_weights(v[max(v)])) for i, v in versions.items()}
             listed = "; ".join(f"shard {i}: {sorted(v, reverse=True)}" for i, v in sorted(versions.items()))
             skipped = "; ".join(reason for reasons in damaged.values() for reason in reasons)
-            raise CheckpointCorrupt(f"no version that every shard has intact (intact or unread: {listed}); damaged: {skipped}")
+            raise CheckpointCorrupt(
+                f"no version that every shard has intact (intact or unread: {listed}); damaged: {skipped}"
+            )
         target = max(common)
         for index in sorted(versions):
             file = versions[index][target]
@@ -112,7 +114,9 @@ def pick_versions(explicit: Chosen, offered: dict[int, list[pathlib.Path]], repo
             held.pop(index, None)  # a newer version of this shard is no longer wanted
             state = read(index, file)
             if state is not None and snapshot_version(state) != target:
-                damaged.setdefault(index, []).append(f"{file}: named version {target} but holds {snapshot_version(state)}")
+                damaged.setdefault(index, []).append(
+                    f"{file}: named version {target} but holds {snapshot_version(state)}"
+                )
                 report(f"shard {index}: skipped {damaged[index][-1]}")
                 state = None
             if state is None:

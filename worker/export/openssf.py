@@ -19,7 +19,7 @@ import importlib.util
 import io
 import pathlib
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 import structlog
 
@@ -74,14 +74,18 @@ def sign_openssf(folder: str | pathlib.Path, signer: Signer) -> pathlib.Path | N
         config = signing.Config().set_hashing_config(_ignoring(out))
         if certs:
             # model-signing refuses an empty chain: a signer the CA issued directly carries its own certificate
-            config.use_certificate_signer(private_key=signer.key_path, signing_certificate=certs[0], certificate_chain=certs[1:] or certs[:1])
+            config.use_certificate_signer(
+                private_key=signer.key_path, signing_certificate=certs[0], certificate_chain=certs[1:] or certs[:1]
+            )
         else:
             config.use_elliptic_key_signer(private_key=signer.key_path)
         config.sign(folder, out)
     return out
 
 
-def verify_openssf(folder: str | pathlib.Path, public_key_pem: bytes | None = None, ca: str | None = None) -> str | None:
+def verify_openssf(
+    folder: str | pathlib.Path, public_key_pem: bytes | None = None, ca: str | None = None
+) -> str | None:
     """Check `folder/model.sig` as `model_signing verify` does: with `ca` (the signer's certificate must chain to
     it), else with `public_key_pem`. None where it holds; else what is wrong, in model-signing's words."""
     from model_signing import verifying

@@ -16,9 +16,9 @@ import json
 import pathlib
 from dataclasses import asdict, dataclass, field
 
+from dilocox.common.signing_keys import Signer
 from dilocox.worker.export.openssf import sign_openssf
 from dilocox.worker.export.signing import PROVENANCE_FILE, FileDigest, digest_files, sign_folder
-from dilocox.common.signing_keys import Signer
 
 PROVENANCE_FORMAT = "dilocox-provenance/1"
 
@@ -45,7 +45,7 @@ class Provenance:
     source: dict  # {"servers": [host:port, ...]} or {"checkpoints": [file, ...]}
     files: list[FileDigest]  # every exported file but this record and the signature
     dilocox_version: str = field(default_factory=dilocox_version)
-    exported_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    exported_at: str = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
     format: str = PROVENANCE_FORMAT
     rounds_chain: dict = field(default_factory=dict)  # each shard's rounds chain up to `version`; {} if none kept one
 
@@ -57,13 +57,32 @@ class Provenance:
         return json.dumps(record, indent=2) + "\n"
 
 
-def write_provenance(folder: pathlib.Path, run_id: str, version: int, rounds: int, final_version: int, tokenizer_digest: str,
-                     run_config: dict, source: dict, signer: Signer | None = None, rounds_chain: dict | None = None) -> Provenance:  # fmt: skip
+def write_provenance(
+    folder: pathlib.Path,
+    run_id: str,
+    version: int,
+    rounds: int,
+    final_version: int,
+    tokenizer_digest: str,
+    run_config: dict,
+    source: dict,
+    signer: Signer | None = None,
+    rounds_chain: dict | None = None,
+) -> Provenance:
     """Write provenance.json over the export in `folder` (its other files written), and sign the folder
     when there is a `signer`. Called inside the export's atomic folder: signed whole or not at all."""
     files = digest_files(folder)
-    record = Provenance(run_id, version, rounds, final_version, tokenizer_digest, run_config, source, files,
-                        rounds_chain=rounds_chain or {})  # fmt: skip
+    record = Provenance(
+        run_id,
+        version,
+        rounds,
+        final_version,
+        tokenizer_digest,
+        run_config,
+        source,
+        files,
+        rounds_chain=rounds_chain or {},
+    )
     (folder / PROVENANCE_FILE).write_text(record.as_json())
     if signer is not None:
         sign_folder(folder, signer, files)

@@ -4,7 +4,8 @@ Why: an exported model leaves the run — to a model hub, a bucket, another team
 be able to tell that the files are the ones the run's operator exported, unchanged, with nothing added
 or taken away, and where they came from (`provenance.json`, worker/export/provenance.py). This module
 writes dilocox's own signature from the standard pieces (checked with no extra package): an in-toto
-Statement v1 (one subject per file: its name and SHA-256) in a DSSE envelope, signed with the exporter's key — ECDSA P-256/SHA-256 as `dilocox certs`
+Statement v1 (one subject per file: its name and SHA-256) in a DSSE envelope, signed with the exporter's key — ECDSA
+P-256/SHA-256 as `dilocox certs`
 makes them, or Ed25519, or RSA-PSS — with the signer's public key, and its certificate chain when one is
 given, beside it (docs/decisions.md, "How is an exported model signed, and checked?"). Beside it, where the
 `signing` extra is installed, worker/export/openssf.py writes the OpenSSF model-signing `model.sig` that
@@ -31,8 +32,18 @@ import os
 import pathlib
 from dataclasses import dataclass, field
 
-from dilocox.common.signing_keys import (Signer, SigningError, check_chain, describe_key, key_id, load_certificates, signs_code,
-                                        load_public_key, to_pem, verify_signature)  # fmt: skip
+from dilocox.common.signing_keys import (
+    Signer,
+    SigningError,
+    check_chain,
+    describe_key,
+    key_id,
+    load_certificates,
+    load_public_key,
+    signs_code,
+    to_pem,
+    verify_signature,
+)
 
 SIGNATURE_FILE = "dilocox-signature.json"
 OPENSSF_SIGNATURE = "model.sig"  # written after ours, over ours too (worker/export/openssf.py): never in our manifest
@@ -103,7 +114,9 @@ def listing(folder: pathlib.Path) -> tuple[list[str], list[str]]:
     return sorted(files), sorted(links)
 
 
-def digest_files(folder: str | os.PathLike, exclude: frozenset[str] = frozenset({SIGNATURE_FILE, PROVENANCE_FILE, OPENSSF_SIGNATURE})) -> list[FileDigest]:
+def digest_files(
+    folder: str | os.PathLike, exclude: frozenset[str] = frozenset({SIGNATURE_FILE, PROVENANCE_FILE, OPENSSF_SIGNATURE})
+) -> list[FileDigest]:
     """Every file under `folder` but `exclude`, with its size and SHA-256, sorted by path."""
     folder = pathlib.Path(folder)
     files, links = listing(folder)
@@ -142,8 +155,12 @@ def statement(files: list[FileDigest], provenance: FileDigest) -> dict:
     """The in-toto Statement signed: every exported file and the provenance record as subjects, their
     sizes and which subject is the provenance record in the predicate."""
     every = [*files, provenance]
-    return {"_type": STATEMENT_TYPE, "subject": [{"name": f.path, "digest": {"sha256": f.sha256}} for f in every],
-            "predicateType": PREDICATE_TYPE, "predicate": {"provenance": provenance.path, "sizes": {f.path: f.size for f in every}}}  # fmt: skip
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": f.path, "digest": {"sha256": f.sha256}} for f in every],
+        "predicateType": PREDICATE_TYPE,
+        "predicate": {"provenance": provenance.path, "sizes": {f.path: f.size for f in every}},
+    }
 
 
 def sign_folder(folder: str | os.PathLike, signer: Signer, files: list[FileDigest] | None = None) -> pathlib.Path:
@@ -154,15 +171,20 @@ def sign_folder(folder: str | os.PathLike, signer: Signer, files: list[FileDiges
     if not (folder / PROVENANCE_FILE).is_file():
         raise SigningError(f"{folder} has no {PROVENANCE_FILE}: the provenance record is written before signing")
     files = digest_files(folder) if files is None else files
-    provenance = FileDigest(PROVENANCE_FILE, (folder / PROVENANCE_FILE).stat().st_size, sha256_file(folder / PROVENANCE_FILE))
+    provenance = FileDigest(
+        PROVENANCE_FILE, (folder / PROVENANCE_FILE).stat().st_size, sha256_file(folder / PROVENANCE_FILE)
+    )
     payload = json.dumps(statement(files, provenance), sort_keys=True, separators=(",", ":")).encode()
     public = signer.key.public_key()
     document = {
         "mediaType": MEDIA_TYPE,
-        "dsseEnvelope": {"payloadType": PAYLOAD_TYPE, "payload": _b64(payload),
-                         "signatures": [{"keyid": key_id(public), "sig": _b64(signer.sign(_pae(PAYLOAD_TYPE, payload)))}]},
+        "dsseEnvelope": {
+            "payloadType": PAYLOAD_TYPE,
+            "payload": _b64(payload),
+            "signatures": [{"keyid": key_id(public), "sig": _b64(signer.sign(_pae(PAYLOAD_TYPE, payload)))}],
+        },
         "verificationMaterial": {"publicKey": to_pem(public), "certificates": [to_pem(c) for c in signer.certificates]},
-    }  # fmt: skip
+    }
     path = folder / SIGNATURE_FILE
     path.write_text(_canonical(document))
     return path
@@ -183,7 +205,9 @@ def _read_envelope(folder: pathlib.Path) -> _Envelope:
     if not folder.is_dir():
         raise SigningError(f"{folder} is not a folder")
     if not path.is_file():
-        raise SigningError(f"{folder} has no {SIGNATURE_FILE}: this export was not signed (dilocox export --sign-key KEY.pem)")
+        raise SigningError(
+            f"{folder} has no {SIGNATURE_FILE}: this export was not signed (dilocox export --sign-key KEY.pem)"
+        )
     try:
         text = path.read_bytes().decode("utf-8")
         document = json.loads(text)
@@ -203,7 +227,10 @@ def _read_envelope(folder: pathlib.Path) -> _Envelope:
         raise SigningError(f"{SIGNATURE_FILE} is malformed: it is not byte for byte as dilocox wrote it (edited?)")
     payload, signature = _unb64(payload_text, "payload"), _unb64(signature_text, "signature")
     public_key = load_public_key(pem.encode(), f"{SIGNATURE_FILE}'s public key")
-    certificates = [load_certificates(c.encode() if isinstance(c, str) else b"", f"{SIGNATURE_FILE}'s certificate")[0] for c in cert_pems]
+    certificates = [
+        load_certificates(c.encode() if isinstance(c, str) else b"", f"{SIGNATURE_FILE}'s certificate")[0]
+        for c in cert_pems
+    ]
     if to_pem(public_key) != pem or [to_pem(c) for c in certificates] != cert_pems:
         raise SigningError(f"{SIGNATURE_FILE} is malformed: a key or certificate in it is not PEM as dilocox writes it")
     if keyid != key_id(public_key):
@@ -246,7 +273,9 @@ def _check_files(folder: pathlib.Path, files: list[FileDigest], provenance: str)
         if f.path in links:
             continue
         if f.path not in present:
-            problems.append(Problem(f.path, f"missing: the {what} was signed but is not in the folder (removed or renamed)"))
+            problems.append(
+                Problem(f.path, f"missing: the {what} was signed but is not in the folder (removed or renamed)")
+            )
             continue
         size = path.stat().st_size
         if size != f.size:
@@ -255,12 +284,17 @@ def _check_files(folder: pathlib.Path, files: list[FileDigest], provenance: str)
         digest = sha256_file(path)
         if digest != f.sha256:
             problems.append(Problem(f.path, f"{what} changed: sha256 {digest[:16]}…, signed {f.sha256[:16]}…"))
-    problems += [Problem(p, "not in the signed manifest: added after signing") for p in present
-                 if p not in signed and p not in (SIGNATURE_FILE, OPENSSF_SIGNATURE)]  # fmt: skip
+    problems += [
+        Problem(p, "not in the signed manifest: added after signing")
+        for p in present
+        if p not in signed and p not in (SIGNATURE_FILE, OPENSSF_SIGNATURE)
+    ]
     return sorted(problems, key=lambda p: p.path)
 
 
-def verify_folder(folder: str | os.PathLike, ca: str | os.PathLike | None = None, key: str | os.PathLike | None = None) -> Verification:
+def verify_folder(
+    folder: str | os.PathLike, ca: str | os.PathLike | None = None, key: str | os.PathLike | None = None
+) -> Verification:
     """Check a signed export: the signature over the manifest (with `key`; or with the signer's
     certificate, which must chain to `ca`; or, with neither, with the public key in the signature file —
     which shows the files are as signed, not who signed them), then every signed file's size and SHA-256,
@@ -270,27 +304,63 @@ def verify_folder(folder: str | os.PathLike, ca: str | os.PathLike | None = None
         raise SigningError("give --cert or --key, not both")
     folder = pathlib.Path(folder)
     envelope = _read_envelope(folder)
-    signer = envelope.certificates[0].subject.rfc4514_string() if envelope.certificates else describe_key(envelope.public_key)
+    signer = (
+        envelope.certificates[0].subject.rfc4514_string()
+        if envelope.certificates
+        else describe_key(envelope.public_key)
+    )
     if key is not None:
         with_key, against = load_public_key(_read(key, "--key"), f"--key {key}"), f"the key in {key}"
     elif ca is not None:
         against, with_key = f"the CA in {ca}", envelope.public_key
         if not envelope.certificates:
-            return Verification(signer, against, problems=[Problem(SIGNATURE_FILE, "carries no certificate to check against the CA: "
-                                                                   "signed without --sign-cert (check it with --key)")])  # fmt: skip
+            return Verification(
+                signer,
+                against,
+                problems=[
+                    Problem(
+                        SIGNATURE_FILE,
+                        "carries no certificate to check against the CA: "
+                        "signed without --sign-cert (check it with --key)",
+                    )
+                ],
+            )
         chain_problem = check_chain(envelope.certificates, load_certificates(_read(ca, "--cert"), f"--cert {ca}"))
         if chain_problem:
-            return Verification(signer, against, problems=[Problem(SIGNATURE_FILE, f"the signer's certificate does not chain to {ca}: {chain_problem}")])
+            return Verification(
+                signer,
+                against,
+                problems=[Problem(SIGNATURE_FILE, f"the signer's certificate does not chain to {ca}: {chain_problem}")],
+            )
         if not signs_code(envelope.certificates[0]):  # the run's CA also issues every site's client certificate
-            return Verification(signer, against, problems=[Problem(SIGNATURE_FILE, f"{signer}'s certificate is not a signer's (no code-signing "
-                                                                   "usage: a TLS server's or site's certificate of the run's CA), so it does "
-                                                                   "not vouch for an export; sign with one from `dilocox certs --role signer`")])  # fmt: skip
+            return Verification(
+                signer,
+                against,
+                problems=[
+                    Problem(
+                        SIGNATURE_FILE,
+                        f"{signer}'s certificate is not a signer's (no code-signing "
+                        "usage: a TLS server's or site's certificate of the run's CA), so it does "
+                        "not vouch for an export; sign with one from `dilocox certs --role signer`",
+                    )
+                ],
+            )
     else:
         with_key, against = envelope.public_key, "the public key in the signature file"
     if not verify_signature(with_key, envelope.signature, _pae(PAYLOAD_TYPE, envelope.payload)):
         whose = f"signed by {describe_key(envelope.public_key)}, " if key is not None else ""
-        return Verification(signer, against, problems=[Problem(SIGNATURE_FILE, f"the signature does not verify with {against} "
-                                                               f"({whose}or the signature or its manifest was changed)")], key=with_key)  # fmt: skip
+        return Verification(
+            signer,
+            against,
+            problems=[
+                Problem(
+                    SIGNATURE_FILE,
+                    f"the signature does not verify with {against} "
+                    f"({whose}or the signature or its manifest was changed)",
+                )
+            ],
+            key=with_key,
+        )
     files, provenance = _signed_files(envelope.payload)
     result = Verification(signer, against, files, _check_files(folder, files, provenance), key=with_key)
     if not any(p.path == provenance for p in result.problems):

@@ -12,7 +12,6 @@ plan (worker/site/memory_plan.py), the same that `dilocox plan` prints.
 
 from __future__ import annotations
 
-
 from dilocox.common.config.run import ModelConfig
 from dilocox.worker.models.spec import ModelSpec, ModelSpecError
 
@@ -65,8 +64,13 @@ def check_fields(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
     """Every size field of the model, by its own name: a whole number within bounds, widths divisible by
     heads. Returns the normalised sizes (layers, width, mlp, heads, vocab)."""
     if spec.kind == "gpt":
-        for key, bound in (("n_layer", MAX_LAYERS), ("n_embd", MAX_WIDTH), ("n_head", MAX_HEADS), ("block_size", MAX_POSITIONS),
-                           ("vocab_size", MAX_VOCAB)):  # fmt: skip
+        for key, bound in (
+            ("n_layer", MAX_LAYERS),
+            ("n_embd", MAX_WIDTH),
+            ("n_head", MAX_HEADS),
+            ("block_size", MAX_POSITIONS),
+            ("vocab_size", MAX_VOCAB),
+        ):
             _field(spec.label, f"--{key.replace('_', '-')}", getattr(config, key), key, bound, False)
         return {"layers": config.n_layer, "width": config.n_embd, "mlp": 4 * config.n_embd, "vocab": config.vocab_size}
     if spec.kind != "hf":
@@ -77,17 +81,33 @@ def check_fields(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
         if key in data:
             value = _field(spec.label, key, data[key], what, bound, optional)
             if value is not None:
-                sizes.setdefault({"n_embd": "hidden_size", "n_inner": "intermediate_size", "n_layer": "num_hidden_layers",
-                                  "n_head": "num_attention_heads", "n_positions": "max_position_embeddings"}.get(key, key), value)  # fmt: skip
+                sizes.setdefault(
+                    {
+                        "n_embd": "hidden_size",
+                        "n_inner": "intermediate_size",
+                        "n_layer": "num_hidden_layers",
+                        "n_head": "num_attention_heads",
+                        "n_positions": "max_position_embeddings",
+                    }.get(key, key),
+                    value,
+                )
     width, heads = sizes.get("hidden_size"), sizes.get("num_attention_heads")
     if width and heads and width % heads:
-        raise ModelSpecError(f"--model {spec.label}: hidden_size {width} is not divisible by num_attention_heads {heads}")
+        raise ModelSpecError(
+            f"--model {spec.label}: hidden_size {width} is not divisible by num_attention_heads {heads}"
+        )
     kv = sizes.get("num_key_value_heads")
     if kv and heads and heads % kv:
-        raise ModelSpecError(f"--model {spec.label}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv}")
+        raise ModelSpecError(
+            f"--model {spec.label}: num_attention_heads {heads} is not divisible by num_key_value_heads {kv}"
+        )
     width = width or 0
-    return {"layers": sizes.get("num_hidden_layers", 0), "width": width, "mlp": sizes.get("intermediate_size", 4 * width),
-            "vocab": sizes.get("vocab_size", 0)}  # fmt: skip
+    return {
+        "layers": sizes.get("num_hidden_layers", 0),
+        "width": width,
+        "mlp": sizes.get("intermediate_size", 4 * width),
+        "vocab": sizes.get("vocab_size", 0),
+    }
 
 
 def estimate_params(sizes: dict[str, int], vocab: int) -> int:

@@ -39,8 +39,10 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits in one call, as always; bf16 (or fp16) logits a piece at a time, so the microbatch's logits
     never exist in fp32 (worker/models/chunked_loss.py; the same gradient bit for bit)."""
     if logits.dim() != 3 or logits.shape[:2] != targets.shape:
-        raise ModelContractError(f"logits of shape {tuple(logits.shape)} do not match targets of shape {tuple(targets.shape)} "
-                                 "(expected [batch, time, vocab])")  # fmt: skip
+        raise ModelContractError(
+            f"logits of shape {tuple(logits.shape)} do not match targets of shape {tuple(targets.shape)} "
+            "(expected [batch, time, vocab])"
+        )
     if logits.dtype != torch.float32:
         return chunked_cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -23,7 +23,11 @@ def decoder_param_specs(config: dict, vocab: int) -> list[tuple[str, tuple[int, 
     if family not in FAMILIES or any(config.get(key) for key in _UNHANDLED):
         return None
     try:
-        width, mlp, layers = int(config["hidden_size"]), int(config["intermediate_size"]), int(config["num_hidden_layers"])
+        width, mlp, layers = (
+            int(config["hidden_size"]),
+            int(config["intermediate_size"]),
+            int(config["num_hidden_layers"]),
+        )
         heads = int(config["num_attention_heads"])
     except (KeyError, TypeError, ValueError):
         return None
@@ -35,8 +39,12 @@ def decoder_param_specs(config: dict, vocab: int) -> list[tuple[str, tuple[int, 
     specs: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, width))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        for proj, rows, cols, bias in (("q_proj", heads * head_dim, width, qkv_bias), ("k_proj", kv_heads * head_dim, width, qkv_bias),
-                                       ("v_proj", kv_heads * head_dim, width, qkv_bias), ("o_proj", width, heads * head_dim, out_bias)):  # fmt: skip
+        for proj, rows, cols, bias in (
+            ("q_proj", heads * head_dim, width, qkv_bias),
+            ("k_proj", kv_heads * head_dim, width, qkv_bias),
+            ("v_proj", kv_heads * head_dim, width, qkv_bias),
+            ("o_proj", width, heads * head_dim, out_bias),
+        ):
             specs.append((f"{p}self_attn.{proj}.weight", (rows, cols)))
             if bias:
                 specs.append((f"{p}self_attn.{proj}.bias", (rows,)))

@@ -30,7 +30,7 @@ import contextlib
 import copy
 import hashlib
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -81,7 +81,9 @@ def reset_parameters_init(module: nn.Module) -> None:
 
 def _meta_parameter(param: torch.Tensor) -> nn.Parameter:
     """A meta stand-in of `param` with its *whole* shape (a DTensor's shape is the global one)."""
-    return nn.Parameter(torch.empty(tuple(param.shape), dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
+    return nn.Parameter(
+        torch.empty(tuple(param.shape), dtype=param.dtype, device="meta"), requires_grad=param.requires_grad
+    )
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -123,9 +125,12 @@ def initial_values(skeleton: nn.Module, unit: str, init_fn: InitFn, seed: int) -
         parent._modules[part] = child
     leaf = stand_ins[-1]
     # NaN until drawn: an init that leaves a parameter untouched is caught, not trained from garbage.
-    leaf._parameters = {n: None if p is None else nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype),
-                                                               requires_grad=p.requires_grad)
-                        for n, p in leaf._parameters.items()}  # fmt: skip
+    leaf._parameters = {
+        n: None
+        if p is None
+        else nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype), requires_grad=p.requires_grad)
+        for n, p in leaf._parameters.items()
+    }
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(unit_seed(seed, unit))
         for module in reversed(stand_ins):
@@ -133,8 +138,10 @@ def initial_values(skeleton: nn.Module, unit: str, init_fn: InitFn, seed: int) -
     values = {n: p.detach() for n, p in leaf._parameters.items() if p is not None}
     for name, value in values.items():
         if value.is_floating_point() and bool(value.isnan().any()):
-            raise MaterializeError(f"the model's init leaves {unit + '.' if unit else ''}{name} (a {type(chain[-1]).__name__}) "
-                                   "without a value: its init function must set every parameter")  # fmt: skip
+            raise MaterializeError(
+                f"the model's init leaves {unit + '.' if unit else ''}{name} (a {type(chain[-1]).__name__}) "
+                "without a value: its init function must set every parameter"
+            )
     return values
 
 
@@ -158,14 +165,18 @@ def local_rows(param: torch.Tensor) -> slice:
         if isinstance(placement, Replicate):
             continue
         if not (isinstance(placement, Shard) and placement.dim == 0 and type(placement) is Shard):
-            raise MaterializeError(f"a parameter of shape {tuple(param.shape)} is sharded as {param.placements}: "
-                                   "only FSDP's row sharding (Shard(0)) is materialised")  # fmt: skip
+            raise MaterializeError(
+                f"a parameter of shape {tuple(param.shape)} is sharded as {param.placements}: "
+                "only FSDP's row sharding (Shard(0)) is materialised"
+            )
         first, last = held_rows(stop - start, mesh.get_local_rank(dim), mesh.size(dim))
         start, stop = start + first, start + last
     local = param.to_local()
     if local.dim() and local.shape[0] != stop - start:
-        raise MaterializeError(f"a parameter of shape {tuple(param.shape)} holds {local.shape[0]} rows here, "
-                               f"not the {stop - start} of its Shard(0) chunk")  # fmt: skip
+        raise MaterializeError(
+            f"a parameter of shape {tuple(param.shape)} holds {local.shape[0]} rows here, "
+            f"not the {stop - start} of its Shard(0) chunk"
+        )
     return slice(start, stop)
 
 
@@ -189,8 +200,14 @@ def parameter_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return units
 
 
-def materialize(module: nn.Module, device: torch.device | str, seed: int, init_fn: InitFn = reset_parameters_init,
-                skeleton: nn.Module | None = None, fill: bool = True) -> nn.Module:  # fmt: skip
+def materialize(
+    module: nn.Module,
+    device: torch.device | str,
+    seed: int,
+    init_fn: InitFn = reset_parameters_init,
+    skeleton: nn.Module | None = None,
+    fill: bool = True,
+) -> nn.Module:
     """Give `module`'s meta parameters storage on `device` (each rank only its shard, where FSDP2 has
     sharded it) and, with `fill`, their initial values from `seed` (see the module docstring). Buffers keep
     the values the constructor computed. `skeleton`: the whole model's meta tree whose init this is, for
@@ -199,8 +216,10 @@ def materialize(module: nn.Module, device: torch.device | str, seed: int, init_f
     buffers = dict(module.named_buffers())
     meta_buffers = [name for name, b in buffers.items() if b.is_meta]
     if meta_buffers:
-        raise MaterializeError(f"buffer {meta_buffers[0]} is on the meta device, so its value is unknown: construct the "
-                               "model under dilocox.parameters_on_meta() (parameters on meta, buffers computed)")  # fmt: skip
+        raise MaterializeError(
+            f"buffer {meta_buffers[0]} is on the meta device, so its value is unknown: construct the "
+            "model under dilocox.parameters_on_meta() (parameters on meta, buffers computed)"
+        )
     skeleton = skeleton if skeleton is not None else meta_skeleton(module)
     module.to_empty(device=device)
     with torch.no_grad():

@@ -42,7 +42,7 @@ def _read_config_json(path: pathlib.Path, label: str) -> dict:
     except json.JSONDecodeError as error:
         raise ModelSpecError(f"--model {label}: {path} is not valid JSON: {error}") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise ModelSpecError(f"--model {label}: {path} is not a Hugging Face model configuration (no \"model_type\")")
+        raise ModelSpecError(f'--model {label}: {path} is not a Hugging Face model configuration (no "model_type")')
     return data
 
 

@@ -33,8 +33,10 @@ def load_weights(model: nn.Module, path: str) -> None:
         params = dict(model.named_parameters())
         missing = [name for name in params if name not in stored]
         if missing:
-            raise ModelSpecError(f"--weights {file}: no tensor for {len(missing)} of the model's {len(params)} parameters, "
-                                 f"e.g. {', '.join(missing[:3])}")  # fmt: skip
+            raise ModelSpecError(
+                f"--weights {file}: no tensor for {len(missing)} of the model's {len(params)} parameters, "
+                f"e.g. {', '.join(missing[:3])}"
+            )
         shapes = {n: tuple(reader.get_slice(n).get_shape()) for n in params}
         wrong = [f"{n} {shapes[n]} vs {tuple(p.shape)}" for n, p in params.items() if shapes[n] != tuple(p.shape)]
         if wrong:

@@ -8,7 +8,7 @@ small all-reduce over the site, on the host over the mesh's gloo agreement group
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,13 @@ from dilocox.worker.site.reshard import BATCH_ELEMENTS, Resharder, StageResharde
 
 
 class SiteAccess:
-    def __init__(self, mesh: SiteMesh, named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]],
-                 model_specs: list[tuple[str, tuple[int, ...]]], batch_elements: int = BATCH_ELEMENTS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mesh: SiteMesh,
+        named_parameters: Callable[[], list[tuple[str, torch.nn.Parameter]]],
+        model_specs: list[tuple[str, tuple[int, ...]]],
+        batch_elements: int = BATCH_ELEMENTS,
+    ) -> None:
         """`named_parameters`: the trainer's, called anew at every boundary (FSDP swaps the registered
         parameters between their sharded and gathered forms)."""
         self.named_parameters = named_parameters
@@ -30,7 +35,9 @@ class SiteAccess:
         self.device = mesh.device
         self.model_specs = [(n, tuple(s)) for n, s in model_specs]
         sharded = mesh.fsdp_mesh is not None
-        self.plan = StageResharder({n: tuple(p.shape) for n, p in params.items()}, mesh.shape, mesh.replica, sharded, batch_elements)
+        self.plan = StageResharder(
+            {n: tuple(p.shape) for n, p in params.items()}, mesh.shape, mesh.replica, sharded, batch_elements
+        )
         self.resharder = Resharder(self.plan, mesh.stage_group, mesh.device)
         self.resharder.check(self._local())
         self.names = list(self.plan.owned)

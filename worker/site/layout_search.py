@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from dilocox.common.config.run import RunConfig
 from dilocox.worker.site.memory_plan import MemoryPlan, plan_memory
-from dilocox.worker.site.model_shape import ModelShape
 from dilocox.worker.site.mesh import SiteShape
+from dilocox.worker.site.model_shape import ModelShape
 from dilocox.worker.site.pipeline_memory import bubble_fraction, interleaved_rounds
 
 NVLINK_GBYTE_S = 360.0  # an H100/H200's NVLink 4 (450 GB/s each way) as collectives see it
@@ -133,7 +133,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _embeddings(model: ModelShape) -> set[str]:
     """The first stage's parameters before the blocks that are lookups, not matmuls (token and position
     embeddings): the built-in GPT's and Llama's names."""
-    return {name for name, _ in model.stages[0] if name.endswith(("tok_emb.weight", "pos_emb.weight", "embed_tokens.weight"))}
+    return {
+        name
+        for name, _ in model.stages[0]
+        if name.endswith(("tok_emb.weight", "pos_emb.weight", "embed_tokens.weight"))
+    }
 
 
 @dataclass(frozen=True)
@@ -154,17 +158,31 @@ def candidate_layouts(config: RunConfig, gpus: int, layers: int) -> list[RunConf
         if gpus % pp:
             continue
         dp = gpus // pp
-        micros = [m for m in range(pp, batch + 1) if batch % m == 0] if pp > 1 else [config.parallel.microbatches]  # ≥ pp: no idle stage
+        micros = (
+            [m for m in range(pp, batch + 1) if batch % m == 0] if pp > 1 else [config.parallel.microbatches]
+        )  # ≥ pp: no idle stage
         # 1F1B (one stage a rank) and the interleaved 1F1B with 2, 4 or 8 stages a rank where the blocks allow
-        schedules = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 4, 8) if pp > 1 and pp * v <= layers] + [
-            ("interleaved-zb", v) for v in (1, 2) if pp > 1 and pp * v <= layers]  # fmt: skip
-        for micro, (schedule, per_rank), replicate in itertools.product(micros, schedules, (r for r in range(1, dp + 1) if dp % r == 0)):
+        schedules = (
+            [("1f1b", 1)]
+            + [("interleaved-1f1b", v) for v in (2, 4, 8) if pp > 1 and pp * v <= layers]
+            + [("interleaved-zb", v) for v in (1, 2) if pp > 1 and pp * v <= layers]
+        )
+        for micro, (schedule, per_rank), replicate in itertools.product(
+            micros, schedules, (r for r in range(1, dp + 1) if dp % r == 0)
+        ):
             steps = micro * config.inner.grad_accum
             if per_rank > 1 and steps % interleaved_rounds(pp, steps)[0]:
                 continue  # what torch's schedules refuse
             try:
-                parallel = dataclasses.replace(config.parallel, pp=pp, dp=dp, dp_replicate=replicate, microbatches=micro,
-                                               schedule=schedule, stages_per_rank=per_rank)  # fmt: skip
+                parallel = dataclasses.replace(
+                    config.parallel,
+                    pp=pp,
+                    dp=dp,
+                    dp_replicate=replicate,
+                    microbatches=micro,
+                    schedule=schedule,
+                    stages_per_rank=per_rank,
+                )
                 out.append(dataclasses.replace(config, parallel=parallel))
             except ValueError:  # a layout the worker refuses
                 continue
@@ -190,8 +208,14 @@ def _fits(config: RunConfig, whole: ModelShape, shapes: dict, gpu_bytes: int | N
     return plan_memory(config, whole.vocab, gpu_bytes, fused, model=_cut(whole, config, shapes), quick=True).fits()
 
 
-def rank_layouts(config: RunConfig, gpus: int, whole: ModelShape, gpu_bytes: int | None, cluster: Cluster,
-                 fused_attention: bool = True) -> list[RankedLayout]:  # fmt: skip
+def rank_layouts(
+    config: RunConfig,
+    gpus: int,
+    whole: ModelShape,
+    gpu_bytes: int | None,
+    cluster: Cluster,
+    fused_attention: bool = True,
+) -> list[RankedLayout]:
     """The layouts of `gpus` GPUs that fit, fastest (tokens per second) first. `whole`: the model's shape
     with one stage (`model_shape` at --pp 1), cut for each stage count without building it again."""
     shapes: dict[tuple[int, int], ModelShape] = {}
@@ -203,7 +227,16 @@ def rank_layouts(config: RunConfig, gpus: int, whole: ModelShape, gpu_bytes: int
         plan = plan_memory(candidate, whole.vocab, gpu_bytes, fused_attention, model=cut, quick=True)
         if not plan.fits():
             continue
-        resolved = dataclasses.replace(candidate, parallel=dataclasses.replace(candidate.parallel, pipeline_reshard=plan.pipeline_reshard))
+        resolved = dataclasses.replace(
+            candidate, parallel=dataclasses.replace(candidate.parallel, pipeline_reshard=plan.pipeline_reshard)
+        )
         ranked.append(RankedLayout(resolved, plan, estimate_step(resolved, cut, cluster, plan.pipeline_reshard)))
-    return sorted(ranked, key=lambda r: (-r.step.tokens_per_s, r.config.parallel.pp, r.config.parallel.microbatches,
-                                         r.config.parallel.dp_replicate))  # fmt: skip
+    return sorted(
+        ranked,
+        key=lambda r: (
+            -r.step.tokens_per_s,
+            r.config.parallel.pp,
+            r.config.parallel.microbatches,
+            r.config.parallel.dp_replicate,
+        ),
+    )

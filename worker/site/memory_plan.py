@@ -12,7 +12,8 @@ Device, per GPU (on the CPU the same bytes are host memory):
   tensors keep fp32 moments: worker/train/light_adamw.py).
 * `gathered`: parameters FSDP2 has all-gathered for compute (bf16 or fp32); without FSDP (dp 1) in bf16,
   autocast's bf16 copy of the weights, which autograd saves for the backward (with `--activation-checkpoint
-  full`: the root's and the recomputed block's); 1.25 GB of a Llama 1B's peak on an H200 the plan missed. Unpipelined, or pipelined with
+  full`: the root's and the recomputed block's); 1.25 GB of a Llama 1B's peak on an H200 the plan missed. Unpipelined,
+  or pipelined with
   `--pipeline-reshard microbatch`: the root unit (embeddings, head, final norm) and two blocks (the one
   computing and the next, prefetched). Pipelined with `step`: every block of the stage stays gathered
   from its first forward to the end of the step's backward (worker/site/parallelize.py) — the whole stage.
@@ -210,8 +211,14 @@ def _optimizer_step_bytes(state: str, cuda: bool, held: int, largest_local: int)
     return (48 if state == "int8" else 32) * largest_local
 
 
-def resolve_pipeline_reshard(config: RunConfig, vocab: int, gpu_bytes: int | None, fused_attention: bool = True,
-                             model: ModelShape | None = None, quick: bool = False) -> RunConfig:  # fmt: skip
+def resolve_pipeline_reshard(
+    config: RunConfig,
+    vocab: int,
+    gpu_bytes: int | None,
+    fused_attention: bool = True,
+    model: ModelShape | None = None,
+    quick: bool = False,
+) -> RunConfig:
     """`--pipeline-reshard auto` made concrete: "step" (fewest collectives) unless the plan says the
     stage's gathered blocks and gradients do not fit the GPU, then "microbatch". Without a GPU size (the
     CPU) or without pipelined FSDP, "step"."""
@@ -221,7 +228,12 @@ def resolve_pipeline_reshard(config: RunConfig, vocab: int, gpu_bytes: int | Non
     if par.schedule == "interleaved-zb":  # its split backward runs with blocks gathered through the step
         return dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="step"))
     step = dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="step"))
-    if gpu_bytes is None or par.pp == 1 or par.dp == 1 or plan_memory(step, vocab, gpu_bytes, fused_attention, model, quick=quick).fits():
+    if (
+        gpu_bytes is None
+        or par.pp == 1
+        or par.dp == 1
+        or plan_memory(step, vocab, gpu_bytes, fused_attention, model, quick=quick).fits()
+    ):
         return step
     return dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="microbatch"))
 
@@ -229,7 +241,9 @@ def resolve_pipeline_reshard(config: RunConfig, vocab: int, gpu_bytes: int | Non
 class _ExactReshard:
     """The boundary's reshard as `StageResharder` plans it, piece by piece (what the site allocates)."""
 
-    def __init__(self, specs: list[tuple[str, tuple[int, ...]]], shape: SiteShape, sharded: bool, batch_elements: int) -> None:
+    def __init__(
+        self, specs: list[tuple[str, tuple[int, ...]]], shape: SiteShape, sharded: bool, batch_elements: int
+    ) -> None:
         plan = StageResharder(dict(specs), shape, 0, sharded, batch_elements)
         self.owner = plan.owner
         self.buffers, self.landing = _reshard_buffers(plan), _landing_elements(plan)
@@ -243,7 +257,9 @@ class _BoundedReshard:
     more than the stage) and the busiest replica's parameters for every rank — never below the exact plan,
     without planning every piece (seconds a layout at dp 160)."""
 
-    def __init__(self, specs: list[tuple[str, tuple[int, ...]]], shape: SiteShape, sharded: bool, batch_elements: int) -> None:
+    def __init__(
+        self, specs: list[tuple[str, tuple[int, ...]]], shape: SiteShape, sharded: bool, batch_elements: int
+    ) -> None:
         sizes = {n: math.prod(s) for n, s in specs}
         self.owner = owners_by_size(sizes, shape.dp)
         loads = [0] * shape.dp
@@ -258,8 +274,15 @@ class _BoundedReshard:
         return [n for n in shapes if self.owner[n] == self.busiest]
 
 
-def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fused_attention: bool = True,
-                model: ModelShape | None = None, batch_elements: int = BATCH_ELEMENTS, quick: bool = False) -> MemoryPlan:  # fmt: skip
+def plan_memory(
+    config: RunConfig,
+    vocab: int,
+    gpu_bytes: int | None = None,
+    fused_attention: bool = True,
+    model: ModelShape | None = None,
+    batch_elements: int = BATCH_ELEMENTS,
+    quick: bool = False,
+) -> MemoryPlan:
     """Every rank's planned bytes for `config`'s layout (see the module docstring). `fused_attention`:
     SDPA's flash/memory-efficient kernels (GPUs) keep no attention matrix; the CPU's math kernel does.
     `quick`: the layout search's form — one rank per stage, its first replica (which holds the most rows:
@@ -282,14 +305,15 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         reshards = model.memo[key]
     else:
         reshards = [_ExactReshard(specs, shape, sharded, batch_elements) for specs in model.stages]
-    for rank in ([s * shape.dp for s in range(shape.pp)] if quick else range(shape.world_size)):
+    for rank in [s * shape.dp for s in range(shape.pp)] if quick else range(shape.world_size):
         stage, replica = shape.stage_of(rank), shape.replica_of(rank)
         shapes = dict(model.stages[stage])
         stage_params = sum(math.prod(s) for s in shapes.values())
         blocks = model.blocks[stage]
         root = stage_params - sum(blocks)
-        held, largest_local, moments = _held_summary(model, stage, shape.shard_coordinate(replica), shape.dp_shard if sharded else 1,
-                                                     par.optimizer_state)  # fmt: skip
+        held, largest_local, moments = _held_summary(
+            model, stage, shape.shard_coordinate(replica), shape.dp_shard if sharded else 1, par.optimizer_state
+        )
         plan = RankPlan(rank, stage, replica, held=held)
         d = plan.device
         d["weights"], d["grads"] = 4 * held, 4 * held
@@ -314,8 +338,12 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         per_token_layer = width_factor * model.width + mlp_factor * model.mlp
         if not fused_attention:
             per_token_layer += 2 * model.heads * block  # the attention probabilities and their dropout/softmax copy
-        if par.activation_checkpoint == "full":  # each block keeps its input; one block's intermediates are rebuilt at a time
-            d["activations"] = (in_flight * tokens * model.width + tokens * per_token_layer * min(1, len(blocks))) * act_bytes
+        if (
+            par.activation_checkpoint == "full"
+        ):  # each block keeps its input; one block's intermediates are rebuilt at a time
+            d["activations"] = (
+                in_flight * tokens * model.width + tokens * per_token_layer * min(1, len(blocks))
+            ) * act_bytes
         else:
             d["activations"] = in_flight * tokens * per_token_layer * act_bytes
         last = stage == shape.pp - 1
@@ -333,7 +361,10 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
         d["optimizer_step"] = _optimizer_step_bytes(par.optimizer_state, cuda, held, largest_local)
         if cuda:
             d["workspace"] = CUBLAS_WORKSPACE_BYTES
-            plan.overheads = {"cuda_context": CUDA_CONTEXT_BYTES, "fragmentation": int(FRAGMENTATION * plan.device_total)}
+            plan.overheads = {
+                "cuda_context": CUDA_CONTEXT_BYTES,
+                "fragmentation": int(FRAGMENTATION * plan.device_total),
+            }
         owned_names = reshard.owned(shapes, replica)
         owned = sum(math.prod(shapes[n]) for n in owned_names)
         plan.owned = owned
@@ -343,22 +374,42 @@ def plan_memory(config: RunConfig, vocab: int, gpu_bytes: int | None = None, fus
             "build": 5 * largest,  # the whole parameter drawn, and its NaN check's mask
             # + θ's landing buffer on the host: at most one reshard batch of this rank's rows, kept between
             # boundaries (with the start spilled, a lean site frees it after each: worker/site/reshard.py)
-            "exchange": exchange_bytes_per_param(par) * owned + warm + 4 * reshard.landing[replica] * (not par.spill_dir),
+            "exchange": exchange_bytes_per_param(par) * owned
+            + warm
+            + 4 * reshard.landing[replica] * (not par.spill_dir),
             # Replicated state is staged by the first replica alone (worker/checkpoint.py, written_once).
-            "checkpoint": ((4 * held + d["optimizer"]) * (shape.replicate_coordinate(replica) == 0) * (par.checkpoint_staging == "async")
-                           + CHECKPOINT_BYTES_PER_OWNED * owned),
+            "checkpoint": (
+                (4 * held + d["optimizer"])
+                * (shape.replicate_coordinate(replica) == 0)
+                * (par.checkpoint_staging == "async")
+                + CHECKPOINT_BYTES_PER_OWNED * owned
+            ),
         }
         ranks.append(plan)
-    return MemoryPlan(config.model.model, model.params, shape, ranks, gpu_bytes, bf16, config.parallel.pipeline_reshard,
-                      bool(par.spill_dir), par.checkpoint_staging, par.optimizer_state,
-                      0 if quick else checkpoint_disk_bytes(model, par.optimizer_state))  # fmt: skip
+    return MemoryPlan(
+        config.model.model,
+        model.params,
+        shape,
+        ranks,
+        gpu_bytes,
+        bf16,
+        config.parallel.pipeline_reshard,
+        bool(par.spill_dir),
+        par.checkpoint_staging,
+        par.optimizer_state,
+        0 if quick else checkpoint_disk_bytes(model, par.optimizer_state),
+    )
 
 
 def checkpoint_disk_bytes(model: ModelShape, optimizer_state: str) -> int:
     """One site checkpoint's bytes: fp32 weights and AdamW's moments as kept (replicas write them once), and
     per parameter the error-feedback residual and the replica of the global model — weights and outer
     momentum (worker/checkpoint.py): 4 + moments + 12 B a parameter."""
-    return sum(4 * math.prod(s) + moment_bytes(s, math.prod(s), optimizer_state) + 12 * math.prod(s) for stage in model.stages for _, s in stage)
+    return sum(
+        4 * math.prod(s) + moment_bytes(s, math.prod(s), optimizer_state) + 12 * math.prod(s)
+        for stage in model.stages
+        for _, s in stage
+    )
 
 
 def _logits_bytes(tokens: int, vocab: int, in_flight: int, bf16: bool) -> int:

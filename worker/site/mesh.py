@@ -68,7 +68,7 @@ class SiteShape:
         return [s * self.dp + replica for s in range(self.pp)]
 
     @classmethod
-    def of(cls, parallel: ParallelConfig) -> "SiteShape":
+    def of(cls, parallel: ParallelConfig) -> SiteShape:
         return cls(parallel.pp, parallel.dp, parallel.dp_replicate)
 
 
@@ -82,8 +82,13 @@ def _timed_options(backend: str, timeout: datetime.timedelta) -> tuple[str, obje
 class SiteMesh:
     """This rank's process groups and device; created once per worker process, before the model."""
 
-    def __init__(self, parallel: ParallelConfig, collective_timeout_s: float | None = None,
-                 _adopted: DeviceMesh | None = None, step_timeout_s: float = STEP_TIMEOUT_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        parallel: ParallelConfig,
+        collective_timeout_s: float | None = None,
+        _adopted: DeviceMesh | None = None,
+        step_timeout_s: float = STEP_TIMEOUT_S,
+    ) -> None:
         """`collective_timeout_s`: how long a rank waits in an agreement for the others (default
         `collective_timeout_for` a 1,800 s shard wait: 6,600 s). It must outlast one rank's exchange: while
         one rank waits for a shard, its peers wait for it in the next collective. The boundary's first
@@ -97,8 +102,10 @@ class SiteMesh:
         self.shape = SiteShape.of(parallel)
         world = dist.get_world_size() if _adopted is not None else int(os.environ["WORLD_SIZE"])
         if world != self.shape.world_size:
-            raise SystemExit(f"dilocox worker: torchrun started {world} processes but --pp {parallel.pp} × --dp "
-                             f"{parallel.dp} needs {self.shape.world_size}")  # fmt: skip
+            raise SystemExit(
+                f"dilocox worker: torchrun started {world} processes but --pp {parallel.pp} × --dp "
+                f"{parallel.dp} needs {self.shape.world_size}"
+            )
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         self.compute: Compute = resolve_compute(parallel, local_rank, local_world)
@@ -108,15 +115,22 @@ class SiteMesh:
         timeout = datetime.timedelta(seconds=collective_timeout_s)
         step_timeout = datetime.timedelta(seconds=step_timeout_s)
         if _adopted is None:
-            dist.init_process_group(backend=self.compute.backend, timeout=step_timeout,
-                                    device_id=self.device if self.compute.is_cuda else None)  # fmt: skip
+            dist.init_process_group(
+                backend=self.compute.backend,
+                timeout=step_timeout,
+                device_id=self.device if self.compute.is_cuda else None,
+            )
         self.rank = dist.get_rank()
         self.stage = self.shape.stage_of(self.rank)
         self.replica = self.shape.replica_of(self.rank)
         names = ("pp", "dp_replicate", "dp_shard")
         options = _timed_options(self.compute.backend, step_timeout)  # torch's defaults otherwise: 10 min NCCL, 30 gloo
-        self.mesh: DeviceMesh = init_device_mesh(self.device.type, (self.shape.pp, self.shape.dp_replicate, self.shape.dp_shard),
-                                                 mesh_dim_names=names, backend_override={n: options for n in names})  # fmt: skip
+        self.mesh: DeviceMesh = init_device_mesh(
+            self.device.type,
+            (self.shape.pp, self.shape.dp_replicate, self.shape.dp_shard),
+            mesh_dim_names=names,
+            backend_override={n: options for n in names},
+        )
         self.pp_group = self.mesh.get_group("pp")
         self.shard_group = self.mesh.get_group("dp_shard")  # the ranks that together hold one copy of the stage
         self.stage_group = self._stage_group(step_timeout)  # all dp ranks of this stage, group rank = replica
@@ -127,8 +141,16 @@ class SiteMesh:
         self.collective_timeout_s = collective_timeout_s
         self.step_timeout_s = step_timeout_s
         structlog.contextvars.bind_contextvars(rank=self.rank, stage=self.stage, replica=self.replica)
-        log.info("rank_ready", backend=self.compute.backend, world=world, pp=self.shape.pp, dp=self.shape.dp,
-                 dp_replicate=self.shape.dp_replicate, device=str(self.device), precision=self.compute.precision)  # fmt: skip
+        log.info(
+            "rank_ready",
+            backend=self.compute.backend,
+            world=world,
+            pp=self.shape.pp,
+            dp=self.shape.dp,
+            dp_replicate=self.shape.dp_replicate,
+            device=str(self.device),
+            precision=self.compute.precision,
+        )
 
     def settle(self) -> None:
         """Wait, on the agreement group, for every rank to reach this point: before the first training
@@ -137,8 +159,13 @@ class SiteMesh:
         dist.barrier(group=self.agreement_group)
 
     @classmethod
-    def adopt(cls, device_mesh: DeviceMesh, parallel: ParallelConfig | None = None,
-              collective_timeout_s: float | None = None, step_timeout_s: float = STEP_TIMEOUT_S) -> "SiteMesh":  # fmt: skip
+    def adopt(
+        cls,
+        device_mesh: DeviceMesh,
+        parallel: ParallelConfig | None = None,
+        collective_timeout_s: float | None = None,
+        step_timeout_s: float = STEP_TIMEOUT_S,
+    ) -> SiteMesh:
         """The site of a job that owns its mesh (torchtitan's, accelerate's): the process group stays the
         job's, and its layout is read from `device_mesh` — dimensions "pp", "dp_replicate" and "dp_shard"
         (or "dp"), each optional, in that order, row-major over ranks 0 … world − 1, as torchtitan lays them
@@ -156,16 +183,22 @@ class SiteMesh:
         sizes = dict(zip(names, device_mesh.mesh.shape))
         others = {name: size for name, size in sizes.items() if name not in ("pp", "dp_replicate", "dp_shard", "dp")}
         if any(size > 1 for size in others.values()):
-            raise ValueError(f"SiteMesh.adopt: the mesh splits parameters over {others} (tensor or context parallel): "
-                             "DiLoCoX exchanges a stage sharded over its dp ranks only; give it a mesh of pp × dp")  # fmt: skip
+            raise ValueError(
+                f"SiteMesh.adopt: the mesh splits parameters over {others} (tensor or context parallel): "
+                "DiLoCoX exchanges a stage sharded over its dp ranks only; give it a mesh of pp × dp"
+            )
         known = [name for name in names if name in ("pp", "dp_replicate", "dp_shard", "dp")]
         order = {"pp": 0, "dp_replicate": 1, "dp_shard": 2, "dp": 2}
         if known != sorted(known, key=order.__getitem__) or ("dp" in sizes and "dp_shard" in sizes):
-            raise ValueError(f"SiteMesh.adopt: dimensions {names}: expected pp, dp_replicate, dp_shard (each optional) in that order")
+            raise ValueError(
+                f"SiteMesh.adopt: dimensions {names}: expected pp, dp_replicate, dp_shard (each optional) in that order"
+            )
         world = dist.get_world_size()
         if device_mesh.mesh.flatten().tolist() != list(range(world)):
-            raise ValueError(f"SiteMesh.adopt: the mesh covers ranks {device_mesh.mesh.flatten().tolist()}, not 0 … {world - 1} "
-                             "row-major: a site is the whole job, laid out pp-major")  # fmt: skip
+            raise ValueError(
+                f"SiteMesh.adopt: the mesh covers ranks {device_mesh.mesh.flatten().tolist()}, not 0 … {world - 1} "
+                "row-major: a site is the whole job, laid out pp-major"
+            )
         dp_replicate = sizes.get("dp_replicate", 1)
         dp = dp_replicate * sizes.get("dp_shard", sizes.get("dp", 1))
         base = parallel or ParallelConfig(device="cpu" if device_mesh.device_type == "cpu" else "cuda")

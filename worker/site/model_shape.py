@@ -46,7 +46,7 @@ class ModelShape:
     def layers_of_chunks(self, rank_stage: int) -> tuple[int, ...]:
         return self.chunk_layers[rank_stage] if self.chunk_layers else (len(self.blocks[rank_stage]),)
 
-    def split(self, pp: int, stages_per_rank: int = 1) -> "ModelShape":
+    def split(self, pp: int, stages_per_rank: int = 1) -> ModelShape:
         """This whole model's shape cut into pp · v stages as `split_model` cuts it (`stage_layers`), rank r
         holding stages r, r + pp, … (`rank_stages`), from the one shape: the layout search plans every
         stage count without building the model again."""
@@ -62,7 +62,9 @@ class ModelShape:
             parts[stage_of_layer[layer]].append(spec)
         mine = [rank_stages(r, pp, stages_per_rank) for r in range(pp)]
         stages = [[spec for s in owned for spec in parts[s]] for owned in mine]
-        blocks = [[self.blocks[0][layer] for s in owned for layer in stage_layers(layers, s, virtual)] for owned in mine]
+        blocks = [
+            [self.blocks[0][layer] for s in owned for layer in stage_layers(layers, s, virtual)] for owned in mine
+        ]
         chunks = tuple(tuple(len(stage_layers(layers, s, virtual)) for s in owned) for owned in mine)
         return dataclasses.replace(self, stages=stages, blocks=blocks, layer_of=(), chunk_layers=chunks, memo={})
 
@@ -106,7 +108,9 @@ def _built_shape(model_config: ModelConfig, vocab: int) -> ModelShape:
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None) or config.model.n_head
     width = sizes.get("width") or config.model.n_embd
     gated = any(name.endswith("gate_proj.weight") for name, _ in specs)
-    return ModelShape([specs], [blocks], width, sizes.get("mlp") or 4 * width, int(heads), vocab, gated, tuple(layer_of))
+    return ModelShape(
+        [specs], [blocks], width, sizes.get("mlp") or 4 * width, int(heads), vocab, gated, tuple(layer_of)
+    )
 
 
 def _decoder_shape(model_config: ModelConfig, vocab: int) -> ModelShape | None:
@@ -124,11 +128,23 @@ def _decoder_shape(model_config: ModelConfig, vocab: int) -> ModelShape | None:
     if specs is None:
         return None
     layers = int(config["num_hidden_layers"])
-    layer_of = tuple(int(n.split(".")[2]) if n.startswith("model.layers.") else (-1 if n.startswith("model.embed_tokens") else layers)
-                     for n, _ in specs)  # fmt: skip
+    layer_of = tuple(
+        int(n.split(".")[2])
+        if n.startswith("model.layers.")
+        else (-1 if n.startswith("model.embed_tokens") else layers)
+        for n, _ in specs
+    )
     blocks = [0] * layers
     for (_, shape), layer in zip(specs, layer_of):
         if 0 <= layer < layers:
             blocks[layer] += math.prod(shape)
-    return ModelShape([specs], [blocks], int(config["hidden_size"]), int(config["intermediate_size"]), int(config["num_attention_heads"]),
-                      vocab, gated=True, layer_of=layer_of)  # fmt: skip
+    return ModelShape(
+        [specs],
+        [blocks],
+        int(config["hidden_size"]),
+        int(config["intermediate_size"]),
+        int(config["num_attention_heads"]),
+        vocab,
+        gated=True,
+        layer_of=layer_of,
+    )

@@ -63,7 +63,9 @@ def shard_stage(module: nn.Module, mesh: DeviceMesh, bf16: bool, keep_gathered: 
     of being gathered again for every micro-batch (torchtitan's default with pipelining: one gather per
     block and step, for the memory of the stage's gathered parameters during the step). Otherwise each
     block reshards after its forward (`--pipeline-reshard microbatch`: worker/site/pipeline_fsdp.py)."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     blocks = transformer_blocks(module)
     for i, block in enumerate(blocks):
         # The last block is gathered again at once by the backward: keep it (torchtitan does the same).

@@ -35,8 +35,13 @@ def _zero_bubble_order(pp: int, microbatches: int, stages_per_rank: int) -> dict
     from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as zb
 
     rounds, per_round = interleaved_rounds(pp, microbatches)
-    plan = SimpleNamespace(n_local_stages=stages_per_rank, microbatches_per_round=per_round, pp_group_size=pp,
-                           _n_microbatches=microbatches, number_of_rounds=rounds)  # fmt: skip
+    plan = SimpleNamespace(
+        n_local_stages=stages_per_rank,
+        microbatches_per_round=per_round,
+        pp_group_size=pp,
+        _n_microbatches=microbatches,
+        number_of_rounds=rounds,
+    )
     plan.pipeline_order = {rank: zb._calculate_single_rank_operations(plan, rank) for rank in range(pp)}
     return zb._add_bubbles_to_actions(plan, stages_per_rank * pp)
 
@@ -70,7 +75,9 @@ def last_stage_in_flight(schedule: str, pp: int, microbatches: int, stages_per_r
 
 
 @functools.lru_cache(maxsize=1024)
-def _interleaved_counts(schedule: str, rank_stage: int, pp: int, microbatches: int, stages_per_rank: int) -> tuple[dict[int, int], ...]:
+def _interleaved_counts(
+    schedule: str, rank_stage: int, pp: int, microbatches: int, stages_per_rank: int
+) -> tuple[dict[int, int], ...]:
     """The microbatches in flight per stage after each of the rank's actions, from torch's own schedule: a
     forward (F) adds one, a full backward (B) frees it — in the zero-bubble schedule its weight half (W),
     as the input half (I) leaves what the weights' gradient needs."""
@@ -80,8 +87,12 @@ def _interleaved_counts(schedule: str, rank_stage: int, pp: int, microbatches: i
         actions = _zero_bubble_order(pp, microbatches, stages_per_rank)[rank_stage]
     else:
         _, per_round = interleaved_rounds(pp, microbatches)
-        plan = SimpleNamespace(n_local_stages=stages_per_rank, microbatches_per_round=per_round, pp_group_size=pp,
-                               _n_microbatches=microbatches)  # fmt: skip
+        plan = SimpleNamespace(
+            n_local_stages=stages_per_rank,
+            microbatches_per_round=per_round,
+            pp_group_size=pp,
+            _n_microbatches=microbatches,
+        )
         actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(plan, rank_stage)
     counts: dict[int, int] = {}
     timeline = []

@@ -69,8 +69,14 @@ def planned_step(plan: MemoryPlan, rank: int) -> int:
 
 
 def _rank(rank: int, world: int, port: int, config: RunConfig, init_only: bool, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     # One thread on the CPU (the measure is the rank's own memory); on GPUs the host only draws the initial
     # weights (worker/models/materialize.py), which at 8B took over 90 s on one thread: give it the cores.
     on_cuda = config.parallel.device.startswith("cuda")
@@ -127,8 +133,10 @@ def measure(config: RunConfig, init_only: bool = False) -> list[RankMeasure]:
 
     world = config.parallel.world_size
     if config.parallel.device.startswith("cuda") and torch.cuda.device_count() < world:
-        raise SystemExit(f"dilocox plan --measure: the layout has {world} ranks, one GPU each; this machine has "
-                         f"{torch.cuda.device_count()} GPU(s) (--device cpu measures it on the CPU)")  # fmt: skip
+        raise SystemExit(
+            f"dilocox plan --measure: the layout has {world} ranks, one GPU each; this machine has "
+            f"{torch.cuda.device_count()} GPU(s) (--device cpu measures it on the CPU)"
+        )
     config = measured_config(config)
     # glibc raises its mmap threshold as large blocks are freed, after which freed memory stays resident:
     # a fixed threshold returns every large block at its free, so the resident set follows live memory.

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from dilocox.worker.models.materialize import held_rows  # FSDP2's row chunks: one definition for the build and the reshard
 from dilocox.worker.exchange.host_buffers import host_empty
+from dilocox.worker.models.materialize import (
+    held_rows,
+)  # FSDP2's row chunks: one definition for the build and the reshard
 from dilocox.worker.site.mesh import SiteShape
 
 BATCH_ELEMENTS = 64 * 2**20  # 256 MB of fp32 per collective, at most
@@ -57,8 +59,14 @@ class Piece:
 class StageResharder:
     """The pieces of a stage's parameters that move at a boundary, planned once from shapes alone."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], shape: SiteShape, replica: int, sharded: bool,
-                 batch_elements: int = BATCH_ELEMENTS) -> None:  # fmt: skip
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        shape: SiteShape,
+        replica: int,
+        sharded: bool,
+        batch_elements: int = BATCH_ELEMENTS,
+    ) -> None:
         """`shapes`: the stage's parameters (global shapes, stage order). `sharded`: whether FSDP splits
         the rows over dp_shard (else every rank holds every row)."""
         self.shapes = dict(shapes)
@@ -156,8 +164,10 @@ class Resharder:
             start, stop = self.plan.rows_of(name, self.plan.replica)
             rows = tensor.shape[0] if tensor.dim() else 1
             if rows != stop - start:
-                raise RuntimeError(f"{name}: this rank holds {rows} rows, the reshard plan expects {stop - start} "
-                                   f"(rows {start}–{stop}); FSDP's sharding is not torch.chunk's")  # fmt: skip
+                raise RuntimeError(
+                    f"{name}: this rank holds {rows} rows, the reshard plan expects {stop - start} "
+                    f"(rows {start}–{stop}); FSDP's sharding is not torch.chunk's"
+                )
 
     @staticmethod
     def _rows(tensor: torch.Tensor, piece: Piece, offset: int = 0) -> torch.Tensor:
@@ -177,7 +187,9 @@ class Resharder:
             self._buffers[which] = torch.empty(numel, dtype=torch.float32, device=self.device)
         return self._buffers[which][:numel]
 
-    def _exchange(self, pieces: list[Piece], read: Callable[[Piece], torch.Tensor], write: Callable[[Piece], torch.Tensor]) -> None:
+    def _exchange(
+        self, pieces: list[Piece], read: Callable[[Piece], torch.Tensor], write: Callable[[Piece], torch.Tensor]
+    ) -> None:
         """Move `pieces`: each from `read(piece)` on its source to `write(piece)` on its destination (both
         flat views). Pieces that stay on this rank are copied directly; the rest go through one
         all_to_all_single over the stage's group."""
@@ -215,8 +227,13 @@ class Resharder:
         self._release()
 
     @torch.no_grad()
-    def gather_rows(self, local: dict[str, torch.Tensor], land: Callable[[str, int, int, torch.Tensor], None],
-                    pinned: bool = False, keep: bool = True) -> None:  # fmt: skip
+    def gather_rows(
+        self,
+        local: dict[str, torch.Tensor],
+        land: Callable[[str, int, int, torch.Tensor], None],
+        pinned: bool = False,
+        keep: bool = True,
+    ) -> None:
         """Every owned parameter's rows handed to `land(name, first, last, rows)` batch by batch, through
         one host buffer of at most a batch (kept for the run: page-locked where `pinned`, and allocating
         that anew at every boundary is slow) — so the owner folds θ into its own state without a buffer
@@ -234,7 +251,9 @@ class Resharder:
             for p in mine:
                 offsets[p] = offset
                 offset += numel(p)
-            self._exchange(pieces, lambda p: self._local_rows(local, p), lambda p: self._host[offsets[p] : offsets[p] + numel(p)])
+            self._exchange(
+                pieces, lambda p: self._local_rows(local, p), lambda p, at=offsets: self._host[at[p] : at[p] + numel(p)]
+            )
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the host reads the buffer next
             for p in mine:

@@ -8,7 +8,8 @@ care how the site computes. One inner step:
   the inputs, the last the targets) — `grad_accum` batches per step, each split into `microbatches`;
 * pp > 1: torch's schedule (GPipe or 1F1B) runs the micro-batches, all `grad_accum · microbatches` of a
   step in one schedule step (one gather and one reduce of each block per step, not per batch). Its own
-  gradient scaling is off (`scale_grads=False`): it would divide *all* of `.grad` by the micro-batch count at every `step()`,
+  gradient scaling is off (`scale_grads=False`): it would divide *all* of `.grad` by the micro-batch count at every
+  `step()`,
   so a second accumulated batch would divide the first again. The gradient of the whole step's batch is
   taken once, at the end: ÷ (grad_accum · microbatches);
 * pp = 1: plain forward and backward, FSDP's gradient sync only on the last accumulated batch;
@@ -30,11 +31,23 @@ import time
 import structlog
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                           ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 
 from dilocox.common.config.run import RunConfig
-from dilocox.worker.data.corpus import BatchSampler, as_token_array, check_split, data_part, eval_windows, gather_windows
+from dilocox.worker.data.corpus import (
+    BatchSampler,
+    as_token_array,
+    check_split,
+    data_part,
+    eval_windows,
+    gather_windows,
+)
 from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import blueprint
 from dilocox.worker.models.contract import causal_lm_loss, logits_of
@@ -66,7 +79,9 @@ def pipeline_reshard_of(config: RunConfig, vocab_size: int, mesh: SiteMesh) -> s
 
     if config.parallel.pipeline_reshard != "auto":
         return config.parallel.pipeline_reshard
-    gpu = smallest_gpu(mesh, torch.cuda.get_device_properties(mesh.device).total_memory if mesh.compute.is_cuda else None)
+    gpu = smallest_gpu(
+        mesh, torch.cuda.get_device_properties(mesh.device).total_memory if mesh.compute.is_cuda else None
+    )
     planned = planned_precision(config, on_gpu=gpu is not None)
     choice = resolve_pipeline_reshard(planned, vocab_size, gpu).parallel.pipeline_reshard
     if mesh.rank == 0 and mesh.shape.pp > 1 and mesh.shape.dp > 1:
@@ -74,7 +89,9 @@ def pipeline_reshard_of(config: RunConfig, vocab_size: int, mesh: SiteMesh) -> s
     return choice
 
 
-def build_site_module(config: RunConfig, vocab_size: int, mesh: SiteMesh, pipeline_reshard: str = "step") -> torch.nn.Module:
+def build_site_module(
+    config: RunConfig, vocab_size: int, mesh: SiteMesh, pipeline_reshard: str = "step"
+) -> torch.nn.Module:
     """This rank's part of the run's initial model, built sharded: the model's meta blueprint, cut to this
     rank's stage, FSDP2-sharded while still on meta, then only this rank's rows are made on its device —
     from the run's seed, bit-identical to one process (worker/models/materialize.py), or read from
@@ -103,7 +120,9 @@ def build_site_module(config: RunConfig, vocab_size: int, mesh: SiteMesh, pipeli
 
 
 class SiteTrainer:
-    def __init__(self, config: RunConfig, data: TokenData | bytes, mesh: SiteMesh, cluster_index: int = 0, num_clusters: int = 1) -> None:
+    def __init__(
+        self, config: RunConfig, data: TokenData | bytes, mesh: SiteMesh, cluster_index: int = 0, num_clusters: int = 1
+    ) -> None:
         self.config = config
         self.mesh = mesh
         self.compute = mesh.compute
@@ -119,8 +138,15 @@ class SiteTrainer:
         self.module = build_site_module(config, data.vocab_size, mesh, self.pipeline_reshard)
         # bf16 without FSDP is autocast; with FSDP its mixed-precision policy does it.
         self._autocast = (lambda: contextlib.nullcontext()) if self.sharded else self.compute.autocast
-        self.sampler = BatchSampler(data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index,
-                                    part.count, split=part.split)  # fmt: skip
+        self.sampler = BatchSampler(
+            data.train,
+            config.model.block_size,
+            config.inner.batch_size,
+            part.seed,
+            part.index,
+            part.count,
+            split=part.split,
+        )
         self.schedule = self.eval_schedule = None
         if shape.pp > 1:
             self.schedule, self.eval_schedule = self._schedules()
@@ -140,12 +166,17 @@ class SiteTrainer:
         micro, pp, per_rank = par.microbatches, mesh.shape.pp, par.stages_per_rank
         stage_class = MicrobatchReshardStage if self.pipeline_reshard == "microbatch" else PipelineStage
         parts, indices = stage_modules(self.module), rank_stages(mesh.stage, pp, per_rank)
-        make = lambda cls: [cls(part, i, pp * per_rank, self.device, group=mesh.pp_group) for part, i in zip(parts, indices)]  # noqa: E731
+
+        def make(cls):
+            return [cls(part, i, pp * per_rank, self.device, group=mesh.pp_group) for part, i in zip(parts, indices)]
+
         steps = micro * self.config.inner.grad_accum
         if par.schedule in SCHEDULES:
             schedule = SCHEDULES[par.schedule](make(stage_class)[0], steps, loss_fn=causal_lm_loss, scale_grads=False)
             return schedule, ScheduleGPipe(make(PipelineStage)[0], micro, loss_fn=causal_lm_loss, scale_grads=False)
-        schedule = MULTI_STAGE_SCHEDULES[par.schedule](make(stage_class), steps, loss_fn=causal_lm_loss, scale_grads=False)
+        schedule = MULTI_STAGE_SCHEDULES[par.schedule](
+            make(stage_class), steps, loss_fn=causal_lm_loss, scale_grads=False
+        )
         return schedule, ScheduleInterleaved1F1B(make(PipelineStage), micro, loss_fn=causal_lm_loss, scale_grads=False)
 
     # ------------------------------------------------------------------ LocalTrainer
@@ -264,8 +295,11 @@ class SiteTrainer:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
             for b in mine:
-                block = gather_windows(self.eval_data, starts[b * cfg.inner.batch_size : (b + 1) * cfg.inner.batch_size],
-                                       cfg.model.block_size + 1).to(self.device)  # fmt: skip
+                block = gather_windows(
+                    self.eval_data,
+                    starts[b * cfg.inner.batch_size : (b + 1) * cfg.inner.batch_size],
+                    cfg.model.block_size + 1,
+                ).to(self.device)
                 total += self._eval_batch(block[:, :-1], block[:, 1:])
         finally:
             self.module.train(was_training)

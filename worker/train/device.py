@@ -77,8 +77,11 @@ def prefer_expandable_segments() -> None:
     if current is None:
         os.environ[ALLOC_CONF] = "expandable_segments:True"
     elif "expandable_segments:True" not in current:
-        log.info("allocator_setting_kept", setting=f"{ALLOC_CONF}={current}",
-                 note="without expandable_segments:True fragmentation may exceed the memory plan's 3 % allowance")  # fmt: skip
+        log.info(
+            "allocator_setting_kept",
+            setting=f"{ALLOC_CONF}={current}",
+            note="without expandable_segments:True fragmentation may exceed the memory plan's 3 % allowance",
+        )
 
 
 def native_bf16(device: torch.device) -> bool:
@@ -94,14 +97,18 @@ def resolve_compute(parallel: ParallelConfig, local_rank: int = 0, local_world_s
     wanted = parallel.device
     has_cuda = torch.cuda.is_available()
     if wanted.startswith("cuda") and not has_cuda:
-        raise DeviceError(f"--device {wanted}: no CUDA device is available here (torch {torch.__version__}, "
-                          f"CUDA build: {torch.version.cuda is not None}); use --device cpu or auto")  # fmt: skip
+        raise DeviceError(
+            f"--device {wanted}: no CUDA device is available here (torch {torch.__version__}, "
+            f"CUDA build: {torch.version.cuda is not None}); use --device cpu or auto"
+        )
     if wanted == "cpu" or (wanted == "auto" and not has_cuda):
         device = torch.device("cpu")
     elif wanted.startswith("cuda:"):
         if local_world_size > 1:
-            raise DeviceError(f"--device {wanted} would put all {local_world_size} ranks on this node on one GPU; "
-                              "use --device cuda: each rank takes the GPU of its LOCAL_RANK")  # fmt: skip
+            raise DeviceError(
+                f"--device {wanted} would put all {local_world_size} ranks on this node on one GPU; "
+                "use --device cuda: each rank takes the GPU of its LOCAL_RANK"
+            )
         device = torch.device(wanted)
     else:
         gpus = torch.cuda.device_count()
@@ -120,7 +127,11 @@ def resolve_compute(parallel: ParallelConfig, local_rank: int = 0, local_world_s
         bf16 = parallel.precision == "bf16"
         if bf16 and device.type == "cuda" and not native_bf16(device):
             major, minor = torch.cuda.get_device_capability(device)
-            log.warning("bf16_emulated", device=str(device), capability=f"{major}.{minor}",
-                        reason="this GPU has no native bf16 (compute capability < 8): torch emulates it, slowly; "
-                               "--precision fp32 (or auto) is faster here")  # fmt: skip
+            log.warning(
+                "bf16_emulated",
+                device=str(device),
+                capability=f"{major}.{minor}",
+                reason="this GPU has no native bf16 (compute capability < 8): torch emulates it, slowly; "
+                "--precision fp32 (or auto) is faster here",
+            )
     return Compute(device, bf16)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -18,8 +18,8 @@ from dilocox.common.config.run import RunConfig
 from dilocox.worker.data.corpus import BatchSampler, check_split, data_part, evaluate_run
 from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import build_model
-from dilocox.worker.site.parallelize import checkpoint_blocks
 from dilocox.worker.models.contract import lm_loss
+from dilocox.worker.site.parallelize import checkpoint_blocks
 from dilocox.worker.train.device import Compute, resolve_compute
 
 
@@ -54,8 +54,14 @@ class InnerTrainer:
     or the run's `TokenData` (any tokenizer, in memory or streamed from a prepared file). Its checkpoint
     (worker/checkpoint.py) reads `trained_module`, `optimizer`, `sampler`, `step` and `tokens_seen`."""
 
-    def __init__(self, config: RunConfig, corpus: bytes | TokenData, cluster_index: int = 0, num_clusters: int = 1,
-                 compute: Compute | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: RunConfig,
+        corpus: bytes | TokenData,
+        cluster_index: int = 0,
+        num_clusters: int = 1,
+        compute: Compute | None = None,
+    ) -> None:
         self.config = config
         self.data = corpus if isinstance(corpus, TokenData) else TokenData.from_bytes(corpus, EVAL_FRACTION)
         part = data_part(config.data_split, config.seed, cluster_index, num_clusters)
@@ -66,8 +72,15 @@ class InnerTrainer:
         self.model = build_model(config.model, self.data.vocab_size, config.seed).to(self.compute.device)
         if config.parallel.activation_checkpoint == "full":
             checkpoint_blocks(self.model)
-        self.sampler = BatchSampler(self.data.train, config.model.block_size, config.inner.batch_size, part.seed, part.index,
-                                    part.count, split=part.split)  # fmt: skip
+        self.sampler = BatchSampler(
+            self.data.train,
+            config.model.block_size,
+            config.inner.batch_size,
+            part.seed,
+            part.index,
+            part.count,
+            split=part.split,
+        )
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
         self.step = 0
         self.tokens_seen = 0

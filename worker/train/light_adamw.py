@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -92,7 +92,8 @@ def _torchao():
         from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
     except ImportError as error:
         raise OptimizerStateError(
-            f"--optimizer-state bf16/int8 needs torchao ({error}); install the site's extra: pip install 'dilocox[site]'"
+            f"--optimizer-state bf16/int8 needs torchao ({error}); install the site's extra: pip install "
+            "'dilocox[site]'"
         ) from None
     return single_param_adam, OptimState8bit, (get_qmap_signed, get_qmap_unsigned)
 
@@ -127,8 +128,17 @@ class LightAdamW(torch.optim.Optimizer):
     "int8" (see the module docstring). `compiled`: run torchao's step through torch.compile (default: on
     CUDA, and on the CPU for parameters of `CPU_COMPILE_NUMEL` elements or more)."""
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, state: str = "int8", compiled: bool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        state: str = "int8",
+        compiled: bool | None = None,
+    ) -> None:
         if state not in ("bf16", "int8"):
             raise ValueError(f"LightAdamW keeps bf16 or int8 moments, not {state!r} (fp32: torch.optim.AdamW)")
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -154,8 +164,10 @@ class LightAdamW(torch.optim.Optimizer):
         for name in _MOMENTS:
             if block is not None:  # a scale per block of each row: (rows, row / block)
                 scales = (local.shape[0], math.prod(local.shape[1:]) // block)
-                state[name] = {"codes": torch.zeros(local.shape, dtype=torch.uint8, device=local.device),
-                               "scale": torch.zeros(scales, dtype=torch.float32, device=local.device)}  # fmt: skip
+                state[name] = {
+                    "codes": torch.zeros(local.shape, dtype=torch.uint8, device=local.device),
+                    "scale": torch.zeros(scales, dtype=torch.float32, device=local.device),
+                }
             else:
                 dtype = torch.bfloat16 if self.moment_state == "bf16" else torch.float32
                 state[name] = torch.zeros(local.shape, dtype=dtype, device=local.device)
@@ -188,11 +200,27 @@ class LightAdamW(torch.optim.Optimizer):
                 local, grad = _local(param), _local(param.grad)
                 if local.numel() == 0:  # FSDP gave this rank none of the rows
                     continue
-                compiled = self.compiled if self.compiled is not None else (local.device.type == "cuda" or local.numel() >= CPU_COMPILE_NUMEL)
+                compiled = (
+                    self.compiled
+                    if self.compiled is not None
+                    else (local.device.type == "cuda" or local.numel() >= CPU_COMPILE_NUMEL)
+                )
                 step_fn = _compiled_step() if compiled else self._step_fn
-                step_fn(local.detach(), grad, state["step"], self._moment(state["exp_avg"], True),
-                        self._moment(state["exp_avg_sq"], False), None, lr, beta1, beta2, group["weight_decay"],
-                        group["eps"], True, False)  # fmt: skip
+                step_fn(
+                    local.detach(),
+                    grad,
+                    state["step"],
+                    self._moment(state["exp_avg"], True),
+                    self._moment(state["exp_avg_sq"], False),
+                    None,
+                    lr,
+                    beta1,
+                    beta2,
+                    group["weight_decay"],
+                    group["eps"],
+                    True,
+                    False,
+                )
         return loss
 
     # ------------------------------------------------------------------ checkpoints
@@ -211,7 +239,10 @@ class LightAdamW(torch.optim.Optimizer):
                 value = kept[name]
                 if isinstance(value, dict):
                     rows = (param.shape[0], math.prod(param.shape[1:]) // int8_block(tuple(param.shape)))
-                    entry[name] = {"codes": _as_like(value["codes"], param), "scale": _as_like(value["scale"], param, rows)}
+                    entry[name] = {
+                        "codes": _as_like(value["codes"], param),
+                        "scale": _as_like(value["scale"], param, rows),
+                    }
                 else:
                     entry[name] = _as_like(value, param)
             state[index] = entry
@@ -227,7 +258,9 @@ class LightAdamW(torch.optim.Optimizer):
         """The inverse of `state_dict`, in place where the values are this optimizer's own tensors (a DCP
         load into `state_dict()`'s views), without a transient copy of the whole state."""
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, self.param_groups)):
+        if len(groups) != len(self.param_groups) or any(
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, self.param_groups)
+        ):
             raise ValueError("LightAdamW.load_state_dict: the saved parameter groups do not match this optimizer's")
         for saved, group in zip(groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -243,13 +276,18 @@ class LightAdamW(torch.optim.Optimizer):
 
     def _restored(self, empty, saved, name: str):  # noqa: ANN001, ANN202
         if isinstance(empty, dict) != isinstance(saved, dict):
-            raise ValueError(f"LightAdamW.load_state_dict: {name} was saved as another optimizer state "
-                             "(--optimizer-state differs from the checkpoint's)")  # fmt: skip
+            raise ValueError(
+                f"LightAdamW.load_state_dict: {name} was saved as another optimizer state "
+                "(--optimizer-state differs from the checkpoint's)"
+            )
         if isinstance(empty, dict):
             return {k: self._restored(empty[k], saved[k], f"{name}.{k}") for k in empty}
         local = _local(saved).detach()
         if local.shape != empty.shape:
-            raise ValueError(f"LightAdamW.load_state_dict: {name} has shape {tuple(local.shape)}, this rank holds {tuple(empty.shape)}")
+            raise ValueError(
+                f"LightAdamW.load_state_dict: {name} has shape {tuple(local.shape)}, this rank holds "
+                f"{tuple(empty.shape)}"
+            )
         if local.dtype != empty.dtype or local.device != empty.device:
             return local.to(device=empty.device, dtype=empty.dtype)
         return local

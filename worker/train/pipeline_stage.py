@@ -52,7 +52,9 @@ class GPTStage(nn.Module):
         if self.is_first:
             self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
         # A ModuleDict keyed by the block's index keeps the full model's parameter names.
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in stage_layers(self.config.n_layer, stage, num_stages)})
+        self.blocks = nn.ModuleDict(
+            {str(i): model.blocks[i] for i in stage_layers(self.config.n_layer, stage, num_stages)}
+        )
         if self.is_last:
             self.ln_f, self.head = model.ln_f, model.head
 
@@ -105,13 +107,20 @@ class DecoderStage(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         self._create_causal_mask = create_causal_mask
-        self._mask_cache_kwarg = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+        self._mask_cache_kwarg = (
+            "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(x) if self.is_first else x
         positions = torch.arange(hidden.size(1), device=hidden.device).unsqueeze(0)
-        mask = self._create_causal_mask(config=self.hf_config, inputs_embeds=hidden, attention_mask=None,
-                                        position_ids=positions, **{self._mask_cache_kwarg: None})  # fmt: skip
+        mask = self._create_causal_mask(
+            config=self.hf_config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            position_ids=positions,
+            **{self._mask_cache_kwarg: None},
+        )
         rotary = self.model.rotary_emb(hidden, position_ids=positions)
         for layer in self.model.layers.values():
             hidden = layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
@@ -135,7 +144,7 @@ def split_model(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     if num_stages > 1 and ties_embeddings(model):
         raise PipelineSplitError(
             f"--pp {num_stages}: {name} ties its output head to its input embedding (tie_word_embeddings=true), "
-            "and the two would live on different stages. Set \"tie_word_embeddings\": false in its config.json "
+            'and the two would live on different stages. Set "tie_word_embeddings": false in its config.json '
             "(the head then trains on its own), or use --pp 1."
         )
     return DecoderStage(model, stage, num_stages)
@@ -165,7 +174,7 @@ class RankStages(nn.Module):
     def forward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
         raise RuntimeError("RankStages is not called: its pipeline schedule runs each of its stages (chunks)")
 
-    def train(self, mode: bool = True) -> "RankStages":
+    def train(self, mode: bool = True) -> RankStages:
         super().train(mode)
         for chunk in self.chunks:  # the stages' own roots are not in this tree
             chunk.train(mode)
