@@ -89,6 +89,9 @@ FIELD_HELP = {
     "process)",
     "parallel__activation_checkpoint": "none, or full: recompute every transformer block's forward in the backward "
     "(activations: its input per token and layer, not every intermediate)",
+    "parallel__compile": "off, or blocks: each transformer block's forward compiled by torch.compile (inductor), in "
+    "place — the same parameter names, FSDP2 units and activation checkpointing; the first steps wait for the "
+    "compiler",
     "parallel__optimizer_state": "AdamW's two moments: fp32 (8 B per parameter), bf16 (4 B) or int8 (8-bit, a scale "
     "per block of a row: ~2 B; needs torchao, pip install 'dilocox[site]'); weights and gradients stay fp32",
     "parallel__pipeline_reshard": "with --pp > 1 and FSDP: step (blocks stay gathered through the step: fewer "

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb")
+COMPILE_MODES = ("off", "blocks")
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,14 @@ class ParallelConfig:
     # AdamW's two moments: fp32 (torch's AdamW, 8 B per parameter), bf16 (4 B) or int8 (8-bit with a scale per
     # block of a row, ~2 B; torchao, the site's extra): worker/train/light_adamw.py.
     optimizer_state: str = "fp32"
+    # off | blocks: each transformer block's forward through torch.compile (inductor), in place — parameter
+    # names, FSDP2 units and activation checkpointing stay as they are (worker/site/parallelize.py). Off by
+    # default: the first steps wait for the compiler (tens of seconds per distinct block on a CPU).
+    compile: str = "off"
 
     def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.optimizer_state not in ("fp32", "bf16", "int8"):
             raise ValueError(f"optimizer_state must be fp32, bf16 or int8, got {self.optimizer_state!r}")
         if self.device not in ("auto", "cpu", "cuda") and not (

@@ -56,6 +56,7 @@ from dilocox.worker.models.weights import load_weights
 from dilocox.worker.site.mesh import SiteMesh
 from dilocox.worker.site.parallelize import checkpoint_blocks, local_part, reshard_all, shard_stage
 from dilocox.worker.site.pipeline_fsdp import MicrobatchReshardStage
+from dilocox.worker.train.block_compile import compile_blocks
 from dilocox.worker.train.inner_trainer import inner_lr, make_inner_optimizer
 from dilocox.worker.train.pipeline_stage import RankStages, rank_stages, split_model, stage_modules
 
@@ -108,6 +109,8 @@ def build_site_module(
         module = module.to(mesh.device)
     if config.parallel.activation_checkpoint == "full":
         checkpoint_blocks(module)
+    if config.parallel.compile == "blocks":
+        compile_blocks(module, mesh.device)
     if mesh.fsdp_mesh is not None:
         for part in stage_modules(module):
             shard_stage(part, mesh.fsdp_mesh, mesh.compute.bf16, keep_gathered=pp > 1 and pipeline_reshard == "step")

@@ -20,6 +20,7 @@ from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import lm_loss
 from dilocox.worker.site.parallelize import checkpoint_blocks
+from dilocox.worker.train.block_compile import compile_blocks
 from dilocox.worker.train.device import Compute, resolve_compute
 
 
@@ -72,6 +73,8 @@ class InnerTrainer:
         self.model = build_model(config.model, self.data.vocab_size, config.seed).to(self.compute.device)
         if config.parallel.activation_checkpoint == "full":
             checkpoint_blocks(self.model)
+        if config.parallel.compile == "blocks":
+            compile_blocks(self.model, self.compute.device)
         self.sampler = BatchSampler(
             self.data.train,
             config.model.block_size,
