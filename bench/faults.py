@@ -33,7 +33,8 @@ from dilocox.bench.fault_report import goals, plot_curves, ranges
 from dilocox.bench.report import write_report
 from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
 from dilocox.server.checks.robust_mean import AGGREGATES, AggregateConfig
-from dilocox.server.checks.update_check import MODES, SiteVerdict, UpdateCheckConfig
+from dilocox.server.checks.site_verdict import SiteVerdict
+from dilocox.server.checks.update_check import MODES, UpdateCheckConfig
 from dilocox.server.shard import Shard
 from dilocox.sim.inprocess import run_in_process
 

@@ -251,7 +251,7 @@ def planned_device_mb(run: LayoutRun, device: str = "cpu") -> list[int]:
     worker flags this layout runs with, in MB: what a GPU's `device_peak_mb_per_rank` is set against."""
     import argparse
 
-    from dilocox.common.config.run import add_config_arguments, config_from_args
+    from dilocox.common.config.run_flags import add_config_arguments, config_from_args
     from dilocox.worker.site.memory_plan import plan_memory, planned_precision
 
     parser = argparse.ArgumentParser()

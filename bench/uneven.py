@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from dilocox.bench.plots import finish_figure, matplotlib_missing
 from dilocox.bench.report import write_report
 from dilocox.bench.wan_procs import ChildProcess, child_env, dilocox_cli, stop_all, wait_all, wait_for_file
-from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig, config_flags
+from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
+from dilocox.common.config.run_flags import config_flags
 
 MODES = ("fixed", "timebox", "quorum", "stall", "throttle")
 

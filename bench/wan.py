@@ -41,7 +41,8 @@ from dilocox.bench.wan_ratio import (
     unshaped_links,
 )
 from dilocox.bench.wan_runs import RUNNERS, RunOptions
-from dilocox.common.config.run import InnerConfig, RunConfig, add_config_arguments, as_dict, config_from_args
+from dilocox.common.config.run import InnerConfig, RunConfig, as_dict
+from dilocox.common.config.run_flags import add_config_arguments, config_from_args
 from dilocox.worker.data.token_data import TokenData, load_run_data
 from dilocox.worker.train.inner_trainer import InnerTrainer
 

@@ -23,7 +23,8 @@ from dilocox.bench.wan_procs import (
     wait_all,
     wait_for_file,
 )
-from dilocox.common.config.run import RunConfig, as_dict, config_flags
+from dilocox.common.config.run import RunConfig, as_dict
+from dilocox.common.config.run_flags import config_flags
 
 Progress = Callable[[int, dict], None]  # (units done since the last call, fields to show)
 

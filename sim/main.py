@@ -23,7 +23,8 @@ from collections import defaultdict
 
 import structlog
 
-from dilocox.common.config.run import RunConfig, add_config_arguments, config_flags, config_from_args
+from dilocox.common.config.run import RunConfig
+from dilocox.common.config.run_flags import add_config_arguments, config_flags, config_from_args
 from dilocox.common.deploy import prometheus_config
 from dilocox.common.deploy.certs import make_dev_certificates
 from dilocox.common.deploy.topology import tls_flags

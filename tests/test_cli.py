@@ -12,18 +12,8 @@ import sys
 import pytest
 
 from dilocox.common import cli
-from dilocox.common.config.run import (
-    InnerConfig,
-    ModelConfig,
-    OuterConfig,
-    RunConfig,
-    WireConfig,
-    add_config_arguments,
-    as_dict,
-    config_flags,
-    config_from_args,
-    from_dict,
-)
+from dilocox.common.config.run import InnerConfig, ModelConfig, OuterConfig, RunConfig, WireConfig, as_dict, from_dict
+from dilocox.common.config.run_flags import add_config_arguments, config_flags, config_from_args
 
 SUBCOMMAND_FLAGS = {
     "server": ["--num-shards", "--shard-index"],
@@ -248,7 +238,7 @@ def test_every_flag_of_every_command_says_what_it_does():
     """No `--help` line is only a type and a default (the run configuration's ~55 flags
     take theirs from common/config/field_help.py); every command's help renders."""
     from dilocox.common.config.field_help import FIELD_HELP
-    from dilocox.common.config.run import flag_dests
+    from dilocox.common.config.run_flags import flag_dests
     from dilocox.common.config.sources import subparsers_of
 
     assert set(FIELD_HELP) == flag_dests()

@@ -7,7 +7,8 @@ import tomllib
 import pytest
 
 from dilocox.common import cli
-from dilocox.common.config.run import InnerConfig, RunConfig, config_from_args, from_dict
+from dilocox.common.config.run import InnerConfig, RunConfig, from_dict
+from dilocox.common.config.run_flags import config_from_args
 from dilocox.common.config.sources import env_name
 
 RUN_TOML = """

@@ -697,7 +697,7 @@ def test_every_policy_key_is_a_dilocox_server_flag_of_its_type():
     import argparse
 
     from dilocox.common.deploy.topology_file import CHOICES, SHARD_POLICY, UPDATE_CHECKS
-    from dilocox.server.main import add_arguments
+    from dilocox.server.flags import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

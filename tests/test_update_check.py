@@ -708,7 +708,7 @@ def test_real_shards_clipped_mean_bounds_a_site_under_the_checks_bounds_and_repl
 def test_a_byte_identical_copy_is_not_judged_but_counted_once():
     """A site pushing another's update byte for byte: neither is flagged (which is the copy cannot be told),
     each verdict says `copies` 2, and under clip or exclude the two weigh together what one would."""
-    from dilocox.server.checks.update_check import copied_weights
+    from dilocox.server.checks.site_verdict import copied_weights
 
     sites = Round()
     check = UpdateCheck(UpdateCheckConfig(mode="exclude"))

@@ -11,7 +11,8 @@ import signal
 import structlog
 import torch
 
-from dilocox.common.config.run import ParallelConfig, add_config_arguments, config_from_args
+from dilocox.common.config.run import ParallelConfig
+from dilocox.common.config.run_flags import add_config_arguments, config_from_args
 from dilocox.common.config.waits import (
     MARGIN_S,
     PULL_WAIT_S,

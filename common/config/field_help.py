@@ -1,10 +1,10 @@
 """One line of `--help` per run-configuration flag: what it takes and what it does.
 
-Keyed by the flag's argparse destination (`rounds`, `inner__steps`); `add_field_argument` appends the
-default. `tests/test_cli.py` checks that every RunConfig field has its line, so a new field cannot ship
-with a bare type and default (argparse formats the lines: a literal percent sign is written %%). The reasons behind the
-defaults live beside the fields (config/run.py,
-wire/compression.py) and in docs/decisions.md.
+Keyed by the flag's argparse destination (`rounds`, `inner__steps`); `add_field_argument` (run_flags.py)
+appends the default. `tests/test_cli.py` checks that every RunConfig field has its line, so a new field
+cannot ship with a bare type and default (argparse formats the lines: a literal percent sign is written %%).
+The reasons behind the defaults live beside the fields (config/run.py, wire/compression.py) and in
+docs/decisions.md.
 """
 
 from __future__ import annotations

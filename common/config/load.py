@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from dilocox.common.config.run import RunConfig, add_config_arguments, config_from_args
+from dilocox.common.config.run import RunConfig
+from dilocox.common.config.run_flags import add_config_arguments, config_from_args
 from dilocox.common.config.sources import SettingsError, all_command_keys, convert, flatten_file, load_file, option_map
 
 

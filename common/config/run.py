@@ -1,7 +1,7 @@
 """Typed configuration of a run.
 
 Every knob of a run is a field of one of these dataclasses; the CLI flags are generated from the same
-names so that a flag, a TOML key and a field never drift apart. Defaults are the embedded local
+names (run_flags.py) so that a flag, a TOML key and a field never drift apart. Defaults are the embedded local
 simulation (`dilocox sim` with no arguments): a small byte-level GPT on the bundled corpus that trains
 to a useful loss on two CPU cores in a few minutes.
 """
@@ -13,9 +13,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from dilocox.common.config.field_help import FIELD_HELP
 from dilocox.common.config.parallel import PIPELINE_SCHEDULES, ParallelConfig  # noqa: F401  (re-exported: the run's layout)
-from dilocox.common.config.sources import CONFIG_HELP, GROUP_FLAG_PREFIXES, load_file, parse_bool
+from dilocox.common.config.sources import GROUP_FLAG_PREFIXES
 from dilocox.common.wire.compression import CompressionConfig
 from dilocox.common.wire.staleness import STALE_WEIGHTINGS
 
@@ -259,43 +258,9 @@ def as_dict(config: object) -> dict:
     return dataclasses.asdict(config)  # type: ignore[arg-type]
 
 
-# --------------------------------------------------------------------------- flags and files
-# Flag names: top-level and model fields as themselves (`--rounds`, `--n-layer`), the other groups
-# prefixed by their group (`--inner-steps`, `--inner-lr`, `--outer-lr`, `--compress-codec`).
+# --------------------------------------------------------------------------- dicts and files (flags: run_flags.py)
+# The groups a nested dict or a file's tables name (`[inner]`, `[outer]`, …), the fields of the others top level.
 _GROUPS = GROUP_FLAG_PREFIXES  # defined in config/sources.py, which reads `[inner] steps` from files
-
-
-def _flag_fields(cls: type = RunConfig):
-    """Yield (flag, dest, group or None, field) for every leaf field of RunConfig."""
-    for f in dataclasses.fields(cls):
-        if f.name in _GROUPS:
-            sub = f.default_factory  # type: ignore[misc]
-            for g in dataclasses.fields(sub):
-                flag = "--" + _GROUPS[f.name] + g.name.replace("_", "-")
-                yield flag, f"{f.name}__{g.name}", f.name, g
-        else:
-            yield "--" + f.name.replace("_", "-"), f.name, None, f
-
-
-def add_config_arguments(parser, defaults: RunConfig | None = None) -> None:
-    """Add one flag per config field; unset flags stay None so a config file's values win over defaults."""
-    defaults = defaults or RunConfig()
-    group = parser.add_argument_group("run configuration (also from a --config file or DILOCOX_<FLAG> variables)")
-    group.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
-    for flag, dest, grp, f in _flag_fields():
-        default = getattr(getattr(defaults, grp), f.name) if grp else getattr(defaults, f.name)
-        add_field_argument(group, flag, dest, default)
-
-
-def add_field_argument(group, flag: str, dest: str, default: object) -> None:
-    """One flag for one config field, typed like its default; booleans take true/false."""
-    kind = type(default)
-    parse = parse_bool if kind is bool else kind
-    what = FIELD_HELP.get(dest, "")
-    metavar = "BOOL" if kind is bool else kind.__name__.upper()
-    group.add_argument(
-        flag, dest=dest, type=parse, default=None, metavar=metavar, help=f"{what} (default {default})".lstrip()
-    )
 
 
 def from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:
@@ -319,27 +284,6 @@ def from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:
     return dataclasses.replace(base, **top)
 
 
-def config_from_args(args, base: RunConfig | None = None) -> RunConfig:
-    """Defaults ← config file ← explicit flags.
-
-    Under the `dilocox` console script the file (and DILOCOX_* variables) have already become the
-    flags' values (common/config/sources.py marks that with `_config_applied`); read directly only otherwise.
-    """
-    config = base or RunConfig()
-    if getattr(args, "config", None) and not getattr(args, "_config_applied", False):
-        config = from_dict(load_file(args.config), config)
-    overrides: dict = {}
-    for _flag, dest, grp, f in _flag_fields():
-        value = getattr(args, dest, None)
-        if value is None:
-            continue
-        if grp:
-            overrides.setdefault(grp, {})[f.name] = value
-        else:
-            overrides[f.name] = value
-    return from_dict(overrides, config)
-
-
 def toml_value(v: object) -> str:
     """One TOML value: booleans, numbers (nan/inf too), strings; paths as strings."""
     if isinstance(v, bool):
@@ -351,11 +295,6 @@ def toml_value(v: object) -> str:
     if isinstance(v, (str, os.PathLike)):
         return json.dumps(str(v))  # JSON's string escapes are valid TOML basic-string escapes
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def flag_dests() -> set[str]:
-    """The argparse destinations of every RunConfig flag (`add_config_arguments`)."""
-    return {dest for _flag, dest, _grp, _f in _flag_fields()}
 
 
 def to_toml(config: RunConfig, only_in_use: bool = False) -> str:
@@ -370,15 +309,6 @@ def to_toml(config: RunConfig, only_in_use: bool = False) -> str:
         else:
             top.append(f"{key} = {toml_value(v)}")
     return "\n".join(top + tables) + "\n"
-
-
-def config_flags(config: RunConfig) -> list[str]:
-    """The command-line flags that reproduce `config` (used to hand a config to child processes)."""
-    argv = []
-    for flag, _dest, grp, f in _flag_fields():
-        value = getattr(getattr(config, grp), f.name) if grp else getattr(config, f.name)
-        argv += [flag, str(value)]
-    return argv
 
 
 def _recorded(run_config_json: str) -> RunConfig | None:

@@ -12,7 +12,8 @@ import argparse
 import os
 import sys
 
-from dilocox.common.config.run import RunConfig, add_config_arguments, config_from_args, flag_dests, to_toml, toml_value
+from dilocox.common.config.run import RunConfig, to_toml, toml_value
+from dilocox.common.config.run_flags import add_config_arguments, config_from_args, flag_dests
 from dilocox.common.config.sources import SettingsError, subparsers_of
 from dilocox.common.config.waits import refusal
 

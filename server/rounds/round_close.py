@@ -135,7 +135,7 @@ class SiteRecord:
     def missed(self) -> None:
         self.rounds_late += 1
 
-    def checked(self, verdict, round_: int) -> None:  # noqa: ANN001 - an update_check.SiteVerdict
+    def checked(self, verdict, round_: int) -> None:  # noqa: ANN001 - a site_verdict.SiteVerdict
         self.quarantined = verdict.quarantined
         if verdict.reasons and not verdict.overruled:  # an overruled round is one alert of its own, not one a site
             self.rounds_flagged += 1

@@ -16,7 +16,7 @@ import structlog
 from dilocox.common.wire.errors import CheckOff, NotAnOperator
 from dilocox.server.checks.robust_mean import clip_factors
 from dilocox.server.checks.round_figures import round_figures
-from dilocox.server.checks.update_check import SiteVerdict, clipped, copied_weights, excluded, margins
+from dilocox.server.checks.site_verdict import SiteVerdict, clipped, copied_weights, excluded, margins
 from dilocox.server.rounds.round_close import CloseDecision, SiteRecord, arrival_spread, decide, first_round_waits
 from dilocox.server.rounds.round_state import RoundAccumulator
 from dilocox.server.shard_records import RoundStats, SealedRound, Snapshot

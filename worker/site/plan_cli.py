@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from dilocox.common.config.run import RunConfig, add_config_arguments, config_from_args
+from dilocox.common.config.run import RunConfig
+from dilocox.common.config.run_flags import add_config_arguments, config_from_args
 from dilocox.worker.site.layout_search import H100_BF16_TFLOPS, Cluster, RankedLayout, rank_layouts
 from dilocox.worker.site.memory_plan import GB, MemoryPlan, plan_memory, planned_precision
 from dilocox.worker.site.model_shape import model_shape
