@@ -47,7 +47,8 @@ from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, assign_slices
 from dilocox.common.wire.checkpoint_format import CheckpointError, slice_key, snapshot_version, verified
 from dilocox.common.wire.errors import DilocoxError
-from dilocox.common.wire.framing import SliceKey, assemble_units
+from dilocox.common.wire.framing import SliceKey
+from dilocox.common.wire.slice_assembly import assemble_units
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
 from dilocox.worker.data.token_data import add_data_arguments
