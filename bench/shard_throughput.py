@@ -25,7 +25,8 @@ from dilocox.bench.report import write_report
 from dilocox.common.config.run import ModelConfig
 from dilocox.common.wire.assignment import assign_slices, model_digest, slices_of_shard
 from dilocox.common.wire.compression import CompressionConfig, TensorCompressor
-from dilocox.common.wire.framing import EncodedSlice, assemble_units, encode_slice, frame_payload
+from dilocox.common.wire.framing import EncodedSlice, encode_slice, frame_payload
+from dilocox.common.wire.slice_assembly import assemble_units
 from dilocox.server.shard import Shard
 from dilocox.worker.models.build import model_param_specs
 

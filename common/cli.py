@@ -23,7 +23,7 @@ SUBCOMMANDS = {
         "prepare a corpus: tokenise it into a token file + manifest that workers stream from disk",
     ),
     "export": (
-        "dilocox.worker.export.model",
+        "dilocox.worker.export.export_cli",
         "write the run's global model (from running shards or their checkpoints) as loadable files",
     ),
     "verify": (

@@ -13,7 +13,8 @@ from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import SliceMap, assign_slices
 from dilocox.common.wire.bundle import BUNDLE_CODEC, BundleEntry, pack_bundle, unpack_bundle
 from dilocox.common.wire.errors import CorruptFrame, InvalidFrame, UnknownCodec
-from dilocox.common.wire.framing import EncodedSlice, SliceKey, assemble_units, frame_payload, frame_slices
+from dilocox.common.wire.framing import EncodedSlice, SliceKey, frame_payload, frame_slices
+from dilocox.common.wire.slice_assembly import assemble_units
 from dilocox.proto import dilocox_pb2 as pb
 
 PARAMS = [("emb", (64, 16)), ("bias", (16,)), ("norm", (16,)), ("big", (512, 64)), ("tail", (7,))]

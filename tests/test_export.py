@@ -17,14 +17,8 @@ from dilocox.common.config.run import InnerConfig, ModelConfig, RunConfig
 from dilocox.common.wire.checkpoint_format import checkpoint_path, save_state
 from dilocox.server.state import checkpoint
 from dilocox.sim.inprocess import run_in_process
-from dilocox.worker.export.model import (
-    ExportError,
-    evaluate_export,
-    from_checkpoints,
-    from_servers,
-    served_run_id,
-    write_export,
-)
+from dilocox.worker.export.export_folder import evaluate_export, write_export
+from dilocox.worker.export.model import ExportError, from_checkpoints, from_servers, served_run_id
 
 pytest.importorskip("safetensors")
 

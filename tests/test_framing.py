@@ -1,4 +1,5 @@
-"""Tests of dilocox.common.wire.framing (chunks, zstd frames, assembly) and dilocox.common.wire.codecs."""
+"""Tests of dilocox.common.wire.framing (chunks, zstd frames), dilocox.common.wire.slice_assembly (a stream
+back into slices) and dilocox.common.wire.codecs."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 import zstandard
 
-from dilocox.common.wire import codecs, framing
+from dilocox.common.wire import codecs, framing, slice_assembly
 from dilocox.common.wire.errors import CorruptFrame, DilocoxError, InvalidFrame, UnknownCodec, UnknownSlice
-from dilocox.common.wire.framing import MAX_CHUNK_BYTES, SliceKey, assemble, decompress_chunk, encode_slice
+from dilocox.common.wire.framing import MAX_CHUNK_BYTES, SliceKey, decompress_chunk, encode_slice
+from dilocox.common.wire.slice_assembly import assemble
 from dilocox.proto import dilocox_pb2 as pb
 
 KEY = SliceKey("w", 0, 3)
@@ -411,13 +413,13 @@ def test_vet_is_called_once_per_slice_with_its_first_chunk():
 
 def test_vet_raising_stops_the_stream_before_allocation(monkeypatch):
     allocated = []
-    real_init = framing.SliceAssembler.__init__
+    real_init = slice_assembly.SliceAssembler.__init__
 
     def spy_init(self, first, limit):
         allocated.append(framing.key_of(first))
         real_init(self, first, limit)
 
-    monkeypatch.setattr(framing.SliceAssembler, "__init__", spy_init)
+    monkeypatch.setattr(slice_assembly.SliceAssembler, "__init__", spy_init)
     good = _chunks(_randn(8, seed=1), key=SliceKey("ok", 0, 8), chunk_bytes=16)
     bad = _chunks(_randn(8, seed=2), key=SliceKey("stranger", 0, 8), chunk_bytes=16)
     pulled = 0

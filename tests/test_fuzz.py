@@ -38,9 +38,10 @@ from test_bad_input import (
 from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import model_digest
 from dilocox.common.wire.errors import DilocoxError
-from dilocox.common.wire.framing import MAX_CHUNK_BYTES, SliceKey, assemble_units, decompress_chunk, encode_slice
+from dilocox.common.wire.framing import MAX_CHUNK_BYTES, SliceKey, decompress_chunk, encode_slice
 from dilocox.common.wire.lowrank import as_matrix_shape
 from dilocox.common.wire.quantize import decode_quantized
+from dilocox.common.wire.slice_assembly import assemble_units
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.server.shard import Shard
 

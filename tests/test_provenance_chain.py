@@ -28,7 +28,8 @@ from dilocox.server.state.provenance_chain import RoundsChain
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import slice_tensors
 from dilocox.worker.export.chain import check_section, fetch_chain
-from dilocox.worker.export.model import from_checkpoints, from_servers, write_export
+from dilocox.worker.export.export_folder import write_export
+from dilocox.worker.export.model import from_checkpoints, from_servers
 
 pytest.importorskip("safetensors")
 

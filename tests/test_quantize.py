@@ -11,7 +11,7 @@ import zstandard
 
 from dilocox.common.wire import codecs
 from dilocox.common.wire.errors import InvalidFrame, UnknownCodec
-from dilocox.common.wire.framing import SliceKey, assemble, decompress_chunk, encode_slice
+from dilocox.common.wire.framing import SliceKey, decompress_chunk, encode_slice
 from dilocox.common.wire.quantize import (
     HEADER_BYTES,
     QUANT_VERSION,
@@ -20,6 +20,7 @@ from dilocox.common.wire.quantize import (
     quantized_nbytes,
     relative_error_bound,
 )
+from dilocox.common.wire.slice_assembly import assemble
 from dilocox.proto import dilocox_pb2 as pb
 
 QMAX = {8: 127, 4: 7}

@@ -92,7 +92,8 @@ def test_a_site_with_another_tokenizer_is_refused_over_grpc_and_observers_get_th
 
 def test_export_ships_the_runs_tokenizer_and_takes_special_tokens_from_it(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from dilocox.worker.export.model import ExportError, GlobalModel, write_export
+    from dilocox.worker.export.export_folder import write_export
+    from dilocox.worker.export.model import ExportError, GlobalModel
     from dilocox.worker.models.build import build_model
 
     tokenizer = _bpe(300)

@@ -17,7 +17,8 @@ import structlog
 
 from dilocox.common.config.run import WireConfig
 from dilocox.common.wire.errors import DilocoxError, InvalidFrame
-from dilocox.common.wire.framing import EncodedSlice, assemble_units, frame_slices, own_contribution_digest
+from dilocox.common.wire.framing import EncodedSlice, frame_slices, own_contribution_digest
+from dilocox.common.wire.slice_assembly import assemble_units
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.server.serving.pull_framing import PullFramings
 from dilocox.server.shard import Shard

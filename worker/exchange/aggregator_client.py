@@ -24,16 +24,9 @@ from dilocox.common.security import TlsFiles, open_channel
 from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, model_digest
 from dilocox.common.wire.compression import TensorCompressor
-from dilocox.common.wire.framing import (
-    Assembled,
-    EncodedSlice,
-    SliceKey,
-    assemble_units,
-    frame_slices,
-    is_own_summary,
-    is_state_digest,
-)
+from dilocox.common.wire.framing import EncodedSlice, SliceKey, frame_slices, is_own_summary, is_state_digest
 from dilocox.common.wire.outer_optimizer import OuterNesterov
+from dilocox.common.wire.slice_assembly import Assembled, assemble_units
 from dilocox.common.wire.staleness import check_rule as check_stale_rule
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from dilocox.common.wire.aggregation import Contribution, apply_round, decode_by_blocks
-from dilocox.common.wire.framing import Assembled, EncodedSlice, SliceKey, own_contribution_digest
+from dilocox.common.wire.framing import EncodedSlice, SliceKey, own_contribution_digest
 from dilocox.common.wire.outer_optimizer import OuterNesterov
+from dilocox.common.wire.slice_assembly import Assembled
 from dilocox.proto import dilocox_pb2 as pb
 
 

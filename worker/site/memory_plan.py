@@ -31,7 +31,7 @@ Device, per GPU (on the CPU the same bytes are host memory):
   transients (its log-softmax, its gradient). bf16: plus their bf16 gradient and the chunked loss's
   pieces (worker/models/chunked_loss.py: about five 64 MiB fp32 pieces at a time, never a whole fp32 copy).
 * `reshard`: the two flat buffers the round boundary's all_to_all keeps (worker/site/reshard.py), sized by
-  its own planner for this rank.
+  its own planner for this rank (worker/site/reshard_memory.py).
 * `pipeline_buffers`: torch's pipelining allocates, when a stage first runs, a receive buffer per
   microbatch of the step for the activations it is sent (every stage but the first) and for the gradients
   it is sent back (every stage but the last), kept for the run, and the eval schedule's forward buffers
@@ -65,7 +65,8 @@ from dilocox.worker.models.chunked_loss import chunk_rows
 from dilocox.worker.site.mesh import SiteShape
 from dilocox.worker.site.model_shape import ModelShape, model_shape
 from dilocox.worker.site.pipeline_memory import in_flight_layers, last_stage_in_flight
-from dilocox.worker.site.reshard import BATCH_ELEMENTS, StageResharder, held_rows, owners_by_size
+from dilocox.worker.site.reshard import BATCH_ELEMENTS, held_rows
+from dilocox.worker.site.reshard_memory import BoundedReshardSizing, ExactReshardSizing
 from dilocox.worker.train.light_adamw import moment_bytes
 
 GB = 1e9
@@ -238,42 +239,6 @@ def resolve_pipeline_reshard(
     return dataclasses.replace(config, parallel=dataclasses.replace(par, pipeline_reshard="microbatch"))
 
 
-class _ExactReshard:
-    """The boundary's reshard as `StageResharder` plans it, piece by piece (what the site allocates)."""
-
-    def __init__(
-        self, specs: list[tuple[str, tuple[int, ...]]], shape: SiteShape, sharded: bool, batch_elements: int
-    ) -> None:
-        plan = StageResharder(dict(specs), shape, 0, sharded, batch_elements)
-        self.owner = plan.owner
-        self.buffers, self.landing = _reshard_buffers(plan), _landing_elements(plan)
-
-    def owned(self, shapes: dict[str, tuple[int, ...]], replica: int) -> list[str]:
-        return [n for n in shapes if self.owner[n] == replica]
-
-
-class _BoundedReshard:
-    """The layout search's reshard: the same owners, the buffers at their bound (a batch each way, never
-    more than the stage) and the busiest replica's parameters for every rank — never below the exact plan,
-    without planning every piece (seconds a layout at dp 160)."""
-
-    def __init__(
-        self, specs: list[tuple[str, tuple[int, ...]]], shape: SiteShape, sharded: bool, batch_elements: int
-    ) -> None:
-        sizes = {n: math.prod(s) for n, s in specs}
-        self.owner = owners_by_size(sizes, shape.dp)
-        loads = [0] * shape.dp
-        for name, replica in self.owner.items():
-            loads[replica] += sizes[name]
-        self.busiest = max(range(shape.dp), key=lambda r: loads[r])
-        stage = sum(sizes.values())
-        self.buffers = [2 * min(batch_elements, stage)] * shape.dp
-        self.landing = [min(batch_elements, stage)] * shape.dp
-
-    def owned(self, shapes: dict[str, tuple[int, ...]], replica: int) -> list[str]:
-        return [n for n in shapes if self.owner[n] == self.busiest]
-
-
 def plan_memory(
     config: RunConfig,
     vocab: int,
@@ -286,7 +251,7 @@ def plan_memory(
     """Every rank's planned bytes for `config`'s layout (see the module docstring). `fused_attention`:
     SDPA's flash/memory-efficient kernels (GPUs) keep no attention matrix; the CPU's math kernel does.
     `quick`: the layout search's form — one rank per stage, its first replica (which holds the most rows:
-    FSDP gives the first shards the larger chunks), with `_BoundedReshard`: never below the full plan."""
+    FSDP gives the first shards the larger chunks), with `BoundedReshardSizing`: never below the full plan."""
     model = model or model_shape(config, vocab)
     config = resolve_pipeline_reshard(config, vocab, gpu_bytes, fused_attention, model, quick)
     par, inner, block = config.parallel, config.inner, config.model.block_size
@@ -301,10 +266,10 @@ def plan_memory(
     if quick:  # the same owners for every candidate of a stage count and dp: planned once
         key = ("bounded", shape.dp, sharded, batch_elements)
         if key not in model.memo:
-            model.memo[key] = [_BoundedReshard(specs, shape, sharded, batch_elements) for specs in model.stages]
+            model.memo[key] = [BoundedReshardSizing(specs, shape, sharded, batch_elements) for specs in model.stages]
         reshards = model.memo[key]
     else:
-        reshards = [_ExactReshard(specs, shape, sharded, batch_elements) for specs in model.stages]
+        reshards = [ExactReshardSizing(specs, shape, sharded, batch_elements) for specs in model.stages]
     for rank in [s * shape.dp for s in range(shape.pp)] if quick else range(shape.world_size):
         stage, replica = shape.stage_of(rank), shape.replica_of(rank)
         shapes = dict(model.stages[stage])
@@ -420,33 +385,3 @@ def _logits_bytes(tokens: int, vocab: int, in_flight: int, bf16: bool) -> int:
         return tokens * vocab * 4 * (in_flight + 2)
     pieces = 5 * min(tokens, chunk_rows(vocab)) * vocab * 4
     return tokens * vocab * 2 * (in_flight + 1) + pieces
-
-
-def _landing_elements(plan: StageResharder) -> list[int]:
-    """Per replica of the stage, elements of the host buffer a gather lands θ in (`Resharder.gather_rows`,
-    kept for the run): the most of one batch's rows the replica owns. One pass over the plan's pieces."""
-    landing = [0] * plan.shape.dp
-    for pieces in plan.gather_pieces:
-        into = [0] * plan.shape.dp
-        for p in pieces:
-            into[p.dst] += (p.stop - p.start) * plan.row_numel[p.name]
-        landing = [max(a, b) for a, b in zip(landing, into)]
-    return landing
-
-
-def _reshard_buffers(plan: StageResharder) -> list[int]:
-    """Per replica of the stage, elements of the send + receive buffers its resharder keeps: the largest
-    of each over its batches, gathers and scatters (it grows them and never shrinks). One pass over the
-    plan's pieces, which are the same on every replica."""
-    dp = plan.shape.dp
-    send, recv = [0] * dp, [0] * dp
-    for pieces in plan.gather_pieces + plan.scatter_pieces:
-        out, into = [0] * dp, [0] * dp
-        for p in pieces:
-            if p.src != p.dst:
-                n = (p.stop - p.start) * plan.row_numel[p.name]
-                out[p.src] += n
-                into[p.dst] += n
-        send = [max(a, b) for a, b in zip(send, out)]
-        recv = [max(a, b) for a, b in zip(recv, into)]
-    return [s + r for s, r in zip(send, recv)]
