@@ -229,7 +229,7 @@ def test_worker_stops_and_resumes_its_local_state(shard_set, tmp_path):
     # shard then holds that round (it is not trained again) while the checkpoint does not count it.
     assert joined_at - restored in (0, 1), (restored, joined_at)
     trained = (restored + rounds - joined_at) * h
-    from dilocox.worker.checkpoint import read_progress
+    from dilocox.worker.checkpoint_restore import read_progress
 
     state = read_progress(tmp_path / "solo" / f"round-{rounds:06d}")
     assert state["round"] == rounds and state["committed"]
@@ -241,7 +241,7 @@ def test_killed_pp_dp_site_resumes_from_its_checkpoint(shard_set, tmp_path):
     """A pp=2 × dp=2 site killed outright (SIGKILL to its whole torchrun job) and started again with
     --resume continues from its newest committed checkpoint (written by torch.distributed.checkpoint,
     each rank its own part) and finishes the run; no committed round is trained twice."""
-    from dilocox.worker.checkpoint import read_progress
+    from dilocox.worker.checkpoint_restore import read_progress
 
     run_id, rounds, h = "site-resume", 7, 2
     shards = shard_set(2, run_id)

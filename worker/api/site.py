@@ -30,15 +30,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from dilocox.common.config.run import RunConfig, as_dict
 from dilocox.common.config.waits import PULL_WAIT_S, SHARD_WAIT_S, collective_timeout_for
 from dilocox.common.security import TlsFiles
 from dilocox.common.wire.assignment import tokenizer_digest_of
 from dilocox.common.wire.compression import TensorCompressor
-from dilocox.worker.exchange.access import LocalAccess, ParameterAccess
+from dilocox.model_access import access_for
+from dilocox.worker.exchange.access import ParameterAccess
 from dilocox.worker.exchange.adaptive_steps import steps_controller_for
 from dilocox.worker.exchange.aggregator_client import AggregatorClient
 from dilocox.worker.exchange.cluster import DilocoCluster
@@ -105,39 +104,6 @@ def tokenizer_identity(tokenizer: object) -> tuple[str, str]:
             )
         definition = backend.to_str()
     return tokenizer_digest_of(definition), definition
-
-
-def _refuse_processes_without_mesh(cluster: str) -> None:
-    """A site of several processes must say how they split the model (a `SiteMesh`): without one every
-    process would join as the same site with the whole model it holds — a DDP, accelerate, FSDP1 or ZeRO
-    job's ranks would push the same slices several times, or flat-parameter views of them."""
-    initialised = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if initialised else int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
-        how = "torch.distributed is initialised" if initialised else "WORLD_SIZE is set, as torchrun and accelerate do"
-        raise ValueError(
-            f"this process is one of {world} ({how}) but no mesh was given: each would join the run as site "
-            f"{cluster!r} with the whole model it holds (DDP, accelerate, FSDP1 and ZeRO jobs look like this, "
-            "and so does a Hugging Face Trainer launched over several processes). Give every rank of the site "
-            "the same SiteMesh (docs/api.md, 'Under torchrun'; FSDP2 and pipeline stages), or run one process "
-            "per site (the Trainer with DiLoCoXCallback: plain `python`, one GPU)"
-        )
-
-
-def _site_model_specs(mesh: SiteMesh, named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...]]]:
-    """The whole model's (name, full shape) over a site's pipeline stages, in stage order: each stage's
-    own parameters (a DTensor's shape is the full one), gathered from every rank."""
-    mine = (mesh.stage, [(n, tuple(p.shape)) for n, p in named])
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    specs: list[tuple[str, tuple[int, ...]]] = []
-    seen: set[str] = set()
-    for _stage, stage_specs in sorted(every, key=lambda item: item[0]):
-        for name, shape in stage_specs:
-            if name not in seen:
-                seen.add(name)
-                specs.append((name, shape))
-    return specs
 
 
 class DiLoCoX:
@@ -208,7 +174,7 @@ class DiLoCoX:
             if model is None:
                 raise ValueError("model: give the module this site trains")
             trainer: object = _UserLoop(evaluate)
-            access = self._access_for(model)
+            access = access_for(model, self.mesh, self.cluster_name)
             from dilocox.worker.site.memory_plan import exchange_bytes_per_param
             from dilocox.worker.site.size_guard import check_exchange_host  # the plan's bytes per exchanged parameter
 
@@ -261,22 +227,6 @@ class DiLoCoX:
         self._started = False
         self._closed = False
         self._hooks: list = []
-
-    def _access_for(self, model: torch.nn.Module) -> ParameterAccess:
-        named = list(model.named_parameters())
-        if self.mesh is None:
-            _refuse_processes_without_mesh(self.cluster_name)
-            if any(isinstance(p, DTensor) for _, p in named):
-                raise ValueError("the model is sharded (DTensor parameters): pass the site's mesh (dilocox.SiteMesh)")
-            return LocalAccess(named)
-        from dilocox.worker.site.access import SiteAccess
-        from dilocox.worker.site.parallelize import reshard_all
-
-        def current() -> list[tuple[str, torch.nn.Parameter]]:
-            reshard_all(model)  # an eval's forward leaves the root gathered: the exchange wants the shards
-            return list(model.named_parameters())
-
-        return SiteAccess(self.mesh, current, _site_model_specs(self.mesh, current()))
 
     # ------------------------------------------------------------------ the loop
     def start(self) -> DiLoCoX:

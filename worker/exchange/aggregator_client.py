@@ -4,36 +4,38 @@ Pushes and pulls go to all shards at once, one stream per shard on its own threa
 GIL), so a round's traffic is as parallel as the shard count. Bytes are counted at the gRPC message
 layer: `ByteSize()` of every message sent and received, which is what crosses the wire before HTTP/2
 framing.
+
+This module holds the connection (channels, the shard wait, `close`), the join and the replica's part in
+checkpoints; the push half is worker/exchange/aggregator_push.py and the pull half
+worker/exchange/aggregator_pull.py, mixed into `AggregatorClient`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-import structlog
 import torch
 
 from dilocox.common.config.run import WireConfig
 from dilocox.common.config.waits import PULL_WAIT_S, RPC_TIMEOUT_S, SHARD_WAIT_S
 from dilocox.common.security import TlsFiles, open_channel
-from dilocox.common.wire import codecs
 from dilocox.common.wire.assignment import ParamSlice, SliceMap, model_digest
 from dilocox.common.wire.compression import TensorCompressor
-from dilocox.common.wire.framing import EncodedSlice, SliceKey, frame_slices, is_own_summary, is_state_digest
+from dilocox.common.wire.framing import EncodedSlice, SliceKey
 from dilocox.common.wire.outer_optimizer import OuterNesterov
-from dilocox.common.wire.slice_assembly import Assembled, assemble_units
 from dilocox.common.wire.staleness import check_rule as check_stale_rule
 from dilocox.proto import dilocox_pb2 as pb
 from dilocox.proto import dilocox_pb2_grpc as pb_grpc
+from dilocox.worker.exchange.aggregator_pull import AggregatorPull
+from dilocox.worker.exchange.aggregator_push import AggregatorPush
 from dilocox.worker.exchange.carry import UndeliveredCarry
 from dilocox.worker.exchange.packed_state import pack
-from dilocox.worker.exchange.replay import StaleReplica, apply_pull, own_contributions, replayed_version
-from dilocox.worker.exchange.replay_check import ReplayCheck, ReplayMismatch
+from dilocox.worker.exchange.replay_check import ReplayCheck
 from dilocox.worker.exchange.replica_state import Installed, install_replica, replica_entries, unpack_replica
 from dilocox.worker.exchange.shard_wait import (
     RECONNECT_OPTIONS,
@@ -44,8 +46,6 @@ from dilocox.worker.exchange.shard_wait import (
     why_unreachable,
 )
 from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
-
-log = structlog.get_logger()
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Traffic:
     dropped_tokens: int = 0
 
 
-class AggregatorClient:
+class AggregatorClient(AggregatorPush, AggregatorPull):
     def __init__(
         self,
         addresses: Sequence[str],
@@ -244,294 +244,6 @@ class AggregatorClient:
             outer_momentum=first.outer_momentum,
             rejoin=any(r.rejoin for r in replies),
         )
-
-    # ------------------------------------------------------------------ push
-    def push(
-        self,
-        round_: int,
-        weight: float,
-        tensors: Mapping[SliceKey, torch.Tensor],
-        shards: Iterable[int] | None = None,
-        reencode: bool = True,
-        codec: str | None = None,
-        facts: tuple[int, float, int] = (0, 0.0, 0),
-        formed: bool = False,
-    ) -> int:
-        """Send slices (keyed by SliceKey) to their owning shards in parallel; returns bytes sent.
-
-        `reencode=False` resends the bytes of this round's last push (a re-push after a shard restart)
-        instead of compressing again, which would advance the compressor's state a second time.
-        `codec`: a dense codec for this push instead of the compressor's own (the end-of-run flush).
-        `facts`: (inner steps, idle seconds, staleness) of the round, told to the shards: the first two for
-        `dilocox status`, the staleness (rounds the work is older than `round_`) caps its weight.
-        `formed`: each tensor is Δ + e, formed in the compressor's residual buffer (`hold_residual`), which
-        compression leaves holding the new residual; a carried part is added into it there."""
-        owner = {s.key: s.shard for s in self.assignment}
-        by_shard: dict[int, list[SliceKey]] = {}
-        for key in tensors:
-            by_shard.setdefault(owner[key], []).append(key)
-        targets = sorted(set(shards) if shards is not None else by_shard)
-        if round_ > 0:
-            if reencode:
-                self._push_generation += 1
-                tensors = self.carry.add_to(tensors, weight, round_, in_place=formed)
-                self._push_facts = (int(facts[0]), float(facts[1]), int(facts[2]) if len(facts) > 2 else 0)
-            self._last_push = (round_, weight, by_shard)
-
-        def push_one(shard: int) -> int:
-            # Encoded once, so a retried stream resends the very same bytes (the shard ignores duplicates).
-            items = [
-                self._own[key]
-                if not reencode and key in self._own
-                else self._encode(round_, key, tensors[key], codec, formed)
-                for key in by_shard.get(shard, [])
-            ]
-            return self._send(shard, round_, weight, items)
-
-        running = {shard: self._pool.submit(push_one, shard) for shard in targets}
-        sent_per_shard, refused = {}, {}
-        for shard, future in running.items():
-            try:
-                sent_per_shard[shard] = future.result()
-            except AggregatorError as error:
-                refused[shard] = error
-        for shard, sent in sent_per_shard.items():
-            self.traffic.per_shard_up[shard] = self.traffic.per_shard_up.get(shard, 0) + sent
-        total = sum(sent_per_shard.values())
-        self.traffic.bytes_up += total
-        if refused:
-            closed = [s for s, e in refused.items() if e.code == grpc.StatusCode.FAILED_PRECONDITION]
-            if round_ > 0:
-                self.carry_undelivered(round_, [key for s in closed for key in by_shard.get(s, [])], weight)
-            error = next(iter(refused.values()))
-            error.bytes_sent = total  # what the other shards took: counted in the traffic, and in the round's report
-            raise error
-        return total
-
-    def carry_undelivered(self, round_: int, keys: Iterable[SliceKey], weight: float) -> None:
-        """A shard closed round `round_` without these slices of ours, pushed with `weight`: deliver them
-        with the next push, weighted by their own tokens (see `carry.UndeliveredCarry`)."""
-        before = self.carry.elements
-        kept = self.carry.keep(
-            self._push_generation,
-            {key: self._own[key].decode() for key in keys if key in self._own},
-            weight,
-            round_ - self._push_facts[2],
-        )  # the round the work was trained for
-        if kept:
-            log.warning(
-                "pseudo_gradient_carried",
-                cluster=self.cluster,
-                round=round_,
-                slices=len(kept),
-                elements=self.carry.elements - before,
-                tokens=weight,
-                reason="a shard closed the round without them: they go with the next round",
-            )
-
-    def _send(self, shard: int, round_: int, weight: float, items: list[EncodedSlice], wait: bool = True) -> int:
-        """One push stream to one shard; `wait=False`: one try, no waiting for an unreachable shard."""
-        address, stub = self._stubs[shard]
-        chunks = [
-            pb.PushMessage(chunk=chunk)
-            for chunk in frame_slices(items, self.slice_map.index, self.wire.chunk_bytes, self.wire.zstd_level)
-        ]
-        header = pb.PushHeader(
-            run_id=self.run_id,
-            cluster=self.cluster,
-            round=round_,
-            weight=weight,
-            chunks=len(chunks),
-            inner_steps=self._push_facts[0] if round_ > 0 else 0,
-            idle_s=self._push_facts[1] if round_ > 0 else 0.0,
-            staleness=self._push_facts[2] if round_ > 0 else 0,
-        )
-        messages = [pb.PushMessage(header=header), *chunks]
-        push = lambda: stub.Push(iter(messages), timeout=self.rpc_timeout)  # noqa: E731
-        # A push is idempotent (a retry is answered as duplicates): its own deadline running out (a reply
-        # lost on a half-open connection) is waited out like an outage.
-        self._call(address, push, call="push", wait_s=None if wait else 0.0, deadline_is_outage=True)
-        return sum(m.ByteSize() for m in messages)
-
-    def _repush_after_outage(self, shard: int, round_: int) -> None:
-        """A shard we lost the connection to may have restarted from its checkpoint, without the open
-        round's pushes: send it our part of round `round_` again (the same bytes; a shard that kept
-        them ignores duplicates) before asking for that round's result, rather than waiting out a pull."""
-        if self._last_push is None or self._last_push[0] != round_:
-            return
-        _, weight, by_shard = self._last_push
-        items = [self._own[key] for key in by_shard.get(shard, []) if key in self._own]
-        if not items:
-            return
-        try:
-            sent = self._send(shard, round_, weight, items, wait=False)
-            self.traffic.bytes_up += sent
-            log.info("repushed_after_outage", shard=shard, round=round_, bytes_up=sent)
-        except AggregatorError as error:  # closed meanwhile (it had our push), or down again: the pull decides
-            log.info(
-                "repush_after_outage_refused", shard=shard, round=round_, code=error.code.name, details=error.details
-            )
-
-    def _encode(
-        self, round_: int, key: SliceKey, tensor: torch.Tensor, codec: str | None = None, formed: bool = False
-    ) -> EncodedSlice:
-        if round_ == 0:  # initial weights always travel exactly
-            return EncodedSlice.exact(key, tensor)
-        if self.compressor is None:
-            item = EncodedSlice.exact(key, tensor)
-        else:
-            compress = self.compressor.compress_formed if formed else self.compressor.compress
-            encoded = compress(key, tensor, codec)
-            item = EncodedSlice(key, encoded.codec, encoded.dtype, tuple(tensor.shape), bytearray(encoded.payload))
-        self._own[key] = item  # to replay the round's step when the shard forwards it
-        return item
-
-    # ------------------------------------------------------------------ pull
-    @property
-    def newest_version(self) -> int:
-        """The newest version any shard has given us (-1: none yet); `pull` returns the oldest."""
-        return max(self.held_versions.values(), default=-1)
-
-    def catch_up_replica(self, names: Sequence[str] = (), to: int | None = None) -> int:
-        """Pull the shards our replica holds an older version of than another shard gave us (or than `to`:
-        what another rank of the site holds), up to that version (a late site can get the run's final
-        version from one shard and an older one from another); returns the version the replica is at."""
-        newest = max(self.newest_version, -1 if to is None else to)
-        behind = [shard for shard, version in self.held_versions.items() if version < newest]
-        if behind:
-            log.info("replica_catching_up", shards=behind, version=newest)
-            self.pull(newest, names, shards=behind)
-        return newest
-
-    def pull(
-        self,
-        min_version: int,
-        names: Sequence[str] = (),
-        wait_seconds: float = 600.0,
-        shards: Sequence[int] | None = None,
-    ) -> tuple[int, dict[SliceKey, torch.Tensor], int]:
-        """Fetch the global weights (≥ min_version) from every shard (or `shards`); returns (version,
-        slices, bytes).
-
-        Tells each shard which version it holds: a shard answers a cluster one version behind with the
-        round's contributions (the other clusters' compressed pseudo-gradients, a digest for our own),
-        and this client replays the shard's outer step on its copy — bit-identical, in every cluster.
-        Anyone else (a joiner, a laggard) gets the full weights and outer momentum, once.
-        """
-        wanted = set(names)
-        serving = {s.shard for s in self.assignment if not wanted or s.name in wanted}
-        shards = sorted(serving if shards is None else serving & set(shards))
-
-        def pull_one(shard: int) -> int:
-            address, stub = self._stubs[shard]
-            expected = {s.key: s for s in self.assignment if s.shard == shard}
-            received = 0
-
-            def attempt(have: int) -> None:
-                nonlocal received
-                summaries: list[pb.TensorChunk] = []  # the requester's own slices, as one chunk
-                digests: list[pb.TensorChunk] = []  # the shard's state digest, to check our replay with
-                request = pb.PullRequest(
-                    run_id=self.run_id,
-                    cluster=self.cluster,
-                    min_version=min_version,
-                    wait_seconds=wait_seconds,
-                    names=list(names),
-                    have_version=have,
-                    check_replay=self.replay_check.enabled,
-                    replay_digest=self.replay_check.digest,
-                    replay_mismatches=self.replay_check.mismatches,
-                    no_own_copies=not self._own,
-                )
-
-                def chunks() -> Iterator[pb.TensorChunk]:
-                    nonlocal received
-                    for chunk in stub.Pull(request, timeout=wait_seconds + self.rpc_timeout):
-                        received += chunk.ByteSize()
-                        if is_own_summary(chunk):
-                            summaries.append(chunk)
-                        elif is_state_digest(chunk):
-                            digests.append(chunk)
-                        else:
-                            yield chunk
-
-                def vet(key: SliceKey, chunk: pb.TensorChunk) -> int:
-                    if chunk.own:
-                        raise ValueError(f"shard {shard} sent {key} as our own slice: own parts come as one summary")
-                    if key not in expected or tuple(chunk.shape) != expected[key].slice_shape:
-                        raise ValueError(
-                            f"shard {shard} sent {key} with shape {list(chunk.shape)}, which it does not own"
-                        )
-                    if chunk.is_delta and (
-                        chunk.base_version < have or chunk.base_version != chunk.version - 1 or key not in self.held
-                    ):
-                        raise ValueError(
-                            f"shard {shard} sent round {chunk.version} for version {chunk.base_version}; we hold {have}"
-                        )
-                    return codecs.max_payload_bytes(chunk.codec, expected[key].slice_shape)
-
-                def fetch() -> list[Assembled]:
-                    summaries.clear()  # a retried call starts the stream over
-                    digests.clear()
-                    # Vetted as they arrive, decoded when the replay reaches their slice: kept decoded, the
-                    # forwarded rounds of every shard would be (M - 1) dense copies of the model at once.
-                    return list(assemble_units(chunks(), vet, self.slice_map.entries))
-
-                units = self._call(
-                    address, fetch, on_reconnect=lambda: self._repush_after_outage(shard, min_version), call="pull"
-                )
-                own_keys = sorted(k for k in expected if not wanted or k.name in wanted)
-                replayed = replayed_version(shard, have, units, summaries, own_keys, self.held)
-                self.pull_kinds[shard] = (
-                    ("full", 0, why_full)
-                    if replayed is None
-                    else (("current", 0, "") if replayed == have else ("rounds", replayed - have, ""))
-                )
-                digest = self.replay_check.expected(shard, digests, replayed)  # before applying
-                own = own_contributions(self.cluster, self._own, self.held, shard, summaries, own_keys, have)
-                assert self.outer is not None, "join first"
-                with self.replica_lock:  # a state_dict() meanwhile sees this shard's slices before or after, whole
-                    self.held_versions[shard] = apply_pull(
-                        self.held, self.outer, units, own, self.held_versions.get(shard, -1)
-                    )
-                if digest is not None:
-                    self.replay_check.verify(
-                        shard, self.held_versions[shard], own_keys, self.held, self.outer.buffers, digest
-                    )
-
-            have = self.held_versions.get(shard, -1)
-            why_full = (
-                "no replica held"
-                if have < 0
-                else "the shard no longer keeps every round since (its --keep-rounds in memory, --keep-rounds-s on "
-                "disk)"
-            )
-            try:
-                attempt(have)
-            except ReplayMismatch:
-                why_full = "the replay did not match the shard's state digest"
-                attempt(-1)  # the shard's weights and momentum in full, before the next round
-                self.replay_check.resynced(shard, self.held)
-            except StaleReplica as error:
-                why_full = str(error)
-                log.warning("replica_resync", shard=shard, reason=why_full)
-                attempt(-1)  # the full weights and momentum, once
-            except AggregatorError as error:
-                # Dropped at the close of the round we wait for (a deadline, with part of a pipeline's
-                # shares in): the push we made was accepted, then discarded. Deliver it next round.
-                last = self._last_push
-                if error.code == grpc.StatusCode.FAILED_PRECONDITION and last is not None and last[0] == min_version:
-                    self.carry_undelivered(min_version, last[2].get(shard, []), last[1])
-                raise
-            return received
-
-        total = sum(self._pool.map(pull_one, shards))
-        self.traffic.bytes_down += total
-        versions = [self.held_versions.get(shard, -1) for shard in shards]
-        if len(set(versions)) > 1:
-            log.info("pull_versions_differ", versions=versions)
-        wanted_keys = [s.key for s in self.assignment if not wanted or s.name in wanted]
-        return min(versions), {k: self.held[k] for k in wanted_keys if k in self.held}, total
 
     # ------------------------------------------------------------------ the replica in checkpoints
     def replica_entries(self, names: Sequence[str]) -> dict[str, dict]:
