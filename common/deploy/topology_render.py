@@ -1,9 +1,10 @@
 """`dilocox deploy topology --file run.toml --out DIR`: every cluster's launch files for a run across clusters.
 
-The file (topology_file.py) is mapped onto the launchers' own options and rendered by their own
-functions — slurm.shards_script/site_script, kubernetes_objects.shard_objects/site_objects, bare_metal — so a
-site gets the same argv whether it was rendered alone or as part of a topology. What this module adds is
-the part no single-cluster renderer can know:
+The file (parsed by topology_file.py into topology_model.py's dataclasses) is mapped onto the launchers' own
+options and rendered by their own functions — slurm.shards_script/site_script,
+kubernetes_objects.shard_objects/site_objects, bare_metal — so a site gets the same argv whether it was
+rendered alone or as part of a topology. What this module adds is the part no single-cluster renderer
+can know:
 
 * which address each site dials: the shards' in-cluster names for a site in the shards' own cluster
   (Kubernetes DNS, or the Slurm shards job's address files), `shards.addresses` for every other site;
@@ -31,14 +32,13 @@ from dilocox.common.deploy.kubernetes_names import ClusterPlacement, Names
 from dilocox.common.deploy.kubernetes_objects import shard_objects, site_objects
 from dilocox.common.deploy.kubernetes_options import Options, dns_label
 from dilocox.common.deploy.topology import SHARD_PORT, Site, Topology
-from dilocox.common.deploy.topology_file import (
+from dilocox.common.deploy.topology_file import TopologyFileError, load
+from dilocox.common.deploy.topology_model import (
     BareMetalSettings,
     KubernetesSettings,
     SiteSpec,
     SlurmSettings,
     TopologyFile,
-    TopologyFileError,
-    load,
 )
 
 log = structlog.get_logger()
