@@ -23,7 +23,8 @@ add |
 | an add |
 
 for 1 thread, 2 threads and all cores. Then the training thread's tokens/s with the exchange running
-beside it, continuously, against the same training alone: the GIL and core contention figure.
+beside it, continuously, against the same training alone: the GIL and core contention figure
+(bench/exchange_contention.py).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ import argparse
 import hashlib
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 
 import torch
 
+from dilocox.bench.exchange_contention import FloorWork, training_beside_exchange
 from dilocox.bench.report import write_report
 from dilocox.common.wire import codecs
 from dilocox.common.wire.aggregation import apply_round, decode_by_blocks
@@ -46,7 +47,7 @@ from dilocox.common.wire.framing import EncodedSlice, SliceKey, frame_payload
 from dilocox.common.wire.outer_optimizer import OuterNesterov
 from dilocox.common.wire.replica_digest import state_digest
 from dilocox.worker.exchange.replay_check import ReplayCheck
-from dilocox.worker.exchange.threads import exchange_thread_budget, use_exchange_threads
+from dilocox.worker.exchange.threads import exchange_thread_budget
 
 STAGES = (
     "pseudo_gradient",
@@ -324,81 +325,6 @@ def time_stages(layer: LayerExchange, threads: int, repeats: int) -> list[dict]:
     return rows
 
 
-class _Floor:
-    """What any work on the exchange's core costs the trainer on this machine, measured beside it the same
-    way: `stream` adds two model-sized tensors (memory traffic and nothing else), `cache` adds small
-    ones that stay in the core's L2 (compute and nothing else), `idle` sleeps."""
-
-    def __init__(self, kind: str, params: int) -> None:
-        self.kind = kind
-        self.big = [torch.randn(params), torch.randn(params), torch.empty(params)] if kind == "stream" else []
-        self.small = [torch.randn(1 << 16) for _ in range(3)]
-
-    def round_of_cluster(self) -> None:
-        if self.kind == "stream":
-            torch.add(self.big[0], self.big[1], out=self.big[2])
-        elif self.kind == "cache":
-            for _ in range(100):
-                torch.add(self.small[0], self.small[1], out=self.small[2])
-        else:
-            time.sleep(0.01)
-
-
-def training_beside_exchange(
-    layer: LayerExchange | _Floor, seconds: float, train_threads: int, exchange_threads: int, pace_s: float = 0.0
-) -> dict:
-    """tokens/s of the default GPT's inner steps at `train_threads`, alone and with a cluster's exchange
-    beside it on its own thread budget: one round after the other without rest (`pace_s` 0, the worst
-    case), or one round every `pace_s` seconds (a round's exchange beside a round's training). Each side
-    trains for `seconds`, in batches of steps; alone is measured before and after, and the better kept.
-    `lost_s_per_round`: the training time the exchange cost, per exchange round."""
-    from dilocox.common.config.run import RunConfig
-    from dilocox.worker.data.token_data import load_run_data
-    from dilocox.worker.train.inner_trainer import InnerTrainer
-
-    torch.set_num_threads(train_threads)
-    config = RunConfig()
-    trainer = InnerTrainer(config, load_run_data(config.tokenizer, None))
-    trainer.train_steps(2)
-
-    def tokens_per_s() -> float:
-        started, tokens = time.perf_counter(), 0
-        while time.perf_counter() - started < seconds:
-            tokens += trainer.train_steps(5)[1]
-        return tokens / (time.perf_counter() - started)
-
-    alone = tokens_per_s()
-    stop, rounds = threading.Event(), [0]
-
-    def exchange() -> None:
-        use_exchange_threads(exchange_threads)
-        while not stop.is_set():
-            began = time.perf_counter()
-            layer.round_of_cluster()
-            rounds[0] += 1
-            stop.wait(max(0.0, pace_s - (time.perf_counter() - began)))
-
-    beside = threading.Thread(target=exchange, name="exchange", daemon=True)
-    beside.start()
-    try:
-        with_exchange = tokens_per_s()
-    finally:
-        stop.set()
-        beside.join()
-    alone = max(alone, tokens_per_s())  # alone once more: the machine's drift over the run
-    kept = with_exchange / alone
-    return {
-        "train_threads": train_threads,
-        "exchange_threads": exchange_threads,
-        "pace_s": pace_s,
-        "tokens_per_s_alone": round(alone),
-        "tokens_per_s_with_exchange": round(with_exchange),
-        "share_kept": round(kept, 3),
-        "exchange_rounds_meanwhile": rounds[0],
-        "lost_s_per_round": round(seconds * (1 - kept) / max(1, rounds[0]), 4),
-    }
-
-
 def run(args: argparse.Namespace, out_dir) -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     counts = sorted({cores if t.strip() == "all" else int(t) for t in args.threads.split(",") if t.strip()})
@@ -417,7 +343,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
         beside = training_beside_exchange(layer, args.train_seconds, max(1, cores - 1), budget)
         paced = training_beside_exchange(layer, args.train_seconds, max(1, cores - 1), budget, args.pace_s)
         floors = {
-            kind: training_beside_exchange(_Floor(kind, layer.params), args.train_seconds, max(1, cores - 1), budget)
+            kind: training_beside_exchange(FloorWork(kind, layer.params), args.train_seconds, max(1, cores - 1), budget)
             for kind in ("idle", "cache", "stream")
         }
         meta["training"] = {"exchange": beside, "paced": paced, **floors}

@@ -3,6 +3,9 @@
 Every shard and every cluster is a real OS process talking real gRPC over loopback, exactly as in a
 deployment; only the addresses are local. The sim reads the clusters' JSON log lines, prints one
 line per round across clusters, and a summary at the end. Child logs are kept in --log-dir.
+
+The children's command lines are child_argv.py's, a cluster's stderr is read by cluster_logs.py, and
+where the TensorBoard curves go is tensorboard_curves.py's; here is the run itself and its bookkeeping.
 """
 
 from __future__ import annotations
@@ -24,17 +27,19 @@ from collections import defaultdict
 import structlog
 
 from dilocox.common.config.run import RunConfig
-from dilocox.common.config.run_flags import add_config_arguments, config_flags, config_from_args
+from dilocox.common.config.run_flags import add_config_arguments, config_from_args
 from dilocox.common.deploy import prometheus_config
 from dilocox.common.deploy.certs import make_dev_certificates
 from dilocox.common.deploy.topology import tls_flags
 from dilocox.common.logs import add_log_format_argument, configure_logging
 from dilocox.common.security import TlsFiles
+from dilocox.sim import tensorboard_curves
+from dilocox.sim.child_argv import cluster_argv, export_argv, shard_argv
+from dilocox.sim.cluster_logs import ClusterLogReader
 from dilocox.sim.global_eval import GlobalEvalWatch, round_line
 from dilocox.worker.data.sources import CorpusError
 from dilocox.worker.data.token_data import add_data_arguments, load_run_data
 from dilocox.worker.data.tokenizer import TokenizerError, resolve_tokenizer
-from dilocox.worker.tracking import tensorboard_available
 
 log = structlog.get_logger()
 
@@ -91,49 +96,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dilocox.common.cli", *args]
-
-
-class _ClusterLogReader(threading.Thread):
-    """Tees a cluster's stderr into its log file and hands its JSON events to `on_event`; remembers the
-    last thing the cluster said was wrong (`reason`), for the summary when it fails."""
-
-    def __init__(self, name: str, proc: subprocess.Popen, log_path: pathlib.Path, on_event) -> None:
-        super().__init__(daemon=True, name=f"log-{name}")
-        self.cluster = name
-        self.proc = proc
-        self.log_path = log_path
-        self.on_event = on_event
-        self._error_event: str | None = None  # its last error-level log event
-        self._last_text: str | None = None  # its last plain line: a SystemExit message, a traceback's last line
-
-    def run(self) -> None:
-        assert self.proc.stderr is not None
-        with self.log_path.open("w") as out:
-            for line in self.proc.stderr:
-                out.write(line)
-                out.flush()
-                try:
-                    event = json.loads(line)
-                except json.JSONDecodeError:
-                    if line.strip():
-                        self._last_text = line.strip()
-                    continue
-                if isinstance(event, dict):
-                    if event.get("level") in ("error", "critical"):
-                        details = {k: v for k, v in event.items() if k not in ("event", "level", "timestamp", "logger")}
-                        self._error_event = f"{event.get('event')}: " + ", ".join(
-                            f"{k}={v}" for k, v in details.items()
-                        )
-                    self.on_event(self.cluster, event)
-
-    def reason(self) -> str:
-        """Why the cluster failed, as it said last (call after it exited and its stderr is read)."""
-        self.join(timeout=5)
-        return self._error_event or self._last_text or "it exited without saying why"
-
-
 class Simulation:
     def __init__(
         self,
@@ -156,7 +118,7 @@ class Simulation:
             self.worker_security = [*tls_flags(str(log_dir / "certs"), "client"), "--token", token]
         self.shards: list[subprocess.Popen] = []
         self.workers: dict[str, subprocess.Popen] = {}
-        self.readers: dict[str, _ClusterLogReader] = {}
+        self.readers: dict[str, ClusterLogReader] = {}
         self._lock = threading.Lock()
         self._rounds: dict[int, dict[str, dict]] = defaultdict(dict)
         self._initial: dict[str, float] = {}
@@ -176,35 +138,7 @@ class Simulation:
             port_file = self.log_dir / f"shard-{i}.port"
             port_file.unlink(missing_ok=True)  # a reused --log-dir: an earlier run's port is not this shard's
             port_files.append(port_file)
-            cmd = _cli(
-                "server",
-                "--num-shards",
-                str(self.args.shards),
-                "--shard-index",
-                str(i),
-                "--port",
-                "0",
-                "--port-file",
-                str(port_file),
-                "--run-id",
-                self.config.run_id,
-                "--outer-lr",
-                str(self.config.outer.lr),
-                "--outer-momentum",
-                str(self.config.outer.momentum),
-                "--min-clusters",
-                str(self._min_clusters),
-                "--expect-clusters",
-                str(self.args.clusters),
-                "--round-deadline-s",
-                str(self.args.round_deadline_s),
-                *(["--grace-s", f"{self.args.grace_s:g}"] if self.args.grace_s > 0 else []),
-                "--keep-serving",
-                "--log-format",
-                "json",
-                *self.server_security,  # the sim exports, then stops them
-                *self._metrics_flags(i),
-            )
+            cmd = shard_argv(self.args, self.config, i, port_file, self._min_clusters, self.server_security)
             with (self.log_dir / f"shard-{i}.log").open("w") as out:
                 self.shards.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 60
@@ -256,31 +190,13 @@ class Simulation:
     def export_model(self, addresses: list[str]) -> str | None:
         """The run's global model, read from the still-running shards into <log dir>/model."""
         out = self.log_dir / "model"
-        command = _cli(
-            "export",
-            "--servers",
-            ",".join(addresses),
-            "--run-id",
-            self.config.run_id,
-            "--out",
-            str(out),
-            "--text-field",
-            self.args.text_field,
-            *(["--data", self.args.data] if self.args.data else []),
-            *self.worker_security,
-        )
+        command = export_argv(self.args, self.config, addresses, out, self.worker_security)
         done = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             log.error("sim_export_failed", error=done.stderr.strip()[-2000:])
             return None
         log.info("sim_model_exported", path=str(out))
         return str(out)
-
-    def _metrics_flags(self, process: int) -> list[str]:
-        """Process `process` (shards first, then clusters) serves metrics on --metrics-port + process."""
-        if not self.args.metrics_port:
-            return []
-        return ["--metrics-port", str(self.args.metrics_port + process), "--metrics-host", "127.0.0.1"]
 
     def write_prometheus_config(self) -> pathlib.Path | None:
         if not self.args.metrics_port:
@@ -302,36 +218,10 @@ class Simulation:
     def start_clusters(self, addresses: list[str]) -> None:
         for j in range(self.args.clusters):
             name = f"cluster-{j}"
-            cmd = _cli(
-                "worker",
-                "--servers",
-                ",".join(addresses),
-                "--cluster",
-                name,
-                "--cluster-index",
-                str(j),
-                "--num-clusters",
-                str(self.args.clusters),
-                "--threads",
-                str(self.args.threads),
-                "--log-format",
-                "json",
-                *(["--data", self.args.data] if self.args.data else []),
-                "--text-field",
-                self.args.text_field,
-                *config_flags(self.config),
-                *self.worker_security,
-                *(["--tensorboard-dir", str(self.tensorboard_dir)] if self.tensorboard_dir else []),
-                *self._metrics_flags(self.args.shards + j),
-                *(
-                    ["--simulate-slowdown", f"{self.args.slow_cluster:g}"]
-                    if j == self.args.clusters - 1 and self.args.slow_cluster != 1
-                    else []
-                ),
-            )
+            cmd = cluster_argv(self.args, self.config, j, name, addresses, self.worker_security, self.tensorboard_dir)
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, bufsize=1)
             self.workers[name] = proc
-            reader = _ClusterLogReader(name, proc, self.log_dir / f"{name}.log", self._on_event)
+            reader = ClusterLogReader(name, proc, self.log_dir / f"{name}.log", self._on_event)
             reader.start()
             self.readers[name] = reader
         log.info("sim_clusters_started", clusters=len(self.workers))
@@ -449,7 +339,7 @@ class Simulation:
             "tensorboard_dir": str(self.tensorboard_dir) if self.tensorboard_dir else None,
         }
         log.info("sim_summary", **summary)
-        _log_tensorboard_command(self.tensorboard_dir)
+        tensorboard_curves.log_tensorboard_command(self.tensorboard_dir)
         return summary
 
 
@@ -458,27 +348,6 @@ def _idle_fraction(rounds: dict[int, dict[tuple[str, int], dict]]) -> float:
     rank's), over every round any site reported."""
     lines = [round_line(r, per_rank, None) for r, per_rank in rounds.items()]
     return round(sum(line["idle_s"] for line in lines) / max(1e-9, sum(line["seconds"] for line in lines)), 4)
-
-
-def _tensorboard_dir(args: argparse.Namespace, log_dir: pathlib.Path) -> pathlib.Path | None:
-    """Where the clusters write their TensorBoard scalars: on by default, so every sim leaves its curves;
-    without the tensorboard package the sim says so once and runs without them rather than failing."""
-    if args.no_tensorboard:
-        return None
-    if not tensorboard_available():
-        log.warning(
-            "sim_tensorboard_off",
-            reason="the tensorboard package is not installed",
-            fix="pip install 'dilocox[tracking]'",
-        )
-        return None
-    return log_dir / "tensorboard"
-
-
-def _log_tensorboard_command(tensorboard_dir: pathlib.Path | None) -> None:
-    """The command that shows the run's curves (the clusters' event files appear as one run each)."""
-    if tensorboard_dir is not None:
-        log.info("sim_tensorboard", command=f"tensorboard --logdir {shlex.quote(str(tensorboard_dir))}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -500,8 +369,8 @@ def run(args: argparse.Namespace) -> int:
         log_dir=str(log_dir),
         pid=os.getpid(),
     )
-    tensorboard_dir = _tensorboard_dir(args, log_dir)
-    _log_tensorboard_command(tensorboard_dir)  # to watch the curves while the run goes on
+    tensorboard_dir = tensorboard_curves.tensorboard_dir(args, log_dir)
+    tensorboard_curves.log_tensorboard_command(tensorboard_dir)  # to watch the curves while the run goes on
     try:
         summary = Simulation(args, config, log_dir, tensorboard_dir).run()
     except (TokenizerError, CorpusError) as error:

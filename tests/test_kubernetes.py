@@ -23,6 +23,7 @@ import yaml
 from dilocox.common.cli import build_parser
 from dilocox.common.deploy import kubernetes
 from dilocox.common.deploy.deploy_cli import add_topology_arguments, topology_from_args
+from dilocox.common.deploy.kubernetes_objects import SITE_CHECKPOINT_DIR
 from dilocox.server.shard import Shard
 from dilocox.server.state import checkpoint
 from tests.ports import free_port, listening
@@ -215,8 +216,8 @@ def test_one_pod_per_site_runs_the_worker_which_starts_its_own_torchrun(tmp_path
         assert rules[0]["action"] == "FailJob" and rules[0]["onExitCodes"]["values"] == [3]
         assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
         # A rerun pod resumes the site's local state from its own volume.
-        assert args.resume_if_present and str(args.checkpoint_dir) == kubernetes.SITE_CHECKPOINT_DIR
-        assert {"name": "checkpoints", "mountPath": kubernetes.SITE_CHECKPOINT_DIR} in container["volumeMounts"]
+        assert args.resume_if_present and str(args.checkpoint_dir) == SITE_CHECKPOINT_DIR
+        assert {"name": "checkpoints", "mountPath": SITE_CHECKPOINT_DIR} in container["volumeMounts"]
         (volume,) = [v for v in spec["template"]["spec"]["volumes"] if v["name"] == "checkpoints"]
         claim = _one(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
         assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]

@@ -696,7 +696,7 @@ def test_the_shards_policy_reaches_every_shard_by_its_flag_names(where):
 def test_every_policy_key_is_a_dilocox_server_flag_of_its_type():
     import argparse
 
-    from dilocox.common.deploy.topology_file import CHOICES, SHARD_POLICY, UPDATE_CHECKS
+    from dilocox.common.deploy.topology_policy import CHOICES, SHARD_POLICY, UPDATE_CHECKS
     from dilocox.server.flags import add_arguments
 
     parser = argparse.ArgumentParser()

@@ -184,15 +184,15 @@ def test_missing_packages_stop_the_worker_with_the_install_command(tmp_path, mon
 
 
 def test_sim_without_tensorboard_says_so_once_and_runs_without(tmp_path, monkeypatch):
-    from dilocox.sim import main as sim
+    from dilocox.sim import tensorboard_curves
 
-    monkeypatch.setattr(sim, "tensorboard_available", lambda: False)
+    monkeypatch.setattr(tensorboard_curves, "tensorboard_available", lambda: False)
     argv = ["sim", "--log-dir", str(tmp_path)]
     args = cli.build_parser(argv, {}).parse_args(argv)
     with structlog.testing.capture_logs() as logs:
-        assert sim._tensorboard_dir(args, tmp_path) is None
+        assert tensorboard_curves.tensorboard_dir(args, tmp_path) is None
     assert [e["event"] for e in logs] == ["sim_tensorboard_off"] and "dilocox[tracking]" in logs[0]["fix"]
-    monkeypatch.setattr(sim, "tensorboard_available", lambda: True)
-    assert sim._tensorboard_dir(args, tmp_path) == tmp_path / "tensorboard"
+    monkeypatch.setattr(tensorboard_curves, "tensorboard_available", lambda: True)
+    assert tensorboard_curves.tensorboard_dir(args, tmp_path) == tmp_path / "tensorboard"
     args.no_tensorboard = True
-    assert sim._tensorboard_dir(args, tmp_path) is None
+    assert tensorboard_curves.tensorboard_dir(args, tmp_path) is None

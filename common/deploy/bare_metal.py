@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from dilocox.common.config.waits import SHUTDOWN_TIMEOUT_ENV, STOP_TIMEOUT_S
 from dilocox.common.deploy.topology import HostPorts, Topology, shard_command, site_commands, tls_flags
-from dilocox.common.deploy.topology_file import BareMetalSettings
+from dilocox.common.deploy.topology_model import BareMetalSettings
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def add_placement_arguments(add: Callable) -> None:
     )
 
 
-def scheduling(options) -> dict:  # noqa: ANN001 — kubernetes.Options (imported there from here)
+def scheduling(options) -> dict:  # noqa: ANN001 — kubernetes_options.Options (imported there from here)
     """The pod spec's nodeSelector and tolerations, absent when none are given."""
     spec: dict = {}
     if options.node_selector:

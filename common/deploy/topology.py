@@ -130,8 +130,9 @@ def shard_command(
     security: Sequence[str] = INSECURE,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """One shard's argv. The keywords are for launchers of real runs (deploy/kubernetes.py, deploy/slurm.py): a shard
-    that exits at the run's end, TLS flags in place of --insecure, more flags (e.g. --resume-if-present)."""
+    """One shard's argv. The keywords are for launchers of real runs (deploy/kubernetes_objects.py,
+    deploy/slurm.py): a shard that exits at the run's end, TLS flags in place of --insecure, more flags (e.g.
+    --resume-if-present)."""
     command = [
         "dilocox",
         "server",

@@ -9,22 +9,32 @@ shards. Parsing is strict — an unknown key is an error naming the closest vali
 the key and the type wanted — because a typo in a launch description otherwise becomes a silently
 ignored setting on a cluster the operator cannot see.
 
-The model is plain frozen dataclasses; the renderers (topology_render.py) map them onto the existing
-launchers' options, so this module knows nothing about sbatch or manifests.
+The model is plain frozen dataclasses (topology_model.py), the [shards.policy] table its own module
+(topology_policy.py); the renderers (topology_render.py) map the model onto the existing launchers'
+options, so this module knows nothing about sbatch or manifests.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import pathlib
 import re
 import tomllib
 import typing
-from dataclasses import dataclass, field
 
 from dilocox.common.config.waits import STOP_TIMEOUT_S
 from dilocox.common.deploy.topology import SHARD_PORT
+from dilocox.common.deploy.topology_model import (
+    SETTINGS,
+    BareMetalSettings,
+    KubernetesSettings,
+    Settings,
+    ShardsSpec,
+    SiteSpec,
+    SlurmSettings,
+    TopologyFile,
+)
+from dilocox.common.deploy.topology_policy import policy_flags
 from dilocox.common.deploy.topology_values import (
     ADDRESS,
     TopologyFileError,
@@ -43,121 +53,6 @@ from dilocox.common.deploy.topology_values import (
 LAUNCHERS = ("slurm", "kubernetes", "bare-metal")
 SHARD_LAUNCHERS = (*LAUNCHERS, "external")
 EXPOSE = ("LoadBalancer", "NodePort")
-
-
-@dataclass(frozen=True)
-class SlurmSettings:
-    """A Slurm site's or shards job's settings (the `dilocox deploy slurm` options of the same names)."""
-
-    partition: str = ""
-    account: str = ""
-    time: str = ""
-    state_dir: str = ""  # shared folder for checkpoints (and, for shards, address files)
-    setup: tuple[str, ...] = ()  # shell lines run first, e.g. activating a virtual environment
-    tls_dir: str = ""  # on the shared filesystem; required unless tls = false
-    token_file: str = ""
-    cpus_per_rank: int = 8
-    rdzv_port: int = 29500
-    metrics_port: int = 9100
-
-
-@dataclass(frozen=True)
-class KubernetesSettings:
-    """A Kubernetes site's or shards' settings; '' sizes mean the `dilocox deploy kubernetes` default."""
-
-    namespace: str = "dilocox"
-    image: str = "dilocox:latest"
-    cpu: str = ""
-    memory: str = ""
-    checkpoint_storage: str = ""
-    storage_class: str = ""
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: tuple[dict, ...] = ()  # Kubernetes Toleration objects (key, operator, value, effect, …)
-    tls_secret: str = "dilocox-tls"
-    token_secret: str = "dilocox-token"
-    backoff_limit: int = 4
-    # Sites only: the data (an existing claim, or any volume source as a table, e.g. {nfs = {...}}), mounted
-    # read-only at data_mount, and an existing claim for the checkpoints instead of a rendered one.
-    data_claim: str = ""
-    data_volume: dict = field(default_factory=dict)
-    data_mount: str = "/data"
-    checkpoint_claim: str = ""
-
-
-@dataclass(frozen=True)
-class BareMetalSettings:
-    """Hosts started by hand (or by the operator's own tooling): one script per host."""
-
-    hosts: tuple[str, ...] = ()  # a site: one per node (the first hosts the rendezvous); shards: one per shard
-    setup: tuple[str, ...] = ()
-    tls_dir: str = ""
-    token_file: str = ""
-    checkpoint_dir: str = ""  # '' : no checkpoints
-    rdzv_port: int = 29500
-    metrics_port: int = 9100
-
-
-Settings = SlurmSettings | KubernetesSettings | BareMetalSettings
-SETTINGS = {"slurm": SlurmSettings, "kubernetes": KubernetesSettings, "bare-metal": BareMetalSettings}
-
-
-@dataclass(frozen=True)
-class SiteSpec:
-    name: str
-    launcher: str
-    cluster: str  # output folder; a site in the shards' cluster (same launcher) dials their in-cluster names
-    nodes: int
-    gpus_per_node: int
-    pp: int
-    dp: int
-    data: str = ""  # the worker's --data at this site
-    worker_flags: tuple[str, ...] = ()
-    inner_round_time_s: float = 0.0  # the site's time box (--inner-round-time-s); 0: H steps a round
-    stop_timeout_s: int = STOP_TIMEOUT_S  # torchrun's wait for stopping ranks; a Kubernetes pod's grace is 30 s more
-    settings: Settings = field(default_factory=SlurmSettings)
-
-    @property
-    def ranks(self) -> int:
-        return self.pp * self.dp
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.ranks // self.nodes
-
-
-@dataclass(frozen=True)
-class ShardsSpec:
-    count: int
-    launcher: str
-    cluster: str
-    port: int = SHARD_PORT  # Slurm and bare metal: shard i listens on port + i; Kubernetes pods: always 50051
-    addresses: tuple[str, ...] = ()  # host:port per shard, dialled from outside the shards' cluster
-    expose: str = "LoadBalancer"  # Kubernetes: the Service type per shard that `addresses` reach
-    settings: Settings | None = None  # None: external
-    policy: tuple[str, ...] = ()  # `dilocox server` flags from [shards.policy], in the order given
-
-
-@dataclass(frozen=True)
-class TopologyFile:
-    run_id: str
-    shards: ShardsSpec
-    sites: tuple[SiteSpec, ...]
-    rounds: int = 80
-    inner_steps: int = 40
-    min_clusters: int = 0  # 0: every site
-    round_deadline_s: float = 300.0
-    worker_flags: tuple[str, ...] = ()  # every site, before its own
-    tls: bool = True
-
-    def site(self, name: str) -> SiteSpec:
-        return next(s for s in self.sites if s.name == name)
-
-    def in_shards_cluster(self, site: SiteSpec) -> bool:
-        """Whether `site` reaches the shards by their names inside one cluster (no external address)."""
-        return site.cluster == self.shards.cluster and site.launcher == self.shards.launcher
-
-
-# --------------------------------------------------------------------------- parsing
 SITE_KEYS = (
     "launcher",
     "cluster",
@@ -177,83 +72,6 @@ SITE_FLAGS = {
 KUBERNETES_SITE_ONLY = ("data_claim", "data_volume", "data_mount", "checkpoint_claim")
 STOP_GRACE_S = 30  # the worker's default --stop-grace-s: a stop timeout must leave the ranks more than it
 SHARD_KEYS = ("count", "launcher", "cluster", "port", "addresses", "expose", "policy")
-# [shards.policy]: the shards' own settings, by their `dilocox server` flag names, typed (tests/test_topology_file.py
-# holds each against the server's parser). What the file sets elsewhere is not here, nor is a secret.
-SHARD_POLICY = {
-    "outer_lr": float,
-    "outer_momentum": float,
-    "expect_clusters": int,
-    "grace_s": float,
-    "grace_min_s": float,
-    "keep_rounds": int,
-    "keep_rounds_s": float,
-    "keep_rounds_disk_gb": float,
-    "checkpoint_every": int,
-    "checkpoint_keep": int,
-    "keep_serving": bool,
-    "push_idle_timeout_s": float,
-    "push_streams_per_cluster": int,
-    "pull_cache_mb": int,
-    "update_check": str,
-    "update_check_norm_ratio": float,
-    "update_check_min_cosine": float,
-    "update_check_quarantine_rounds": int,
-    "update_check_max_flagged": float,
-    "update_check_min_agreement": float,
-    "max_weight_multiple": float,
-    "aggregate": str,
-    "aggregate_clip_multiple": float,
-    "health_stall_s": float,
-    "work_threads": int,
-    "checkpoint_sign_key": str,
-    "checkpoint_sign_cert": str,
-    "checkpoint_verify_key": str,
-    "checkpoint_ca": str,
-}
-UPDATE_CHECKS = ("off", "warn", "clip", "exclude")
-CHOICES = {
-    "update_check": UPDATE_CHECKS,
-    "aggregate": ("mean", "clipped-mean"),
-}  # the server's own choices (tests hold them)
-POLICY_ELSEWHERE = {  # a shard flag the file sets another way, and where
-    "min_clusters": "min_clusters (top level)",
-    "round_deadline_s": "round_deadline_s (top level)",
-    "run_id": "run_id",
-    "num_shards": "shards.count",
-    "port": "shards.port",
-    "checkpoint_dir": "shards.checkpoint_dir / state_dir",
-    "keep_rounds_dir": "shards.checkpoint_dir / state_dir (kept in its recent-rounds folder)",
-    "operator_token": "the shards' environment, DILOCOX_OPERATOR_TOKEN (a secret: not in a file several organisations "
-    "read)",
-    "token": "shards.token_file / token_secret (a secret)",
-}
-
-
-def _policy(table: object) -> tuple[str, ...]:
-    """[shards.policy] → `dilocox server` flags, each key a flag name, typed and checked."""
-    if not isinstance(table, dict):
-        raise TopologyFileError(f"shards.policy: expected a table, got {shown(table)}")
-    flags: list[str] = []
-    for key, value in table.items():
-        where = f"shards.policy.{key}"
-        if key in POLICY_ELSEWHERE:
-            raise TopologyFileError(f"{where}: set by {POLICY_ELSEWHERE[key]}, not here")
-        if key not in SHARD_POLICY:
-            close = difflib.get_close_matches(key, list(SHARD_POLICY), n=1, cutoff=0.5)
-            hint = f"; did you mean 'shards.policy.{close[0]}'?" if close else ""
-            raise TopologyFileError(f"{where}: not a shard setting{hint} (valid: {', '.join(sorted(SHARD_POLICY))})")
-        value = typed_value(value, SHARD_POLICY[key], where)
-        if key in CHOICES:
-            choice(value, CHOICES[key], where)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-            raise TopologyFileError(f"{where}: must be ≥ 0, got {value}")
-        flag = "--" + key.replace("_", "-")
-        flags += (
-            ([flag] if value else [])
-            if isinstance(value, bool)
-            else [flag, f"{value:g}" if isinstance(value, float) else str(value)]
-        )
-    return tuple(flags)
 
 
 def _site(name: str, table: object) -> SiteSpec:
@@ -413,7 +231,7 @@ def _shards(table: object) -> ShardsSpec:
                     "shard's nodePort, 30000-32767"
                 )
     cluster = check_name(table.get("cluster", "shards"), "shards.cluster")
-    policy = _policy(table["policy"]) if "policy" in table else ()
+    policy = policy_flags(table["policy"]) if "policy" in table else ()
     return ShardsSpec(count, launcher, cluster, port, addresses, expose, settings, policy)
 
 

@@ -1,9 +1,10 @@
 """`dilocox deploy topology --file run.toml --out DIR`: every cluster's launch files for a run across clusters.
 
-The file (topology_file.py) is mapped onto the launchers' own options and rendered by their own
-functions — slurm.shards_script/site_script, kubernetes.shard_objects/site_objects, bare_metal — so a
-site gets the same argv whether it was rendered alone or as part of a topology. What this module adds is
-the part no single-cluster renderer can know:
+The file (parsed by topology_file.py into topology_model.py's dataclasses) is mapped onto the launchers' own
+options and rendered by their own functions — slurm.shards_script/site_script,
+kubernetes_objects.shard_objects/site_objects, bare_metal — so a site gets the same argv whether it was
+rendered alone or as part of a topology. What this module adds is the part no single-cluster renderer
+can know:
 
 * which address each site dials: the shards' in-cluster names for a site in the shards' own cluster
   (Kubernetes DNS, or the Slurm shards job's address files), `shards.addresses` for every other site;
@@ -27,15 +28,17 @@ import structlog
 
 from dilocox.common.config.waits import STOP_TIMEOUT_S
 from dilocox.common.deploy import bare_metal, kubernetes, slurm
+from dilocox.common.deploy.kubernetes_names import ClusterPlacement, Names
+from dilocox.common.deploy.kubernetes_objects import shard_objects, site_objects
+from dilocox.common.deploy.kubernetes_options import Options, dns_label
 from dilocox.common.deploy.topology import SHARD_PORT, Site, Topology
-from dilocox.common.deploy.topology_file import (
+from dilocox.common.deploy.topology_file import TopologyFileError, load
+from dilocox.common.deploy.topology_model import (
     BareMetalSettings,
     KubernetesSettings,
     SiteSpec,
     SlurmSettings,
     TopologyFile,
-    TopologyFileError,
-    load,
 )
 
 log = structlog.get_logger()
@@ -70,8 +73,8 @@ def for_site(topology: Topology, site: SiteSpec) -> Topology:
     return dataclasses.replace(topology, extra_worker_flags=flags)
 
 
-def kubernetes_names(model: TopologyFile, settings: KubernetesSettings) -> kubernetes.Names:
-    return kubernetes.Names(kubernetes.dns_label(model.run_id, 30), kubernetes.dns_label(settings.namespace))
+def kubernetes_names(model: TopologyFile, settings: KubernetesSettings) -> Names:
+    return Names(dns_label(model.run_id, 30), dns_label(settings.namespace))
 
 
 def in_cluster_addresses(model: TopologyFile) -> tuple[str, ...]:
@@ -113,10 +116,10 @@ def _slurm_options(model: TopologyFile, settings: SlurmSettings, **more: object)
     )
 
 
-def _kubernetes_options(model: TopologyFile, settings: KubernetesSettings, **more: object) -> kubernetes.Options:
-    return kubernetes.Options(
+def _kubernetes_options(model: TopologyFile, settings: KubernetesSettings, **more: object) -> Options:
+    return Options(
         image=settings.image,
-        namespace=kubernetes.dns_label(settings.namespace),
+        namespace=dns_label(settings.namespace),
         backoff_limit=settings.backoff_limit,
         tls_secret=settings.tls_secret if model.tls else None,
         token_secret=settings.token_secret or None,
@@ -137,7 +140,7 @@ def _shard_files(model: TopologyFile, topology: Topology) -> dict[str, str]:
     if isinstance(settings, BareMetalSettings):
         return bare_metal.shard_scripts(topology, settings, shards.port, model.tls)
     if isinstance(settings, KubernetesSettings):
-        defaults = kubernetes.Options()
+        defaults = Options()
         expose_ports = tuple(int(a.rsplit(":", 1)[1]) for a in shards.addresses)
         options = _kubernetes_options(
             model,
@@ -150,10 +153,10 @@ def _shard_files(model: TopologyFile, topology: Topology) -> dict[str, str]:
             expose_ports=expose_ports,
         )
         names = kubernetes_names(model, settings)
-        placement = kubernetes.ClusterPlacement(compose=True, names=names)
+        placement = ClusterPlacement(compose=True, names=names)
         return {
             "shards.yaml": _yaml(
-                kubernetes.shard_objects(topology, options, names, placement), f"the shards of run {model.run_id!r}"
+                shard_objects(topology, options, names, placement), f"the shards of run {model.run_id!r}"
             )
         }
     return {}  # external: nothing to render
@@ -182,7 +185,7 @@ def _site_files(model: TopologyFile, topology: Topology, index: int) -> dict[str
     if isinstance(settings, BareMetalSettings):
         return bare_metal.site_scripts(topology, index, settings, servers, model.tls, spec.stop_timeout_s)
     assert isinstance(settings, KubernetesSettings)
-    defaults = kubernetes.Options()
+    defaults = Options()
     options = _kubernetes_options(
         model,
         settings,
@@ -199,9 +202,9 @@ def _site_files(model: TopologyFile, topology: Topology, index: int) -> dict[str
         data_mount=settings.data_mount,
         site_stop_timeout_s=spec.stop_timeout_s,
     )
-    names = kubernetes.Names(kubernetes.dns_label(model.run_id, 30), options.namespace)
-    placement = kubernetes.ClusterPlacement(compose=True, names=names, servers=servers)
-    objects = kubernetes.site_objects(topology, index, options, names, placement)
+    names = Names(dns_label(model.run_id, 30), options.namespace)
+    placement = ClusterPlacement(compose=True, names=names, servers=servers)
+    objects = site_objects(topology, index, options, names, placement)
     return {f"site-{spec.name}.yaml": _yaml(objects, f"site {spec.name} of run {model.run_id!r}")}
 
 
