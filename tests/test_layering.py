@@ -255,3 +255,16 @@ def test_every_package_folder_is_installed():
         name for name, path in module_files(ROOT).items() if path.name == "__init__.py" and name != "dilocox.worker.api"
     }  # installed as `dilocox`
     assert folders - listed == set()
+
+
+MODULE_LINES_MAX = 400  # a module longer than this holds more than one concern: split it along them
+
+
+def test_no_module_is_over_the_line_budget():
+    generated = {"dilocox.proto.dilocox_pb2", "dilocox.proto.dilocox_pb2_grpc"}  # protoc's output
+    long = {
+        name: lines
+        for name, path in module_files(ROOT).items()
+        if name not in generated and (lines := len(path.read_text().splitlines())) > MODULE_LINES_MAX
+    }
+    assert long == {}, long
