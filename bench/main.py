@@ -17,6 +17,10 @@ BENCHMARKS = {
         "dilocox.bench.train",
         "trainer tokens/s and peak memory per model preset and precision; streaming a large token file",
     ),
+    "speed": (
+        "dilocox.bench.site_speed",
+        "a site's tokens/s, MFU and peak memory against a plain torch loop of the same model, batch and data",
+    ),
     "wan": (
         "dilocox.bench.wan",
         "DiLoCoX vs DiLoCo vs AllReduce over shaped WAN links (namespaces + tc), report and plots",

@@ -49,6 +49,22 @@ def make_inner_optimizer(config: RunConfig, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, **hyper, fused=True if on_gpu else None)
 
 
+def cluster_sampler(config: RunConfig, data: TokenData, cluster_index: int, num_clusters: int) -> BatchSampler:
+    """This cluster's stream of training batches: its part of the run's data (`--data-split`), drawn from the
+    run's seed — the same batches wherever it is built (a benchmark's plain loop draws the site's)."""
+    part = data_part(config.data_split, config.seed, cluster_index, num_clusters)
+    check_split(len(data.train), len(data.eval), config.model.block_size, part.count)
+    return BatchSampler(
+        data.train,
+        config.model.block_size,
+        config.inner.batch_size,
+        part.seed,
+        part.index,
+        part.count,
+        split=part.split,
+    )
+
+
 class InnerTrainer:
     """One process: the whole model on one device (`--device`), bf16 autocast where asked
     (`--precision`), `grad_accum` micro-batches per inner step. Takes a corpus as bytes (byte-level)
@@ -65,8 +81,7 @@ class InnerTrainer:
     ) -> None:
         self.config = config
         self.data = corpus if isinstance(corpus, TokenData) else TokenData.from_bytes(corpus, EVAL_FRACTION)
-        part = data_part(config.data_split, config.seed, cluster_index, num_clusters)
-        check_split(len(self.data.train), len(self.data.eval), config.model.block_size, part.count)
+        self.sampler = cluster_sampler(config, self.data, cluster_index, num_clusters)
         self.eval_data = self.data.eval
         self.compute = compute or resolve_compute(config.parallel)
         # Every cluster builds the same initial model (same seed, on the CPU); only the data differs.
@@ -75,15 +90,6 @@ class InnerTrainer:
             checkpoint_blocks(self.model)
         if config.parallel.compile == "blocks":
             compile_blocks(self.model, self.compute.device)
-        self.sampler = BatchSampler(
-            self.data.train,
-            config.model.block_size,
-            config.inner.batch_size,
-            part.seed,
-            part.index,
-            part.count,
-            split=part.split,
-        )
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
         self.step = 0
         self.tokens_seen = 0
