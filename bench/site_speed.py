@@ -53,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads per child (default: torch's choice)")
     parser.add_argument("--data", help="text to train on (default: the bundled tinyshakespeare)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each loop per row, alternated; the row keeps each loop's median (default 1; on a shared "
+        "machine 3 or more)",
+    )
 
 
 def _config(spec: dict):
@@ -238,6 +245,12 @@ def _measure(spec: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def median_run(results: list[dict]) -> dict:
+    """The run whose tokens/s is the median of `results` (the lower middle one of an even count)."""
+    ordered = sorted(results, key=lambda r: r["tokens_per_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def peak_flops(device_name: str, precision: str) -> float | None:
     """The device's dense bf16 peak, where the table names it and the run computes in bf16."""
     if precision != "bf16":
@@ -248,10 +261,15 @@ def peak_flops(device_name: str, precision: str) -> float | None:
 def speed_row(model: str, tokenizer: str, precision: str, compile_mode: str, base: dict) -> dict:
     """One row: the plain loop and the site, each in its own child process, and what follows from both."""
     spec = {**base, "model": model, "tokenizer": tokenizer, "precision": precision, "compile": compile_mode}
-    plain, site = _measure({**spec, "loop": "plain"}), _measure({**spec, "loop": "site"})
+    runs: dict[str, list[dict]] = {"plain": [], "site": []}
+    for _ in range(base.get("repeat", 1)):  # alternated, so that a slow spell of the machine hits both loops
+        for loop in runs:
+            runs[loop].append(_measure({**spec, "loop": loop}))
     row = {"model": model, "precision": precision, "compile": compile_mode}
-    if "error" in plain or "error" in site:
-        return {**row, "error": plain.get("error") or site.get("error")}
+    failed = [r["error"] for loop in runs.values() for r in loop if "error" in r]
+    if failed:
+        return {**row, "error": failed[0]}
+    plain, site = (median_run(runs[loop]) for loop in ("plain", "site"))
     device = _device_name(base["device"])
     row.update(
         params_m=round(plain["params_m"], 2),
@@ -297,6 +315,7 @@ def run(args: argparse.Namespace, out_dir) -> str:
         "rounds": args.rounds,
         "threads": args.threads,
         "data": args.data,
+        "repeat": args.repeat,
     }
     if args.rounds < 3:
         raise SystemExit("dilocox bench speed: --rounds must be at least 3 (the first and the last are not timed)")
@@ -310,7 +329,8 @@ def run(args: argparse.Namespace, out_dir) -> str:
     notes = (
         f"Batch {args.batch_size} × {args.block_size} tokens, H = {args.steps}, {args.rounds} rounds (the first "
         f"and the last not timed; the plain loop the same steps), device {args.device}, torch threads "
-        f"{args.threads or 'default'}. site_over_plain: the site's tokens/s over the plain loop's (1.0: no "
+        f"{args.threads or 'default'}, the median of {args.repeat} alternated run(s) of each loop. "
+        "site_over_plain: the site's tokens/s over the plain loop's (1.0: no "
         "overhead); inner_over_plain: the same for the site's inner steps alone; boundary_share: the part of the "
         "site's steady rounds outside its inner steps (its per-round eval, compression, what of the exchange is not "
         "hidden). MFU over the device's dense bf16 peak (— where none is named or the run is not bf16). Peak memory: "
