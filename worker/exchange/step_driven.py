@@ -101,14 +101,13 @@ class StepDriven:
         merge = not complete and self._merge_now()
         if not (complete or merge):
             return None
-        compute_s = time.perf_counter() - self._round_began if self._compute_s is None else self._compute_s
         try:
             if merge:  # τ steps in: the previous round's merged model is taken in now (`overlap_steps`)
                 self.merge_in_flight(self.round, self._tokens)
                 return None
-            train_loss = (
-                float(self._loss_sum) / self._loss_steps if self._loss_steps else float("nan")
-            )  # nan: no loss given
+            compute_s = time.perf_counter() - self._round_began if self._compute_s is None else self._compute_s
+            # nan: no loss given
+            train_loss = float(self._loss_sum) / self._loss_steps if self._loss_steps else float("nan")
             report = self.close_round(self.round, train_loss, self._tokens, compute_s)
         except AggregatorError as error:
             if error.code != grpc.StatusCode.FAILED_PRECONDITION:
