@@ -87,8 +87,9 @@ FIELD_HELP = {
     "(the model cut into pp × this many stages, rank r holding r, r + pp, …)",
     "parallel__device": "auto (CUDA where there is one), cpu, cuda (each rank its LOCAL_RANK's GPU) or cuda:N (one "
     "process)",
-    "parallel__activation_checkpoint": "none, or full: recompute every transformer block's forward in the backward "
-    "(activations: its input per token and layer, not every intermediate)",
+    "parallel__activation_checkpoint": "none, selective (every other block) or full: recompute the transformer "
+    "blocks' forward in the backward (activations: a checkpointed block keeps its input per token, not every "
+    "intermediate)",
     "parallel__compile": "off, or blocks: each transformer block's forward compiled by torch.compile (inductor), in "
     "place — the same parameter names, FSDP2 units and activation checkpointing; the first steps wait for the "
     "compiler",

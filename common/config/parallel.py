@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb")
 COMPILE_MODES = ("off", "blocks")
+# none | selective (every other block: 0, 2, 4, … of each rank) | full (every block)
+ACTIVATION_CHECKPOINTS = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,10 @@ class ParallelConfig:
     # auto: bf16 on GPUs that compute in it natively (compute capability ≥ 8), fp32 elsewhere. Weights,
     # AdamW state and everything sent to the shards stay fp32 either way (worker/train/device.py).
     precision: str = "auto"  # auto | fp32 | bf16
-    # none | full: recompute each transformer block's forward in the backward (torch.utils.checkpoint), so a
-    # block keeps only its input per token instead of every intermediate: what makes 70B fit at long blocks.
+    # none | selective | full: recompute each transformer block's forward in the backward (torch.utils.checkpoint),
+    # so a block keeps only its input per token instead of every intermediate: what makes 70B fit at long blocks.
+    # selective: every other block (torchtitan's layer-wise selective checkpointing at frequency 2): about half
+    # the activations for a third of full's recompute.
     activation_checkpoint: str = "none"
     # With --pp > 1 and FSDP: "step" keeps each block gathered, and its gradients unsharded, from its first
     # microbatch to the end of the step (one all-gather and one reduce-scatter per block and step: torch's
@@ -73,8 +77,10 @@ class ParallelConfig:
             raise ValueError(f"pipeline_reshard must be auto, step or microbatch, got {self.pipeline_reshard!r}")
         if self.checkpoint_staging not in ("async", "sync"):
             raise ValueError(f"checkpoint_staging must be async or sync, got {self.checkpoint_staging!r}")
-        if self.activation_checkpoint not in ("none", "full"):
-            raise ValueError(f"activation_checkpoint must be none or full, got {self.activation_checkpoint!r}")
+        if self.activation_checkpoint not in ACTIVATION_CHECKPOINTS:
+            raise ValueError(
+                f"activation_checkpoint must be none, selective or full, got {self.activation_checkpoint!r}"
+            )
         if self.pp < 1 or self.dp < 1:
             raise ValueError(f"pp and dp must be ≥ 1, got pp={self.pp} dp={self.dp}")
         if self.dp_replicate < 1 or self.dp % self.dp_replicate:

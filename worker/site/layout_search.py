@@ -37,6 +37,8 @@ from dilocox.worker.site.mesh import SiteShape
 from dilocox.worker.site.model_shape import ModelShape
 from dilocox.worker.site.pipeline_memory import bubble_fraction, interleaved_rounds
 
+RECOMPUTED_SHARE = {"none": 0.0, "selective": 0.5, "full": 1.0}  # --activation-checkpoint: the blocks recomputed
+
 NVLINK_GBYTE_S = 360.0  # an H100/H200's NVLink 4 (450 GB/s each way) as collectives see it
 H100_BF16_TFLOPS = 989.0  # dense, no sparsity: H100 / H200 SXM
 
@@ -81,14 +83,14 @@ def estimate_step(config: RunConfig, model: ModelShape, cluster: Cluster, reshar
     pipelined = shape.pp > 1
     micro = par.microbatches * inner.grad_accum if pipelined else inner.grad_accum  # the step's microbatches
     micro_tokens = inner.batch_size * block // (par.microbatches if pipelined else 1)
-    recompute = par.activation_checkpoint == "full"
+    recompute = RECOMPUTED_SHARE[par.activation_checkpoint]  # of the blocks, recomputed in the backward
     layers = sum(len(b) for b in model.blocks)
     attention = 12 * model.width * block  # per token and layer, forward and backward
     embedding = sum(s[0] * s[1] for name, s in model.stages[0] if len(s) == 2 and name in _embeddings(model))
     stage_flops = []  # per token, forward and backward (and the recomputed forward)
     for specs, blocks in zip(model.stages, model.blocks):
         params = sum(_numel(s) for _, s in specs) - (embedding if specs is model.stages[0] else 0)
-        stage_flops.append((8 if recompute else 6) * params + len(blocks) * attention * (4 / 3 if recompute else 1))
+        stage_flops.append((6 + 2 * recompute) * params + len(blocks) * attention * (1 + recompute / 3))
     peak = cluster.gpu_tflops * 1e12 * cluster.mfu
     slot = max(stage_flops) * micro_tokens / peak  # one microbatch through a rank's stages, the slowest rank's
     bubble = bubble_fraction(shape.pp, micro, par.stages_per_rank, par.schedule)

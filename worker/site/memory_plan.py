@@ -64,6 +64,7 @@ from dilocox.common.config.run import RunConfig
 from dilocox.worker.models.chunked_loss import chunk_rows
 from dilocox.worker.site.mesh import SiteShape
 from dilocox.worker.site.model_shape import ModelShape, model_shape
+from dilocox.worker.site.parallelize import checkpointed_blocks
 from dilocox.worker.site.pipeline_memory import in_flight_layers, last_stage_in_flight
 from dilocox.worker.site.reshard import BATCH_ELEMENTS, held_rows
 from dilocox.worker.site.reshard_memory import BoundedReshardSizing, ExactReshardSizing
@@ -284,9 +285,10 @@ def plan_memory(
         d["weights"], d["grads"] = 4 * held, 4 * held
         d["optimizer"] = moments
         largest_block = max(blocks, default=0)
+        checkpointed = checkpointed_blocks(blocks, par.activation_checkpoint)
         if not sharded:  # no FSDP: bf16 is autocast, whose bf16 copy of each weight autograd keeps for backward
             # (the whole stage's, the embedding counted too; checkpointed blocks keep none but the one recomputed)
-            cast = root + 2 * largest_block if par.activation_checkpoint == "full" else stage_params
+            cast = stage_params - sum(checkpointed) + (2 * largest_block if checkpointed else 0)
             d["gathered"], d["grad_accumulators"] = (2 * cast if bf16 else 0), 0
         elif pipelined and par.pipeline_reshard == "step":
             d["gathered"], d["grad_accumulators"] = param_bytes * stage_params, 4 * stage_params
@@ -303,14 +305,11 @@ def plan_memory(
         per_token_layer = width_factor * model.width + mlp_factor * model.mlp
         if not fused_attention:
             per_token_layer += 2 * model.heads * block  # the attention probabilities and their dropout/softmax copy
-        if (
-            par.activation_checkpoint == "full"
-        ):  # each block keeps its input; one block's intermediates are rebuilt at a time
-            d["activations"] = (
-                in_flight * tokens * model.width + tokens * per_token_layer * min(1, len(blocks))
-            ) * act_bytes
-        else:
-            d["activations"] = in_flight * tokens * per_token_layer * act_bytes
+        # A checkpointed block keeps its input, the others every intermediate; one checkpointed block's
+        # intermediates are rebuilt at a time (selective: blocks 0, 2, 4, … of the rank are the checkpointed ones).
+        kept = len(checkpointed) * model.width + (len(blocks) - len(checkpointed)) * per_token_layer
+        rebuilt = tokens * per_token_layer if checkpointed else 0
+        d["activations"] = (in_flight * tokens * kept // max(1, len(blocks)) + rebuilt) * act_bytes
         last = stage == shape.pp - 1
         last_in_flight = last_stage_in_flight(par.schedule, shape.pp, micro, par.stages_per_rank) if pipelined else 1
         d["logits"] = _logits_bytes(tokens, model.vocab, last_in_flight, bf16) if last else 0

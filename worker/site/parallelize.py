@@ -39,16 +39,26 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def checkpoint_blocks(module: nn.Module) -> int:
-    """Activation checkpointing (`--activation-checkpoint full`): every transformer block of `module`
-    runs its forward under `torch.utils.checkpoint` (non-reentrant), so autograd keeps only the block's
-    input and recomputes the rest in the backward. Applied before FSDP, as torchtitan does; the block's
-    forward is wrapped in place rather than the block in a wrapper module, so parameter names — what the
-    shards see — stay the same. Returns the number of blocks wrapped."""
-    blocks = transformer_blocks(module)
+CHECKPOINT_EVERY = {"full": 1, "selective": 2}  # --activation-checkpoint: which blocks (every k-th, from the first)
+
+
+def checkpoint_blocks(module: nn.Module, mode: str = "full") -> int:
+    """Activation checkpointing (`--activation-checkpoint full|selective`): every transformer block of
+    `module` (selective: every other one, blocks 0, 2, 4, … of it) runs its forward under
+    `torch.utils.checkpoint` (non-reentrant), so autograd keeps only the block's input and recomputes the
+    rest in the backward. Applied before FSDP, as torchtitan does; the block's forward is wrapped in place
+    rather than the block in a wrapper module, so parameter names — what the shards see — stay the same.
+    Returns the number of blocks wrapped."""
+    blocks = checkpointed_blocks(transformer_blocks(module), mode)
     for block in blocks:
         block.forward = functools.partial(_checkpointed, block.forward)
     return len(blocks)
+
+
+def checkpointed_blocks(blocks: list, mode: str) -> list:
+    """The entries of `blocks` (modules, or a plan's sizes of them) that `mode` checkpoints."""
+    every = CHECKPOINT_EVERY.get(mode)
+    return [b for i, b in enumerate(blocks) if every and i % every == 0]
 
 
 def _checkpointed(forward, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003

@@ -107,8 +107,8 @@ def build_site_module(
         module = RankStages([split_model(plan.module, s, pp * per_rank) for s in rank_stages(mesh.stage, pp, per_rank)])
     if plan.built:
         module = module.to(mesh.device)
-    if config.parallel.activation_checkpoint == "full":
-        checkpoint_blocks(module)
+    if config.parallel.activation_checkpoint != "none":
+        checkpoint_blocks(module, config.parallel.activation_checkpoint)
     if config.parallel.compile == "blocks":
         compile_blocks(module, mesh.device)
     if mesh.fsdp_mesh is not None:

@@ -86,8 +86,8 @@ class InnerTrainer:
         self.compute = compute or resolve_compute(config.parallel)
         # Every cluster builds the same initial model (same seed, on the CPU); only the data differs.
         self.model = build_model(config.model, self.data.vocab_size, config.seed).to(self.compute.device)
-        if config.parallel.activation_checkpoint == "full":
-            checkpoint_blocks(self.model)
+        if config.parallel.activation_checkpoint != "none":
+            checkpoint_blocks(self.model, config.parallel.activation_checkpoint)
         if config.parallel.compile == "blocks":
             compile_blocks(self.model, self.compute.device)
         self.optimizer = make_inner_optimizer(config, self.model.parameters())
