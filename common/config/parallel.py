@@ -38,7 +38,7 @@ class ParallelConfig:
     # none | selective | full: recompute each transformer block's forward in the backward (torch.utils.checkpoint),
     # so a block keeps only its input per token instead of every intermediate: what makes 70B fit at long blocks.
     # selective: every other block (torchtitan's layer-wise selective checkpointing at frequency 2): about half
-    # the activations for a third of full's recompute.
+    # the activations for half of full's recompute.
     activation_checkpoint: str = "none"
     # With --pp > 1 and FSDP: "step" keeps each block gathered, and its gradients unsharded, from its first
     # microbatch to the end of the step (one all-gather and one reduce-scatter per block and step: torch's
