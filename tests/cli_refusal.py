@@ -50,8 +50,8 @@ def in_process(capsys: pytest.CaptureFixture[str], command: Callable[[], int | N
             status = _exit_status(stop.code)
     finally:
         structlog.configure(**logging_config)
-        for signum, handler in _handlers().items():
-            if handlers.get(signum) is not handler and signum in handlers:
+        for signum, handler in _handlers().items():  # e.g. a shard's or a site's SIGTERM/SIGINT handlers
+            if signum in handlers and handler is not handlers[signum]:
                 signal.signal(signum, handlers[signum])
         if dict(os.environ) != environ:
             os.environ.clear()
