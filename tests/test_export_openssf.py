@@ -20,14 +20,23 @@ from tests.test_export_signing import _export, _flip, _signer  # noqa: E402
 CLI = [sys.executable, "-c", "from model_signing._cli import main; main()"]
 
 
-def _verify(folder: pathlib.Path, mode: str, trust: pathlib.Path) -> subprocess.CompletedProcess:
+def _verify_argv(folder: pathlib.Path, mode: str, trust: pathlib.Path) -> list[str]:
     flag = "--public_key" if mode == "key" else "--certificate_chain"
-    return subprocess.run(
-        [*CLI, "verify", mode, str(folder), "--signature", str(folder / "model.sig"), flag, str(trust)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return ["verify", mode, str(folder), "--signature", str(folder / "model.sig"), flag, str(trust)]
+
+
+def _verify(folder: pathlib.Path, mode: str, trust: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *_verify_argv(folder, mode, trust)], capture_output=True, text=True, timeout=120)
+
+
+def _verify_here(capsys, folder: pathlib.Path, mode: str, trust: pathlib.Path) -> tuple[int, str, str]:
+    """`model_signing verify` run in this process (tests/cli_refusal.py): its click command as the real CLI
+    runs it, raising its `sys.exit(1)` instead of click turning it into an exit (standalone_mode=False)."""
+    from model_signing._cli import main as model_signing
+
+    from tests.cli_refusal import in_process
+
+    return in_process(capsys, lambda: model_signing(_verify_argv(folder, mode, trust), standalone_mode=False))
 
 
 @pytest.mark.parametrize("with_cert", [False, True])
@@ -61,8 +70,8 @@ def test_model_signing_and_dilocox_verify_accept_the_export_and_refuse_the_same_
         copy = tmp_path / f"model-{name}"
         shutil.copytree(folder, copy)
         tamper(copy)
-        done = _verify(copy, mode, trust)
-        assert done.returncode != 0 and "Verification succeeded" not in done.stdout, (name, done)
+        status, out, err = _verify_here(capsys, copy, mode, trust)  # the real CLI accepted the untouched one above
+        assert status != 0 and "Verification succeeded" not in out, (name, status, out, err)
         assert main([ours[0], str(copy), *ours[2:]]) == 1, name
         err = capsys.readouterr().err
         assert "FAILED model.sig: does not verify (OpenSSF model-signing)" in err, (name, err)

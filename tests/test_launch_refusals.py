@@ -16,6 +16,7 @@ import pytest
 from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig
 from dilocox.worker.models.spec import ModelSpecError
 from dilocox.worker.site.size_guard import check_model_size
+from tests.cli_refusal import refusal
 
 GB = 10**9
 
@@ -117,9 +118,13 @@ def _worker(tmp_path, *flags: str, env: dict | None = None, timeout: float = 120
     )
 
 
-def test_the_worker_refuses_a_huge_model_and_a_wrong_world_size_at_once(tmp_path):
-    huge = _worker(tmp_path, "--servers", "127.0.0.1:1", "--n-layer", "64", "--n-embd", "65536", "--n-head", "64")
-    assert huge.returncode != 0 and "of host memory here" in huge.stderr, huge.stderr[-2000:]
+def test_the_worker_refuses_a_huge_model_and_a_wrong_world_size_at_once(tmp_path, monkeypatch, capsys):
+    """The huge model is refused in this process (tests/cli_refusal.py), the wrong world size by real ones:
+    it is about the environment torchrun gives its processes."""
+    monkeypatch.chdir(tmp_path)
+    huge = "worker --insecure --servers 127.0.0.1:1 --n-layer 64 --n-embd 65536 --n-head 64".split()
+    status, err = refusal(capsys, huge)
+    assert status != 0 and "of host memory here" in err, err[-2000:]
     # Two processes of a torchrun job started with the default --pp 1 --dp 1: both refuse, naming it.
     wrong = _worker(tmp_path, "--servers", "127.0.0.1:1", env={"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
     assert wrong.returncode != 0 and "2 processes" in wrong.stderr and "--pp 1 × --dp 1" in wrong.stderr, wrong.stderr[
@@ -134,15 +139,11 @@ def test_shard_wait_bounds_the_first_connection(tmp_path):
     assert done.returncode == 2 and took < 45, (took, done.stderr[-2000:])
 
 
-def test_server_rounds_needs_resume(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "dilocox.common.cli", "server", "--rounds", "5", "--port", "0", "--insecure"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-    )
-    assert done.returncode != 0 and "--rounds extends a run from its checkpoint and needs --resume" in done.stderr
+def test_server_rounds_needs_resume(tmp_path, monkeypatch, capsys):
+    """In this process (tests/cli_refusal.py); tests/test_stalled_streams.py runs a real server's refusal."""
+    monkeypatch.chdir(tmp_path)
+    status, err = refusal(capsys, ["server", "--rounds", "5", "--port", "0", "--insecure"])
+    assert status != 0 and "--rounds extends a run from its checkpoint and needs --resume" in err
 
 
 def test_sigterm_of_a_torchrun_site_stops_it_cleanly_without_a_traceback(shard_set):

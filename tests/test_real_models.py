@@ -90,14 +90,25 @@ def test_tiny_llama_trains_through_the_whole_sim(tmp_path, pp):
         assert len(ready) == 4 and {e["backend"] for e in ready} == {"gloo"}
 
 
+WORKER = ["worker", "--servers", "127.0.0.1:1", "--insecure"]
+
+
 def _worker(tmp_path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dilocox.common.cli", "worker", "--servers", "127.0.0.1:1", "--insecure", *extra],
+        [sys.executable, "-m", "dilocox.common.cli", *WORKER, *extra],
         capture_output=True,
         text=True,
         timeout=120,
         env=_env(tmp_path),
     )
+
+
+def _refusal(tmp_path, monkeypatch, capsys, *extra: str) -> tuple[int, str]:
+    """`dilocox worker` refusing in this process (tests/cli_refusal.py), with the environment `_worker` gives."""
+    from tests.cli_refusal import refusal
+
+    monkeypatch.setenv("DILOCOX_CACHE_DIR", str(tmp_path / "cache"))
+    return refusal(capsys, [*WORKER, *extra])
 
 
 @pytest.mark.parametrize(
@@ -106,15 +117,22 @@ def _worker(tmp_path, *extra: str) -> subprocess.CompletedProcess:
         (["--model", "llama-2O"], "is not a known model"),
         (["--model", "gpt2-small", "--pp", "2"], "cannot split GPT2LMHeadModel"),
         (["--tokenizer", "bpe:12"], "above 257"),
-        (["--data", "/no/such/corpus"], "corpus path does not exist"),
     ],
 )
-def test_the_worker_refuses_what_it_cannot_train_before_connecting(tmp_path, flags, message):
-    done = _worker(tmp_path, *flags)
-    assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+def test_the_worker_refuses_what_it_cannot_train_before_connecting(tmp_path, monkeypatch, capsys, flags, message):
+    """Each refused before a connection or a torchrun job; in this process, the corpus path's case below is a
+    real one."""
+    status, err = _refusal(tmp_path, monkeypatch, capsys, *flags)
+    assert status != 0 and message in err, err[-2000:]
+
+
+def test_a_real_worker_process_refuses_a_corpus_that_is_not_there(tmp_path):
+    """The worker's refusal as a process: the message on its stderr and a failing exit status."""
+    done = _worker(tmp_path, "--data", "/no/such/corpus")
+    assert done.returncode != 0 and "corpus path does not exist" in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_cuda_asked_for_where_there_is_none(tmp_path):
-    done = _worker(tmp_path, "--device", "cuda")
-    assert done.returncode != 0 and "--device cuda: no CUDA device is available here" in done.stderr
+def test_cuda_asked_for_where_there_is_none(tmp_path, monkeypatch, capsys):
+    status, err = _refusal(tmp_path, monkeypatch, capsys, "--device", "cuda")
+    assert status != 0 and "--device cuda: no CUDA device is available here" in err
