@@ -22,12 +22,10 @@ import json
 import math
 import pathlib
 
-import torch
-
 from dilocox.bench.report import write_report
 from dilocox.common.wire.assignment import assign_slices
 from dilocox.common.wire.compression import CompressionConfig
-from dilocox.common.wire.lowrank import as_matrix_shape, encode_lowrank
+from dilocox.common.wire.lowrank import as_matrix_shape, lowrank_nbytes
 from dilocox.common.wire.quantize import quantized_nbytes
 
 
@@ -85,7 +83,7 @@ def compressed_bytes(specs, shards: int, config: CompressionConfig | None = None
         if len(shape) >= 2 and math.prod(shape) >= config.min_lowrank_numel:
             rows, cols = as_matrix_shape(shape)
             rank = min(config.rank_max, rows, cols)
-            total += len(encode_lowrank(torch.zeros(rows, rank), torch.zeros(cols, rank), config.factor_bits))
+            total += lowrank_nbytes(rows, cols, rank, config.factor_bits)
         else:
             total += quantized_nbytes(math.prod(shape), config.factor_bits)
     return total

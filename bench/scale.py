@@ -204,6 +204,12 @@ def _time_restore(n: int, clusters: int, work: pathlib.Path, procs: list[ChildPr
     return loaded[-1]["seconds"] if loaded else None
 
 
+def _three_figures(x: float) -> float:
+    """`x` to 3 significant figures: whole MB/s read 0.0 for a tiny setting whose close was slow (a shared
+    machine), a rate that `bench projection` then divides by."""
+    return float(f"{x:.3g}")
+
+
 def run_setting(
     preset: str,
     specs,
@@ -317,7 +323,7 @@ def run_setting(
         "compress_s": round(mean["compress_s"], 3),
         "close_s": round(statistics.median([e["latency_s"] for e in closes]), 3) if closes else None,
         "pull_replay_s": round(mean["pull_s"], 3),
-        "decode_apply_MB_s": round(dense_mb / decode_apply, 0) if decode_apply else None,
+        "decode_apply_MB_s": _three_figures(dense_mb / decode_apply) if decode_apply else None,
         "vs_copy_bw": round(dense_mb / decode_apply / reference["torch_copy"], 3) if decode_apply else None,
         "vs_add": round(dense_mb / decode_apply / reference["torch_add"], 3) if decode_apply else None,
         "shard_rss_MB": round(max(shard_rss), 0),

@@ -20,8 +20,9 @@ def test_bench_uneven_quick_runs_every_mode_and_reports_them(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads((out / "uneven.json").read_text())["rows"]
-    assert {(r["slowdown"], r["mode"]) for r in rows} == {
-        (s, m) for s in (1.0, 4.0) for m in ("fixed", "timebox", "quorum")
+    # --quick runs even sites for fixed only (the time box's budget): no assertion reads the other even rows
+    assert {(r["slowdown"], r["mode"]) for r in rows} == {(1.0, "fixed")} | {
+        (4.0, m) for m in ("fixed", "timebox", "quorum")
     }
     for row in rows:
         assert row["tokens"] > 0 and row["wall_s"] > 0 and 0 <= row["fast_idle_share"] <= 1, row

@@ -29,6 +29,7 @@ from dilocox.common.wire.lowrank import (
     encode_lowrank,
     factor_block,
     lowrank_header_shape,
+    lowrank_nbytes,
     max_lowrank_bytes,
     ordered_factors,
     power_iteration,
@@ -115,6 +116,20 @@ def test_payload_size_is_header_plus_factors_and_far_below_dense(bits):
     assert len(payload) == HEADER.size + factors
     dense = 4 * rows * cols
     assert dense / len(payload) >= 30  # measured: 63.9× (fp32), 245× (int8), 472× (int4)
+
+
+@pytest.mark.parametrize(
+    "rows, cols, rank", [(1, 1, 1), (6, 20, 2), (20, 6, 6), (300, 64, 8), (1025, 3, 3), (7, 2049, 5)]
+)
+def test_lowrank_nbytes_is_the_encoders_length(rows, cols, rank):
+    """`bench projection` counts a model's bytes with it, so it must be the encoder's length exactly, on both
+    sides of the per-component block's 1024 limit."""
+    p = torch.randn(rows, rank, generator=_gen(rows + cols))
+    q = torch.randn(cols, rank, generator=_gen(rows * cols))
+    for bits in (32, 8, 4):
+        assert lowrank_nbytes(rows, cols, rank, bits) == len(encode_lowrank(p, q, bits)), bits
+    with pytest.raises(ValueError, match="factor_bits"):
+        lowrank_nbytes(rows, cols, rank, 2)
 
 
 def _valid_payload(bits: int = 32) -> bytes:

@@ -1,9 +1,11 @@
 """Faults with real processes: a cluster killed with SIGKILL mid-run, the run going on, the cluster
-coming back, and the result compared with the same run without the fault."""
+coming back, and the result compared with the same run without the fault (run beside it: both runs
+are bound by the added latency, not the CPU)."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -12,6 +14,8 @@ import time
 
 import structlog
 import torch
+
+from dilocox.common.subprocesses import stop_gracefully
 
 RUN = "fault-run"
 DEADLINE_S = 2.0
@@ -78,6 +82,50 @@ def finish(procs: list[subprocess.Popen], logs: list[pathlib.Path]) -> None:
         assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
 
 
+def baseline_shard(tmp_path: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    """The no-fault run's shard, with the fault run's settings (ShardSet's outer optimiser included), as a
+    `dilocox server` process: it runs while the fault run's events are captured, and an in-process shard's
+    events would land in that capture too (they carry nothing that tells the two shards apart)."""
+    port_file = tmp_path / "nofault-shard.port"
+    argv = [
+        sys.executable,
+        "-m",
+        "dilocox.common.cli",
+        "server",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--run-id",
+        RUN,
+        "--min-clusters",
+        "2",
+        "--round-deadline-s",
+        str(DEADLINE_S),
+        "--added-latency-ms",
+        str(round(LATENCY_S * 1000)),
+        "--outer-lr",
+        "0.7",
+        "--outer-momentum",
+        "0.9",
+        "--keep-serving",
+        "--log-format",
+        "json",
+        "--insecure",
+    ]
+    with open(tmp_path / "nofault-shard.log", "w") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )  # one torch thread, as each worker has (--threads 1): six processes beside it share the cores
+    try:
+        wait_for(lambda: port_file.exists() or proc.poll() is not None, 120, "the no-fault shard to listen")
+        assert proc.poll() is None, (tmp_path / "nofault-shard.log").read_text()[-3000:]
+    except BaseException:
+        stop_gracefully(proc, grace_s=10)
+        raise
+    return proc, f"127.0.0.1:{port_file.read_text()}"
+
+
 def kill_all(procs) -> None:
     for p in procs:
         if p is not None and p.poll() is None:
@@ -87,21 +135,15 @@ def kill_all(procs) -> None:
 def test_killed_cluster_does_not_stall_the_run_and_rejoins(shard_set, tmp_path):
     """Kill -9 one of 3 clusters; rounds go on past the deadline without it; it
     restarts and rejoins; the final model is finite and its eval loss close to a run without the fault."""
-    baseline = shard_set(1, RUN, min_clusters=2, round_deadline_s=DEADLINE_S, added_latency_s=LATENCY_S)
-    logs = {name: tmp_path / f"nofault-{name}.log" for name in CLUSTERS}
-    procs = [worker(baseline.addresses[0], name, i, logs[name]) for i, name in enumerate(CLUSTERS)]
+    baseline, baseline_address = baseline_shard(tmp_path)
+    nofault_logs = {name: tmp_path / f"nofault-{name}.log" for name in CLUSTERS}
+    nofault = [worker(baseline_address, name, i, nofault_logs[name]) for i, name in enumerate(CLUSTERS)]
+    procs, restarted = {}, None
     try:
-        finish(procs, list(logs.values()))
-    finally:
-        kill_all(procs)
-    no_fault_loss = final_eval_loss(logs["a"])
-
-    shards = shard_set(1, RUN, min_clusters=2, round_deadline_s=DEADLINE_S, added_latency_s=LATENCY_S)
-    shard = shards.shards[0]
-    logs = {name: tmp_path / f"fault-{name}.log" for name in CLUSTERS}
-    procs = {name: worker(shards.addresses[0], name, i, logs[name]) for i, name in enumerate(CLUSTERS)}
-    restarted = None
-    try:
+        shards = shard_set(1, RUN, min_clusters=2, round_deadline_s=DEADLINE_S, added_latency_s=LATENCY_S)
+        shard = shards.shards[0]
+        logs = {name: tmp_path / f"fault-{name}.log" for name in CLUSTERS}
+        procs = {name: worker(shards.addresses[0], name, i, logs[name]) for i, name in enumerate(CLUSTERS)}
         with structlog.testing.capture_logs() as events:
             wait_for(lambda: shard.status()["clusters"] == CLUSTERS, 120, "three clusters to join")
             all_in = shard.version
@@ -122,8 +164,11 @@ def test_killed_cluster_does_not_stall_the_run_and_rejoins(shard_set, tmp_path):
             wait_for(lambda: "c" in shard.status()["clusters"], 60, "c to rejoin")
             rejoined_at = shard.version
             finish([procs["a"], procs["b"], restarted], [logs["a"], logs["b"], logs["c"]])
+        finish(nofault, list(nofault_logs.values()))
     finally:
-        kill_all([*procs.values(), restarted])
+        kill_all([*nofault, *procs.values(), restarted])
+        stop_gracefully(baseline, grace_s=20)
+    no_fault_loss = final_eval_loss(nofault_logs["a"])
     assert shard.version == ROUNDS + 1  # the rounds, then the end-of-run flush of the residuals
     assert rejoined_at < ROUNDS  # c took part in the rounds after its return
     inactive = [e for e in events if e["event"] == "cluster_inactive"]

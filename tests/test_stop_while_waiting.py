@@ -19,12 +19,12 @@ import pytest
 from tests.tiny_worker import worker_argv
 
 RUN = "stop-waiting"
-GRACE_S = 3.0
+GRACE_S = 1.5
 
 
-def _waiting_site(shard_set, tmp_path):  # noqa: ANN001, ANN202
+def _waiting_site(shard_set, tmp_path, grace_s: float = GRACE_S):  # noqa: ANN001, ANN202
     """A site alone in a run whose shards wait for two: round 1 is pushed and never closes, so the site
-    waits at round 2's boundary for round 1's result. Returns the process once it waits there."""
+    waits at round 2's boundary for round 1's result. Returns the process once it says it waits there."""
     shards = shard_set(1, RUN, min_clusters=2)
     cmd = worker_argv(
         shards.addresses,
@@ -36,7 +36,7 @@ def _waiting_site(shard_set, tmp_path):  # noqa: ANN001, ANN202
         "--inner-steps",
         "2",
         "--stop-grace-s",
-        str(GRACE_S),
+        str(grace_s),
         "--checkpoint-dir",
         str(tmp_path),
     )
@@ -47,10 +47,12 @@ def _waiting_site(shard_set, tmp_path):  # noqa: ANN001, ANN202
         line = proc.stderr.readline()
         assert line, "the worker exited early: " + "".join(lines[-30:])
         lines.append(line)
-        if '"round_done"' in line and json.loads(line)["round"] == 1:
-            break
-    time.sleep(3)  # round 2's two steps, then its boundary's wait for round 1's result
-    return proc, lines
+        if '"round_result_waiting"' in line:  # round 2's two steps are done; its boundary waits for round 1's result
+            assert json.loads(line)["round"] == 1, line
+            return proc, lines
+    proc.kill()
+    proc.wait()
+    raise AssertionError("the worker's boundary did not wait for round 1's result: " + "".join(lines[-30:]))
 
 
 def _finish(proc: subprocess.Popen, lines: list[str], within_s: float) -> tuple[float, list[dict]]:
@@ -86,7 +88,8 @@ def test_a_stop_while_the_boundary_waits_for_a_result_ends_within_its_grace(shar
 
 
 def test_a_second_signal_exits_at_once(shard_set, tmp_path):
-    proc, lines = _waiting_site(shard_set, tmp_path)
+    # A grace far past the bound: the second signal surely comes while the first is honoured, and costs nothing.
+    proc, lines = _waiting_site(shard_set, tmp_path, grace_s=30.0)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)

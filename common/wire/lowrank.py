@@ -101,6 +101,18 @@ def encode_lowrank(p: torch.Tensor, q: torch.Tensor, factor_bits: int = 4) -> by
     return header + _encode_factor(p.T.contiguous(), factor_bits) + _encode_factor(q.T.contiguous(), factor_bits)
 
 
+def lowrank_nbytes(rows: int, cols: int, rank: int, factor_bits: int = 4) -> int:
+    """Exact length of `encode_lowrank` output for n×r and m×r factors, without encoding any: the layout
+    is fixed (no entropy coding here), so a byte count at a model's size (`bench projection`) is arithmetic
+    instead of thousands of encodes of zero factors."""
+    if factor_bits not in FACTOR_BITS:
+        raise ValueError(f"factor_bits must be one of {FACTOR_BITS}, got {factor_bits}")
+    if factor_bits == 32:
+        return _HEADER.size + 4 * (rows + cols) * rank
+    p_bytes = quantized_nbytes(rank * rows, factor_bits, factor_block(rows))
+    return _HEADER.size + p_bytes + quantized_nbytes(rank * cols, factor_bits, factor_block(cols))
+
+
 def decode_lowrank(buffer: bytes | bytearray | memoryview) -> torch.Tensor:
     """The dense n×m reconstruction P Qᵀ of a low-rank payload (one dense tensor, in a fixed order),
     refused (`InvalidFrame`) where `vetted_factors` refuses it."""

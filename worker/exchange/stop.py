@@ -82,17 +82,21 @@ class StopSignal:
 def wait_exchange(communicator: Communicator, stop: StopSignal | None, log) -> tuple[RoundExchange, float] | None:  # noqa: ANN001
     """Collect the exchange in flight (`communicator.collect`); with `stop`, look at it every half second,
     and once a stop is asked for give the exchange `stop.grace_s` more: None if it has not finished by then
-    (the caller's ranks agree to leave). Errors of the exchange are raised as `collect` raises them."""
+    (the caller's ranks agree to leave). A wait longer than one look logs `round_result_waiting` once: the
+    site is idle until the round's result comes. Errors of the exchange are raised as `collect` raises them."""
     if stop is None:
         return communicator.collect()
     grace_s = stop.grace_s
-    started, asked = time.perf_counter(), None
+    started, asked, said = time.perf_counter(), None, False
     while True:
         try:
             exchange, _ = communicator.collect(timeout=_POLL_S)
             return exchange, time.perf_counter() - started
         except FutureTimeout:
             pass
+        if not said:  # once per boundary, and only where it waits: an operator (or a test) sees the site idle here
+            said = True
+            log.info("round_result_waiting", round=communicator.in_flight, waited_s=_POLL_S)
         if stop.requested and asked is None:
             asked = time.monotonic()
             log.warning(
