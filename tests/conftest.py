@@ -8,6 +8,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from dilocox.common.config.run import WireConfig
@@ -20,6 +21,14 @@ from tests.leftovers import MARK, left_behind, mark_this_run
 
 def pytest_configure(config: pytest.Config) -> None:
     mark_this_run()  # before xdist starts its workers: they and everything they start inherit it
+    # One torch thread per process, unless the caller chose: the suite runs 2 xdist workers on 2 cores beside the
+    # shards, workers and ranks they start, and OpenMP teams of 2 threads each spin on cores the others need
+    # (tiny-op loops ran 2x slower beside load, and up to 100x under heavy load). The variable reaches the xdist
+    # workers and every process they start; this process imported torch already, so it is set here too. A test
+    # that sets its own count (an explicit --threads, torch.set_num_threads) keeps it.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     mp.set_forkserver_preload(PRELOAD)  # only names; nothing starts before a test asks for rank_forkserver
 
 
