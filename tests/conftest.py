@@ -1,5 +1,6 @@
-"""Shared fixtures: real gRPC shard servers on free localhost ports, stopped after each test; and the run's
-teardown check: no process the tests started outlives the run (tests/leftovers.py)."""
+"""Shared fixtures: real gRPC shard servers on free localhost ports, stopped after each test; the forkserver the
+tests' gloo ranks start from (tests/gloo_ranks.py); and the run's teardown check: no process the tests started
+outlives the run (tests/leftovers.py)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,28 @@ import os
 import time
 
 import pytest
+import torch
+import torch.multiprocessing as mp
 
 from dilocox.common.config.run import WireConfig
 from dilocox.server.rounds.grace import GraceWindow
 from dilocox.server.serving.grpc_server import start_server
 from dilocox.server.shard import DEFAULT_KEEP_ROUNDS, Shard
+from tests.gloo_ranks import PRELOAD
 from tests.leftovers import MARK, left_behind, mark_this_run
 
 
 def pytest_configure(config: pytest.Config) -> None:
     mark_this_run()  # before xdist starts its workers: they and everything they start inherit it
+    # One torch thread per process, unless the caller chose: the suite runs 2 xdist workers on 2 cores beside the
+    # shards, workers and ranks they start, and OpenMP teams of 2 threads each spin on cores the others need
+    # (tiny-op loops ran 2x slower beside load, and up to 100x under heavy load). The variable reaches the xdist
+    # workers and every process they start; this process imported torch already, so it is set here too. A test
+    # that sets its own count (an explicit --threads, torch.set_num_threads) keeps it.
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    mp.set_forkserver_preload(PRELOAD)  # only names; nothing starts before a test asks for rank_forkserver
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -27,6 +40,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         lines = "\n".join(f"  pid {pid}: {command[:300]}" for pid, command in sorted(left.items()))
         session.config.get_terminal_writer().line(f"\nprocesses the tests left behind (killed now):\n{lines}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def rank_forkserver():
+    """The forkserver the tests' gloo ranks are forked from, started once for this process (an xdist worker)
+    with torch and the site imported (tests/gloo_ranks.py). A session fixture, so it starts from the run's own
+    environment, before any test's monkeypatch; stopped at the end so that no process of it outlives the run."""
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    yield
+    forkserver._forkserver._stop()  # noqa: SLF001 (the stdlib's own way to stop it; it has no public one)
 
 
 class ShardSet:

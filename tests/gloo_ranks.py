@@ -1,4 +1,12 @@
-"""Real ranks on a gloo process group for a test: each a spawned process running one function."""
+"""Real ranks on a gloo process group for a test: each a fresh process, forked from a forkserver.
+
+Why a forkserver and not `spawn`: a spawned rank imports torch, the site and (for a Hugging Face model)
+transformers before it runs a line of the test, 3-6 s of CPU a rank, and the suite starts some 70 of them.
+The forkserver imports those once (`PRELOAD`, set in tests/conftest.py) and forks each rank from that state
+in milliseconds. A rank is still its own process that builds its own gloo group; it takes the forkserver's
+environment, not the test's at the time of the start, so every rank function sets the variables it needs
+itself (`MASTER_*`, `RANK`, ...), and the forkserver is started from the run's clean environment
+(conftest's `rank_forkserver`, a session fixture set up before any test's monkeypatch)."""
 
 from __future__ import annotations
 
@@ -9,6 +17,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.ports import free_port
+
+RANK_START = "forkserver"
+# What every rank imports anyway; a module missing here (e.g. transformers not installed) is skipped by the
+# forkserver and imported by the rank that needs it.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "dilocox.worker.site.trainer",
+    "dilocox.worker.site.mesh",
+    "dilocox.worker.checkpoint",
+    "transformers.models.llama.modeling_llama",  # llama-tiny, the site tests' model
+]
+
+
+def start_ranks(target: Callable, world: int, args: tuple) -> None:
+    """`target(rank, *args)` on `world` fresh processes (a module-level function: it is pickled by name),
+    returning once each has exited cleanly; raises with a failed rank's traceback, as `mp.spawn` does."""
+    mp.start_processes(target, args=args, nprocs=world, join=True, start_method=RANK_START)
 
 
 def _entry(target: Callable, rank: int, world: int, port: int, queue, args: tuple) -> None:  # noqa: ANN001
@@ -24,9 +51,9 @@ def _entry(target: Callable, rank: int, world: int, port: int, queue, args: tupl
 
 
 def on_gloo_ranks(target: Callable, world: int, *args: object, timeout_s: float = 120.0) -> list:
-    """`target(rank, *args)` on `world` ranks of one gloo group (a module-level function: it is spawned);
-    returns what each returned, in rank order, once every rank has exited cleanly."""
-    ctx = mp.get_context("spawn")
+    """`target(rank, *args)` on `world` ranks of one gloo group (a module-level function: it is pickled by
+    name); returns what each returned, in rank order, once every rank has exited cleanly."""
+    ctx = mp.get_context(RANK_START)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(target, r, world, port, queue, args)) for r in range(world)]

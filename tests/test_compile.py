@@ -12,10 +12,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dilocox.common.config.parallel import ParallelConfig
 from dilocox.worker.train import block_compile
+from tests.gloo_ranks import start_ranks
 from tests.test_site import BATCH, STEPS, close, config, data, free_port, global_batches, merged_ranks, reference
 
 PP, DP = 2, 2
@@ -62,12 +62,13 @@ def _compiled_site(rank: int, world: int, port: int, out_dir: str) -> None:
         mesh.close()
 
 
+@pytest.mark.usefixtures("rank_forkserver")
 def test_a_compiled_pp2_dp2_site_trains_like_one_eager_process(tmp_path):
     """Measured against the eager reference: the first step's gradients 2e-7 overall (as the eager site's:
     the order of the sums), the losses to 1e-6 relative, the weights after 3 steps to ~3e-3 (AdamW's first
     steps, as in tests/test_site.py). Each rank compiles one graph for all its blocks."""
     world = PP * DP
-    mp.spawn(_compiled_site, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    start_ranks(_compiled_site, world, (world, free_port(), str(tmp_path)))
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     want = reference(1, DP)
     close(merged_ranks(parts, "grads"), want["grads"], overall=1e-5, per_tensor=1e-4)

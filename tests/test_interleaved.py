@@ -12,10 +12,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dilocox.common.config.run import ParallelConfig
 from dilocox.worker.site.pipeline_memory import bubble_fraction, in_flight_layers
+from tests.gloo_ranks import start_ranks
 from tests.test_site import BATCH, STEPS, _full, config, data, free_port, global_batches, train_recording
 from tests.tiny_worker import worker_argv
 
@@ -62,9 +62,10 @@ def _interleaved(rank: int, world: int, port: int, out_dir: str, reshard: str) -
 
 
 @pytest.mark.parametrize("reshard", ["step", "microbatch"])
+@pytest.mark.usefixtures("rank_forkserver")
 def test_two_stages_a_rank_train_bit_for_bit_as_one(reshard, tmp_path):
     world = 4
-    mp.spawn(_interleaved, args=(world, free_port(), str(tmp_path), reshard), nprocs=world, join=True)
+    start_ranks(_interleaved, world, (world, free_port(), str(tmp_path), reshard))
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     one = {n: t for part in parts for n, t in part["1f1b"]["weights"].items()}  # the whole model, from its ranks
     for other in ("interleaved", "zero-bubble") if reshard == "step" else ("interleaved",):

@@ -12,11 +12,11 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dilocox.common.config.run import ParallelConfig, RunConfig
 from dilocox.worker.train.inner_trainer import InnerTrainer, make_inner_optimizer
 from dilocox.worker.train.light_adamw import INT8_MIN_NUMEL, LightAdamW, int8_block, moment_bytes
+from tests.gloo_ranks import start_ranks
 from tests.test_site import (
     BATCH,
     STEPS,
@@ -196,6 +196,7 @@ def _one_process(state: str, accum: int) -> dict:
     return {"losses": losses, "weights": {n: p.detach().clone() for n, p in trainer.named_parameters()}}
 
 
+@pytest.mark.usefixtures("rank_forkserver")
 def test_a_pp2_dp2_site_with_light_state_trains_like_one_process_and_resumes_bit_for_bit(tmp_path):
     """pp 2 × dp 2 (FSDP) with bf16 and 8-bit moments: the same losses and weights as one process with
     the same optimizer state on the same global batches (to fp32 tolerance: the blocks lie inside rows,
@@ -204,7 +205,7 @@ def test_a_pp2_dp2_site_with_light_state_trains_like_one_process_and_resumes_bit
     identically; an fp32 site refuses the checkpoint by name; and one process resumes it (DCP reshards
     codes and scales with their rows)."""
     world = 4
-    mp.spawn(_site, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    start_ranks(_site, world, (world, free_port(), str(tmp_path)))
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for state in STATES:
         for accum in (1, 2):

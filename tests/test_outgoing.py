@@ -223,6 +223,7 @@ def _gather_rows_rank(rank: int, world: int, replicate: int) -> tuple:
 
 
 @pytest.mark.parametrize("replicate", [1, 2])
+@pytest.mark.usefixtures("rank_forkserver")
 def test_a_sites_gather_lands_every_owned_row_once_through_one_batch_buffer(replicate):
     results = on_gloo_ranks(_gather_rows_rank, 4, 4, replicate)
     assert all(ok and once for _, ok, once, _, _ in results), results

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from dilocox.common.config.run import ModelConfig, ParallelConfig, RunConfig
@@ -20,6 +19,7 @@ from dilocox.worker.models.materialize import (
     parameters_on_meta,
     unit_seed,
 )
+from tests.gloo_ranks import start_ranks
 from tests.ports import free_port
 
 VOCAB = 300
@@ -73,12 +73,13 @@ LAYOUTS = [("llama-tiny", (2, 2, 1)), ("gpt", (1, 2, 2)), ("gpt", (2, 2, 1)), ("
 @pytest.mark.parametrize(
     "model,layout", LAYOUTS, ids=["llama-pp2-fsdp2", "gpt-hsdp2x2", "gpt-pp2-fsdp2", "llama-fsdp2"]
 )
+@pytest.mark.usefixtures("rank_forkserver")
 def test_every_layout_starts_from_the_single_process_bits(model, layout, tmp_path):
     """Each rank materialises only its rows, and the gathered stages equal `build_model` bit for bit;
     buffers (rotary frequencies) too."""
     pp, dp, replicate = layout
     world = pp * dp
-    mp.spawn(_rank, args=(world, free_port(), model, layout, str(tmp_path)), nprocs=world, join=True)
+    start_ranks(_rank, world, (world, free_port(), model, layout, str(tmp_path)))
     reference = build_model(config(model, 1, 1).model, VOCAB, 7)
     want = {n: p.detach() for n, p in reference.named_parameters()}
     got: dict[str, torch.Tensor] = {}

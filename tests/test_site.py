@@ -8,7 +8,6 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, RunConfig
 from dilocox.common.wire.assignment import assign_slices
@@ -18,6 +17,7 @@ from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import lm_loss
 from dilocox.worker.train.inner_trainer import InnerTrainer
+from tests.gloo_ranks import start_ranks
 
 STEPS = 3
 BATCH = 4  # per replica and accumulated batch
@@ -223,6 +223,7 @@ def merged_ranks(parts: list[dict], key: str, sub: str | None = None) -> dict:
     [(1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 1, "microbatch")],
     ids=["fsdp-dp2", "pp2-fsdp-dp2", "replicate-dp2", "pp2-fsdp-dp2-reshard-per-microbatch"],
 )
+@pytest.mark.usefixtures("rank_forkserver")
 def test_site_trains_like_one_process_on_the_same_global_batch(layout, tmp_path):
     """FSDP2 dp=2, pp=2 × dp=2 and plain replication train as one process on the same global batch, to
     fp32 tolerance: the first step's gradients to 1e-6 relative (measured ~2e-7: only the order of the
@@ -234,7 +235,7 @@ def test_site_trains_like_one_process_on_the_same_global_batch(layout, tmp_path)
     accumulation over 2 batches gives the gradient of the doubled batch."""
     pp, dp, replicate = layout[:3]
     world = pp * dp
-    mp.spawn(_site, args=(world, free_port(), layout, str(tmp_path)), nprocs=world, join=True)
+    start_ranks(_site, world, (world, free_port(), layout, str(tmp_path)))
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     accums = (1, 2) if pp > 1 else (1,)
     for accum in accums:

@@ -54,6 +54,7 @@ def _rank(rank: int) -> tuple:
     return rank, over, not_over, site.client.traffic.dropped_rounds, refused
 
 
+@pytest.mark.usefixtures("rank_forkserver")
 def test_a_sites_ranks_decide_the_run_over_and_refuse_unequal_tokens_alike():
     results = on_gloo_ranks(_rank, 2)
     assert [r[1] for r in results] == [True, True] and [r[2] for r in results] == [False, False]
@@ -72,6 +73,7 @@ def _without_mesh(rank: int) -> str:
         return str(error)
 
 
+@pytest.mark.usefixtures("rank_forkserver")
 def test_a_multi_process_job_without_a_mesh_is_refused_by_name(monkeypatch):
     """DDP (and accelerate, FSDP1, ZeRO) ranks would each join as the same site."""
     results = on_gloo_ranks(_without_mesh, 2)
@@ -154,6 +156,7 @@ def _adopt(rank: int, dims: tuple, names: tuple) -> tuple:
     return (site.shape.pp, site.shape.dp, site.shape.dp_replicate, site.stage, site.replica, agreed)
 
 
+@pytest.mark.usefixtures("rank_forkserver")
 def test_a_jobs_own_device_mesh_is_adopted_and_tensor_parallel_refused_by_name():
     """A job that made its process group and mesh (torchtitan's dimension names)
     gives it to DiLoCoX as it is; a mesh that splits parameters over tp is refused, naming it."""
@@ -180,6 +183,7 @@ def _api_with_device_mesh(rank: int) -> tuple:
         site.close()
 
 
+@pytest.mark.usefixtures("rank_forkserver")
 def test_the_api_takes_the_jobs_device_mesh():
     results = on_gloo_ranks(_api_with_device_mesh, 2)
     assert [r[:2] for r in results] == [("SiteMesh", 2), ("SiteMesh", 2)]

@@ -12,12 +12,12 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, RunConfig
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import lm_loss, logits_of
 from dilocox.worker.train.inner_trainer import InnerTrainer
+from tests.gloo_ranks import start_ranks
 from tests.ports import free_port
 from tests.test_site import BATCH, BLOCK, FixedBatches, data, global_batches, train_recording
 
@@ -66,6 +66,7 @@ def _rank(rank: int, world: int, port: int, model: str, pp: int, dp: int, out_di
 
 
 @pytest.mark.parametrize("model,pp,dp", [("llama-tiny", 2, 2), ("gpt", 1, 2)], ids=["llama-pp2-dp2", "gpt-pp1-dp2"])
+@pytest.mark.usefixtures("rank_forkserver")
 def test_bf16_site_trains_like_one_fp32_process(model, pp, dp, tmp_path):
     """The first step's gradients within 2 % of one fp32 process's on the same global batch (measured
     0.5 %: bf16 keeps 8 bits of mantissa), the losses within 0.2 % (measured ≤ 0.01 %), the eval the same on
@@ -73,7 +74,7 @@ def test_bf16_site_trains_like_one_fp32_process(model, pp, dp, tmp_path):
     last stage's logits) is bf16: half the bytes.
     The built-in GPT at pp 1 is the case of a root unit (final norm, head) computing on the blocks' output."""
     world = pp * dp
-    mp.spawn(_rank, args=(world, free_port(), model, pp, dp, str(tmp_path)), nprocs=world, join=True)
+    start_ranks(_rank, world, (world, free_port(), model, pp, dp, str(tmp_path)))
     parts = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     want = fp32_reference(model, dp)
     grads: dict = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from dilocox.common.config.run import ParallelConfig
@@ -37,6 +38,7 @@ def _groups(rank: int) -> dict:
     }
 
 
+@pytest.mark.usefixtures("rank_forkserver")
 def test_training_groups_time_out_after_a_step_and_agreements_after_the_exchange():
     for got in on_gloo_ranks(_groups, 4):
         assert got["pp"] == got["shard"] == got["stage"] == 123

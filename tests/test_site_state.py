@@ -56,6 +56,7 @@ def _rank(rank: int, folder: str) -> tuple:
     return rank, loaded["round"], missing, same
 
 
+@pytest.mark.usefixtures("rank_forkserver")
 def test_two_ranks_residuals_round_trip_through_dcp_bit_for_bit(tmp_path):
     results = on_gloo_ranks(_rank, 2, str(tmp_path / "ck"))
     assert results == [(0, 3, [], True), (1, 3, [], True)]
