@@ -39,9 +39,7 @@ held_out, data = data[: len(data) // 10], data.chunk(args.sites)[args.site]  # e
 generator = torch.Generator().manual_seed(args.site)
 
 
-def batch(
-    tokens: torch.Tensor, n: int = 32, g: torch.Generator | None = generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(tokens: torch.Tensor, n: int = 32, g: torch.Generator = generator) -> tuple[torch.Tensor, torch.Tensor]:
     starts = torch.randint(0, len(tokens) - CONTEXT - 1, (n,), generator=g)
     windows = torch.stack([tokens[s : s + CONTEXT + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, -1]
@@ -51,13 +49,9 @@ x_eval, y_eval = batch(held_out, 256, torch.Generator().manual_seed(0))
 model = ByteMLP()
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 config = RunConfig(run_id="own-loop", rounds=args.rounds, inner=InnerConfig(steps=20))
+evaluate = torch.no_grad()(lambda: F.cross_entropy(model(x_eval), y_eval).item())
 with DiLoCoX(
-    model,
-    servers=args.servers,
-    config=config,
-    cluster=f"site-{args.site}",
-    num_clusters=args.sites,
-    evaluate=torch.no_grad()(lambda: F.cross_entropy(model(x_eval), y_eval).item()),
+    model, servers=args.servers, config=config, cluster=f"site-{args.site}", num_clusters=args.sites, evaluate=evaluate
 ) as dx:
     while not dx.done:
         x, y = batch(data)
@@ -65,9 +59,6 @@ with DiLoCoX(
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if report := dx.step(tokens=x.numel(), loss=loss.detach()):
-            print(
-                f"site {args.site} round {report.round}: train loss {report.train_loss:.3f}, eval loss "
-                f"{report.eval_loss:.3f}"
-            )
+        if r := dx.step(tokens=x.numel(), loss=loss.detach()):  # the round's report, at its last step
+            print(f"site {args.site} round {r.round}: train loss {r.train_loss:.3f}, eval loss {r.eval_loss:.3f}")
 print(f"site {args.site} done: eval loss {dx.final_eval_loss:.3f} on the run's final model")

@@ -53,14 +53,8 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 text = importlib.resources.files("dilocox.common").joinpath("data/tinyshakespeare.txt").read_bytes()
 data = torch.tensor(list(text), dtype=torch.long)[: len(text) // 33 * 33].view(-1, 33)
 generator = torch.Generator().manual_seed(rank)  # each rank its own batches
-with DiLoCoX(
-    model,
-    servers=args.servers,
-    config=config,
-    cluster="fsdp2-site",
-    mesh=mesh,
-    evaluate=torch.no_grad()(lambda: model(data[:64].to(mesh.device)).item()),
-) as dx:
+evaluate = torch.no_grad()(lambda: model(data[:64].to(mesh.device)).item())
+with DiLoCoX(model, servers=args.servers, config=config, cluster="fsdp2-site", mesh=mesh, evaluate=evaluate) as dx:
     while not dx.done:
         x = data[torch.randint(0, len(data), (16,), generator=generator)].to(mesh.device)
         loss = model(x)

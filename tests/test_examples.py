@@ -31,7 +31,8 @@ def _at_the_end(shards, final_version: int) -> None:  # noqa: ANN001
 
 def test_examples_are_short():
     for script in EXAMPLES.glob("*.py"):
-        assert len(script.read_text().splitlines()) <= 65, script.name
+        # 70: what a page of a formatted script holds (ruff spreads a long call over lines; 65 before it ran)
+        assert len(script.read_text().splitlines()) <= 70, script.name
 
 
 def test_plain_pytorch_example_two_sites(shard_set):
