@@ -184,7 +184,6 @@ def _site(spec: dict) -> dict:
         "tokens_per_s": sum(r["tokens"] for r in steady) / seconds,
         "inner_tokens_per_s": sum(r["tokens"] for r in steady) / sum(r["compute_s"] for r in steady),
         "boundary_share": sum(r["seconds"] - r["compute_s"] for r in steady) / seconds,
-        "final_eval_loss": reports[-1]["eval_loss"],
         **(
             {"peak_mb": memory["peak_allocated_mb"], "memory": "CUDA allocated"}
             if memory
@@ -199,13 +198,6 @@ def _children_peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-
-
-def _device_of(spec: dict):
-    from dilocox.common.config.parallel import ParallelConfig
-    from dilocox.worker.train.device import resolve_compute
-
-    return resolve_compute(ParallelConfig(device=spec["device"], precision=spec["precision"])).device
 
 
 def _sync(device) -> None:

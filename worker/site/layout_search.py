@@ -35,9 +35,8 @@ from dilocox.common.config.run import RunConfig
 from dilocox.worker.site.memory_plan import MemoryPlan, plan_memory
 from dilocox.worker.site.mesh import SiteShape
 from dilocox.worker.site.model_shape import ModelShape
+from dilocox.worker.site.parallelize import CHECKPOINT_EVERY
 from dilocox.worker.site.pipeline_memory import bubble_fraction, interleaved_rounds
-
-RECOMPUTED_SHARE = {"none": 0.0, "selective": 0.5, "full": 1.0}  # --activation-checkpoint: the blocks recomputed
 
 NVLINK_GBYTE_S = 360.0  # an H100/H200's NVLink 4 (450 GB/s each way) as collectives see it
 H100_BF16_TFLOPS = 989.0  # dense, no sparsity: H100 / H200 SXM
@@ -83,7 +82,8 @@ def estimate_step(config: RunConfig, model: ModelShape, cluster: Cluster, reshar
     pipelined = shape.pp > 1
     micro = par.microbatches * inner.grad_accum if pipelined else inner.grad_accum  # the step's microbatches
     micro_tokens = inner.batch_size * block // (par.microbatches if pipelined else 1)
-    recompute = RECOMPUTED_SHARE[par.activation_checkpoint]  # of the blocks, recomputed in the backward
+    every = CHECKPOINT_EVERY.get(par.activation_checkpoint)
+    recompute = 1 / every if every else 0.0  # the share of the blocks recomputed in the backward
     layers = sum(len(b) for b in model.blocks)
     attention = 12 * model.width * block  # per token and layer, forward and backward
     embedding = sum(s[0] * s[1] for name, s in model.stages[0] if len(s) == 2 and name in _embeddings(model))
