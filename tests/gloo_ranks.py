@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -30,6 +31,20 @@ PRELOAD = [
     "dilocox.worker.checkpoint",
     "transformers.models.llama.modeling_llama",  # llama-tiny, the site tests' model
 ]
+
+
+def as_torchrun_rank(rank: int, world: int, port: int) -> None:
+    """This process as torchrun would start rank `rank` of `world` on one node (the variables `SiteMesh`
+    reads), on one torch thread."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
 
 
 def start_ranks(target: Callable, world: int, args: tuple) -> None:

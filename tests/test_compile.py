@@ -15,7 +15,7 @@ import torch
 
 from dilocox.common.config.parallel import ParallelConfig
 from dilocox.worker.train import block_compile
-from tests.gloo_ranks import start_ranks
+from tests.gloo_ranks import as_torchrun_rank, start_ranks
 from tests.test_site import BATCH, STEPS, close, config, data, free_port, global_batches, merged_ranks, reference
 
 PP, DP = 2, 2
@@ -28,15 +28,7 @@ def compiled(cfg):
 def _compiled_site(rank: int, world: int, port: int, out_dir: str) -> None:
     """One rank of a pp 2 × dp 2 site with compiled blocks: the first step's gradients, every step's loss, the
     weights after the steps, and what the compiler made of the blocks."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     from torch._dynamo.utils import counters
 
     from dilocox.worker.site.mesh import SiteMesh

@@ -15,7 +15,7 @@ import torch
 
 from dilocox.common.config.run import ParallelConfig
 from dilocox.worker.site.pipeline_memory import bubble_fraction, in_flight_layers
-from tests.gloo_ranks import start_ranks
+from tests.gloo_ranks import as_torchrun_rank, start_ranks
 from tests.test_site import BATCH, STEPS, _full, config, data, free_port, global_batches, train_recording
 from tests.tiny_worker import worker_argv
 
@@ -23,15 +23,7 @@ LAYOUTS = {"1f1b": ("1f1b", 1), "interleaved": ("interleaved-1f1b", 2)}
 
 
 def _interleaved(rank: int, world: int, port: int, out_dir: str, reshard: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     from dilocox.worker.site.mesh import SiteMesh
     from dilocox.worker.site.trainer import SiteTrainer
 

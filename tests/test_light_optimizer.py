@@ -16,7 +16,7 @@ import torch
 from dilocox.common.config.run import ParallelConfig, RunConfig
 from dilocox.worker.train.inner_trainer import InnerTrainer, make_inner_optimizer
 from dilocox.worker.train.light_adamw import INT8_MIN_NUMEL, LightAdamW, int8_block, moment_bytes
-from tests.gloo_ranks import start_ranks
+from tests.gloo_ranks import as_torchrun_rank, start_ranks
 from tests.test_site import (
     BATCH,
     STEPS,
@@ -120,15 +120,7 @@ def test_state_dict_round_trips_bit_for_bit_and_another_state_is_refused():
 
 
 def _site(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     from dilocox.worker.checkpoint import SiteCheckpoint
     from dilocox.worker.site.mesh import SiteMesh
     from dilocox.worker.site.trainer import SiteTrainer

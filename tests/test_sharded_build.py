@@ -19,7 +19,7 @@ from dilocox.worker.models.materialize import (
     parameters_on_meta,
     unit_seed,
 )
-from tests.gloo_ranks import start_ranks
+from tests.gloo_ranks import as_torchrun_rank, start_ranks
 from tests.ports import free_port
 
 VOCAB = 300
@@ -34,15 +34,7 @@ def config(model: str, pp: int, dp: int, replicate: int = 1) -> RunConfig:
 
 
 def _rank(rank: int, world: int, port: int, model: str, layout: tuple[int, int, int], out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     from torch.distributed.tensor import DTensor
 
     from dilocox.worker.site.mesh import SiteMesh

@@ -17,7 +17,7 @@ from dilocox.worker.data.token_data import EVAL_FRACTION, TokenData
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import lm_loss
 from dilocox.worker.train.inner_trainer import InnerTrainer
-from tests.gloo_ranks import start_ranks
+from tests.gloo_ranks import as_torchrun_rank, start_ranks
 
 STEPS = 3
 BATCH = 4  # per replica and accumulated batch
@@ -79,15 +79,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _site(rank: int, world: int, port: int, layout: tuple, out_dir: str) -> None:
     """One rank: train on fixed batches (its replica's part of each global batch), record gradients of
     the first step, losses and weights; reshard round trip; checkpoint, restore, compare."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     from dilocox.worker.checkpoint import SiteCheckpoint
     from dilocox.worker.models.build import model_param_specs
     from dilocox.worker.site.access import SiteAccess

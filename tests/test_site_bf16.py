@@ -17,7 +17,7 @@ from dilocox.common.config.run import InnerConfig, ModelConfig, ParallelConfig, 
 from dilocox.worker.models.build import build_model
 from dilocox.worker.models.contract import lm_loss, logits_of
 from dilocox.worker.train.inner_trainer import InnerTrainer
-from tests.gloo_ranks import start_ranks
+from tests.gloo_ranks import as_torchrun_rank, start_ranks
 from tests.ports import free_port
 from tests.test_site import BATCH, BLOCK, FixedBatches, data, global_batches, train_recording
 
@@ -34,15 +34,7 @@ def bf16_config(model: str, pp: int, dp: int) -> RunConfig:
 
 
 def _rank(rank: int, world: int, port: int, model: str, pp: int, dp: int, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    torch.set_num_threads(1)
+    as_torchrun_rank(rank, world, port)
     from dilocox.worker.site.mesh import SiteMesh
     from dilocox.worker.site.trainer import SiteTrainer
 
