@@ -140,29 +140,17 @@ def _site(spec: dict) -> dict:
     its own threads) against one `dilocox server` shard, each its own process on localhost; its steady rounds,
     boundaries included, from the worker's `round_done` lines. (Trained in a thread beside in-process shards,
     the inner steps ran 25–50 % slower on 2 cores: the shards' and the thread's OpenMP teams share them.)"""
+    from dilocox.bench.site_layouts import shard_processes
     from dilocox.common.config.run_flags import config_flags
     from dilocox.sim.child_argv import dilocox_argv
 
     config = _config(spec)
+    outer = ("--outer-lr", str(config.outer.lr), "--outer-momentum", str(config.outer.momentum), "--min-clusters", "1")
     with tempfile.TemporaryDirectory(prefix="dilocox-bench-speed-") as tmp:
-        port_file = pathlib.Path(tmp) / "port"
-        shard = subprocess.Popen(
-            dilocox_argv(
-                "server", "--port", "0", "--port-file", str(port_file), "--run-id", config.run_id,
-                "--outer-lr", str(config.outer.lr), "--outer-momentum", str(config.outer.momentum),
-                "--min-clusters", "1", "--insecure", "--log-format", "json",
-            ),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 120
-            while not (port_file.exists() and port_file.read_text().strip()) and time.monotonic() < deadline:
-                if shard.poll() is not None:
-                    return {"error": f"the shard exited with {shard.returncode} before serving"}
-                time.sleep(0.1)
+        with shard_processes(1, config.run_id, pathlib.Path(tmp), outer) as addresses:
             worker = subprocess.Popen(
                 dilocox_argv(
-                    "worker", "--servers", f"127.0.0.1:{port_file.read_text().strip()}", "--cluster", "site",
+                    "worker", "--servers", addresses[0], "--cluster", "site",
                     "--cluster-index", "0", "--num-clusters", "1", "--insecure", "--log-format", "json",
                     "--threads", str(spec["threads"]), *(["--data", spec["data"]] if spec["data"] else []),
                     *config_flags(config),
@@ -170,9 +158,6 @@ def _site(spec: dict) -> dict:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )  # fmt: skip
             output, _ = worker.communicate(timeout=3600)
-        finally:
-            shard.terminate()
-            shard.wait(timeout=60)
     events = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     reports = [e for e in events if e.get("event") == "round_done"]
     if worker.returncode != 0 or len(reports) < 3:
